@@ -1,0 +1,212 @@
+"""The ``onnx-partition`` command: export, partition, run, demo.
+
+Bad input prints ``error: <one line>`` and exits with code 2; a run whose outputs differ from the
+whole model's exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from onnx_partition.errors import PartitionError
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PartitionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnx-partition",
+        description="Cut an ONNX model into pipeline stages and run them as a pipeline.",
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = verbs.add_parser("export", help="export a model recipe from models/ to ONNX")
+    p.add_argument("name", help="recipe: resnet, inception, unet, gpt, bert, encdec")
+    p.add_argument("--size", default="tiny", help="tiny | small | realistic (default tiny)")
+    p.add_argument("--batch-size", type=int, default=2, help="example batch used for tracing")
+    p.add_argument("-o", "--output", required=True, type=Path, help="ONNX file to write")
+    p.set_defaults(func=_export)
+
+    p = verbs.add_parser("partition", help="cut a model into stage files and plan.json")
+    p.add_argument("model", type=Path)
+    p.add_argument("--stages", "-s", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
+    p.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    _shape_args(p)
+    p.add_argument("--bandwidth", type=float, default=10.0,
+                   help="link bandwidth between stages in GB/s (default 10; 0 = free)")
+    p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
+    p.add_argument("--force", action="store_true",
+                   help="replace an output folder that is not an earlier plan")
+    p.set_defaults(func=_partition)
+
+    p = verbs.add_parser("run", help="run a plan folder as a pipeline and measure it")
+    p.add_argument("plan", type=Path)
+    p.add_argument("--batch-size", type=int, help="rows per batch (default: as partitioned)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads-per-stage", type=int, default=1)
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="feed an input from a .npy file (repeatable); others are random")
+    p.add_argument("--check", action="store_true",
+                   help="compare outputs with the whole model run in one session")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)
+
+    p = verbs.add_parser("demo", help="export a recipe, partition it, run it, check it")
+    p.add_argument("--model", default="gpt", help="recipe name (default gpt)")
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                   help="fix an input's shape (repeatable)")
+    p.add_argument("--batch-size", type=int, help="fix a symbolic leading (batch) dim")
+
+
+def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
+    """``NAME=2,3,224`` items -> {NAME: [2, 3, 224]}; a clear error otherwise."""
+    shapes: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, dims = item.rpartition("=")
+        try:
+            values = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
+        except ValueError:
+            values = []
+        if not sep or not name or not values or min(values) < 0:
+            raise PartitionError(f"--input-shape {item!r}: expected NAME=D0,D1,... (integers)")
+        shapes[name] = values
+    return shapes
+
+
+# --------------------------------------------------------------------------- verbs
+
+
+def _export(args: argparse.Namespace) -> int:
+    import models
+
+    try:
+        started = time.perf_counter()
+        path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    print(f"wrote {path} ({args.name}, {args.size}) in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _partition(args: argparse.Namespace) -> int:
+    from onnx_partition.partition import Link, partition
+    from onnx_partition.report import plan_table
+
+    if args.stages < 1:
+        raise PartitionError(f"--stages must be at least 1, got {args.stages}")
+    plan = partition(
+        args.model,
+        args.stages,
+        args.output,
+        costs=args.costs,
+        input_shapes=parse_input_shapes(args.input_shape),
+        batch_size=args.batch_size,
+        link=Link(args.bandwidth, args.latency),
+        force=args.force,
+    )
+    print(plan_table(plan))
+    print(f"wrote {len(plan.stages)} stages and plan.json to {args.output} "
+          f"in {plan.extra.get('partition_s', 0):.2f} s")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from onnx_partition.runtime import PipelineSession
+    from onnx_partition.runtime.check import compare, random_feeds, whole_model_outputs
+
+    session = PipelineSession(args.plan, microbatches=args.microbatches,
+                              threads_per_stage=args.threads_per_stage)
+    feeds = random_feeds(session.plan, batch_size=args.batch_size, seed=args.seed)
+    for item in args.input:
+        name, sep, file = item.partition("=")
+        if not sep or name not in feeds:
+            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
+                                 f"{', '.join(feeds)}")
+        try:
+            feeds[name] = np.load(file)
+        except (OSError, ValueError) as exc:
+            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
+    for _ in range(args.warmup):
+        outputs = session.run(None, feeds)
+    began = time.perf_counter()
+    busy: dict[tuple[int, int], float] = {}
+    for _ in range(max(1, args.iterations)):
+        outputs = session.run(None, feeds)
+        for key, ms in session.last_stats.busy_ms.items():
+            busy[key] = busy.get(key, 0.0) + ms
+    seconds = time.perf_counter() - began
+    iters = max(1, args.iterations)
+    print(f"{len(session.stages)} stages, batch {rows} in {session.microbatches} micro-batches: "
+          f"{rows * iters / seconds:.1f} samples/s ({seconds / iters * 1000:.2f} ms per batch)")
+    for (stage, replica), ms in sorted(busy.items()):
+        print(f"  stage {stage} replica {replica}: busy {ms / iters:.2f} ms per batch "
+              f"({ms / (seconds * 1000) * 100:.0f}% of wall)")
+    if args.check:
+        expected = whole_model_outputs(args.plan, session.plan, feeds)
+        worst = compare(dict(zip(session.get_outputs(), outputs)), expected)
+        verdict = "OK" if worst <= 1e-5 else "MISMATCH"
+        print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
+        return 0 if verdict == "OK" else 1
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.workdir is None:
+        with tempfile.TemporaryDirectory(prefix="onnx-partition-demo-") as tmp:
+            return _demo_in(args, Path(tmp))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    return _demo_in(args, args.workdir)
+
+
+def _demo_in(args: argparse.Namespace, work: Path) -> int:
+    model = work / f"{args.model}.onnx"
+    plan = work / "plan"
+    steps = [
+        ["export", args.model, "--size", args.size, "-o", str(model)],
+        ["partition", str(model), "--stages", str(args.stages), "--batch-size",
+         str(args.batch_size), "-o", str(plan)],
+        ["run", str(plan), "--batch-size", str(args.batch_size), "--check"],
+    ]
+    for step in steps:
+        print(f"$ onnx-partition {' '.join(step)}", flush=True)
+        code = main(step)
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,465 @@
+"""ONNX model -> operator DAG with tensor and parameter bytes.
+
+The one module (with :mod:`onnx_partition.emit`) that reads ONNX protos. It loads a model without
+its external weights, names every node by its key (the contract in ``docs/design.md``), sorts the
+nodes topologically, runs shape inference with the symbolic dims fixed, and records for every
+tensor its producer, its consumers and its size in bytes. Solvers never see this module's protos:
+:meth:`OpGraph.flow` hands them plain arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import google.protobuf.message
+import networkx as nx
+import onnx
+from onnx import helper, shape_inference
+
+from onnx_partition.errors import PartitionError
+
+Shape = tuple[int, ...]
+
+#: Operators that draw random numbers: never copied into several stages.
+_NONDETERMINISTIC = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)
+#: Initializers up to this size may feed constant-only ("free") nodes copied into every stage.
+_SMALL_CONSTANT_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A value flowing between operators (initializers and free constants excluded)."""
+
+    name: str
+    producer: int  # node index, or -1 for a graph input
+    consumers: tuple[int, ...]
+    nbytes: int
+    shape: Shape | None  # concrete shape after fixing the symbolic dims; None when unknown
+    elem_type: int  # onnx.TensorProto data type; 0 when unknown
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operator: its key, its flow inputs and outputs, and the weights it reads first."""
+
+    key: str
+    op_type: str
+    index: int  # position in OpGraph.nodes (a topological order)
+    inputs: tuple[str, ...]  # flow tensors read, outer-scope captures of subgraphs included
+    outputs: tuple[str, ...]
+    initializers: tuple[str, ...]  # initializer names read (subgraph captures included)
+    param_bytes: int  # bytes of the initializers this node is the first reader of
+    free: bool  # constant-only: copied into each stage that needs it, never cut
+
+
+@dataclass
+class OpGraph:
+    """A model as a DAG of operators, in topological order."""
+
+    model: onnx.ModelProto  # as loaded (no external weights read), nodes renamed to their keys
+    path: Path | None
+    nodes: list[Node]
+    tensors: dict[str, TensorInfo]
+    inputs: list[str]  # real graph inputs (initializers listed as inputs excluded)
+    outputs: list[str]
+    input_shapes: dict[str, Shape]  # the concrete shapes used for byte sizes
+    initializer_bytes: dict[str, int]
+    # name -> TypeProto, from shape inference on the unmodified (symbolic) model
+    types: dict[str, onnx.TypeProto] = field(repr=False, default_factory=dict)
+    # name -> TypeProto with concrete dims (fallback when symbolic inference gave nothing)
+    concrete_types: dict[str, onnx.TypeProto] = field(repr=False, default_factory=dict)
+    unknown_size: list[str] = field(default_factory=list)  # flow tensors whose size was estimated
+
+    @property
+    def compute_nodes(self) -> list[int]:
+        """Indices of the nodes that are cut into stages (free constants excluded)."""
+        return [n.index for n in self.nodes if not n.free]
+
+    def protos(self) -> dict[str, onnx.NodeProto]:
+        """Node key -> its NodeProto in :attr:`model` (named by its key)."""
+        return {n.name: n for n in self.model.graph.node}
+
+    def producer_of(self) -> dict[str, int]:
+        """Tensor name -> index of the node producing it (free nodes included)."""
+        return {out: n.index for n in self.nodes for out in n.outputs if out}
+
+    def free_closure(self, tensor_names: Sequence[str]) -> list[int]:
+        """Free nodes needed to compute ``tensor_names`` from constants, in topological order."""
+        producer = self.producer_of()
+        needed: set[int] = set()
+        stack = [producer[t] for t in tensor_names if t in producer]
+        while stack:
+            i = stack.pop()
+            if i in needed or not self.nodes[i].free:
+                continue
+            needed.add(i)
+            stack.extend(producer[t] for t in self.nodes[i].inputs if t in producer)
+        return sorted(needed)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    batch_size: int | None = None,
+) -> OpGraph:
+    """Load an ONNX file as an :class:`OpGraph` without reading its external weights.
+
+    ``input_shapes`` fixes whole input shapes; ``batch_size`` fixes a symbolic leading dim. A
+    symbolic dim left unfixed is an error: tensor sizes drive the partition.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise PartitionError(f"no such file: {path}")
+    if not path.is_file():
+        raise PartitionError(f"not a file: {path}")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (google.protobuf.message.DecodeError, RuntimeError, ValueError) as exc:
+        msg = f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
+        raise PartitionError(msg) from None
+    _check_external_data(model, path.parent.resolve())
+    return from_model(model, path=path, input_shapes=input_shapes, batch_size=batch_size)
+
+
+def from_model(
+    model: onnx.ModelProto,
+    *,
+    path: Path | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    batch_size: int | None = None,
+) -> OpGraph:
+    """Build an :class:`OpGraph` from an in-memory model (see :func:`load`)."""
+    where = str(path) if path else "model"
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.node:
+        raise PartitionError(f"{where} is not a valid ONNX model (no graph or no nodes)")
+    graph = model.graph
+    init_bytes = {t.name: _tensor_proto_bytes(t) for t in graph.initializer}
+    inputs = [v.name for v in graph.input if v.name not in init_bytes]
+    outputs = [v.name for v in graph.output]
+
+    keys = node_keys(graph.node)
+    for node, key in zip(graph.node, keys, strict=True):
+        node.name = key
+    order = _topological_order(graph, keys, set(inputs) | set(init_bytes))
+    shapes = _fixed_input_shapes(graph, inputs, input_shapes or {}, batch_size, where)
+    concrete = _infer_types(_with_input_shapes(model, shapes), where)
+    symbolic = _infer_types(model, where)
+
+    produced = {o for n in graph.node for o in n.output if o}
+    missing = [o for o in outputs if o not in produced and o not in inputs and o not in init_bytes]
+    if missing:
+        raise PartitionError(f"{where}: graph output {missing[0]!r} is never produced (truncated?)")
+
+    # Nodes in topological order; free = constant-only, computed from constants in every stage.
+    nodes: list[Node] = []
+    is_const: set[str] = {n for n, b in init_bytes.items() if b <= _SMALL_CONSTANT_BYTES}
+    first_reader: dict[str, int] = {}
+    for index, file_pos in enumerate(order):
+        proto = graph.node[file_pos]
+        used = _used_names(proto)
+        inits = tuple(dict.fromkeys(u for u in used if u in init_bytes))
+        flow = tuple(dict.fromkeys(u for u in used if u and u not in init_bytes))
+        free = (
+            proto.op_type not in _NONDETERMINISTIC
+            and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                        for a in proto.attribute)
+            and all(u in is_const for u in flow + inits)
+        )
+        if free:
+            is_const.update(o for o in proto.output if o)
+        param = 0
+        if not free:
+            for name in inits:
+                if name not in first_reader:
+                    first_reader[name] = index
+                    param += init_bytes[name]
+        nodes.append(Node(keys[file_pos], proto.op_type, index, flow,
+                          tuple(o for o in proto.output), inits, param, free))
+
+    tensors, unknown = _flow_tensors(nodes, inputs, outputs, concrete)
+    return OpGraph(model=model, path=path, nodes=nodes, tensors=tensors, inputs=inputs,
+                   outputs=outputs, input_shapes=shapes, initializer_bytes=init_bytes,
+                   types=symbolic, concrete_types=concrete, unknown_size=unknown)
+
+
+def node_keys(nodes: Sequence[onnx.NodeProto]) -> list[str]:
+    """Node keys (the contract): the name if non-empty and not taken earlier, else the first
+    output's name. A key still taken gets a ``#k`` suffix so that keys stay unique."""
+    taken: set[str] = set()
+    keys = []
+    for i, node in enumerate(nodes):
+        key = node.name
+        if not key or key in taken:
+            key = next((o for o in node.output if o), "") or f"{node.op_type}_{i}"
+        base, k = key, 1
+        while key in taken:
+            key, k = f"{base}#{k}", k + 1
+        taken.add(key)
+        keys.append(key)
+    return keys
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_external_data(model: onnx.ModelProto, folder: Path) -> None:
+    """Every external tensor's file exists inside the model's folder and is long enough."""
+    for tensor in iter_tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        target = (folder / location).resolve()
+        if not location or os.path.isabs(location) or folder not in target.parents:
+            raise PartitionError(
+                f"external data of {tensor.name!r} points outside the model's folder: {location!r}"
+            )
+        if not target.is_file():
+            raise PartitionError(f"missing external data file {location!r} (for {tensor.name!r})")
+        end = int(info.get("offset", 0)) + int(info.get("length", _tensor_proto_bytes(tensor)))
+        if end > target.stat().st_size:
+            raise PartitionError(
+                f"external data file {location!r} is too short for {tensor.name!r} "
+                f"(needs {end} bytes, has {target.stat().st_size})"
+            )
+
+
+def iter_tensors(
+    graph: onnx.GraphProto, *, nested_only: bool = False
+) -> Iterator[onnx.TensorProto]:
+    """Initializers of a graph and of all its subgraphs, and tensor attributes (Constant values).
+    ``nested_only`` leaves out the graph's own initializers."""
+    if not nested_only:
+        yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            for sub in _subgraphs(attr):
+                yield from iter_tensors(sub)
+
+
+def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attr.type == onnx.AttributeProto.GRAPH:
+        return [attr.g]
+    if attr.type == onnx.AttributeProto.GRAPHS:
+        return list(attr.graphs)
+    return []
+
+
+def _used_names(node: onnx.NodeProto) -> list[str]:
+    """Names a node reads: its inputs plus values its subgraphs capture from outer scopes."""
+    used = [i for i in node.input if i]
+    for attr in node.attribute:
+        for sub in _subgraphs(attr):
+            used.extend(_captured(sub))
+    return used
+
+
+def _captured(graph: onnx.GraphProto) -> list[str]:
+    """Outer-scope names a subgraph reads (recursively through nested subgraphs)."""
+    local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    local |= {t.name for t in graph.sparse_initializer}
+    captured: list[str] = []
+    for node in graph.node:
+        for name in _used_names(node):
+            if name not in local:
+                captured.append(name)
+        local.update(node.output)
+    return captured
+
+
+def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str]) -> list[int]:
+    """File positions in a topological order, file order kept wherever it is already valid."""
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                producer[out] = i
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(graph.node)))
+    for i, node in enumerate(graph.node):
+        for name in _used_names(node):
+            if name in producer and name not in sources:
+                dag.add_edge(producer[name], i)
+    try:
+        return list(nx.lexicographical_topological_sort(dag))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(dag)
+        path = " -> ".join(keys[u] for u, _ in cycle) + f" -> {keys[cycle[0][0]]}"
+        raise PartitionError(f"the graph has a cycle: {path}") from None
+
+
+def _fixed_input_shapes(
+    graph: onnx.GraphProto,
+    inputs: list[str],
+    given: Mapping[str, Sequence[int]],
+    batch_size: int | None,
+    where: str,
+) -> dict[str, Shape]:
+    """Concrete shape of every graph input, or a clear error naming the dim left unknown."""
+    unknown = sorted(set(given) - set(inputs))
+    if unknown:
+        raise PartitionError(
+            f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are: "
+            + ", ".join(inputs)
+        )
+    by_name = {v.name: v for v in graph.input}
+    shapes: dict[str, Shape] = {}
+    for name in inputs:
+        ttype = by_name[name].type.tensor_type
+        if name in given:
+            shape = tuple(int(d) for d in given[name])
+            declared = ttype.shape.dim if ttype.HasField("shape") else []
+            if declared and len(declared) != len(shape):
+                raise PartitionError(
+                    f"--input-shape {name}: rank {len(shape)} but the model declares rank "
+                    f"{len(declared)}"
+                )
+            shapes[name] = shape
+            continue
+        if not ttype.HasField("shape"):
+            raise PartitionError(f"input {name!r} has no declared shape; give --input-shape")
+        dims: list[int] = []
+        for axis, dim in enumerate(ttype.shape.dim):
+            if dim.HasField("dim_value"):
+                dims.append(dim.dim_value)
+            elif axis == 0 and batch_size is not None:
+                dims.append(batch_size)
+            else:
+                label = dim.dim_param or "?"
+                hint = "--batch-size B or " if axis == 0 else ""
+                raise PartitionError(
+                    f"input {name!r} dim {axis} ({label!r}) is symbolic; give {hint}"
+                    f"--input-shape {name}=D0,D1,..."
+                )
+        shapes[name] = tuple(dims)
+    return shapes
+
+
+def _with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Shape]) -> onnx.ModelProto:
+    """A copy whose inputs have concrete dims, and whose symbolic dims of the same names are
+    substituted everywhere, ready for shape inference."""
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    symbols: dict[str, int] = {}
+    for value in fixed.graph.input:
+        if value.name not in shapes:
+            continue
+        tshape = value.type.tensor_type.shape
+        for dim, size in zip(tshape.dim, shapes[value.name], strict=False):
+            if dim.dim_param:
+                symbols.setdefault(dim.dim_param, size)
+        del tshape.dim[:]
+        for size in shapes[value.name]:
+            tshape.dim.add().dim_value = size
+    for value in list(fixed.graph.value_info) + list(fixed.graph.output):
+        if not value.type.HasField("tensor_type"):
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in symbols:
+                dim.dim_value = symbols[dim.dim_param]
+    return fixed
+
+
+def _infer_types(model: onnx.ModelProto, where: str) -> dict[str, onnx.TypeProto]:
+    """Name -> TypeProto of every value shape inference can type (inputs and outputs too)."""
+    try:
+        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:  # inference is best effort; missing types are handled by the caller
+        inferred = model
+    graph = inferred.graph
+    types: dict[str, onnx.TypeProto] = {}
+    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types.setdefault(value.name, value.type)
+    return types
+
+
+def _flow_tensors(
+    nodes: list[Node], inputs: list[str], outputs: list[str], types: Mapping[str, onnx.TypeProto]
+) -> tuple[dict[str, TensorInfo], list[str]]:
+    producer: dict[str, int] = {name: -1 for name in inputs}
+    consumers: dict[str, list[int]] = {}
+    for node in nodes:
+        if node.free:
+            continue
+        for name in node.inputs:
+            consumers.setdefault(name, []).append(node.index)
+        for name in node.outputs:
+            if name:
+                producer[name] = node.index
+    tensors: dict[str, TensorInfo] = {}
+    unknown: list[str] = []
+    for name, prod in producer.items():
+        if prod >= 0 and nodes[prod].free:
+            continue
+        shape, elem = _shape_of(types.get(name))
+        nbytes = _nbytes(shape, elem)
+        if nbytes is None:
+            unknown.append(name)
+            nbytes = _estimate_bytes(nodes, prod, tensors)
+        cons = tuple(dict.fromkeys(consumers.get(name, [])))
+        tensors[name] = TensorInfo(name, prod, cons, nbytes, shape, elem)
+    # Outputs that are free constants: no flow tensor; emit handles them in the last stage.
+    del outputs
+    return tensors, unknown
+
+
+def _estimate_bytes(nodes: list[Node], prod: int, known: Mapping[str, TensorInfo]) -> int:
+    """A tensor of unknown shape (data-dependent) is taken to be as large as the largest input of
+    the node that makes it."""
+    if prod < 0:
+        return 0
+    return max((known[i].nbytes for i in nodes[prod].inputs if i in known), default=0)
+
+
+def _shape_of(ttype: onnx.TypeProto | None) -> tuple[Shape | None, int]:
+    if ttype is None or not ttype.HasField("tensor_type"):
+        return None, 0
+    tt = ttype.tensor_type
+    if not tt.HasField("shape"):
+        return None, tt.elem_type
+    dims = []
+    for dim in tt.shape.dim:
+        if not dim.HasField("dim_value") or dim.dim_value < 0:
+            return None, tt.elem_type
+        dims.append(dim.dim_value)
+    return tuple(dims), tt.elem_type
+
+
+def itemsize(elem_type: int) -> int:
+    """Bytes per element of an ONNX tensor type (sub-byte types round up to one byte)."""
+    if elem_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return 0
+    try:
+        return max(1, int(helper.tensor_dtype_to_np_dtype(elem_type).itemsize))
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+def _nbytes(shape: Shape | None, elem_type: int) -> int | None:
+    if shape is None or elem_type == 0:
+        return None
+    return math.prod(shape) * itemsize(elem_type)
+
+
+def _tensor_proto_bytes(tensor: onnx.TensorProto) -> int:
+    return math.prod(tensor.dims) * itemsize(tensor.data_type)
+
+
+def shape_of(types: Mapping[str, onnx.TypeProto], name: str) -> Shape | None:
+    """Concrete shape of a value in ``types``, or None."""
+    return _shape_of(types.get(name))[0]
+

@@ -1,0 +1,116 @@
+"""The plan: which nodes go to which stage, and plan.json (the contract) read, write, validate."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.errors import PartitionError
+
+FORMAT = "onnx-partition/plan@1"
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class Predicted:
+    compute_ms: float
+    comm_ms: float
+    memory_bytes: int
+
+
+@dataclass
+class Stage:
+    index: int
+    file: str
+    nodes: list[str]  # node keys cut into this stage, in topological order
+    inputs: list[str]
+    outputs: list[str]
+    replicas: int = 1
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    predicted: Predicted | None = None
+    constants: list[str] = field(default_factory=list)  # free nodes copied into this stage
+    sha256: str = ""
+
+
+@dataclass
+class IOSpec:
+    """A graph input or output: name, ONNX dtype name, shape (a string for a symbolic dim)."""
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+    high: int | None = None  # integer inputs: exclusive upper bound of valid values, if known
+
+
+@dataclass
+class Plan:
+    model: str
+    stages: list[Stage]
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    mode: str = "infer"
+    ordering: str = "topo"
+    solver: str = "dp"
+    predicted: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"format": FORMAT, **asdict(self)}
+        body.update(body.pop("extra"))
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Plan:
+        if not isinstance(body, dict) or not str(body.get("format", "")).startswith(
+            "onnx-partition/plan@"
+        ):
+            raise PartitionError("plan.json has no onnx-partition/plan format tag")
+        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted"}
+        try:
+            stages = []
+            for raw in body["stages"]:
+                raw = dict(raw)
+                pred = raw.pop("predicted", None)
+                stages.append(Stage(**raw, predicted=Predicted(**pred) if pred else None))
+            return cls(
+                model=body["model"],
+                stages=stages,
+                inputs=[IOSpec(**x) for x in body.get("inputs", [])],
+                outputs=[IOSpec(**x) for x in body.get("outputs", [])],
+                mode=body.get("mode", "infer"),
+                ordering=body.get("ordering", "topo"),
+                solver=body.get("solver", "dp"),
+                predicted=body.get("predicted", {}),
+                extra={k: v for k, v in body.items() if k not in known | {"format"}},
+            )
+        except (KeyError, TypeError) as exc:
+            raise PartitionError(f"plan.json is malformed: {exc}") from None
+
+
+def read_plan(folder: str | os.PathLike[str]) -> Plan:
+    """Read ``folder/plan.json``; a clear error when it is missing or malformed."""
+    path = Path(folder) / PLAN_FILE
+    if not path.is_file():
+        raise PartitionError(f"{folder} is not a plan folder (no {PLAN_FILE})")
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PartitionError(f"cannot read {path}: {exc}") from None
+    return Plan.from_json(body)
+
+
+def write_plan(plan: Plan, folder: Path) -> None:
+    (folder / PLAN_FILE).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+
+
+def is_plan_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds only an earlier plan: plan.json and the files it names."""
+    try:
+        plan = read_plan(folder)
+    except PartitionError:
+        return False
+    owned = {PLAN_FILE} | {s.file for s in plan.stages} | {s.file + ".data" for s in plan.stages}
+    return all(p.name in owned for p in folder.iterdir())

@@ -1,0 +1,118 @@
+"""Load a plan folder's stage files into onnxruntime sessions, after checking the folder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.plan import Plan, read_plan
+
+Provider = str | tuple[str, dict[str, Any]]
+
+
+def verify_plan_folder(folder: Path, plan: Plan) -> list[Path]:
+    """Every stage file exists inside ``folder`` and matches its checksum; returns their paths.
+
+    Runs before any session is created, so a bad folder fails fast and clearly.
+    """
+    root = folder.resolve()
+    paths = []
+    for stage in plan.stages:
+        path = (root / stage.file).resolve()
+        if os.path.isabs(stage.file) or root not in path.parents:
+            raise PartitionError(f"plan.json: stage {stage.index} file {stage.file!r} is outside "
+                                 f"the plan folder")
+        if not path.is_file():
+            raise PartitionError(f"plan folder {folder}: stage file {stage.file} is missing")
+        if stage.sha256 and _sha256(path) != stage.sha256:
+            raise PartitionError(
+                f"plan folder {folder}: {stage.file} does not match its checksum in plan.json"
+            )
+        paths.append(path)
+    if not paths:
+        raise PartitionError(f"plan folder {folder} has no stages")
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def providers_for(device: str) -> list[Provider]:
+    """onnxruntime providers for a plan device name: ``cpu`` or ``cuda:N``."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise PartitionError(
+                f"device {device!r} needs onnxruntime-gpu (CUDAExecutionProvider is not available)"
+            )
+        index = int(device.partition(":")[2] or 0)
+        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+    raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
+
+
+@dataclass
+class StageSession:
+    """One stage replica: its onnxruntime session and the names it reads and writes."""
+
+    index: int
+    replica: int
+    device: str
+    session: ort.InferenceSession
+    inputs: list[str]
+    outputs: list[str]
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    return options
+
+
+def load_stages(
+    folder: str | os.PathLike[str],
+    *,
+    providers: Sequence[Provider] | None = None,
+    threads_per_stage: int = 1,
+    verify: bool = True,
+) -> tuple[Plan, list[list[StageSession]]]:
+    """The plan and, per stage, one session per replica on that replica's device.
+
+    ``providers`` overrides the plan's devices for every stage (like onnxruntime's argument).
+    """
+    folder = Path(folder)
+    plan = read_plan(folder)
+    paths = verify_plan_folder(folder, plan) if verify else [folder / s.file for s in plan.stages]
+    stages = []
+    for stage, path in zip(plan.stages, paths):
+        devices = stage.devices or ["cpu"]
+        replicas = []
+        for replica in range(max(1, stage.replicas)):
+            device = devices[replica % len(devices)]
+            chosen = list(providers) if providers is not None else providers_for(device)
+            try:
+                session = ort.InferenceSession(
+                    str(path), sess_options=session_options(threads_per_stage), providers=chosen
+                )
+            except Exception as exc:  # onnxruntime raises its own exception types
+                first = str(exc).strip().splitlines()[0]
+                raise PartitionError(f"cannot load {stage.file} on {device}: {first}") from None
+            replicas.append(StageSession(stage.index, replica, device, session,
+                                         list(stage.inputs), list(stage.outputs)))
+        stages.append(replicas)
+    return plan, stages

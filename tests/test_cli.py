@@ -1,0 +1,166 @@
+"""The command line: bad input gets one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+from onnx import helper, numpy_helper
+from test_graph import CHAIN, save
+
+from onnx_partition.cli import main
+
+
+def fails(capsys, argv, pattern):
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert pattern in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def chain(tmp_path):
+    return save(CHAIN, tmp_path / "m.onnx")
+
+
+def test_missing_file(capsys, tmp_path):
+    fails(capsys, ["partition", tmp_path / "nope.onnx", "-s", "2", "-o", tmp_path / "o"],
+          "no such file")
+
+
+def test_not_onnx(capsys, tmp_path):
+    bad = tmp_path / "notes.onnx"
+    bad.write_text("this is not a model\n" * 10)
+    fails(capsys, ["partition", bad, "-s", "2", "-o", tmp_path / "o"], "not a valid ONNX model")
+
+
+def test_empty_file(capsys, tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    fails(capsys, ["partition", tmp_path / "empty.onnx", "-s", "2", "-o", tmp_path / "o"],
+          "not a valid ONNX model")
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.6, 0.9])
+def test_truncated_file(capsys, tmp_path, chain, keep):
+    data = chain.read_bytes()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    fails(capsys, ["partition", cut, "-s", "2", "--batch-size", "2", "-o", tmp_path / "o"],
+          "error")
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_external_data(capsys, tmp_path):
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("Relu", ["a"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])], initializer=[w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    location="m.onnx.data", size_threshold=0)
+    (tmp_path / "m.onnx.data").unlink()
+    fails(capsys, ["partition", tmp_path / "m.onnx", "-s", "2", "-o", tmp_path / "o"],
+          "missing external data file 'm.onnx.data'")
+
+
+def test_cycle(capsys, tmp_path):
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    nodes = [helper.make_node("Add", ["x", "c"], ["a"], name="n1"),
+             helper.make_node("Relu", ["a"], ["b"], name="n2"),
+             helper.make_node("Neg", ["b"], ["c"], name="n3"),
+             helper.make_node("Identity", ["b"], ["y"], name="n4")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "cyc.onnx"))
+    line = fails(capsys, ["partition", tmp_path / "cyc.onnx", "-s", "2", "-o", tmp_path / "o"],
+                 "cycle")
+    assert "n1" in line and "n3" in line
+
+
+def test_too_many_stages(capsys, tmp_path, chain):
+    fails(capsys, ["partition", chain, "-s", "7", "--batch-size", "2", "-o", tmp_path / "o"],
+          "the model has 6 operators")
+
+
+def test_unknown_input_name(capsys, tmp_path, chain):
+    fails(capsys, ["partition", chain, "-s", "2", "--input-shape", "z=2,4", "-o", tmp_path / "o"],
+          "unknown input 'z'; the model's inputs are: x")
+
+
+def test_malformed_input_shape(capsys, tmp_path, chain):
+    fails(capsys, ["partition", chain, "-s", "2", "--input-shape", "x=two", "-o", tmp_path / "o"],
+          "expected NAME=D0,D1")
+
+
+def test_symbolic_dim_left_unknown(capsys, tmp_path, chain):
+    fails(capsys, ["partition", chain, "-s", "2", "-o", tmp_path / "o"], "is symbolic")
+
+
+def test_user_folder_is_never_overwritten(capsys, tmp_path, chain):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    fails(capsys, ["partition", chain, "-s", "2", "--batch-size", "2", "-o", out],
+          "not an earlier plan; use --force")
+    assert (out / "thesis.tex").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "mine"]  # no temp left
+    assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "-o", str(out),
+                 "--force"]) == 0
+    assert not (out / "thesis.tex").exists()
+
+
+def test_earlier_plan_is_replaced(capsys, tmp_path, chain):
+    out = tmp_path / "plan"
+    argv = ["partition", str(chain), "--batch-size", "2", "-o", str(out)]
+    assert main([*argv, "-s", "3"]) == 0
+    assert main([*argv, "-s", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.onnx", "stage_1.onnx"]
+    assert len(json.loads((out / "plan.json").read_text())["stages"]) == 2
+    out_text = capsys.readouterr().out
+    assert "bottleneck" in out_text and "wrote 2 stages" in out_text
+
+
+def test_costs_file_errors(capsys, tmp_path, chain):
+    (tmp_path / "c.json").write_text(json.dumps({"nodes": {"zzz": {"forward_ms": 1}}}))
+    fails(capsys, ["partition", chain, "-s", "2", "--batch-size", "2", "--costs",
+                   tmp_path / "c.json", "-o", tmp_path / "o"], "names none of the model's nodes")
+    (tmp_path / "c.json").write_text("{")
+    fails(capsys, ["partition", chain, "-s", "2", "--batch-size", "2", "--costs",
+                   tmp_path / "c.json", "-o", tmp_path / "o"], "cannot read costs file")
+
+
+def test_run_checks_plan_folder(capsys, tmp_path, chain):
+    out = tmp_path / "plan"
+    assert main(["partition", str(chain), "-s", "3", "--batch-size", "2", "-o", str(out)]) == 0
+    assert main(["run", str(out), "--check", "--iterations", "2"]) == 0
+    assert "max relative error" in capsys.readouterr().out
+    stage = out / "stage_1.onnx"
+    stage.write_bytes(stage.read_bytes() + b"\0")
+    fails(capsys, ["run", out], "does not match its checksum")
+    stage.unlink()
+    fails(capsys, ["run", out], "stage file stage_1.onnx is missing")
+    fails(capsys, ["run", tmp_path], "is not a plan folder")
+    plan = json.loads((out / "plan.json").read_text())
+    plan["stages"][1]["file"] = "../m.onnx"
+    (out / "plan.json").write_text(json.dumps(plan))
+    fails(capsys, ["run", out], "outside the plan folder")
+
+
+def test_console_script_exit_code_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnx_partition.cli", "partition", str(tmp_path / "x.onnx"),
+         "-s", "2", "-o", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: no such file: {tmp_path / 'x.onnx'}"]

@@ -1,0 +1,94 @@
+"""The sequence DP: exact answers, and the same optimum as brute force on small sequences."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.order.topo import cut_bytes, is_topological
+from onnx_partition.solve.dp import split_sequence, stage_times
+
+
+def brute_force(compute, cuts, stages, bandwidth, latency):
+    n = len(compute)
+    best = math.inf
+    for inner in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *inner, n]
+        times = stage_times(compute, cuts, bounds, bandwidth_bytes_per_ms=bandwidth,
+                            latency_ms=latency)
+        best = min(best, max(times))
+    return best
+
+
+def test_equal_costs_split_evenly():
+    split = split_sequence([1.0] * 8, [0.0] * 9, 4)
+    assert split.bounds == [0, 2, 4, 6, 8]
+    assert split.bottleneck_ms == 2.0
+
+
+def test_heavy_node_gets_its_own_stage():
+    split = split_sequence([1, 1, 10, 1, 1], [0] * 6, 3)
+    assert split.bottleneck_ms == 10
+    assert split.bounds[1:3] == [2, 3]
+
+
+def test_communication_moves_the_cut():
+    # Without transfer cost the even cut wins; a fat tensor at boundary 2 pushes the cut away.
+    compute = [1.0, 1.0, 1.0, 1.0]
+    cuts = [0.0, 0.0, 100.0, 0.0, 0.0]
+    assert split_sequence(compute, cuts, 2).bounds == [0, 2, 4]
+    split = split_sequence(compute, cuts, 2, bandwidth_bytes_per_ms=10.0)
+    assert split.bounds in ([0, 1, 4], [0, 3, 4])
+    assert split.bottleneck_ms == 3.0
+
+
+def test_latency_is_charged_per_interior_boundary():
+    split = split_sequence([1.0, 1.0, 1.0], [0.0] * 4, 3, latency_ms=0.5)
+    assert split.stage_ms == [1.5, 2.0, 1.5]
+
+
+def test_bad_stage_counts():
+    with pytest.raises(PartitionError, match="3 operators into 4"):
+        split_sequence([1.0, 1.0, 1.0], [0.0] * 4, 4)
+    with pytest.raises(PartitionError):
+        split_sequence([1.0], [0.0, 0.0], 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    compute=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=9),
+    data=st.data(),
+    bandwidth=st.sampled_from([math.inf, 1.0, 5.0]),
+    latency=st.sampled_from([0.0, 0.3]),
+)
+def test_dp_matches_brute_force(compute, data, bandwidth, latency):
+    n = len(compute)
+    stages = data.draw(st.integers(1, n))
+    interior = data.draw(st.lists(st.floats(0, 20, allow_nan=False), min_size=n - 1,
+                                  max_size=n - 1))
+    cuts = [0.0, *interior, 0.0]
+    split = split_sequence(compute, cuts, stages, bandwidth_bytes_per_ms=bandwidth,
+                           latency_ms=latency)
+    assert len(split.bounds) == stages + 1
+    assert all(i < j for i, j in itertools.pairwise(split.bounds))
+    assert split.bottleneck_ms == pytest.approx(
+        brute_force(compute, cuts, stages, bandwidth, latency), rel=1e-9, abs=1e-9)
+
+
+def test_cut_bytes_relay_model():
+    # 0 -> 1 -> 2 and a skip 0 -> 2; input x feeds nodes 0 and 2; node 2 makes the output.
+    producer = [-1, 0, 1, 2]
+    consumers = [[0, 2], [1, 2], [2], []]
+    is_output = [False, False, False, True]
+    nbytes = [1.0, 10.0, 100.0, 1000.0]
+    cuts = cut_bytes([0, 1, 2], producer, consumers, is_output, nbytes)
+    # boundary 1: x (needed by 2) + t1 ; boundary 2: x + t1 (skip) + t2
+    np.testing.assert_array_equal(cuts, [0.0, 11.0, 111.0, 0.0])
+    assert is_topological([0, 1, 2], producer, consumers)
+    assert not is_topological([1, 0, 2], producer, consumers)
