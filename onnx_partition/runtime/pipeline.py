@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +24,8 @@ from onnx_partition.runtime.stages import Provider, StageSession, load_stages
 
 Env = dict[str, np.ndarray]
 Item = tuple[int, Env]  # (micro-batch index, the tensors it carries)
-_POLL_S = 0.05
+# (where to reply: results or an error line, micro-batch index, tensors)
+Task = tuple["queue.SimpleQueue[Item | str]", int, Env]
 
 
 class StageFailed(RuntimeError):
@@ -71,6 +73,21 @@ class PipelineSession:
         for k in range(len(self.stages)):
             later = {n for s in self.plan.stages[k + 1:] for n in s.inputs}
             self._keep.append(later | set(outputs))
+        # One long-lived worker thread per stage replica, fed through its own inbox.
+        self._inbox: list[list[queue.SimpleQueue[Task | None]]] = [
+            [queue.SimpleQueue() for _ in replicas] for replicas in self.stages
+        ]
+        self._busy: dict[tuple[int, int], float] = {
+            (s.index, s.replica): 0.0 for replicas in self.stages for s in replicas
+        }
+        threads = [
+            threading.Thread(target=_serve, args=(s, self._inbox, self._keep, self._busy),
+                             daemon=True, name=f"stage{s.index}.{s.replica}")
+            for replicas in self.stages for s in replicas
+        ]
+        for thread in threads:
+            thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._inbox, threads)
 
     def get_inputs(self) -> list[str]:
         return [spec.name for spec in self.plan.inputs]
@@ -95,81 +112,83 @@ class PipelineSession:
 
     def run_microbatches(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[Env]:
         """Stream ``batches`` through the pipeline; one output dict per batch, in order."""
+        if not self._finalizer.alive:
+            raise PartitionError("this PipelineSession is closed")
         count = len(batches)
-        inbox: list[list[queue.SimpleQueue[Item]]] = [
-            [queue.SimpleQueue() for _ in replicas] for replicas in self.stages
-        ]
-        done: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        stop = threading.Event()
-        errors: list[str] = []
-        stats = RunStats(microbatches=count)
-
-        def worker(stage: StageSession, todo: int) -> None:
-            k, r = stage.index, stage.replica
-            busy = 0.0
-            try:
-                for _ in range(todo):
-                    item = _get(inbox[k][r], stop)
-                    if item is None:
-                        return
-                    m, env = item
-                    began = time.perf_counter()
-                    values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
-                    busy += time.perf_counter() - began
-                    env.update(zip(stage.outputs, values))
-                    env = {n: v for n, v in env.items() if n in self._keep[k]}
-                    if k + 1 < len(self.stages):
-                        nxt = inbox[k + 1]
-                        nxt[m % len(nxt)].put((m, env))
-                    else:
-                        done.put((m, env))
-            except Exception as exc:
-                errors.append(f"stage {k} replica {r} ({stage.device}) failed: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
-                stop.set()
-            finally:
-                stats.busy_ms[(k, r)] = busy * 1000.0
-
-        threads = []
-        for replicas in self.stages:
-            for stage in replicas:
-                todo = len(range(stage.replica, count, len(replicas)))
-                threads.append(threading.Thread(target=worker, args=(stage, todo), daemon=True,
-                                                 name=f"stage{stage.index}.{stage.replica}"))
+        done: queue.SimpleQueue[Item | str] = queue.SimpleQueue()
+        busy_before = dict(self._busy)
         began = time.perf_counter()
-        for t in threads:
-            t.start()
+        first = self._inbox[0]
         for m, batch in enumerate(batches):
-            inbox[0][m % len(inbox[0])].put((m, dict(batch)))
+            first[m % len(first)].put((done, m, dict(batch)))
         results: dict[int, Env] = {}
         deadline = began + self.timeout_s
-        try:
-            while len(results) < count:
-                if stop.is_set():
-                    break
-                if time.perf_counter() > deadline:
-                    errors.append(f"pipeline timed out after {self.timeout_s:.0f} s")
-                    break
-                try:
-                    m, env = done.get(timeout=_POLL_S)
-                except queue.Empty:
-                    continue
-                results[m] = env
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=10)
-        stats.wall_ms = (time.perf_counter() - began) * 1000.0
-        self.last_stats = stats
-        if errors:
-            raise StageFailed(errors[0])
+        while len(results) < count:
+            try:
+                item = done.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                raise StageFailed(f"pipeline timed out after {self.timeout_s:.0f} s") from None
+            if isinstance(item, str):
+                raise StageFailed(item)
+            results[item[0]] = item[1]
+        self.last_stats = RunStats(
+            wall_ms=(time.perf_counter() - began) * 1000.0,
+            microbatches=count,
+            busy_ms={k: (v - busy_before.get(k, 0.0)) * 1000.0 for k, v in self._busy.items()},
+        )
         return [results[m] for m in range(count)]
 
+    def close(self) -> None:
+        """Stop the workers (idempotent; also done when the session is garbage-collected)."""
+        self._finalizer()
 
-def _get(inbox: queue.SimpleQueue[Item], stop: threading.Event) -> Item | None:
-    while not stop.is_set():
+    def __enter__(self) -> PipelineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(
+    stage: StageSession,
+    inboxes: list[list[queue.SimpleQueue[Task | None]]],
+    keep: list[set[str]],
+    busy: dict[tuple[int, int], float],
+) -> None:
+    """A worker: take (reply queue, micro-batch, tensors) tasks until told to stop.
+
+    It holds no reference to its session object, so an unused session can be collected.
+    """
+    k, r = stage.index, stage.replica
+    inbox, last = inboxes[k][r], k + 1 == len(inboxes)
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        done, m, env = task
+        began = time.perf_counter()
         try:
-            return inbox.get(timeout=_POLL_S)
-        except queue.Empty:
+            values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
+        except Exception as exc:  # onnxruntime raises its own types; report and keep serving
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            done.put(f"stage {k} replica {r} ({stage.device}) failed: {text}")
             continue
-    return None
+        finally:
+            busy[(k, r)] += time.perf_counter() - began
+        env.update(zip(stage.outputs, values))
+        env = {n: v for n, v in env.items() if n in keep[k]}
+        if last:
+            done.put((m, env))
+        else:
+            nxt = inboxes[k + 1]
+            nxt[m % len(nxt)].put((done, m, env))
+
+
+def _shutdown(
+    inboxes: list[list[queue.SimpleQueue[Task | None]]], threads: list[threading.Thread]
+) -> None:
+    for replicas in inboxes:
+        for inbox in replicas:
+            inbox.put(None)
+    for thread in threads:
+        thread.join(timeout=10)

@@ -1,0 +1,90 @@
+"""The threaded runtime: micro-batching, replicas, failures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from conftest import assert_same, run_whole
+from hypothesis import given
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+from test_graph import CHAIN, save
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.partition import partition
+from onnx_partition.runtime import PipelineSession, StageFailed
+from onnx_partition.runtime import microbatch
+
+
+@given(rows=st.integers(1, 9), chunks=st.integers(1, 12))
+def test_split_and_merge_are_inverse(rows, chunks):
+    feeds = {"a": np.arange(rows * 2).reshape(rows, 2), "s": np.array(3.0)}
+    parts = microbatch.split(feeds, chunks)
+    assert len(parts) == min(rows, chunks)
+    assert all(p["s"] == 3.0 for p in parts)
+    assert all(len(p["a"]) >= 1 for p in parts)
+    np.testing.assert_array_equal(microbatch.merge([{"a": p["a"]} for p in parts])["a"], feeds["a"])
+
+
+def test_split_rejects_disagreeing_batches():
+    with pytest.raises(ValueError, match="disagree"):
+        microbatch.split({"a": np.zeros((2, 1)), "b": np.zeros((3, 1))}, 2)
+
+
+def test_replicas_take_microbatches_in_turn(tmp_path):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    partition(model, 3, tmp_path / "out", batch_size=2)
+    plan_file = tmp_path / "out" / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    plan["stages"][1]["replicas"] = 3
+    plan["stages"][1]["devices"] = ["cpu", "cpu", "cpu"]
+    plan_file.write_text(json.dumps(plan))
+    feeds = {"x": np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)}
+    with PipelineSession(tmp_path / "out", microbatches=7) as session:
+        assert len(session.stages[1]) == 3
+        outputs = dict(zip(session.get_outputs(), session.run(None, feeds)))
+        assert_same(outputs, run_whole(model, feeds))
+        busy = session.last_stats.busy_ms
+        assert set(busy) == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)}
+        assert all(ms > 0 for ms in busy.values())
+
+
+def gather_model(path):
+    table = numpy_helper.from_array(np.arange(20, dtype=np.float32).reshape(5, 4), "table")
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("Gather", ["table", "ids"], ["g"], name="gather"),
+             helper.make_node("Add", ["a", "g"], ["y"], name="add")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4]),
+                     helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4])],
+        initializer=[table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_failing_stage_fails_the_run_naming_it(tmp_path):
+    partition(gather_model(tmp_path / "m.onnx"), 3, tmp_path / "out", batch_size=2)
+    session = PipelineSession(tmp_path / "out", microbatches=2, timeout_s=30)
+    assert session.plan.inputs[1].high == 5  # random feeds keep ids below the table size
+    x = np.ones((4, 4), np.float32)
+    with pytest.raises(StageFailed, match=r"stage \d replica 0 \(cpu\) failed"):
+        session.run(None, {"x": x, "ids": np.array([0, 1, 99, 2])})
+    # the workers keep serving after a failure
+    (y,) = session.run(None, {"x": x, "ids": np.array([0, 1, 4, 2])})
+    np.testing.assert_array_equal(y[2], 1 + np.arange(16, 20, dtype=np.float32))
+    session.close()
+    with pytest.raises(PartitionError, match="closed"):
+        session.run(None, {"x": x, "ids": np.array([0, 1, 4, 2])})
+
+
+def test_run_checks_names(tmp_path):
+    partition(gather_model(tmp_path / "m.onnx"), 2, tmp_path / "out", batch_size=2)
+    with PipelineSession(tmp_path / "out") as session:
+        with pytest.raises(PartitionError, match="missing input 'ids'"):
+            session.run(None, {"x": np.ones((2, 4), np.float32)})
+        with pytest.raises(PartitionError, match="unknown output 'z'"):
+            session.run(["z"], {"x": np.ones((2, 4), np.float32), "ids": np.zeros(2, np.int64)})
