@@ -15,8 +15,7 @@ from test_graph import CHAIN, save
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
-from onnx_partition.runtime import PipelineSession, StageFailed
-from onnx_partition.runtime import microbatch
+from onnx_partition.runtime import PipelineSession, StageFailed, microbatch
 
 
 @given(rows=st.integers(1, 9), chunks=st.integers(1, 12))

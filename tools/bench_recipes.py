@@ -14,6 +14,8 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ from onnx_partition.runtime.check import compare, random_feeds
 from onnx_partition.runtime.stages import session_options
 
 
-def throughput(run, rows: int, iterations: int) -> float:
+def throughput(run: Callable[[], object], rows: int, iterations: int) -> float:
     run()  # warm-up
     run()
     began = time.perf_counter()
@@ -44,8 +46,8 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
-    print(f"| recipe | size | nodes | S | partition s | predicted bottleneck ms | "
-          f"whole model samples/s | pipelined samples/s | ratio | max rel err |")
+    print("| recipe | size | nodes | S | partition s | predicted bottleneck ms | "
+          "whole model samples/s | pipelined samples/s | ratio | max rel err |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.recipes:
@@ -62,9 +64,9 @@ def main() -> int:
                 names = pipe.get_outputs()
                 err = compare(dict(zip(names, pipe.run(None, feeds))),
                               dict(zip(names, whole.run(names, feeds))))
-                base = throughput(lambda: whole.run(names, feeds), args.batch_size,
+                base = throughput(partial(whole.run, names, feeds), args.batch_size,
                                   args.iterations)
-                piped = throughput(lambda: pipe.run(None, feeds), args.batch_size,
+                piped = throughput(partial(pipe.run, None, feeds), args.batch_size,
                                    args.iterations)
                 nodes = sum(len(s.nodes) for s in plan.stages)
                 print(f"| {name} | {args.size} | {nodes} | {stages} | {seconds:.2f} | "
