@@ -1,0 +1,378 @@
+"""Pipeline schedules as data, and a dependency-driven event simulator.
+
+A schedule maps each device ``(stage, replica)`` to the ordered list of actions it runs;
+an action such as ``1F0`` is (stage 1, forward, micro-batch 0). Builders:
+
+* :func:`gpipe` -- all forwards, then all backwards (GPipe, Huang et al. 2019).
+* :func:`one_f_one_b` -- PipeDream-Flush / 1F1B (Narayanan et al. 2021): a few warm-up
+  forwards, then alternate one forward and one backward, then drain the backwards.
+* :func:`inference` -- forwards only.
+
+A stage with ``d`` replicas sends micro-batch ``m`` to replica ``m % d``; each replica runs
+the subsequence of the stage's action list that belongs to its micro-batches.
+
+:func:`simulate` plays a schedule against :class:`PipelineCosts` (plain numbers, no
+devices) and returns makespan, throughput, bubble, per-device busy time, peak in-flight
+micro-batches and memory, and a timeline for Gantt charts. Pure Python, no ONNX.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from onnx_partition.errors import PartitionError
+
+
+class ScheduleError(PartitionError, ValueError):
+    """An invalid or deadlocking schedule (also a ``ValueError``)."""
+
+
+class Kind(Enum):
+    F = "F"
+    B = "B"
+
+
+_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work: ``str(Action(1, Kind.F, 0)) == "1F0"``."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``Action.parse("1B3") == Action(1, Kind.B, 3)``."""
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"not an action: {text!r} (expected e.g. '1F0')")
+        return cls(int(match[1]), Kind(match[2]), int(match[3]))
+
+
+Device = tuple[int, int]  # (stage, replica)
+Schedule = dict[Device, list[Action]]
+_Key = tuple[int, bool, int]  # (stage, is_backward, microbatch): a cheaply hashed Action
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of one stage; times are per micro-batch on ONE replica."""
+
+    forward_ms: float
+    backward_ms: float
+    replicas: int = 1
+    allreduce_ms: float = 0.0  # gradient all-reduce once per iteration (train), per replica group
+    activation_bytes: float = 0.0  # stashed per in-flight micro-batch
+    static_bytes: float = 0.0  # parameters + grads + optimizer state, per replica
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Stage costs plus ``send_ms[b]``: moving one micro-batch across boundary ``b``
+    (stage b -> b+1; the gradient going back takes the same time)."""
+
+    stages: Sequence[StageCosts]
+    send_ms: Sequence[float]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of :func:`simulate`.
+
+    ``busy_ms`` counts forward/backward compute only; all-reduce and waiting are idle, so
+    ``bubble_fraction = 1 - sum(busy_ms) / (num_devices * iteration_ms)``.
+    ``peak_inflight`` is the most micro-batches whose forward ran but backward has not
+    (0 for inference). ``peak_memory_bytes = static + peak_inflight * activation`` in
+    training; ``static + activation`` in inference (``static`` alone on an idle device).
+    ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train, when
+    ``allreduce_ms > 0``).
+    """
+
+    iteration_ms: float
+    throughput_per_s: float
+    bubble_fraction: float
+    busy_ms: dict[Device, float]
+    peak_inflight: dict[Device, int]
+    peak_memory_bytes: dict[Device, float]
+    timeline: list[tuple[Device, Action, float, float]]
+    allreduce: dict[int, tuple[float, float]]
+
+
+# ---------------------------------------------------------------------------- builders
+
+
+def _replica_counts(num_stages: int, replicas: Sequence[int] | None) -> list[int]:
+    if num_stages < 1:
+        raise ScheduleError(f"need at least one stage, got {num_stages}")
+    counts = [1] * num_stages if replicas is None else list(replicas)
+    if len(counts) != num_stages or any(d < 1 for d in counts):
+        raise ScheduleError(f"replicas must be {num_stages} counts >= 1, got {counts}")
+    return counts
+
+
+def _distribute(stage_orders: list[list[tuple[Kind, int]]], counts: list[int]) -> Schedule:
+    """Split each stage's action order over its replicas (micro-batch m -> replica m % d)."""
+    schedule: Schedule = {}
+    for stage, (order, d) in enumerate(zip(stage_orders, counts, strict=True)):
+        for r in range(d):
+            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order if mb % d == r]
+    return schedule
+
+
+def _check_microbatches(num_microbatches: int) -> None:
+    if num_microbatches < 1:
+        raise ScheduleError(f"need at least one micro-batch, got {num_microbatches}")
+
+
+def gpipe(
+    num_stages: int,
+    num_microbatches: int,
+    replicas: Sequence[int] | None = None,
+    *,
+    train: bool = True,
+) -> Schedule:
+    """GPipe (Huang et al. 2019): every stage runs all forwards, then all backwards
+    (micro-batch order 0..M-1 both ways). Every stage stashes all M micro-batches."""
+    counts = _replica_counts(num_stages, replicas)
+    _check_microbatches(num_microbatches)
+    order = [(Kind.F, mb) for mb in range(num_microbatches)]
+    if train:
+        order += [(Kind.B, mb) for mb in range(num_microbatches)]
+    return _distribute([order] * num_stages, counts)
+
+
+def inference(
+    num_stages: int, num_microbatches: int, replicas: Sequence[int] | None = None
+) -> Schedule:
+    """Forward-only pipeline: each stage runs micro-batches 0..M-1 in order."""
+    return gpipe(num_stages, num_microbatches, replicas, train=False)
+
+
+def one_f_one_b(
+    num_stages: int, num_microbatches: int, replicas: Sequence[int] | None = None
+) -> Schedule:
+    """PipeDream-Flush / 1F1B (Narayanan et al. 2021).
+
+    Stage r runs ``w_r`` warm-up forwards, then alternates one forward and one backward,
+    then drains the remaining backwards. Without replicas ``w_r = p - r - 1`` (the
+    standard schedule; peak in-flight ``min(p - r, M)``). With replicas ``d``, each
+    boundary adds ``d[s] + d[s+1] - 1`` instead of 1: ``w_r = sum(d[s] + d[s+1] - 1 for s
+    in r..p-2)``, the stage's warm-up shared among its replicas by round-robin. This keeps
+    the pipeline full when a stage of ``d`` replicas costs ``d`` times a balanced stage
+    (checked by simulation). Warm-ups shrink downstream, so it cannot deadlock.
+    """
+    counts = _replica_counts(num_stages, replicas)
+    _check_microbatches(num_microbatches)
+    m = num_microbatches
+    orders: list[list[tuple[Kind, int]]] = []
+    steps = [counts[s] + counts[s + 1] - 1 for s in range(num_stages - 1)]
+    for stage in range(num_stages):
+        warmup = min(sum(steps[stage:]), m)
+        order = [(Kind.F, mb) for mb in range(warmup)]
+        for mb in range(warmup, m):
+            order += [(Kind.F, mb), (Kind.B, mb - warmup)]
+        order += [(Kind.B, mb) for mb in range(m - warmup, m)]
+        orders.append(order)
+    return _distribute(orders, counts)
+
+
+# -------------------------------------------------------------------------- validation
+
+
+def validate(
+    schedule: Schedule,
+    num_stages: int,
+    num_microbatches: int,
+    train: bool,
+    *,
+    replicas: Sequence[int] | None = None,
+) -> None:
+    """Raise :class:`ScheduleError` unless every (stage, kind, micro-batch) appears exactly
+    once, on a replica of that stage, with a micro-batch's F and B on the same device.
+    With ``replicas``, the devices must be exactly ``(s, 0..replicas[s]-1)``."""
+    problems: list[str] = []
+    if replicas is not None:
+        want = {
+            (s, r) for s, d in enumerate(_replica_counts(num_stages, replicas)) for r in range(d)
+        }
+        if set(schedule) != want:
+            problems.append(f"devices {sorted(schedule)} != expected {sorted(want)}")
+    seen: dict[_Key, Device] = {}
+    for device, actions in schedule.items():
+        for a in actions:
+            key = (a.stage, a.kind is Kind.B, a.microbatch)
+            if a.stage != device[0]:
+                problems.append(f"{a} is on device {device} of stage {device[0]}")
+            elif a.kind is Kind.B and not train:
+                problems.append(f"{a} is a backward in an inference schedule")
+            elif not 0 <= a.microbatch < num_microbatches or not 0 <= a.stage < num_stages:
+                problems.append(
+                    f"{a} is out of range ({num_stages} stages, {num_microbatches} micro-batches)"
+                )
+            elif key in seen:
+                problems.append(f"{a} appears twice (on {seen[key]} and {device})")
+            else:
+                seen[key] = device
+    for s in range(num_stages):
+        for mb in range(num_microbatches):
+            fwd, bwd = seen.get((s, False, mb)), seen.get((s, True, mb))
+            if fwd is None:
+                problems.append(f"{s}F{mb} is missing")
+            if train and bwd is None:
+                problems.append(f"{s}B{mb} is missing")
+            if train and fwd is not None and bwd is not None and fwd != bwd:
+                problems.append(f"{s}F{mb} on {fwd} but {s}B{mb} on {bwd}")
+    if problems:
+        more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ScheduleError("invalid schedule: " + "; ".join(problems[:10]) + more)
+
+
+def render(schedule: Schedule, marked: dict[Device, int] | None = None) -> str:
+    """Step-by-device grid, one row per device; ``marked[dev] = i`` brackets step i."""
+    marked = marked or {}
+    width = max((len(str(a)) for acts in schedule.values() for a in acts), default=3) + 2
+    steps = max((len(acts) for acts in schedule.values()), default=0)
+    lines = ["device  " + "".join(f"{i:^{width}}" for i in range(steps)).rstrip()]
+    for dev in sorted(schedule):
+        cells = [
+            f"[{a}]" if marked.get(dev) == i else f" {a} " for i, a in enumerate(schedule[dev])
+        ]
+        lines.append(f"{dev[0]},{dev[1]:<5} " + "".join(f"{c:^{width}}" for c in cells))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def _dependencies(a: Action, last: int) -> list[tuple[_Key, int]]:
+    """(action, boundary whose send time applies or -1) that ``a`` waits for."""
+    s, mb = a.stage, a.microbatch
+    if a.kind is Kind.F:
+        return [((s - 1, False, mb), s - 1)] if s else []
+    return [((s, False, mb), -1), ((s + 1, True, mb), s)] if s < last else [((s, False, mb), -1)]
+
+
+def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
+    """Play ``schedule`` against ``costs``.
+
+    Each device runs its actions in list order; an action starts once the device is free
+    and its dependencies are done: ``sF m`` (s > 0) needs ``(s-1)F m`` + ``send_ms[s-1]``;
+    ``sB m`` needs ``sF m`` and, below the last stage, ``(s+1)B m`` + ``send_ms[s]``.
+    Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
+    gradients for ``allreduce_ms``, starting when the group's last backward ends.
+    The number of micro-batches and train/inference are read from the schedule.
+    Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
+    """
+    p = len(costs.stages)
+    if len(costs.send_ms) != p - 1:
+        raise ScheduleError(
+            f"send_ms needs {p - 1} entries for {p} stages, got {len(costs.send_ms)}"
+        )
+    all_actions = [a for acts in schedule.values() for a in acts]
+    num_mb = max((a.microbatch for a in all_actions), default=-1) + 1
+    train = any(a.kind is Kind.B for a in all_actions)
+    validate(schedule, p, num_mb, train, replicas=[s.replicas for s in costs.stages])
+
+    end: dict[_Key, float] = {}
+    pos = dict.fromkeys(schedule, 0)
+    free = dict.fromkeys(schedule, 0.0)
+    inflight = dict.fromkeys(schedule, 0)
+    peak = dict.fromkeys(schedule, 0)
+    busy = dict.fromkeys(schedule, 0.0)
+    timeline: list[tuple[Device, Action, float, float]] = []
+    while len(end) < len(all_actions):
+        progressed = False
+        for dev, actions in schedule.items():
+            while pos[dev] < len(actions):
+                a = actions[pos[dev]]
+                deps = _dependencies(a, p - 1)
+                if any(d not in end for d, _ in deps):
+                    break
+                ready = max(
+                    (end[d] + (costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps), default=0.0
+                )
+                stage = costs.stages[a.stage]
+                duration = stage.forward_ms if a.kind is Kind.F else stage.backward_ms
+                start = max(free[dev], ready)
+                end[(a.stage, a.kind is Kind.B, a.microbatch)] = free[dev] = start + duration
+                busy[dev] += duration
+                timeline.append((dev, a, start, start + duration))
+                inflight[dev] += 1 if a.kind is Kind.F else -1
+                peak[dev] = max(peak[dev], inflight[dev])
+                pos[dev] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock_message(schedule, pos, end, p - 1))
+
+    finish = max(free.values(), default=0.0)
+    allreduce: dict[int, tuple[float, float]] = {}
+    if train:
+        for s, stage in enumerate(costs.stages):
+            if stage.allreduce_ms > 0:
+                t0 = max(free[(s, r)] for r in range(stage.replicas))
+                allreduce[s] = (t0, t0 + stage.allreduce_ms)
+                finish = max(finish, t0 + stage.allreduce_ms)
+
+    memory: dict[Device, float] = {}
+    for dev, actions in schedule.items():
+        stage = costs.stages[dev[0]]
+        stashed = peak[dev] if train else min(len(actions), 1)
+        memory[dev] = stage.static_bytes + stashed * stage.activation_bytes
+    if not train:
+        peak = dict.fromkeys(schedule, 0)
+    timeline.sort(key=lambda item: (item[2], item[0]))
+    return SimResult(
+        iteration_ms=finish,
+        throughput_per_s=num_mb / finish * 1000.0 if finish > 0 else float("inf"),
+        bubble_fraction=1.0 - sum(busy.values()) / (len(schedule) * finish) if finish else 0.0,
+        busy_ms=busy,
+        peak_inflight=peak,
+        peak_memory_bytes=memory,
+        timeline=timeline,
+        allreduce=allreduce,
+    )
+
+
+def _deadlock_message(
+    schedule: Schedule, pos: dict[Device, int], end: dict[_Key, float], last: int
+) -> str:
+    stuck = {dev: i for dev, i in pos.items() if i < len(schedule[dev])}
+    waits = []
+    for dev, i in sorted(stuck.items()):
+        a = schedule[dev][i]
+        missing = ", ".join(
+            str(Action(d[0], Kind.B if d[1] else Kind.F, d[2]))
+            for d, _ in _dependencies(a, last)
+            if d not in end
+        )
+        waits.append(f"device {dev} is stuck at {a} waiting for {missing}")
+    return (
+        "schedule deadlocks: no device can start its next action\n  "
+        + "\n  ".join(waits)
+        + "\nschedule (stuck actions in brackets):\n"
+        + render(schedule, stuck)
+    )
+
+
+# ------------------------------------------------------------------------- closed forms
+
+
+def bubble_closed_form(p: int, m: int) -> float:
+    """Bubble fraction of GPipe and 1F1B with p equal stages and m micro-batches:
+    ``(p-1) / (m+p-1)`` (Huang et al. 2019; Narayanan et al. 2021)."""
+    return (p - 1) / (m + p - 1)
+
+
+def pipeline_time_closed_form(t_max: float, p: int, m: int) -> float:
+    """Makespan ``(m+p-1) * t_max`` of p equal stages, each taking ``t_max`` per
+    micro-batch (``forward + backward`` in training), without communication."""
+    return (m + p - 1) * t_max
