@@ -15,12 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_partition.cost.cluster import Cluster, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
+from onnx_partition.plan import Plan, read_plan
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from onnx_partition.runtime.pipeline import StageFailed
+
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -28,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PartitionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StageFailed as exc:  # a stage raised or a worker died while running
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -49,13 +57,28 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("partition", help="cut a model into stage files and plan.json")
     p.add_argument("model", type=Path)
-    p.add_argument("--stages", "-s", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--stages", "-s", type=int,
+                   help="number of pipeline stages (with a cluster: fix the depth, else chosen)")
     p.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
     p.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
     _shape_args(p)
     p.add_argument("--bandwidth", type=float, default=10.0,
                    help="link bandwidth between stages in GB/s (default 10; 0 = free)")
     p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
+    p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
+                   help="how to sequence the DAG before the DP (default auto: try all, keep best)")
+    p.add_argument("--solver", default="dp", choices=("dp", "ilp"),
+                   help="dp (fast) or ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    g = p.add_argument_group("hybrid parallelism (stages x data-parallel replicas)")
+    g.add_argument("--devices", type=int, help="devices per machine: plan replicas per stage")
+    g.add_argument("--machines", type=int, default=1, help="machines (default 1)")
+    g.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: unlimited)")
+    g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"))
+    g.add_argument("--cluster", type=Path, help="cluster.json (overrides the options above)")
+    g.add_argument("--mode", default="infer", choices=("infer", "train"),
+                   help="infer: forward only; train: forward, backward, all-reduce, 1F1B memory")
+    g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument("--force", action="store_true",
                    help="replace an output folder that is not an earlier plan")
     p.set_defaults(func=_partition)
@@ -67,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads-per-stage", type=int, default=1)
+    p.add_argument("--nproc", type=int,
+                   help="run one process per stage replica over torch.distributed (gloo on "
+                        "CPU, NCCL on GPUs) instead of threads; must equal the plan's replicas")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="feed an input from a .npy file (repeatable); others are random")
     p.add_argument("--check", action="store_true",
@@ -124,8 +150,10 @@ def _partition(args: argparse.Namespace) -> int:
     from onnx_partition.partition import Link, partition
     from onnx_partition.report import plan_table
 
-    if args.stages < 1:
+    if args.stages is not None and args.stages < 1:
         raise PartitionError(f"--stages must be at least 1, got {args.stages}")
+    if args.microbatches < 1:
+        raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
     plan = partition(
         args.model,
         args.stages,
@@ -134,6 +162,12 @@ def _partition(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         batch_size=args.batch_size,
         link=Link(args.bandwidth, args.latency),
+        cluster=_cluster(args),
+        mode=args.mode,
+        microbatches=args.microbatches,
+        ordering=args.order,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
         force=args.force,
     )
     print(plan_table(plan))
@@ -142,13 +176,27 @@ def _partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> Cluster | None:
+    """The cluster the options describe, or None for a plain pipeline of --stages devices."""
+    if args.cluster is not None:
+        return load_cluster(args.cluster)
+    if args.devices is None:
+        if args.mode == "train" or args.device_memory:
+            raise PartitionError("--mode train and --device-memory need --devices N or --cluster")
+        return None
+    if args.devices < 1 or args.machines < 1:
+        raise PartitionError("--devices and --machines must be at least 1")
+    memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
+    return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
+                   kind=args.device_kind)
+
+
 def _run(args: argparse.Namespace) -> int:
     from onnx_partition.runtime import PipelineSession
-    from onnx_partition.runtime.check import compare, random_feeds, whole_model_outputs
+    from onnx_partition.runtime.check import random_feeds
 
-    session = PipelineSession(args.plan, microbatches=args.microbatches,
-                              threads_per_stage=args.threads_per_stage)
-    feeds = random_feeds(session.plan, batch_size=args.batch_size, seed=args.seed)
+    plan = read_plan(args.plan)
+    feeds = random_feeds(plan, batch_size=args.batch_size, seed=args.seed)
     for item in args.input:
         name, sep, file = item.partition("=")
         if not sep or name not in feeds:
@@ -158,6 +206,10 @@ def _run(args: argparse.Namespace) -> int:
             feeds[name] = np.load(file)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    if args.nproc is not None:
+        return _run_distributed(args, plan, feeds)
+    session = PipelineSession(args.plan, microbatches=args.microbatches,
+                              threads_per_stage=args.threads_per_stage)
     rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
     for _ in range(args.warmup):
         outputs = session.run(None, feeds)
@@ -175,12 +227,34 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  stage {stage} replica {replica}: busy {ms / iters:.2f} ms per batch "
               f"({ms / (seconds * 1000) * 100:.0f}% of wall)")
     if args.check:
-        expected = whole_model_outputs(args.plan, session.plan, feeds)
-        worst = compare(dict(zip(session.get_outputs(), outputs)), expected)
-        verdict = "OK" if worst <= 1e-5 else "MISMATCH"
-        print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
-        return 0 if verdict == "OK" else 1
+        return _check(args.plan, plan, feeds, dict(zip(session.get_outputs(), outputs)))
     return 0
+
+
+def _run_distributed(
+    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray]
+) -> int:
+    from onnx_partition.runtime.distributed import format_stats, run_distributed
+
+    outputs, stats = run_distributed(
+        args.plan, feeds, nproc=args.nproc, microbatches=args.microbatches,
+        iterations=max(1, args.warmup + args.iterations),
+        threads_per_stage=args.threads_per_stage,
+    )
+    print(format_stats(stats))
+    return _check(args.plan, plan, feeds, outputs) if args.check else 0
+
+
+def _check(
+    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]
+) -> int:
+    """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
+    from onnx_partition.runtime.check import compare, whole_model_outputs
+
+    worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds))
+    verdict = "OK" if worst <= 1e-5 else "MISMATCH"
+    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
+    return 0 if verdict == "OK" else 1
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -12,49 +12,43 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import NodeCosts, annotate
+from onnx_partition.cost.cluster import Cluster
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.order.topo import cut_bytes
 from onnx_partition.plan import Plan, Predicted, Stage
-from onnx_partition.solve.dp import split_sequence, stage_times
+from onnx_partition.solve.ilp import solve_ilp
+from onnx_partition.solve.planner import RunSpec, node_arrays, plan_cluster
+from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.search import best_split
+
+SOLVERS = ("dp", "ilp")
 
 
-@dataclass(frozen=True)
-class Flow:
-    """The DAG as plain arrays over the cut (non-free) nodes, numbered 0..n-1.
-
-    ``producer[t]`` is -1 for a graph input; ``nodes[i]`` is the OpGraph index of node i.
-    """
-
-    nodes: list[int]
-    compute_ms: list[float]
-    producer: list[int]
-    consumers: list[list[int]]
-    is_output: list[bool]
-    nbytes: list[float]
-    names: list[str]
-
-
-def flow_of(graph: OpGraph, forward_ms: Sequence[float]) -> Flow:
-    """Plain arrays of ``graph`` for the solvers."""
+def dag_problem(
+    graph: OpGraph, forward_ms: Sequence[float], link: Link
+) -> tuple[DagProblem, list[int]]:
+    """The solvers' view of ``graph``: plain arrays over the cut (non-free) nodes, numbered
+    0..n-1 in the graph's topological order; also the OpGraph index of each."""
     nodes = graph.compute_nodes
     local = {g: i for i, g in enumerate(nodes)}
     names = list(graph.tensors)
     outputs = set(graph.outputs)
-    return Flow(
-        nodes=nodes,
+    problem = DagProblem(
         compute_ms=[forward_ms[g] for g in nodes],
         producer=[local.get(graph.tensors[t].producer, -1) for t in names],
         consumers=[[local[c] for c in graph.tensors[t].consumers] for t in names],
         is_output=[t in outputs for t in names],
         nbytes=[float(graph.tensors[t].nbytes) for t in names],
-        names=names,
+        bandwidth_bytes_per_ms=link.bytes_per_ms,
+        latency_ms=link.latency_ms,
     )
+    return problem, nodes
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ class Link:
 
 def partition(
     model: str | os.PathLike[str],
-    num_stages: int,
+    num_stages: int | None,
     out: str | os.PathLike[str],
     *,
     costs: str | os.PathLike[str] | None = None,
@@ -79,43 +73,177 @@ def partition(
     batch_size: int | None = None,
     device: DeviceSpec | None = None,
     link: Link | None = None,
+    cluster: Cluster | None = None,
+    mode: str = "infer",
+    microbatches: int = 8,
+    ordering: str = "auto",
+    solver: str = "dp",
+    time_limit_s: float = 60.0,
     force: bool = False,
     check: bool = True,
 ) -> Plan:
-    """Cut ``model`` into ``num_stages`` pipeline stages and write them with plan.json to ``out``.
+    """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
+    Without a ``cluster``: exactly ``num_stages`` stages, one device each, slowest stage
+    minimised. With one: stages *and* replicas per stage on its devices (``num_stages`` then
+    fixes the depth, or ``None`` lets the planner choose), fastest simulated iteration of
+    ``microbatches`` micro-batches in ``mode`` ("infer" or "train") within device memory.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
+    if mode not in ("infer", "train"):
+        raise PartitionError(f"mode must be infer or train, got {mode!r}")
     graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
     node_costs = annotate(graph, device=device, costs_path=costs)
-    plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link())
+    if cluster is None:
+        if num_stages is None:
+            raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
+        plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
+                                 ordering=ordering, solver=solver, time_limit_s=time_limit_s)
+    else:
+        if solver != "dp":
+            raise PartitionError("the ILP solver plans pipelines without replicas: drop the "
+                                 "cluster options or use --solver dp")
+        plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
+                                     mode=mode, microbatches=microbatches)
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
 
 
 def plan_stages(
-    graph: OpGraph, node_costs: NodeCosts, num_stages: int, *, link: Link
+    graph: OpGraph,
+    node_costs: NodeCosts,
+    num_stages: int,
+    *,
+    link: Link,
+    ordering: str = "auto",
+    solver: str = "dp",
+    time_limit_s: float = 60.0,
 ) -> tuple[Plan, list[StageCut]]:
-    """Order the graph topologically, cut the order by DP, and describe the stages."""
-    flow = flow_of(graph, node_costs.forward_ms)
-    n = len(flow.nodes)
+    """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
+    from there, and describe the stages."""
+    problem, nodes = dag_problem(graph, node_costs.forward_ms, link)
+    _check_stages(num_stages, problem.num_nodes)
+    if solver not in SOLVERS:
+        raise PartitionError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    best, candidates = best_split(problem, num_stages, ordering)
+    local_stage = best.stage_of
+    extra: dict[str, Any] = {
+        "candidates": {c.ordering: {"dp_ms": round(c.dp_ms, 6),
+                                    "refined_ms": round(c.refined_ms, 6),
+                                    "positions": c.positions, "seconds": round(c.seconds, 4)}
+                       for c in candidates},
+        "link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_ms": link.latency_ms},
+    }
+    if solver == "ilp":
+        try:
+            result = solve_ilp(problem, num_stages, time_limit_s=time_limit_s, hint=local_stage)
+        except PartitionError as exc:  # no solution within the limit: keep the DP's plan
+            extra["ilp"] = {"error": str(exc), "fallback": "dp"}
+        else:
+            local_stage = result.stage_of
+            extra["ilp"] = {"optimal": result.optimal, "bottleneck_ms": result.bottleneck_ms,
+                            "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
+                            "seconds": round(result.wall_s, 3)}
+    times = problem.stage_times(local_stage, num_stages)
+    compute = [0.0] * num_stages
+    for i, k in enumerate(local_stage):
+        compute[k] += problem.compute_ms[i]
+    comm = [t - c for t, c in zip(times, compute)]
+    bottleneck = max(times)
+    predicted = {
+        "bottleneck_ms": round(bottleneck, 6),
+        "throughput_per_s": round(1000.0 / bottleneck, 3) if bottleneck > 0 else math.inf,
+        "total_compute_ms": round(sum(compute), 6),
+    }
+    return _describe(graph, node_costs, nodes, local_stage, compute, comm,
+                     replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
+                     memory=None, ordering=best.ordering, solver=solver, mode="infer",
+                     predicted=predicted, extra=extra)
+
+
+def plan_on_cluster(
+    graph: OpGraph,
+    node_costs: NodeCosts,
+    cluster: Cluster,
+    *,
+    num_stages: int | None = None,
+    mode: str = "infer",
+    microbatches: int = 8,
+) -> tuple[Plan, list[StageCut]]:
+    """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
+    link = Link(cluster.intra.bandwidth_gbps, cluster.intra.latency_ms)
+    problem, nodes = dag_problem(graph, node_costs.forward_ms, link)
+    if num_stages is not None:
+        _check_stages(num_stages, problem.num_nodes)
+        if num_stages > cluster.devices:
+            raise PartitionError(f"--stages {num_stages} needs at least {num_stages} devices; "
+                                 f"the cluster has {cluster.devices}")
+    arrays = node_arrays(
+        problem, [node_costs.backward_ms[g] for g in nodes],
+        [float(graph.nodes[g].param_bytes) for g in nodes],
+        [graph.nodes[g].key for g in nodes],
+    )
+    run = RunSpec(cluster, train=mode == "train", microbatches=microbatches,
+                  max_stages=max(16, num_stages or 0))
+    best, per_ordering = plan_cluster(problem, arrays, run, num_stages=num_stages)
+    k_stages = best.num_stages
+    compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
+    sends = list(best.costs.send_ms)
+    factor = 2.0 if run.train else 1.0
+    comm = [factor * ((sends[k - 1] if k > 0 else 0.0) + (sends[k] if k < k_stages - 1 else 0.0))
+            for k in range(k_stages)]
+    sim = best.sim
+    predicted = {
+        "iteration_ms": round(sim.iteration_ms, 6),
+        "throughput_per_s": round(sim.throughput_per_s, 3),
+        "bubble_fraction": round(sim.bubble_fraction, 4),
+        "microbatches": microbatches,
+        "bottleneck_ms": round(max(
+            (c + m) / s.replicas + s.allreduce_ms / microbatches
+            for c, m, s in zip(compute, comm, best.costs.stages)), 6),
+        "total_compute_ms": round(sum(problem.compute_ms) / cluster.speed, 6),
+        "devices_used": sum(best.replicas),
+    }
+    extra: dict[str, Any] = {
+        "cluster": cluster.to_json(),
+        "orderings": {k: round(v, 6) for k, v in per_ordering.items()},
+        "planning_s": round(best.planning_s, 4),
+        "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
+    }
+    return _describe(graph, node_costs, nodes, best.stage_of, compute, comm,
+                     replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
+                     ordering=best.source.partition(":")[2], solver="hybrid-dp", mode=mode,
+                     predicted=predicted, extra=extra)
+
+
+def _check_stages(num_stages: int, n: int) -> None:
     if not 1 <= num_stages <= n:
         raise PartitionError(
             f"--stages {num_stages} is not possible: the model has {n} operators to cut"
         )
-    order = list(range(n))  # graph.nodes is already a topological order
-    cuts_b = cut_bytes(order, flow.producer, flow.consumers, flow.is_output, flow.nbytes)
-    compute = [flow.compute_ms[i] for i in order]
-    split = split_sequence(compute, cuts_b, num_stages, bandwidth_bytes_per_ms=link.bytes_per_ms,
-                           latency_ms=link.latency_ms)
-    stage_of = {
-        flow.nodes[order[pos]]: k
-        for k, (i, j) in enumerate(zip(split.bounds, split.bounds[1:]))
-        for pos in range(i, j)
-    }
-    cuts = cut_stages(graph, stage_of, num_stages)
-    compute_only = stage_times(compute, [0.0] * (n + 1), split.bounds)
+
+
+def _describe(
+    graph: OpGraph,
+    node_costs: NodeCosts,
+    nodes: list[int],
+    local_stage: Sequence[int],
+    compute: Sequence[float],
+    comm: Sequence[float],
+    *,
+    replicas: Sequence[int],
+    devices: Sequence[Sequence[str]],
+    memory: Sequence[float] | None,
+    ordering: str,
+    solver: str,
+    mode: str,
+    predicted: dict[str, Any],
+    extra: dict[str, Any],
+) -> tuple[Plan, list[StageCut]]:
+    """The Plan and stage cuts of an assignment of the solvers' nodes to stages."""
+    num_stages = len(replicas)
+    cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
     stages = []
     for k, cut in enumerate(cuts):
         params = sum(graph.initializer_bytes[t] for t in cut.initializers)
@@ -126,30 +254,30 @@ def plan_stages(
             nodes=[graph.nodes[i].key for i in cut.nodes],
             inputs=cut.inputs,
             outputs=cut.outputs,
+            replicas=replicas[k],
+            devices=list(devices[k]),
             constants=[graph.nodes[i].key for i in cut.constants],
             predicted=Predicted(
-                compute_ms=round(compute_only[k], 6),
-                comm_ms=round(split.stage_ms[k] - compute_only[k], 6),
-                memory_bytes=params + io,
+                compute_ms=round(compute[k], 6),
+                comm_ms=round(comm[k], 6),
+                memory_bytes=int(memory[k]) if memory is not None else params + io,
             ),
         ))
     inputs, outputs = io_specs(graph)
-    bottleneck = split.bottleneck_ms
     plan = Plan(
         model=str(graph.path) if graph.path else "",
         stages=stages,
         inputs=inputs,
         outputs=outputs,
-        predicted={
-            "bottleneck_ms": round(bottleneck, 6),
-            "throughput_per_s": round(1000.0 / bottleneck, 3) if bottleneck > 0 else math.inf,
-            "total_compute_ms": round(sum(compute), 6),
-        },
+        mode=mode,
+        ordering=ordering,
+        solver=solver,
+        predicted=predicted,
         extra={
+            **extra,
             "version": __version__,
             "costs": {"source": node_costs.source, "measured_nodes": node_costs.measured},
             "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
-            "link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_ms": link.latency_ms},
             "unknown_size_tensors": len(graph.unknown_size),
         },
     )

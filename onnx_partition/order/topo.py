@@ -50,3 +50,88 @@ def is_topological(order: Sequence[int], producer: Sequence[int],
         for t in range(len(producer)) if producer[t] >= 0
         for c in consumers[t]
     )
+
+
+def successors(
+    n: int, producer: Sequence[int], consumers: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Node -> sorted distinct consumer nodes of its outputs."""
+    succ: list[set[int]] = [set() for _ in range(n)]
+    for t, prod in enumerate(producer):
+        if prod >= 0:
+            succ[prod].update(c for c in consumers[t] if c != prod)
+    return [sorted(s) for s in succ]
+
+
+def depth_first_order(
+    n: int, producer: Sequence[int], consumers: Sequence[Sequence[int]]
+) -> list[int]:
+    """A topological order that finishes a branch before starting the next (LIFO ready set).
+
+    After a fork, one branch runs to the join before the next begins, so parallel branches stay
+    contiguous and a cut inside a fork-join region crosses few of its tensors.
+    """
+    succ = successors(n, producer, consumers)
+    indegree = [0] * n
+    for node in range(n):
+        for s in succ[node]:
+            indegree[s] += 1
+    stack = [v for v in range(n - 1, -1, -1) if indegree[v] == 0]
+    order: list[int] = []
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        for s in reversed(succ[node]):
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                stack.append(s)
+    assert len(order) == n, "the graph has a cycle"
+    return order
+
+
+def min_live_order(
+    n: int,
+    producer: Sequence[int],
+    consumers: Sequence[Sequence[int]],
+    nbytes: Sequence[float],
+    is_output: Sequence[bool],
+) -> list[int]:
+    """A greedy topological order keeping the bytes alive at each position low.
+
+    Among the ready nodes it runs the one whose step grows the live set least: the bytes it
+    makes (that anyone needs) minus the bytes of inputs it is the last consumer of. Ties go to
+    the earliest node. The live set at a position is what a cut there must send.
+    """
+    succ = successors(n, producer, consumers)
+    made: list[list[int]] = [[] for _ in range(n)]
+    reads: list[list[int]] = [[] for _ in range(n)]
+    for t, prod in enumerate(producer):
+        if prod >= 0:
+            made[prod].append(t)
+        for c in set(consumers[t]):
+            reads[c].append(t)
+    pending = [len(set(c)) for c in consumers]  # consumers of each tensor still to run
+    indegree = [0] * n
+    for node in range(n):
+        for s in succ[node]:
+            indegree[s] += 1
+    ready = {v for v in range(n) if indegree[v] == 0}
+    order: list[int] = []
+
+    def growth(v: int) -> float:
+        grown = sum(nbytes[t] for t in made[v] if consumers[t] or is_output[t])
+        freed = sum(nbytes[t] for t in reads[v] if pending[t] == 1 and not is_output[t])
+        return grown - freed
+
+    while ready:
+        node = min(ready, key=lambda v: (growth(v), v))
+        ready.remove(node)
+        order.append(node)
+        for t in reads[node]:
+            pending[t] -= 1
+        for s in succ[node]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                ready.add(s)
+    assert len(order) == n, "the graph has a cycle"
+    return order

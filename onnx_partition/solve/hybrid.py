@@ -1,0 +1,257 @@
+"""Hybrid-parallel planning: stage boundaries *and* data-parallel replicas per stage, by DP.
+
+Input is a sequence (operators or clustered blocks) with per-position costs; output is a list of
+stages ``(start, end, replicas)``. A stage ``[i, j)`` on ``r`` replicas, the ``q``-th stage from
+the pipeline's end, costs per micro-batch (its *period*, PipeDream's replicated-stage model,
+Narayanan et al., SOSP 2019, with the transfers of every tensor crossing its boundaries counted):
+
+    latency L = F + comm                       (infer)
+              = F + B + 2 comm                 (train: activations forward, gradients back)
+    period  P = L / r + allreduce / M          (replicas take micro-batches in turn; the ring
+    allreduce = 2 (r-1)/r W / bw + 2 (r-1) lat  all-reduce of W gradient bytes once per iteration)
+
+and needs per device (1F1B keeps ``min(q, M)`` micro-batches of activations in flight at the
+``q``-th stage from the end, Narayanan et al. 2021; Adam keeps ~4x the fp32 parameters):
+
+    memory = opt * W + min(q, M) * A           (train)
+           = W + A                             (infer)
+
+The DP runs over suffixes with the number of stages in the state, because the in-flight count
+depends on it (table shape written as in Alpa's ``training_dp_impl``)::
+
+    g[q, i, d] = min over j > i, r <= d - (q - 1) of max(P(i, j, r, q), g[q-1, j, d-r])
+
+``g[q, i, d]``: the smallest bottleneck period of the suffix ``[i, n)`` cut into exactly ``q``
+stages on at most ``d`` devices, every stage within memory; ``g[0, n, d] = 0``. Replica counts
+are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small. Every ``q``
+gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
+and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx_partition.errors import PartitionError
+
+
+@dataclass(frozen=True)
+class SequenceCosts:
+    """Per-position costs of a sequence (plain arrays; positions are operators or blocks)."""
+
+    forward_ms: Sequence[float]
+    backward_ms: Sequence[float]
+    param_bytes: Sequence[float]
+    activation_bytes: Sequence[float]  # stashed per micro-batch for the backward pass
+    cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0 (see order.topo.cut_bytes)
+    labels: Sequence[str] = ()  # a name per position, for messages
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The cluster and the run, as numbers."""
+
+    devices: int
+    memory_bytes: float = math.inf
+    microbatches: int = 8
+    train: bool = False
+    speed: float = 1.0
+    link_bytes_per_ms: float = math.inf  # between neighbouring stages
+    link_latency_ms: float = 0.0
+    group_bytes_per_ms: Sequence[float] = ()  # all-reduce bandwidth for r replicas (index r)
+    group_latency_ms: Sequence[float] = ()
+    optimizer_factor: float = 4.0  # parameters + gradients + Adam moments, in parameter bytes
+    max_stages: int = 16
+
+
+@dataclass(frozen=True)
+class HybridStage:
+    start: int
+    end: int
+    replicas: int
+    latency_ms: float  # one micro-batch through one replica (fwd [+ bwd] + transfers)
+    compute_ms: float
+    comm_ms: float
+    allreduce_ms: float
+    memory_bytes: float  # per device
+    period_ms: float
+
+
+def replica_choices(devices: int) -> list[int]:
+    """1..8 and the powers of two up to ``devices``."""
+    small = list(range(1, min(devices, 8) + 1))
+    return small + [2**k for k in range(4, devices.bit_length()) if 2**k <= devices]
+
+
+class _Tables:
+    """Every stage's costs as (n + 1) x (n + 1) matrices over (start, end); invalid pairs inf."""
+
+    def __init__(self, costs: SequenceCosts, config: HybridConfig) -> None:
+        n = len(costs.forward_ms)
+        self.n, self.c = n, config
+
+        def span(values: Sequence[float]) -> np.ndarray:
+            prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+            return prefix[None, :] - prefix[:, None]  # [i, j] = sum over [i, j)
+
+        cut = np.asarray(costs.cut_bytes, dtype=float) / config.link_bytes_per_ms
+        cut = cut + config.link_latency_ms
+        cut[0] = cut[n] = 0.0
+        self.compute = span(costs.forward_ms) / config.speed
+        self.comm = cut[:, None] + cut[None, :]
+        if config.train:
+            self.compute = self.compute + span(costs.backward_ms) / config.speed
+            self.comm = 2.0 * self.comm
+        self.params = span(costs.param_bytes)
+        self.acts = span(costs.activation_bytes)
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        self.latency = np.where(valid, self.compute + self.comm, np.inf)
+        self.choices = replica_choices(config.devices)
+        # period[c, i, j]: stage [i, j) on choices[c] replicas
+        self.period = np.stack([self.latency / r + self.allreduce(r) / config.microbatches
+                                for r in self.choices])
+
+    def allreduce(self, r: int) -> np.ndarray:
+        c = self.c
+        if not c.train or r == 1:
+            return np.zeros_like(self.params)
+        bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
+        lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
+        return 2.0 * (r - 1) / r * self.params / bw + 2.0 * (r - 1) * lat
+
+    def memory(self, q: int) -> np.ndarray:
+        """Bytes per device of every stage placed ``q``-th from the pipeline's end."""
+        c = self.c
+        if c.train:
+            return c.optimizer_factor * self.params + min(q, c.microbatches) * self.acts
+        return self.params + self.acts
+
+    def stage(self, i: int, j: int, r: int, q: int) -> HybridStage:
+        allreduce = float(self.allreduce(r)[i, j])
+        latency = float(self.latency[i, j])
+        return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
+                           allreduce, float(self.memory(q)[i, j]),
+                           latency / r + allreduce / self.c.microbatches)
+
+
+def _fewest_devices(
+    tables: _Tables, tau: float, max_q: int, fits: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
+    memory; with the chosen end and replica count per (q, i)."""
+    n = tables.n
+    ok = tables.period <= tau
+    first = np.argmax(ok, axis=0)  # smallest replica choice meeting tau
+    reps = np.where(ok.any(axis=0), np.asarray(tables.choices)[first], np.inf)
+    h = np.full((max_q + 1, n + 1), np.inf)
+    h[0, n] = 0.0
+    end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
+    rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
+    for q in range(1, max_q + 1):
+        cand = np.where(fits[q], reps, np.inf) + h[q - 1][None, :]
+        end[q] = np.argmin(cand, axis=1)
+        h[q] = cand[np.arange(n + 1), end[q]]
+        rep[q] = np.where(np.isfinite(h[q]), reps[np.arange(n + 1), end[q]], 0)
+    return h, end, rep
+
+
+def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
+    """Candidate plans, best bottleneck period first: for the smallest reachable bottleneck and
+    a few looser ones, every pipeline depth that fits on the devices. The caller scores them
+    with the event simulator (fill and drain included) and keeps the fastest.
+
+    Bisection on the bottleneck period ``tau``; for a fixed ``tau`` the fewest devices per
+    suffix and depth is a shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``).
+    Raises :class:`PartitionError` naming the stage that runs out of memory, and by how much,
+    when nothing fits.
+    """
+    n, devices = len(costs.forward_ms), config.devices
+    if devices < 1:
+        raise PartitionError(f"need at least one device, got {devices}")
+    if len(costs.cut_bytes) != n + 1:
+        raise ValueError(f"cut_bytes needs {n + 1} entries, got {len(costs.cut_bytes)}")
+    tables = _Tables(costs, config)
+    max_q = min(config.max_stages, devices, n)
+    fits = [np.zeros(0, dtype=bool)] + [
+        tables.memory(q) <= config.memory_bytes for q in range(1, max_q + 1)
+    ]
+
+    def feasible(tau: float) -> bool:
+        h, _, _ = _fewest_devices(tables, tau, max_q, fits)
+        return bool(h[1:, 0].min() <= devices)
+
+    finite = tables.period[np.isfinite(tables.period)]
+    lo, hi = 0.0, float(finite.max()) if finite.size else 0.0
+    if not feasible(hi):
+        raise PartitionError(_memory_report(tables, config, max_q, costs.labels))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+
+    plans: list[list[HybridStage]] = []
+    seen: set[tuple[tuple[int, int, int], ...]] = set()
+    for slack in (1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0):
+        h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
+        for q in range(1, max_q + 1):
+            if h[q, 0] > devices:
+                continue
+            stages, i = [], 0
+            for left in range(q, 0, -1):
+                j, r = int(end[left, i]), int(rep[left, i])
+                stages.append(tables.stage(i, j, r, left))
+                i = j
+            assert i == n
+            key = tuple((s.start, s.end, s.replicas) for s in stages)
+            if key not in seen:
+                seen.add(key)
+                plans.append(stages)
+    plans.sort(key=lambda p: max(s.period_ms for s in p))
+    return plans
+
+
+def _memory_report(
+    tables: _Tables, config: HybridConfig, max_q: int, labels: Sequence[str]
+) -> str:
+    """Why nothing fits: the split with the smallest peak memory per device, its fullest stage,
+    and by how much it is over (``low[q, i] = min_j max(memory_q(i, j), low[q-1, j])``)."""
+    n = tables.n
+    low = np.full((max_q + 1, n + 1), np.inf)
+    low[0, n] = 0.0
+    end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
+    for q in range(1, max_q + 1):
+        cand = np.maximum(np.where(np.isfinite(tables.latency), tables.memory(q), np.inf),
+                          low[q - 1][None, :])
+        end[q] = np.argmin(cand, axis=1)
+        low[q] = cand[np.arange(n + 1), end[q]]
+    depth = int(np.argmin(low[1:, 0])) + 1
+    i, worst = 0, (-1.0, 0, 0)
+    for left in range(depth, 0, -1):
+        j = int(end[left, i])
+        need = float(tables.memory(left)[i, j])
+        worst = max(worst, (need, i, j))
+        i = j
+    need, lo, hi = worst
+    name = (labels[lo] if hi == lo + 1 else f"{labels[lo]} to {labels[hi - 1]}") if labels else (
+        f"positions {lo}..{hi - 1}")
+    return (
+        f"no plan fits in {format_bytes(config.memory_bytes)} per device: even the split with "
+        f"the least memory ({depth} stages) needs {format_bytes(need)} per device for "
+        f"{name}, {format_bytes(need - config.memory_bytes)} over"
+    )
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1.5e9`` -> ``1.50 GB`` (decimal units)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

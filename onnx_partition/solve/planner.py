@@ -1,0 +1,248 @@
+"""Hybrid-parallel planning over the DAG: sequences -> blocks -> hybrid DP -> simulated choice.
+
+For each ordering the DAG is sequenced, coarsened into at most :data:`MAX_POSITIONS` blocks
+(narrow points first, see :mod:`onnx_partition.order.cluster`), and handed to the hybrid DP
+(:mod:`.hybrid`), which proposes plans of several pipeline depths. Every proposal, and any
+baseline, is scored the same way: the event simulator plays its schedule (1F1B for training,
+forward streaming for inference) over ``M`` micro-batches, fill and drain included. The fastest
+plan wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx_partition.cost.cluster import Cluster
+from onnx_partition.errors import PartitionError
+from onnx_partition.order.cluster import cluster_blocks
+from onnx_partition.order.topo import cut_bytes
+from onnx_partition.simulate import (
+    PipelineCosts,
+    SimResult,
+    StageCosts,
+    inference,
+    one_f_one_b,
+    simulate,
+)
+from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid, replica_choices
+from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.search import sequence_for
+
+#: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
+MAX_POSITIONS = 400
+HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
+
+
+@dataclass(frozen=True)
+class NodeArrays:
+    """What the hybrid planner needs per node, besides the DAG (plain arrays)."""
+
+    backward_ms: Sequence[float]
+    param_bytes: Sequence[float]
+    activation_bytes: Sequence[float]  # bytes of the node's outputs, stashed per micro-batch
+    names: Sequence[str] = ()  # node keys, for messages
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How the plan will run: cluster, mode and micro-batches per iteration."""
+
+    cluster: Cluster
+    train: bool = False
+    microbatches: int = 8
+    optimizer_factor: float = 4.0
+    max_stages: int = 16
+
+
+@dataclass
+class HybridPlan:
+    """A scored plan: node -> stage, replicas and devices per stage, simulation result."""
+
+    stage_of: list[int]
+    replicas: list[int]
+    devices: list[list[str]]
+    sim: SimResult
+    costs: PipelineCosts
+    memory_bytes: list[float]
+    source: str  # "dp:<ordering>" or a baseline's name
+    planning_s: float = 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+
+def node_arrays(problem: DagProblem, backward_ms: Sequence[float],
+                param_bytes: Sequence[float], names: Sequence[str] = ()) -> NodeArrays:
+    """Per-node activation bytes (its output tensors) alongside the given arrays."""
+    acts = [0.0] * problem.num_nodes
+    for t, prod in enumerate(problem.producer):
+        if prod >= 0:
+            acts[prod] += problem.nbytes[t]
+    return NodeArrays(list(backward_ms), list(param_bytes), acts, list(names))
+
+
+def assign_devices(cluster: Cluster, replicas: Sequence[int]) -> list[list[str]]:
+    """Stage replicas to device ids, machine-major in pipeline order: a stage's replicas and
+    neighbouring stages sit on neighbouring devices, so on the same machine where they fit."""
+    if sum(replicas) > cluster.devices:
+        raise PartitionError(f"the plan needs {sum(replicas)} devices; the cluster has "
+                             f"{cluster.devices}")
+    devices, next_device = [], 0
+    for r in replicas:
+        devices.append([cluster.device_name(next_device + k) for k in range(r)])
+        next_device += r
+    return devices
+
+
+def pipeline_costs(
+    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
+    run: RunSpec,
+) -> tuple[PipelineCosts, list[float]]:
+    """Simulator costs of an assignment, and each stage's memory per device."""
+    num_stages = len(replicas)
+    cluster = run.cluster
+    fwd = np.zeros(num_stages)
+    bwd = np.zeros(num_stages)
+    params = np.zeros(num_stages)
+    acts = np.zeros(num_stages)
+    for v, k in enumerate(stage_of):
+        fwd[k] += problem.compute_ms[v] / cluster.speed
+        bwd[k] += arrays.backward_ms[v] / cluster.speed
+        params[k] += arrays.param_bytes[v]
+        acts[k] += arrays.activation_bytes[v]
+    cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
+    link = cluster.intra
+    send = [b / link.bytes_per_ms + link.latency_ms for b in cross]
+    stages, memory = [], []
+    for k, r in enumerate(replicas):
+        group = cluster.link(r)
+        allreduce = 0.0
+        if run.train and r > 1:
+            allreduce = (2.0 * (r - 1) / r * params[k] / group.bytes_per_ms
+                         + 2.0 * (r - 1) * group.latency_ms)
+        static = run.optimizer_factor * params[k] if run.train else params[k]
+        stages.append(StageCosts(float(fwd[k]), float(bwd[k]) if run.train else 0.0, r,
+                                 allreduce, float(acts[k]), float(static)))
+        inflight = min(num_stages - k, run.microbatches) if run.train else 1
+        memory.append(float(static + inflight * acts[k]))
+    return PipelineCosts(stages, send), memory
+
+
+def score(
+    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
+    run: RunSpec, source: str,
+) -> HybridPlan:
+    """Simulate an assignment: the one yardstick for the DP's plans and every baseline."""
+    costs, memory = pipeline_costs(problem, arrays, stage_of, replicas, run)
+    builder = one_f_one_b if run.train else inference
+    schedule = builder(len(replicas), run.microbatches, list(replicas))
+    sim = simulate(schedule, costs)
+    return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
+                      sim, costs, memory, source)
+
+
+def _coarse_blocks(
+    order: list[int], problem: DagProblem, cuts: np.ndarray, devices: int
+) -> list[int]:
+    """Allowed boundaries of ``order``: narrow-point blocks, merged down to MAX_POSITIONS."""
+    blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
+                            problem.compute_ms, max(1, min(devices, 16)))
+    bounds = blocks.bounds
+    if len(bounds) - 1 <= MAX_POSITIONS:
+        return bounds
+    prefix = np.concatenate([[0.0], np.cumsum([problem.compute_ms[v] for v in order])])
+    target = prefix[-1] / MAX_POSITIONS
+    kept = [0]
+    for b in bounds[1:-1]:
+        if prefix[b] - prefix[kept[-1]] >= target:
+            kept.append(b)
+    kept.append(len(order))
+    return kept
+
+
+def dp_candidates(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
+    num_stages: int | None = None,
+) -> list[HybridPlan]:
+    """The hybrid DP's proposals for one ordering, each scored by simulation."""
+    order = sequence_for(problem, ordering)
+    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
+                     problem.nbytes)
+    bounds = _coarse_blocks(order, problem, cuts, run.cluster.devices)
+
+    def per_block(values: Sequence[float]) -> list[float]:
+        prefix = np.concatenate([[0.0], np.cumsum([values[v] for v in order])])
+        return list(np.diff(prefix[np.asarray(bounds)]))
+
+    cluster = run.cluster
+    choices = replica_choices(cluster.devices)
+    group_bw = [math.inf] * (cluster.devices + 1)
+    group_lat = [0.0] * (cluster.devices + 1)
+    for r in choices:
+        group_bw[r] = cluster.link(r).bytes_per_ms
+        group_lat[r] = cluster.link(r).latency_ms
+    config = HybridConfig(
+        devices=cluster.devices,
+        memory_bytes=cluster.memory_bytes,
+        microbatches=run.microbatches,
+        train=run.train,
+        speed=cluster.speed,
+        link_bytes_per_ms=cluster.intra.bytes_per_ms,
+        link_latency_ms=cluster.intra.latency_ms,
+        group_bytes_per_ms=group_bw,
+        group_latency_ms=group_lat,
+        optimizer_factor=run.optimizer_factor,
+        max_stages=num_stages or run.max_stages,
+    )
+    labels: list[str] = []
+    if arrays.names:
+        for lo, hi in itertools.pairwise(bounds):
+            first, last = arrays.names[order[lo]], arrays.names[order[hi - 1]]
+            labels.append(f"operator {first!r}" if lo + 1 == hi else
+                          f"operators {first!r}..{last!r}")
+    seq = SequenceCosts(per_block(problem.compute_ms), per_block(arrays.backward_ms),
+                        per_block(arrays.param_bytes), per_block(arrays.activation_bytes),
+                        cuts[np.asarray(bounds)], labels)
+    plans = []
+    for proposal in plan_hybrid(seq, config):
+        if num_stages is not None and len(proposal) != num_stages:
+            continue
+        stage_of = [0] * problem.num_nodes
+        for k, stage in enumerate(proposal):
+            for pos in range(bounds[stage.start], bounds[stage.end]):
+                stage_of[order[pos]] = k
+        plans.append(score(problem, arrays, stage_of, [s.replicas for s in proposal], run,
+                           f"dp:{ordering}"))
+    return plans
+
+
+def plan_cluster(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
+    orderings: Sequence[str] = HYBRID_ORDERINGS,
+) -> tuple[HybridPlan, dict[str, float]]:
+    """The fastest simulated plan over every ordering's DP proposals; per-ordering best times.
+
+    ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
+    """
+    started = time.perf_counter()
+    best: HybridPlan | None = None
+    per_ordering: dict[str, float] = {}
+    for ordering in orderings:
+        plans = dp_candidates(problem, arrays, run, ordering, num_stages)
+        if not plans:
+            continue
+        top = min(plans, key=lambda p: p.sim.iteration_ms)
+        per_ordering[ordering] = top.sim.iteration_ms
+        if best is None or top.sim.iteration_ms < best.sim.iteration_ms:
+            best = top
+    if best is None:
+        raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
+    best.planning_s = time.perf_counter() - started
+    return best, per_ordering

@@ -1,0 +1,192 @@
+"""The partition problem as plain arrays, and its cost model (the relay model).
+
+Nodes ``0..n-1`` with compute times; tensors with a producer (or -1 for a graph input), consumers
+and bytes. A stage assignment is valid when every stage is non-empty and no tensor flows
+backwards. :meth:`DagProblem.stage_times` is the one place the cost model is written in code; the
+DP (over sequences), the refinement, the ILP and the brute force all agree with it:
+
+* a tensor ``t`` is made at ``first(t) = stage(producer[t])`` (``0`` for a graph input: graph
+  inputs are available at the pipeline start and relayed) and last needed at ``last(t) =``
+  the largest stage of its consumers (``S-1`` if it is a graph output);
+* it crosses interior boundary ``b`` (between stages ``b`` and ``b+1``) iff
+  ``first(t) <= b < last(t)``; a tensor nobody reads that is not an output crosses nothing;
+* ``time(s) = compute(s) + (cross_bytes(s-1) + cross_bytes(s)) / bandwidth
+  + latency * ([s > 0] + [s < S-1])``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onnx_partition.errors import PartitionError
+
+__all__ = ["DagProblem", "topological_order"]
+
+
+@dataclass(frozen=True)
+class DagProblem:
+    """An operator DAG with per-node compute times and per-tensor sizes.
+
+    Nodes are ``0..n-1``; tensors ``0..T-1``. ``producer[t]`` is a node index or ``-1`` for a
+    graph input; ``consumers[t]`` lists node indices (may be empty); ``is_output[t]`` marks a
+    graph output. Times are in milliseconds, sizes in bytes. ``bandwidth_bytes_per_ms = inf``
+    makes transfers free (latency still counts if it is non-zero).
+
+    The fields are normalised to tuples of Python scalars on construction and validated;
+    a bad problem (wrong lengths, negative or non-finite values, indices out of range, a
+    cycle) raises :class:`PartitionError`.
+    """
+
+    compute_ms: Sequence[float]
+    producer: Sequence[int]
+    consumers: Sequence[Sequence[int]]
+    is_output: Sequence[bool]
+    nbytes: Sequence[float]
+    bandwidth_bytes_per_ms: float = math.inf
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        compute = tuple(float(c) for c in self.compute_ms)
+        producer = tuple(int(p) for p in self.producer)
+        consumers = tuple(tuple(int(c) for c in cs) for cs in self.consumers)
+        is_output = tuple(bool(o) for o in self.is_output)
+        nbytes = tuple(float(b) for b in self.nbytes)
+        object.__setattr__(self, "compute_ms", compute)
+        object.__setattr__(self, "producer", producer)
+        object.__setattr__(self, "consumers", consumers)
+        object.__setattr__(self, "is_output", is_output)
+        object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "bandwidth_bytes_per_ms", float(self.bandwidth_bytes_per_ms))
+        object.__setattr__(self, "latency_ms", float(self.latency_ms))
+
+        n, num_t = len(compute), len(producer)
+        if not (len(consumers) == len(is_output) == len(nbytes) == num_t):
+            raise PartitionError(
+                f"tensor arrays differ in length: producer {num_t}, consumers {len(consumers)}, "
+                f"is_output {len(is_output)}, nbytes {len(nbytes)}"
+            )
+        for i, c in enumerate(compute):
+            if not (math.isfinite(c) and c >= 0.0):
+                raise PartitionError(f"compute_ms[{i}] must be finite and >= 0, got {c}")
+        for t in range(num_t):
+            if not (math.isfinite(nbytes[t]) and nbytes[t] >= 0.0):
+                raise PartitionError(f"nbytes[{t}] must be finite and >= 0, got {nbytes[t]}")
+            if not -1 <= producer[t] < n:
+                raise PartitionError(f"producer[{t}] = {producer[t]} is not a node or -1")
+            for c in consumers[t]:
+                if not 0 <= c < n:
+                    raise PartitionError(f"consumers[{t}] contains {c}, which is not a node")
+        if not self.bandwidth_bytes_per_ms > 0.0:
+            raise PartitionError(f"bandwidth must be > 0, got {self.bandwidth_bytes_per_ms}")
+        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0.0):
+            raise PartitionError(f"latency_ms must be finite and >= 0, got {self.latency_ms}")
+        if len(topological_order(self)) != n:
+            raise PartitionError("the graph has a cycle: it cannot be split into pipeline stages")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.compute_ms)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.producer)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Distinct (producer, consumer) node pairs, graph inputs left out."""
+        seen: set[tuple[int, int]] = set()
+        for p, cs in zip(self.producer, self.consumers, strict=True):
+            if p >= 0:
+                seen.update((p, c) for c in cs)
+        return sorted(seen)
+
+    def _check_assignment(self, stage_of: Sequence[int], num_stages: int) -> None:
+        if num_stages < 1:
+            raise PartitionError(f"num_stages must be >= 1, got {num_stages}")
+        if len(stage_of) != self.num_nodes:
+            raise PartitionError(
+                f"assignment has {len(stage_of)} entries for {self.num_nodes} nodes"
+            )
+        for i, s in enumerate(stage_of):
+            if not 0 <= s < num_stages:
+                raise PartitionError(f"stage_of[{i}] = {s} is outside 0..{num_stages - 1}")
+
+    def cross_bytes(self, stage_of: Sequence[int], num_stages: int) -> list[float]:
+        """Bytes crossing each interior boundary ``b = 0..S-2`` under the relay model."""
+        self._check_assignment(stage_of, num_stages)
+        diff = [0.0] * (num_stages + 1)
+        for t, cs in enumerate(self.consumers):
+            if self.is_output[t]:
+                last = num_stages - 1
+            elif cs:
+                last = max(stage_of[c] for c in cs)
+            else:
+                continue
+            p = self.producer[t]
+            first = 0 if p < 0 else stage_of[p]
+            if first < last:
+                diff[first] += self.nbytes[t]
+                diff[last] -= self.nbytes[t]
+        out: list[float] = []
+        running = 0.0
+        for b in range(num_stages - 1):
+            running += diff[b]
+            out.append(running)
+        return out
+
+    def stage_times(self, stage_of: Sequence[int], num_stages: int) -> list[float]:
+        """Time of every stage for any assignment (valid or not), per the module's cost model."""
+        cross = self.cross_bytes(stage_of, num_stages)
+        compute = [0.0] * num_stages
+        for i, s in enumerate(stage_of):
+            compute[s] += self.compute_ms[i]
+        times: list[float] = []
+        for s in range(num_stages):
+            left = cross[s - 1] if s > 0 else 0.0
+            right = cross[s] if s < num_stages - 1 else 0.0
+            hops = (s > 0) + (s < num_stages - 1)
+            comm = (left + right) / self.bandwidth_bytes_per_ms if hops else 0.0
+            times.append(compute[s] + comm + self.latency_ms * hops)
+        return times
+
+    def bottleneck_ms(self, stage_of: Sequence[int], num_stages: int) -> float:
+        """The slowest stage's time: the objective the solvers minimise."""
+        return max(self.stage_times(stage_of, num_stages))
+
+    def is_valid(self, stage_of: Sequence[int], num_stages: int) -> bool:
+        """True iff there are exactly ``num_stages`` non-empty stages and no tensor flows back."""
+        if num_stages < 1 or len(stage_of) != self.num_nodes:
+            return False
+        if any(not 0 <= s < num_stages for s in stage_of):
+            return False
+        if len(set(stage_of)) != num_stages:
+            return False
+        return all(stage_of[p] <= stage_of[c] for p, c in self.edges())
+
+
+def topological_order(problem: DagProblem) -> list[int]:
+    """Kahn's order, smallest index first among ready nodes; shorter than n iff there is a cycle."""
+    n = len(problem.compute_ms)
+    succ: list[set[int]] = [set() for _ in range(n)]
+    for p, cs in zip(problem.producer, problem.consumers, strict=True):
+        if p >= 0:
+            succ[p].update(cs)
+    indeg = [0] * n
+    for i in range(n):
+        for j in succ[i]:
+            indeg[j] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    return order
+
+

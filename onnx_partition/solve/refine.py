@@ -1,0 +1,136 @@
+"""Local search on a stage assignment of the DAG itself (not of a sequence).
+
+A DP over one sequence only reaches splits that are contiguous in that sequence. Moving a node on
+a stage's frontier to the neighbouring stage (a node whose producers all lie in earlier stages may
+move back; one whose consumers all lie in later stages may move forward) keeps every edge pointing
+forward and reaches any convex split. Starting from the DP's answer, this greedy descent moves one
+frontier node of the slowest stage at a time while that lowers (bottleneck, sum of squared stage
+times) lexicographically, in the spirit of Kernighan and Lin (1970) moves across one boundary.
+
+The cost model is the relay model of :class:`~onnx_partition.solve.problem.DagProblem`, updated
+incrementally: a move changes only the boundary between the two stages involved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnx_partition.solve.problem import DagProblem
+
+
+class _State:
+    """Assignment, per-stage compute and per-boundary bytes, updated move by move."""
+
+    def __init__(self, problem: DagProblem, stage_of: Sequence[int], num_stages: int) -> None:
+        self.p = problem
+        self.s = num_stages
+        self.stage_of = list(stage_of)
+        n = problem.num_nodes
+        self.reads: list[list[int]] = [[] for _ in range(n)]
+        self.makes: list[list[int]] = [[] for _ in range(n)]
+        for t, prod in enumerate(problem.producer):
+            if prod >= 0:
+                self.makes[prod].append(t)
+            for c in set(problem.consumers[t]):
+                self.reads[c].append(t)
+        self.members: list[set[int]] = [set() for _ in range(num_stages)]
+        self.compute = np.zeros(num_stages)
+        for v, k in enumerate(self.stage_of):
+            self.members[k].add(v)
+            self.compute[k] += problem.compute_ms[v]
+        self.cross = np.zeros(max(0, num_stages - 1))
+        for t in range(problem.num_tensors):
+            self._add(t, +1)
+        self.per_byte = 1.0 / problem.bandwidth_bytes_per_ms
+
+    def _span(self, t: int) -> tuple[int, int]:
+        p = self.p
+        first = self.stage_of[p.producer[t]] if p.producer[t] >= 0 else 0
+        stages = [self.stage_of[c] for c in p.consumers[t]]
+        if p.is_output[t]:
+            stages.append(self.s - 1)
+        return first, max(stages, default=-1)
+
+    def _add(self, t: int, sign: int) -> None:
+        first, last = self._span(t)
+        if last > first and self.p.nbytes[t]:
+            self.cross[first:last] += sign * self.p.nbytes[t]
+
+    def move(self, v: int, to: int) -> None:
+        touched = set(self.makes[v]) | set(self.reads[v])
+        for t in touched:
+            self._add(t, -1)
+        k = self.stage_of[v]
+        self.compute[k] -= self.p.compute_ms[v]
+        self.compute[to] += self.p.compute_ms[v]
+        self.members[k].remove(v)
+        self.members[to].add(v)
+        self.stage_of[v] = to
+        for t in touched:
+            self._add(t, +1)
+
+    def times(self) -> np.ndarray:
+        times = self.compute.copy()
+        if self.s > 1:
+            comm = np.maximum(self.cross, 0.0) * self.per_byte + self.p.latency_ms
+            times[:-1] += comm
+            times[1:] += comm
+        return times
+
+    def can_move(self, v: int, to: int) -> bool:
+        k = self.stage_of[v]
+        if len(self.members[k]) <= 1:
+            return False
+        p = self.p
+        if to == k - 1:  # every producer of v's inputs already at or before `to`
+            return all(p.producer[t] < 0 or self.stage_of[p.producer[t]] <= to
+                       for t in self.reads[v])
+        return all(self.stage_of[c] >= to for t in self.makes[v] for c in p.consumers[t])
+
+
+def _score(times: np.ndarray) -> tuple[float, float]:
+    return float(times.max()), float(np.dot(times, times))
+
+
+def refine(
+    problem: DagProblem,
+    stage_of: Sequence[int],
+    num_stages: int,
+    *,
+    max_moves: int = 10_000,
+) -> list[int]:
+    """A convex assignment no worse than ``stage_of`` (greedy frontier moves; see module doc)."""
+    if num_stages < 2:
+        return list(stage_of)
+    state = _State(problem, stage_of, num_stages)
+    best = _score(state.times())
+    eps = 1e-12 * max(1.0, best[0])
+    for _ in range(max_moves):
+        times = state.times()
+        improved = False
+        for k in np.argsort(-times).tolist():  # slowest stages first
+            choice: tuple[tuple[float, float], int, int] | None = None
+            for to in (k - 1, k + 1):
+                if not 0 <= to < num_stages:
+                    continue
+                for v in sorted(state.members[k]):
+                    if not state.can_move(v, to):
+                        continue
+                    state.move(v, to)
+                    score = _score(state.times())
+                    state.move(v, k)
+                    if (score < (best[0] - eps, math.inf) or (
+                        score[0] <= best[0] + eps and score[1] < best[1] - eps
+                    )) and (choice is None or score < choice[0]):
+                        choice = (score, v, to)
+            if choice is not None:
+                state.move(choice[1], choice[2])
+                best = choice[0]
+                improved = True
+                break
+        if not improved:
+            break
+    return state.stage_of

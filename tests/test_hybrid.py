@@ -1,0 +1,142 @@
+"""The hybrid DP (stages x replicas): exact on tiny inputs, equal to brute force, memory-safe."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnx_partition.cost.cluster import Cluster, LinkSpec, parse_bytes
+from onnx_partition.errors import PartitionError
+from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
+
+
+def uniform(n: int) -> SequenceCosts:
+    return SequenceCosts([1.0] * n, [2.0] * n, [10.0] * n, [1.0] * n, [0.0] * (n + 1))
+
+
+def test_devices_divide_the_bottleneck():
+    for devices, period in ((1, 8.0), (2, 4.0), (4, 2.0), (8, 1.0)):
+        plans = plan_hybrid(uniform(8), HybridConfig(devices=devices))
+        assert max(s.period_ms for s in plans[0]) == period
+        assert all(sum(s.replicas for s in p) <= devices for p in plans)
+        assert all(p[0].start == 0 and p[-1].end == 8 for p in plans)
+
+
+def test_pure_data_parallel_is_a_candidate():
+    plans = plan_hybrid(uniform(8), HybridConfig(devices=4))
+    shapes = [[(s.end - s.start, s.replicas) for s in p] for p in plans]
+    assert [(8, 4)] in shapes and [(2, 1)] * 4 in shapes
+
+
+def test_allreduce_makes_replication_costly_in_training():
+    costs = SequenceCosts([1.0] * 4, [2.0] * 4, [1000.0] * 4, [0.0] * 4, [0.0] * 5)
+    config = HybridConfig(devices=4, train=True, microbatches=4, link_bytes_per_ms=100.0)
+    best = plan_hybrid(costs, config)[0]
+    # Data parallelism would all-reduce 4000 bytes; four stages send nothing: pipeline wins.
+    assert [s.replicas for s in best] == [1, 1, 1, 1]
+    # One heavy layer on a fast link: replicate it 4x, paying a ring all-reduce per iteration.
+    single = SequenceCosts([1.0], [2.0], [1000.0], [0.0], [0.0, 0.0])
+    (stage,) = plan_hybrid(single, HybridConfig(devices=4, train=True, microbatches=4,
+                                                link_bytes_per_ms=1000.0))[0]
+    assert stage.replicas == 4
+    assert stage.allreduce_ms == pytest.approx(2 * 3 / 4 * 1000 / 1000.0)
+    assert stage.period_ms == pytest.approx(3.0 / 4 + stage.allreduce_ms / 4)
+
+
+def test_memory_limit_is_respected_and_reported():
+    costs = SequenceCosts([1.0] * 6, [1.0] * 6, [100.0] * 6, [10.0] * 6, [0.0] * 7)
+    config = HybridConfig(devices=3, train=True, microbatches=8, memory_bytes=1300.0)
+    for plan in plan_hybrid(costs, config):
+        assert all(s.memory_bytes <= 1300.0 for s in plan)
+    # On 2 devices the leanest split is 3 + 3 positions; the first stage keeps 2 micro-batches
+    # in flight: 4 * 300 + 2 * 30 = 1260 bytes.
+    with pytest.raises(PartitionError, match=r"least memory \(2 stages\) needs 1.26 kB per "
+                                             r"device .*, 260 B over"):
+        plan_hybrid(costs, HybridConfig(devices=2, train=True, microbatches=8,
+                                        memory_bytes=1000.0))
+
+
+def brute(costs: SequenceCosts, config: HybridConfig) -> float:
+    """Best bottleneck period over every split and replica assignment (no power-of-two rule:
+    used only with <= 8 devices, where the DP also tries every count)."""
+    n = len(costs.forward_ms)
+    best = math.inf
+    for q in range(1, min(n, config.devices) + 1):
+        for inner in itertools.combinations(range(1, n), q - 1):
+            bounds = [0, *inner, n]
+            for reps in itertools.product(range(1, config.devices + 1), repeat=q):
+                if sum(reps) > config.devices:
+                    continue
+                periods = []
+                for k, (i, j) in enumerate(itertools.pairwise(bounds)):
+                    stage = plan_stage(costs, config, i, j, reps[k], q - k)
+                    if stage is None:
+                        break
+                    periods.append(stage)
+                else:
+                    best = min(best, max(periods))
+    return best
+
+
+def plan_stage(costs, config, i, j, r, q):
+    n = len(costs.forward_ms)
+    cut = [0.0] + [c / config.link_bytes_per_ms + config.link_latency_ms
+                   for c in costs.cut_bytes[1:n]] + [0.0]
+    compute = sum(costs.forward_ms[i:j]) + (sum(costs.backward_ms[i:j]) if config.train else 0)
+    comm = (cut[i] + cut[j]) * (2 if config.train else 1)
+    params, acts = sum(costs.param_bytes[i:j]), sum(costs.activation_bytes[i:j])
+    allreduce = 0.0
+    if config.train and r > 1:
+        allreduce = 2 * (r - 1) / r * params / config.link_bytes_per_ms + 2 * (
+            r - 1) * config.link_latency_ms
+    memory = (config.optimizer_factor * params + min(q, config.microbatches) * acts
+              if config.train else params + acts)
+    if memory > config.memory_bytes:
+        return None
+    return (compute + comm) / r + allreduce / config.microbatches
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    devices=st.integers(1, 4),
+    train=st.booleans(),
+    data=st.data(),
+)
+def test_hybrid_dp_matches_brute_force(n, devices, train, data):
+    floats = st.integers(0, 9).map(float)
+    costs = SequenceCosts(
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
+    )
+    config = HybridConfig(devices=devices, train=train, microbatches=4,
+                          memory_bytes=data.draw(st.sampled_from([math.inf, 60.0, 150.0])),
+                          link_bytes_per_ms=data.draw(st.sampled_from([math.inf, 2.0])),
+                          link_latency_ms=data.draw(st.sampled_from([0.0, 0.5])))
+    expected = brute(costs, config)
+    if math.isinf(expected):
+        with pytest.raises(PartitionError, match="no plan fits"):
+            plan_hybrid(costs, config)
+        return
+    plans = plan_hybrid(costs, config)
+    assert max(s.period_ms for s in plans[0]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_cluster_spec_basics(tmp_path):
+    cluster = Cluster(machines=2, devices_per_machine=4, memory_gb=80, kind="cuda")
+    assert cluster.devices == 8
+    assert [cluster.device_name(i) for i in (0, 5)] == ["m0/cuda:0", "m1/cuda:1"]
+    assert cluster.link(4) == cluster.intra and cluster.link(5) == cluster.inter
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("1MiB") == 2**20
+    with pytest.raises(PartitionError, match="cannot read a size"):
+        parse_bytes("lots")
+    assert LinkSpec(0.0).bytes_per_ms == math.inf
+    assert np.isclose(LinkSpec(10.0).bytes_per_ms, 1e7)
