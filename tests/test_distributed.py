@@ -1,0 +1,147 @@
+"""The multi-process runtime: real gloo process groups on loopback, one process per replica."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_same, run_whole
+from test_graph import CHAIN, save
+from test_runtime import gather_model
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.partition import partition
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime import StageFailed
+from onnx_partition.runtime.distributed import (
+    EXIT_RANK_ENV,
+    SMALL_BYTES,
+    decode_header,
+    encode_header,
+    layout,
+    pack,
+    run_distributed,
+    unpack,
+)
+
+# a skips stage 1; z is a graph input read only by the last stage
+SKIP = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] x, float[N, 4] z) => (float[N, 4] y)
+  <float[4,4] w = {1.0,2,0,0, 0,1,0,0, 0,0,1,0, 0,0,3,1}>
+{
+  a = MatMul(x, w)
+  b = Relu(a)
+  c = MatMul(b, w)
+  d = Tanh(c)
+  e = Add(d, a)
+  f = MatMul(e, w)
+  y = Mul(f, z)
+}
+"""
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+
+def test_header_and_packing_round_trip():
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(True), np.zeros((0, 5)),
+              np.arange(3, dtype=np.int8), np.ones((2, 1, 1, 2), np.float16)]
+    names = [f"t{i}" for i in range(len(arrays))]
+    specs = decode_header(encode_header(7, names, arrays), 7, len(arrays))
+    assert specs == [(a.dtype, a.shape) for a in arrays]
+    for got, want in zip(unpack(pack(arrays), specs), arrays):
+        assert got.dtype == want.dtype and got.ctypes.data % 16 == 0
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(RuntimeError, match="protocol error"):
+        decode_header(encode_header(7, names, arrays), 8, len(arrays))
+    with pytest.raises(PartitionError, match="cannot be sent"):
+        encode_header(0, ["s"], [np.array(["text"], dtype=object)])
+
+
+def test_layout_relays_skips_and_late_inputs(tmp_path):
+    partition(save(SKIP, tmp_path / "m.onnx"), 3, tmp_path / "out", batch_size=2)
+    lay = layout(read_plan(tmp_path / "out"))
+    assert lay.recv_names == [["x", "z"], ["a", "c", "z"], ["a", "d", "z"]]
+    assert lay.send_names[-1] == ["y"]
+    assert [lay.place(q) for q in range(3)] == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_two_stages_equal_the_whole_model(tmp_path):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    partition(model, 2, tmp_path / "out", batch_size=2)
+    feeds = {"x": rows(9001)}  # micro-batches of 4500 rows: 72 KB tensors, sent on their own
+    assert SMALL_BYTES <= 4500 * 4 * 4
+    outputs, stats = run_distributed(tmp_path / "out", feeds, nproc=2, microbatches=2,
+                                     iterations=2, timeout_s=60)
+    assert_same(outputs, run_whole(model, feeds))
+    assert stats.backend == "gloo" and stats.microbatches == 2 and stats.rows == 9001
+    assert stats.placement == [(0, 0, "cpu"), (1, 0, "cpu")]
+    assert len(stats.throughput_per_s()) == 2 and all(t > 0 for t in stats.throughput_per_s())
+    assert all(stats.busy_ms[q] > 0 and stats.idle_ms()[q] >= 0 for q in range(2))
+
+
+def test_spawned_workers(tmp_path):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    partition(model, 1, tmp_path / "out", batch_size=2)  # one rank: spawn imports torch per rank
+    feeds = {"x": rows(5)}
+    outputs, stats = run_distributed(tmp_path / "out", feeds, microbatches=2, start_method="spawn")
+    assert_same(outputs, run_whole(model, feeds))
+    assert stats.world_size == 1 and stats.microbatches == 2
+
+
+def test_replicated_stage_with_skip_and_late_input(tmp_path):
+    model = save(SKIP, tmp_path / "m.onnx")
+    partition(model, 3, tmp_path / "out", batch_size=2)
+    plan_file = tmp_path / "out" / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    assert [s["inputs"] for s in plan["stages"]] == [["x"], ["c"], ["d", "a", "z"]]
+    plan["stages"][1]["replicas"] = 2
+    plan["stages"][1]["devices"] = ["cpu", "cpu"]
+    plan_file.write_text(json.dumps(plan))
+    feeds = {"x": rows(6), "z": rows(6, seed=1)}
+    outputs, stats = run_distributed(tmp_path / "out", feeds, microbatches=5, timeout_s=60)
+    assert_same(outputs, run_whole(model, feeds))
+    assert [p[:2] for p in stats.placement] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    assert stats.busy_ms[1] > 0 and stats.busy_ms[2] > 0  # both replicas served
+
+
+def test_a_raising_stage_fails_the_run_quickly(tmp_path):
+    partition(gather_model(tmp_path / "m.onnx"), 2, tmp_path / "out", batch_size=2)
+    stage = next(s.index for s in read_plan(tmp_path / "out").stages if "gather" in s.nodes)
+    feeds = {"x": np.ones((4, 4), np.float32), "ids": np.array([0, 1, 99, 2])}
+    began = time.perf_counter()
+    with pytest.raises(StageFailed, match=rf"stage {stage} replica 0 \(rank {stage}, cpu\) "
+                                          r"failed: .*"):
+        run_distributed(tmp_path / "out", feeds, microbatches=2, timeout_s=60)
+    assert time.perf_counter() - began < 30  # a hang would last the 60 s timeout
+
+
+def test_a_dying_worker_fails_the_run_quickly(tmp_path, monkeypatch):
+    partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "out", batch_size=2)
+    monkeypatch.setenv(EXIT_RANK_ENV, "1")
+    began = time.perf_counter()
+    with pytest.raises(StageFailed, match=r"stage 1 replica 0 \(rank 1, cpu\) exited with code 1"):
+        run_distributed(tmp_path / "out", {"x": rows(4)}, microbatches=2, timeout_s=60)
+    assert time.perf_counter() - began < 30
+
+
+def test_bad_requests_fail_before_any_process_starts(tmp_path):
+    partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "out", batch_size=2)
+    out = tmp_path / "out"
+    with pytest.raises(PartitionError, match=r"2 stage replicas .* got 3 processes"):
+        run_distributed(out, {"x": rows(2)}, nproc=3)
+    with pytest.raises(PartitionError, match="missing input 'x'"):
+        run_distributed(out, {}, nproc=2)
+    with pytest.raises(PartitionError, match="backend nccl"):
+        run_distributed(out, {"x": rows(2)}, backend="nccl")
+    (out / "stage_1.onnx").write_bytes((out / "stage_1.onnx").read_bytes() + b"\0")
+    with pytest.raises(PartitionError, match="checksum"):
+        run_distributed(out, {"x": rows(2)})
+    (out / "stage_1.onnx").unlink()
+    with pytest.raises(PartitionError, match="missing"):
+        run_distributed(out, {"x": rows(2)})
+
