@@ -10,7 +10,7 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2, help="example batch used for tracing")
     p.add_argument("-o", "--output", required=True, type=Path, help="ONNX file to write")
     p.set_defaults(func=_export)
+
+    p = verbs.add_parser("profile", help="measure every node's time on a device -> costs.json")
+    p.add_argument("model", type=Path)
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    _shape_args(p)
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
+    p.set_defaults(func=_profile)
 
     p = verbs.add_parser("partition", help="cut a model into stage files and plan.json")
     p.add_argument("model", type=Path)
@@ -100,6 +109,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
 
+    p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
+    p.add_argument("plan", type=Path)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "infer"),
+                   help="default: 1f1b for training plans, infer otherwise")
+    p.add_argument("--microbatches", type=int, help="default: the plan's")
+    p.set_defaults(func=_simulate)
+
+    p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
+    p.add_argument("plan", type=Path)
+    p.add_argument("-o", "--output", type=Path, help="default: PLAN/report.html")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "infer"))
+    p.add_argument("--microbatches", type=int)
+    p.set_defaults(func=_report)
+
     p = verbs.add_parser("demo", help="export a recipe, partition it, run it, check it")
     p.add_argument("--model", default="gpt", help="recipe name (default gpt)")
     p.add_argument("--size", default="tiny")
@@ -144,6 +167,40 @@ def _export(args: argparse.Namespace) -> int:
         raise PartitionError(str(exc)) from None
     print(f"wrote {path} ({args.name}, {args.size}) in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from onnx_partition.cost.profile import profile_to_file
+
+    if args.repeats < 1 or args.threads < 1:
+        raise PartitionError("--repeats and --threads must be at least 1")
+    started = time.perf_counter()
+    result = profile_to_file(
+        args.model, args.output, device=args.device, batch_size=args.batch_size,
+        input_shapes=parse_input_shapes(args.input_shape), repeats=args.repeats,
+        threads=args.threads, progress=_progress_bar("profiling"),
+    )
+    print(f"wrote {args.output}: {len(result.forward_ms)} nodes on {result.device}, "
+          f"whole model {result.whole_model_ms:.3f} ms (per-node sum before calibration "
+          f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
+          f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _progress_bar(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+    tty = sys.stderr.isatty()
+
+    def show(done: int, total: int) -> None:
+        if not tty or total <= 0:
+            return
+        width = 30
+        filled = int(width * done / total)
+        end = "\n" if done >= total else ""
+        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+              end=end, file=sys.stderr, flush=True)
+
+    return show
 
 
 def _partition(args: argparse.Namespace) -> int:
@@ -255,6 +312,24 @@ def _check(
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
     print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
     return 0 if verdict == "OK" else 1
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from onnx_partition.plan_sim import format_simulation, simulate_plan
+
+    plan = read_plan(args.plan)
+    result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches)
+    print(format_simulation(plan, result))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from onnx_partition.report import write_report
+
+    path = write_report(args.plan, args.output, schedule=args.schedule,
+                        microbatches=args.microbatches)
+    print(f"wrote {path}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

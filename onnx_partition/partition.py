@@ -210,6 +210,14 @@ def plan_on_cluster(
         "orderings": {k: round(v, 6) for k, v in per_ordering.items()},
         "planning_s": round(best.planning_s, 4),
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
+        # the simulator's exact inputs, so `simulate` and `report` replay this very plan
+        "simulator_costs": {
+            "forward_ms": [s.forward_ms for s in best.costs.stages],
+            "backward_ms": [s.backward_ms for s in best.costs.stages],
+            "activation_bytes": [s.activation_bytes for s in best.costs.stages],
+            "static_bytes": [s.static_bytes for s in best.costs.stages],
+            "send_ms": list(best.costs.send_ms),
+        },
     }
     return _describe(graph, node_costs, nodes, best.stage_of, compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,

@@ -12,6 +12,7 @@ from onnx_partition.errors import PartitionError
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
+REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a plan folder
 
 
 @dataclass
@@ -112,5 +113,6 @@ def is_plan_folder(folder: Path) -> bool:
         plan = read_plan(folder)
     except PartitionError:
         return False
-    owned = {PLAN_FILE} | {s.file for s in plan.stages} | {s.file + ".data" for s in plan.stages}
+    owned = {PLAN_FILE, REPORT_FILE} | {s.file for s in plan.stages}
+    owned |= {s.file + ".data" for s in plan.stages}
     return all(p.name in owned for p in folder.iterdir())

@@ -1,0 +1,250 @@
+"""Simulating a written plan from plan.json alone, and the self-contained HTML report."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from typing import ClassVar
+
+import pytest
+from test_graph import CHAIN, save
+
+from onnx_partition.cost.cluster import Cluster
+from onnx_partition.errors import PartitionError
+from onnx_partition.partition import Link, partition
+from onnx_partition.plan import read_plan
+from onnx_partition.plan_sim import format_simulation, send_times, simulate_plan
+from onnx_partition.report import write_report
+from onnx_partition.simulate import bubble_closed_form, pipeline_time_closed_form
+
+CHAIN_NODES = ("a", "b", "d", "e", "f", "y")  # the cut (non-constant) nodes of CHAIN
+
+
+@pytest.fixture
+def chain(tmp_path):
+    return save(CHAIN, tmp_path / "m.onnx")
+
+
+def unit_costs(tmp_path, backward_ms: float = 2.0):
+    """costs.json: every operator 1 ms forward, ``backward_ms`` backward."""
+    path = tmp_path / "costs.json"
+    nodes = {k: {"forward_ms": 1.0, "backward_ms": backward_ms} for k in CHAIN_NODES}
+    path.write_text(json.dumps({"format": "onnx-partition/costs@1", "unit": "ms",
+                                "nodes": nodes}))
+    return path
+
+
+# ------------------------------------------------------------------------- simulate_plan
+
+
+def test_send_times_split_each_boundary_between_its_neighbours():
+    assert send_times([]) == [] and send_times([0.7]) == []
+    assert send_times([0.5, 1.0, 0.5]) == pytest.approx([0.5, 0.5])
+    assert send_times([1.0, 3.0, 2.0]) == pytest.approx([1.0, 2.0])
+    assert send_times([2.0, 6.0, 4.0], factor=2.0) == pytest.approx([1.0, 2.0])
+
+
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+def test_plain_pipeline_equal_stages_matches_closed_form(tmp_path, chain, microbatches):
+    # 6 operators of 1 ms in 3 stages, free links: three equal 2 ms stages
+    plan = partition(chain, 3, tmp_path / "out", batch_size=3, costs=unit_costs(tmp_path),
+                     link=Link(bandwidth_gbps=0, latency_ms=0.0))
+    assert [s.predicted.compute_ms for s in plan.stages] == [2.0, 2.0, 2.0]
+    result, costs = simulate_plan(plan, microbatches=microbatches)
+    assert costs.send_ms == [0.0, 0.0]
+    assert all(s.backward_ms == 0.0 for s in costs.stages)
+    assert result.iteration_ms == pytest.approx(pipeline_time_closed_form(2.0, 3, microbatches))
+    assert result.bubble_fraction == pytest.approx(bubble_closed_form(3, microbatches))
+    assert result.throughput_per_s == pytest.approx(microbatches / result.iteration_ms * 1000)
+    assert not any(a.kind.value == "B" for _, a, _, _ in result.timeline)
+
+
+def test_plain_pipeline_sends_come_from_the_per_stage_comm(tmp_path, chain):
+    # latency 0.5 ms per boundary, infinite bandwidth: comm = [0.5, 1.0, 0.5]
+    plan = partition(chain, 3, tmp_path / "out", batch_size=3, costs=unit_costs(tmp_path),
+                     link=Link(bandwidth_gbps=0, latency_ms=0.5))
+    assert [s.predicted.comm_ms for s in plan.stages] == [0.5, 1.0, 0.5]
+    result, costs = simulate_plan(plan)
+    assert costs.send_ms == pytest.approx([0.5, 0.5])
+    # equal stages, sends overlapping compute: the fill pays each send once
+    assert result.iteration_ms == pytest.approx(pipeline_time_closed_form(2.0, 3, 8) + 1.0)
+
+
+@pytest.mark.parametrize("num_stages", [None, 2, 3])
+def test_hybrid_plan_reproduces_the_planners_simulation(tmp_path, chain, num_stages):
+    # backward = 2 x forward everywhere: the forward/backward split plan.json loses is exact
+    out = tmp_path / "out"
+    plan = partition(chain, num_stages, out, batch_size=3, costs=unit_costs(tmp_path),
+                     cluster=Cluster(devices_per_machine=4), mode="train")
+    result, costs = simulate_plan(read_plan(out))
+    assert result.iteration_ms == pytest.approx(plan.predicted["iteration_ms"], abs=1e-5)
+    assert result.bubble_fraction == pytest.approx(plan.predicted["bubble_fraction"], abs=1e-3)
+    assert [s.replicas for s in costs.stages] == [s.replicas for s in plan.stages]
+    assert [s.allreduce_ms for s in costs.stages] == plan.extra["allreduce_ms"]
+    num_mb = plan.predicted["microbatches"]
+    assert {a.microbatch for _, a, _, _ in result.timeline} == set(range(num_mb))
+    assert any(a.kind.value == "B" for _, a, _, _ in result.timeline)
+    if len(plan.stages) > 1:
+        # train comm = 2 x (send in + send out): forward activation and backward gradient
+        comm = [s.predicted.comm_ms for s in plan.stages]
+        s = [0.0, *costs.send_ms, 0.0]
+        assert comm == pytest.approx([2 * (s[k] + s[k + 1]) for k in range(len(comm))],
+                                     abs=1e-5)
+
+
+def test_hybrid_plan_with_analytic_costs_is_close(tmp_path, chain):
+    # analytic backward/forward ratios differ per operator: the 2:1 split is an estimate
+    plan = partition(chain, 3, tmp_path / "out", batch_size=3,
+                     cluster=Cluster(devices_per_machine=4), mode="train")
+    result, _ = simulate_plan(plan)
+    assert result.iteration_ms == pytest.approx(plan.predicted["iteration_ms"], rel=0.05)
+
+
+def test_exact_simulator_costs_in_the_plan_are_used(tmp_path, chain):
+    plan = partition(chain, 2, tmp_path / "out", batch_size=3,
+                     cluster=Cluster(devices_per_machine=2), mode="train")
+    plan.extra["simulator_costs"] = {"forward_ms": [1.0, 1.0], "backward_ms": [1.0, 1.0],
+                                     "send_ms": [0.0]}
+    _, costs = simulate_plan(plan)
+    assert [(s.forward_ms, s.backward_ms) for s in costs.stages] == [(1.0, 1.0)] * 2
+    assert costs.send_ms == [0.0]
+    plan.extra["simulator_costs"] = {"forward_ms": [1.0]}
+    with pytest.raises(PartitionError, match="forward_ms"):
+        simulate_plan(plan)
+
+
+def test_schedule_and_microbatch_overrides(tmp_path, chain):
+    plan = partition(chain, 2, tmp_path / "out", batch_size=3, costs=unit_costs(tmp_path),
+                     cluster=Cluster(devices_per_machine=2), mode="train")
+    one_f_one_b, _ = simulate_plan(plan)
+    gpipe, _ = simulate_plan(plan, schedule="gpipe")
+    # GPipe stashes every micro-batch; 1F1B at most the pipeline depth
+    assert max(gpipe.peak_inflight.values()) == plan.predicted["microbatches"]
+    assert max(one_f_one_b.peak_inflight.values()) <= 2
+    forward_only, costs = simulate_plan(plan, schedule="infer", microbatches=3)
+    assert {a.microbatch for _, a, _, _ in forward_only.timeline} == {0, 1, 2}
+    assert all(a.kind.value == "F" for _, a, _, _ in forward_only.timeline)
+    assert [s.forward_ms for s in costs.stages] == pytest.approx([3.0, 3.0])  # 9 ms = 3 + 6
+    with pytest.raises(PartitionError, match="unknown schedule"):
+        simulate_plan(plan, schedule="zigzag")
+    with pytest.raises(PartitionError, match="micro-batch"):
+        simulate_plan(plan, microbatches=0)
+
+
+def test_format_simulation(tmp_path, chain):
+    plan = partition(chain, 2, tmp_path / "out", batch_size=3,
+                     cluster=Cluster(devices_per_machine=4), mode="train")
+    result, _ = simulate_plan(plan)
+    text = format_simulation(plan, result)
+    assert "iteration" in text and "bubble" in text and "micro-batches/s" in text
+    for dev in result.busy_ms:
+        assert f"stage {dev[0]} replica {dev[1]}" in text
+    assert "0F0" in text and "0B0" in text  # the schedule grid
+    big, _ = simulate_plan(plan, microbatches=200)
+    assert "grid left out" in format_simulation(plan, big)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+class Page(HTMLParser):
+    """Tags and text of a page, checking that non-void elements nest properly."""
+
+    VOID: ClassVar[frozenset[str]] = frozenset({"meta", "br", "img", "hr", "link", "input"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(path) -> Page:
+    page = Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    page.close()
+    assert not page.errors, page.errors[:5]
+    assert page.stack == [], page.stack
+    return page
+
+
+def test_report_for_a_hybrid_plan(tmp_path, chain):
+    out = tmp_path / "out"
+    plan = partition(chain, 3, out, batch_size=3,
+                     cluster=Cluster(devices_per_machine=4, memory_gb=1e-6), mode="train")
+    path = write_report(out)
+    assert path == out / "report.html"
+    page = parse(path)
+    text = " ".join(page.text)
+    svgs = [a for t, a in page.tags if t == "svg"]
+    labels = {a.get("aria-label") for a in svgs}
+    assert {"schedule Gantt chart", "operator graph"} <= labels and len(svgs) == 4
+    for stage in plan.stages:
+        assert f"stage {stage.index}" in text
+    assert "device limit 1 kB" in text  # memory against the cluster's limit
+    # Gantt: every forward/backward as a bar with its tooltip, plus all-reduce windows
+    result, _ = simulate_plan(plan)
+    assert text.count("forward of micro-batch") == sum(
+        a.kind.value == "F" for _, a, _, _ in result.timeline)
+    assert text.count("backward of micro-batch") == sum(
+        a.kind.value == "B" for _, a, _, _ in result.timeline)
+    assert ("gradient all-reduce" in text) == bool(result.allreduce)
+    # DAG: one box per operator, named in its tooltip
+    for key in CHAIN_NODES:
+        assert f"{key} (" in text
+    # self-contained: no scripts, no external references
+    assert not any(t in ("script", "link", "img", "iframe") for t, _ in page.tags)
+    assert not any((a.get("src") or a.get("href")) for _, a in page.tags)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["plan.json", "report.html", *(s.file for s in plan.stages)])
+
+
+def test_report_without_the_model_still_written(tmp_path, chain):
+    out = tmp_path / "out"
+    partition(chain, 2, out, batch_size=3)
+    chain.unlink()
+    target = tmp_path / "elsewhere.html"
+    assert write_report(out, target) == target
+    page = parse(target)
+    text = " ".join(page.text)
+    assert "model file ../m.onnx was not found" in text
+    assert sum(t == "svg" for t, _ in page.tags) == 3  # no graph, the rest is there
+    assert "schedule Gantt chart" in target.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.html", "out"]
+
+
+def test_report_escapes_text_and_replaces_atomically(tmp_path, chain):
+    out = tmp_path / "out"
+    partition(chain, 2, out, batch_size=3)
+    body = json.loads((out / "plan.json").read_text())
+    body["stages"][0]["devices"] = ["<b>cpu&</b>"]
+    (out / "plan.json").write_text(json.dumps(body))
+    (out / "report.html").write_text("old")
+    path = write_report(out)
+    html = path.read_text()
+    assert "<b>cpu" not in html and "&lt;b&gt;cpu&amp;&lt;/b&gt;" in html
+    parse(path)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(PartitionError, match="not a plan folder"):
+        write_report(tmp_path)
