@@ -13,7 +13,6 @@ incrementally: a move changes only the boundary between the two stages involved.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -95,6 +94,85 @@ def _score(times: np.ndarray) -> tuple[float, float]:
     return float(times.max()), float(np.dot(times, times))
 
 
+def _better(score: tuple[float, float], best: tuple[float, float], eps: float) -> bool:
+    """Lexicographically lower (bottleneck, sum of squared stage times)."""
+    return score[0] < best[0] - eps or (score[0] <= best[0] + eps and score[1] < best[1] - eps)
+
+
+def _best_single(state: _State, best: tuple[float, float], eps: float
+                 ) -> tuple[tuple[float, float], int, int] | None:
+    """The best improving single frontier move out of any stage, slowest stages first."""
+    times = state.times()
+    for k in np.argsort(-times).tolist():
+        choice: tuple[tuple[float, float], int, int] | None = None
+        for to in (k - 1, k + 1):
+            if not 0 <= to < state.s:
+                continue
+            for v in sorted(state.members[k]):
+                if not state.can_move(v, to):
+                    continue
+                state.move(v, to)
+                score = _score(state.times())
+                state.move(v, k)
+                if _better(score, best, eps) and (choice is None or score < choice[0]):
+                    choice = (score, v, to)
+        if choice is not None:
+            return choice
+    return None
+
+
+def _chain(state: _State, best: tuple[float, float], eps: float, *, max_len: int = 64) -> bool:
+    """An ejection chain (Glover 1996): move a frontier node out of the slowest stage, and while
+    a stage is now slower than the old bottleneck, push its frontier nodes on in the same
+    direction. Applied (and True returned) only if the whole chain improves the score."""
+    times = state.times()
+    k = int(np.argmax(times))
+    target = best[0] - eps
+    for step in (-1, 1):
+        if not 0 <= k + step < state.s:
+            continue
+        for v in sorted(state.members[k]):
+            if not state.can_move(v, k + step):
+                continue
+            done = [(v, k)]
+            state.move(v, k + step)
+            at = k + step
+            while len(done) < max_len:
+                if state.times()[at] <= target:
+                    break
+                pushed = _push(state, at, at + step, target) if 0 <= at + step < state.s else None
+                if pushed is None:
+                    break
+                done.append((pushed, at))
+                state.move(pushed, at + step)
+                if state.times()[at] <= target:
+                    at += step
+            if _better(_score(state.times()), best, eps):
+                return True
+            for node, home in reversed(done):
+                state.move(node, home)
+    return False
+
+
+def _push(state: _State, stage: int, to: int, target: float) -> int | None:
+    """The frontier node of ``stage`` to move to ``to``: the lightest that brings ``stage`` under
+    ``target``, else the one that relieves it most."""
+    fits: tuple[float, int] | None = None
+    most: tuple[float, int] | None = None
+    for u in sorted(state.members[stage]):
+        if not state.can_move(u, to):
+            continue
+        state.move(u, to)
+        left = float(state.times()[stage])
+        state.move(u, stage)
+        if left <= target and (fits is None or left > fits[0]):
+            fits = (left, u)
+        if most is None or left < most[0]:
+            most = (left, u)
+    chosen = fits or most
+    return None if chosen is None else chosen[1]
+
+
 def refine(
     problem: DagProblem,
     stage_of: Sequence[int],
@@ -102,35 +180,18 @@ def refine(
     *,
     max_moves: int = 10_000,
 ) -> list[int]:
-    """A convex assignment no worse than ``stage_of`` (greedy frontier moves; see module doc)."""
+    """A convex assignment no worse than ``stage_of``: greedy frontier moves, and ejection
+    chains when no single move helps (see module doc)."""
     if num_stages < 2:
         return list(stage_of)
     state = _State(problem, stage_of, num_stages)
     best = _score(state.times())
     eps = 1e-12 * max(1.0, best[0])
     for _ in range(max_moves):
-        times = state.times()
-        improved = False
-        for k in np.argsort(-times).tolist():  # slowest stages first
-            choice: tuple[tuple[float, float], int, int] | None = None
-            for to in (k - 1, k + 1):
-                if not 0 <= to < num_stages:
-                    continue
-                for v in sorted(state.members[k]):
-                    if not state.can_move(v, to):
-                        continue
-                    state.move(v, to)
-                    score = _score(state.times())
-                    state.move(v, k)
-                    if (score < (best[0] - eps, math.inf) or (
-                        score[0] <= best[0] + eps and score[1] < best[1] - eps
-                    )) and (choice is None or score < choice[0]):
-                        choice = (score, v, to)
-            if choice is not None:
-                state.move(choice[1], choice[2])
-                best = choice[0]
-                improved = True
-                break
-        if not improved:
+        choice = _best_single(state, best, eps)
+        if choice is not None:
+            state.move(choice[1], choice[2])
+        elif not _chain(state, best, eps):
             break
+        best = _score(state.times())
     return state.stage_of
