@@ -187,7 +187,7 @@ def from_model(
         nodes.append(Node(keys[file_pos], proto.op_type, index, flow,
                           tuple(o for o in proto.output), inits, param, free))
 
-    tensors, unknown = _flow_tensors(nodes, inputs, outputs, concrete)
+    tensors, unknown = _flow_tensors(nodes, inputs, concrete)
     return OpGraph(model=model, path=path, nodes=nodes, tensors=tensors, inputs=inputs,
                    outputs=outputs, input_shapes=shapes, initializer_bytes=init_bytes,
                    types=symbolic, concrete_types=concrete, unknown_size=unknown)
@@ -388,8 +388,11 @@ def _infer_types(model: onnx.ModelProto, where: str) -> dict[str, onnx.TypeProto
 
 
 def _flow_tensors(
-    nodes: list[Node], inputs: list[str], outputs: list[str], types: Mapping[str, onnx.TypeProto]
+    nodes: list[Node], inputs: list[str], types: Mapping[str, onnx.TypeProto]
 ) -> tuple[dict[str, TensorInfo], list[str]]:
+    """Every tensor made by a cut node or fed as a graph input, with producer, consumers and
+    bytes; free nodes' outputs are left out (copied into stages, never sent). Also the names whose
+    size had to be estimated."""
     producer: dict[str, int] = {name: -1 for name in inputs}
     consumers: dict[str, list[int]] = {}
     for node in nodes:
@@ -412,8 +415,6 @@ def _flow_tensors(
             nbytes = _estimate_bytes(nodes, prod, tensors)
         cons = tuple(dict.fromkeys(consumers.get(name, [])))
         tensors[name] = TensorInfo(name, prod, cons, nbytes, shape, elem)
-    # Outputs that are free constants: no flow tensor; emit handles them in the last stage.
-    del outputs
     return tensors, unknown
 
 
