@@ -76,8 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
     p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
                    help="how to sequence the DAG before the DP (default auto: try all, keep best)")
-    p.add_argument("--solver", default="dp", choices=("dp", "ilp"),
-                   help="dp (fast) or ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp)")
+    p.add_argument("--solver", default="dp", choices=("dp", "ilp", "uniform", "parameters", "time"),
+                   help="dp (default), ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), "
+                        "or a baseline: uniform (equal operator counts), parameters (equal "
+                        "weights), time (equal compute, no communication)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     g = p.add_argument_group("hybrid parallelism (stages x data-parallel replicas)")
     g.add_argument("--devices", type=int, help="devices per machine: plan replicas per stage")

@@ -22,12 +22,16 @@ from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import Plan, Predicted, Stage
+from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.ilp import solve_ilp
 from onnx_partition.solve.planner import RunSpec, node_arrays, plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.search import best_split
 
-SOLVERS = ("dp", "ilp")
+#: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
+#: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
+BASELINES = ("uniform", "parameters", "time")
+SOLVERS = ("dp", "ilp", *BASELINES)
 
 
 def dag_problem(
@@ -102,8 +106,8 @@ def partition(
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s)
     else:
         if solver != "dp":
-            raise PartitionError("the ILP solver plans pipelines without replicas: drop the "
-                                 "cluster options or use --solver dp")
+            raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
+                                 "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
@@ -126,15 +130,21 @@ def plan_stages(
     _check_stages(num_stages, problem.num_nodes)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    best, candidates = best_split(problem, num_stages, ordering)
-    local_stage = best.stage_of
     extra: dict[str, Any] = {
-        "candidates": {c.ordering: {"dp_ms": round(c.dp_ms, 6),
-                                    "refined_ms": round(c.refined_ms, 6),
-                                    "positions": c.positions, "seconds": round(c.seconds, 4)}
-                       for c in candidates},
         "link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_ms": link.latency_ms},
     }
+    if solver in BASELINES:  # the splits other tools make, for comparison
+        params = [float(graph.nodes[g].param_bytes) for g in nodes]
+        local_stage = _baseline(solver, problem, params, num_stages)
+        ordering = "topo"
+    else:
+        best, candidates = best_split(problem, num_stages, ordering)
+        local_stage, ordering = best.stage_of, best.ordering
+        extra["candidates"] = {
+            c.ordering: {"dp_ms": round(c.dp_ms, 6), "refined_ms": round(c.refined_ms, 6),
+                         "positions": c.positions, "seconds": round(c.seconds, 4)}
+            for c in candidates
+        }
     if solver == "ilp":
         try:
             result = solve_ilp(problem, num_stages, time_limit_s=time_limit_s, hint=local_stage)
@@ -158,7 +168,7 @@ def plan_stages(
     }
     return _describe(graph, node_costs, nodes, local_stage, compute, comm,
                      replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
-                     memory=None, ordering=best.ordering, solver=solver, mode="infer",
+                     memory=None, ordering=ordering, solver=solver, mode="infer",
                      predicted=predicted, extra=extra)
 
 
@@ -223,6 +233,17 @@ def plan_on_cluster(
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
                      ordering=best.source.partition(":")[2], solver="hybrid-dp", mode=mode,
                      predicted=predicted, extra=extra)
+
+
+def _baseline(
+    name: str, problem: DagProblem, params: Sequence[float], num_stages: int
+) -> list[int]:
+    if name == "uniform":
+        return uniform(problem, num_stages)
+    if name == "parameters":
+        return parameter_balanced(problem, node_arrays(problem, [0.0] * len(params), params),
+                                  num_stages)
+    return time_balanced(problem, num_stages)
 
 
 def _check_stages(num_stages: int, n: int) -> None:
