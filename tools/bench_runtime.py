@@ -1,0 +1,105 @@
+"""Measured pipeline throughput on this machine: balanced vs uniform split vs the whole model.
+
+    python tools/bench_runtime.py [--recipe bert] [--size small] [--stages 2] [--batch-size 8]
+
+Profiles the model on the CPU (costs.json), partitions it twice (our DP on the measured costs, and
+the uniform split), then measures in one run: the whole model in one single-threaded onnxruntime
+session; each plan as a threaded pipeline (one worker thread per stage, one onnxruntime thread
+each); the balanced plan over torch.distributed (gloo, one process per stage); and the simulator's
+prediction for the balanced plan. Prints a Markdown table of samples/s and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import onnxruntime as ort
+
+import models
+from onnx_partition.cost.profile import profile_to_file
+from onnx_partition.partition import partition
+from onnx_partition.plan_sim import simulate_plan
+from onnx_partition.runtime import PipelineSession
+from onnx_partition.runtime.check import compare, random_feeds
+from onnx_partition.runtime.distributed import run_distributed
+from onnx_partition.runtime.stages import session_options
+
+
+def samples_per_s(run: Callable[[], object], rows: int, iterations: int) -> float:
+    """Median over ``iterations`` timed runs after two warm-ups."""
+    run()
+    run()
+    times = []
+    for _ in range(iterations):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return rows / statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="bert")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--no-distributed", action="store_true")
+    args = parser.parse_args()
+    rows, m = args.batch_size, args.microbatches
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = models.export(args.recipe, work / "model.onnx", size=args.size)
+        micro = max(1, rows // m)
+        costs = work / "costs.json"
+        profile_to_file(model, costs, batch_size=micro, cache_dir=work / "cache")
+        balanced, uniform = work / "balanced", work / "uniform"
+        plan = partition(model, args.stages, balanced, costs=costs, batch_size=micro)
+        partition(model, args.stages, uniform, costs=costs, batch_size=micro, solver="uniform")
+        feeds = random_feeds(plan, batch_size=rows)
+
+        whole = ort.InferenceSession(str(model), session_options(1),
+                                     providers=["CPUExecutionProvider"])
+        names = [o.name for o in whole.get_outputs()]
+        expected = dict(zip(names, whole.run(names, feeds)))
+        base = samples_per_s(partial(whole.run, names, feeds), rows, args.iterations)
+        results = [("whole model, 1 session, 1 thread", base, 0.0)]
+        for label, folder in (("balanced (dp on measured costs)", balanced),
+                              ("uniform split", uniform)):
+            with PipelineSession(folder, microbatches=m) as session:
+                err = compare(dict(zip(session.get_outputs(), session.run(None, feeds))),
+                              expected)
+                rate = samples_per_s(partial(session.run, None, feeds), rows, args.iterations)
+            results.append((f"{label}: {args.stages} threads", rate, err))
+        sim, _ = simulate_plan(plan, schedule="infer", microbatches=m)
+        predicted = rows / (sim.iteration_ms / 1000.0)
+        if not args.no_distributed:
+            outputs, stats = run_distributed(balanced, feeds, nproc=args.stages, microbatches=m,
+                                             iterations=args.iterations + 2)
+            steady = statistics.median(stats.iteration_ms[2:])
+            results.append((f"balanced: {args.stages} processes (gloo)", rows / steady * 1000.0,
+                            compare(outputs, expected)))
+    print(f"{args.recipe} ({args.size}), batch {rows} in {m} micro-batches, {args.stages} stages, "
+          f"{os.cpu_count()} CPUs, onnxruntime {ort.__version__}, python {sys.version.split()[0]}")
+    print("\n| run | samples/s | vs whole model | max rel err |")
+    print("| --- | --- | --- | --- |")
+    for label, rate, err in results:
+        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {err:.1e} |")
+    measured = results[1][1]
+    print(f"\nsimulator's prediction for the balanced plan: {predicted:.1f} samples/s; measured "
+          f"{measured:.1f} ({(measured / predicted - 1) * 100:+.1f}%)")
+    print(f"balanced / uniform: {results[1][1] / results[2][1]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
