@@ -231,7 +231,8 @@ def plan_on_cluster(
     }
     return _describe(graph, node_costs, nodes, best.stage_of, compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
-                     ordering=best.source.partition(":")[2], solver="hybrid-dp", mode=mode,
+                     ordering=best.source.partition(":")[2] if best.source.startswith("dp:")
+                     else "topo", solver=f"hybrid-{best.source.partition(':')[0]}", mode=mode,
                      predicted=predicted, extra=extra)
 
 

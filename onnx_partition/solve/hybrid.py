@@ -131,11 +131,37 @@ class _Tables:
         return self.params + self.acts
 
     def stage(self, i: int, j: int, r: int, q: int) -> HybridStage:
-        allreduce = float(self.allreduce(r)[i, j])
+        c = self.c
+        params = float(self.params[i, j])
+        allreduce = 0.0
+        if c.train and r > 1:
+            bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
+            lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
+            allreduce = 2.0 * (r - 1) / r * params / bw + 2.0 * (r - 1) * lat
+        if c.train:
+            memory = c.optimizer_factor * params + min(q, c.microbatches) * float(self.acts[i, j])
+        else:
+            memory = params + float(self.acts[i, j])
         latency = float(self.latency[i, j])
         return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
-                           allreduce, float(self.memory(q)[i, j]),
-                           latency / r + allreduce / self.c.microbatches)
+                           allreduce, memory, latency / r + allreduce / c.microbatches)
+
+    def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:
+        """Give devices the DP left unused to the slowest stages, while that helps."""
+        stages = list(stages)
+        spare = devices - sum(s.replicas for s in stages)
+        while spare > 0:
+            k = max(range(len(stages)), key=lambda x: stages[x].period_ms)
+            slow = stages[k]
+            more = [r for r in self.choices if slow.replicas < r <= slow.replicas + spare]
+            if not more:
+                break
+            wider = self.stage(slow.start, slow.end, more[-1], len(stages) - k)
+            if wider.period_ms >= slow.period_ms:
+                break
+            spare -= wider.replicas - slow.replicas
+            stages[k] = wider
+        return stages
 
 
 def _fewest_devices(
@@ -188,14 +214,12 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     lo, hi = 0.0, float(finite.max()) if finite.size else 0.0
     if not feasible(hi):
         raise PartitionError(_memory_report(tables, config, max_q, costs.labels))
-    for _ in range(60):
+    while hi - lo > 1e-5 * hi:  # the bottleneck to 0.001%: about 17 rounds
         mid = (lo + hi) / 2
         if feasible(mid):
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
 
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
@@ -210,6 +234,7 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                 stages.append(tables.stage(i, j, r, left))
                 i = j
             assert i == n
+            stages = tables.widen(stages, devices)
             key = tuple((s.start, s.end, s.replicas) for s in stages)
             if key not in seen:
                 seen.add(key)

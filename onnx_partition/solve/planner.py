@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -30,13 +31,21 @@ from onnx_partition.simulate import (
     one_f_one_b,
     simulate,
 )
-from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid, replica_choices
+from onnx_partition.solve.hybrid import (
+    HybridConfig,
+    HybridStage,
+    SequenceCosts,
+    plan_hybrid,
+    replica_choices,
+)
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.search import sequence_for
+from onnx_partition.solve.search import sequence_for, solve_ordering
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
 HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
+#: Proposals per ordering played in the event simulator (the best by the closed form first).
+SIMULATED = 4
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,15 @@ def _coarse_blocks(
     return kept
 
 
+def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
+    """Closed-form iteration time of a proposal, to rank proposals before simulating the best:
+    one micro-batch through every stage (fill and drain), ``M - 1`` more at the slowest
+    stage's period, then the slowest all-reduce."""
+    fill = sum(s.latency_ms for s in stages)
+    period = max(s.latency_ms / s.replicas for s in stages)
+    return fill + (run.microbatches - 1) * period + max(s.allreduce_ms for s in stages)
+
+
 def dp_candidates(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
     num_stages: int | None = None,
@@ -210,10 +228,11 @@ def dp_candidates(
     seq = SequenceCosts(per_block(problem.compute_ms), per_block(arrays.backward_ms),
                         per_block(arrays.param_bytes), per_block(arrays.activation_bytes),
                         cuts[np.asarray(bounds)], labels)
+    proposals = [p for p in plan_hybrid(seq, config)
+                 if num_stages is None or len(p) == num_stages]
+    proposals.sort(key=lambda p: estimate_ms(p, run))
     plans = []
-    for proposal in plan_hybrid(seq, config):
-        if num_stages is not None and len(proposal) != num_stages:
-            continue
+    for proposal in proposals[:SIMULATED]:
         stage_of = [0] * problem.num_nodes
         for k, stage in enumerate(proposal):
             for pos in range(bounds[stage.start], bounds[stage.end]):
@@ -223,23 +242,49 @@ def dp_candidates(
     return plans
 
 
+def grid_candidates(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, num_stages: int | None = None
+) -> list[HybridPlan]:
+    """Equal replicas per stage (the pp x dp grids of Megatron-style training), each cut by the
+    sequence DP with communication: cheap proposals the hybrid DP's bottleneck objective can
+    miss when fill, drain and all-reduce decide (it minimises the period, not the iteration)."""
+    devices = run.cluster.devices
+    depths = [num_stages] if num_stages else [
+        pp for pp in range(1, min(devices, problem.num_nodes, run.max_stages) + 1)
+        if devices % pp == 0
+    ]
+    plans = []
+    for pp in depths:
+        if devices % pp:
+            continue
+        stage_of = solve_ordering(problem, pp, "topo", polish=False).stage_of
+        plan = score(problem, arrays, stage_of, [devices // pp] * pp, run, f"grid:pp{pp}")
+        if max(plan.memory_bytes) <= run.cluster.memory_bytes:
+            plans.append(plan)
+    return plans
+
+
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
     orderings: Sequence[str] = HYBRID_ORDERINGS,
 ) -> tuple[HybridPlan, dict[str, float]]:
-    """The fastest simulated plan over every ordering's DP proposals; per-ordering best times.
+    """The fastest simulated plan over every ordering's DP proposals and the balanced grids;
+    the best simulated iteration time of each family.
 
     ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
     """
     started = time.perf_counter()
     best: HybridPlan | None = None
     per_ordering: dict[str, float] = {}
-    for ordering in orderings:
-        plans = dp_candidates(problem, arrays, run, ordering, num_stages)
+    families = [(o, partial(dp_candidates, problem, arrays, run, o, num_stages))
+                for o in orderings]
+    families.append(("grid", partial(grid_candidates, problem, arrays, run, num_stages)))
+    for name, propose in families:
+        plans = propose()
         if not plans:
             continue
         top = min(plans, key=lambda p: p.sim.iteration_ms)
-        per_ordering[ordering] = top.sim.iteration_ms
+        per_ordering[name] = float(top.sim.iteration_ms)
         if best is None or top.sim.iteration_ms < best.sim.iteration_ms:
             best = top
     if best is None:
