@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -43,6 +44,32 @@ def samples_per_s(run: Callable[[], object], rows: int, iterations: int) -> floa
         run()
         times.append(time.perf_counter() - began)
     return rows / statistics.median(times)
+
+
+def concurrent_speedup(model: Path, feeds: dict, copies: int, iterations: int) -> float:
+    """How much faster ``copies`` independent single-threaded sessions run side by side than
+    one after another: this machine's ceiling for any pipeline of that many stages."""
+    sessions = [ort.InferenceSession(str(model), session_options(1),
+                                     providers=["CPUExecutionProvider"]) for _ in range(copies)]
+    for s in sessions:
+        s.run(None, feeds)
+    began = time.perf_counter()
+    for _ in range(iterations):
+        sessions[0].run(None, feeds)
+    alone = (time.perf_counter() - began) / iterations
+
+    def loop(session: ort.InferenceSession) -> None:
+        for _ in range(iterations):
+            session.run(None, feeds)
+
+    threads = [threading.Thread(target=loop, args=(s,)) for s in sessions]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    together = (time.perf_counter() - began) / iterations
+    return copies * alone / together
 
 
 def main() -> int:
@@ -73,6 +100,7 @@ def main() -> int:
         expected = dict(zip(names, whole.run(names, feeds)))
         base = samples_per_s(partial(whole.run, names, feeds), rows, args.iterations)
         results = [("whole model, 1 session, 1 thread", base, 0.0)]
+        ceiling = concurrent_speedup(model, feeds, args.stages, args.iterations)
         for label, folder in (("balanced (dp on measured costs)", balanced),
                               ("uniform split", uniform)):
             with PipelineSession(folder, microbatches=m) as session:
@@ -98,6 +126,10 @@ def main() -> int:
     print(f"\nsimulator's prediction for the balanced plan: {predicted:.1f} samples/s; measured "
           f"{measured:.1f} ({(measured / predicted - 1) * 100:+.1f}%)")
     print(f"balanced / uniform: {results[1][1] / results[2][1]:.2f}x")
+    print(f"this machine's ceiling: {args.stages} independent single-threaded sessions run "
+          f"side by side {ceiling:.2f}x faster than one after another; the balanced pipeline "
+          f"reaches {results[1][1] / base / ceiling * 100:.0f}% of that, and the simulator "
+          f"scaled by it predicts {predicted * ceiling / args.stages:.1f} samples/s")
     return 0
 
 
