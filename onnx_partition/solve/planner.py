@@ -31,6 +31,7 @@ from onnx_partition.simulate import (
     one_f_one_b,
     simulate,
 )
+from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
     HybridConfig,
     HybridStage,
@@ -39,11 +40,13 @@ from onnx_partition.solve.hybrid import (
     replica_choices,
 )
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.search import sequence_for, solve_ordering
+from onnx_partition.solve.search import sequence_for
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
 HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
+#: Beyond this many operators the min-live ordering (quadratic in the ready set) is skipped.
+LONG_GRAPH = 2000
 #: Proposals per ordering played in the event simulator (the best by the closed form first).
 SIMULATED = 4
 
@@ -253,11 +256,32 @@ def grid_candidates(
         pp for pp in range(1, min(devices, problem.num_nodes, run.max_stages) + 1)
         if devices % pp == 0
     ]
+    # Balance what one micro-batch costs a stage: forward, and backward plus the gradients'
+    # return trip in training; over narrow-point blocks, so long graphs stay cheap.
+    weighted = problem
+    if run.train:
+        weighted = DagProblem(
+            [(f + b) / run.cluster.speed for f, b in zip(problem.compute_ms, arrays.backward_ms)],
+            problem.producer, problem.consumers, problem.is_output,
+            [2.0 * b for b in problem.nbytes], problem.bandwidth_bytes_per_ms, problem.latency_ms,
+        )
+    order = sequence_for(weighted, "dfs")
+    cuts = cut_bytes(order, weighted.producer, weighted.consumers, weighted.is_output,
+                     weighted.nbytes)
+    blocks = cluster_blocks(order, weighted.producer, weighted.consumers, weighted.is_output,
+                            weighted.compute_ms, max(depths))
+    block_compute, block_cuts = blocks.compress(weighted.compute_ms, cuts)
     plans = []
     for pp in depths:
-        if devices % pp:
+        if devices % pp or pp > len(block_compute):
             continue
-        stage_of = solve_ordering(problem, pp, "topo", polish=False).stage_of
+        split = split_sequence(block_compute, block_cuts, pp,
+                               bandwidth_bytes_per_ms=weighted.bandwidth_bytes_per_ms,
+                               latency_ms=weighted.latency_ms)
+        stage_of = [0] * problem.num_nodes
+        for k, (lo, hi) in enumerate(itertools.pairwise(blocks.expand(split.bounds))):
+            for pos in range(lo, hi):
+                stage_of[order[pos]] = k
         plan = score(problem, arrays, stage_of, [devices // pp] * pp, run, f"grid:pp{pp}")
         if max(plan.memory_bytes) <= run.cluster.memory_bytes:
             plans.append(plan)
@@ -276,6 +300,8 @@ def plan_cluster(
     started = time.perf_counter()
     best: HybridPlan | None = None
     per_ordering: dict[str, float] = {}
+    if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed
+        orderings = [o for o in orderings if o != "minlive"]
     families = [(o, partial(dp_candidates, problem, arrays, run, o, num_stages))
                 for o in orderings]
     families.append(("grid", partial(grid_candidates, problem, arrays, run, num_stages)))
