@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,7 +40,7 @@ from onnx_partition.solve.hybrid import (
     replica_choices,
 )
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.search import sequence_for
+from onnx_partition.solve.search import polish_split, sequence_for
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
@@ -256,25 +256,32 @@ def grid_candidates(
         pp for pp in range(1, min(devices, problem.num_nodes, run.max_stages) + 1)
         if devices % pp == 0
     ]
-    # Balance what one micro-batch costs a stage: forward, and backward plus the gradients'
-    # return trip in training; over narrow-point blocks, so long graphs stay cheap.
-    weighted = problem
+    # Balance what one micro-batch costs one replica of a stage: forward; in training also
+    # backward, the gradients' return trip, and the ring all-reduce of its weights spread over
+    # the micro-batches. Cut over narrow-point blocks, found once, so long graphs stay cheap.
+    base = list(problem.compute_ms)
+    nbytes = list(problem.nbytes)
     if run.train:
-        weighted = DagProblem(
-            [(f + b) / run.cluster.speed for f, b in zip(problem.compute_ms, arrays.backward_ms)],
-            problem.producer, problem.consumers, problem.is_output,
-            [2.0 * b for b in problem.nbytes], problem.bandwidth_bytes_per_ms, problem.latency_ms,
-        )
-    order = sequence_for(weighted, "dfs")
-    cuts = cut_bytes(order, weighted.producer, weighted.consumers, weighted.is_output,
-                     weighted.nbytes)
-    blocks = cluster_blocks(order, weighted.producer, weighted.consumers, weighted.is_output,
-                            weighted.compute_ms, max(depths))
-    block_compute, block_cuts = blocks.compress(weighted.compute_ms, cuts)
+        base = [f + b for f, b in zip(problem.compute_ms, arrays.backward_ms)]
+        nbytes = [2.0 * b for b in nbytes]
+    base = [c / run.cluster.speed for c in base]
+    order = sequence_for(problem, "dfs")
+    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output, nbytes)
+    blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
+                            base, max(depths))
     plans = []
     for pp in depths:
-        if devices % pp or pp > len(block_compute):
+        if devices % pp or pp > len(blocks.bounds) - 1:
             continue
+        replicas = devices // pp
+        compute = base
+        if run.train and replicas > 1:
+            group = run.cluster.link(replicas)
+            share = 2.0 * (replicas - 1) / replicas / group.bytes_per_ms / run.microbatches
+            compute = [c + share * w for c, w in zip(base, arrays.param_bytes)]
+        weighted = DagProblem(compute, problem.producer, problem.consumers, problem.is_output,
+                              nbytes, problem.bandwidth_bytes_per_ms, problem.latency_ms)
+        block_compute, block_cuts = blocks.compress(compute, cuts)
         split = split_sequence(block_compute, block_cuts, pp,
                                bandwidth_bytes_per_ms=weighted.bandwidth_bytes_per_ms,
                                latency_ms=weighted.latency_ms)
@@ -282,10 +289,28 @@ def grid_candidates(
         for k, (lo, hi) in enumerate(itertools.pairwise(blocks.expand(split.bounds))):
             for pos in range(lo, hi):
                 stage_of[order[pos]] = k
-        plan = score(problem, arrays, stage_of, [devices // pp] * pp, run, f"grid:pp{pp}")
-        if max(plan.memory_bytes) <= run.cluster.memory_bytes:
-            plans.append(plan)
+        if problem.num_nodes <= LONG_GRAPH:  # splits no sequence holds (search.polish_split)
+            stage_of = polish_split(weighted, stage_of, pp, order)
+        splits = [(f"grid:pp{pp}", stage_of)]
+        if problem.num_nodes <= LONG_GRAPH:  # the common splits too: never return worse
+            splits += [(f"{name}:pp{pp}", split_fn(problem, arrays, pp))
+                       for name, split_fn in _common_splits()]
+        for name, assignment in splits:
+            plan = score(problem, arrays, assignment, [replicas] * pp, run, name)
+            if max(plan.memory_bytes) <= run.cluster.memory_bytes:
+                plans.append(plan)
     return plans
+
+
+def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], list[int]]]]:
+    """Megatron/DeepSpeed "uniform", DeepSpeed "parameters", torchgpipe's time balance."""
+    from onnx_partition.solve import baselines  # imports this module: import late
+
+    return [
+        ("uniform", lambda p, a, s: baselines.uniform(p, s)),
+        ("parameters", baselines.parameter_balanced),
+        ("time", lambda p, a, s: baselines.time_balanced(p, s)),
+    ]
 
 
 def plan_cluster(
