@@ -145,11 +145,13 @@ def time_balanced(problem: DagProblem, num_stages: int, *, exact: bool = False) 
 
     0. normalise the times to ``[0, 1]`` (``(x - min) / (max - min)``); start from equal counts;
     1. fix a block ``p`` of the largest size ``M``;
-    2. with ``m`` the smallest size (block ``q``, lowest index on ties): stop if ``M <= m + 1``;
+    2. with ``m`` the smallest size, in the block ``q`` closest to ``p``: stop if ``M <= m + 1``;
     3. move one element into ``q`` from its neighbour ``h`` on ``p``'s side (the last element of
        ``q-1`` if ``p < q``, the first of ``q+1`` otherwise); if ``h == p`` go to 1, else to 2.
 
-    ``exact=True`` gives the exact min-max split of the forward times instead (still no comm).
+    Step 2 as in the paper: torchgpipe takes the smallest block of lowest index instead, which
+    never stops once normalised sizes tie at 0 (many equally cheap operators: moves run past
+    the sequence's end). ``exact=True`` gives the exact min-max split of the forward times.
     """
     order = _check(problem, num_stages)
     times = [problem.compute_ms[v] for v in order]
@@ -157,27 +159,26 @@ def time_balanced(problem: DagProblem, num_stages: int, *, exact: bool = False) 
         return _assign(order, _min_max(times, num_stages))
     n, k = len(times), num_stages
     low, span = min(times), max(times) - min(times)
-    normal = [(x - low) / span if span > 0 else 0.0 for x in times]
     prefix = [0.0]
-    for x in normal:
-        prefix.append(prefix[-1] + x)
-    splits = [n // k * (x + 1) for x in range(k - 1)] + [n]
-
-    def sizes() -> list[tuple[float, int]]:
-        return [(prefix[splits[i]] - prefix[splits[i - 1] if i else 0], i) for i in range(k)]
-
+    for x in times:
+        prefix.append(prefix[-1] + ((x - low) / span if span > 0 else 0.0))
+    bounds = [0] + [n // k * (x + 1) for x in range(k - 1)] + [n]
+    moves = 0
     while True:
-        max_size, p = max(sizes())
+        sizes = [prefix[bounds[i + 1]] - prefix[bounds[i]] for i in range(k)]
+        max_size, p = max((size, i) for i, size in enumerate(sizes))
         while True:
-            min_size, q = min(sizes())
-            if max_size <= min_size + 1:
-                return _assign(order, _nonempty([0, *splits], n))
-            if p < q:
-                h = q - 1
-                splits[h] -= 1
-            else:
-                h = q + 1
-                splits[q] += 1
+            min_size = min(sizes)
+            if max_size <= min_size + 1 + 1e-9:  # (prefix sums round)
+                return _assign(order, _nonempty(bounds, n))
+            q = min((abs(i - p), i) for i, size in enumerate(sizes) if size == min_size)[1]
+            h = q - 1 if p < q else q + 1
+            bounds[max(q, h)] += -1 if p < q else 1  # the boundary between q and h
+            for i in (q, h):
+                sizes[i] = prefix[bounds[i + 1]] - prefix[bounds[i]]
+            moves += 1
+            if moves > 100 * n * k:  # the paper proves termination: never expected
+                raise PartitionError("Bárány-Grinberg block partition did not converge")
             if p == h:
                 break
 
@@ -317,7 +318,7 @@ def pipedream(problem: DagProblem, arrays: NodeArrays, run: RunSpec, *,
     for j in range(1, count):
         if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
             raise PartitionError(f"PipeDream's DP ran past its {time_limit_s:g} s limit "
-                                 f"({count} states, {devices} devices)")
+                                 f"({count} downsets, {devices} devices)")
         subs = np.flatnonzero(~np.any(packed[:j] & ~packed[j], axis=1))
         comp_k, par_k, trans_k, before = work[j] - work[subs], params[j] - params[subs], \
             trans[subs], best[subs]
@@ -376,28 +377,41 @@ def best_grid(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
 
 
 def baseline_plans(problem: DagProblem, arrays: NodeArrays, run: RunSpec, *,
-                   pipedream_states: int = MAX_STATES,
-                   pipedream_time_s: float | None = None) -> dict[str, HybridPlan | str]:
-    """Every baseline's best plan, or why it has none ("OOM", "states", "timeout")."""
-    splits: dict[str, Callable[[int], list[int]]] = {
+                   pipedream_states: int = MAX_STATES, pipedream_time_s: float | None = None,
+                   with_pipedream: bool = True,
+                   split_cache: dict[tuple[str, int], list[int]] | None = None,
+                   ) -> dict[str, HybridPlan | str]:
+    """Every baseline's best plan, or why it has none ("OOM", "states", "timeout"); a plan's
+    ``planning_s`` is PipeDream's solving time. ``split_cache`` keeps the splits (which depend
+    on the problem and the depth only) across calls on the same problem."""
+    cache = {} if split_cache is None else split_cache
+    splitters: dict[str, Callable[[int], list[int]]] = {
         "uniform": lambda pp: uniform(problem, pp),
         "parameters": lambda pp: parameter_balanced(problem, arrays, pp),
         "time": lambda pp: time_balanced(problem, pp),
     }
     plans: dict[str, HybridPlan | str] = {}
-    for name, split_fn in splits.items():
-        plans[name] = best_grid(problem, arrays, run, split_fn, name) or "OOM"
+    for name, split in splitters.items():
+        def cached(pp: int, name: str = name, split: Callable[[int], list[int]] = split
+                   ) -> list[int]:
+            if (name, pp) not in cache:
+                cache[name, pp] = split(pp)
+            return cache[name, pp]
+        plans[name] = best_grid(problem, arrays, run, cached, name) or "OOM"
     whole = data_parallel(problem, run.cluster.devices)
     dp_plan = score(problem, arrays, whole.stage_of, whole.replicas, run, "data-parallel")
     plans["data-parallel"] = dp_plan if fits(dp_plan, run) else "OOM"
+    if not with_pipedream:
+        return plans
     began = time.perf_counter()
     try:
         found = pipedream(problem, arrays, run, max_states=pipedream_states,
                           time_limit_s=pipedream_time_s)
     except PartitionError as exc:
-        plans["pipedream"] = "states" if "states" in str(exc) else "timeout"
+        plans["pipedream"] = "timeout" if "limit" in str(exc) else "states"
     else:
+        solved_s = time.perf_counter() - began
         pd_plan = score(problem, arrays, found.stage_of, found.replicas, run, "pipedream")
-        pd_plan.planning_s = time.perf_counter() - began
+        pd_plan.planning_s = solved_s
         plans["pipedream"] = pd_plan if fits(pd_plan, run) else "OOM"
     return plans
