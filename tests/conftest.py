@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
-
-import os
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 from hypothesis import settings
 
+from onnx_partition.plan import read_plan
+
 # Property tests: no per-example deadline (CI machines are slow and shared); in CI the examples
 # are derived from each test's name, so a run is reproducible and a failure can be replayed.
 settings.register_profile("default", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
-
-from onnx_partition.plan import read_plan
 
 
 @pytest.fixture(scope="session")
