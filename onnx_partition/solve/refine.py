@@ -173,6 +173,28 @@ def _push(state: _State, stage: int, to: int, target: float) -> int | None:
     return None if chosen is None else chosen[1]
 
 
+def _swap(state: _State, best: tuple[float, float], eps: float) -> bool:
+    """Exchange a frontier node of the slowest stage with one of a neighbour's, both moving
+    across their shared boundary; applied (and True returned) only if it improves the score."""
+    k = int(np.argmax(state.times()))
+    for other in (k - 1, k + 1):
+        if not 0 <= other < state.s:
+            continue
+        for v in sorted(state.members[k]):
+            if not state.can_move(v, other):
+                continue
+            state.move(v, other)
+            for u in sorted(state.members[other] - {v}):
+                if not state.can_move(u, k):
+                    continue
+                state.move(u, k)
+                if _better(_score(state.times()), best, eps):
+                    return True
+                state.move(u, other)
+            state.move(v, k)
+    return False
+
+
 def refine(
     problem: DagProblem,
     stage_of: Sequence[int],
@@ -180,8 +202,8 @@ def refine(
     *,
     max_moves: int = 10_000,
 ) -> list[int]:
-    """A convex assignment no worse than ``stage_of``: greedy frontier moves, and ejection
-    chains when no single move helps (see module doc)."""
+    """A convex assignment no worse than ``stage_of``: greedy frontier moves, then ejection
+    chains, then swaps across a boundary when no single move helps (see module doc)."""
     if num_stages < 2:
         return list(stage_of)
     state = _State(problem, stage_of, num_stages)
@@ -191,7 +213,7 @@ def refine(
         choice = _best_single(state, best, eps)
         if choice is not None:
             state.move(choice[1], choice[2])
-        elif not _chain(state, best, eps):
+        elif not _chain(state, best, eps) and not _swap(state, best, eps):
             break
         best = _score(state.times())
     return state.stage_of
