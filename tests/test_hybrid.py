@@ -7,11 +7,15 @@ import math
 
 import numpy as np
 import pytest
+from conftest import assert_same, run_whole
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_graph import CHAIN, save
 
 from onnx_partition.cost.cluster import Cluster, LinkSpec, parse_bytes
 from onnx_partition.errors import PartitionError
+from onnx_partition.partition import partition
+from onnx_partition.runtime import PipelineSession
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
 
 
@@ -140,3 +144,17 @@ def test_cluster_spec_basics(tmp_path):
         parse_bytes("lots")
     assert LinkSpec(0.0).bytes_per_ms == math.inf
     assert np.isclose(LinkSpec(10.0).bytes_per_ms, 1e7)
+
+
+def test_hybrid_plan_end_to_end(tmp_path):
+    """A plan with replicas from the planner runs and equals the whole model."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    plan = partition(model, 2, tmp_path / "out", batch_size=4, mode="train", microbatches=4,
+                     cluster=Cluster(devices_per_machine=4, memory_gb=1.0))
+    assert [s.replicas for s in plan.stages] == [len(s.devices) for s in plan.stages]
+    assert sum(s.replicas for s in plan.stages) <= 4 and len(plan.stages) == 2
+    assert plan.predicted["iteration_ms"] > 0 and plan.solver.startswith("hybrid-")
+    feeds = {"x": np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)}
+    with PipelineSession(tmp_path / "out", microbatches=4) as session:
+        outputs = dict(zip(session.get_outputs(), session.run(None, feeds)))
+    assert_same(outputs, run_whole(model, feeds))
