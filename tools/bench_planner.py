@@ -185,7 +185,7 @@ def main() -> int:
             below = sorted((r, b, where) for r, b, where in flat if r < 1 - 1e-9)
             print(f"(b) min over all rows of ours / baseline: {worst[0]:.3f}x ({worst[1]}, "
                   f"{worst[2]}) (target >= 1.0x); below 1.0 in {len(below)} of {len(flat)}: "
-                  + "; ".join(f"{b} {where} {r:.3f}x" for r, b, where in below))
+                  + ("; ".join(f"{b} {where} {r:.3f}x" for r, b, where in below) or "none"))
         if time_ratios:
             print(f"(c) PipeDream time / our time where PipeDream finishes: geometric mean "
                   f"{geomean(time_ratios):.1f}x, min {min(time_ratios):.1f}x, max "
