@@ -223,7 +223,7 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
 
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
-    for slack in (1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0):
+    for slack in (1.0, 1.05, 1.25, 1.5):
         h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
         for q in range(1, max_q + 1):
             if h[q, 0] > devices:

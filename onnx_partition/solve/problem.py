@@ -16,10 +16,13 @@ DP (over sequences), the refinement, the ILP and the brute force all agree with 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from onnx_partition.errors import PartitionError
 
@@ -102,39 +105,40 @@ class DagProblem:
                 seen.update((p, c) for c in cs)
         return sorted(seen)
 
-    def _check_assignment(self, stage_of: Sequence[int], num_stages: int) -> None:
+    @functools.cached_property
+    def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(consumer's tensor, consumer node) pairs, producers, output flags, bytes as arrays."""
+        pairs = [(t, c) for t, cs in enumerate(self.consumers) for c in cs]
+        flat = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+        return (flat[:, 0], flat[:, 1], np.asarray(self.producer, dtype=np.int64),
+                np.asarray(self.is_output, dtype=bool), np.asarray(self.nbytes, dtype=float))
+
+    def _check_assignment(self, stage_of: Sequence[int], num_stages: int) -> np.ndarray:
         if num_stages < 1:
             raise PartitionError(f"num_stages must be >= 1, got {num_stages}")
         if len(stage_of) != self.num_nodes:
             raise PartitionError(
                 f"assignment has {len(stage_of)} entries for {self.num_nodes} nodes"
             )
-        for i, s in enumerate(stage_of):
-            if not 0 <= s < num_stages:
-                raise PartitionError(f"stage_of[{i}] = {s} is outside 0..{num_stages - 1}")
+        stages = np.asarray(stage_of, dtype=np.int64)
+        bad = np.flatnonzero((stages < 0) | (stages >= num_stages))
+        if bad.size:
+            i = int(bad[0])
+            raise PartitionError(f"stage_of[{i}] = {stage_of[i]} is outside 0..{num_stages - 1}")
+        return stages
 
     def cross_bytes(self, stage_of: Sequence[int], num_stages: int) -> list[float]:
         """Bytes crossing each interior boundary ``b = 0..S-2`` under the relay model."""
-        self._check_assignment(stage_of, num_stages)
-        diff = [0.0] * (num_stages + 1)
-        for t, cs in enumerate(self.consumers):
-            if self.is_output[t]:
-                last = num_stages - 1
-            elif cs:
-                last = max(stage_of[c] for c in cs)
-            else:
-                continue
-            p = self.producer[t]
-            first = 0 if p < 0 else stage_of[p]
-            if first < last:
-                diff[first] += self.nbytes[t]
-                diff[last] -= self.nbytes[t]
-        out: list[float] = []
-        running = 0.0
-        for b in range(num_stages - 1):
-            running += diff[b]
-            out.append(running)
-        return out
+        stages = self._check_assignment(stage_of, num_stages)
+        cons_t, cons_v, producer, is_output, nbytes = self._flat
+        last = np.full(len(producer), -1, dtype=np.int64)
+        np.maximum.at(last, cons_t, stages[cons_v])
+        last[is_output] = num_stages - 1
+        first = np.where(producer >= 0, stages[np.maximum(producer, 0)], 0)
+        crossing = first < last
+        diff = np.bincount(first[crossing], nbytes[crossing], minlength=num_stages + 1)
+        diff -= np.bincount(last[crossing], nbytes[crossing], minlength=num_stages + 1)
+        return [float(x) for x in np.cumsum(diff)[: num_stages - 1]]
 
     def stage_times(self, stage_of: Sequence[int], num_stages: int) -> list[float]:
         """Time of every stage for any assignment (valid or not), per the module's cost model."""
