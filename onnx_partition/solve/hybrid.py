@@ -66,6 +66,7 @@ class HybridConfig:
     group_latency_ms: Sequence[float] = ()
     optimizer_factor: float = 4.0  # parameters + gradients + Adam moments, in parameter bytes
     max_stages: int = 16
+    depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,11 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
         tables.memory(q) <= config.memory_bytes for q in range(1, max_q + 1)
     ]
 
+    depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
+
     def feasible(tau: float) -> bool:
         h, _, _ = _fewest_devices(tables, tau, max_q, fits)
-        return bool(h[1:, 0].min() <= devices)
+        return bool(h[depths, 0].min() <= devices)
 
     finite = tables.period[np.isfinite(tables.period)]
     lo, hi = 0.0, float(finite.max()) if finite.size else 0.0
@@ -226,7 +229,7 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     for slack in (1.0, 1.05, 1.25, 1.5):
         h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
         for q in range(1, max_q + 1):
-            if h[q, 0] > devices:
+            if h[q, 0] > devices or (config.depth and q != config.depth):
                 continue
             stages, i = [], 0
             for left in range(q, 0, -1):

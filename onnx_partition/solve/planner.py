@@ -221,6 +221,7 @@ def dp_candidates(
         group_latency_ms=group_lat,
         optimizer_factor=run.optimizer_factor,
         max_stages=num_stages or run.max_stages,
+        depth=num_stages,
     )
     labels: list[str] = []
     if arrays.names:
