@@ -237,11 +237,13 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                 stages.append(tables.stage(i, j, r, left))
                 i = j
             assert i == n
-            stages = tables.widen(stages, devices)
-            key = tuple((s.start, s.end, s.replicas) for s in stages)
-            if key not in seen:
-                seen.add(key)
-                plans.append(stages)
+            # Both the lean plan and the one widened onto spare devices: more replicas shorten
+            # the period but lengthen the all-reduce, which the simulator, not the period, sees.
+            for variant in (stages, tables.widen(stages, devices)):
+                key = tuple((s.start, s.end, s.replicas) for s in variant)
+                if key not in seen:
+                    seen.add(key)
+                    plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
     return plans
 

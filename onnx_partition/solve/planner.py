@@ -48,7 +48,7 @@ HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
 #: Beyond this many operators the min-live ordering (quadratic in the ready set) is skipped.
 LONG_GRAPH = 2000
 #: Proposals per ordering played in the event simulator (the best by the closed form first).
-SIMULATED = 4
+SIMULATED = 6
 
 
 @dataclass(frozen=True)
