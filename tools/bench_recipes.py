@@ -14,27 +14,18 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from _timing import samples_per_s
 
 import models
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.check import compare, random_feeds
 from onnx_partition.runtime.stages import session_options
-
-
-def throughput(run: Callable[[], object], rows: int, iterations: int) -> float:
-    run()  # warm-up
-    run()
-    began = time.perf_counter()
-    for _ in range(iterations):
-        run()
-    return rows * iterations / (time.perf_counter() - began)
 
 
 def main() -> int:
@@ -64,9 +55,9 @@ def main() -> int:
                 names = pipe.get_outputs()
                 err = compare(dict(zip(names, pipe.run(None, feeds))),
                               dict(zip(names, whole.run(names, feeds))))
-                base = throughput(partial(whole.run, names, feeds), args.batch_size,
+                base = samples_per_s(partial(whole.run, names, feeds), args.batch_size,
                                   args.iterations)
-                piped = throughput(partial(pipe.run, None, feeds), args.batch_size,
+                piped = samples_per_s(partial(pipe.run, None, feeds), args.batch_size,
                                    args.iterations)
                 nodes = sum(len(s.nodes) for s in plan.stages)
                 print(f"| {name} | {args.size} | {nodes} | {stages} | {seconds:.2f} | "

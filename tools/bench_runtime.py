@@ -18,11 +18,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import onnxruntime as ort
+from _timing import samples_per_s
 
 import models
 from onnx_partition.cost.profile import profile_to_file
@@ -32,18 +32,6 @@ from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.check import compare, random_feeds
 from onnx_partition.runtime.distributed import run_distributed
 from onnx_partition.runtime.stages import session_options
-
-
-def samples_per_s(run: Callable[[], object], rows: int, iterations: int) -> float:
-    """Median over ``iterations`` timed runs after two warm-ups."""
-    run()
-    run()
-    times = []
-    for _ in range(iterations):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return rows / statistics.median(times)
 
 
 def concurrent_speedup(model: Path, feeds: dict, copies: int, iterations: int) -> float:

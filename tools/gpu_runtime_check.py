@@ -10,14 +10,12 @@ throughputs. Exits 0 with a message where CUDA is not available (CI, CPU machine
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import onnxruntime as ort
+from _timing import samples_per_s
 
 import models
 from onnx_partition.partition import partition
@@ -25,17 +23,6 @@ from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.check import compare, random_feeds
 
 CUDA = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
-
-
-def samples_per_s(run: Callable[[], object], rows: int, iterations: int) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(iterations):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return rows / statistics.median(times)
 
 
 def main() -> int:

@@ -8,18 +8,8 @@ The objective is the time of the slowest stage (the pipeline's steady-state peri
 
 The module is pure: it sees plain arrays, never ONNX.
 
-Cost model (it must match the project's dynamic program exactly; :meth:`DagProblem.stage_times`
-is the single place it is written down in code):
-
-* a tensor ``t`` is made at ``first(t) = stage(producer[t])`` (``0`` for a graph input: graph
-  inputs are available at the pipeline start and relayed) and last needed at ``last(t) =``
-  the largest stage of its consumers (``S-1`` if it is a graph output);
-* it crosses interior boundary ``b`` (between stages ``b`` and ``b+1``) iff
-  ``first(t) <= b < last(t)`` (relay model); a tensor with no consumers that is not a graph
-  output crosses nothing;
-* ``cross_bytes(b)`` is the total of ``nbytes`` over the tensors crossing ``b``;
-* ``time(s) = compute(s) + (cross_bytes(s-1) + cross_bytes(s)) / bandwidth
-  + latency * ([s > 0] + [s < S-1])``, the boundary terms only for boundaries that exist.
+The cost model is the relay model written down once in :mod:`onnx_partition.solve.problem`
+(:meth:`DagProblem.stage_times`); the DP, the refinement and the brute force share it.
 
 Integer scaling. CP-SAT needs integers, so every time (node compute, ``nbytes/bandwidth`` per
 tensor, latency) is multiplied by a power of ten ``scale`` chosen so that the largest
