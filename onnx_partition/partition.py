@@ -217,7 +217,9 @@ def plan_on_cluster(
     }
     extra: dict[str, Any] = {
         "cluster": cluster.to_json(),
-        "orderings": {k: round(v, 6) for k, v in per_ordering.items()},
+        # per family: its best simulated iteration, or the bound that spared simulating it
+        "orderings": {k: {what: round(ms, 6) for what, ms in v.items()}
+                      for k, v in per_ordering.items()},
         "planning_s": round(best.planning_s, 4),
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
         # the simulator's exact inputs, so `simulate` and `report` replay this very plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,8 +63,19 @@ def test_header_and_packing_round_trip():
         encode_header(0, ["s"], [np.array(["text"], dtype=object)])
 
 
+def partition_skip(tmp_path: Path) -> Path:
+    """SKIP in three stages, {a, b, c} | {d} | {e, f, y}: costs that make it the one balanced
+    split, so the layout below does not hang on how the DP breaks ties."""
+    costs = {"format": "onnx-partition/costs@1", "unit": "ms", "device": "cpu",
+             "nodes": {k: {"forward_ms": 3.0 if k == "d" else 1.0} for k in "abcdefy"}}
+    (tmp_path / "costs.json").write_text(json.dumps(costs))
+    model = save(SKIP, tmp_path / "m.onnx")
+    partition(model, 3, tmp_path / "out", batch_size=2, costs=tmp_path / "costs.json")
+    return model
+
+
 def test_layout_relays_skips_and_late_inputs(tmp_path):
-    partition(save(SKIP, tmp_path / "m.onnx"), 3, tmp_path / "out", batch_size=2)
+    partition_skip(tmp_path)
     lay = layout(read_plan(tmp_path / "out"))
     assert lay.recv_names == [["x", "z"], ["a", "c", "z"], ["a", "d", "z"]]
     assert lay.send_names[-1] == ["y"]
@@ -94,8 +106,7 @@ def test_spawned_workers(tmp_path):
 
 
 def test_replicated_stage_with_skip_and_late_input(tmp_path):
-    model = save(SKIP, tmp_path / "m.onnx")
-    partition(model, 3, tmp_path / "out", batch_size=2)
+    model = partition_skip(tmp_path)
     plan_file = tmp_path / "out" / "plan.json"
     plan = json.loads(plan_file.read_text())
     assert [s["inputs"] for s in plan["stages"]] == [["x"], ["c"], ["d", "a", "z"]]

@@ -26,6 +26,22 @@ def brute_force(compute, cuts, stages, bandwidth, latency):
     return best
 
 
+def recurrence(compute, cuts, stages, bandwidth, latency):
+    """The textbook table f[s, j] = min_i max(f[s-1, i], time(i, j)), O(S n^2)."""
+    n = len(compute)
+    prefix = np.concatenate([[0.0], np.cumsum(compute)])
+    cut = np.asarray(cuts, dtype=float) / bandwidth + latency
+    cut[0] = cut[n] = 0.0
+    f = np.full((stages + 1, n + 1), np.inf)
+    f[0, 0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n + 1):
+            starts = np.arange(s - 1, j)
+            last = prefix[j] - prefix[starts] + cut[starts] + cut[j]
+            f[s, j] = np.min(np.maximum(f[s - 1, starts], last))
+    return float(f[stages, n])
+
+
 def test_equal_costs_split_evenly():
     split = split_sequence([1.0] * 8, [0.0] * 9, 4)
     assert split.bounds == [0, 2, 4, 6, 8]
@@ -79,6 +95,28 @@ def test_dp_matches_brute_force(compute, data, bandwidth, latency):
     assert all(i < j for i, j in itertools.pairwise(split.bounds))
     assert split.bottleneck_ms == pytest.approx(
         brute_force(compute, cuts, stages, bandwidth, latency), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    compute=st.lists(st.floats(0, 1e3, allow_nan=False), min_size=10, max_size=80),
+    data=st.data(),
+    bandwidth=st.sampled_from([math.inf, 0.5, 40.0]),
+    latency=st.sampled_from([0.0, 0.01, 2.0]),
+)
+def test_parametric_search_matches_the_recurrence(compute, data, bandwidth, latency):
+    n = len(compute)
+    stages = data.draw(st.integers(1, min(n, 16)))
+    interior = data.draw(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=n - 1,
+                                  max_size=n - 1))
+    cuts = [0.0, *interior, 0.0]
+    split = split_sequence(compute, cuts, stages, bandwidth_bytes_per_ms=bandwidth,
+                           latency_ms=latency)
+    assert len(split.bounds) == stages + 1
+    assert split.stage_ms == stage_times(compute, cuts, split.bounds,
+                                         bandwidth_bytes_per_ms=bandwidth, latency_ms=latency)
+    assert split.bottleneck_ms == pytest.approx(
+        recurrence(compute, cuts, stages, bandwidth, latency), rel=1e-9, abs=1e-9)
 
 
 def test_cut_bytes_relay_model():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.simulate import (
@@ -23,6 +25,7 @@ from onnx_partition.simulate import (
     simulate,
     validate,
 )
+from onnx_partition.solve.planner import lower_bound_ms
 
 F, B = 1.0, 2.0
 
@@ -204,3 +207,28 @@ def test_render_grid() -> None:
     text = render(gpipe(2, 2, train=False))
     assert text.splitlines()[1].split() == ["0,0", "0F0", "0F1"]
     assert text.splitlines()[2].split() == ["1,0", "1F0", "1F1"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    replicas=st.lists(st.integers(1, 4), min_size=1, max_size=5),
+    microbatches=st.integers(1, 9),
+    train=st.booleans(),
+    data=st.data(),
+)
+def test_lower_bound_never_exceeds_the_simulation(
+    replicas: list[int], microbatches: int, train: bool, data: st.DataObject
+) -> None:
+    """The planner skips a proposal whose bound is no better than a simulated plan: the bound
+    must hold for every schedule it prunes, and be tight for a single stage."""
+    times = st.floats(0.0, 10.0, allow_nan=False)
+    p = len(replicas)
+    stages = [StageCosts(data.draw(times), data.draw(times) if train else 0.0, r,
+                         data.draw(times) if train and r > 1 else 0.0) for r in replicas]
+    costs = PipelineCosts(stages, [data.draw(times) for _ in range(p - 1)])
+    builder = one_f_one_b if train else inference
+    sim = simulate(builder(p, microbatches, replicas), costs)
+    bound = lower_bound_ms(costs, microbatches, train)
+    assert bound <= sim.iteration_ms * (1 + 1e-9) + 1e-9
+    if p == 1:
+        assert bound == pytest.approx(sim.iteration_ms)

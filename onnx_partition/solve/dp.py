@@ -7,12 +7,14 @@ crosses its two boundaries (the relay model of :mod:`onnx_partition.solve.proble
     time(i, j) = C[j] - C[i] + (cut[i] + cut[j]) / bandwidth + latency * (#interior boundaries)
 
 with ``C`` the prefix sum of compute and ``cut[b]`` the bytes crossing boundary ``b`` (``cut[0]``
-and ``cut[n]`` are 0: the pipeline's ends). The DP is the classic linear-partition recurrence
-(Skiena, *The Algorithm Design Manual*, 8.5), minimising the bottleneck instead of a sum:
+and ``cut[n]`` are 0: the pipeline's ends). The optimum is that of the classic
+linear-partition recurrence (Skiena, *The Algorithm Design Manual*, 8.5), minimising the
+bottleneck instead of a sum:
 
     f[s, j] = min_{s-1 <= i < j} max(f[s-1, i], time(i, j)),   f[0, 0] = 0
 
-``f[s, j]`` is the best bottleneck of ``s`` non-empty stages covering positions ``[0, j)``.
+``f[s, j]`` is the best bottleneck of ``s`` non-empty stages covering positions ``[0, j)``;
+:func:`split_sequence` finds it by a parametric search instead of filling the table.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ def split_sequence(
     """The split of a sequence into exactly ``num_stages`` non-empty stages whose slowest stage
     is fastest. ``cut_bytes[b]`` (length n + 1) is the bytes crossing boundary b.
 
-    O(S n^2) time with the inner minimum vectorised; O(S n) memory for the argmin table.
+    Parametric search (the "probe" approach to 1-D partitioning, Pinar and Aykanat, JPDC 2004):
+    bisect on the bottleneck ``T``; a probe decides whether ``T`` is reachable. Writing a stage's
+    time as ``g[j] - h[i]`` with ``g = C + cut`` and ``h = C - cut``, position ``j`` closes the
+    ``s``-th stage iff some position ``i < j`` closing ``s - 1`` stages has ``h[i] >= g[j] - T``:
+    a running maximum, so one probe is O(S n) vectorised and the search O(S n log(1/eps)), which
+    equals the recurrence above to float precision.
     """
     n = len(compute_ms)
     if not 1 <= num_stages <= n:
@@ -73,27 +80,43 @@ def split_sequence(
         raise ValueError(f"cut_bytes needs n + 1 = {n + 1} entries, got {len(cut_bytes)}")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(compute_ms, dtype=float))])
     cut = _cut_ms(cut_bytes, n, bandwidth_bytes_per_ms, latency_ms)
+    g, h = prefix + cut, prefix - cut
 
-    # f[s, j]: best bottleneck of s stages over positions [0, j); arg[s, j]: start of the last.
-    f = np.full((num_stages + 1, n + 1), np.inf)
-    arg = np.zeros((num_stages + 1, n + 1), dtype=np.int64)
-    f[0, 0] = 0.0
-    for s in range(1, num_stages + 1):
-        # The last stage may start at i in [s-1, j-1]; later stages need n - j >= S - s nodes.
-        for j in range(s, n - (num_stages - s) + 1):
-            starts = np.arange(s - 1, j)
-            last = prefix[j] - prefix[starts] + cut[starts] + cut[j]
-            candidates = np.maximum(f[s - 1, starts], last)
-            best = int(np.argmin(candidates))
-            f[s, j], arg[s, j] = candidates[best], starts[best]
+    def reachable(limit: float) -> np.ndarray:
+        """reach[s, j]: s stages, each at most ``limit``, cover exactly [0, j)."""
+        reach = np.zeros((num_stages + 1, n + 1), dtype=bool)
+        reach[0, 0] = True
+        for s in range(1, num_stages + 1):
+            best = np.maximum.accumulate(np.where(reach[s - 1], h, -np.inf))
+            reach[s, 1:] = best[:-1] >= g[1:] - limit
+        return reach
+
+    # Every stage's time is at least its compute, and the stages share all of it.
+    lo = max(float(prefix[-1]) / num_stages, float(np.max(np.diff(prefix))))
+    hi = float(prefix[-1] + 2.0 * cut.max())  # any split meets this
+    reach = reachable(lo)
+    if reach[num_stages, n]:
+        hi = lo
+    else:
+        for _ in range(200):
+            if hi - lo <= 1e-12 * hi:
+                break
+            mid = (lo + hi) / 2
+            probe = reachable(mid)
+            if probe[num_stages, n]:
+                hi = mid
+            else:
+                lo = mid
+        reach = reachable(hi)
 
     bounds = [n]
-    for s in range(num_stages, 0, -1):
-        bounds.append(int(arg[s, bounds[-1]]))
+    for s in range(num_stages, 0, -1):  # the last stage's start: the cheapest reachable one
+        j = bounds[-1]
+        starts = np.flatnonzero(reach[s - 1, :j] & (h[:j] >= g[j] - hi))
+        bounds.append(int(starts[np.argmax(h[starts])]))
     bounds.reverse()
     times = [float(prefix[j] - prefix[i] + cut[i] + cut[j]) for i, j in itertools.pairwise(bounds)]
     assert bounds[0] == 0 and all(i < j for i, j in itertools.pairwise(bounds))
-    assert math.isclose(max(times), float(f[num_stages, n]), rel_tol=1e-9, abs_tol=1e-12)
     return SequenceSplit(bounds, times)
 
 

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +72,15 @@ class RunSpec:
     max_stages: int = 16
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """An unscored plan: node -> stage, replicas per stage, and where it came from."""
+
+    stage_of: list[int]
+    replicas: list[int]
+    source: str  # "dp:<ordering>", "grid:pp<k>" or "<common split>:pp<k>"
+
+
 @dataclass
 class HybridPlan:
     """A scored plan: node -> stage, replicas and devices per stage, simulation result."""
@@ -120,15 +129,15 @@ def pipeline_costs(
     """Simulator costs of an assignment, and each stage's memory per device."""
     num_stages = len(replicas)
     cluster = run.cluster
-    fwd = np.zeros(num_stages)
-    bwd = np.zeros(num_stages)
-    params = np.zeros(num_stages)
-    acts = np.zeros(num_stages)
-    for v, k in enumerate(stage_of):
-        fwd[k] += problem.compute_ms[v] / cluster.speed
-        bwd[k] += arrays.backward_ms[v] / cluster.speed
-        params[k] += arrays.param_bytes[v]
-        acts[k] += arrays.activation_bytes[v]
+    stages_np = np.asarray(stage_of, dtype=np.int64)
+
+    def per_stage(values: Sequence[float]) -> np.ndarray:
+        return np.bincount(stages_np, np.asarray(values, dtype=float), minlength=num_stages)
+
+    fwd = per_stage(problem.compute_ms) / cluster.speed
+    bwd = per_stage(arrays.backward_ms) / cluster.speed
+    params = per_stage(arrays.param_bytes)
+    acts = per_stage(arrays.activation_bytes)
     cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
     link = cluster.intra
     send = [b / link.bytes_per_ms + link.latency_ms for b in cross]
@@ -153,11 +162,40 @@ def score(
 ) -> HybridPlan:
     """Simulate an assignment: the one yardstick for the DP's plans and every baseline."""
     costs, memory = pipeline_costs(problem, arrays, stage_of, replicas, run)
+    return _simulated(stage_of, replicas, costs, memory, run, source)
+
+
+def _simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
+               memory: list[float], run: RunSpec, source: str) -> HybridPlan:
     builder = one_f_one_b if run.train else inference
     schedule = builder(len(replicas), run.microbatches, list(replicas))
     sim = simulate(schedule, costs)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
+
+
+def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool) -> float:
+    """A bound no schedule of these costs beats, so a proposal whose bound is no better than a
+    simulated plan need not be simulated (branch and bound). Replica 0 of stage ``k`` starts
+    after micro-batch 0 has come forward through stages ``0..k-1``, then computes its
+    ``ceil(M / r)`` micro-batches, after which its last one still has to travel on: back to
+    stage 0 (training, in parallel with the stage's all-reduce) or on to the last stage."""
+    stages, send = costs.stages, costs.send_ms
+    p = len(stages)
+    bound, ahead = 0.0, 0.0  # ahead: when micro-batch 0 can reach stage k at the earliest
+    tail_fwd = [0.0] * (p + 1)  # forward from stage k + 1 to the end
+    for k in range(p - 1, 0, -1):
+        tail_fwd[k - 1] = tail_fwd[k] + send[k - 1] + stages[k].forward_ms
+    behind = 0.0  # backward from stage k - 1 to stage 0
+    for k, stage in enumerate(stages):
+        per_mb = stage.forward_ms + (stage.backward_ms if train else 0.0)
+        work = -(-microbatches // stage.replicas) * per_mb
+        after = max(stage.allreduce_ms, behind) if train else tail_fwd[k]
+        bound = max(bound, ahead + work + after)
+        if k < p - 1:
+            ahead += stage.forward_ms + send[k]
+            behind += send[k] + stage.backward_ms
+    return bound
 
 
 def _coarse_blocks(
@@ -190,10 +228,10 @@ def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
 
 def dp_candidates(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
-    num_stages: int | None = None,
-) -> list[HybridPlan]:
-    """The hybrid DP's proposals for one ordering, each scored by simulation."""
-    order = sequence_for(problem, ordering)
+    num_stages: int | None = None, order: Sequence[int] | None = None,
+) -> list[Proposal]:
+    """The hybrid DP's best proposals for one ordering (by the closed form), unscored."""
+    order = list(sequence_for(problem, ordering) if order is None else order)
     cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
                      problem.nbytes)
     bounds = _coarse_blocks(order, problem, cuts, run.cluster.devices)
@@ -235,20 +273,22 @@ def dp_candidates(
     proposals = [p for p in plan_hybrid(seq, config)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
-    plans = []
-    for proposal in proposals[:SIMULATED]:
-        stage_of = [0] * problem.num_nodes
-        for k, stage in enumerate(proposal):
-            for pos in range(bounds[stage.start], bounds[stage.end]):
-                stage_of[order[pos]] = k
-        plans.append(score(problem, arrays, stage_of, [s.replicas for s in proposal], run,
-                           f"dp:{ordering}"))
-    return plans
+    return [Proposal(_assignment(order, [bounds[s.start] for s in proposal] + [len(order)]),
+                     [s.replicas for s in proposal], f"dp:{ordering}")
+            for proposal in proposals[:SIMULATED]]
+
+
+def _assignment(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
+    """Node -> stage for stage boundaries ``bounds`` (``0 .. n``) over the sequence ``order``."""
+    stage_of = np.empty(len(order), dtype=np.int64)
+    stage_of[np.asarray(order)] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    return stage_of.tolist()
 
 
 def grid_candidates(
-    problem: DagProblem, arrays: NodeArrays, run: RunSpec, num_stages: int | None = None
-) -> list[HybridPlan]:
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, num_stages: int | None = None,
+    order: Sequence[int] | None = None,
+) -> list[Proposal]:
     """Equal replicas per stage (the pp x dp grids of Megatron-style training), each cut by the
     sequence DP with communication: cheap proposals the hybrid DP's bottleneck objective can
     miss when fill, drain and all-reduce decide (it minimises the period, not the iteration)."""
@@ -266,7 +306,7 @@ def grid_candidates(
         base = [f + b for f, b in zip(problem.compute_ms, arrays.backward_ms)]
         nbytes = [2.0 * b for b in nbytes]
     base = [c / run.cluster.speed for c in base]
-    order = sequence_for(problem, "dfs")
+    order = list(sequence_for(problem, "dfs") if order is None else order)
     cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output, nbytes)
     blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
                             base, max(depths))
@@ -280,26 +320,17 @@ def grid_candidates(
             group = run.cluster.link(replicas)
             share = 2.0 * (replicas - 1) / replicas / group.bytes_per_ms / run.microbatches
             compute = [c + share * w for c, w in zip(base, arrays.param_bytes)]
-        weighted = DagProblem(compute, problem.producer, problem.consumers, problem.is_output,
-                              nbytes, problem.bandwidth_bytes_per_ms, problem.latency_ms)
         block_compute, block_cuts = blocks.compress(compute, cuts)
         split = split_sequence(block_compute, block_cuts, pp,
-                               bandwidth_bytes_per_ms=weighted.bandwidth_bytes_per_ms,
-                               latency_ms=weighted.latency_ms)
-        stage_of = [0] * problem.num_nodes
-        for k, (lo, hi) in enumerate(itertools.pairwise(blocks.expand(split.bounds))):
-            for pos in range(lo, hi):
-                stage_of[order[pos]] = k
+                               bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
+                               latency_ms=problem.latency_ms)
+        stage_of = _assignment(order, blocks.expand(split.bounds))
         if problem.num_nodes <= LONG_GRAPH:  # splits no sequence holds (search.polish_split)
-            stage_of = polish_split(weighted, stage_of, pp, order)
-        splits = [(f"grid:pp{pp}", stage_of)]
+            stage_of = polish_split(problem.reweighted(compute, nbytes), stage_of, pp, order)
+        plans.append(Proposal(stage_of, [replicas] * pp, f"grid:pp{pp}"))
         if problem.num_nodes <= LONG_GRAPH:  # the common splits too: never return worse
-            splits += [(f"{name}:pp{pp}", split_fn(problem, arrays, pp))
-                       for name, split_fn in _common_splits()]
-        for name, assignment in splits:
-            plan = score(problem, arrays, assignment, [replicas] * pp, run, name)
-            if max(plan.memory_bytes) <= run.cluster.memory_bytes:
-                plans.append(plan)
+            plans += [Proposal(split_fn(problem, arrays, pp), [replicas] * pp, f"{name}:pp{pp}")
+                      for name, split_fn in _common_splits()]
     return plans
 
 
@@ -317,29 +348,48 @@ def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], 
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
     orderings: Sequence[str] = HYBRID_ORDERINGS,
-) -> tuple[HybridPlan, dict[str, float]]:
-    """The fastest simulated plan over every ordering's DP proposals and the balanced grids;
-    the best simulated iteration time of each family.
+) -> tuple[HybridPlan, dict[str, dict[str, float]]]:
+    """The fastest simulated plan over every ordering's DP proposals and the balanced grids,
+    and per family either its best simulated ``iteration_ms`` or, when none of its proposals
+    could beat the winner, the ``lower_bound_ms`` that ruled them out.
 
+    Proposals are played in the simulator in the order of :func:`lower_bound_ms`, skipping
+    any that cannot beat the best so far: the answer is that of simulating them all.
     ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
     """
     started = time.perf_counter()
-    best: HybridPlan | None = None
-    per_ordering: dict[str, float] = {}
     if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed
         orderings = [o for o in orderings if o != "minlive"]
-    families = [(o, partial(dp_candidates, problem, arrays, run, o, num_stages))
-                for o in orderings]
-    families.append(("grid", partial(grid_candidates, problem, arrays, run, num_stages)))
-    for name, propose in families:
-        plans = propose()
-        if not plans:
+    sequences = {o: sequence_for(problem, o) for o in {*orderings, "dfs"}}
+    proposals = [p for o in orderings
+                 for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
+    proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"])
+
+    pool: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, Proposal, Any]] = {}
+    for proposal in proposals:
+        key = (tuple(proposal.stage_of), tuple(proposal.replicas))
+        if key in pool:
             continue
-        top = min(plans, key=lambda p: p.sim.iteration_ms)
-        per_ordering[name] = float(top.sim.iteration_ms)
-        if best is None or top.sim.iteration_ms < best.sim.iteration_ms:
-            best = top
+        costs, memory = pipeline_costs(problem, arrays, proposal.stage_of, proposal.replicas,
+                                       run)
+        if max(memory) > run.cluster.memory_bytes:
+            continue
+        pool[key] = (lower_bound_ms(costs, run.microbatches, run.train), proposal,
+                     (costs, memory))
+    best: HybridPlan | None = None
+    families: dict[str, dict[str, float]] = {}
+    for bound, proposal, (costs, memory) in sorted(pool.values(), key=lambda e: e[0]):
+        family = proposal.source.split(":")[1] if proposal.source.startswith("dp:") else "grid"
+        if best is not None and bound >= best.sim.iteration_ms:
+            families.setdefault(family, {"lower_bound_ms": bound})
+            continue
+        plan = _simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
+                          proposal.source)
+        seen = families.get(family, {}).get("iteration_ms", math.inf)
+        families[family] = {"iteration_ms": float(min(seen, plan.sim.iteration_ms))}
+        if best is None or plan.sim.iteration_ms < best.sim.iteration_ms:
+            best = plan
     if best is None:
         raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
     best.planning_s = time.perf_counter() - started
-    return best, per_ordering
+    return best, families

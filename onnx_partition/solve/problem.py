@@ -89,6 +89,25 @@ class DagProblem:
         if len(topological_order(self)) != n:
             raise PartitionError("the graph has a cycle: it cannot be split into pipeline stages")
 
+    def reweighted(self, compute_ms: Sequence[float], nbytes: Sequence[float]) -> DagProblem:
+        """The same DAG and links with other compute times and tensor sizes. The structure was
+        checked when this problem was built, so only the new numbers are (no cycle search)."""
+        compute = tuple(float(c) for c in compute_ms)
+        sizes = tuple(float(b) for b in nbytes)
+        if len(compute) != self.num_nodes or len(sizes) != self.num_tensors:
+            raise PartitionError(f"reweighted needs {self.num_nodes} compute times and "
+                                 f"{self.num_tensors} sizes, got {len(compute)} and {len(sizes)}")
+        if not all(math.isfinite(v) and v >= 0.0 for v in compute + sizes):
+            raise PartitionError("reweighted compute times and sizes must be finite and >= 0")
+        twin = object.__new__(DagProblem)
+        for name, value in (("compute_ms", compute), ("producer", self.producer),
+                            ("consumers", self.consumers), ("is_output", self.is_output),
+                            ("nbytes", sizes),
+                            ("bandwidth_bytes_per_ms", self.bandwidth_bytes_per_ms),
+                            ("latency_ms", self.latency_ms)):
+            object.__setattr__(twin, name, value)
+        return twin
+
     @property
     def num_nodes(self) -> int:
         return len(self.compute_ms)
