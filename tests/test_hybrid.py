@@ -31,6 +31,13 @@ def test_devices_divide_the_bottleneck():
         assert all(p[0].start == 0 and p[-1].end == 8 for p in plans)
 
 
+def test_budgets_propose_plans_on_fewer_devices():
+    plans = plan_hybrid(uniform(8), HybridConfig(devices=8, budgets=[2, 4]))
+    best = {b: min(max(s.period_ms for s in p) for p in plans
+                   if sum(s.replicas for s in p) <= b) for b in (2, 4, 8)}
+    assert best == {2: 4.0, 4: 2.0, 8: 1.0}  # each budget's own optimum is proposed
+
+
 def test_pure_data_parallel_is_a_candidate():
     plans = plan_hybrid(uniform(8), HybridConfig(devices=4))
     shapes = [[(s.end - s.start, s.replicas) for s in p] for p in plans]
@@ -121,7 +128,7 @@ def test_hybrid_dp_matches_brute_force(n, devices, train, data):
         data.draw(st.lists(floats, min_size=n, max_size=n)),
         [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
     )
-    config = HybridConfig(devices=devices, train=train, microbatches=4,
+    config = HybridConfig(devices=devices, train=train, microbatches=4, precision=1e-9,
                           memory_bytes=data.draw(st.sampled_from([math.inf, 60.0, 150.0])),
                           link_bytes_per_ms=data.draw(st.sampled_from([math.inf, 2.0])),
                           link_latency_ms=data.draw(st.sampled_from([0.0, 0.5])))

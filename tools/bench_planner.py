@@ -1,7 +1,8 @@
 """Our hybrid planner against the baselines: partition time and simulated throughput, one run.
 
     python tools/bench_planner.py [--size realistic|small] [--recipes gpt resnet ...]
-        [--devices 4 8 16 64] [--modes train infer] [--pipedream-budget 60]
+        [--devices 4 8 16 64] [--modes train infer] [--settings nvlink pcie]
+        [--pipedream-budget 60]
         [--pipedream-states 20000] [--big-nodes 5000] [--cache DIR]
 
 For every recipe x device count x mode: our planner (``plan_cluster``) and every baseline of
@@ -19,6 +20,7 @@ import math
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import models
@@ -35,24 +37,44 @@ from onnx_partition.solve.problem import DagProblem
 
 BRANCHY = ("inception", "unet", "encdec")
 BASELINES = ("uniform", "parameters", "time", "data-parallel", "pipedream")
-BATCH, MICROBATCHES, MEMORY_GB = 8, 16, 80.0
-INTRA, INTER = LinkSpec(300.0, 0.005), LinkSpec(25.0, 0.02)
+BATCH, MICROBATCHES = 8, 16
 
 
-def cluster_for(devices: int) -> Cluster:
+@dataclass(frozen=True)
+class Setting:
+    """A cluster shape the benchmark plans for: machines of 8 devices."""
+
+    name: str
+    memory_gb: float
+    intra: LinkSpec
+    inter: LinkSpec
+    what: str
+
+
+SETTINGS = {
+    "nvlink": Setting("nvlink", 80.0, LinkSpec(300.0, 0.005), LinkSpec(25.0, 0.02),
+                      "H100-class: 80 GB devices, NVLink inside a machine, 200 Gb/s between"),
+    "pcie": Setting("pcie", 24.0, LinkSpec(16.0, 0.01), LinkSpec(3.0, 0.05),
+                    "commodity: 24 GB devices on PCIe 4.0 inside a machine, 25 GbE between"),
+}
+
+
+def cluster_for(devices: int, setting: Setting) -> Cluster:
     return Cluster(machines=max(1, devices // 8), devices_per_machine=min(devices, 8),
-                   memory_gb=MEMORY_GB, kind="cuda", intra=INTRA, inter=INTER)
+                   memory_gb=setting.memory_gb, kind="cuda", intra=setting.intra,
+                   inter=setting.inter)
 
 
-def recipe_problem(name: str, size: str, cache: Path) -> tuple[DagProblem, NodeArrays]:
+def recipe_problem(name: str, size: str, cache: Path,
+                   setting: Setting) -> tuple[DagProblem, NodeArrays]:
     """Export (cached), load at batch 8, analytic H100 costs: the solvers' plain arrays."""
     path = cache / f"{name}-{size}.onnx"
     if not path.exists():
         models.export(name, path, size=size)
     graph = load(path, batch_size=BATCH)
     costs = annotate(graph, device=DeviceSpec.gpu_h100())
-    problem, nodes = dag_problem(graph, costs.forward_ms, Link(INTRA.bandwidth_gbps,
-                                                                INTRA.latency_ms))
+    problem, nodes = dag_problem(graph, costs.forward_ms, Link(setting.intra.bandwidth_gbps,
+                                                                setting.intra.latency_ms))
     arrays = node_arrays(problem, [costs.backward_ms[g] for g in nodes],
                          [float(graph.nodes[g].param_bytes) for g in nodes],
                          [graph.nodes[g].key for g in nodes])
@@ -96,17 +118,29 @@ def main() -> int:
     parser.add_argument("--devices", nargs="*", type=int, default=[4, 8, 16, 64])
     parser.add_argument("--modes", nargs="*", default=["train", "infer"],
                         choices=["train", "infer"])
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--pipedream-budget", type=float, default=60.0, help="seconds per run")
     parser.add_argument("--pipedream-states", type=int, default=MAX_STATES)
     parser.add_argument("--big-nodes", type=int, default=5000)
     parser.add_argument("--cache", type=Path, default=None, help="keep exports here")
     args = parser.parse_args()
-    print(f"Setup: size {args.size}; analytic costs (DeviceSpec.gpu_h100); batch {BATCH} per "
-          f"micro-batch, {MICROBATCHES} micro-batches per iteration; devices of {MEMORY_GB:g} GB "
-          f"in machines of 8, links {INTRA.bandwidth_gbps:g} GB/s + {INTRA.latency_ms} ms inside "
-          f"a machine, {INTER.bandwidth_gbps:g} GB/s + {INTER.latency_ms} ms between; "
-          f"PipeDream: {args.pipedream_budget:g} s, {args.pipedream_states} states. Baseline "
-          f"columns: ours / baseline throughput (> 1: ours faster); throughput in "
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = args.cache or Path(tmp)
+        cache.mkdir(parents=True, exist_ok=True)
+        for name in args.settings:
+            run_setting(args, SETTINGS[name], cache)
+    return 0
+
+
+def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None:
+    """One table: every recipe x devices x mode on this cluster shape, then the target lines."""
+    print(f"### Setting {setting.name!r}: {setting.what}\n\nSize {args.size}; analytic costs "
+          f"(DeviceSpec.gpu_h100); batch {BATCH} per micro-batch, {MICROBATCHES} micro-batches "
+          f"per iteration; devices of {setting.memory_gb:g} GB in machines of 8, links "
+          f"{setting.intra.bandwidth_gbps:g} GB/s + {setting.intra.latency_ms} ms inside a "
+          f"machine, {setting.inter.bandwidth_gbps:g} GB/s + {setting.inter.latency_ms} ms "
+          f"between; PipeDream: {args.pipedream_budget:g} s, {args.pipedream_states} states. "
+          f"Baseline columns: ours / baseline throughput (> 1: ours faster); throughput in "
           f"micro-batches/s of the simulated 1F1B (train) or forward (infer) schedule.\n")
     print("| recipe | nodes | D | mode | ours mb/s | ours plan | ours s | "
           + " | ".join(BASELINES) + " | best baseline plan | PipeDream s | PD s / ours s |")
@@ -115,95 +149,93 @@ def main() -> int:
     branchy_uniform: list[float] = []
     time_ratios: list[float] = []
     skipped: dict[tuple[str, str], str] = {}  # PipeDream out of states/time: skip more devices
-    with tempfile.TemporaryDirectory() as tmp:
-        cache = args.cache or Path(tmp)
-        cache.mkdir(parents=True, exist_ok=True)
-        loaded: dict[str, tuple[DagProblem, NodeArrays]] = {}
-        for name in args.recipes:
-            problem, arrays = loaded[name] = recipe_problem(name, args.size, cache)
-            splits: dict[tuple[str, int], list[int]] = {}
-            for devices in args.devices:
-                for mode in args.modes:
-                    run = RunSpec(cluster_for(devices), train=mode == "train",
-                                  microbatches=MICROBATCHES)
+    loaded: dict[str, tuple[DagProblem, NodeArrays]] = {}
+    for name in args.recipes:
+        problem, arrays = loaded[name] = recipe_problem(name, args.size, cache, setting)
+        splits: dict[tuple[str, int], list[int]] = {}
+        for devices in args.devices:
+            for mode in args.modes:
+                run = RunSpec(cluster_for(devices, setting), train=mode == "train",
+                              microbatches=MICROBATCHES)
+                began = time.perf_counter()
+                try:
+                    ours: HybridPlan | None = plan_cluster(problem, arrays, run)[0]
+                except PartitionError:
+                    ours = None
+                ours_s = time.perf_counter() - began
+                plans = baseline_plans(problem, arrays, run, with_pipedream=False,
+                                       split_cache=splits)
+                if (name, mode) in skipped:
+                    plans["pipedream"] = skipped[name, mode]
+                else:
                     began = time.perf_counter()
                     try:
-                        ours: HybridPlan | None = plan_cluster(problem, arrays, run)[0]
-                    except PartitionError:
-                        ours = None
-                    ours_s = time.perf_counter() - began
-                    plans = baseline_plans(problem, arrays, run, with_pipedream=False,
-                                           split_cache=splits)
-                    if (name, mode) in skipped:
-                        plans["pipedream"] = skipped[name, mode]
+                        found = pipedream(problem, arrays, run,
+                                          max_states=args.pipedream_states,
+                                          time_limit_s=args.pipedream_budget)
+                    except PartitionError as exc:
+                        why = "timeout" if "limit" in str(exc) else "states"
+                        plans["pipedream"] = skipped[name, mode] = why
                     else:
-                        began = time.perf_counter()
-                        try:
-                            found = pipedream(problem, arrays, run,
-                                              max_states=args.pipedream_states,
-                                              time_limit_s=args.pipedream_budget)
-                        except PartitionError as exc:
-                            why = "timeout" if "limit" in str(exc) else "states"
-                            plans["pipedream"] = skipped[name, mode] = why
-                        else:
-                            pd_s = time.perf_counter() - began
-                            pd = score_plan(problem, arrays, found.stage_of, found.replicas, run,
-                                            "pipedream")
-                            pd.planning_s = pd_s
-                            plans["pipedream"] = pd if fits(pd, run) else "OOM"
-                            time_ratios.append(pd_s / ours_s)
-                    cells = []
-                    for b in BASELINES:
-                        plan = plans[b]
-                        if isinstance(plan, str) or ours is None:
-                            cells.append(plan if isinstance(plan, str) else "ours OOM")
-                            continue
-                        ratio = plan.sim.iteration_ms / ours.sim.iteration_ms
-                        ratios[b].append((ratio, f"{name} D={devices} {mode}"))
-                        if b == "uniform" and mode == "train" and name in BRANCHY:
-                            branchy_uniform.append(ratio)
-                        cells.append(f"{ratio:.2f}x")
-                    real = [p for p in plans.values() if not isinstance(p, str)]
-                    top = min(real, key=lambda p: p.sim.iteration_ms) if real else None
-                    pd_plan = plans["pipedream"]
-                    pd_cells = ["-", "-"] if isinstance(pd_plan, str) else [
-                        f"{pd_plan.planning_s:.2f}", f"{pd_plan.planning_s / ours_s:.1f}x"]
-                    print(f"| {name} | {problem.num_nodes} | {devices} | {mode} | "
-                          f"{ours.sim.throughput_per_s:.1f} | {shape(ours)} | " if ours else
-                          f"| {name} | {problem.num_nodes} | {devices} | {mode} | OOM | - | ",
-                          end="")
-                    print(f"{ours_s:.2f} | " + " | ".join(cells) + " | "
-                          f"{top.source + ' ' + shape(top) if top else '-'} | "
-                          + " | ".join(pd_cells) + " |", flush=True)
-        print()
-        flat = [(r, b, where) for b, rs in ratios.items() for r, where in rs]
-        if flat:
-            worst = min(flat)
-            print(f"(a) ours / uniform, training, branchy recipes ({', '.join(BRANCHY)}): "
-                  f"geometric mean {geomean(branchy_uniform):.2f}x over {len(branchy_uniform)} "
-                  f"rows (target >= 1.3x)")
-            below = sorted((r, b, where) for r, b, where in flat if r < 1 - 1e-9)
-            print(f"(b) min over all rows of ours / baseline: {worst[0]:.3f}x ({worst[1]}, "
-                  f"{worst[2]}) (target >= 1.0x); below 1.0 in {len(below)} of {len(flat)}: "
-                  + ("; ".join(f"{b} {where} {r:.3f}x" for r, b, where in below) or "none"))
-        if time_ratios:
-            print(f"(c) PipeDream time / our time where PipeDream finishes: geometric mean "
-                  f"{geomean(time_ratios):.1f}x, min {min(time_ratios):.1f}x, max "
-                  f"{max(time_ratios):.1f}x over {len(time_ratios)} rows (target >= 20x); not "
-                  f"finished: {dict(sorted(skipped.items()))}")
-        source = "gpt" if "gpt" in loaded else next(iter(loaded), None)
-        if source is not None and args.big_nodes > 0:
-            problem, arrays = loaded[source]
-            big, big_arrays = tile(problem, arrays, math.ceil(args.big_nodes / problem.num_nodes))
-            for mode in args.modes:
-                run = RunSpec(cluster_for(64), train=mode == "train", microbatches=MICROBATCHES)
-                began = time.perf_counter()
-                plan = plan_cluster(big, big_arrays, run)[0]
-                took = time.perf_counter() - began
-                print(f"(d) our planning time on {big.num_nodes} nodes ({source} {args.size} "
-                      f"tiled), 64 devices, {mode}: {took:.2f} s (target < 1 s); plan "
-                      f"{shape(plan)}")
-    return 0
+                        pd_s = time.perf_counter() - began
+                        pd = score_plan(problem, arrays, found.stage_of, found.replicas, run,
+                                        "pipedream")
+                        pd.planning_s = pd_s
+                        plans["pipedream"] = pd if fits(pd, run) else "OOM"
+                        time_ratios.append(pd_s / ours_s)
+                cells = []
+                for b in BASELINES:
+                    plan = plans[b]
+                    if isinstance(plan, str) or ours is None:
+                        cells.append(plan if isinstance(plan, str) else "ours OOM")
+                        continue
+                    ratio = plan.sim.iteration_ms / ours.sim.iteration_ms
+                    ratios[b].append((ratio, f"{name} D={devices} {mode}"))
+                    if b == "uniform" and mode == "train" and name in BRANCHY:
+                        branchy_uniform.append(ratio)
+                    cells.append(f"{ratio:.2f}x")
+                real = [p for p in plans.values() if not isinstance(p, str)]
+                top = min(real, key=lambda p: p.sim.iteration_ms) if real else None
+                pd_plan = plans["pipedream"]
+                pd_cells = ["-", "-"] if isinstance(pd_plan, str) else [
+                    f"{pd_plan.planning_s:.2f}", f"{pd_plan.planning_s / ours_s:.1f}x"]
+                print(f"| {name} | {problem.num_nodes} | {devices} | {mode} | "
+                      f"{ours.sim.throughput_per_s:.1f} | {shape(ours)} | " if ours else
+                      f"| {name} | {problem.num_nodes} | {devices} | {mode} | OOM | - | ",
+                      end="")
+                print(f"{ours_s:.3f} | " + " | ".join(cells) + " | "
+                      f"{top.source + ' ' + shape(top) if top else '-'} | "
+                      + " | ".join(pd_cells) + " |", flush=True)
+    print()
+    flat = [(r, b, where) for b, rs in ratios.items() for r, where in rs]
+    if flat:
+        worst = min(flat)
+        print(f"(a) ours / uniform, training, branchy recipes ({', '.join(BRANCHY)}): "
+              f"geometric mean {geomean(branchy_uniform):.2f}x over {len(branchy_uniform)} "
+              f"rows (target >= 1.3x)")
+        below = sorted((r, b, where) for r, b, where in flat if r < 1 - 1e-9)
+        print(f"(b) min over all rows of ours / baseline: {worst[0]:.3f}x ({worst[1]}, "
+              f"{worst[2]}) (target >= 1.0x); below 1.0 in {len(below)} of {len(flat)}: "
+              + ("; ".join(f"{b} {where} {r:.3f}x" for r, b, where in below) or "none"))
+    if time_ratios:
+        print(f"(c) PipeDream time / our time where PipeDream finishes: geometric mean "
+              f"{geomean(time_ratios):.1f}x, min {min(time_ratios):.1f}x, max "
+              f"{max(time_ratios):.1f}x over {len(time_ratios)} rows (target >= 20x); not "
+              f"finished: {dict(sorted(skipped.items()))}")
+    source = "gpt" if "gpt" in loaded else next(iter(loaded), None)
+    if source is not None and args.big_nodes > 0:
+        problem, arrays = loaded[source]
+        big, big_arrays = tile(problem, arrays, math.ceil(args.big_nodes / problem.num_nodes))
+        for mode in args.modes:
+            run = RunSpec(cluster_for(64, setting), train=mode == "train",
+                          microbatches=MICROBATCHES)
+            began = time.perf_counter()
+            plan = plan_cluster(big, big_arrays, run)[0]
+            took = time.perf_counter() - began
+            print(f"(d) our planning time on {big.num_nodes} nodes ({source} {args.size} "
+                  f"tiled), 64 devices, {mode}: {took:.2f} s (target < 1 s); plan "
+                  f"{shape(plan)}")
+    print()
 
 
 if __name__ == "__main__":

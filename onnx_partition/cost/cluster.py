@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,9 +75,36 @@ class Cluster:
         return name if self.machines == 1 else f"m{machine}/{name}"
 
     def link(self, devices: int) -> LinkSpec:
-        """The slowest link among ``devices`` consecutive devices (a group spanning machines
-        talks over the inter-machine link)."""
+        """The link among ``devices`` devices placed on as few machines as possible (a group
+        larger than a machine talks over the inter-machine link). For a placed group, see
+        :meth:`group_link`."""
         return self.intra if devices <= self.devices_per_machine else self.inter
+
+    def machine_of(self, index: int) -> int:
+        return index // self.devices_per_machine
+
+    def group_link(self, indices: Sequence[int]) -> LinkSpec:
+        """The slowest link among the devices ``indices``: intra only if one machine holds
+        them all (a ring all-reduce runs at its slowest hop)."""
+        return self.intra if len({self.machine_of(i) for i in indices}) <= 1 else self.inter
+
+    def place(self, replicas: Sequence[int]) -> list[list[int]]:
+        """Device indices per stage, in pipeline order, machine-major. A stage that fits on a
+        machine is moved to the next machine's start rather than split across two, while
+        devices are left over to skip; otherwise stages are packed."""
+        if sum(replicas) > self.devices:
+            raise PartitionError(f"the plan needs {sum(replicas)} devices; the cluster has "
+                                 f"{self.devices}")
+        spare = self.devices - sum(replicas)
+        placed, at = [], 0
+        for r in replicas:
+            local = at % self.devices_per_machine
+            gap = self.devices_per_machine - local
+            if local and r <= self.devices_per_machine and r > gap and gap <= spare:
+                at, spare = at + gap, spare - gap
+            placed.append(list(range(at, at + r)))
+            at += r
+        return placed
 
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT, **asdict(self)}

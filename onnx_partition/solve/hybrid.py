@@ -67,6 +67,8 @@ class HybridConfig:
     optimizer_factor: float = 4.0  # parameters + gradients + Adam moments, in parameter bytes
     max_stages: int = 16
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
+    budgets: Sequence[int] = ()  # also propose plans on at most this many devices
+    precision: float = 1e-3  # relative precision of the bisection on the bottleneck period
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,15 @@ class _Tables:
         # period[c, i, j]: stage [i, j) on choices[c] replicas
         self.period = np.stack([self.latency / r + self.allreduce(r) / config.microbatches
                                 for r in self.choices])
+        # needed[c, i, j]: the period [i, j) reaches on at most choices[c] replicas; it falls
+        # with c, so the replicas a period tau needs are choices[#{c : needed[c] > tau}].
+        # Held in float32 rounded down (never says a period is out of reach when it is not)
+        # and device counts in int16: the DP's inner loops stream half the bytes.
+        needed = np.minimum.accumulate(self.period, axis=0)
+        narrow = needed.astype(np.float32)
+        self.needed = np.where(narrow > needed, np.nextafter(narrow, np.float32(-np.inf)),
+                               narrow)
+        self.lookup = np.asarray([*self.choices, _NONE], dtype=_COUNT)
 
     def allreduce(self, r: int) -> np.ndarray:
         c = self.c
@@ -165,31 +176,44 @@ class _Tables:
         return stages
 
 
+_COUNT = np.int16  # device counts in the DP's tables
+_NONE = 16000  # "no replica count meets the period": more than any device count; twice fits
+MAX_DEVICES = _NONE - 1
+
+
 def _fewest_devices(
-    tables: _Tables, tau: float, max_q: int, fits: list[np.ndarray]
+    tables: _Tables, tau: float, max_q: int, penalty: list[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
-    memory; with the chosen end and replica count per (q, i)."""
+    memory (``_NONE`` or more: impossible); with the chosen end and replica count per (q, i).
+    ``penalty[q]`` is ``_NONE`` where a stage placed ``q``-th from the end overflows memory,
+    else 0. Integer tables: the device counts are small whole numbers."""
     n = tables.n
-    ok = tables.period <= tau
-    first = np.argmax(ok, axis=0)  # smallest replica choice meeting tau
-    reps = np.where(ok.any(axis=0), np.asarray(tables.choices)[first], np.inf)
-    h = np.full((max_q + 1, n + 1), np.inf)
-    h[0, n] = 0.0
+    above = np.zeros((n + 1, n + 1), dtype=_COUNT)
+    limit = np.float32(tau)
+    for needed in tables.needed:
+        above += needed > limit
+    reps = tables.lookup[above]
+    h = np.full((max_q + 1, n + 1), _NONE, dtype=_COUNT)
+    h[0, n] = 0
     end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
+    rows = np.arange(n + 1)
+    cand = np.empty((n + 1, n + 1), dtype=_COUNT)
     for q in range(1, max_q + 1):
-        cand = np.where(fits[q], reps, np.inf) + h[q - 1][None, :]
+        np.maximum(reps, penalty[q], out=cand)
+        cand += h[q - 1][None, :]
         end[q] = np.argmin(cand, axis=1)
-        h[q] = cand[np.arange(n + 1), end[q]]
-        rep[q] = np.where(np.isfinite(h[q]), reps[np.arange(n + 1), end[q]], 0)
+        h[q] = np.minimum(cand[rows, end[q]], _NONE)
+        rep[q] = np.where(h[q] < _NONE, reps[rows, end[q]], 0)
     return h, end, rep
 
 
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
     """Candidate plans, best bottleneck period first: for the smallest reachable bottleneck and
-    a few looser ones, every pipeline depth that fits on the devices. The caller scores them
-    with the event simulator (fill and drain included) and keeps the fastest.
+    a few looser ones, every pipeline depth that fits on the devices, and the same on each of
+    ``config.budgets`` devices. The caller scores them with the event simulator (fill and
+    drain included) and keeps the fastest.
 
     Bisection on the bottleneck period ``tau``; for a fixed ``tau`` the fewest devices per
     suffix and depth is a shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``).
@@ -197,53 +221,74 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     when nothing fits.
     """
     n, devices = len(costs.forward_ms), config.devices
-    if devices < 1:
-        raise PartitionError(f"need at least one device, got {devices}")
+    if not 1 <= devices <= MAX_DEVICES:
+        raise PartitionError(f"need 1 to {MAX_DEVICES} devices, got {devices}")
     if len(costs.cut_bytes) != n + 1:
         raise ValueError(f"cut_bytes needs {n + 1} entries, got {len(costs.cut_bytes)}")
     tables = _Tables(costs, config)
     max_q = min(config.max_stages, devices, n)
-    fits = [np.zeros(0, dtype=bool)] + [
-        tables.memory(q) <= config.memory_bytes for q in range(1, max_q + 1)
+    penalties: dict[int, np.ndarray] = {}  # one array per distinct in-flight count
+    for q in range(1, max_q + 1):
+        inflight = min(q, config.microbatches) if config.train else 0
+        if inflight not in penalties:
+            fits = tables.memory(q) <= config.memory_bytes
+            penalties[inflight] = np.where(fits, 0, _NONE).astype(_COUNT)
+    penalty = [np.zeros(0, dtype=_COUNT)] + [
+        penalties[min(q, config.microbatches) if config.train else 0]
+        for q in range(1, max_q + 1)
     ]
-
     depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
 
-    def feasible(tau: float) -> bool:
-        h, _, _ = _fewest_devices(tables, tau, max_q, fits)
-        return bool(h[depths, 0].min() <= devices)
+    def fewest(tau: float) -> int:
+        h, _, _ = _fewest_devices(tables, tau, max_q, penalty)
+        return int(h[depths, 0].min())
 
     finite = tables.period[np.isfinite(tables.period)]
-    lo, hi = 0.0, float(finite.max()) if finite.size else 0.0
-    if not feasible(hi):
+    top = float(finite.max()) if finite.size else 0.0
+    least = fewest(top)
+    if least > devices:
         raise PartitionError(_memory_report(tables, config, max_q, costs.labels))
-    while hi - lo > 1e-5 * hi:  # the bottleneck to 0.001%: about 17 rounds
+
+    # One bisection per budget, sharing probes: fewest(tau) answers every budget at once
+    # (tau suffices for budget b iff fewest(tau) <= b), so each probe narrows every bracket.
+    budgets = sorted({devices, *(b for b in config.budgets if least <= b < devices)})
+    brackets = {b: [0.0, top] for b in budgets}
+    while True:
+        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > config.precision * hi]
+        if not wide:
+            break
+        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
         mid = (lo + hi) / 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
+        need = fewest(mid)
+        for b, bracket in brackets.items():
+            if need <= b:
+                bracket[1] = min(bracket[1], mid)
+            else:
+                bracket[0] = max(bracket[0], mid)
 
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
-    for slack in (1.0, 1.05, 1.25, 1.5):
-        h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
-        for q in range(1, max_q + 1):
-            if h[q, 0] > devices or (config.depth and q != config.depth):
-                continue
-            stages, i = [], 0
-            for left in range(q, 0, -1):
-                j, r = int(end[left, i]), int(rep[left, i])
-                stages.append(tables.stage(i, j, r, left))
-                i = j
-            assert i == n
-            # Both the lean plan and the one widened onto spare devices: more replicas shorten
-            # the period but lengthen the all-reduce, which the simulator, not the period, sees.
-            for variant in (stages, tables.widen(stages, devices)):
-                key = tuple((s.start, s.end, s.replicas) for s in variant)
-                if key not in seen:
-                    seen.add(key)
-                    plans.append(variant)
+    for budget in reversed(budgets):
+        hi = brackets[budget][1]
+        for slack in (1.0, 1.05, 1.25, 1.5):
+            h, end, rep = _fewest_devices(tables, hi * slack, max_q, penalty)
+            for q in range(1, max_q + 1):
+                if h[q, 0] > budget or (config.depth and q != config.depth):
+                    continue
+                stages, i = [], 0
+                for left in range(q, 0, -1):
+                    j, r = int(end[left, i]), int(rep[left, i])
+                    stages.append(tables.stage(i, j, r, left))
+                    i = j
+                assert i == n
+                # Both the lean plan and the one widened onto spare devices: more replicas
+                # shorten the period but lengthen the all-reduce, which the simulator, not the
+                # period, sees.
+                for variant in (stages, tables.widen(stages, budget)):
+                    key = tuple((s.start, s.end, s.replicas) for s in variant)
+                    if key not in seen:
+                        seen.add(key)
+                        plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
     return plans
 

@@ -10,6 +10,7 @@ plan wins.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.cluster import Cluster, LinkSpec
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
 from onnx_partition.order.topo import cut_bytes
@@ -45,9 +46,10 @@ from onnx_partition.solve.search import polish_split, sequence_for
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
 HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
-#: Beyond this many operators the min-live ordering (quadratic in the ready set) is skipped.
+#: Beyond this many operators the hybrid DP sees one ordering (min-live is quadratic in the
+#: ready set, and the orderings' blocks differ little), and grids are not polished.
 LONG_GRAPH = 2000
-#: Proposals per ordering played in the event simulator (the best by the closed form first).
+#: Proposals per ordering and machine count handed to the simulator (best closed form first).
 SIMULATED = 6
 
 
@@ -59,6 +61,12 @@ class NodeArrays:
     param_bytes: Sequence[float]
     activation_bytes: Sequence[float]  # bytes of the node's outputs, stashed per micro-batch
     names: Sequence[str] = ()  # node keys, for messages
+
+    @functools.cached_property
+    def columns(self) -> np.ndarray:
+        """backward_ms, param_bytes, activation_bytes as rows of one float array."""
+        return np.asarray([self.backward_ms, self.param_bytes, self.activation_bytes],
+                          dtype=float).reshape(3, -1)
 
 
 @dataclass(frozen=True)
@@ -110,16 +118,25 @@ def node_arrays(problem: DagProblem, backward_ms: Sequence[float],
 
 
 def assign_devices(cluster: Cluster, replicas: Sequence[int]) -> list[list[str]]:
-    """Stage replicas to device ids, machine-major in pipeline order: a stage's replicas and
-    neighbouring stages sit on neighbouring devices, so on the same machine where they fit."""
-    if sum(replicas) > cluster.devices:
-        raise PartitionError(f"the plan needs {sum(replicas)} devices; the cluster has "
-                             f"{cluster.devices}")
-    devices, next_device = [], 0
-    for r in replicas:
-        devices.append([cluster.device_name(next_device + k) for k in range(r)])
-        next_device += r
-    return devices
+    """Stage replicas to device ids (:meth:`Cluster.place`): a stage's replicas and
+    neighbouring stages on neighbouring devices, so on the same machine where they fit."""
+    return [[cluster.device_name(i) for i in stage] for stage in cluster.place(replicas)]
+
+
+def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
+           ) -> tuple[list[LinkSpec], list[LinkSpec]]:
+    """The link each stage's all-reduce runs over and the link each boundary's transfers take,
+    from where :meth:`Cluster.place` puts the replicas: micro-batch ``m`` goes from replica
+    ``m % r_k`` to replica ``m % r_(k+1)``; a boundary any of whose transfers leaves its
+    machine is charged the inter-machine link."""
+    placed = cluster.place(replicas)
+    groups = [cluster.group_link(devices) for devices in placed]
+    sends = []
+    for here, there in itertools.pairwise(placed):
+        pairs = {(here[m % len(here)], there[m % len(there)]) for m in range(microbatches)}
+        crosses = any(cluster.machine_of(a) != cluster.machine_of(b) for a, b in pairs)
+        sends.append(cluster.inter if crosses else cluster.intra)
+    return groups, sends
 
 
 def pipeline_costs(
@@ -131,19 +148,19 @@ def pipeline_costs(
     cluster = run.cluster
     stages_np = np.asarray(stage_of, dtype=np.int64)
 
-    def per_stage(values: Sequence[float]) -> np.ndarray:
-        return np.bincount(stages_np, np.asarray(values, dtype=float), minlength=num_stages)
+    def per_stage(values: np.ndarray) -> np.ndarray:
+        return np.bincount(stages_np, values, minlength=num_stages)
 
-    fwd = per_stage(problem.compute_ms) / cluster.speed
-    bwd = per_stage(arrays.backward_ms) / cluster.speed
-    params = per_stage(arrays.param_bytes)
-    acts = per_stage(arrays.activation_bytes)
+    fwd = per_stage(problem.compute_array) / cluster.speed
+    bwd = per_stage(arrays.columns[0]) / cluster.speed
+    params = per_stage(arrays.columns[1])
+    acts = per_stage(arrays.columns[2])
     cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
-    link = cluster.intra
-    send = [b / link.bytes_per_ms + link.latency_ms for b in cross]
+    groups, links = _links(cluster, replicas, run.microbatches)
+    send = [b / link.bytes_per_ms + link.latency_ms for b, link in zip(cross, links)]
     stages, memory = [], []
     for k, r in enumerate(replicas):
-        group = cluster.link(r)
+        group = groups[k]
         allreduce = 0.0
         if run.train and r > 1:
             allreduce = (2.0 * (r - 1) / r * params[k] / group.bytes_per_ms
@@ -230,7 +247,12 @@ def dp_candidates(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
     num_stages: int | None = None, order: Sequence[int] | None = None,
 ) -> list[Proposal]:
-    """The hybrid DP's best proposals for one ordering (by the closed form), unscored."""
+    """The hybrid DP's best proposals for one ordering (by the closed form), unscored.
+
+    Also on the first 1, 2, 4, ... machines alone: the DP prices every boundary and replica
+    group at its own link, not at where the plan will sit, so a plan that keeps off a slow
+    inter-machine network is found by planning without it (PipeDream's "use fewer machines").
+    Every proposal is then simulated on the real cluster."""
     order = list(sequence_for(problem, ordering) if order is None else order)
     cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
                      problem.nbytes)
@@ -260,6 +282,7 @@ def dp_candidates(
         optimizer_factor=run.optimizer_factor,
         max_stages=num_stages or run.max_stages,
         depth=num_stages,
+        budgets=_machine_budgets(cluster),
     )
     labels: list[str] = []
     if arrays.names:
@@ -273,9 +296,17 @@ def dp_candidates(
     proposals = [p for p in plan_hybrid(seq, config)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
+    # the closed form prices every link as the DP does: rank within each machine count only
+    per_machines: dict[int, int] = {}
+    kept = []
+    for proposal in proposals:
+        machines = -(-sum(s.replicas for s in proposal) // cluster.devices_per_machine)
+        per_machines[machines] = per_machines.get(machines, 0) + 1
+        if per_machines[machines] <= SIMULATED:
+            kept.append(proposal)
     return [Proposal(_assignment(order, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal], f"dp:{ordering}")
-            for proposal in proposals[:SIMULATED]]
+            for proposal in kept]
 
 
 def _assignment(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
@@ -287,16 +318,20 @@ def _assignment(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
 
 def grid_candidates(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, num_stages: int | None = None,
-    order: Sequence[int] | None = None,
+    order: Sequence[int] | None = None, budgets: Sequence[int] = (),
 ) -> list[Proposal]:
     """Equal replicas per stage (the pp x dp grids of Megatron-style training), each cut by the
     sequence DP with communication: cheap proposals the hybrid DP's bottleneck objective can
-    miss when fill, drain and all-reduce decide (it minimises the period, not the iteration)."""
-    devices = run.cluster.devices
-    depths = [num_stages] if num_stages else [
-        pp for pp in range(1, min(devices, problem.num_nodes, run.max_stages) + 1)
-        if devices % pp == 0
-    ]
+    miss when fill, drain and all-reduce decide (it minimises the period, not the iteration).
+    On graphs up to LONG_GRAPH each cut on all the devices is also polished on the DAG and the
+    common splits of :mod:`.baselines` join in, so no baseline grid is ever better. The grids
+    of each smaller device count in ``budgets`` are proposed too (see :func:`dp_candidates`).
+    """
+    grids = [(d, pp) for d in (run.cluster.devices, *budgets)
+             for pp in ([num_stages] if num_stages else range(1, run.max_stages + 1))
+             if d % pp == 0 and pp <= min(d, problem.num_nodes)]
+    if not grids:
+        return []
     # Balance what one micro-batch costs one replica of a stage: forward; in training also
     # backward, the gradients' return trip, and the ring all-reduce of its weights spread over
     # the micro-batches. Cut over narrow-point blocks, found once, so long graphs stay cheap.
@@ -309,10 +344,10 @@ def grid_candidates(
     order = list(sequence_for(problem, "dfs") if order is None else order)
     cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output, nbytes)
     blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                            base, max(depths))
+                            base, max(pp for _, pp in grids))
     plans = []
-    for pp in depths:
-        if devices % pp or pp > len(blocks.bounds) - 1:
+    for devices, pp in grids:
+        if pp > len(blocks.bounds) - 1:
             continue
         replicas = devices // pp
         compute = base
@@ -325,10 +360,11 @@ def grid_candidates(
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
                                latency_ms=problem.latency_ms)
         stage_of = _assignment(order, blocks.expand(split.bounds))
-        if problem.num_nodes <= LONG_GRAPH:  # splits no sequence holds (search.polish_split)
+        polish = devices == run.cluster.devices and problem.num_nodes <= LONG_GRAPH
+        if polish:  # splits no sequence holds (search.polish_split)
             stage_of = polish_split(problem.reweighted(compute, nbytes), stage_of, pp, order)
         plans.append(Proposal(stage_of, [replicas] * pp, f"grid:pp{pp}"))
-        if problem.num_nodes <= LONG_GRAPH:  # the common splits too: never return worse
+        if polish:  # the common splits too: never return worse
             plans += [Proposal(split_fn(problem, arrays, pp), [replicas] * pp, f"{name}:pp{pp}")
                       for name, split_fn in _common_splits()]
     return plans
@@ -345,6 +381,15 @@ def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], 
     ]
 
 
+def _machine_budgets(cluster: Cluster) -> list[int]:
+    """The devices of the first 1, 2, 4, ... machines, short of the whole cluster."""
+    budgets, machines = [], 1
+    while machines < cluster.machines:
+        budgets.append(machines * cluster.devices_per_machine)
+        machines *= 2
+    return budgets
+
+
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
     orderings: Sequence[str] = HYBRID_ORDERINGS,
@@ -358,12 +403,13 @@ def plan_cluster(
     ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
     """
     started = time.perf_counter()
-    if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed
-        orderings = [o for o in orderings if o != "minlive"]
+    if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed:
+        orderings = list(orderings)[:1]  # the first for the hybrid DP; grids cut depth-first
     sequences = {o: sequence_for(problem, o) for o in {*orderings, "dfs"}}
     proposals = [p for o in orderings
                  for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
-    proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"])
+    proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
+                                 _machine_budgets(run.cluster))
 
     pool: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, Proposal, Any]] = {}
     for proposal in proposals:

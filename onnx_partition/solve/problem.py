@@ -125,6 +125,10 @@ class DagProblem:
         return sorted(seen)
 
     @functools.cached_property
+    def compute_array(self) -> np.ndarray:
+        return np.asarray(self.compute_ms, dtype=float)
+
+    @functools.cached_property
     def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(consumer's tensor, consumer node) pairs, producers, output flags, bytes as arrays."""
         pairs = [(t, c) for t, cs in enumerate(self.consumers) for c in cs]
