@@ -359,20 +359,23 @@ def fits(plan: HybridPlan, run: RunSpec) -> bool:
 
 
 def best_grid(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
-              split_fn: Callable[[int], list[int]], source: str = "grid") -> HybridPlan | None:
+              split_fn: Callable[[int], list[int]], source: str = "grid", *,
+              device_counts: Sequence[int] = ()) -> HybridPlan | None:
     """The Megatron-style grid: for every ``pp`` in 1, 2, 4, ... with ``pp <= min(D, n)`` and
     ``D % pp == 0``, ``split_fn(pp)`` stages on ``D / pp`` replicas each, scored by simulation;
-    the fastest plan within memory, or None if none fits."""
-    devices = run.cluster.devices
+    the fastest plan within memory, or None if none fits. ``D`` is the cluster's device count,
+    or each of ``device_counts`` (the grid on the first ``D`` devices only)."""
     best: HybridPlan | None = None
-    pp = 1
-    while pp <= min(devices, problem.num_nodes):
-        if devices % pp == 0:
-            plan = score(problem, arrays, split_fn(pp), [devices // pp] * pp, run,
-                         f"{source}:pp{pp}")
-            if fits(plan, run) and (best is None or plan.sim.iteration_ms < best.sim.iteration_ms):
-                best = plan
-        pp *= 2
+    for devices in device_counts or [run.cluster.devices]:
+        pp = 1
+        while pp <= min(devices, problem.num_nodes):
+            if devices % pp == 0:
+                plan = score(problem, arrays, split_fn(pp), [devices // pp] * pp, run,
+                             f"{source}:pp{pp}")
+                if fits(plan, run) and (best is None
+                                        or plan.sim.iteration_ms < best.sim.iteration_ms):
+                    best = plan
+            pp *= 2
     return best
 
 

@@ -49,6 +49,8 @@ HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
 #: Beyond this many operators the hybrid DP sees one ordering (min-live is quadratic in the
 #: ready set, and the orderings' blocks differ little), and grids are not polished.
 LONG_GRAPH = 2000
+#: Simulations the replica polish of the winning plan may spend.
+POLISH_SIMULATIONS = 24
 #: Proposals per ordering and machine count handed to the simulator (best closed form first).
 SIMULATED = 6
 
@@ -139,38 +141,58 @@ def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
     return groups, sends
 
 
-def pipeline_costs(
-    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
-    run: RunSpec,
-) -> tuple[PipelineCosts, list[float]]:
-    """Simulator costs of an assignment, and each stage's memory per device."""
-    num_stages = len(replicas)
-    cluster = run.cluster
+@dataclass(frozen=True)
+class StageTotals:
+    """Per-stage sums of an assignment, which replica counts do not change."""
+
+    forward_ms: np.ndarray
+    backward_ms: np.ndarray
+    param_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    cross_bytes: list[float]  # per interior boundary
+
+
+def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
+                 num_stages: int) -> StageTotals:
     stages_np = np.asarray(stage_of, dtype=np.int64)
 
     def per_stage(values: np.ndarray) -> np.ndarray:
         return np.bincount(stages_np, values, minlength=num_stages)
 
-    fwd = per_stage(problem.compute_array) / cluster.speed
-    bwd = per_stage(arrays.columns[0]) / cluster.speed
-    params = per_stage(arrays.columns[1])
-    acts = per_stage(arrays.columns[2])
     cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
+    return StageTotals(per_stage(problem.compute_array), per_stage(arrays.columns[0]),
+                       per_stage(arrays.columns[1]), per_stage(arrays.columns[2]), cross)
+
+
+def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
+                 ) -> tuple[PipelineCosts, list[float]]:
+    """Simulator costs of stages with these totals on ``replicas``, and memory per device."""
+    cluster, num_stages = run.cluster, len(replicas)
     groups, links = _links(cluster, replicas, run.microbatches)
-    send = [b / link.bytes_per_ms + link.latency_ms for b, link in zip(cross, links)]
+    send = [b / link.bytes_per_ms + link.latency_ms
+            for b, link in zip(totals.cross_bytes, links)]
     stages, memory = [], []
     for k, r in enumerate(replicas):
-        group = groups[k]
+        params, acts = float(totals.param_bytes[k]), float(totals.activation_bytes[k])
         allreduce = 0.0
         if run.train and r > 1:
-            allreduce = (2.0 * (r - 1) / r * params[k] / group.bytes_per_ms
-                         + 2.0 * (r - 1) * group.latency_ms)
-        static = run.optimizer_factor * params[k] if run.train else params[k]
-        stages.append(StageCosts(float(fwd[k]), float(bwd[k]) if run.train else 0.0, r,
-                                 allreduce, float(acts[k]), float(static)))
+            allreduce = (2.0 * (r - 1) / r * params / groups[k].bytes_per_ms
+                         + 2.0 * (r - 1) * groups[k].latency_ms)
+        static = run.optimizer_factor * params if run.train else params
+        backward = float(totals.backward_ms[k]) / cluster.speed if run.train else 0.0
+        stages.append(StageCosts(float(totals.forward_ms[k]) / cluster.speed, backward, r,
+                                 allreduce, acts, static))
         inflight = min(num_stages - k, run.microbatches) if run.train else 1
-        memory.append(float(static + inflight * acts[k]))
+        memory.append(static + inflight * acts)
     return PipelineCosts(stages, send), memory
+
+
+def pipeline_costs(
+    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
+    run: RunSpec,
+) -> tuple[PipelineCosts, list[float]]:
+    """Simulator costs of an assignment, and each stage's memory per device."""
+    return totals_costs(stage_totals(problem, arrays, stage_of, len(replicas)), replicas, run)
 
 
 def score(
@@ -282,7 +304,7 @@ def dp_candidates(
         optimizer_factor=run.optimizer_factor,
         max_stages=num_stages or run.max_stages,
         depth=num_stages,
-        budgets=_machine_budgets(cluster),
+        budgets=machine_budgets(cluster),
     )
     labels: list[str] = []
     if arrays.names:
@@ -323,7 +345,7 @@ def grid_candidates(
     """Equal replicas per stage (the pp x dp grids of Megatron-style training), each cut by the
     sequence DP with communication: cheap proposals the hybrid DP's bottleneck objective can
     miss when fill, drain and all-reduce decide (it minimises the period, not the iteration).
-    On graphs up to LONG_GRAPH each cut on all the devices is also polished on the DAG and the
+    On graphs up to LONG_GRAPH each cut on all the devices is also polished on the DAG, and the
     common splits of :mod:`.baselines` join in, so no baseline grid is ever better. The grids
     of each smaller device count in ``budgets`` are proposed too (see :func:`dp_candidates`).
     """
@@ -346,6 +368,7 @@ def grid_candidates(
     blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
                             base, max(pp for _, pp in grids))
     plans = []
+    common: dict[tuple[str, int], list[int]] = {}
     for devices, pp in grids:
         if pp > len(blocks.bounds) - 1:
             continue
@@ -360,13 +383,15 @@ def grid_candidates(
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
                                latency_ms=problem.latency_ms)
         stage_of = _assignment(order, blocks.expand(split.bounds))
-        polish = devices == run.cluster.devices and problem.num_nodes <= LONG_GRAPH
-        if polish:  # splits no sequence holds (search.polish_split)
+        short = problem.num_nodes <= LONG_GRAPH
+        if short and devices == run.cluster.devices:  # splits no sequence holds
             stage_of = polish_split(problem.reweighted(compute, nbytes), stage_of, pp, order)
         plans.append(Proposal(stage_of, [replicas] * pp, f"grid:pp{pp}"))
-        if polish:  # the common splits too: never return worse
-            plans += [Proposal(split_fn(problem, arrays, pp), [replicas] * pp, f"{name}:pp{pp}")
-                      for name, split_fn in _common_splits()]
+        if short:  # the common splits too: never return worse
+            for name, split_fn in _common_splits():
+                if (name, pp) not in common:
+                    common[name, pp] = split_fn(problem, arrays, pp)
+                plans.append(Proposal(common[name, pp], [replicas] * pp, f"{name}:pp{pp}"))
     return plans
 
 
@@ -381,7 +406,7 @@ def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], 
     ]
 
 
-def _machine_budgets(cluster: Cluster) -> list[int]:
+def machine_budgets(cluster: Cluster) -> list[int]:
     """The devices of the first 1, 2, 4, ... machines, short of the whole cluster."""
     budgets, machines = [], 1
     while machines < cluster.machines:
@@ -409,7 +434,7 @@ def plan_cluster(
     proposals = [p for o in orderings
                  for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
     proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
-                                 _machine_budgets(run.cluster))
+                                 machine_budgets(run.cluster))
 
     pool: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, Proposal, Any]] = {}
     for proposal in proposals:
@@ -437,5 +462,48 @@ def plan_cluster(
             best = plan
     if best is None:
         raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
+    best = polish_replicas(problem, arrays, best, run)
     best.planning_s = time.perf_counter() - started
     return best, families
+
+
+def _replica_moves(replicas: Sequence[int], devices: int) -> list[list[int]]:
+    """Replica counts one device away: moved between two stages, added from the spare ones,
+    or taken away."""
+    moves = []
+    spare = devices - sum(replicas)
+    for x, rx in enumerate(replicas):
+        if spare > 0:
+            moves.append([r + (k == x) for k, r in enumerate(replicas)])
+        if rx > 1:
+            moves.append([r - (k == x) for k, r in enumerate(replicas)])
+            moves += [[r - (k == x) + (k == y) for k, r in enumerate(replicas)]
+                      for y in range(len(replicas)) if y != x]
+    return moves
+
+
+def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, run: RunSpec,
+                    budget: int = POLISH_SIMULATIONS) -> HybridPlan:
+    """Hill-climb the winner's replica counts on the simulated iteration itself, which the DP
+    only approximates (its replica choices are 1..8 and powers of two, its objective the
+    period): neighbours one device away, tried in :func:`lower_bound_ms` order, those that
+    cannot win skipped, the first faster one taken; at most ``budget`` simulations.
+    Stage cuts stay; memory per device does not depend on the replica count."""
+    totals = stage_totals(problem, arrays, plan.stage_of, plan.num_stages)
+    spent, improved = 0, True
+    while improved and spent < budget:
+        improved = False
+        ranked = []
+        for replicas in _replica_moves(plan.replicas, run.cluster.devices):
+            costs, memory = totals_costs(totals, replicas, run)
+            bound = lower_bound_ms(costs, run.microbatches, run.train)
+            if bound < plan.sim.iteration_ms:
+                ranked.append((bound, replicas, costs, memory))
+        ranked.sort(key=lambda e: e[0])
+        for _, replicas, costs, memory in ranked[: budget - spent]:
+            spent += 1
+            trial = _simulated(plan.stage_of, replicas, costs, memory, run, plan.source)
+            if trial.sim.iteration_ms < plan.sim.iteration_ms * (1 - 1e-9):
+                plan, improved = trial, True
+                break
+    return plan
