@@ -12,6 +12,7 @@ from conftest import assert_same, run_whole
 from test_graph import CHAIN, save
 from test_runtime import gather_model
 
+from onnx_partition.cost.cluster import Cluster, LinkSpec
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
@@ -118,6 +119,22 @@ def test_replicated_stage_with_skip_and_late_input(tmp_path):
     assert_same(outputs, run_whole(model, feeds))
     assert [p[:2] for p in stats.placement] == [(0, 0), (1, 0), (1, 1), (2, 0)]
     assert stats.busy_ms[1] > 0 and stats.busy_ms[2] > 0  # both replicas served
+
+
+def test_a_plan_straight_from_the_hybrid_planner(tmp_path):
+    """No hand edits: the planner chooses stages and replicas on a 4-device CPU cluster
+    (two stages forced, so some stage gets replicas), the runtime starts a rank per replica,
+    and the outputs equal the whole model's."""
+    model = save(SKIP, tmp_path / "m.onnx")
+    cluster = Cluster(1, 4, kind="cpu", intra=LinkSpec(100.0, 0.0))
+    plan = partition(model, 2, tmp_path / "out", batch_size=2, cluster=cluster,
+                     microbatches=6)
+    replicas = [s.replicas for s in plan.stages]
+    assert len(replicas) == 2 and sum(replicas) > 2
+    feeds = {"x": rows(6), "z": rows(6, seed=1)}
+    outputs, stats = run_distributed(tmp_path / "out", feeds, microbatches=6, timeout_s=60)
+    assert_same(outputs, run_whole(model, feeds))
+    assert stats.world_size == sum(replicas)
 
 
 def test_a_raising_stage_fails_the_run_quickly(tmp_path):
