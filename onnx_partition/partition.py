@@ -214,6 +214,7 @@ def plan_on_cluster(
             for c, m, s in zip(compute, comm, best.costs.stages)), 6),
         "total_compute_ms": round(sum(problem.compute_ms) / cluster.speed, 6),
         "devices_used": sum(best.replicas),
+        "devices_available": cluster.devices,
     }
     extra: dict[str, Any] = {
         "cluster": cluster.to_json(),

@@ -56,7 +56,8 @@ def plan_table(plan: Plan) -> str:
     if "iteration_ms" in total:
         lines.append(
             f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: "
-            f"{total['devices_used']} devices, {total['microbatches']} micro-batches per "
+            f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
+            f"{total['microbatches']} micro-batches per "
             f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
             f"{total['bubble_fraction'] * 100:.1f}%, {total['throughput_per_s']:.1f} "
             f"micro-batches/s"
