@@ -15,8 +15,8 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class Proposal:
     stage_of: list[int]
     replicas: list[int]
     source: str  # "dp:<ordering>", "grid:pp<k>" or "<common split>:pp<k>"
+    polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
 
 
 @dataclass
@@ -384,9 +385,11 @@ def grid_candidates(
                                latency_ms=problem.latency_ms)
         stage_of = _assignment(order, blocks.expand(split.bounds))
         short = problem.num_nodes <= LONG_GRAPH
+        polish = None
         if short and devices == run.cluster.devices:  # splits no sequence holds
-            stage_of = polish_split(problem.reweighted(compute, nbytes), stage_of, pp, order)
-        plans.append(Proposal(stage_of, [replicas] * pp, f"grid:pp{pp}"))
+            polish = partial(polish_split, problem.reweighted(compute, nbytes), stage_of, pp,
+                             order)
+        plans.append(Proposal(stage_of, [replicas] * pp, f"grid:pp{pp}", polish))
         if short:  # the common splits too: never return worse
             for name, split_fn in _common_splits():
                 if (name, pp) not in common:
@@ -436,30 +439,51 @@ def plan_cluster(
     proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
                                  machine_budgets(run.cluster))
 
-    pool: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, Proposal, Any]] = {}
-    for proposal in proposals:
-        key = (tuple(proposal.stage_of), tuple(proposal.replicas))
-        if key in pool:
-            continue
-        costs, memory = pipeline_costs(problem, arrays, proposal.stage_of, proposal.replicas,
-                                       run)
-        if max(memory) > run.cluster.memory_bytes:
-            continue
-        pool[key] = (lower_bound_ms(costs, run.microbatches, run.train), proposal,
-                     (costs, memory))
     best: HybridPlan | None = None
     families: dict[str, dict[str, float]] = {}
-    for bound, proposal, (costs, memory) in sorted(pool.values(), key=lambda e: e[0]):
-        family = proposal.source.split(":")[1] if proposal.source.startswith("dp:") else "grid"
-        if best is not None and bound >= best.sim.iteration_ms:
-            families.setdefault(family, {"lower_bound_ms": bound})
-            continue
-        plan = _simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
-                          proposal.source)
-        seen = families.get(family, {}).get("iteration_ms", math.inf)
-        families[family] = {"iteration_ms": float(min(seen, plan.sim.iteration_ms))}
-        if best is None or plan.sim.iteration_ms < best.sim.iteration_ms:
-            best = plan
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+
+    def play(batch: list[Proposal]) -> list[tuple[float, Proposal]]:
+        """Simulate a batch best bound first, skipping what cannot beat ``best``; return
+        every new proposal with its bound."""
+        nonlocal best
+        pool = []
+        for proposal in batch:
+            key = (tuple(proposal.stage_of), tuple(proposal.replicas))
+            if key in seen:
+                continue
+            seen.add(key)
+            costs, memory = pipeline_costs(problem, arrays, proposal.stage_of,
+                                           proposal.replicas, run)
+            if max(memory) <= run.cluster.memory_bytes:
+                pool.append((lower_bound_ms(costs, run.microbatches, run.train), proposal,
+                              costs, memory))
+        pool.sort(key=lambda e: e[0])
+        for bound, proposal, costs, memory in pool:
+            family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
+                      else "grid")
+            if best is not None and bound >= best.sim.iteration_ms:
+                families.setdefault(family, {"lower_bound_ms": bound})
+                continue
+            plan = _simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
+                              proposal.source)
+            done = families.get(family, {}).get("iteration_ms", math.inf)
+            families[family] = {"iteration_ms": float(min(done, plan.sim.iteration_ms))}
+            if best is None or plan.sim.iteration_ms < best.sim.iteration_ms:
+                best = plan
+        return [(bound, proposal) for bound, proposal, _, _ in pool]
+
+    played = play(proposals)
+    if best is not None:  # polish the grid cuts that a re-cut could still make win
+        work = float(problem.compute_array.sum() + (arrays.columns[0].sum() if run.train else 0))
+        work /= run.cluster.speed
+
+        def balanced(p: Proposal) -> float:
+            """No cut of ``p``'s depth and replicas beats equal shares of the work."""
+            return -(-run.microbatches // p.replicas[0]) * work / len(p.replicas)
+
+        play([replace(p, stage_of=p.polish(), polish=None) for _, p in played
+              if p.polish is not None and balanced(p) < best.sim.iteration_ms])
     if best is None:
         raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
     best = polish_replicas(problem, arrays, best, run)
