@@ -434,7 +434,10 @@ def plan_cluster(
     if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed:
         orderings = list(orderings)[:1]  # the first for the hybrid DP; grids cut depth-first
     sequences = {o: sequence_for(problem, o) for o in {*orderings, "dfs"}}
-    proposals = [p for o in orderings
+    distinct: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
+    for o in orderings:
+        distinct.setdefault(tuple(sequences[o]), o)
+    proposals = [p for o in distinct.values()
                  for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
     proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
                                  machine_budgets(run.cluster))
