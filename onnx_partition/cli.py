@@ -113,16 +113,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "infer"),
-                   help="default: 1f1b for training plans, infer otherwise")
-    p.add_argument("--microbatches", type=int, help="default: the plan's")
+    _schedule_args(p)
     p.set_defaults(func=_simulate)
 
     p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
     p.add_argument("plan", type=Path)
     p.add_argument("-o", "--output", type=Path, help="default: PLAN/report.html")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "infer"))
-    p.add_argument("--microbatches", type=int)
+    _schedule_args(p)
     p.set_defaults(func=_report)
 
     p = verbs.add_parser("demo", help="export a recipe, partition it, run it, check it")
@@ -133,6 +130,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
     p.set_defaults(func=_demo)
     return parser
+
+
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "infer"),
+                   help="default: 1f1b for training plans, infer otherwise; interleaved: "
+                        "interleaved 1F1B, the stages as --chunks model chunks per device")
+    p.add_argument("--microbatches", type=int, help="default: the plan's")
+    p.add_argument("--chunks", type=int,
+                   help="model chunks per device for --schedule interleaved (default 2); "
+                        "must divide the stage count")
+
+
+def _chunks(args: argparse.Namespace) -> int | None:
+    """``--chunks``, which only the interleaved schedule takes."""
+    if args.chunks is not None and args.schedule != "interleaved":
+        raise PartitionError("--chunks needs --schedule interleaved")
+    return args.chunks
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
@@ -320,7 +334,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from onnx_partition.plan_sim import format_simulation, simulate_plan
 
     plan = read_plan(args.plan)
-    result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches)
+    result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
+                              chunks=_chunks(args))
     print(format_simulation(plan, result))
     return 0
 
@@ -329,7 +344,7 @@ def _report(args: argparse.Namespace) -> int:
     from onnx_partition.report import write_report
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
-                        microbatches=args.microbatches)
+                        microbatches=args.microbatches, chunks=_chunks(args))
     print(f"wrote {path}")
     return 0
 

@@ -18,6 +18,10 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
 * **Memory.** ``memory_bytes`` is the planner's per-device peak for the plan's own schedule;
   it is used as the device's static bytes (no separate activation term), so another schedule's
   extra stashed micro-batches are not counted.
+* **Interleaved 1F1B** (``schedule="interleaved"``, ``chunks=v``; Narayanan et al., SC'21) is a
+  what-if: the plan's ``S`` stages are laid out on ``S / v`` devices per replica, device ``d``
+  hosting stages ``d, d + S/v, ...`` (its memory is the sum of theirs). plan.json's device
+  list describes the plan's own one-stage-per-device layout, so it is not used for names.
 
 The planner keeps the exact split; a plan may carry it as ``simulator_costs`` (all keys
 optional, one entry per stage, ``send_ms`` one per boundary): ``{"forward_ms": [...],
@@ -50,18 +54,22 @@ from onnx_partition.simulate import (
     StageCosts,
     gpipe,
     inference,
+    interleaved,
     one_f_one_b,
+    pipeline_width,
     render,
     simulate,
 )
 from onnx_partition.svg import fmt_bytes
 
-SCHEDULES = ("gpipe", "1f1b", "infer")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
 #: Assumed backward / forward ratio when a plan stores only forward + backward.
 BACKWARD_RATIO = 2.0
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
 DEFAULT_MICROBATCHES = 8
+#: Model chunks per device of the interleaved schedule unless told.
+DEFAULT_CHUNKS = 2
 
 
 def default_schedule(plan: Plan) -> str:
@@ -127,16 +135,23 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
 
 
 def simulate_plan(
-    plan: Plan, *, schedule: str | None = None, microbatches: int | None = None
+    plan: Plan, *, schedule: str | None = None, microbatches: int | None = None,
+    chunks: int | None = None,
 ) -> tuple[SimResult, PipelineCosts]:
     """Simulate ``plan`` from plan.json alone: ``schedule`` in :data:`SCHEDULES` (default:
     1F1B for training plans, forward streaming otherwise), ``microbatches`` per iteration
-    (default: the plan's ``predicted.microbatches``, else 8). Returns the result and the
-    rebuilt costs. Raises :class:`PartitionError` for an unknown schedule or a bad count."""
+    (default: the plan's ``predicted.microbatches``, else 8), ``chunks`` model chunks per
+    device for ``interleaved`` only (default 2). Returns the result and the rebuilt costs.
+    Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
+    the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
+    of devices x replicas, unequal replicas)."""
     name = (schedule or default_schedule(plan)).lower()
     if name not in SCHEDULES:
         raise PartitionError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(SCHEDULES)}")
+    if chunks is not None and name != "interleaved":
+        raise PartitionError(f"model chunks per device apply only to the interleaved "
+                             f"schedule, not {name}")
     m = microbatches if microbatches is not None else int(
         plan.predicted.get("microbatches", DEFAULT_MICROBATCHES))
     if m < 1:
@@ -147,6 +162,9 @@ def simulate_plan(
         sched = gpipe(len(replicas), m, replicas)
     elif name == "1f1b":
         sched = one_f_one_b(len(replicas), m, replicas)
+    elif name == "interleaved":
+        v = DEFAULT_CHUNKS if chunks is None else chunks
+        sched = interleaved(len(replicas), m, v, replicas)
     else:
         sched = inference(len(replicas), m, replicas)
     return simulate(sched, costs), costs
@@ -160,8 +178,30 @@ def schedule_of(result: SimResult) -> Schedule:
     return sched
 
 
-def device_name(plan: Plan, dev: Device) -> str:
-    """``stage s replica r`` plus the device id from plan.json when it names one."""
+def hosted_stages(plan: Plan, result: SimResult) -> dict[Device, list[int]]:
+    """The plan's stages each simulated device runs: one each, or several (interleaved)."""
+    num_stages = len(plan.stages)
+    width = pipeline_width(result.busy_ms, num_stages)
+    return {dev: list(range(dev[0], num_stages, width)) for dev in result.busy_ms}
+
+
+def interleaving_note(plan: Plan, result: SimResult) -> str | None:
+    """One line saying the result is an interleaved what-if layout, or None if it is not."""
+    num_stages = len(plan.stages)
+    width = pipeline_width(result.busy_ms, num_stages)
+    if width >= num_stages:
+        return None
+    devices = f"{width} device{'s' * (width != 1)}"
+    return (f"interleaved what-if: {num_stages} stages on {devices} per replica, "
+            f"{num_stages // width} model chunks each (device d runs stages d, d + {width}, "
+            "...); plan.json's device list is for one stage per device")
+
+
+def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) -> str:
+    """``stage s replica r`` plus the device id from plan.json when it names one; with
+    several hosted ``stages`` (interleaved) ``device d replica r (stages ...)``."""
+    if stages is not None and len(stages) > 1:
+        return f"device {dev[0]} replica {dev[1]} (stages {', '.join(map(str, stages))})"
     stage, replica = dev
     devices = plan.stages[stage].devices if stage < len(plan.stages) else []
     where = f" ({devices[replica]})" if replica < len(devices) else ""
@@ -182,6 +222,10 @@ def format_simulation(plan: Plan, result: SimResult) -> str:
         f"{result.iteration_ms:.3f} ms, {result.throughput_per_s:.1f} micro-batches/s, "
         f"bubble {result.bubble_fraction * 100:.1f}%",
     ]
+    note = interleaving_note(plan, result)
+    if note:
+        lines.append(note)
+    hosted = hosted_stages(plan, result)
     if "iteration_ms" in plan.predicted:
         lines.append(f"planner predicted: iteration {plan.predicted['iteration_ms']:.3f} ms")
     elif "bottleneck_ms" in plan.predicted:
@@ -191,7 +235,7 @@ def format_simulation(plan: Plan, result: SimResult) -> str:
     for dev in sorted(result.busy_ms):
         busy = result.busy_ms[dev]
         share = busy / result.iteration_ms * 100 if result.iteration_ms > 0 else 0.0
-        rows.append((device_name(plan, dev), f"{busy:.3f}", f"{share:.1f}",
+        rows.append((device_name(plan, dev, hosted[dev]), f"{busy:.3f}", f"{share:.1f}",
                      str(result.peak_inflight.get(dev, 0)),
                      fmt_bytes(result.peak_memory_bytes.get(dev, 0.0))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

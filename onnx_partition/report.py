@@ -11,8 +11,8 @@ from pathlib import Path
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.plan import REPORT_FILE, Plan, read_plan
-from onnx_partition.plan_sim import schedule_name, simulate_plan
-from onnx_partition.simulate import PipelineCosts, SimResult
+from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
+from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
 from onnx_partition.svg import (
     ALLREDUCE,
     BACKWARD,
@@ -99,14 +99,16 @@ MAX_DAG_NODES = 300
 
 def write_report(
     plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
-    microbatches: int | None = None,
+    microbatches: int | None = None, chunks: int | None = None,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
-    ``plan_dir/report.html``), atomically; returns its path. Raises PartitionError for a
-    folder without a readable plan.json."""
+    ``plan_dir/report.html``), atomically; returns its path. ``schedule``, ``microbatches``
+    and ``chunks`` go to :func:`simulate_plan`. Raises PartitionError for a folder without a
+    readable plan.json or a schedule the plan does not allow."""
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
-    result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches)
+    result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
+                                  chunks=chunks)
     page = report_html(plan, plan_dir, result, costs)
     out = Path(out) if out is not None else plan_dir / REPORT_FILE
     try:
@@ -257,8 +259,14 @@ def _memory_chart(plan: Plan) -> str:
 def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
     devices = sorted(result.busy_ms)
     row_of = {dev: i for i, dev in enumerate(devices)}
+    hosted = hosted_stages(plan, result)
+    width = pipeline_width(devices, len(costs.stages))  # < stages when interleaved
     names = []
     for s, r in devices:
+        if len(hosted[(s, r)]) > 1:  # interleaved what-if: plan.json's devices do not apply
+            names.append(f"device {s} · replica {r} · stages "
+                         f"{', '.join(map(str, hosted[(s, r)]))}")
+            continue
         where = plan.stages[s].devices[r] if r < len(plan.stages[s].devices) else "?"
         names.append(f"stage {s} · replica {r} · {where}")
     bars = []
@@ -271,7 +279,7 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
                         f"{action.microbatch}, {t0:.4f}–{t1:.4f} ms"))
     for stage, (t0, t1) in sorted(result.allreduce.items()):
         for r in range(costs.stages[stage].replicas):
-            bars.append(Bar(row_of[(stage, r)], t0, t1, ALLREDUCE, "all-reduce",
+            bars.append(Bar(row_of[(stage % width, r)], t0, t1, ALLREDUCE, "all-reduce",
                             f"stage {stage} gradient all-reduce, {t0:.4f}–{t1:.4f} ms",
                             faint=True))
     items = [("forward", FORWARD)]
@@ -281,9 +289,11 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
         items.append(("gradient all-reduce", ALLREDUCE))
     chart = gantt(names, bars, total=result.iteration_ms, legend_items=items)
     sends = ", ".join(f"{s:.4g}" for s in costs.send_ms) or "none"
+    what_if = interleaving_note(plan, result)
+    extra = f" {esc(what_if[0].upper() + what_if[1:])}." if what_if else ""
     return (chart + f'<p class="note">{esc(schedule_name(result))} schedule rebuilt from '
             f"plan.json; numbers on bars are micro-batches. Send time per boundary (ms): "
-            f"{esc(sends)}. Bubble {result.bubble_fraction * 100:.1f}%.</p>")
+            f"{esc(sends)}. Bubble {result.bubble_fraction * 100:.1f}%.{extra}</p>")
 
 
 def _dag(plan: Plan, plan_dir: Path) -> str:

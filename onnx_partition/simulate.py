@@ -6,10 +6,15 @@ an action such as ``1F0`` is (stage 1, forward, micro-batch 0). Builders:
 * :func:`gpipe` -- all forwards, then all backwards (GPipe, Huang et al. 2019).
 * :func:`one_f_one_b` -- PipeDream-Flush / 1F1B (Narayanan et al. 2021): a few warm-up
   forwards, then alternate one forward and one backward, then drain the backwards.
+* :func:`interleaved` -- interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): each
+  of ``p`` devices holds ``v`` model chunks (stages ``d, d + p, ...``), shrinking the bubble
+  by ``v``.
 * :func:`inference` -- forwards only.
 
 A stage with ``d`` replicas sends micro-batch ``m`` to replica ``m % d``; each replica runs
-the subsequence of the stage's action list that belongs to its micro-batches.
+the subsequence of the stage's action list that belongs to its micro-batches. A device is
+keyed by its first stage: with ``p`` distinct first stages, device ``(d, r)`` runs the
+actions of stages ``s`` with ``s % p == d`` (``p`` = number of stages unless interleaved).
 
 :func:`simulate` plays a schedule against :class:`PipelineCosts` (plain numbers, no
 devices) and returns makespan, throughput, bubble, per-device busy time, peak in-flight
@@ -19,7 +24,7 @@ micro-batches and memory, and a timeline for Gantt charts. Pure Python, no ONNX.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -58,7 +63,7 @@ class Action:
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
-Device = tuple[int, int]  # (stage, replica)
+Device = tuple[int, int]  # (first stage hosted, replica)
 Schedule = dict[Device, list[Action]]
 _Key = tuple[int, bool, int]  # (stage, is_backward, microbatch): a cheaply hashed Action
 
@@ -90,11 +95,13 @@ class SimResult:
 
     ``busy_ms`` counts forward/backward compute only; all-reduce and waiting are idle, so
     ``bubble_fraction = 1 - sum(busy_ms) / (num_devices * iteration_ms)``.
-    ``peak_inflight`` is the most micro-batches whose forward ran but backward has not
-    (0 for inference). ``peak_memory_bytes = static + peak_inflight * activation`` in
-    training; ``static + activation`` in inference (``static`` alone on an idle device).
-    ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train, when
-    ``allreduce_ms > 0``).
+    ``peak_inflight`` is the most micro-batch chunks (a micro-batch on one hosted stage) whose
+    forward ran but backward has not (0 for inference). ``peak_memory_bytes`` is the hosted
+    stages' ``static`` plus, in training, the peak over time of the stashed chunks'
+    ``activation`` (``static + peak_inflight * activation`` for one stage per device); in
+    inference, plus the largest hosted stage's ``activation`` (``static`` alone on an idle
+    device). ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train,
+    when ``allreduce_ms > 0``).
     """
 
     iteration_ms: float
@@ -185,7 +192,74 @@ def one_f_one_b(
     return _distribute(orders, counts)
 
 
+def interleaved(
+    num_stages: int, num_microbatches: int, chunks: int, replicas: Sequence[int] | None = None
+) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2), Megatron-LM's order.
+
+    The ``S`` stages run on ``p = S / v`` devices of ``v = chunks`` model chunks each: device
+    ``d`` hosts stages ``d, d + p, ..., d + (v-1) p`` and keeps the key ``(d, replica)``.
+    Forward step ``k = 0 .. M v - 1`` runs chunk ``(k // p) % v`` on micro-batch
+    ``(k // (p v)) p + k % p``; backward step ``k`` runs chunk ``v - 1 - (k // p) % v`` on the
+    same micro-batch. Device ``d`` runs ``min(M v, 2 (p - d - 1) + (v - 1) p)`` warm-up
+    forward steps, then alternates one forward and one backward step, then drains the
+    backwards. Needs ``M % p == 0`` (Megatron's requirement). With ``R`` replicas of every
+    stage, replica ``r`` is its own pipeline over micro-batches ``r, r + R, ...`` (the
+    simulator's ``m % R`` rule), so ``M % (p R) == 0``. ``chunks == 1`` is :func:`one_f_one_b`
+    (any replicas). Each device's bubble is ``(p - 1) / v`` of a micro-batch's full
+    forward + backward, ``v`` times less than 1F1B's.
+    """
+    counts = _replica_counts(num_stages, replicas)
+    _check_microbatches(num_microbatches)
+    if chunks < 1:
+        raise ScheduleError(f"need at least one model chunk per device, got {chunks}")
+    if num_stages % chunks:
+        raise ScheduleError(
+            f"cannot lay out {num_stages} stage(s) as {chunks} model chunks per device: "
+            "the chunk count must divide the stage count"
+        )
+    if chunks == 1:
+        return one_f_one_b(num_stages, num_microbatches, counts)
+    if len(set(counts)) > 1:
+        raise ScheduleError(
+            f"the interleaved schedule needs the same replica count in every stage, got {counts}"
+        )
+    p, v, reps = num_stages // chunks, chunks, counts[0]
+    if num_microbatches % (p * reps):
+        what = f"{p} device{'s' * (p != 1)}" + (f" x {reps} replicas" if reps > 1 else "")
+        raise ScheduleError(
+            f"the interleaved schedule needs micro-batches in multiples of {what} = "
+            f"{p * reps}, got {num_microbatches}"
+        )
+    local = num_microbatches // reps  # micro-batches per replica pipeline
+    total = local * v  # forward (and backward) steps per device
+
+    def step(k: int, kind: Kind) -> tuple[Kind, int, int]:
+        chunk = (k // p) % v
+        return kind, (v - 1 - chunk if kind is Kind.B else chunk), (k // (p * v)) * p + k % p
+
+    schedule: Schedule = {}
+    for d in range(p):
+        warmup = min(total, (p - d - 1) * 2 + (v - 1) * p)
+        order = [step(k, Kind.F) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [step(warmup + k, Kind.F), step(k, Kind.B)]
+        order += [step(k, Kind.B) for k in range(total - warmup, total)]
+        for r in range(reps):
+            schedule[(d, r)] = [Action(c * p + d, kind, j * reps + r) for kind, c, j in order]
+    return schedule
+
+
 # -------------------------------------------------------------------------- validation
+
+
+def pipeline_width(devices: Iterable[Device], num_stages: int) -> int:
+    """Devices per replica ``p``: the number of distinct first stages when they are
+    ``0..p-1`` with ``p < num_stages`` (stages hosted round-robin, device ``d`` running
+    stages ``d, d + p, ...``), else ``num_stages``."""
+    firsts = sorted({dev[0] for dev in devices})
+    p = len(firsts)
+    return p if 0 < p < num_stages and firsts == list(range(p)) else num_stages
 
 
 def validate(
@@ -197,21 +271,31 @@ def validate(
     replicas: Sequence[int] | None = None,
 ) -> None:
     """Raise :class:`ScheduleError` unless every (stage, kind, micro-batch) appears exactly
-    once, on a replica of that stage, with a micro-batch's F and B on the same device.
-    With ``replicas``, the devices must be exactly ``(s, 0..replicas[s]-1)``."""
+    once, on a replica of a device hosting that stage, with a micro-batch's F and B on the same
+    device. Device ``(d, r)`` hosts stages ``s`` with ``s % p == d``, where ``p`` is the number
+    of distinct first stages (``num_stages`` unless interleaved, see :func:`interleaved`).
+    With ``replicas``, the devices must be exactly ``(s % p, 0..replicas[s]-1)``, and the
+    stages sharing a device must have equal replica counts."""
     problems: list[str] = []
+    p = pipeline_width(schedule, num_stages)
     if replicas is not None:
-        want = {
-            (s, r) for s, d in enumerate(_replica_counts(num_stages, replicas)) for r in range(d)
-        }
+        counts = _replica_counts(num_stages, replicas)
+        want = {(s % p, r) for s, d in enumerate(counts) for r in range(d)}
         if set(schedule) != want:
             problems.append(f"devices {sorted(schedule)} != expected {sorted(want)}")
+        for d in range(p):
+            shared = counts[d::p]
+            if len(set(shared)) > 1:
+                problems.append(f"stages {list(range(d, num_stages, p))} share device {d} but "
+                                f"have replica counts {shared}")
     seen: dict[_Key, Device] = {}
     for device, actions in schedule.items():
         for a in actions:
             key = (a.stage, a.kind is Kind.B, a.microbatch)
-            if a.stage != device[0]:
-                problems.append(f"{a} is on device {device} of stage {device[0]}")
+            home = a.stage % p if 0 <= a.stage < num_stages else a.stage  # its device
+            if home != device[0]:
+                hosts = "stage" if p == num_stages else "first stage"
+                problems.append(f"{a} is on device {device} of {hosts} {device[0]}")
             elif a.kind is Kind.B and not train:
                 problems.append(f"{a} is a backward in an inference schedule")
             elif not 0 <= a.microbatch < num_microbatches or not 0 <= a.stage < num_stages:
@@ -268,25 +352,33 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     and its dependencies are done: ``sF m`` (s > 0) needs ``(s-1)F m`` + ``send_ms[s-1]``;
     ``sB m`` needs ``sF m`` and, below the last stage, ``(s+1)B m`` + ``send_ms[s]``.
     Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
-    gradients for ``allreduce_ms``, starting when the group's last backward ends.
+    gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
+    their last backward and, when a device hosts several stages (interleaved), after the
+    all-reduce of its lower stages (one at a time, sharing the device's links).
     The number of micro-batches and train/inference are read from the schedule.
     Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
     """
-    p = len(costs.stages)
-    if len(costs.send_ms) != p - 1:
+    num_stages = len(costs.stages)
+    if len(costs.send_ms) != num_stages - 1:
         raise ScheduleError(
-            f"send_ms needs {p - 1} entries for {p} stages, got {len(costs.send_ms)}"
+            f"send_ms needs {num_stages - 1} entries for {num_stages} stages, "
+            f"got {len(costs.send_ms)}"
         )
     all_actions = [a for acts in schedule.values() for a in acts]
     num_mb = max((a.microbatch for a in all_actions), default=-1) + 1
     train = any(a.kind is Kind.B for a in all_actions)
-    validate(schedule, p, num_mb, train, replicas=[s.replicas for s in costs.stages])
+    validate(schedule, num_stages, num_mb, train, replicas=[s.replicas for s in costs.stages])
+    width = pipeline_width(schedule, num_stages)  # devices per replica
+    shared = width < num_stages  # some device hosts several stages
 
+    last = num_stages - 1
     end: dict[_Key, float] = {}
     pos = dict.fromkeys(schedule, 0)
     free = dict.fromkeys(schedule, 0.0)
     inflight = dict.fromkeys(schedule, 0)
     peak = dict.fromkeys(schedule, 0)
+    stashed = dict.fromkeys(schedule, 0.0)  # activation bytes held (several stages per device)
+    peak_stashed = dict.fromkeys(schedule, 0.0)
     busy = dict.fromkeys(schedule, 0.0)
     timeline: list[tuple[Device, Action, float, float]] = []
     while len(end) < len(all_actions):
@@ -294,39 +386,52 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
         for dev, actions in schedule.items():
             while pos[dev] < len(actions):
                 a = actions[pos[dev]]
-                deps = _dependencies(a, p - 1)
+                deps = _dependencies(a, last)
                 if any(d not in end for d, _ in deps):
                     break
                 ready = max(
                     (end[d] + (costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps), default=0.0
                 )
                 stage = costs.stages[a.stage]
-                duration = stage.forward_ms if a.kind is Kind.F else stage.backward_ms
+                forward = a.kind is Kind.F
+                duration = stage.forward_ms if forward else stage.backward_ms
                 start = max(free[dev], ready)
-                end[(a.stage, a.kind is Kind.B, a.microbatch)] = free[dev] = start + duration
+                end[(a.stage, not forward, a.microbatch)] = free[dev] = start + duration
                 busy[dev] += duration
                 timeline.append((dev, a, start, start + duration))
-                inflight[dev] += 1 if a.kind is Kind.F else -1
+                inflight[dev] += 1 if forward else -1
                 peak[dev] = max(peak[dev], inflight[dev])
+                if shared:
+                    stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
+                    peak_stashed[dev] = max(peak_stashed[dev], stashed[dev])
                 pos[dev] += 1
                 progressed = True
         if not progressed:
-            raise ScheduleError(_deadlock_message(schedule, pos, end, p - 1))
+            raise ScheduleError(_deadlock_message(schedule, pos, end, last))
 
     finish = max(free.values(), default=0.0)
     allreduce: dict[int, tuple[float, float]] = {}
     if train:
         for s, stage in enumerate(costs.stages):
             if stage.allreduce_ms > 0:
-                t0 = max(free[(s, r)] for r in range(stage.replicas))
+                t0 = max(free[(s % width, r)] for r in range(stage.replicas))
+                for r in range(stage.replicas):
+                    free[(s % width, r)] = t0 + stage.allreduce_ms
                 allreduce[s] = (t0, t0 + stage.allreduce_ms)
                 finish = max(finish, t0 + stage.allreduce_ms)
 
     memory: dict[Device, float] = {}
     for dev, actions in schedule.items():
-        stage = costs.stages[dev[0]]
-        stashed = peak[dev] if train else min(len(actions), 1)
-        memory[dev] = stage.static_bytes + stashed * stage.activation_bytes
+        hosted = [costs.stages[s] for s in range(dev[0], num_stages, width)]
+        static = sum(stage.static_bytes for stage in hosted)
+        if not train:
+            ran = {a.stage for a in actions}
+            largest = max((costs.stages[s].activation_bytes for s in ran), default=0.0)
+            memory[dev] = static + largest
+        elif shared:
+            memory[dev] = static + peak_stashed[dev]
+        else:
+            memory[dev] = static + peak[dev] * hosted[0].activation_bytes
     if not train:
         peak = dict.fromkeys(schedule, 0)
     timeline.sort(key=lambda item: (item[2], item[0]))
@@ -370,6 +475,14 @@ def bubble_closed_form(p: int, m: int) -> float:
     """Bubble fraction of GPipe and 1F1B with p equal stages and m micro-batches:
     ``(p-1) / (m+p-1)`` (Huang et al. 2019; Narayanan et al. 2021)."""
     return (p - 1) / (m + p - 1)
+
+
+def bubble_closed_form_interleaved(p: int, m: int, v: int) -> float:
+    """Bubble fraction of interleaved 1F1B with p devices of v equal chunks each and m
+    micro-batches (``m % p == 0``): ``(p-1) / (v m + p - 1)``. The bubble time is
+    ``(p-1)/v`` of a device's full micro-batch forward + backward ``t``, so the iteration takes
+    ``(m + (p-1)/v) t`` (Narayanan et al., SC'21, section 2.2.2); ``v = 1`` is 1F1B."""
+    return (p - 1) / (v * m + p - 1)
 
 
 def pipeline_time_closed_form(t_max: float, p: int, m: int) -> float:

@@ -156,6 +156,38 @@ def test_run_checks_plan_folder(capsys, tmp_path, chain):
     fails(capsys, ["run", out], "outside the plan folder")
 
 
+def test_simulate_and_report_interleaved(capsys, tmp_path, chain):
+    out = tmp_path / "plan"
+    assert main(["partition", str(chain), "-s", "4", "--batch-size", "2", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--schedule", "interleaved"]) == 0  # --chunks 2
+    text = capsys.readouterr().out
+    assert "interleaved what-if: 4 stages on 2 devices per replica, 2 model chunks" in text
+    assert "device 1 replica 0 (stages 1, 3)" in text and "3B7" in text
+    assert main(["simulate", str(out), "--schedule", "interleaved", "--chunks", "4",
+                 "--microbatches", "3"]) == 0
+    assert "device 0 replica 0 (stages 0, 1, 2, 3)" in capsys.readouterr().out
+    html = tmp_path / "r.html"
+    assert main(["report", str(out), "-o", str(html), "--schedule", "interleaved",
+                 "--chunks", "2", "--microbatches", "4"]) == 0
+    assert "device 0 · replica 0 · stages 0, 2" in html.read_text()
+    fails(capsys, ["simulate", out, "--schedule", "interleaved", "--chunks", "3"],
+          "the chunk count must divide the stage count")
+    fails(capsys, ["simulate", out, "--schedule", "interleaved", "--microbatches", "5"],
+          "micro-batches in multiples of 2 devices = 2, got 5")
+    fails(capsys, ["simulate", out, "--chunks", "2"], "--chunks needs --schedule interleaved")
+    fails(capsys, ["report", out, "--schedule", "1f1b", "--chunks", "2"],
+          "--chunks needs --schedule interleaved")
+    fails(capsys, ["report", out, "--schedule", "interleaved", "--chunks", "0"],
+          "at least one model chunk")
+    body = json.loads((out / "plan.json").read_text())
+    body["stages"][2]["replicas"] = 2
+    (out / "plan.json").write_text(json.dumps(body))
+    fails(capsys, ["simulate", out, "--schedule", "interleaved"],
+          "same replica count in every stage, got [1, 1, 2, 1]")
+    assert not (out / "report.html").exists()  # the failed reports wrote nothing
+
+
 def test_console_script_exit_code_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "onnx_partition.cli", "partition", str(tmp_path / "x.onnx"),

@@ -15,7 +15,11 @@ from onnx_partition.partition import Link, partition
 from onnx_partition.plan import read_plan
 from onnx_partition.plan_sim import format_simulation, send_times, simulate_plan
 from onnx_partition.report import write_report
-from onnx_partition.simulate import bubble_closed_form, pipeline_time_closed_form
+from onnx_partition.simulate import (
+    bubble_closed_form,
+    bubble_closed_form_interleaved,
+    pipeline_time_closed_form,
+)
 
 CHAIN_NODES = ("a", "b", "d", "e", "f", "y")  # the cut (non-constant) nodes of CHAIN
 
@@ -144,6 +148,44 @@ def test_format_simulation(tmp_path, chain):
     assert "grid left out" in format_simulation(plan, big)
 
 
+def test_interleaved_what_if_on_a_plain_plan(tmp_path, chain):
+    # 6 stages of 1 ms, free links; an inference plan under a training schedule gets
+    # backward = 2 x forward (as 1F1B does): p = 3 devices of v = 2 equal chunks
+    plan = partition(chain, 6, tmp_path / "out", batch_size=3, costs=unit_costs(tmp_path),
+                     link=Link(bandwidth_gbps=0, latency_ms=0.0))
+    result, costs = simulate_plan(plan, schedule="interleaved", microbatches=6)
+    assert [(s.forward_ms, s.backward_ms) for s in costs.stages] == [(1.0, 2.0)] * 6
+    assert sorted(result.busy_ms) == [(0, 0), (1, 0), (2, 0)]
+    assert result.iteration_ms == pytest.approx((6 + (3 - 1) / 2) * 2 * 3.0)
+    assert result.bubble_fraction == pytest.approx(bubble_closed_form_interleaved(3, 6, 2))
+    one_f_one_b, _ = simulate_plan(plan, schedule="1f1b", microbatches=6)
+    assert sorted(one_f_one_b.busy_ms) == [(s, 0) for s in range(6)]
+    three, _ = simulate_plan(plan, schedule="interleaved", chunks=3, microbatches=4)
+    assert sorted(three.busy_ms) == [(0, 0), (1, 0)]
+    assert three.bubble_fraction == pytest.approx(bubble_closed_form_interleaved(2, 4, 3))
+    text = format_simulation(plan, result)
+    assert "interleaved what-if: 6 stages on 3 devices per replica, 2 model chunks" in text
+    assert "device 0 replica 0 (stages 0, 3)" in text and "device 2 replica 0 (stages 2, 5)" in text
+    assert "stage 0 replica 0" not in text  # plan.json's devices are for the 6-device layout
+    assert "3F0" in text and "3B0" in text  # the schedule grid
+    assert "what-if" not in format_simulation(plan, one_f_one_b)
+
+
+def test_interleaved_rejects_what_the_plan_does_not_allow(tmp_path, chain):
+    plan = partition(chain, 4, tmp_path / "out", batch_size=3)
+    with pytest.raises(PartitionError, match="chunk count must divide the stage count"):
+        simulate_plan(plan, schedule="interleaved", chunks=3)
+    with pytest.raises(PartitionError, match="multiples of 2 devices = 2, got 3"):
+        simulate_plan(plan, schedule="interleaved", microbatches=3)
+    with pytest.raises(PartitionError, match="only to the interleaved schedule, not 1f1b"):
+        simulate_plan(plan, schedule="1f1b", chunks=2)
+    plan.stages[1].replicas = 2
+    with pytest.raises(PartitionError, match="same replica count in every stage"):
+        simulate_plan(plan, schedule="interleaved")
+    one, _ = simulate_plan(plan, schedule="interleaved", chunks=1)  # 1F1B: replicas allowed
+    assert sorted(one.busy_ms) == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0)]
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -248,3 +290,26 @@ def test_report_escapes_text_and_replaces_atomically(tmp_path, chain):
 def test_report_errors(tmp_path):
     with pytest.raises(PartitionError, match="not a plan folder"):
         write_report(tmp_path)
+
+
+def test_report_of_an_interleaved_hybrid_plan(tmp_path, chain):
+    out = tmp_path / "out"
+    partition(chain, 2, out, batch_size=3, cluster=Cluster(devices_per_machine=4), mode="train")
+    body = json.loads((out / "plan.json").read_text())  # pin 2 x 2, whatever the planner chose
+    for stage in body["stages"]:
+        stage["replicas"], stage["devices"] = 2, ["cpu:0", "cpu:1"]
+    body["allreduce_ms"] = [0.04, 0.04]
+    (out / "plan.json").write_text(json.dumps(body))
+    plan = read_plan(out)
+    result, _ = simulate_plan(plan, schedule="interleaved", chunks=2)
+    assert sorted(result.busy_ms) == [(0, 0), (0, 1)]  # both stages on each device
+    assert set(result.allreduce) == {0, 1}
+    page = parse(write_report(out, schedule="interleaved", chunks=2))
+    text = " ".join(page.text)
+    for r in (0, 1):
+        assert f"device 0 · replica {r} · stages 0, 1" in text
+    assert "Interleaved what-if: 2 stages on 1 device per replica" in text
+    assert text.count("forward of micro-batch") == len(result.timeline) // 2
+    assert text.count("gradient all-reduce, ") == 4  # 2 stages x 2 replicas
+    with pytest.raises(PartitionError, match="multiples of 1 device x 2 replicas = 2, got 3"):
+        write_report(out, schedule="interleaved", microbatches=3)

@@ -17,8 +17,10 @@ from onnx_partition.simulate import (
     ScheduleError,
     StageCosts,
     bubble_closed_form,
+    bubble_closed_form_interleaved,
     gpipe,
     inference,
+    interleaved,
     one_f_one_b,
     pipeline_time_closed_form,
     render,
@@ -232,3 +234,153 @@ def test_lower_bound_never_exceeds_the_simulation(
     assert bound <= sim.iteration_ms * (1 + 1e-9) + 1e-9
     if p == 1:
         assert bound == pytest.approx(sim.iteration_ms)
+
+
+# ------------------------------------------------------------------ interleaved 1F1B
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 12])
+def test_interleaved_with_one_chunk_is_one_f_one_b(p: int, m: int) -> None:
+    assert interleaved(p, m, 1) == one_f_one_b(p, m)
+    assert interleaved(p, m, 1, [1] * p) == one_f_one_b(p, m)
+    reps = [1 + s % 3 for s in range(p)]  # one stage per device: any replicas, as 1F1B
+    assert interleaved(p, m, 1, reps) == one_f_one_b(p, m, reps)
+
+
+def test_interleaved_follows_megatrons_order() -> None:
+    """p = 2 devices, v = 2 chunks, M = 4: device d hosts stages d and d + 2; warm-ups of
+    2 (p - d - 1) + (v - 1) p = 4 and 2 forward steps (Narayanan et al., SC'21, fig. 4)."""
+    s = interleaved(4, 4, 2)
+    assert sorted(s) == [(0, 0), (1, 0)]
+    assert " ".join(map(str, s[(0, 0)])) == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3")
+    assert " ".join(map(str, s[(1, 0)])) == (
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3")
+    # replicas are independent pipelines: replica r takes micro-batches r, r + R, ...
+    two = interleaved(4, 8, 2, [2] * 4)
+    assert sorted(two) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (d, r), actions in two.items():
+        assert [(a.stage, a.kind) for a in actions] == [(a.stage, a.kind) for a in s[(d, 0)]]
+        assert [a.microbatch for a in actions] == [2 * a.microbatch + r for a in s[(d, 0)]]
+
+
+@pytest.mark.parametrize(("f", "b"), [(1.0, 2.0), (1.0, 1.0), (0.5, 3.0)])
+@pytest.mark.parametrize(
+    ("p", "v", "m"),
+    [(1, 2, 3), (2, 2, 2), (2, 2, 8), (2, 4, 6), (3, 2, 3), (3, 3, 9), (4, 2, 4), (4, 2, 8),
+     (4, 3, 12), (4, 4, 8), (5, 2, 10), (8, 2, 16), (8, 4, 8)],
+)
+def test_interleaved_matches_closed_form(f: float, b: float, p: int, v: int, m: int) -> None:
+    """Equal chunks, no communication: ``(m + (p-1)/v) v (f + b)``, bubble ``(p-1)/v`` of a
+    device's micro-batch, as the paper states; the bubble shrinks v-fold against 1F1B."""
+    n = p * v
+    c = PipelineCosts([StageCosts(f, b) for _ in range(n)], [0.0] * (n - 1))
+    r = simulate(interleaved(n, m, v), c)
+    per_mb = v * (f + b)  # one device's forward + backward of a micro-batch, all its chunks
+    assert r.iteration_ms == pytest.approx((m + (p - 1) / v) * per_mb)
+    assert r.bubble_fraction == pytest.approx(bubble_closed_form_interleaved(p, m, v))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert all(t == pytest.approx(m * per_mb) for t in r.busy_ms.values())
+    # 1F1B on the same p devices (each a stage of v chunks) pays the full (p-1) micro-batches
+    whole = PipelineCosts([StageCosts(v * f, v * b) for _ in range(p)], [0.0] * (p - 1))
+    plain = simulate(one_f_one_b(p, m), whole)
+    assert plain.iteration_ms == pytest.approx(pipeline_time_closed_form(per_mb, p, m))
+    assert r.iteration_ms <= plain.iteration_ms + 1e-9
+    assert bubble_closed_form_interleaved(p, m, 1) == bubble_closed_form(p, m)
+
+
+def test_interleaved_is_valid_and_never_deadlocks() -> None:
+    for p, v, reps, k in itertools.product(range(1, 5), range(1, 5), (1, 2, 3), (1, 2)):
+        n, m = p * v, p * reps * k
+        replicas = [reps] * n
+        s = interleaved(n, m, v, replicas)
+        validate(s, n, m, train=True, replicas=replicas)
+        assert sorted(s) == [(d, r) for d in range(p) for r in range(reps)]
+        for (d, r), actions in s.items():
+            assert {a.stage for a in actions} == set(range(d, n, p))
+            assert all(a.microbatch % reps == r for a in actions)
+        sends = [0.1 * (i % 3) for i in range(n - 1)]
+        c = PipelineCosts([StageCosts(1.0 + i % 2, 2.0, reps) for i in range(n)], sends)
+        result = simulate(s, c)
+        assert len(result.timeline) == 2 * n * m
+        for dev in s:  # a device never runs two actions at once
+            spans = [(t0, t1) for d, _, t0, t1 in result.timeline if d == dev]
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_interleaved_rejects_bad_arguments() -> None:
+    with pytest.raises(ScheduleError, match="at least one model chunk"):
+        interleaved(4, 4, 0)
+    with pytest.raises(ScheduleError, match="chunk count must divide the stage count"):
+        interleaved(6, 4, 4)
+    with pytest.raises(ScheduleError, match=r"multiples of 2 devices = 2, got 3"):
+        interleaved(4, 3, 2)
+    with pytest.raises(ScheduleError, match=r"multiples of 2 devices x 3 replicas = 6, got 4"):
+        interleaved(4, 4, 2, [3] * 4)
+    with pytest.raises(PartitionError, match=r"same replica count in every stage, got \[1, 2"):
+        interleaved(4, 4, 2, [1, 2, 1, 2])
+    with pytest.raises(ScheduleError, match="at least one micro-batch"):
+        interleaved(4, 0, 2)
+    with pytest.raises(ScheduleError, match="replicas must be 4 counts"):
+        interleaved(4, 4, 2, [1, 1])
+
+
+def _stash_peaks(schedule: Schedule, act: list[float]) -> dict[tuple[int, int], float]:
+    """Peak activation bytes held by each device, replaying its action list."""
+    peaks = {}
+    for dev, actions in schedule.items():
+        held = peak = 0.0
+        for a in actions:
+            held += act[a.stage] if a.kind is Kind.F else -act[a.stage]
+            peak = max(peak, held)
+        peaks[dev] = peak
+    return peaks
+
+
+def test_device_hosting_several_stages_adds_their_memory() -> None:
+    static, act = [1000.0, 500.0], [10.0, 30.0]
+    c = PipelineCosts([StageCosts(F, B, static_bytes=s, activation_bytes=a)
+                       for s, a in zip(static, act, strict=True)], [0.0])
+    s = interleaved(2, 2, 2)  # one device, two chunks
+    assert " ".join(map(str, s[(0, 0)])) == "0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1"
+    r = simulate(s, c)
+    assert r.peak_inflight == {(0, 0): 2}
+    assert r.peak_memory_bytes == {(0, 0): 1000.0 + 500.0 + 10.0 + 30.0}
+    assert r.busy_ms == {(0, 0): pytest.approx(2 * 2 * (F + B))}
+    # inference on a shared device: both statics, the larger activation
+    fwd: Schedule = {(0, 0): [Action.parse(t) for t in ("0F0", "1F0", "0F1", "1F1")]}
+    validate(fwd, 2, 2, train=False, replicas=[1, 1])
+    i = simulate(fwd, c)
+    assert i.peak_memory_bytes == {(0, 0): 1500.0 + 30.0} and i.peak_inflight == {(0, 0): 0}
+    assert i.iteration_ms == pytest.approx(4 * F)
+    # p = 4 devices of 2 chunks and 2 replicas: statics summed, stash peak over time
+    n, m = 8, 16
+    static, act = [100.0 * (i + 1) for i in range(n)], [1.0 + i for i in range(n)]
+    c = PipelineCosts([StageCosts(F, B, 2, 0.0, a, st)
+                       for a, st in zip(act, static, strict=True)], [0.0] * (n - 1))
+    s = interleaved(n, m, 2, [2] * n)
+    r = simulate(s, c)
+    peaks = _stash_peaks(s, act)
+    for (d, rep), mem in r.peak_memory_bytes.items():
+        assert mem == pytest.approx(static[d] + static[d + 4] + peaks[(d, rep)])
+    assert r.peak_inflight[(0, 0)] == 2 * (4 - 1) + (2 - 1) * 4 + 1  # warm-up + 1 chunks
+
+
+def test_allreduces_of_a_shared_device_run_one_after_another() -> None:
+    c = PipelineCosts([StageCosts(F, B, 2, 5.0), StageCosts(F, B, 2, 3.0)], [0.0])
+    r = simulate(interleaved(2, 4, 2, [2, 2]), c)
+    t = max(t1 for _, _, _, t1 in r.timeline)
+    assert t == pytest.approx(2 * 2 * (F + B))  # each replica: 2 micro-batches x 2 chunks
+    assert r.allreduce == {0: (t, t + 5.0), 1: (t + 5.0, t + 8.0)}
+    assert r.iteration_ms == pytest.approx(t + 8.0)
+
+
+def test_validate_interleaved_layout() -> None:
+    s = interleaved(4, 2, 2)
+    validate(s, 4, 2, train=True, replicas=[1] * 4)
+    s[(0, 0)].append(s[(1, 0)].pop())  # 1B1 onto the device of stages 0 and 2
+    with pytest.raises(ScheduleError, match=r"1B1 is on device \(0, 0\) of first stage 0"):
+        validate(s, 4, 2, train=True)
+    with pytest.raises(ScheduleError, match=r"stages \[0, 2\] share device 0 but have replica"):
+        validate(interleaved(4, 2, 2), 4, 2, train=True, replicas=[1, 1, 2, 1])
