@@ -17,16 +17,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.distributed import (
-    EXIT_RANK_ENV,
-    SMALL_BYTES,
-    decode_header,
-    encode_header,
-    layout,
-    pack,
-    run_distributed,
-    unpack,
-)
+from onnx_partition.runtime.distributed import EXIT_RANK_ENV, layout, run_distributed
+from onnx_partition.runtime.wire import SMALL_BYTES, decode_header, encode_header, pack, unpack
 
 # a skips stage 1; z is a graph input read only by the last stage
 SKIP = """

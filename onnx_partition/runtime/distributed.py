@@ -12,17 +12,8 @@ stage or the graph outputs still need: a skip connection, or a graph input read 
 stage, travels hop by hop (the cost model's relay model). The names each hop carries are fixed by
 the plan (:class:`Layout`), so they never go over the wire.
 
-**Wire protocol** (per hop and micro-batch, point-to-point ``isend``/``recv``, tag 0, in order):
-
-1. header: int64 tensor of ``2 + n * (2 + MAX_DIMS)``: ``[m, n]`` then per tensor (names sorted)
-   ``[dtype code, ndim, dim_0 .. dim_{MAX_DIMS-1}]`` (a fixed size: the receiver knows ``n``);
-2. one uint8 tensor packing the tensors under ``SMALL_BYTES`` (16-byte aligned; skipped if empty);
-3. each larger tensor as its own uint8 tensor: a zero-copy view of the onnxruntime output
-   (``torch.from_numpy``), received straight into the array handed to the next stage.
-
-A fixed int64 header beats ``send_object_list`` (one message instead of two, no pickle): 6.4 vs
-14.3 ms per header on the loaded 2-core test machine. Sends are asynchronous and awaited at the end
-of each iteration, so a rank never waits for its successor to post a receive.
+**Wire protocol**: :mod:`onnx_partition.runtime.wire` (a fixed int64 header, small tensors
+packed, large ones sent zero-copy).
 
 **Backend.** gloo on CPU; nccl when every replica is on a distinct ``cuda:N`` (payloads are then
 copied host -> device -> host around each hop, since onnxruntime hands back host arrays).
@@ -56,13 +47,12 @@ import argparse
 import datetime
 import hashlib
 import itertools
-import math
 import os
 import re
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -78,14 +68,8 @@ from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.pipeline import StageFailed
 from onnx_partition.runtime.stages import providers_for, session_options, verify_plan_folder
+from onnx_partition.runtime.wire import Env, Wire, one_line
 
-Env = dict[str, np.ndarray]
-
-MAX_DIMS = 8
-SMALL_BYTES = 64 << 10
-ALIGN = 16
-DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16",
-          "uint32", "uint64", "bool", "complex64", "complex128")
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
 # imported once by the fork server, before it forks the workers
 PRELOAD = ["numpy", "onnxruntime", "torch", "torch.distributed",
@@ -190,165 +174,6 @@ class DistStats:
         return {r: max(0.0, self.wall_ms[r] - b) for r, b in self.busy_ms.items()}
 
 
-# ---------------------------------------------------------------- wire format
-
-
-def dtype_code(dtype: np.dtype[Any], name: str) -> int:
-    try:
-        return DTYPES.index(np.dtype(dtype).name)
-    except ValueError:
-        raise PartitionError(f"tensor {name!r} of dtype {dtype} cannot be sent between ranks "
-                             f"(supported: {', '.join(DTYPES)})") from None
-
-
-def header_size(count: int) -> int:
-    return 2 + count * (2 + MAX_DIMS)
-
-
-def encode_header(m: int, names: Sequence[str], arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """``[m, n, (code, ndim, dims...) * n]`` as int64."""
-    head = np.zeros(header_size(len(arrays)), np.int64)
-    head[0], head[1] = m, len(arrays)
-    for i, (name, a) in enumerate(zip(names, arrays)):
-        if a.ndim > MAX_DIMS:
-            raise PartitionError(f"tensor {name!r} has {a.ndim} dims; at most {MAX_DIMS} can be "
-                                 f"sent between ranks")
-        base = 2 + i * (2 + MAX_DIMS)
-        head[base], head[base + 1] = dtype_code(a.dtype, name), a.ndim
-        head[base + 2:base + 2 + a.ndim] = a.shape
-    return head
-
-
-Spec = tuple[np.dtype[Any], tuple[int, ...]]  # dtype, shape
-
-
-def decode_header(head: np.ndarray, m: int, count: int) -> list[Spec]:
-    """(dtype, shape) per tensor; checks the micro-batch index and count."""
-    if int(head[0]) != m or int(head[1]) != count:
-        raise RuntimeError(f"protocol error: expected micro-batch {m} with {count} tensors, got "
-                           f"{int(head[0])} with {int(head[1])}")
-    specs = []
-    for i in range(count):
-        base = 2 + i * (2 + MAX_DIMS)
-        ndim = int(head[base + 1])
-        specs.append((np.dtype(DTYPES[int(head[base])]),
-                      tuple(int(d) for d in head[base + 2:base + 2 + ndim])))
-    return specs
-
-
-def _nbytes(dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
-    return dtype.itemsize * math.prod(shape)
-
-
-def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Aligned offsets of packed tensors and the packed length."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += -(-size // ALIGN) * ALIGN
-    return offsets, end
-
-
-def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """The arrays' bytes in one uint8 buffer, each at a 16-byte aligned offset."""
-    offsets, total = _offsets([a.nbytes for a in arrays])
-    buffer = np.zeros(total, np.uint8)
-    for a, at in zip(arrays, offsets):
-        buffer[at:at + a.nbytes] = as_bytes(a)
-    return buffer
-
-
-def unpack(buffer: np.ndarray, specs: Sequence[Spec]) -> list[np.ndarray]:
-    """Views into ``buffer`` (the inverse of :func:`pack`)."""
-    offsets, _ = _offsets([_nbytes(d, s) for d, s in specs])
-    return [buffer[at:at + _nbytes(d, s)].view(d).reshape(s) for (d, s), at in zip(specs, offsets)]
-
-
-def as_bytes(a: np.ndarray) -> np.ndarray:
-    """A flat uint8 view of a C-contiguous array (no copy)."""
-    return a.reshape(-1).view(np.uint8)
-
-
-class Wire:
-    """Point-to-point transfer of named numpy arrays, in the protocol above.
-
-    ``peer`` names a rank in error messages (which peer a receive or send was waiting for).
-    """
-
-    def __init__(self, device: torch.device, peer: Callable[[int], str] = str) -> None:
-        self.device = device
-        self.peer = peer
-        self.comm_s = 0.0
-
-    def send(self, dst: int, m: int, names: Sequence[str], env: Mapping[str, np.ndarray],
-             pending: list[Any]) -> None:
-        """Start sending ``env[names]`` for micro-batch ``m``; handles go to ``pending``."""
-        arrays = []
-        for n in names:
-            a = np.ascontiguousarray(env[n])
-            arrays.append(a if a.flags.writeable else a.copy())
-        self._isend(encode_header(m, names, arrays), dst, pending)
-        small = [a for a in arrays if a.nbytes < SMALL_BYTES]
-        if sum(a.nbytes for a in small):
-            self._isend(pack(small), dst, pending)
-        for a in arrays:
-            if a.nbytes >= SMALL_BYTES:
-                self._isend(as_bytes(a), dst, pending)
-
-    def recv(self, src: int, m: int, names: Sequence[str]) -> Env:
-        """Receive micro-batch ``m``'s tensors ``names`` from ``src``."""
-        head = np.zeros(header_size(len(names)), np.int64)
-        self._recv(head, src)
-        specs = decode_header(head, m, len(names))
-        small = [i for i, (d, s) in enumerate(specs) if _nbytes(d, s) < SMALL_BYTES]
-        arrays: list[np.ndarray | None] = [None] * len(specs)
-        _, total = _offsets([_nbytes(*specs[i]) for i in small])
-        if total:
-            buffer = np.empty(total, np.uint8)
-            self._recv(buffer, src)
-            for i, a in zip(small, unpack(buffer, [specs[i] for i in small])):
-                arrays[i] = a
-        for i, (dtype, shape) in enumerate(specs):
-            if arrays[i] is None:
-                if _nbytes(dtype, shape) < SMALL_BYTES:
-                    arrays[i] = np.empty(shape, dtype)  # zero bytes: nothing was sent
-                    continue
-                out = np.empty(shape, dtype)
-                self._recv(as_bytes(out), src)
-                arrays[i] = out
-        return {n: a for n, a in zip(names, arrays) if a is not None}
-
-    def wait(self, pending: list[Any]) -> None:
-        began = time.perf_counter()
-        for work, dst, *_ in pending:
-            try:
-                work.wait()
-            except Exception as exc:  # torch raises DistBackendError / RuntimeError
-                raise RuntimeError(f"sending to {self.peer(dst)}: {_one_line(exc)}") from exc
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        pending.clear()
-        self.comm_s += time.perf_counter() - began
-
-    def _isend(self, array: np.ndarray, dst: int, pending: list[Any]) -> None:
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cpu":
-            tensor = tensor.to(self.device)
-        pending.append((dist.isend(tensor, dst), dst, tensor, array))  # kept alive until sent
-
-    def _recv(self, array: np.ndarray, src: int) -> None:
-        began = time.perf_counter()
-        host = torch.from_numpy(array)
-        wire = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
-        try:
-            dist.recv(wire, src)
-        except Exception as exc:  # torch raises DistBackendError / RuntimeError
-            raise RuntimeError(f"receiving from {self.peer(src)}: {_one_line(exc)}") from exc
-        if wire is not host:
-            host.copy_(wire)
-        self.comm_s += time.perf_counter() - began
-
-
 # ---------------------------------------------------------------- one rank
 
 
@@ -358,12 +183,6 @@ class _Failure(Exception):
     def __init__(self, kind: str, text: str) -> None:
         super().__init__(text)
         self.kind = kind
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else repr(exc)
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
 
 
 def _plan_digest(plan_dir: Path) -> int:
@@ -411,7 +230,7 @@ def _serve_rank(
             torch.cuda.set_device(comm)
         batches = microbatch.split(dict(feeds), microbatches) if feeds is not None else []
     except Exception as exc:  # onnxruntime raises its own types
-        raise _Failure("setup", f"cannot start: {_one_line(exc)}") from exc
+        raise _Failure("setup", f"cannot start: {one_line(exc)}") from exc
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=lay.world_size,
@@ -451,7 +270,7 @@ def _serve_rank(
             try:
                 values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
             except Exception as exc:  # onnxruntime raises its own types
-                raise _Failure("compute", _one_line(exc)) from exc
+                raise _Failure("compute", one_line(exc)) from exc
             busy += time.perf_counter() - t0
             env.update(zip(stage.outputs, values))
             dst = 0 if last else lay.rank_of(k + 1, m)
@@ -520,7 +339,7 @@ def _spawned(
     except BaseException as exc:
         kind = exc.kind if isinstance(exc, _Failure) else "comm"
         try:
-            reports.put(("error", rank, kind, _one_line(exc)))
+            reports.put(("error", rank, kind, one_line(exc)))
         finally:
             os._exit(1)
 
@@ -584,7 +403,7 @@ def run_distributed(
                               wait_for_workers=False)
     except (RuntimeError, ValueError) as exc:
         raise PartitionError(f"cannot listen on {master_addr}:{master_port}: "
-                             f"{_one_line(exc)}") from None
+                             f"{one_line(exc)}") from None
     method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods()
                               else "spawn")
     if method not in ("spawn", "forkserver"):
@@ -700,7 +519,7 @@ def main_worker(
         return _serve_rank(folder, plan, lay, rank, chosen, feeds if rank == 0 else None,
                            microbatches, iterations, threads_per_stage, timeout_s, None)
     except Exception as exc:
-        raise StageFailed(f"{lay.name(rank)} failed: {_one_line(exc)}") from exc
+        raise StageFailed(f"{lay.name(rank)} failed: {one_line(exc)}") from exc
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

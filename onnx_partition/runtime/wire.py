@@ -1,0 +1,199 @@
+"""Point-to-point transfer of named numpy arrays between ranks of a ``torch.distributed`` group.
+
+The protocol (per hop and micro-batch, point-to-point ``isend``/``recv``, tag 0, in order):
+
+1. header: int64 tensor of ``2 + n * (2 + MAX_DIMS)``: ``[m, n]`` then per tensor (names sorted)
+   ``[dtype code, ndim, dim_0 .. dim_{MAX_DIMS-1}]`` (a fixed size: the receiver knows ``n``);
+2. one uint8 tensor packing the tensors under ``SMALL_BYTES`` (16-byte aligned; skipped if empty);
+3. each larger tensor as its own uint8 tensor: a zero-copy view of the onnxruntime output
+   (``torch.from_numpy``), received straight into the array handed to the next stage.
+
+A fixed int64 header beats ``send_object_list`` (one message instead of two, no pickle): 6.4 vs
+14.3 ms per header on the loaded 2-core test machine. Sends are asynchronous and awaited at the end
+of each iteration, so a rank never waits for its successor to post a receive.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from onnx_partition.errors import PartitionError
+
+Env = dict[str, np.ndarray]
+
+MAX_DIMS = 8
+SMALL_BYTES = 64 << 10
+ALIGN = 16
+DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16",
+          "uint32", "uint64", "bool", "complex64", "complex128")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line, without the C++ source location torch prefixes."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else repr(exc)
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+
+
+def dtype_code(dtype: np.dtype[Any], name: str) -> int:
+    try:
+        return DTYPES.index(np.dtype(dtype).name)
+    except ValueError:
+        raise PartitionError(f"tensor {name!r} of dtype {dtype} cannot be sent between ranks "
+                             f"(supported: {', '.join(DTYPES)})") from None
+
+
+def header_size(count: int) -> int:
+    return 2 + count * (2 + MAX_DIMS)
+
+
+def encode_header(m: int, names: Sequence[str], arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``[m, n, (code, ndim, dims...) * n]`` as int64."""
+    head = np.zeros(header_size(len(arrays)), np.int64)
+    head[0], head[1] = m, len(arrays)
+    for i, (name, a) in enumerate(zip(names, arrays)):
+        if a.ndim > MAX_DIMS:
+            raise PartitionError(f"tensor {name!r} has {a.ndim} dims; at most {MAX_DIMS} can be "
+                                 f"sent between ranks")
+        base = 2 + i * (2 + MAX_DIMS)
+        head[base], head[base + 1] = dtype_code(a.dtype, name), a.ndim
+        head[base + 2:base + 2 + a.ndim] = a.shape
+    return head
+
+
+Spec = tuple[np.dtype[Any], tuple[int, ...]]  # dtype, shape
+
+
+def decode_header(head: np.ndarray, m: int, count: int) -> list[Spec]:
+    """(dtype, shape) per tensor; checks the micro-batch index and count."""
+    if int(head[0]) != m or int(head[1]) != count:
+        raise RuntimeError(f"protocol error: expected micro-batch {m} with {count} tensors, got "
+                           f"{int(head[0])} with {int(head[1])}")
+    specs = []
+    for i in range(count):
+        base = 2 + i * (2 + MAX_DIMS)
+        ndim = int(head[base + 1])
+        specs.append((np.dtype(DTYPES[int(head[base])]),
+                      tuple(int(d) for d in head[base + 2:base + 2 + ndim])))
+    return specs
+
+
+def _nbytes(dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
+    return dtype.itemsize * math.prod(shape)
+
+
+def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Aligned offsets of packed tensors and the packed length."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    return offsets, end
+
+
+def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The arrays' bytes in one uint8 buffer, each at a 16-byte aligned offset."""
+    offsets, total = _offsets([a.nbytes for a in arrays])
+    buffer = np.zeros(total, np.uint8)
+    for a, at in zip(arrays, offsets):
+        buffer[at:at + a.nbytes] = as_bytes(a)
+    return buffer
+
+
+def unpack(buffer: np.ndarray, specs: Sequence[Spec]) -> list[np.ndarray]:
+    """Views into ``buffer`` (the inverse of :func:`pack`)."""
+    offsets, _ = _offsets([_nbytes(d, s) for d, s in specs])
+    return [buffer[at:at + _nbytes(d, s)].view(d).reshape(s) for (d, s), at in zip(specs, offsets)]
+
+
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (no copy)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+class Wire:
+    """Point-to-point transfer of named numpy arrays, in the protocol above.
+
+    ``peer`` names a rank in error messages (which peer a receive or send was waiting for).
+    """
+
+    def __init__(self, device: torch.device, peer: Callable[[int], str] = str) -> None:
+        self.device = device
+        self.peer = peer
+        self.comm_s = 0.0
+
+    def send(self, dst: int, m: int, names: Sequence[str], env: Mapping[str, np.ndarray],
+             pending: list[Any]) -> None:
+        """Start sending ``env[names]`` for micro-batch ``m``; handles go to ``pending``."""
+        arrays = []
+        for n in names:
+            a = np.ascontiguousarray(env[n])
+            arrays.append(a if a.flags.writeable else a.copy())
+        self._isend(encode_header(m, names, arrays), dst, pending)
+        small = [a for a in arrays if a.nbytes < SMALL_BYTES]
+        if sum(a.nbytes for a in small):
+            self._isend(pack(small), dst, pending)
+        for a in arrays:
+            if a.nbytes >= SMALL_BYTES:
+                self._isend(as_bytes(a), dst, pending)
+
+    def recv(self, src: int, m: int, names: Sequence[str]) -> Env:
+        """Receive micro-batch ``m``'s tensors ``names`` from ``src``."""
+        head = np.zeros(header_size(len(names)), np.int64)
+        self._recv(head, src)
+        specs = decode_header(head, m, len(names))
+        small = [i for i, (d, s) in enumerate(specs) if _nbytes(d, s) < SMALL_BYTES]
+        arrays: list[np.ndarray | None] = [None] * len(specs)
+        _, total = _offsets([_nbytes(*specs[i]) for i in small])
+        if total:
+            buffer = np.empty(total, np.uint8)
+            self._recv(buffer, src)
+            for i, a in zip(small, unpack(buffer, [specs[i] for i in small])):
+                arrays[i] = a
+        for i, (dtype, shape) in enumerate(specs):
+            if arrays[i] is None:
+                if _nbytes(dtype, shape) < SMALL_BYTES:
+                    arrays[i] = np.empty(shape, dtype)  # zero bytes: nothing was sent
+                    continue
+                out = np.empty(shape, dtype)
+                self._recv(as_bytes(out), src)
+                arrays[i] = out
+        return {n: a for n, a in zip(names, arrays) if a is not None}
+
+    def wait(self, pending: list[Any]) -> None:
+        began = time.perf_counter()
+        for work, dst, *_ in pending:
+            try:
+                work.wait()
+            except Exception as exc:  # torch raises DistBackendError / RuntimeError
+                raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        pending.clear()
+        self.comm_s += time.perf_counter() - began
+
+    def _isend(self, array: np.ndarray, dst: int, pending: list[Any]) -> None:
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cpu":
+            tensor = tensor.to(self.device)
+        pending.append((dist.isend(tensor, dst), dst, tensor, array))  # kept alive until sent
+
+    def _recv(self, array: np.ndarray, src: int) -> None:
+        began = time.perf_counter()
+        host = torch.from_numpy(array)
+        wire = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
+        try:
+            dist.recv(wire, src)
+        except Exception as exc:  # torch raises DistBackendError / RuntimeError
+            raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
+        if wire is not host:
+            host.copy_(wire)
+        self.comm_s += time.perf_counter() - began
