@@ -24,8 +24,9 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.ilp import solve_ilp
-from onnx_partition.solve.planner import RunSpec, node_arrays, plan_cluster
+from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",

@@ -22,14 +22,9 @@ from onnx_partition.solve.baselines import (
     time_balanced,
     uniform,
 )
-from onnx_partition.solve.planner import (
-    NodeArrays,
-    RunSpec,
-    node_arrays,
-    pipeline_costs,
-    plan_cluster,
-)
+from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import NodeArrays, RunSpec, node_arrays, pipeline_costs
 
 Case = tuple[DagProblem, NodeArrays]
 

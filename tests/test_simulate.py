@@ -27,7 +27,7 @@ from onnx_partition.simulate import (
     simulate,
     validate,
 )
-from onnx_partition.solve.planner import lower_bound_ms
+from onnx_partition.solve.scoring import lower_bound_ms
 
 F, B = 1.0, 2.0
 

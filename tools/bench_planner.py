@@ -39,16 +39,10 @@ from onnx_partition.solve.baselines import (
     pipedream,
     uniform,
 )
-from onnx_partition.solve.planner import (
-    HybridPlan,
-    NodeArrays,
-    RunSpec,
-    machine_budgets,
-    node_arrays,
-    plan_cluster,
-)
-from onnx_partition.solve.planner import score as score_plan
+from onnx_partition.solve.planner import machine_budgets, plan_cluster
 from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec, node_arrays
+from onnx_partition.solve.scoring import score as score_plan
 
 BRANCHY = ("inception", "unet", "encdec")
 BASELINES = ("uniform", "parameters", "time", "data-parallel", "pipedream", "uniform-fewer")

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.solve.planner import HybridPlan, NodeArrays, RunSpec, score
 from onnx_partition.solve.problem import DagProblem, topological_order
+from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec, score
 
 __all__ = ["Assignment", "baseline_plans", "best_grid", "data_parallel", "fits",
            "parameter_balanced", "pipedream", "pipedream_cost", "time_balanced", "uniform"]

@@ -2,15 +2,15 @@
 
 For each ordering the DAG is sequenced, coarsened into at most :data:`MAX_POSITIONS` blocks
 (narrow points first, see :mod:`onnx_partition.order.cluster`), and handed to the hybrid DP
-(:mod:`.hybrid`), which proposes plans of several pipeline depths. Every proposal, and any
-baseline, is scored the same way: the event simulator plays its schedule (1F1B for training,
-forward streaming for inference) over ``M`` micro-batches, fill and drain included. The fastest
-plan wins.
+(:mod:`.hybrid`), which proposes plans of several pipeline depths, on the whole cluster and on
+its first 1, 2, 4, ... machines; balanced pp x dp grids join them. Every proposal, and any
+baseline, is scored the same way (:mod:`.scoring`): the event simulator plays its schedule over
+``M`` micro-batches on the placed cluster, fill and drain included, best lower bound first and
+the hopeless skipped. The fastest plan wins, and its replica counts are then polished.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import time
@@ -20,18 +20,11 @@ from functools import partial
 
 import numpy as np
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
 from onnx_partition.order.topo import cut_bytes
-from onnx_partition.simulate import (
-    PipelineCosts,
-    SimResult,
-    StageCosts,
-    inference,
-    one_f_one_b,
-    simulate,
-)
+from onnx_partition.solve import baselines
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
     HybridConfig,
@@ -41,6 +34,16 @@ from onnx_partition.solve.hybrid import (
     replica_choices,
 )
 from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import (
+    HybridPlan,
+    NodeArrays,
+    RunSpec,
+    lower_bound_ms,
+    pipeline_costs,
+    simulated,
+    stage_totals,
+    totals_costs,
+)
 from onnx_partition.solve.search import polish_split, sequence_for
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
@@ -56,33 +59,6 @@ SIMULATED = 6
 
 
 @dataclass(frozen=True)
-class NodeArrays:
-    """What the hybrid planner needs per node, besides the DAG (plain arrays)."""
-
-    backward_ms: Sequence[float]
-    param_bytes: Sequence[float]
-    activation_bytes: Sequence[float]  # bytes of the node's outputs, stashed per micro-batch
-    names: Sequence[str] = ()  # node keys, for messages
-
-    @functools.cached_property
-    def columns(self) -> np.ndarray:
-        """backward_ms, param_bytes, activation_bytes as rows of one float array."""
-        return np.asarray([self.backward_ms, self.param_bytes, self.activation_bytes],
-                          dtype=float).reshape(3, -1)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """How the plan will run: cluster, mode and micro-batches per iteration."""
-
-    cluster: Cluster
-    train: bool = False
-    microbatches: int = 8
-    optimizer_factor: float = 4.0
-    max_stages: int = 16
-
-
-@dataclass(frozen=True)
 class Proposal:
     """An unscored plan: node -> stage, replicas per stage, and where it came from."""
 
@@ -90,152 +66,6 @@ class Proposal:
     replicas: list[int]
     source: str  # "dp:<ordering>", "grid:pp<k>" or "<common split>:pp<k>"
     polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
-
-
-@dataclass
-class HybridPlan:
-    """A scored plan: node -> stage, replicas and devices per stage, simulation result."""
-
-    stage_of: list[int]
-    replicas: list[int]
-    devices: list[list[str]]
-    sim: SimResult
-    costs: PipelineCosts
-    memory_bytes: list[float]
-    source: str  # "dp:<ordering>" or a baseline's name
-    planning_s: float = 0.0
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.replicas)
-
-
-def node_arrays(problem: DagProblem, backward_ms: Sequence[float],
-                param_bytes: Sequence[float], names: Sequence[str] = ()) -> NodeArrays:
-    """Per-node activation bytes (its output tensors) alongside the given arrays."""
-    acts = [0.0] * problem.num_nodes
-    for t, prod in enumerate(problem.producer):
-        if prod >= 0:
-            acts[prod] += problem.nbytes[t]
-    return NodeArrays(list(backward_ms), list(param_bytes), acts, list(names))
-
-
-def assign_devices(cluster: Cluster, replicas: Sequence[int]) -> list[list[str]]:
-    """Stage replicas to device ids (:meth:`Cluster.place`): a stage's replicas and
-    neighbouring stages on neighbouring devices, so on the same machine where they fit."""
-    return [[cluster.device_name(i) for i in stage] for stage in cluster.place(replicas)]
-
-
-def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
-           ) -> tuple[list[LinkSpec], list[LinkSpec]]:
-    """The link each stage's all-reduce runs over and the link each boundary's transfers take,
-    from where :meth:`Cluster.place` puts the replicas: micro-batch ``m`` goes from replica
-    ``m % r_k`` to replica ``m % r_(k+1)``; a boundary any of whose transfers leaves its
-    machine is charged the inter-machine link."""
-    placed = cluster.place(replicas)
-    groups = [cluster.group_link(devices) for devices in placed]
-    sends = []
-    for here, there in itertools.pairwise(placed):
-        pairs = {(here[m % len(here)], there[m % len(there)]) for m in range(microbatches)}
-        crosses = any(cluster.machine_of(a) != cluster.machine_of(b) for a, b in pairs)
-        sends.append(cluster.inter if crosses else cluster.intra)
-    return groups, sends
-
-
-@dataclass(frozen=True)
-class StageTotals:
-    """Per-stage sums of an assignment, which replica counts do not change."""
-
-    forward_ms: np.ndarray
-    backward_ms: np.ndarray
-    param_bytes: np.ndarray
-    activation_bytes: np.ndarray
-    cross_bytes: list[float]  # per interior boundary
-
-
-def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
-                 num_stages: int) -> StageTotals:
-    stages_np = np.asarray(stage_of, dtype=np.int64)
-
-    def per_stage(values: np.ndarray) -> np.ndarray:
-        return np.bincount(stages_np, values, minlength=num_stages)
-
-    cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
-    return StageTotals(per_stage(problem.compute_array), per_stage(arrays.columns[0]),
-                       per_stage(arrays.columns[1]), per_stage(arrays.columns[2]), cross)
-
-
-def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
-                 ) -> tuple[PipelineCosts, list[float]]:
-    """Simulator costs of stages with these totals on ``replicas``, and memory per device."""
-    cluster, num_stages = run.cluster, len(replicas)
-    groups, links = _links(cluster, replicas, run.microbatches)
-    send = [b / link.bytes_per_ms + link.latency_ms
-            for b, link in zip(totals.cross_bytes, links)]
-    stages, memory = [], []
-    for k, r in enumerate(replicas):
-        params, acts = float(totals.param_bytes[k]), float(totals.activation_bytes[k])
-        allreduce = 0.0
-        if run.train and r > 1:
-            allreduce = (2.0 * (r - 1) / r * params / groups[k].bytes_per_ms
-                         + 2.0 * (r - 1) * groups[k].latency_ms)
-        static = run.optimizer_factor * params if run.train else params
-        backward = float(totals.backward_ms[k]) / cluster.speed if run.train else 0.0
-        stages.append(StageCosts(float(totals.forward_ms[k]) / cluster.speed, backward, r,
-                                 allreduce, acts, static))
-        inflight = min(num_stages - k, run.microbatches) if run.train else 1
-        memory.append(static + inflight * acts)
-    return PipelineCosts(stages, send), memory
-
-
-def pipeline_costs(
-    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
-    run: RunSpec,
-) -> tuple[PipelineCosts, list[float]]:
-    """Simulator costs of an assignment, and each stage's memory per device."""
-    return totals_costs(stage_totals(problem, arrays, stage_of, len(replicas)), replicas, run)
-
-
-def score(
-    problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int], replicas: Sequence[int],
-    run: RunSpec, source: str,
-) -> HybridPlan:
-    """Simulate an assignment: the one yardstick for the DP's plans and every baseline."""
-    costs, memory = pipeline_costs(problem, arrays, stage_of, replicas, run)
-    return _simulated(stage_of, replicas, costs, memory, run, source)
-
-
-def _simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
-               memory: list[float], run: RunSpec, source: str) -> HybridPlan:
-    builder = one_f_one_b if run.train else inference
-    schedule = builder(len(replicas), run.microbatches, list(replicas))
-    sim = simulate(schedule, costs)
-    return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
-                      sim, costs, memory, source)
-
-
-def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool) -> float:
-    """A bound no schedule of these costs beats, so a proposal whose bound is no better than a
-    simulated plan need not be simulated (branch and bound). Replica 0 of stage ``k`` starts
-    after micro-batch 0 has come forward through stages ``0..k-1``, then computes its
-    ``ceil(M / r)`` micro-batches, after which its last one still has to travel on: back to
-    stage 0 (training, in parallel with the stage's all-reduce) or on to the last stage."""
-    stages, send = costs.stages, costs.send_ms
-    p = len(stages)
-    bound, ahead = 0.0, 0.0  # ahead: when micro-batch 0 can reach stage k at the earliest
-    tail_fwd = [0.0] * (p + 1)  # forward from stage k + 1 to the end
-    for k in range(p - 1, 0, -1):
-        tail_fwd[k - 1] = tail_fwd[k] + send[k - 1] + stages[k].forward_ms
-    behind = 0.0  # backward from stage k - 1 to stage 0
-    for k, stage in enumerate(stages):
-        per_mb = stage.forward_ms + (stage.backward_ms if train else 0.0)
-        work = -(-microbatches // stage.replicas) * per_mb
-        after = max(stage.allreduce_ms, behind) if train else tail_fwd[k]
-        bound = max(bound, ahead + work + after)
-        if k < p - 1:
-            ahead += stage.forward_ms + send[k]
-            behind += send[k] + stage.backward_ms
-    return bound
 
 
 def _coarse_blocks(
@@ -400,8 +230,6 @@ def grid_candidates(
 
 def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], list[int]]]]:
     """Megatron/DeepSpeed "uniform", DeepSpeed "parameters", torchgpipe's time balance."""
-    from onnx_partition.solve import baselines  # imports this module: import late
-
     return [
         ("uniform", lambda p, a, s: baselines.uniform(p, s)),
         ("parameters", baselines.parameter_balanced),
@@ -468,7 +296,7 @@ def plan_cluster(
             if best is not None and bound >= best.sim.iteration_ms:
                 families.setdefault(family, {"lower_bound_ms": bound})
                 continue
-            plan = _simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
+            plan = simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
                               proposal.source)
             done = families.get(family, {}).get("iteration_ms", math.inf)
             families[family] = {"iteration_ms": float(min(done, plan.sim.iteration_ms))}
@@ -529,7 +357,7 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
         ranked.sort(key=lambda e: e[0])
         for _, replicas, costs, memory in ranked[: budget - spent]:
             spent += 1
-            trial = _simulated(plan.stage_of, replicas, costs, memory, run, plan.source)
+            trial = simulated(plan.stage_of, replicas, costs, memory, run, plan.source)
             if trial.sim.iteration_ms < plan.sim.iteration_ms * (1 - 1e-9):
                 plan, improved = trial, True
                 break
