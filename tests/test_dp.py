@@ -76,6 +76,14 @@ def test_bad_stage_counts():
         split_sequence([1.0], [0.0, 0.0], 0)
 
 
+def draw_case(data, n, max_stages, max_cut):
+    """A stage count and n + 1 boundary sizes (the ends 0) for a sequence of n operators."""
+    stages = data.draw(st.integers(1, min(n, max_stages)))
+    interior = data.draw(st.lists(st.floats(0, max_cut, allow_nan=False), min_size=n - 1,
+                                  max_size=n - 1))
+    return stages, [0.0, *interior, 0.0]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     compute=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=9),
@@ -84,11 +92,7 @@ def test_bad_stage_counts():
     latency=st.sampled_from([0.0, 0.3]),
 )
 def test_dp_matches_brute_force(compute, data, bandwidth, latency):
-    n = len(compute)
-    stages = data.draw(st.integers(1, n))
-    interior = data.draw(st.lists(st.floats(0, 20, allow_nan=False), min_size=n - 1,
-                                  max_size=n - 1))
-    cuts = [0.0, *interior, 0.0]
+    stages, cuts = draw_case(data, len(compute), len(compute), 20)
     split = split_sequence(compute, cuts, stages, bandwidth_bytes_per_ms=bandwidth,
                            latency_ms=latency)
     assert len(split.bounds) == stages + 1
@@ -105,11 +109,7 @@ def test_dp_matches_brute_force(compute, data, bandwidth, latency):
     latency=st.sampled_from([0.0, 0.01, 2.0]),
 )
 def test_parametric_search_matches_the_recurrence(compute, data, bandwidth, latency):
-    n = len(compute)
-    stages = data.draw(st.integers(1, min(n, 16)))
-    interior = data.draw(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=n - 1,
-                                  max_size=n - 1))
-    cuts = [0.0, *interior, 0.0]
+    stages, cuts = draw_case(data, len(compute), 16, 1e4)
     split = split_sequence(compute, cuts, stages, bandwidth_bytes_per_ms=bandwidth,
                            latency_ms=latency)
     assert len(split.bounds) == stages + 1
