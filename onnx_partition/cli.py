@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_partition.cost.cluster import Cluster, load_cluster, parse_bytes
+from onnx_partition.cost.cluster import Cluster, LinkSpec, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
     _shape_args(p)
     p.add_argument("--bandwidth", type=float, default=10.0,
-                   help="link bandwidth between stages in GB/s (default 10; 0 = free)")
+                   help="link bandwidth between stages in GB/s, and between the devices of a "
+                        "machine with --devices (default 10; 0 = free)")
     p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
     p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
                    help="how to sequence the DAG before the DP (default auto: try all, keep best)")
@@ -86,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--machines", type=int, default=1, help="machines (default 1)")
     g.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: unlimited)")
     g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"))
+    g.add_argument("--inter-bandwidth", type=float,
+                   help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
+    g.add_argument("--inter-latency", type=float,
+                   help="link latency between machines in ms (default 0.05)")
     g.add_argument("--cluster", type=Path, help="cluster.json (overrides the options above)")
     g.add_argument("--mode", default="infer", choices=("infer", "train"),
                    help="infer: forward only; train: forward, backward, all-reduce, 1F1B memory")
@@ -253,15 +258,28 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
     if args.cluster is not None:
         return load_cluster(args.cluster)
+    inter = args.inter_bandwidth is not None or args.inter_latency is not None
     if args.devices is None:
-        if args.mode == "train" or args.device_memory:
-            raise PartitionError("--mode train and --device-memory need --devices N or --cluster")
+        if args.mode == "train" or args.device_memory or inter:
+            raise PartitionError("--mode train, --device-memory and --inter-bandwidth/latency "
+                                 "need --devices N or --cluster")
         return None
     if args.devices < 1 or args.machines < 1:
         raise PartitionError("--devices and --machines must be at least 1")
+    for name, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency),
+                        ("--inter-bandwidth", args.inter_bandwidth),
+                        ("--inter-latency", args.inter_latency)):
+        if value is not None and not value >= 0:
+            raise PartitionError(f"{name} must be >= 0, got {value}")
     memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
+    default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
-                   kind=args.device_kind)
+                   kind=args.device_kind, intra=LinkSpec(args.bandwidth, args.latency),
+                   inter=LinkSpec(
+                       default.inter.bandwidth_gbps if args.inter_bandwidth is None
+                       else args.inter_bandwidth,
+                       default.inter.latency_ms if args.inter_latency is None
+                       else args.inter_latency))
 
 
 def _run(args: argparse.Namespace) -> int:

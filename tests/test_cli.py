@@ -196,3 +196,21 @@ def test_console_script_exit_code_without_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: no such file: {tmp_path / 'x.onnx'}"]
+
+
+def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
+    """--bandwidth/--latency are the link inside a machine, --inter-* the one between; a
+    near-dead network between two machines keeps the plan on the first."""
+    argv = ["partition", chain, "-o", tmp_path / "out", "--batch-size", "2", "--devices", "2",
+            "--machines", "2", "--mode", "train", "--bandwidth", "100", "--latency", "0",
+            "--inter-bandwidth", "0.000001", "--inter-latency", "1"]
+    assert main([str(a) for a in argv]) == 0
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    cluster = plan["cluster"]
+    assert cluster["intra"] == {"bandwidth_gbps": 100.0, "latency_ms": 0.0}
+    assert cluster["inter"] == {"bandwidth_gbps": 0.000001, "latency_ms": 1.0}
+    assert all(d.startswith("m0/") for s in plan["stages"] for d in s["devices"])
+    capsys.readouterr()
+    fails(capsys, ["partition", chain, "-o", tmp_path / "o2", "-s", "2",
+                   "--inter-bandwidth", "5"], "need --devices N or --cluster")
+    fails(capsys, [*argv[:10], "--inter-latency", "-1"], "--inter-latency must be >= 0")
