@@ -17,7 +17,13 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.distributed import EXIT_RANK_ENV, layout, run_distributed
+from onnx_partition.runtime.distributed import (
+    EXIT_RANK_ENV,
+    Layout,
+    choose_backend,
+    layout,
+    run_distributed,
+)
 from onnx_partition.runtime.wire import SMALL_BYTES, decode_header, encode_header, pack, unpack
 
 # a skips stage 1; z is a graph input read only by the last stage
@@ -165,3 +171,14 @@ def test_bad_requests_fail_before_any_process_starts(tmp_path):
     with pytest.raises(PartitionError, match="missing"):
         run_distributed(out, {"x": rows(2)})
 
+
+
+def test_nccl_needs_distinct_local_devices():
+    """m0/cuda:0 and m1/cuda:0 are two GPUs under torchrun on two machines, one GPU when a
+    single machine runs every rank."""
+    lay = Layout([1, 1], [0, 1], [["m0/cuda:0"], ["m1/cuda:0"]], [["x"], ["a"]], [["a"], ["y"]])
+    assert choose_backend(lay, "nccl") == "nccl"
+    with pytest.raises(PartitionError, match="own cuda:N"):
+        choose_backend(lay, "nccl", one_machine=True)
+    cpu = Layout([1, 1], [0, 1], [["m0/cpu"], ["m1/cpu"]], [["x"], ["a"]], [["a"], ["y"]])
+    assert choose_backend(cpu, None) == "gloo"

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from test_graph import CHAIN, save
 
+from onnx_partition.cost.cluster import Cluster, LinkSpec
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession, StageFailed, microbatch
+from onnx_partition.runtime.stages import local_device, providers_for
 
 
 @given(rows=st.integers(1, 9), chunks=st.integers(1, 12))
@@ -87,3 +89,23 @@ def test_run_checks_names(tmp_path):
             session.run(None, {"x": np.ones((2, 4), np.float32)})
         with pytest.raises(PartitionError, match="unknown output 'z'"):
             session.run(["z"], {"x": np.ones((2, 4), np.float32), "ids": np.zeros(2, np.int64)})
+
+
+def test_a_plan_for_two_machines_runs_here(tmp_path):
+    """Devices of a multi-machine plan carry their machine (m1/cpu); each machine runs its own
+    ranks, so the runtime uses the local device, and one machine can run the whole plan."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    cluster = Cluster(2, 1, kind="cpu", intra=LinkSpec(10.0, 0.0), inter=LinkSpec(100.0, 0.0))
+    plan = partition(model, 2, tmp_path / "out", batch_size=2, cluster=cluster)
+    assert [s.devices for s in plan.stages] == [["m0/cpu"], ["m1/cpu"]]
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)}
+    (got,) = PipelineSession(tmp_path / "out", microbatches=2).run(None, feeds)
+    assert_same({"y": got}, run_whole(model, feeds))
+
+
+def test_local_device_names() -> None:
+    assert local_device("m12/cuda:3") == "cuda:3"
+    assert local_device("cuda:1") == "cuda:1" and local_device("cpu") == "cpu"
+    assert providers_for("m1/cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(PartitionError, match="unknown device 'mx/cpu'"):
+        providers_for("mx/cpu")

@@ -67,7 +67,12 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.pipeline import StageFailed
-from onnx_partition.runtime.stages import providers_for, session_options, verify_plan_folder
+from onnx_partition.runtime.stages import (
+    local_device,
+    providers_for,
+    session_options,
+    verify_plan_folder,
+)
 from onnx_partition.runtime.wire import Env, Wire, one_line
 
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
@@ -136,10 +141,14 @@ def layout(plan: Plan) -> Layout:
     return Layout(replicas, first, devices, recv, send)
 
 
-def choose_backend(lay: Layout, backend: str | None) -> str:
-    """gloo, or nccl when every replica is on its own CUDA device (``backend`` overrides)."""
+def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = False) -> str:
+    """gloo, or nccl when every replica is on its own CUDA device (``backend`` overrides).
+    ``one_machine``: every rank runs here, so devices of different machines (``m0/cuda:0``,
+    ``m1/cuda:0``) share the local one and rule nccl out."""
     flat = [d for stage in lay.devices for d in stage]
-    cuda = all(d.startswith("cuda") for d in flat) and len(set(flat)) == len(flat)
+    names = [local_device(d) for d in flat] if one_machine else flat
+    cuda = (all(local_device(d).startswith("cuda") for d in flat)
+            and len(set(names)) == len(names))
     if backend is None:
         usable = cuda and dist.is_nccl_available() and torch.cuda.is_available()
         return "nccl" if usable else "gloo"
@@ -226,7 +235,7 @@ def _serve_rank(
                                        providers=providers_for(device))
         comm = torch.device("cpu")
         if backend == "nccl":
-            comm = torch.device("cuda", int(device.partition(":")[2] or 0))
+            comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
             torch.cuda.set_device(comm)
         batches = microbatch.split(dict(feeds), microbatches) if feeds is not None else []
     except Exception as exc:  # onnxruntime raises its own types
@@ -354,7 +363,7 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None) -> tuple[
     if nproc is not None and nproc != lay.world_size:
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {nproc} processes")
-    return plan, lay, choose_backend(lay, backend)
+    return plan, lay, choose_backend(lay, backend, one_machine=True)
 
 
 def _check_feeds(plan: Plan, feeds: Mapping[str, np.ndarray], microbatches: int) -> None:

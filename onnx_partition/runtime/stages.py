@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+_MACHINE = re.compile(r"m\d+/")
+
+
+def local_device(device: str) -> str:
+    """The device on the machine that runs it: ``m1/cuda:3`` -> ``cuda:3`` (plans for several
+    machines prefix each device with its machine; a machine runs only its own ranks)."""
+    return _MACHINE.sub("", device, count=1) if _MACHINE.match(device) else device
+
+
 def providers_for(device: str) -> list[Provider]:
-    """onnxruntime providers for a plan device name: ``cpu`` or ``cuda:N``."""
+    """onnxruntime providers for a plan device name: ``cpu`` or ``cuda:N``, optionally on a
+    machine ``mK/`` (see :func:`local_device`)."""
+    device = local_device(device)
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if device.startswith("cuda"):
