@@ -258,3 +258,26 @@ def test_planner_keeps_off_a_slow_network() -> None:
     for name, plan in baseline_plans(problem, arrays, run).items():
         if not isinstance(plan, str):
             assert ours.sim.iteration_ms < plan.sim.iteration_ms, name
+
+
+@settings(max_examples=60, deadline=None)
+@given(machines=st.integers(1, 4), per_machine=st.integers(1, 8), data=st.data())
+def test_placement_is_a_valid_packing(machines: int, per_machine: int,
+                                      data: st.DataObject) -> None:
+    """Every stage gets its own consecutive devices in pipeline order; a stage that fits on one
+    machine is split across two only when too few devices are spare to skip to the next one."""
+    cluster = Cluster(machines, per_machine)
+    replicas = data.draw(st.lists(st.integers(1, per_machine * 2), min_size=1, max_size=6)
+                         .filter(lambda r: sum(r) <= cluster.devices))
+    placed = cluster.place(replicas)
+    flat = [d for stage in placed for d in stage]
+    assert [len(s) for s in placed] == replicas
+    assert flat == sorted(set(flat)) and flat[-1] < cluster.devices
+    before = 0  # replicas of the earlier stages
+    for stage in placed:
+        assert stage == list(range(stage[0], stage[0] + len(stage)))
+        spare = cluster.devices - sum(replicas) - (stage[0] - before)  # still free to skip
+        gap = per_machine - stage[0] % per_machine  # devices left on its first machine
+        if cluster.group_link(stage) == cluster.inter and len(stage) <= per_machine:
+            assert gap > spare  # split only when skipping to the next machine did not fit
+        before += len(stage)
