@@ -381,33 +381,42 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     peak_stashed = dict.fromkeys(schedule, 0.0)
     busy = dict.fromkeys(schedule, 0.0)
     timeline: list[tuple[Device, Action, float, float]] = []
-    while len(end) < len(all_actions):
-        progressed = False
-        for dev, actions in schedule.items():
-            while pos[dev] < len(actions):
-                a = actions[pos[dev]]
-                deps = _dependencies(a, last)
-                if any(d not in end for d, _ in deps):
-                    break
-                ready = max(
-                    (end[d] + (costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps), default=0.0
-                )
-                stage = costs.stages[a.stage]
-                forward = a.kind is Kind.F
-                duration = stage.forward_ms if forward else stage.backward_ms
-                start = max(free[dev], ready)
-                end[(a.stage, not forward, a.microbatch)] = free[dev] = start + duration
-                busy[dev] += duration
-                timeline.append((dev, a, start, start + duration))
-                inflight[dev] += 1 if forward else -1
-                peak[dev] = max(peak[dev], inflight[dev])
-                if shared:
-                    stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
-                    peak_stashed[dev] = max(peak_stashed[dev], stashed[dev])
-                pos[dev] += 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError(_deadlock_message(schedule, pos, end, last))
+    # Worklist: a device runs its actions until one waits for an action not yet done, then
+    # waits on that action's key and is woken when it ends. Every action is handled once; an
+    # action's start depends only on its dependencies and its device, so the order of handling
+    # does not change the result.
+    waiting: dict[_Key, list[Device]] = {}
+    work = list(reversed(schedule))
+    while work:
+        dev = work.pop()
+        actions = schedule[dev]
+        while pos[dev] < len(actions):
+            a = actions[pos[dev]]
+            deps = _dependencies(a, last)
+            missing = next((d for d, _ in deps if d not in end), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(dev)
+                break
+            ready = max(
+                (end[d] + (costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps), default=0.0
+            )
+            stage = costs.stages[a.stage]
+            forward = a.kind is Kind.F
+            duration = stage.forward_ms if forward else stage.backward_ms
+            start = max(free[dev], ready)
+            key = (a.stage, not forward, a.microbatch)
+            end[key] = free[dev] = start + duration
+            busy[dev] += duration
+            timeline.append((dev, a, start, start + duration))
+            inflight[dev] += 1 if forward else -1
+            peak[dev] = max(peak[dev], inflight[dev])
+            if shared:
+                stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
+                peak_stashed[dev] = max(peak_stashed[dev], stashed[dev])
+            pos[dev] += 1
+            work.extend(reversed(waiting.pop(key, [])))
+    if len(end) < len(all_actions):
+        raise ScheduleError(_deadlock_message(schedule, pos, end, last))
 
     finish = max(free.values(), default=0.0)
     allreduce: dict[int, tuple[float, float]] = {}
