@@ -62,9 +62,11 @@ def split_sequence(
     *,
     bandwidth_bytes_per_ms: float = math.inf,
     latency_ms: float = 0.0,
+    precision: float = 1e-12,
 ) -> SequenceSplit:
     """The split of a sequence into exactly ``num_stages`` non-empty stages whose slowest stage
-    is fastest. ``cut_bytes[b]`` (length n + 1) is the bytes crossing boundary b.
+    is fastest (to a relative ``precision``). ``cut_bytes[b]`` (length n + 1) is the bytes
+    crossing boundary b.
 
     Parametric search (the "probe" approach to 1-D partitioning, Pinar and Aykanat, JPDC 2004):
     bisect on the bottleneck ``T``; a probe decides whether ``T`` is reachable. Writing a stage's
@@ -99,7 +101,7 @@ def split_sequence(
         hi = lo
     else:
         for _ in range(200):
-            if hi - lo <= 1e-12 * hi:
+            if hi - lo <= precision * hi:
                 break
             mid = (lo + hi) / 2
             probe = reachable(mid)

@@ -212,9 +212,9 @@ def grid_candidates(
             share = 2.0 * (replicas - 1) / replicas / group.bytes_per_ms / run.microbatches
             compute = [c + share * w for c, w in zip(base, arrays.param_bytes)]
         block_compute, block_cuts = blocks.compress(compute, cuts)
-        split = split_sequence(block_compute, block_cuts, pp,
+        split = split_sequence(block_compute, block_cuts, pp,  # a proposal: 0.0001% will do
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
-                               latency_ms=problem.latency_ms)
+                               latency_ms=problem.latency_ms, precision=1e-6)
         stage_of = _assignment(order, blocks.expand(split.bounds))
         short = problem.num_nodes <= LONG_GRAPH
         polish = None
