@@ -86,7 +86,9 @@ class Cluster:
     def group_link(self, indices: Sequence[int]) -> LinkSpec:
         """The slowest link among the devices ``indices``: intra only if one machine holds
         them all (a ring all-reduce runs at its slowest hop)."""
-        return self.intra if len({self.machine_of(i) for i in indices}) <= 1 else self.inter
+        # machines hold consecutive indices: the lowest and highest share one iff all do
+        one = self.machine_of(min(indices)) == self.machine_of(max(indices))
+        return self.intra if one else self.inter
 
     def place(self, replicas: Sequence[int]) -> list[list[int]]:
         """Device indices per stage, in pipeline order, machine-major. A stage that fits on a

@@ -99,18 +99,15 @@ def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
     ``m % r_k`` to replica ``m % r_(k+1)``; a boundary any of whose transfers leaves its
     machine is charged the inter-machine link."""
     placed = cluster.place(replicas)
-    per = cluster.devices_per_machine
-    spans = [(stage[0] // per, stage[-1] // per) for stage in placed]  # first, last machine
-    groups = [cluster.intra if a == b else cluster.inter for a, b in spans]
+    groups = [cluster.group_link(stage) for stage in placed]
     sends = []
-    for k, (here, there) in enumerate(itertools.pairwise(placed)):
-        (a0, a1), (b0, b1) = spans[k], spans[k + 1]
-        if a0 == a1 == b0 == b1:  # both stages on one machine
-            crosses = False
-        elif a0 == a1 and b0 == b1:  # each on its own machine
-            crosses = True
+    for here, there in itertools.pairwise(placed):
+        if cluster.group_link(here) == cluster.group_link(there) == cluster.intra:
+            # each stage on one machine: the transfers leave it iff the machines differ
+            crosses = cluster.machine_of(here[0]) != cluster.machine_of(there[0])
         else:  # a stage spans machines: follow the micro-batches
-            crosses = any(here[m % len(here)] // per != there[m % len(there)] // per
+            machine = cluster.machine_of
+            crosses = any(machine(here[m % len(here)]) != machine(there[m % len(there)])
                           for m in range(microbatches))
         sends.append(cluster.inter if crosses else cluster.intra)
     return groups, sends
