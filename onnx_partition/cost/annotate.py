@@ -17,7 +17,7 @@ import onnx
 from onnx import helper
 
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.graph import OpGraph, Shape, itemsize, shape_of
 
 COSTS_FORMAT = "onnx-partition/costs@1"
@@ -81,12 +81,7 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 def read_costs(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """Read costs.json (the contract): node key -> {"forward_ms": ..., "backward_ms": ...}."""
     path = Path(path)
-    try:
-        body = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PartitionError(f"no such costs file: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read costs file {path}: {exc}") from None
+    body = read_json(path, "costs")
     nodes = body.get("nodes") if isinstance(body, dict) else None
     if not isinstance(nodes, dict):
         raise PartitionError(f"costs file {path} has no 'nodes' object")

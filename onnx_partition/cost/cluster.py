@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, read_json
 
 FORMAT = "onnx-partition/cluster@1"
 
@@ -130,12 +130,7 @@ def parse_bytes(text: str) -> float:
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     """Read cluster.json; a clear error for a missing file or a bad field."""
     path = Path(path)
-    try:
-        body = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PartitionError(f"no such cluster file: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read cluster file {path}: {exc}") from None
+    body = read_json(path, "cluster")
     if not isinstance(body, dict):
         raise PartitionError(f"cluster file {path} is not a JSON object")
     try:
