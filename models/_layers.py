@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -35,6 +37,17 @@ def init_cnn(module: nn.Module) -> None:
             nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
             if m.bias is not None:
                 nn.init.normal_(m.bias, std=0.1)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A stack of ``layers`` transformer layers over ``seq`` tokens of a ``vocab``."""
+
+    layers: int
+    dim: int
+    heads: int
+    vocab: int
+    seq: int
 
 
 class Attention(nn.Module):

@@ -8,22 +8,13 @@ positions (``attention_mask == 0``) are hidden from attention. "realistic" is BE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from ._layers import MASKED, Attention, FeedForward, init_transformer
+from ._layers import MASKED, Attention, FeedForward, TransformerConfig, init_transformer
 from ._recipe import Recipe, finish, input_generator, seeded
 
-
-@dataclass(frozen=True)
-class Config:
-    layers: int
-    dim: int
-    heads: int
-    vocab: int
-    seq: int
+Config = TransformerConfig
 
 
 CONFIGS = {

@@ -7,22 +7,13 @@ a GELU MLP, final LayerNorm and an (untied) LM head. "realistic" is GPT-2 medium
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from ._layers import Attention, FeedForward, causal_bias, init_transformer
+from ._layers import Attention, FeedForward, TransformerConfig, causal_bias, init_transformer
 from ._recipe import Recipe, finish, input_generator, seeded
 
-
-@dataclass(frozen=True)
-class Config:
-    layers: int
-    dim: int
-    heads: int
-    vocab: int
-    seq: int
+Config = TransformerConfig
 
 
 CONFIGS = {
