@@ -101,8 +101,8 @@ def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
     placed = cluster.place(replicas)
     groups = [cluster.group_link(stage) for stage in placed]
     sends = []
-    for here, there in itertools.pairwise(placed):
-        if cluster.group_link(here) == cluster.group_link(there) == cluster.intra:
+    for k, (here, there) in enumerate(itertools.pairwise(placed)):
+        if groups[k] is groups[k + 1] is cluster.intra:
             # each stage on one machine: the transfers leave it iff the machines differ
             crosses = cluster.machine_of(here[0]) != cluster.machine_of(there[0])
         else:  # a stage spans machines: follow the micro-batches
