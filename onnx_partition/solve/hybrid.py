@@ -26,6 +26,13 @@ stages on at most ``d`` devices, every stage within memory; ``g[0, n, d] = 0``. 
 are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small. Every ``q``
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
+
+Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
+from :func:`replica_choices`, every stage within memory, to the bisection's relative
+``precision``. Not for the problem over the DAG with any replica counts, strongly NP-hard
+with a fixed depth, a memory bound or all-reduce costs (``docs/np_completeness.md``). The code
+counts the fewest devices per bound (:func:`plan_hybrid`) instead of indexing a table by ``d``,
+so its time is polynomial in ``log D``, not in ``D``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Step (a) of the two-step method: turn the DAG into a sequence, by a topological 
 clustering non-sequential subgraphs into blocks; step (b): the DP of :mod:`.dp` cuts it. Every
 candidate is scored with the same DAG cost model, so they compare fairly; ``auto`` keeps the best
 (ties go to the plain topological order, so ``auto`` is never worse than ``topo``).
+
+A heuristic: the DP is exact for each sequence, but the best split of the DAG need not be
+contiguous in any sequence tried, and choosing the sequence is the strongly NP-hard part
+(``docs/np_completeness.md``); :mod:`.ilp` solves the DAG problem exactly, within a time limit.
 """
 
 from __future__ import annotations
