@@ -83,6 +83,7 @@ def shuffled(numbers: tuple[int, ...]) -> tuple[int, ...]:
     with sorted triples."""
     n = len(numbers)
     stride = 5 if n % 5 else 7
+    assert math.gcd(stride, n) == 1  # a permutation
     return tuple(numbers[(stride * i) % n] for i in range(n))
 
 
