@@ -309,7 +309,8 @@ def _serve_rank(
     stats = DistStats(
         backend=backend, world_size=lay.world_size, microbatches=count, rows=rows,
         iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
-        placement=[(*lay.place(q), lay.devices[lay.place(q)[0]][lay.place(q)[1]])
+        placement=[(*lay.place(q), os.environ.get(DEVICE_ENV)
+                    or lay.devices[lay.place(q)[0]][lay.place(q)[1]])
                    for q in range(lay.world_size)],
         busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
         comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
