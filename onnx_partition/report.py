@@ -76,12 +76,13 @@ def plan_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def batch_line(plan: Plan, micro_batch: int | None = None) -> str:
+def batch_line(plan: Plan, micro_batch: int | None = None,
+               microbatches: int | None = None) -> str:
     """The global batch written out, as DeepSpeed users read it: micro-batch size x
     micro-batches per iteration; the micro-batches are shared among a stage's data-parallel
     replicas (micro-batch m goes to replica m mod d), which DeepSpeed calls gradient
     accumulation steps x data-parallel size."""
-    m = int(plan.predicted.get("microbatches", 0)) or None
+    m = microbatches or int(plan.predicted.get("microbatches", 0)) or None
     size = micro_batch or _leading_dim(plan)
     what = f"micro-batch size {size}" if size else "micro-batch size B"
     if m is None:
@@ -257,7 +258,7 @@ def _summary(plan: Plan, result: SimResult) -> str:
                       "the steady time per micro-batch; a stage's own time is in the table"))
     html_cards = "".join(f'<div class="card"><b>{esc(v)}</b><span>{esc(k)}</span></div>'
                          for v, k in cards)
-    notes = [batch_line(plan) + "."]
+    notes = [batch_line(plan, microbatches=num_mb or None) + "."]
     if "iteration_ms" not in pred and num_mb:
         per_mb = result.iteration_ms / num_mb
         notes.append(f"Per micro-batch, the simulation takes {fmt_ms(per_mb)} (iteration ÷ "
