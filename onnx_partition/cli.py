@@ -35,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose - args.quiet)
+    from onnx_partition import progress
+
+    progress.install(log.isEnabledFor(logging.INFO))
     try:
         return int(args.func(args))
     except BrokenPipeError:  # `onnx-partition ... | head`: the reader has all it wanted

@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 T = TypeVar("T")
+# Library code reports long loops with :func:`step`; the command line installs the bars.
+_bars: dict[str, Callable[[int, int], None]] | None = None
+_enabled = False
 
 
 def shown(enabled: bool = True) -> bool:
@@ -83,3 +86,20 @@ def timed(label: str, seconds: float, *, enabled: bool = True) -> Iterator[None]
         if thread.is_alive():
             thread.join()
         bar.close()
+
+
+def install(enabled: bool) -> None:
+    """Draw a bar for every :func:`step` label from now on (the CLI calls this; a library
+    user who never does sees nothing)."""
+    global _bars, _enabled
+    _bars, _enabled = {}, enabled
+
+
+def step(label: str, done: int, total: int) -> None:
+    """Report ``done`` of ``total`` for a long loop (writing stage files, planning); a no-op
+    unless :func:`install` was called. A label's bar starts over when ``done`` restarts."""
+    if _bars is None:
+        return
+    if label not in _bars or done <= 1:
+        _bars[label] = progress_callback(label, enabled=_enabled)
+    _bars[label](done, total)

@@ -20,7 +20,7 @@ from test_graph import CHAIN, save
 
 from onnx_partition import __version__
 from onnx_partition.cli import _parser, main, timing_line
-from onnx_partition.cost.cluster import parse_bytes
+from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.progress import iterate, progress_callback
@@ -265,3 +265,29 @@ def test_gpu_extra_replaces_onnxruntime():
     assert any(d.startswith("onnxruntime>") for d in extras["cpu"])
     assert "onnx-partition[gpu]" in (ROOT / "README.md").read_text()
     assert '".[cpu,test]"' in (ROOT / "tools" / "setup.sh").read_text()
+
+
+def test_long_library_loops_report_to_the_cli_bars(monkeypatch, tmp_path, chain):
+    from onnx_partition import progress
+
+    monkeypatch.setattr(progress, "_bars", None)  # restored after the test
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    partition(chain, 2, tmp_path / "a", batch_size=2)
+    assert terminal.getvalue() == ""  # a library user who installed nothing sees nothing
+    progress.install(True)
+    partition(chain, 2, tmp_path / "b", batch_size=2, cluster=Cluster(devices_per_machine=2))
+    text = terminal.getvalue()
+    assert "writing stage files:" in text and "planning: simulating proposals:" in text
+
+
+def test_missing_onnxruntime_says_which_extra(capsys, monkeypatch):
+    import onnx_partition.cli as cli
+
+    def without_onnxruntime(args):
+        raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
+
+    monkeypatch.setattr(cli, "_simulate", without_onnxruntime)
+    assert main(["simulate", "plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: onnxruntime is not installed") and "[gpu]" in err
