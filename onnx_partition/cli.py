@@ -38,8 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from onnx_partition import progress
 
     progress.install(log.isEnabledFor(logging.INFO))
+    log.debug("onnx-partition %s, python %s, arguments %s", __version__,
+              sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
+    began = time.perf_counter()
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        log.debug("%s finished in %.2f s with exit code %d", args.verb,
+                  time.perf_counter() - began, code)
+        return code
     except BrokenPipeError:  # `onnx-partition ... | head`: the reader has all it wanted
         _silence_stdout()
         return 0
@@ -73,8 +79,11 @@ class _StdoutHandler(logging.Handler):
     pytest's capture see them)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(self.format(record), file=sys.stdout if record.levelno < logging.WARNING
-              else sys.stderr, flush=True)
+        text = self.format(record)
+        if record.levelno != logging.INFO:  # debug: ..., warning: ...
+            text = f"{record.levelname.lower()}: {text}"
+        print(text, file=sys.stdout if record.levelno < logging.WARNING else sys.stderr,
+              flush=True)
 
 
 def _configure_logging(verbosity: int) -> None:

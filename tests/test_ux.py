@@ -114,7 +114,9 @@ def test_quiet_verbose_and_singular(capsys, tmp_path, chain):
     assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "-o",
                  str(tmp_path / "d"), "-v"]) == 0
     assert logging.getLogger("onnx_partition").isEnabledFor(logging.DEBUG)
-    assert "wrote 2 stages" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote 2 stages" in out and "debug: partition finished in" in out
+    assert "debug: onnx-partition " in out
 
 
 class _ClosedPipe(io.TextIOBase):
@@ -122,9 +124,13 @@ class _ClosedPipe(io.TextIOBase):
         raise BrokenPipeError(32, "Broken pipe")
 
 
-def test_closed_pipe_is_quiet_in_process(capsys, monkeypatch, plan_dir):
+def test_closed_pipe_is_quiet_in_process(capsys, monkeypatch, plan_dir, chain, tmp_path):
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert main(["simulate", str(plan_dir)]) == 0
+    assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "-o",
+                 str(tmp_path / "p")]) == 0
+    assert main(["-q", "report", str(plan_dir)]) == 0
+    assert main(["report", str(plan_dir)]) == 0  # the "wrote" line, through logging
     assert capsys.readouterr().err == ""
 
 
