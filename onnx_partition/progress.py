@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 T = TypeVar("T")
 # Library code reports long loops with :func:`step`; the command line installs the bars.
-_bars: dict[str, Callable[[int, int], None]] | None = None
+_bars: dict[str, tuple[Callable[[int, int], None], int]] | None = None  # label: (bar, last)
 _enabled = False
 
 
@@ -96,10 +96,12 @@ def install(enabled: bool) -> None:
 
 
 def step(label: str, done: int, total: int) -> None:
-    """Report ``done`` of ``total`` for a long loop (writing stage files, planning); a no-op
-    unless :func:`install` was called. A label's bar starts over when ``done`` restarts."""
+    """Report ``done`` of ``total`` for a long loop (export, writing stage files, planning); a
+    no-op unless :func:`install` was called. A label's bar starts over when ``done`` goes back."""
     if _bars is None:
         return
-    if label not in _bars or done <= 1:
-        _bars[label] = progress_callback(label, enabled=_enabled)
-    _bars[label](done, total)
+    bar, last = _bars.get(label, (None, -1))
+    if bar is None or done <= last:
+        bar = progress_callback(label, enabled=_enabled)
+    _bars[label] = (bar, done)
+    bar(done, total)
