@@ -540,8 +540,8 @@ def _demo_in(args: argparse.Namespace, work: Path) -> int:
         ["run", str(plan), "--batch-size", str(args.batch_size), "--check"],
     ]
     for step in steps:
-        print(f"$ onnx-partition {' '.join(step)}", flush=True)
-        code = main(step)
+        _say(f"$ onnx-partition {' '.join(step)}")
+        code = main(["-q"] * args.quiet + ["-v"] * args.verbose + step)  # keep -q/-v
         if code:
             return code
     return 0
