@@ -63,6 +63,12 @@ def export(
     The batch dimension is symbolic, so ``batch_size`` only sets the example used for
     tracing (at least 2: tracing with 1 would bake the batch size into the graph).
     """
+    from onnx_partition import progress
+
     _check(name, size, batch_size)
+    progress.step(f"export {name}: build, trace and convert", 0, 2)
     recipe = build(name, size, batch_size=max(batch_size, 2))
-    return export_recipe(recipe, path, opset=opset)
+    progress.step(f"export {name}: build, trace and convert", 1, 2)
+    written = export_recipe(recipe, path, opset=opset)
+    progress.step(f"export {name}: build, trace and convert", 2, 2)
+    return written

@@ -7,20 +7,26 @@ whole model's exits with code 1.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from onnx_partition import __version__
 from onnx_partition.cost.cluster import Cluster, LinkSpec, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+log = logging.getLogger("onnx_partition")
+MISSING_ORT = ("onnxruntime is not installed: pip install 'onnx-partition[cpu]', or "
+               "'onnx-partition[gpu]' for onnxruntime-gpu (install one, not both)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,8 +34,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    _configure_logging(args.verbose - args.quiet)
+    from onnx_partition import progress
+
+    progress.install(log.isEnabledFor(logging.INFO))
+    log.debug("onnx-partition %s, python %s, arguments %s", __version__,
+              sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
+    began = time.perf_counter()
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        log.debug("%s finished in %.2f s with exit code %d", args.verb,
+                  time.perf_counter() - began, code)
+        return code
+    except BrokenPipeError:  # `onnx-partition ... | head`: the reader has all it wanted
+        _silence_stdout()
+        return 0
     except PartitionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -39,25 +58,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        if exc.name != "onnxruntime":
+            raise
+        print(f"error: {MISSING_ORT}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except the uninformative ones (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _StdoutHandler(logging.Handler):
+    """Messages to the current ``sys.stdout`` (looked up per message, so redirection and
+    pytest's capture see them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record)
+        if record.levelno != logging.INFO:  # debug: ..., warning: ...
+            text = f"{record.levelname.lower()}: {text}"
+        print(text, file=sys.stdout if record.levelno < logging.WARNING else sys.stderr,
+              flush=True)
+
+
+def _configure_logging(verbosity: int) -> None:
+    """-q: warnings and errors only; default: progress lines; -v: debug lines too."""
+    level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
+    if not any(isinstance(h, _StdoutHandler) for h in log.handlers):
+        log.addHandler(_StdoutHandler())
+        log.propagate = False
+    log.setLevel(level)
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush does not
+    raise again (the recipe in Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured)
+        pass
+
+
+def _say(text: str) -> None:
+    """A progress or status line (hidden by -q)."""
+    log.info(text)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _verbosity_args(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-q", "--quiet", action="count", default=default,
+                   help="print only results, warnings and errors (no progress lines or bars)")
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="also print debug lines")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="onnx-partition",
+        prog="onnx-partition", formatter_class=_Help,
         description="Cut an ONNX model into pipeline stages and run them as a pipeline.",
     )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _verbosity_args(parser, 0)
+    common = argparse.ArgumentParser(add_help=False)
+    _verbosity_args(common, argparse.SUPPRESS)  # after the verb too, without resetting them
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB",
+                                  help="what to do (each verb has its own --help)",
+                                  parser_class=_verb_parser(common))
 
     p = verbs.add_parser("export", help="export a model recipe from models/ to ONNX")
     p.add_argument("name", help="recipe: resnet, inception, unet, gpt, bert, encdec")
-    p.add_argument("--size", default="tiny", help="tiny | small | realistic (default tiny)")
+    p.add_argument("--size", default="tiny", help="tiny | small | realistic")
     p.add_argument("--batch-size", type=int, default=2, help="example batch used for tracing")
     p.add_argument("-o", "--output", required=True, type=Path, help="ONNX file to write")
     p.set_defaults(func=_export)
 
     p = verbs.add_parser("profile", help="measure every node's time on a device -> costs.json")
-    p.add_argument("model", type=Path)
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
+    p.add_argument("model", type=Path, help="the ONNX model to measure")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     _shape_args(p)
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
@@ -65,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_profile)
 
     p = verbs.add_parser("partition", help="cut a model into stage files and plan.json")
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=Path, help="the ONNX model to cut")
     p.add_argument("--stages", "-s", type=int,
                    help="number of pipeline stages (with a cluster: fix the depth, else chosen)")
     p.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
@@ -73,20 +159,26 @@ def _parser() -> argparse.ArgumentParser:
     _shape_args(p)
     p.add_argument("--bandwidth", type=float, default=10.0,
                    help="link bandwidth between stages in GB/s, and between the devices of a "
-                        "machine with --devices (default 10; 0 = free)")
+                        "machine with --devices (0 = free)")
     p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
     p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
-                   help="how to sequence the DAG before the DP (default auto: try all, keep best)")
+                   help="how to sequence the DAG before the DP (auto: try all, keep the best)")
     p.add_argument("--solver", default="dp", choices=("dp", "ilp", "uniform", "parameters", "time"),
-                   help="dp (default), ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), "
+                   help="dp, ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), "
                         "or a baseline: uniform (equal operator counts), parameters (equal "
                         "weights), time (equal compute, no communication)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     g = p.add_argument_group("hybrid parallelism (stages x data-parallel replicas)")
-    g.add_argument("--devices", type=int, help="devices per machine: plan replicas per stage")
-    g.add_argument("--machines", type=int, default=1, help="machines (default 1)")
-    g.add_argument("--device-memory", help="memory per device, e.g. 80GB (default: unlimited)")
-    g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"))
+    g.add_argument("--devices", "--nproc-per-node", type=int,
+                   help="devices per machine (as torchrun's --nproc-per-node): plan replicas "
+                        "per stage")
+    g.add_argument("--machines", "--nnodes", type=int, default=1,
+                   help="machines (as torchrun's --nnodes)")
+    g.add_argument("--device-memory",
+                   help="memory per device: 80GB, 16G, 16gb, 16GiB, 512MiB; a bare number is "
+                        "GB (default: unlimited)")
+    g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"),
+                   help="the devices the plan is for (cuda: stage files placed on cuda:N)")
     g.add_argument("--inter-bandwidth", type=float,
                    help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
     g.add_argument("--inter-latency", type=float,
@@ -100,48 +192,66 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_partition)
 
     p = verbs.add_parser("run", help="run a plan folder as a pipeline and measure it")
-    p.add_argument("plan", type=Path)
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
     p.add_argument("--batch-size", type=int, help="rows per batch (default: as partitioned)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
-    p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads-per-stage", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=10, help="timed batches")
+    p.add_argument("--warmup", type=int, default=2, help="untimed batches first")
+    p.add_argument("--threads-per-stage", type=int, default=1,
+                   help="onnxruntime intra-op threads per stage replica")
     p.add_argument("--nproc", type=int,
                    help="run one process per stage replica over torch.distributed (gloo on "
-                        "CPU, NCCL on GPUs) instead of threads; must equal the plan's replicas")
+                        "CPU, NCCL on GPUs) instead of threads; must equal the plan's replicas "
+                        "in total (torchrun's --nproc-per-node is per machine)")
+    p.add_argument("--device", choices=("cpu",),
+                   help="run every stage on this device instead of the plan's: cpu checks a "
+                        "CUDA plan's numerics on a machine without a GPU")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="feed an input from a .npy file (repeatable); others are random")
     p.add_argument("--check", action="store_true",
                    help="compare outputs with the whole model run in one session")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.set_defaults(func=_run)
 
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
-    p.add_argument("plan", type=Path)
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
     _schedule_args(p)
     p.set_defaults(func=_simulate)
 
     p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
-    p.add_argument("plan", type=Path)
-    p.add_argument("-o", "--output", type=Path, help="default: PLAN/report.html")
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="HTML file to write (default: PLAN.report.html beside the folder)")
     _schedule_args(p)
     p.set_defaults(func=_report)
 
     p = verbs.add_parser("demo", help="export a recipe, partition it, run it, check it")
     p.add_argument("--model", default="gpt", help="recipe name (default gpt)")
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--size", default="tiny", help="tiny | small | realistic")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    p.add_argument("--batch-size", type=int, default=8, help="batch to partition and run")
     p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
     p.set_defaults(func=_demo)
     return parser
+
+
+def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """Verb parsers that show defaults and take -q/-v after the verb too."""
+
+    class VerbParser(argparse.ArgumentParser):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs.setdefault("formatter_class", _Help)
+            kwargs.setdefault("parents", [common])
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    return VerbParser
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "infer"),
                    help="default: 1f1b for training plans, infer otherwise; interleaved: "
                         "interleaved 1F1B, the stages as --chunks model chunks per device")
-    p.add_argument("--microbatches", type=int, help="default: the plan's")
+    p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")
     p.add_argument("--chunks", type=int,
                    help="model chunks per device for --schedule interleaved (default 2); "
                         "must divide the stage count")
@@ -186,7 +296,7 @@ def _export(args: argparse.Namespace) -> int:
         path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-    print(f"wrote {path} ({args.name}, {args.size}) in {time.perf_counter() - started:.1f} s")
+    _say(f"wrote {path} ({args.name}, {args.size}) in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -201,7 +311,7 @@ def _profile(args: argparse.Namespace) -> int:
         input_shapes=parse_input_shapes(args.input_shape), repeats=args.repeats,
         threads=args.threads, progress=_progress_bar("profiling"),
     )
-    print(f"wrote {args.output}: {len(result.forward_ms)} nodes on {result.device}, "
+    _say(f"wrote {args.output}: {len(result.forward_ms)} nodes on {result.device}, "
           f"whole model {result.whole_model_ms:.3f} ms (per-node sum before calibration "
           f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
           f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
@@ -209,29 +319,22 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _progress_bar(label: str) -> Callable[[int, int], None]:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
-    tty = sys.stderr.isatty()
+    """A ``progress(done, total)`` callback drawing a tqdm bar with its ETA on stderr, only
+    when stderr is a terminal and -q is not given."""
+    from onnx_partition.progress import progress_callback
 
-    def show(done: int, total: int) -> None:
-        if not tty or total <= 0:
-            return
-        width = 30
-        filled = int(width * done / total)
-        end = "\n" if done >= total else ""
-        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
-              end=end, file=sys.stderr, flush=True)
-
-    return show
+    return progress_callback(label, enabled=log.isEnabledFor(logging.INFO))
 
 
 def _partition(args: argparse.Namespace) -> int:
     from onnx_partition.partition import Link, partition
-    from onnx_partition.report import plan_table
+    from onnx_partition.report import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
         raise PartitionError(f"--stages must be at least 1, got {args.stages}")
     if args.microbatches < 1:
         raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
+    stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
@@ -248,10 +351,26 @@ def _partition(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         force=args.force,
     )
+    stop_bar()
     print(plan_table(plan))
-    print(f"wrote {len(plan.stages)} stages and plan.json to {args.output} "
-          f"in {plan.extra.get('partition_s', 0):.2f} s")
+    print(batch_line(plan, args.batch_size))
+    _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
+         f"in {plan.extra.get('partition_s', 0):.2f} s")
     return 0
+
+
+def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:
+    """A bar over the ILP's time limit (its ETA) while partition runs; returns its stop."""
+    from onnx_partition.progress import timed
+
+    limit = args.time_limit if args.solver == "ilp" else 0.0
+    bar = timed("ILP (CP-SAT)", limit, enabled=bool(limit) and log.isEnabledFor(logging.INFO))
+    bar.__enter__()
+
+    def stop() -> None:
+        bar.__exit__(None, None, None)
+
+    return stop
 
 
 def _cluster(args: argparse.Namespace) -> Cluster | None:
@@ -272,6 +391,11 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
         if value is not None and not value >= 0:
             raise PartitionError(f"{name} must be >= 0, got {value}")
     memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
+    if args.device_memory:
+        from onnx_partition.svg import fmt_bytes
+
+        _say(f"device memory {args.device_memory!r} read as {fmt_bytes(memory * 1e9)} "
+             f"({memory * 1e9:,.0f} bytes) per device")
     default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
                    kind=args.device_kind, intra=LinkSpec(args.bandwidth, args.latency),
@@ -300,26 +424,55 @@ def _run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_distributed(args, plan, feeds)
     session = PipelineSession(args.plan, microbatches=args.microbatches,
-                              threads_per_stage=args.threads_per_stage)
+                              threads_per_stage=args.threads_per_stage,
+                              providers=_providers(args))
     rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
     for _ in range(args.warmup):
         outputs = session.run(None, feeds)
     began = time.perf_counter()
     busy: dict[tuple[int, int], float] = {}
-    for _ in range(max(1, args.iterations)):
+    batch_ms: list[float] = []
+    for _ in _iterations(max(1, args.iterations), "run"):
         outputs = session.run(None, feeds)
+        batch_ms.append(session.last_stats.wall_ms)
         for key, ms in session.last_stats.busy_ms.items():
             busy[key] = busy.get(key, 0.0) + ms
     seconds = time.perf_counter() - began
     iters = max(1, args.iterations)
-    print(f"{len(session.stages)} stages, batch {rows} in {session.microbatches} micro-batches: "
-          f"{rows * iters / seconds:.1f} samples/s ({seconds / iters * 1000:.2f} ms per batch)")
+    print(f"{_plural(len(session.stages), 'stage')}, batch {rows} in {session.microbatches} "
+          f"micro-batches: {rows * iters / seconds:.1f} samples/s "
+          f"({seconds / iters * 1000:.2f} ms per batch)")
+    print(timing_line(batch_ms))
     for (stage, replica), ms in sorted(busy.items()):
         print(f"  stage {stage} replica {replica}: busy {ms / iters:.2f} ms per batch "
               f"({ms / (seconds * 1000) * 100:.0f}% of wall)")
     if args.check:
-        return _check(args.plan, plan, feeds, dict(zip(session.get_outputs(), outputs)))
+        return _check(args.plan, plan, feeds,
+                      dict(zip([o.name for o in session.get_outputs()], outputs)))
     return 0
+
+
+def _providers(args: argparse.Namespace) -> list[str] | None:
+    """``--device cpu``: every stage on onnxruntime's CPU provider, whatever the plan says."""
+    return ["CPUExecutionProvider"] if args.device == "cpu" else None
+
+
+def _iterations(count: int, label: str) -> range | Iterator[int]:
+    """``range(count)``, with a progress bar on a terminal unless -q."""
+    from onnx_partition.progress import iterate
+
+    return iterate(range(count), label, total=count, enabled=log.isEnabledFor(logging.INFO))
+
+
+def timing_line(samples_ms: Sequence[float]) -> str:
+    """Per-batch latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
+    linear percentiles) over the timed iterations."""
+    values = np.asarray(samples_ms, dtype=np.float64)
+    if values.size == 0:
+        return "latency: no timed iterations"
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return (f"latency per batch over {_plural(values.size, 'iteration')}: mean "
+            f"{values.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
 
 
 def _run_distributed(
@@ -330,10 +483,12 @@ def _run_distributed(
     outputs, stats = run_distributed(
         args.plan, feeds, nproc=args.nproc, microbatches=args.microbatches,
         iterations=max(1, args.warmup + args.iterations),
-        threads_per_stage=args.threads_per_stage,
+        threads_per_stage=args.threads_per_stage, device=args.device,
     )
     print(format_stats(stats))
-    return _check(args.plan, plan, feeds, outputs) if args.check else 0
+    print(timing_line(stats.iteration_ms[args.warmup:] or stats.iteration_ms))
+    named = dict(zip([o.name for o in plan.outputs], outputs))
+    return _check(args.plan, plan, feeds, named) if args.check else 0
 
 
 def _check(
@@ -363,7 +518,7 @@ def _report(args: argparse.Namespace) -> int:
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
                         microbatches=args.microbatches, chunks=_chunks(args))
-    print(f"wrote {path}")
+    _say(f"wrote {path}")
     return 0
 
 
@@ -385,8 +540,8 @@ def _demo_in(args: argparse.Namespace, work: Path) -> int:
         ["run", str(plan), "--batch-size", str(args.batch_size), "--check"],
     ]
     for step in steps:
-        print(f"$ onnx-partition {' '.join(step)}", flush=True)
-        code = main(step)
+        _say(f"$ onnx-partition {' '.join(step)}")
+        code = main(["-q"] * args.quiet + ["-v"] * args.verbose + step)  # keep -q/-v
         if code:
             return code
     return 0

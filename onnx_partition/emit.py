@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_partition import __version__
+from onnx_partition import __version__, progress
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, iter_tensors
 from onnx_partition.plan import IOSpec, Plan, is_plan_folder, write_plan
@@ -293,6 +293,7 @@ def emit(
             stage.sha256 = save_stage(
                 stage_model(graph, cut, k), folder / stage.file, source_dir, check=check
             )
+            progress.step("writing stage files", k + 1, len(cuts))
         write_plan(plan, folder)
 
     if graph.path is not None:

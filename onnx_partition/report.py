@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.graph import load
-from onnx_partition.plan import REPORT_FILE, Plan, read_plan
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
 from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
 from onnx_partition.svg import (
@@ -23,9 +23,11 @@ from onnx_partition.svg import (
     Segment,
     esc,
     fmt_bytes,
+    fmt_ms,
     gantt,
     hbar_chart,
     layered_dag,
+    sig3,
     stage_colour,
 )
 
@@ -36,7 +38,7 @@ def _mb(nbytes: float) -> str:
 
 def plan_table(plan: Plan) -> str:
     """One row per stage: operators, predicted compute and communication, memory, cut tensors."""
-    header = ("stage", "ops", "consts", "compute ms", "comm ms", "total ms", "memory MB",
+    header = ("stage", "ops", "copied consts", "compute ms", "comm ms", "total ms", "memory MB",
               "in", "out", "replicas", "devices")
     rows = [header]
     for stage in plan.stages:
@@ -69,7 +71,54 @@ def plan_table(plan: Plan) -> str:
             f"{total.get('throughput_per_s', 0):.1f} micro-batches/s "
             f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
         )
+    lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
+                 "not cut); comm: both of a stage's boundaries; times per micro-batch.")
     return "\n".join(lines)
+
+
+def batch_line(plan: Plan, micro_batch: int | None = None,
+               microbatches: int | None = None) -> str:
+    """The global batch written out, as DeepSpeed users read it: micro-batch size x
+    micro-batches per iteration; the micro-batches are shared among a stage's data-parallel
+    replicas (micro-batch m goes to replica m mod d), which DeepSpeed calls gradient
+    accumulation steps x data-parallel size."""
+    m = microbatches or int(plan.predicted.get("microbatches", 0)) or None
+    size = micro_batch or _leading_dim(plan)
+    what = f"micro-batch size {size}" if size else "micro-batch size B"
+    if m is None:
+        return (f"global batch = {what} x M micro-batches per batch (run --microbatches M; "
+                "one replica per stage)")
+    total = f" = {size * m:,} samples per iteration" if size else ""
+    replicas = sorted({s.replicas for s in plan.stages})
+    if len(replicas) == 1 and m % replicas[0] == 0:
+        d = replicas[0]
+        share = (f" (DeepSpeed's terms: {_count(m // d, 'gradient accumulation step')} x "
+                 f"{_count(d, 'data-parallel replica')})")
+    else:
+        share = ("; a stage with d data-parallel replicas gives each M/d of them (replicas per "
+                 f"stage: {', '.join(str(s.replicas) for s in plan.stages)})")
+    return f"global batch = {what} x {m} micro-batches{total}{share}"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _leading_dim(plan: Plan) -> int | None:
+    """The batch size the plan was partitioned for (input dim 0), if recorded."""
+    fixed = plan.extra.get("input_shapes", {})
+    for spec in plan.inputs:
+        shape = fixed.get(spec.name, spec.shape) if isinstance(fixed, dict) else spec.shape
+        if shape and isinstance(shape[0], int):
+            return int(shape[0])
+    return None
+
+
+def default_report_path(plan_dir: Path) -> Path:
+    """``PLAN.report.html`` beside the plan folder: re-partitioning the folder never touches
+    it, and a user's own files in the folder are never overwritten."""
+    folder = Path(plan_dir).resolve()
+    return folder.with_name(f"{folder.name}.report.html")
 
 
 # ----------------------------------------------------------------------------- HTML report
@@ -79,21 +128,25 @@ body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;c
  margin:0;background:#f4f5f7}
 main{max-width:1360px;margin:0 auto;padding:20px 28px 40px}
 h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:0 0 10px}
-.meta{color:#555;margin:0 0 16px}
+header dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;margin:6px 0 16px;
+ font-size:14px}
+header dt{color:#555}header dd{margin:0;font-weight:600}
 section{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:14px 18px;
  margin:0 0 16px;overflow-x:auto}
 table{border-collapse:collapse;font-size:13px}
 th,td{padding:4px 10px;border-bottom:1px solid #e6e8eb;text-align:right;white-space:nowrap}
+td.wrap{white-space:normal;max-width:420px}
 th{background:#f0f2f5;font-weight:600}td.l,th.l{text-align:left}
 tr.hot td{background:#fff4e5}
 .swatch{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;
  vertical-align:-1px}
 .cards{display:flex;flex-wrap:wrap;gap:10px;margin:0 0 6px}
 .card{border:1px solid #e1e4e8;border-radius:6px;padding:8px 12px;min-width:150px}
+.card{max-width:300px}
 .card b{display:block;font-size:18px}.card span{color:#555;font-size:12px}
 .note{color:#555;font-size:13px;margin:6px 0 0}
 """
-#: The DAG is drawn for models with at most this many operators.
+#: The DAG is drawn operator by operator up to this many operators, condensed above.
 MAX_DAG_NODES = 300
 
 
@@ -102,7 +155,8 @@ def write_report(
     microbatches: int | None = None, chunks: int | None = None,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
-    ``plan_dir/report.html``), atomically; returns its path. ``schedule``, ``microbatches``
+    ``PLAN.report.html`` beside the folder: :func:`default_report_path`), atomically; returns
+    its path. ``schedule``, ``microbatches``
     and ``chunks`` go to :func:`simulate_plan`. Raises PartitionError for a folder without a
     readable plan.json or a schedule the plan does not allow."""
     plan_dir = Path(plan_dir)
@@ -110,7 +164,7 @@ def write_report(
     result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
                                   chunks=chunks)
     page = report_html(plan, plan_dir, result, costs)
-    out = Path(out) if out is not None else plan_dir / REPORT_FILE
+    out = Path(out) if out is not None else default_report_path(plan_dir)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as exc:
@@ -132,15 +186,8 @@ def write_report(
 def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts) -> str:
     """The report page as a string (see :func:`write_report`)."""
     name = Path(plan.model).name or "model"
-    devices = sum(s.replicas for s in plan.stages)
-    costs_info = plan.extra.get("costs")
-    source = costs_info.get("source", "?") if isinstance(costs_info, dict) else "?"
-    meta = (f"{plan.mode} · ordering {plan.ordering} · solver {plan.solver} · "
-            f"{len(plan.stages)} stages on {devices} devices · costs {source} · onnx-partition "
-            f"{plan.extra.get('version', '?')}")
     body = [
-        f"<h1>Partition plan: {esc(name)}</h1>",
-        f'<p class="meta">{esc(meta)}</p>',
+        f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
         _summary(plan, result),
         _section("Stages", _stage_table(plan)),
         _section("Time per stage (one micro-batch, one replica)", _time_chart(plan)),
@@ -153,6 +200,39 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
             "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
 
 
+def _header(plan: Plan) -> str:
+    """The facts a reader needs first: devices (kind, count, memory), where the costs came
+    from, what was planned and by which version."""
+    devices = sum(s.replicas for s in plan.stages)
+    raw = plan.extra.get("cluster")
+    cluster = raw if isinstance(raw, dict) else {}
+    kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
+    kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
+    where = f"{devices} × {kind}"
+    if cluster:
+        machines = int(cluster.get("machines", 1))
+        per = int(cluster.get("devices_per_machine", devices))
+        where += (f" used of {machines} machine{'s' * (machines != 1)} × {per} "
+                  f"(speed {sig3(float(cluster.get('speed', 1.0)))})")
+        memory = cluster.get("memory_gb")
+        where += (f", {fmt_bytes(float(memory) * 1e9)} each" if isinstance(memory, int | float)
+                  else ", memory unlimited")
+    costs_info = plan.extra.get("costs")
+    source = str(costs_info.get("source", "?")) if isinstance(costs_info, dict) else "?"
+    measured = costs_info.get("measured_nodes") if isinstance(costs_info, dict) else None
+    if source.startswith("analytic:"):
+        source = f"analytic roofline model of a {source.partition(':')[2]} device (not measured)"
+    elif source != "?":
+        source = f"profile file {source}"
+    if measured:
+        source += f" ({measured} operators measured)"
+    rows = [("devices", where), ("costs", source),
+            ("plan", f"{plan.mode} · {len(plan.stages)} stages · ordering {plan.ordering} · "
+                     f"solver {plan.solver}"),
+            ("onnx-partition", str(plan.extra.get("version", "?")))]
+    return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
+
+
 def _section(title: str, content: str) -> str:
     return f"<section><h2>{esc(title)}</h2>{content}</section>"
 
@@ -160,28 +240,38 @@ def _section(title: str, content: str) -> str:
 def _summary(plan: Plan, result: SimResult) -> str:
     num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
     cards = [
-        (f"{result.iteration_ms:.4g} ms", f"simulated iteration ({num_mb} micro-batches, "
-                                          f"{schedule_name(result)})"),
-        (f"{result.throughput_per_s:,.1f}/s", "simulated micro-batches per second"),
-        (f"{result.bubble_fraction * 100:.1f}%", "bubble (idle device time)"),
+        (fmt_ms(result.iteration_ms), f"simulated iteration: {num_mb} micro-batches through "
+                                      f"the pipeline, {schedule_name(result)} schedule"),
+        (f"{sig3(result.throughput_per_s)} micro-batches/s",
+         "simulated throughput: micro-batches per iteration ÷ iteration time"),
+        (f"{result.bubble_fraction * 100:.1f}%", "bubble: idle share of the devices' time in "
+                                                  "the simulated iteration"),
     ]
     pred = plan.predicted
     if "iteration_ms" in pred:
-        cards.append((f"{pred['iteration_ms']:.4g} ms", "planner's predicted iteration"))
+        cards.append((fmt_ms(pred["iteration_ms"]), "planner's simulated iteration when it chose "
+                      "this plan (differs from the first card only with another schedule or "
+                      "micro-batch count)"))
     if "bottleneck_ms" in pred:
-        cards.append((f"{pred['bottleneck_ms']:.4g} ms", "planner's bottleneck per micro-batch"))
+        cards.append((fmt_ms(pred["bottleneck_ms"]), "planner's bottleneck: the largest "
+                      "(compute + comm) ÷ replicas over the stages (+ all-reduce ÷ micro-batches): "
+                      "the steady time per micro-batch; a stage's own time is in the table"))
     html_cards = "".join(f'<div class="card"><b>{esc(v)}</b><span>{esc(k)}</span></div>'
                          for v, k in cards)
-    note = ""
-    if "iteration_ms" not in pred:
-        note = ('<p class="note">The plain planner charges communication to each stage; the '
-                "simulator overlaps sends with compute, so its throughput can be higher.</p>")
-    return f'<section><div class="cards">{html_cards}</div>{note}</section>'
+    notes = [batch_line(plan, microbatches=num_mb or None) + "."]
+    if "iteration_ms" not in pred and num_mb:
+        per_mb = result.iteration_ms / num_mb
+        notes.append(f"Per micro-batch, the simulation takes {fmt_ms(per_mb)} (iteration ÷ "
+                     f"{num_mb}, fill and drain included); the plain planner's bottleneck "
+                     "charges each stage its sends on top of its compute, while the simulator "
+                     "overlaps sends with the next compute.")
+    return (f'<section><div class="cards">{html_cards}</div>'
+            + "".join(_note(n) for n in notes) + "</section>")
 
 
 def _stage_table(plan: Plan) -> str:
-    head = ["stage", "operators", "first … last", "consts", "compute ms", "comm ms", "total ms",
-            "memory", "in", "out", "replicas", "devices"]
+    head = ["stage", "operators", "first … last", "copied consts", "compute ms", "comm ms",
+            "total ms", "memory", "in", "out", "replicas", "devices"]
     load = [(s.predicted.compute_ms + s.predicted.comm_ms) / max(s.replicas, 1)
             if s.predicted else 0.0 for s in plan.stages]
     hot = max(range(len(load)), key=load.__getitem__) if load else -1
@@ -194,18 +284,20 @@ def _stage_table(plan: Plan) -> str:
             f'<td class="l"><span class="swatch" style="background:{stage_colour(k)}"></span>'
             f"{s.index}</td>", f"<td>{len(s.nodes)}</td>",
             f'<td class="l" title="{esc(", ".join(s.nodes))}">{esc(_short(span, 48))}</td>',
-            f"<td>{len(s.constants)}</td>", f"<td>{compute:.4f}</td>", f"<td>{comm:.4f}</td>",
-            f"<td>{compute + comm:.4f}</td>",
+            f"<td>{len(s.constants)}</td>", f"<td>{sig3(compute)}</td>", f"<td>{sig3(comm)}</td>",
+            f"<td>{sig3(compute + comm)}</td>",
             f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
             f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
-            f'<td class="l">{esc(_short(", ".join(s.devices), 40))}</td>',
+            f'<td class="l wrap">{esc(", ".join(s.devices))}</td>',
         ]
         rows.append(f'<tr{" class=hot" if k == hot else ""}>' + "".join(cells) + "</tr>")
     header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'
                      f"{esc(h)}</th>" for h in head)
     return (f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-            '<p class="note">Highlighted: the slowest stage per replica. Times are per '
-            "micro-batch; comm counts both of a stage's boundaries.</p>")
+            '<p class="note">Highlighted: the slowest stage per replica. Times are one '
+            "micro-batch on one replica, in ms; comm counts both of a stage's boundaries. "
+            "Copied consts: constant nodes copied into the stages that read them (not cut, so "
+            "not counted as operators); memory: the planner's predicted peak per device.</p>")
 
 
 def _short(text: str, n: int) -> str:
@@ -217,12 +309,13 @@ def _time_chart(plan: Plan) -> str:
     rows, totals = [], []
     for s in plan.stages:
         c, m = (s.predicted.compute_ms, s.predicted.comm_ms) if s.predicted else (0.0, 0.0)
-        rows.append([Segment(c, stage_colour(s.index), f"stage {s.index} compute {c:.4f} ms"),
-                     Segment(m, COMM, f"stage {s.index} communication {m:.4f} ms")])
-        totals.append(f"{c:.4g} + {m:.4g} = {c + m:.4g} ms")
-    return hbar_chart(labels, rows, unit="ms", value_text=totals,
-                      legend_items=[("compute (stage colour)", stage_colour(0)),
-                                    ("communication", COMM)])
+        rows.append([Segment(c, stage_colour(s.index), f"stage {s.index} compute {fmt_ms(c)}"),
+                     Segment(m, COMM, f"stage {s.index} communication {fmt_ms(m)}")])
+        totals.append(f"{sig3(c)} + {sig3(m)} = {fmt_ms(c + m)}")
+    return hbar_chart(labels, rows, unit="time per micro-batch (ms)", value_text=totals,
+                      legend_items=[("compute (in the stage's colour)", stage_colour(0)),
+                                    ("communication", COMM)],
+                      title="time per stage: compute + communication (ms)", row_title="stage")
 
 
 def _memory_chart(plan: Plan) -> str:
@@ -236,18 +329,20 @@ def _memory_chart(plan: Plan) -> str:
             where = s.devices[r] if r < len(s.devices) else "?"
             labels.append(f"stage {s.index} · replica {r} · {where}")
             rows.append([Segment(used, stage_colour(s.index), f"{fmt_bytes(used)}")])
-            share = f" ({used / limit * 100:.1f}% of limit)" if limit else ""
+            share = f" ({sig3(used / limit * 100)}% of limit)" if limit else ""
             texts.append(fmt_bytes(used) + share)
     peak = max((row[0].value for row in rows), default=0.0)
     drawn = limit if limit is not None and limit <= 4 * max(peak, 1.0) else None
-    chart = hbar_chart(labels, rows, unit="memory", value_text=texts, limit=drawn,
+    chart = hbar_chart(labels, rows, unit="predicted peak memory per device (bytes)",
+                       value_text=texts, limit=drawn,
                        limit_label=f"device limit {fmt_bytes(limit or 0)}",
-                       tick_format=fmt_bytes)
+                       tick_format=fmt_bytes, title="memory per device (bytes)",
+                       row_title="stage · replica · device")
     if limit is None:
         note = "No device memory limit in plan.json (no cluster, or unlimited memory)."
     elif drawn is None:
         note = (f"Device limit {fmt_bytes(limit)} is off the scale: the largest use is "
-                f"{peak / limit * 100:.2g}% of it.")
+                f"{sig3(peak / limit * 100)}% of it.")
     else:
         note = f"Dashed line: the device memory limit, {fmt_bytes(limit)}."
     what = ("weights, optimizer state and stashed activations" if plan.mode == "train"
@@ -273,22 +368,24 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
     for dev, action, t0, t1 in result.timeline:
         forward = action.kind.value == "F"
         what = "forward" if forward else "backward"
-        bars.append(Bar(row_of[dev], t0, t1, FORWARD if forward else BACKWARD,
+        bars.append(Bar(row_of[dev], t0, t1, stage_colour(action.stage),
                         str(action.microbatch),
                         f"{action}: stage {action.stage} {what} of micro-batch "
-                        f"{action.microbatch}, {t0:.4f}–{t1:.4f} ms"))
+                        f"{action.microbatch}, {sig3(t0)}–{fmt_ms(t1)}", hatched=not forward))
     for stage, (t0, t1) in sorted(result.allreduce.items()):
         for r in range(costs.stages[stage].replicas):
             bars.append(Bar(row_of[(stage % width, r)], t0, t1, ALLREDUCE, "all-reduce",
-                            f"stage {stage} gradient all-reduce, {t0:.4f}–{t1:.4f} ms",
+                            f"stage {stage} gradient all-reduce, {sig3(t0)}–{fmt_ms(t1)}",
                             faint=True))
-    items = [("forward", FORWARD)]
+    items = [("forward: solid, in the stage's colour", FORWARD)]
     if any(a.kind.value == "B" for _, a, _, _ in result.timeline):
-        items.append(("backward", BACKWARD))
+        items.append(("backward: hatched", f"hatch:{BACKWARD}"))
     if result.allreduce:
-        items.append(("gradient all-reduce", ALLREDUCE))
-    chart = gantt(names, bars, total=result.iteration_ms, legend_items=items)
-    sends = ", ".join(f"{s:.4g}" for s in costs.send_ms) or "none"
+        items.append(("gradient all-reduce", "outline"))
+    chart = gantt(names, bars, total=result.iteration_ms, legend_items=items,
+                  row_title="stage · replica · device",
+                  title="schedule Gantt chart: simulated time (ms) per device")
+    sends = ", ".join(sig3(s) for s in costs.send_ms) or "none"
     what_if = interleaving_note(plan, result)
     extra = f" {esc(what_if[0].upper() + what_if[1:])}." if what_if else ""
     return (chart + f'<p class="note">{esc(schedule_name(result))} schedule rebuilt from '
@@ -298,9 +395,6 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
 
 def _dag(plan: Plan, plan_dir: Path) -> str:
     count = sum(len(s.nodes) for s in plan.stages)
-    if count > MAX_DAG_NODES:
-        return _note(f"Not drawn: {count} operators (the graph is drawn up to "
-                     f"{MAX_DAG_NODES}).")
     path = plan_dir / plan.model if plan.model else None
     if path is None or not path.is_file():
         return _note(f"Not drawn: the model file {plan.model or '(none)'} was not found "
@@ -311,6 +405,8 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
     except (PartitionError, OSError, ValueError) as exc:
         return _note(f"Not drawn: cannot load {plan.model}: {exc}")
     stage_of = {key: s.index for s in plan.stages for key in s.nodes}
+    if count > MAX_DAG_NODES:
+        return _condensed_dag(graph, stage_of, count)
     index: dict[int, int] = {}
     nodes: list[DagNode] = []
     for n in graph.nodes:
@@ -351,3 +447,14 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
 
 def _note(text: str) -> str:
     return f'<p class="note">{esc(text)}</p>'
+
+
+def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
+    from onnx_partition.dag_view import condense, draw
+
+    groups, flows = condense(graph, stage_of)
+    svg, engine = draw(groups, flows)
+    return svg + _note(f"{count} operators condensed to {len(groups)} boxes, one per stage and "
+                       "repeated block (the exporter's module scopes), operator counts in "
+                       "brackets; edges carry the bytes of one micro-batch, red ones cross a "
+                       f"stage boundary. Drawn with {engine}.")

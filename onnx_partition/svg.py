@@ -16,10 +16,16 @@ import networkx as nx
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
 _STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
                   "#b07aa1", "#ff9da7", "#9c755f", "#6f4e7c")
-FORWARD = "#4e79a7"
-BACKWARD = "#f28e2b"
-ALLREDUCE = "#59a14f"
+# Stages own the palette; what a bar is (forward, backward, all-reduce, communication) is drawn
+# with neutral greys, hatching and outlines, never with a colour a stage could have.
+FORWARD = "#6b7280"  # legend swatch: solid
+BACKWARD = "#6b7280"  # legend swatch: hatched
+ALLREDUCE = "#ffffff"  # white with a dashed dark outline
 COMM = "#c9ccd1"
+HATCH_ID = "op-hatch"
+HATCH = (f'<defs><pattern id="{HATCH_ID}" width="6" height="6" patternUnits="userSpaceOnUse" '
+         'patternTransform="rotate(45)"><rect width="3" height="6" fill="#fff" '
+         'fill-opacity="0.55"/></pattern></defs>')
 
 
 def esc(text: object) -> str:
@@ -58,26 +64,43 @@ def nice_ticks(hi: float, count: int = 6) -> list[float]:
     return [i * step for i in range(n + 1)]
 
 
-def fmt_num(x: float) -> str:
-    """Compact axis label: ``0``, ``0.25``, ``12``, ``1.5k``."""
+def sig3(x: float) -> str:
+    """Three significant digits, thousands separators, never scientific notation:
+    ``236,800 -> 237,000``, ``45.91 -> 45.9``, ``0.001234 -> 0.00123``, ``2.0 -> 2``."""
+    if not math.isfinite(x):
+        return str(x)
     if x == 0:
         return "0"
-    if abs(x) >= 10000:
-        return f"{x / 1000:g}k"
-    return f"{x:.4g}"
+    digits = math.floor(math.log10(abs(x)))
+    decimals = max(0, 2 - digits)
+    rounded = round(x, 2 - digits)
+    if rounded and math.floor(math.log10(abs(rounded))) > digits:  # 9.996 -> 10.0
+        decimals = max(0, decimals - 1)
+    text = f"{rounded:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def fmt_num(x: float) -> str:
+    """Axis label: :func:`sig3`."""
+    return sig3(x)
+
+
+def fmt_ms(x: float) -> str:
+    return f"{sig3(x)} ms"
 
 
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{sig3(n / scale)} {unit}"
     return f"{n:.0f} B"
 
 
 def _svg(width: float, height: float, body: list[str], label: str) -> str:
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="{esc(label)}" '
-            f'style="{FONT};font-size:11px">' + "".join(body) + "</svg>")
+            f'style="{FONT};font-size:11px"><title>{esc(label)}</title>' + "".join(body)
+            + "</svg>")
 
 
 def _text(x: float, y: float, text: str, *, anchor: str = "start", size: float = 11,
@@ -96,10 +119,18 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "",
 
 
 def legend(items: Sequence[tuple[str, str]], x: float, y: float) -> tuple[list[str], float]:
-    """Colour swatches in one row; returns the SVG parts and the row's width."""
+    """Colour swatches in one row; returns the SVG parts and the row's width. A colour
+    ``"hatch:#rrggbb"`` draws the swatch hatched, ``"outline"`` white with a dashed outline."""
     parts, cx = [], x
     for name, colour in items:
-        parts.append(_rect(cx, y - 9, 12, 12, colour, extra='rx="2"'))
+        if colour.startswith("hatch:"):
+            parts.append(_rect(cx, y - 9, 12, 12, colour[6:], extra='rx="2"'))
+            parts.append(_rect(cx, y - 9, 12, 12, f"url(#{HATCH_ID})", extra='rx="2"'))
+        elif colour == "outline":
+            parts.append(_rect(cx, y - 9, 12, 12, "#fff",
+                               extra='rx="2" stroke="#333" stroke-dasharray="3,2"'))
+        else:
+            parts.append(_rect(cx, y - 9, 12, 12, colour, extra='rx="2"'))
         parts.append(_text(cx + 16, y + 1, name))
         cx += 16 + text_width(name) + 18
     return parts, cx - x
@@ -116,7 +147,8 @@ def _axis(x0: float, width: float, y_top: float, y_bottom: float, hi: float,
         parts.append(f'<line x1="{x:.1f}" y1="{y_top:.1f}" x2="{x:.1f}" y2="{y_bottom:.1f}" '
                      'stroke="#ddd"/>')
         parts.append(_text(x, y_bottom + 14, tick_format(t), anchor="middle", fill="#555"))
-    parts.append(_text(x0 + width, y_bottom + 28, unit, anchor="end", fill="#555"))
+    parts.append(_text(x0 + width / 2, y_bottom + 30, unit, anchor="middle", fill="#333",
+                       weight="600"))
     return parts
 
 
@@ -138,12 +170,15 @@ def hbar_chart(
     limit_label: str = "",
     tick_format: Callable[[float], str] = fmt_num,
     width: float = 1100,
+    title: str = "bar chart",
+    row_title: str = "",
 ) -> str:
     """Horizontal stacked bars, one row per label, the total written after each bar; an
-    optional dashed ``limit`` line."""
-    label_w = max((text_width(s) for s in labels), default=0.0) + 16
+    optional dashed ``limit`` line. ``unit`` titles the value axis, ``row_title`` the rows,
+    ``title`` names the chart (its SVG ``<title>``)."""
+    label_w = max((text_width(s) for s in [*labels, row_title]), default=0.0) + 16
     text_w = max((text_width(s) for s in value_text), default=0.0) + 12
-    row_h, top = 22.0, 30.0 if legend_items or limit is not None else 8.0
+    row_h, top = 22.0, 30.0 if legend_items or limit is not None or row_title else 8.0
     plot_w = max(width - label_w - text_w - 10, 200.0)
     totals = [sum(s.value for s in row) for row in rows]
     hi = max([*totals, limit or 0.0, 1e-12])
@@ -152,6 +187,8 @@ def hbar_chart(
     parts = _axis(label_w, plot_w, top - 4, bottom, hi, unit, tick_format) if rows else []
     if legend_items:
         parts += legend(legend_items, label_w, 14)[0]
+    if row_title:
+        parts.append(_text(label_w - 8, 14, row_title, anchor="end", fill="#333", weight="600"))
     texts = []
     for i, (label, row) in enumerate(zip(labels, rows)):
         y = top + i * row_h
@@ -168,7 +205,7 @@ def hbar_chart(
                      'stroke="#c0392b" stroke-width="2" stroke-dasharray="6,4"/>')
         texts.append(_text(lx - 4, 14, limit_label, anchor="end", fill="#c0392b", halo=True))
     parts += texts
-    return _svg(label_w + plot_w + text_w + 10, bottom + 34, parts, "bar chart")
+    return _svg(label_w + plot_w + text_w + 10, bottom + 38, parts, title)
 
 
 @dataclass(frozen=True)
@@ -180,6 +217,7 @@ class Bar:
     label: str = ""
     title: str = ""
     faint: bool = False
+    hatched: bool = False
 
 
 def gantt(
@@ -190,15 +228,19 @@ def gantt(
     unit: str = "ms",
     legend_items: Sequence[tuple[str, str]] = (),
     width: float = 1100,
+    row_title: str = "device",
+    title: str = "schedule Gantt chart",
 ) -> str:
-    """One row per device, bars at their times; a bar's label is drawn when it fits."""
-    label_w = max((text_width(s) for s in rows), default=0.0) + 16
+    """One row per device, bars at their times; a bar's label is drawn when it fits.
+    ``hatched`` bars get white stripes over their colour; ``faint`` ones are outlined."""
+    label_w = max((text_width(s) for s in [*rows, row_title]), default=0.0) + 16
     row_h, top = 24.0, 34.0
     plot_w = max(width - label_w - 20, 300.0)
     scale = plot_w / nice_ticks(total)[-1]
     bottom = top + row_h * len(rows)
-    parts = _axis(label_w, plot_w, top - 4, bottom, total, f"time ({unit})")
+    parts = [HATCH, *_axis(label_w, plot_w, top - 4, bottom, total, f"time ({unit})")]
     parts += legend(legend_items, label_w, 16)[0]
+    parts.append(_text(label_w - 8, 16, row_title, anchor="end", fill="#333", weight="600"))
     for i, name in enumerate(rows):
         y = top + i * row_h
         if i % 2:
@@ -207,17 +249,24 @@ def gantt(
     for bar in bars:
         x, w = label_w + bar.start * scale, (bar.end - bar.start) * scale
         y = top + bar.row * row_h
-        style = 'fill-opacity="0.45" stroke="#2e7d32" stroke-dasharray="3,2"' if bar.faint \
+        style = 'fill-opacity="0.6" stroke="#333" stroke-dasharray="3,2"' if bar.faint \
             else 'stroke="#fff" stroke-width="0.6"'
         parts.append(_rect(x, y + 3, w, row_h - 6, bar.colour, bar.title, style))
+        if bar.hatched:
+            parts.append(_rect(x, y + 3, w, row_h - 6, f"url(#{HATCH_ID})",
+                               extra='pointer-events="none"'))
         if bar.label and text_width(bar.label, 10) + 4 <= w:
             parts.append(_text(x + w / 2, y + 16, bar.label, anchor="middle", size=10,
-                               fill="#123" if bar.faint else "#fff"))
+                               fill="#123" if bar.faint else "#111" if bar.hatched
+                               else text_on(bar.colour),
+                               halo=bar.hatched))
     end = label_w + total * scale
     parts.append(f'<line x1="{end:.1f}" y1="{top - 8:.1f}" x2="{end:.1f}" y2="{bottom:.1f}" '
                  'stroke="#333" stroke-width="1.2" stroke-dasharray="4,3"/>')
-    parts.append(_text(end + 4, top - 10, f"end {fmt_num(total)} {unit}", fill="#333"))
-    return _svg(label_w + plot_w + 20, bottom + 34, parts, "schedule Gantt chart")
+    end_text = f"end {fmt_num(total)} {unit}"
+    parts.append(_text(min(end + 4, label_w + plot_w + 16 - text_width(end_text)), top - 10,
+                       end_text, fill="#333", halo=True))
+    return _svg(label_w + plot_w + 20, bottom + 38, parts, title)
 
 
 @dataclass(frozen=True)

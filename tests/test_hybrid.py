@@ -163,5 +163,6 @@ def test_hybrid_plan_end_to_end(tmp_path):
     assert plan.predicted["iteration_ms"] > 0 and plan.solver.startswith("hybrid-")
     feeds = {"x": np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)}
     with PipelineSession(tmp_path / "out", microbatches=4) as session:
-        outputs = dict(zip(session.get_outputs(), session.run(None, feeds)))
+        outputs = dict(zip(
+                    [o.name for o in session.get_outputs()], session.run(None, feeds)))
     assert_same(outputs, run_whole(model, feeds))

@@ -233,12 +233,13 @@ def test_report_for_a_hybrid_plan(tmp_path, chain):
     plan = partition(chain, 3, out, batch_size=3,
                      cluster=Cluster(devices_per_machine=4, memory_gb=1e-6), mode="train")
     path = write_report(out)
-    assert path == out / "report.html"
+    assert path == tmp_path / "out.report.html"  # beside the plan folder, not in it
     page = parse(path)
     text = " ".join(page.text)
     svgs = [a for t, a in page.tags if t == "svg"]
     labels = {a.get("aria-label") for a in svgs}
-    assert {"schedule Gantt chart", "operator graph"} <= labels and len(svgs) == 4
+    assert "operator graph" in labels and len(svgs) == 4
+    assert any(label.startswith("schedule Gantt chart") for label in labels)
     for stage in plan.stages:
         assert f"stage {stage.index}" in text
     assert "device limit 1 kB" in text  # memory against the cluster's limit
@@ -256,7 +257,7 @@ def test_report_for_a_hybrid_plan(tmp_path, chain):
     assert not any(t in ("script", "link", "img", "iframe") for t, _ in page.tags)
     assert not any((a.get("src") or a.get("href")) for _, a in page.tags)
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["plan.json", "report.html", *(s.file for s in plan.stages)])
+        ["plan.json", *(s.file for s in plan.stages)])
 
 
 def test_report_without_the_model_still_written(tmp_path, chain):
@@ -279,12 +280,12 @@ def test_report_escapes_text_and_replaces_atomically(tmp_path, chain):
     body = json.loads((out / "plan.json").read_text())
     body["stages"][0]["devices"] = ["<b>cpu&</b>"]
     (out / "plan.json").write_text(json.dumps(body))
-    (out / "report.html").write_text("old")
+    (tmp_path / "out.report.html").write_text("old")
     path = write_report(out)
     html = path.read_text()
     assert "<b>cpu" not in html and "&lt;b&gt;cpu&amp;&lt;/b&gt;" in html
     parse(path)
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_report_errors(tmp_path):

@@ -46,7 +46,8 @@ def test_replicas_take_microbatches_in_turn(tmp_path):
     feeds = {"x": np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)}
     with PipelineSession(tmp_path / "out", microbatches=7) as session:
         assert len(session.stages[1]) == 3
-        outputs = dict(zip(session.get_outputs(), session.run(None, feeds)))
+        outputs = dict(zip(
+                    [o.name for o in session.get_outputs()], session.run(None, feeds)))
         assert_same(outputs, run_whole(model, feeds))
         busy = session.last_stats.busy_ms
         assert set(busy) == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)}

@@ -52,7 +52,7 @@ def main() -> int:
                 seconds = time.perf_counter() - began
                 feeds = random_feeds(plan, batch_size=args.batch_size)
                 pipe = PipelineSession(out, microbatches=args.microbatches)
-                names = pipe.get_outputs()
+                names = [o.name for o in pipe.get_outputs()]
                 err = compare(dict(zip(names, pipe.run(None, feeds))),
                               dict(zip(names, whole.run(names, feeds))))
                 base = samples_per_s(partial(whole.run, names, feeds), args.batch_size,

@@ -92,7 +92,8 @@ def main() -> int:
         for label, folder in (("balanced (dp on measured costs)", balanced),
                               ("uniform split", uniform)):
             with PipelineSession(folder, microbatches=m) as session:
-                err = compare(dict(zip(session.get_outputs(), session.run(None, feeds))),
+                err = compare(dict(zip(
+                    [o.name for o in session.get_outputs()], session.run(None, feeds))),
                               expected)
                 rate = samples_per_s(partial(session.run, None, feeds), rows, args.iterations)
             results.append((f"{label}: {args.stages} threads", rate, err))
@@ -103,7 +104,7 @@ def main() -> int:
                                              iterations=args.iterations + 2)
             steady = statistics.median(stats.iteration_ms[2:])
             results.append((f"balanced: {args.stages} processes (gloo)", rows / steady * 1000.0,
-                            compare(outputs, expected)))
+                            compare(dict(zip(expected, outputs)), expected)))
     print(f"{args.recipe} ({args.size}), batch {rows} in {m} micro-batches, {args.stages} stages, "
           f"{os.cpu_count()} CPUs, onnxruntime {ort.__version__}, python {sys.version.split()[0]}")
     print("\n| run | samples/s | vs whole model | max rel err |")

@@ -47,7 +47,8 @@ def main() -> int:
         expected = dict(zip(names, whole.run(names, feeds)))
         with PipelineSession(Path(tmp) / "plan", providers=CUDA,
                              microbatches=args.microbatches) as session:
-            err = compare(dict(zip(session.get_outputs(), session.run(None, feeds))), expected)
+            err = compare(dict(zip(
+                    [o.name for o in session.get_outputs()], session.run(None, feeds))), expected)
             piped = samples_per_s(partial(session.run, None, feeds), args.batch_size,
                                   args.iterations)
         base = samples_per_s(partial(whole.run, names, feeds), args.batch_size, args.iterations)

@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[cpu,test]"

@@ -115,16 +115,22 @@ class Cluster:
         return body
 
 
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+                   r"(?:([KMGTkmgt][iI]?)[bB]?|([bB]))?\s*")
+_SCALE = {"": 1e9, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
 def parse_bytes(text: str) -> float:
-    """``80GB``, ``512MiB``, ``1.5e9`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
+    """A size as people type it -> bytes: ``80GB``, ``16G``, ``16gb``, ``16GiB``, ``512MiB``,
+    ``512M``, ``1e6B``; a bare number is GB, as ``memory_gb`` in cluster.json (SI units are
+    powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` powers of 1024)."""
+    match = _SIZE.fullmatch(text)
     if not match:
-        raise PartitionError(f"cannot read a size from {text!r} (e.g. 80GB, 512MiB)")
-    value = float(match[1])
-    unit = (match[2] or "B").upper()
-    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return value * scale
+        raise PartitionError(f"cannot read a size from {text!r} (e.g. 80GB, 16G, 512MiB; "
+                             "a bare number is GB)")
+    unit = "B" if match[3] else (match[2] or "").upper()
+    return float(match[1]) * _SCALE[unit]
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:

@@ -68,6 +68,7 @@ from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.pipeline import StageFailed
 from onnx_partition.runtime.stages import (
+    check_devices,
     local_device,
     providers_for,
     session_options,
@@ -76,6 +77,7 @@ from onnx_partition.runtime.stages import (
 from onnx_partition.runtime.wire import Env, Wire, one_line
 
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
+DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says
 # imported once by the fork server, before it forks the workers
 PRELOAD = ["numpy", "onnxruntime", "torch", "torch.distributed",
            "onnx_partition.runtime.distributed"]
@@ -227,7 +229,7 @@ def _serve_rank(
     """Run one rank; rank 0 returns the merged outputs and the stats."""
     started = time.perf_counter()
     k, r = lay.place(rank)
-    stage, device = plan.stages[k], lay.devices[k][r]
+    stage, device = plan.stages[k], os.environ.get(DEVICE_ENV) or lay.devices[k][r]
     last = k + 1 == lay.stages
     try:
         session = ort.InferenceSession(str(plan_dir / stage.file),
@@ -307,7 +309,8 @@ def _serve_rank(
     stats = DistStats(
         backend=backend, world_size=lay.world_size, microbatches=count, rows=rows,
         iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
-        placement=[(*lay.place(q), lay.devices[lay.place(q)[0]][lay.place(q)[1]])
+        placement=[(*lay.place(q), os.environ.get(DEVICE_ENV)
+                    or lay.devices[lay.place(q)[0]][lay.place(q)[1]])
                    for q in range(lay.world_size)],
         busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
         comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
@@ -356,10 +359,16 @@ def _spawned(
 # ---------------------------------------------------------------- the launcher
 
 
-def _check_run(plan_dir: Path, nproc: int | None, backend: str | None) -> tuple[Plan, Layout, str]:
+def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
+               device: str | None = None) -> tuple[Plan, Layout, str]:
     plan = read_plan(plan_dir)
     verify_plan_folder(plan_dir, plan)
+    if device not in (None, "cpu"):
+        raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
+    check_devices(plan, ["CPUExecutionProvider"] if device else None)  # before any process
     lay = layout(plan)
+    if device == "cpu":
+        lay = replace(lay, devices=[["cpu"] * len(d) for d in lay.devices])
     if nproc is not None and nproc != lay.world_size:
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {nproc} processes")
@@ -390,9 +399,13 @@ def run_distributed(
     timeout_s: float = 60.0,
     threads_per_stage: int = 1,
     start_method: str | None = None,
-) -> tuple[dict[str, np.ndarray], DistStats]:
-    """Run the plan with one local process per stage replica; the outputs (last iteration's)
-    and the figures.
+    output_names: Sequence[str] | None = None,
+    device: str | None = None,
+) -> tuple[list[np.ndarray], DistStats]:
+    """Run the plan with one local process per stage replica; the outputs (last iteration's,
+    a list in the order of ``output_names``, default the plan's outputs, as onnxruntime's
+    ``run``) and the figures. ``device="cpu"`` runs every rank on CPU whatever the plan's
+    devices (a CUDA plan's numerics on a machine without a GPU).
 
     ``nproc`` must equal the plan's replicas in total (None: take it from the plan).
     ``master_port`` 0 picks a free port. A worker that raises or dies ends the run with
@@ -402,7 +415,12 @@ def run_distributed(
     forks a process that holds threads or a CUDA context.
     """
     folder = Path(plan_dir).resolve()
-    plan, lay, chosen = _check_run(folder, nproc, backend)
+    plan, lay, chosen = _check_run(folder, nproc, backend, device)
+    known = [o.name for o in plan.outputs]
+    names = list(output_names) if output_names else known
+    if any(n not in known for n in names):
+        raise PartitionError(f"unknown output {next(n for n in names if n not in known)!r}; "
+                             f"outputs: {known}")
     _check_feeds(plan, feeds, microbatches)
     if iterations < 1:
         raise PartitionError(f"need at least one iteration, got {iterations}")
@@ -427,7 +445,8 @@ def run_distributed(
             target=_spawned, name=f"onnx-partition-rank{rank}", daemon=True,
             args=(rank, str(folder), master_addr, store.port, chosen,
                   inputs if rank == 0 else None, microbatches, iterations, threads_per_stage,
-                  timeout_s, reports, dict(os.environ)),
+                  timeout_s, reports,
+                  dict(os.environ) | ({DEVICE_ENV: device} if device else {})),
         )
         for rank in range(lay.world_size)
     ]
@@ -445,7 +464,7 @@ def run_distributed(
         reports.close()
         del store
     stats.launch_ms = (time.perf_counter() - began) * 1000.0
-    return outputs, stats
+    return [outputs[n] for n in names], stats
 
 
 def _supervise(procs: Sequence[Any], reports: Any, lay: Layout) -> tuple[Env, DistStats]:

@@ -20,7 +20,7 @@ import numpy as np
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
-from onnx_partition.runtime.stages import Provider, StageSession, load_stages
+from onnx_partition.runtime.stages import NodeArg, Provider, StageSession, load_stages, node_args
 
 Env = dict[str, np.ndarray]
 Item = tuple[int, Env]  # (micro-batch index, the tensors it carries)
@@ -89,23 +89,28 @@ class PipelineSession:
             thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._inbox, threads)
 
-    def get_inputs(self) -> list[str]:
-        return [spec.name for spec in self.plan.inputs]
+    def get_inputs(self) -> list[NodeArg]:
+        """The graph inputs, as onnxruntime's ``get_inputs``: objects with ``.name``,
+        ``.shape`` (ints, strings for symbolic dims) and ``.type`` (``"tensor(float)"``)."""
+        return node_args(self.plan.inputs)
 
-    def get_outputs(self) -> list[str]:
-        return [spec.name for spec in self.plan.outputs]
+    def get_outputs(self) -> list[NodeArg]:
+        """The graph outputs, like :meth:`get_inputs`; :meth:`run` returns them in this order."""
+        return node_args(self.plan.outputs)
 
     def run(
         self, output_names: Sequence[str] | None, feeds: Mapping[str, np.ndarray]
     ) -> list[np.ndarray]:
         """Outputs for ``feeds``, split into micro-batches and pipelined (like ORT's ``run``)."""
-        names = list(output_names) if output_names else self.get_outputs()
-        unknown = [n for n in names if n not in self.get_outputs()]
+        known = [o.name for o in self.plan.outputs]
+        inputs = [i.name for i in self.plan.inputs]
+        names = list(output_names) if output_names else known
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise PartitionError(f"unknown output {unknown[0]!r}; outputs: {self.get_outputs()}")
-        missing = [n for n in self.get_inputs() if n not in feeds]
+            raise PartitionError(f"unknown output {unknown[0]!r}; outputs: {known}")
+        missing = [n for n in inputs if n not in feeds]
         if missing:
-            raise PartitionError(f"missing input {missing[0]!r}; inputs: {self.get_inputs()}")
+            raise PartitionError(f"missing input {missing[0]!r}; inputs: {inputs}")
         parts = self.run_microbatches(microbatch.split(dict(feeds), self.microbatches))
         merged = microbatch.merge([{n: p[n] for n in names} for p in parts])
         return [merged[n] for n in names]

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnxruntime as ort
+from onnx import TensorProto, helper
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.plan import Plan, read_plan
+from onnx_partition.plan import IOSpec, Plan, read_plan
 
 Provider = str | tuple[str, dict[str, Any]]
 
@@ -67,12 +69,49 @@ def providers_for(device: str) -> list[Provider]:
         return ["CPUExecutionProvider"]
     if device.startswith("cuda"):
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise PartitionError(
-                f"device {device!r} needs onnxruntime-gpu (CUDAExecutionProvider is not available)"
-            )
+            raise PartitionError(no_cuda_message(device))
         index = int(device.partition(":")[2] or 0)
         return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
     raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
+
+
+def no_cuda_message(device: str) -> str:
+    return (f"the plan puts stages on {device} but onnxruntime here has no CUDA (install "
+            "onnx-partition[gpu] on a GPU machine); to check its numerics on CPU: "
+            "onnx-partition run PLAN --device cpu, or PipelineSession(PLAN, "
+            "providers=['CPUExecutionProvider'])")
+
+
+def check_devices(plan: Plan, providers: Sequence[Provider] | None = None) -> None:
+    """Fail at once, before any session or process starts, when the plan needs CUDA and
+    onnxruntime here has none (``providers`` given: they replace the plan's devices)."""
+    if providers is not None:
+        return
+    for stage in plan.stages:
+        for device in stage.devices:
+            providers_for(device)  # raises with :func:`no_cuda_message`
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """A graph input or output as onnxruntime's ``NodeArg``: ``name``, ``shape`` (ints, and
+    strings for symbolic dims), ``type`` (``"tensor(float)"``)."""
+
+    name: str
+    shape: list[int | str]
+    type: str
+
+
+def onnx_type(dtype: str) -> str:
+    """A numpy dtype name as onnxruntime spells the tensor type: float32 -> tensor(float)."""
+    if dtype == "unknown":
+        return "tensor(float)"
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return f"tensor({TensorProto.DataType.Name(elem).lower()})"
+
+
+def node_args(specs: Sequence[IOSpec]) -> list[NodeArg]:
+    return [NodeArg(s.name, list(s.shape), onnx_type(s.dtype)) for s in specs]
 
 
 @dataclass
@@ -109,6 +148,7 @@ def load_stages(
     """
     folder = Path(folder)
     plan = read_plan(folder)
+    check_devices(plan, providers)
     paths = verify_plan_folder(folder, plan) if verify else [folder / s.file for s in plan.stages]
     stages = []
     for stage, path in zip(plan.stages, paths):

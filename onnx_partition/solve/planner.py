@@ -20,6 +20,7 @@ from functools import partial
 
 import numpy as np
 
+from onnx_partition import progress
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
@@ -295,7 +296,8 @@ def plan_cluster(
                 pool.append((lower_bound_ms(costs, run.microbatches, run.train), proposal,
                               costs, memory))
         pool.sort(key=lambda e: e[0])
-        for bound, proposal, costs, memory in pool:
+        for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
+            progress.step("planning: simulating proposals", played_n, len(pool))
             family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
                       else "grid")
             if best is not None and bound >= best.sim.iteration_ms:

@@ -1,0 +1,107 @@
+"""Progress bars for the long steps of the command line: tqdm on stderr, only on a terminal.
+
+A bar shows done/total, rate and ETA. Off a terminal (a pipe, a log file, CI) nothing is drawn,
+so captured output stays clean.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+# Library code reports long loops with :func:`step`; the command line installs the bars.
+_bars: dict[str, tuple[Callable[[int, int], None], int]] | None = None  # label: (bar, last)
+_enabled = False
+
+
+def shown(enabled: bool = True) -> bool:
+    """Whether bars are drawn: asked for, and stderr is a terminal."""
+    return enabled and sys.stderr.isatty()
+
+
+def _bar(label: str, total: float | None, enabled: bool, **kw: Any) -> tqdm[Any]:
+    return tqdm(total=total, desc=label, disable=not shown(enabled), leave=False,
+                dynamic_ncols=True, file=sys.stderr, **kw)
+
+
+def progress_callback(label: str, *, enabled: bool = True) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback (as :func:`profile_model` takes) driving a bar."""
+    state: dict[str, tqdm[Any]] = {}
+
+    def update(done: int, total: int) -> None:
+        if total <= 0:
+            return
+        if "bar" not in state:
+            state["bar"] = _bar(label, total, enabled, unit="step")
+        bar = state["bar"]
+        bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def iterate(items: Iterable[T], label: str, *, total: int | None = None,
+            enabled: bool = True) -> Iterator[T]:
+    """``items`` with a bar over them (run and train iterations)."""
+    bar = _bar(label, total, enabled, unit="it")
+    try:
+        for item in items:
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+@contextmanager
+def timed(label: str, seconds: float, *, enabled: bool = True) -> Iterator[None]:
+    """A bar that fills over ``seconds`` of wall time while the block runs: for a step bounded
+    by a time limit (the ILP), whose ETA is that limit."""
+    bar = _bar(label, round(seconds, 1), enabled, unit="s",
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
+                          "[{elapsed}<{remaining}, time limit]")
+    done = threading.Event()
+
+    def tick() -> None:
+        began = time.monotonic()
+        while not done.wait(0.5):
+            bar.n = min(time.monotonic() - began, seconds)
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    if not bar.disable:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join()
+        bar.close()
+
+
+def install(enabled: bool) -> None:
+    """Draw a bar for every :func:`step` label from now on (the CLI calls this; a library
+    user who never does sees nothing)."""
+    global _bars, _enabled
+    _bars, _enabled = {}, enabled
+
+
+def step(label: str, done: int, total: int) -> None:
+    """Report ``done`` of ``total`` for a long loop (export, writing stage files, planning); a
+    no-op unless :func:`install` was called. A label's bar starts over when ``done`` goes back."""
+    if _bars is None:
+        return
+    bar, last = _bars.get(label, (None, -1))
+    if bar is None or done <= last:
+        bar = progress_callback(label, enabled=_enabled)
+    _bars[label] = (bar, done)
+    bar(done, total)
