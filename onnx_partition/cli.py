@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,12 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument("--force", action="store_true",
                    help="replace an output folder that is not an earlier plan")
+    _json_arg(p)
     p.set_defaults(func=_partition)
 
     p = verbs.add_parser("run", help="run a plan folder as a pipeline and measure it")
     p.add_argument("plan", type=Path)
-    p.add_argument("--batch-size", type=int, help="rows per batch (default: as partitioned)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch (default: the plan's); an iteration feeds "
+                        "batch size x micro-batches rows")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per iteration (default: the plan's, else 8)")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads-per-stage", type=int, default=1)
@@ -114,16 +119,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0)
+    _json_arg(p)
     p.set_defaults(func=_run)
 
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path)
     _schedule_args(p)
+    _json_arg(p)
     p.set_defaults(func=_simulate)
 
     p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
     p.add_argument("plan", type=Path)
     p.add_argument("-o", "--output", type=Path, help="default: PLAN/report.html")
+    p.add_argument("--measured", type=Path, metavar="RUN.json",
+                   help="a `run --json` file: show the measured run next to the simulation")
     _schedule_args(p)
     p.set_defaults(func=_report)
 
@@ -147,6 +156,12 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                         "must divide the stage count")
 
 
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout instead of text (plan.json's field "
+                        "names)")
+
+
 def _chunks(args: argparse.Namespace) -> int | None:
     """``--chunks``, which only the interleaved schedule takes."""
     if args.chunks is not None and args.schedule != "interleaved":
@@ -157,7 +172,8 @@ def _chunks(args: argparse.Namespace) -> int | None:
 def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's shape (repeatable)")
-    p.add_argument("--batch-size", type=int, help="fix a symbolic leading (batch) dim")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch: fixes a symbolic leading (batch) dim")
 
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
@@ -248,6 +264,14 @@ def _partition(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         force=args.force,
     )
+    costs_check = plan.extra.get("costs", {}).get("check", {})
+    for note in costs_check.get("notes", []):
+        print(note, file=sys.stderr)
+    if args.json:
+        from onnx_partition.measured import dumps, partition_json
+
+        print(dumps(partition_json(plan, args.output)))
+        return 0
     print(plan_table(plan))
     print(f"wrote {len(plan.stages)} stages and plan.json to {args.output} "
           f"in {plan.extra.get('partition_s', 0):.2f} s")
@@ -283,11 +307,20 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from onnx_partition.runtime import PipelineSession
+    """Run the plan as planned: its micro-batch size and count unless told, every replica fed
+    (replica j of r takes micro-batches m = j mod r), then measured against predicted."""
+    from onnx_partition.measured import (
+        dumps,
+        format_comparison,
+        idle_replicas_note,
+        run_json,
+        run_shape,
+    )
     from onnx_partition.runtime.check import random_feeds
 
     plan = read_plan(args.plan)
-    feeds = random_feeds(plan, batch_size=args.batch_size, seed=args.seed)
+    shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
+    feeds = random_feeds(plan, batch_size=shape.rows, seed=args.seed)
     for item in args.input:
         name, sep, file = item.partition("=")
         if not sep or name not in feeds:
@@ -297,54 +330,107 @@ def _run(args: argparse.Namespace) -> int:
             feeds[name] = np.load(file)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    shape = _shape_of_feeds(shape, feeds)
+    if args.iterations < 1 or args.warmup < 0:
+        raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
+    out = sys.stderr if args.json else sys.stdout
+    note = idle_replicas_note(plan, shape.microbatches)
+    if note:
+        print(note, file=sys.stderr)
+    planned = (plan.extra.get("batch_size"), plan.predicted.get("microbatches"))
+    print(f"{len(plan.stages)} stages ({' + '.join(str(s.replicas) for s in plan.stages)} "
+          f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
+          f"{shape.rows} rows per iteration (plan: {planned[1] or '-'} micro-batches x "
+          f"{planned[0] or '-'} rows)", file=out)
     if args.nproc is not None:
-        return _run_distributed(args, plan, feeds)
-    session = PipelineSession(args.plan, microbatches=args.microbatches,
-                              threads_per_stage=args.threads_per_stage)
-    rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
-    for _ in range(args.warmup):
-        outputs = session.run(None, feeds)
-    began = time.perf_counter()
-    busy: dict[tuple[int, int], float] = {}
-    for _ in range(max(1, args.iterations)):
-        outputs = session.run(None, feeds)
-        for key, ms in session.last_stats.busy_ms.items():
-            busy[key] = busy.get(key, 0.0) + ms
-    seconds = time.perf_counter() - began
-    iters = max(1, args.iterations)
-    print(f"{len(session.stages)} stages, batch {rows} in {session.microbatches} micro-batches: "
-          f"{rows * iters / seconds:.1f} samples/s ({seconds / iters * 1000:.2f} ms per batch)")
-    for (stage, replica), ms in sorted(busy.items()):
-        print(f"  stage {stage} replica {replica}: busy {ms / iters:.2f} ms per batch "
-              f"({ms / (seconds * 1000) * 100:.0f}% of wall)")
+        runtime, measured, outputs = _run_distributed(args, plan, feeds, shape)
+    else:
+        runtime, measured, outputs = _run_threads(args, plan, feeds, shape)
+    body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
+    code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
     if args.check:
-        return _check(args.plan, plan, feeds, dict(zip(session.get_outputs(), outputs)))
-    return 0
+        body["check"] = "ok" if code == 0 else "mismatch"
+    if args.json:
+        print(dumps(body))
+    else:
+        print(format_comparison(body))
+    return code
+
+
+def _shape_of_feeds(shape: Any, feeds: dict[str, np.ndarray]) -> Any:
+    """The run's shape as the (possibly user-given) feeds make it."""
+    from onnx_partition.measured import RunShape
+    from onnx_partition.runtime.microbatch import batch_size
+
+    try:
+        rows = batch_size(feeds)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    if rows == shape.rows:
+        return shape
+    count = min(shape.microbatches, rows)
+    if rows % count:
+        raise PartitionError(f"the inputs have {rows} rows, which {count} micro-batches do "
+                             "not divide; give --microbatches")
+    return RunShape(rows // count, count)
+
+
+def _run_threads(
+    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray], shape: Any
+) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
+    from onnx_partition.measured import measured_json
+    from onnx_partition.runtime import PipelineSession
+
+    with PipelineSession(args.plan, microbatches=shape.microbatches,
+                         threads_per_stage=args.threads_per_stage) as session:
+        for _ in range(args.warmup):
+            session.run(None, feeds)
+        walls: list[float] = []
+        busy: dict[tuple[int, int], float] = {}
+        for _ in range(args.iterations):
+            began = time.perf_counter()
+            outputs = session.run(None, feeds)
+            walls.append((time.perf_counter() - began) * 1000.0)
+            for key, ms in session.last_stats.busy_ms.items():
+                busy[key] = busy.get(key, 0.0) + ms / args.iterations
+        names = session.get_outputs()
+    measured = measured_json(plan, shape, iteration_ms=walls, busy_ms=busy)
+    return "threads", measured, dict(zip(names, outputs))
 
 
 def _run_distributed(
-    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray]
-) -> int:
-    from onnx_partition.runtime.distributed import format_stats, run_distributed
+    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray], shape: Any
+) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
+    from onnx_partition.measured import measured_json
+    from onnx_partition.runtime.distributed import run_distributed
 
     outputs, stats = run_distributed(
-        args.plan, feeds, nproc=args.nproc, microbatches=args.microbatches,
-        iterations=max(1, args.warmup + args.iterations),
-        threads_per_stage=args.threads_per_stage,
+        args.plan, feeds, nproc=args.nproc, microbatches=shape.microbatches,
+        iterations=args.warmup + args.iterations, threads_per_stage=args.threads_per_stage,
     )
-    print(format_stats(stats))
-    return _check(args.plan, plan, feeds, outputs) if args.check else 0
+    timed = stats.iteration_ms[args.warmup:]
+    busy = {}
+    for rank, (k, r, _) in enumerate(stats.placement):
+        each = stats.busy_each_ms.get(rank, [])[args.warmup:]
+        busy[k, r] = sum(each) / len(each) if each else 0.0
+    measured = measured_json(plan, shape, iteration_ms=timed, busy_ms=busy)
+    measured["setup_ms"] = round(stats.setup_ms, 3)
+    measured["comm_ms"] = {str(rank): round(ms / len(stats.iteration_ms), 6)
+                           for rank, ms in stats.comm_ms.items()}
+    return f"distributed:{stats.backend}", measured, outputs
 
 
 def _check(
-    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]
+    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+    out: Any = None,
 ) -> int:
     """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
     from onnx_partition.runtime.check import compare, whole_model_outputs
 
     worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds))
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
-    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
+    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
+          file=out or sys.stdout)
     return 0 if verdict == "OK" else 1
 
 
@@ -354,6 +440,12 @@ def _simulate(args: argparse.Namespace) -> int:
     plan = read_plan(args.plan)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
+    if args.json:
+        from onnx_partition.measured import dumps, simulate_json
+
+        print(dumps(simulate_json(plan, result, schedule=args.schedule,
+                                  microbatches=args.microbatches)))
+        return 0
     print(format_simulation(plan, result))
     return 0
 
@@ -362,7 +454,8 @@ def _report(args: argparse.Namespace) -> int:
     from onnx_partition.report import write_report
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
-                        microbatches=args.microbatches, chunks=_chunks(args))
+                        microbatches=args.microbatches, chunks=_chunks(args),
+                        measured=args.measured)
     print(f"wrote {path}")
     return 0
 
@@ -382,7 +475,7 @@ def _demo_in(args: argparse.Namespace, work: Path) -> int:
         ["export", args.model, "--size", args.size, "-o", str(model)],
         ["partition", str(model), "--stages", str(args.stages), "--batch-size",
          str(args.batch_size), "-o", str(plan)],
-        ["run", str(plan), "--batch-size", str(args.batch_size), "--check"],
+        ["run", str(plan), "--check"],  # the plan's micro-batch size and count
     ]
     for step in steps:
         print(f"$ onnx-partition {' '.join(step)}", flush=True)

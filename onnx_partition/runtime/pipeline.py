@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.stages import Provider, StageSession, load_stages
@@ -56,7 +57,7 @@ class PipelineSession:
         plan_dir: str | os.PathLike[str],
         providers: Sequence[Provider] | None = None,
         *,
-        microbatches: int = 4,
+        microbatches: int | None = None,
         threads_per_stage: int = 1,
         timeout_s: float = 600.0,
     ) -> None:
@@ -64,7 +65,9 @@ class PipelineSession:
         self.plan, self.stages = load_stages(
             plan_dir, providers=providers, threads_per_stage=threads_per_stage
         )
-        self.microbatches = microbatches
+        # micro-batches per run(): the plan's (predicted.microbatches, else 8) unless given
+        self.microbatches = microbatches if microbatches is not None else plan_microbatches(
+            self.plan)
         self.timeout_s = timeout_s
         self.last_stats = RunStats()
         # Names still needed after stage k: later stages' inputs and the graph outputs.
