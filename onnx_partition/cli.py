@@ -313,6 +313,8 @@ def _run(args: argparse.Namespace) -> int:
         dumps,
         format_comparison,
         idle_replicas_note,
+        plan_batch_size,
+        plan_microbatches,
         run_json,
         run_shape,
     )
@@ -337,11 +339,12 @@ def _run(args: argparse.Namespace) -> int:
     note = idle_replicas_note(plan, shape.microbatches)
     if note:
         print(note, file=sys.stderr)
-    planned = (plan.extra.get("batch_size"), plan.predicted.get("microbatches"))
+    planned = (plan_batch_size(plan), plan_microbatches(plan))
+    default = "" if "microbatches" in plan.predicted else " by default"
     print(f"{len(plan.stages)} stages ({' + '.join(str(s.replicas) for s in plan.stages)} "
           f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
-          f"{shape.rows} rows per iteration (plan: {planned[1] or '-'} micro-batches x "
-          f"{planned[0] or '-'} rows)", file=out)
+          f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
+          f"{planned[0] or '?'} rows)", file=out)
     if args.nproc is not None:
         runtime, measured, outputs = _run_distributed(args, plan, feeds, shape)
     else:
@@ -387,14 +390,17 @@ def _run_threads(
             session.run(None, feeds)
         walls: list[float] = []
         busy: dict[tuple[int, int], float] = {}
+        cpu: dict[tuple[int, int], float] = {}
         for _ in range(args.iterations):
             began = time.perf_counter()
             outputs = session.run(None, feeds)
             walls.append((time.perf_counter() - began) * 1000.0)
-            for key, ms in session.last_stats.busy_ms.items():
+            stats = session.last_stats
+            for key, ms in stats.busy_ms.items():
                 busy[key] = busy.get(key, 0.0) + ms / args.iterations
+                cpu[key] = cpu.get(key, 0.0) + stats.cpu_ms.get(key, 0.0) / args.iterations
         names = session.get_outputs()
-    measured = measured_json(plan, shape, iteration_ms=walls, busy_ms=busy)
+    measured = measured_json(plan, shape, iteration_ms=walls, busy_ms=busy, cpu_ms=cpu)
     return "threads", measured, dict(zip(names, outputs))
 
 
@@ -409,11 +415,13 @@ def _run_distributed(
         iterations=args.warmup + args.iterations, threads_per_stage=args.threads_per_stage,
     )
     timed = stats.iteration_ms[args.warmup:]
-    busy = {}
+    busy, cpu = {}, {}
     for rank, (k, r, _) in enumerate(stats.placement):
         each = stats.busy_each_ms.get(rank, [])[args.warmup:]
         busy[k, r] = sum(each) / len(each) if each else 0.0
-    measured = measured_json(plan, shape, iteration_ms=timed, busy_ms=busy)
+        each = stats.cpu_each_ms.get(rank, [])[args.warmup:]
+        cpu[k, r] = sum(each) / len(each) if each else 0.0
+    measured = measured_json(plan, shape, iteration_ms=timed, busy_ms=busy, cpu_ms=cpu)
     measured["setup_ms"] = round(stats.setup_ms, 3)
     measured["comm_ms"] = {str(rank): round(ms / len(stats.iteration_ms), 6)
                            for rank, ms in stats.comm_ms.items()}

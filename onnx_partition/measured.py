@@ -139,17 +139,25 @@ def predict(plan: Plan, shape: RunShape) -> dict[str, Any]:
 
 
 def measured_json(plan: Plan, shape: RunShape, *, iteration_ms: Sequence[float],
-                  busy_ms: Mapping[tuple[int, int], float]) -> dict[str, Any]:
+                  busy_ms: Mapping[tuple[int, int], float],
+                  cpu_ms: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
     """A measured run as plain data: ``iteration_ms`` per timed iteration, ``busy_ms`` per
-    (stage, replica) per iteration (means over the timed iterations)."""
+    (stage, replica) per iteration (means over the timed iterations), and ``cpu_ms`` the same
+    compute in thread CPU time (``busy_ms`` less what other threads and processes took from
+    its core: their ratio is the contention a run suffered)."""
     mean = sum(iteration_ms) / len(iteration_ms) if iteration_ms else 0.0
-    devices = [{"stage": k, "replica": r, "busy_ms": round(ms, 6)}
+    cpu = cpu_ms or {}
+    devices = [{"stage": k, "replica": r, "busy_ms": round(ms, 6),
+                **({"cpu_ms": round(cpu[k, r], 6)} if (k, r) in cpu else {})}
                for (k, r), ms in sorted(busy_ms.items())]
     stages = []
     for stage in plan.stages:
-        mine = [d["busy_ms"] for d in devices if d["stage"] == stage.index]
-        stages.append({"index": stage.index, "replicas": stage.replicas,
-                       "busy_ms": round(sum(mine) / max(1, len(mine)), 6)})
+        mine = [d for d in devices if d["stage"] == stage.index]
+        entry = {"index": stage.index, "replicas": stage.replicas,
+                 "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6)}
+        if mine and all("cpu_ms" in d for d in mine):
+            entry["cpu_ms"] = round(sum(d["cpu_ms"] for d in mine) / len(mine), 6)
+        stages.append(entry)
     return {
         "microbatches": shape.microbatches, "batch_size": shape.batch_size, "rows": shape.rows,
         "iterations": len(iteration_ms), "iteration_ms": round(mean, 6),
@@ -171,6 +179,9 @@ def ratios(measured: Mapping[str, Any], predicted: Mapping[str, Any]) -> dict[st
         "iteration_ms": div(measured["iteration_ms"], predicted["iteration_ms"]),
         "stage_busy_ms": [div(s["busy_ms"], by_stage[s["index"]]["busy_ms"])
                           for s in measured["stages"] if s["index"] in by_stage],
+        "stage_cpu_ms": [div(s["cpu_ms"], by_stage[s["index"]]["busy_ms"])
+                         if "cpu_ms" in s else None
+                         for s in measured["stages"] if s["index"] in by_stage],
     }
 
 
@@ -234,10 +245,13 @@ def format_comparison(run: Mapping[str, Any]) -> str:
             ("iteration ms", f"{m['iteration_ms']:.3f}", f"{p['iteration_ms']:.3f}",
              r(ratio["iteration_ms"]))]
     by_stage = {s["index"]: s for s in p["stages"]}
-    for s, value in zip(m["stages"], ratio["stage_busy_ms"]):
+    for s, value, cpu in zip(m["stages"], ratio["stage_busy_ms"],
+                             ratio.get("stage_cpu_ms", [])):
         pred = by_stage.get(s["index"], {}).get("busy_ms", 0.0)
         rows.append((f"stage {s['index']} busy ms", f"{s['busy_ms']:.3f}", f"{pred:.3f}",
                      r(value)))
+        if "cpu_ms" in s:
+            rows.append(("  of which on its CPU", f"{s['cpu_ms']:.3f}", f"{pred:.3f}", r(cpu)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
                                                          zip(row[1:], widths[1:]))

@@ -50,6 +50,8 @@ def test_run_feeds_every_replica_at_the_plans_shape(hybrid, capsys, nproc):
     devices = {(d["stage"], d["replica"]): d["busy_ms"] for d in body["measured"]["devices"]}
     expected = {(s["index"], r) for s in plan["stages"] for r in range(s["replicas"])}
     assert set(devices) == expected and all(ms > 0 for ms in devices.values())
+    cpu = {(d["stage"], d["replica"]): d["cpu_ms"] for d in body["measured"]["devices"]}
+    assert set(cpu) == expected and all(ms > 0 for ms in cpu.values())
     measured, predicted = body["measured"], body["predicted"]
     for part in (measured, predicted):
         assert part["microbatches"] == 6 and part["batch_size"] == 3

@@ -175,6 +175,7 @@ class DistStats:
     comm_ms: dict[int, float] = field(default_factory=dict)  # per rank: blocked in recv / sends
     # per rank: onnxruntime compute in each iteration (busy_ms split by iteration)
     busy_each_ms: dict[int, list[float]] = field(default_factory=dict)
+    cpu_each_ms: dict[int, list[float]] = field(default_factory=dict)  # the same, thread CPU time
     wall_ms: dict[int, float] = field(default_factory=dict)  # per rank: its serving loop
     launch_ms: float = 0.0  # run_distributed: spawn to results back (imports, set-up, run)
 
@@ -262,9 +263,10 @@ def _serve_rank(
     wire, busy, exit_hook = Wire(comm, lay.name), 0.0, os.environ.get(EXIT_RANK_ENV) == str(rank)
     iteration_ms: list[float] = []
     busy_each: list[float] = []
+    cpu, cpu_each = 0.0, []
     results: dict[int, Env] = {}
     for _ in range(iterations):
-        began, busy_before = time.perf_counter(), busy
+        began, busy_before, cpu_before = time.perf_counter(), busy, cpu
         pending: list[Any] = []
         results.clear()
         if rank == 0:
@@ -279,12 +281,13 @@ def _serve_rank(
                 env = wire.recv(src, m, lay.recv_names[k])
             if exit_hook:
                 os._exit(1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
             except Exception as exc:  # onnxruntime raises its own types
                 raise _Failure("compute", one_line(exc)) from exc
             busy += time.perf_counter() - t0
+            cpu += time.thread_time() - c0
             env.update(zip(stage.outputs, values))
             dst = 0 if last else lay.rank_of(k + 1, m)
             if dst == rank:
@@ -298,10 +301,11 @@ def _serve_rank(
         wire.wait(pending)
         iteration_ms.append((time.perf_counter() - began) * 1000.0)
         busy_each.append((busy - busy_before) * 1000.0)
+        cpu_each.append((cpu - cpu_before) * 1000.0)
     done = time.perf_counter()
 
     mine = {"rank": rank, "busy": busy, "comm": wire.comm_s, "wall": done - ready,
-            "setup": ready - started, "busy_each": busy_each}
+            "setup": ready - started, "busy_each": busy_each, "cpu_each": cpu_each}
     gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
@@ -316,6 +320,7 @@ def _serve_rank(
                    for q in range(lay.world_size)],
         busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
         busy_each_ms={g["rank"]: g["busy_each"] for g in gathered},
+        cpu_each_ms={g["rank"]: g["cpu_each"] for g in gathered},
         comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
         wall_ms={g["rank"]: g["wall"] * 1000.0 for g in gathered},
     )
@@ -503,7 +508,7 @@ def main_worker(
     plan_dir: str | os.PathLike[str],
     feeds: Mapping[str, np.ndarray] | None = None,
     *,
-    microbatches: int = 4,
+    microbatches: int | None = None,
     iterations: int = 1,
     backend: str | None = None,
     timeout_s: float = 60.0,
@@ -520,6 +525,8 @@ def main_worker(
     folder = Path(plan_dir)
     plan = read_plan(folder)
     lay = layout(plan)
+    if microbatches is None:  # the plan's (predicted.microbatches, else 8)
+        microbatches = plan_microbatches(plan)
     if world != lay.world_size:
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {world} processes")

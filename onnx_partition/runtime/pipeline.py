@@ -40,6 +40,9 @@ class RunStats:
     wall_ms: float = 0.0
     microbatches: int = 0
     busy_ms: dict[tuple[int, int], float] = field(default_factory=dict)  # (stage, replica)
+    # the same compute in the worker thread's CPU time: busy_ms less the time other threads
+    # and processes took its core (onnxruntime computes on the calling thread at 1 thread)
+    cpu_ms: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def idle_ms(self) -> dict[tuple[int, int], float]:
         return {k: max(0.0, self.wall_ms - v) for k, v in self.busy_ms.items()}
@@ -83,8 +86,10 @@ class PipelineSession:
         self._busy: dict[tuple[int, int], float] = {
             (s.index, s.replica): 0.0 for replicas in self.stages for s in replicas
         }
+        self._cpu = dict(self._busy)
         threads = [
-            threading.Thread(target=_serve, args=(s, self._inbox, self._keep, self._busy),
+            threading.Thread(target=_serve,
+                             args=(s, self._inbox, self._keep, self._busy, self._cpu),
                              daemon=True, name=f"stage{s.index}.{s.replica}")
             for replicas in self.stages for s in replicas
         ]
@@ -119,7 +124,7 @@ class PipelineSession:
             raise PartitionError("this PipelineSession is closed")
         count = len(batches)
         done: queue.SimpleQueue[Item | str] = queue.SimpleQueue()
-        busy_before = dict(self._busy)
+        busy_before, cpu_before = dict(self._busy), dict(self._cpu)
         began = time.perf_counter()
         first = self._inbox[0]
         for m, batch in enumerate(batches):
@@ -138,6 +143,7 @@ class PipelineSession:
             wall_ms=(time.perf_counter() - began) * 1000.0,
             microbatches=count,
             busy_ms={k: (v - busy_before.get(k, 0.0)) * 1000.0 for k, v in self._busy.items()},
+            cpu_ms={k: (v - cpu_before.get(k, 0.0)) * 1000.0 for k, v in self._cpu.items()},
         )
         return [results[m] for m in range(count)]
 
@@ -157,6 +163,7 @@ def _serve(
     inboxes: list[list[queue.SimpleQueue[Task | None]]],
     keep: list[set[str]],
     busy: dict[tuple[int, int], float],
+    cpu: dict[tuple[int, int], float],
 ) -> None:
     """A worker: take (reply queue, micro-batch, tensors) tasks until told to stop.
 
@@ -169,7 +176,7 @@ def _serve(
         if task is None:
             return
         done, m, env = task
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         try:
             values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
         except Exception as exc:  # onnxruntime raises its own types; report and keep serving
@@ -178,6 +185,7 @@ def _serve(
             continue
         finally:
             busy[(k, r)] += time.perf_counter() - began
+            cpu[(k, r)] += time.thread_time() - began_cpu
         env.update(zip(stage.outputs, values))
         env = {n: v for n, v in env.items() if n in keep[k]}
         if last:
