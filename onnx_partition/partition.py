@@ -120,7 +120,8 @@ def partition(
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
-    plan.extra["batch_size"] = batch_size_of(graph)
+    plan.extra["batch_size"] = batch_size_of(graph)  # rows per micro-batch
+    plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
