@@ -54,14 +54,18 @@ class RunShape:
 
 def plan_batch_size(plan: Plan) -> int | None:
     """Rows per micro-batch the plan was partitioned at: plan.json ``batch_size``, else (older
-    plans) the leading dim of ``input_shapes`` for the inputs declared with a symbolic one."""
+    plans, or inputs with a fixed leading dim) the leading dim of ``input_shapes`` shared by the
+    inputs declared with a symbolic one, or failing that by all inputs."""
     given = plan.extra.get("batch_size")
     if isinstance(given, int) and given > 0:
         return given
     fixed = plan.extra.get("input_shapes", {})
-    sizes = {int(fixed[s.name][0]) for s in plan.inputs
-             if s.shape and not isinstance(s.shape[0], int) and fixed.get(s.name)}
-    return sizes.pop() if len(sizes) == 1 else None
+    for symbolic_only in (True, False):
+        sizes = {int(fixed[s.name][0]) for s in plan.inputs if fixed.get(s.name)
+                 and (not symbolic_only or (s.shape and not isinstance(s.shape[0], int)))}
+        if sizes:
+            return sizes.pop() if len(sizes) == 1 else None
+    return None
 
 
 def plan_microbatches(plan: Plan) -> int:
@@ -251,7 +255,7 @@ def format_comparison(run: Mapping[str, Any]) -> str:
         rows.append((f"stage {s['index']} busy ms", f"{s['busy_ms']:.3f}", f"{pred:.3f}",
                      r(value)))
         if "cpu_ms" in s:
-            rows.append(("  of which on its CPU", f"{s['cpu_ms']:.3f}", f"{pred:.3f}", r(cpu)))
+            rows.append(("  in CPU time", f"{s['cpu_ms']:.3f}", f"{pred:.3f}", r(cpu)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
                                                          zip(row[1:], widths[1:]))

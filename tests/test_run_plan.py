@@ -116,3 +116,14 @@ def test_report_shows_the_measured_run(hybrid, capsys, tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["report", str(hybrid), "--measured", str(tmp_path / "bad.json"),
                  "-o", str(out)]) == 2
+
+
+def test_a_model_with_a_fixed_batch_runs_in_micro_batches_of_it(tmp_path, capsys):
+    fixed = CHAIN.replace("float[N, 4] x", "float[3, 4] x").replace("float[N, 4] y",
+                                                                    "float[3, 4] y")
+    model = save(fixed, tmp_path / "m.onnx")
+    assert main(["partition", str(model), "-s", "2", "-o", str(tmp_path / "p")]) == 0
+    capsys.readouterr()
+    body, _ = run_json(capsys, ["run", tmp_path / "p", "--json", "--check", "--microbatches",
+                                  "2", "--iterations", "1", "--warmup", "0"])
+    assert (body["batch_size"], body["rows"], body["check"]) == (3, 6, "ok")
