@@ -24,6 +24,7 @@ Field names are plan.json's where they mean the same: ``iteration_ms``, ``throug
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -268,8 +269,19 @@ def format_comparison(run: Mapping[str, Any]) -> str:
 
 
 def dumps(body: Mapping[str, Any]) -> str:
-    """One JSON object on one line (``--json`` output)."""
-    return json.dumps(body, separators=(",", ":"), default=_default)
+    """One JSON object on one line (``--json`` output); strict JSON, so an infinite or NaN
+    figure (a plan with no compute) is written as null."""
+    return json.dumps(_finite(body), separators=(",", ":"), default=_default, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _default(value: object) -> object:
