@@ -319,6 +319,7 @@ def _run(args: argparse.Namespace) -> int:
         run_shape,
     )
     from onnx_partition.runtime.check import random_feeds
+    from onnx_partition.runtime.measure import measure_distributed, measure_threads, shape_of_feeds
 
     plan = read_plan(args.plan)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
@@ -332,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
             feeds[name] = np.load(file)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
-    shape = _shape_of_feeds(shape, feeds)
+    shape = shape_of_feeds(shape, feeds)
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     out = sys.stderr if args.json else sys.stdout
@@ -345,10 +346,13 @@ def _run(args: argparse.Namespace) -> int:
           f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
           f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
           f"{planned[0] or '?'} rows)", file=out)
+    options = {"warmup": args.warmup, "iterations": args.iterations,
+               "threads_per_stage": args.threads_per_stage}
     if args.nproc is not None:
-        runtime, measured, outputs = _run_distributed(args, plan, feeds, shape)
+        runtime, measured, outputs = measure_distributed(args.plan, plan, feeds, shape,
+                                                         nproc=args.nproc, **options)
     else:
-        runtime, measured, outputs = _run_threads(args, plan, feeds, shape)
+        runtime, measured, outputs = measure_threads(args.plan, plan, feeds, shape, **options)
     body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
     code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
     if args.check:
@@ -358,74 +362,6 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(format_comparison(body))
     return code
-
-
-def _shape_of_feeds(shape: Any, feeds: dict[str, np.ndarray]) -> Any:
-    """The run's shape as the (possibly user-given) feeds make it."""
-    from onnx_partition.measured import RunShape
-    from onnx_partition.runtime.microbatch import batch_size
-
-    try:
-        rows = batch_size(feeds)
-    except ValueError as exc:
-        raise PartitionError(str(exc)) from None
-    if rows == shape.rows:
-        return shape
-    count = min(shape.microbatches, rows)
-    if rows % count:
-        raise PartitionError(f"the inputs have {rows} rows, which {count} micro-batches do "
-                             "not divide; give --microbatches")
-    return RunShape(rows // count, count)
-
-
-def _run_threads(
-    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray], shape: Any
-) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
-    from onnx_partition.measured import measured_json
-    from onnx_partition.runtime import PipelineSession
-
-    with PipelineSession(args.plan, microbatches=shape.microbatches,
-                         threads_per_stage=args.threads_per_stage) as session:
-        for _ in range(args.warmup):
-            session.run(None, feeds)
-        walls: list[float] = []
-        busy: dict[tuple[int, int], float] = {}
-        cpu: dict[tuple[int, int], float] = {}
-        for _ in range(args.iterations):
-            began = time.perf_counter()
-            outputs = session.run(None, feeds)
-            walls.append((time.perf_counter() - began) * 1000.0)
-            stats = session.last_stats
-            for key, ms in stats.busy_ms.items():
-                busy[key] = busy.get(key, 0.0) + ms / args.iterations
-                cpu[key] = cpu.get(key, 0.0) + stats.cpu_ms.get(key, 0.0) / args.iterations
-        names = session.get_outputs()
-    measured = measured_json(plan, shape, iteration_ms=walls, busy_ms=busy, cpu_ms=cpu)
-    return "threads", measured, dict(zip(names, outputs))
-
-
-def _run_distributed(
-    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray], shape: Any
-) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
-    from onnx_partition.measured import measured_json
-    from onnx_partition.runtime.distributed import run_distributed
-
-    outputs, stats = run_distributed(
-        args.plan, feeds, nproc=args.nproc, microbatches=shape.microbatches,
-        iterations=args.warmup + args.iterations, threads_per_stage=args.threads_per_stage,
-    )
-    timed = stats.iteration_ms[args.warmup:]
-    busy, cpu = {}, {}
-    for rank, (k, r, _) in enumerate(stats.placement):
-        each = stats.busy_each_ms.get(rank, [])[args.warmup:]
-        busy[k, r] = sum(each) / len(each) if each else 0.0
-        each = stats.cpu_each_ms.get(rank, [])[args.warmup:]
-        cpu[k, r] = sum(each) / len(each) if each else 0.0
-    measured = measured_json(plan, shape, iteration_ms=timed, busy_ms=busy, cpu_ms=cpu)
-    measured["setup_ms"] = round(stats.setup_ms, 3)
-    measured["comm_ms"] = {str(rank): round(ms / len(stats.iteration_ms), 6)
-                           for rank, ms in stats.comm_ms.items()}
-    return f"distributed:{stats.backend}", measured, outputs
 
 
 def _check(
