@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path)
     _schedule_args(p)
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch for samples/s (default: the plan's; another "
+                        "size scales the times linearly)")
     _json_arg(p)
     p.set_defaults(func=_simulate)
 
@@ -384,13 +387,20 @@ def _simulate(args: argparse.Namespace) -> int:
     plan = read_plan(args.plan)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
-    if args.json:
-        from onnx_partition.measured import dumps, simulate_json
+    from onnx_partition.measured import dumps, simulate_json
 
-        print(dumps(simulate_json(plan, result, schedule=args.schedule,
-                                  microbatches=args.microbatches)))
+    body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
+                         batch_size=args.batch_size)
+    if args.json:
+        print(dumps(body))
         return 0
     print(format_simulation(plan, result))
+    if body["samples_per_s"]:
+        scaled = (f", times scaled linearly from the plan's {body['scaled_from_batch_size']}"
+                  if body.get("scaled_from_batch_size") else "")
+        print(f"{body['samples_per_s']:.1f} samples/s ({body['microbatches']} micro-batches x "
+              f"{body['batch_size']} rows per iteration of {body['iteration_ms']:.3f} ms"
+              f"{scaled})")
     return 0
 
 

@@ -214,11 +214,19 @@ def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, An
 
 
 def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
-                  microbatches: int | None) -> dict[str, Any]:
-    """What ``simulate --json`` prints (at the plan's micro-batch size)."""
+                  microbatches: int | None, batch_size: int | None = None) -> dict[str, Any]:
+    """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
+    rows per micro-batch with every duration scaled linearly from the plan's."""
     count = microbatches if microbatches is not None else plan_microbatches(plan)
-    return simulation_json(plan, result, schedule=schedule or default_schedule(plan),
-                           microbatches=count, batch_size=plan_batch_size(plan))
+    planned = plan_batch_size(plan)
+    if batch_size is not None and batch_size < 1:
+        raise PartitionError(f"--batch-size must be at least 1, got {batch_size}")
+    size = batch_size if batch_size is not None else planned
+    scale = size / planned if size and planned else 1.0
+    body = simulation_json(plan, result, schedule=schedule or default_schedule(plan),
+                           microbatches=count, batch_size=size, scale=scale)
+    body["scaled_from_batch_size"] = planned if scale != 1.0 else None
+    return body
 
 
 def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:

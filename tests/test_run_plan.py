@@ -95,6 +95,10 @@ def test_simulate_and_partition_json(hybrid, capsys, tmp_path):
     assert sim["microbatches"] == 6 and sim["batch_size"] == 3 and sim["schedule"] == "infer"
     assert sim["iteration_ms"] == pytest.approx(plan["predicted"]["iteration_ms"], rel=1e-6)
     assert {"compute_ms", "memory_bytes", "busy_ms", "replicas"} <= set(sim["stages"][0])
+    doubled, _ = run_json(capsys, ["simulate", hybrid, "--json", "--batch-size", "6"])
+    assert doubled["iteration_ms"] == pytest.approx(2 * sim["iteration_ms"], rel=1e-5)
+    assert doubled["samples_per_s"] == pytest.approx(sim["samples_per_s"], rel=1e-5)
+    assert doubled["scaled_from_batch_size"] == 3 and doubled["rows"] == 36
     part, _ = run_json(capsys, ["partition", save(CHAIN, tmp_path / "m.onnx"), "-s", "2",
                                 "--batch-size", "2", "-o", tmp_path / "p", "--json"])
     assert part["batch_size"] == 2 and part["microbatches"] == 8
