@@ -234,6 +234,9 @@ def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     body = read_json(path, "run")
     if not isinstance(body, dict) or body.get("format") != RUN_FORMAT:
         raise PartitionError(f"{path} is not a `run --json` file (format {RUN_FORMAT})")
+    for key in ("batch_size", "microbatches"):
+        if not isinstance(body.get(key), int) or body[key] < 1:
+            raise PartitionError(f"{path}: '{key}' must be a positive integer")
     for part in ("measured", "predicted"):
         entry = body.get(part)
         if not isinstance(entry, dict) or not {"iteration_ms", "samples_per_s",

@@ -167,6 +167,10 @@ def measured_section(plan: Plan, run: dict[str, Any], name: str = "run.json") ->
     stage, with the ratio measured / predicted."""
     from onnx_partition.measured import RunShape, predict, ratios
 
+    replicas = [s.replicas for s in plan.stages]
+    if run.get("replicas") != replicas:
+        raise PartitionError(f"{name} is a run of another plan (replicas per stage "
+                             f"{run.get('replicas')}, this plan's {replicas})")
     shape = RunShape(int(run["batch_size"]), int(run["microbatches"]))
     measured, predicted = run["measured"], predict(plan, shape)
     ratio = ratios(measured, predicted)

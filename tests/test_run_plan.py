@@ -117,6 +117,10 @@ def test_report_shows_the_measured_run(hybrid, capsys, tmp_path):
     assert "Measured run against the simulation" in page
     assert f"{body['measured']['iteration_ms']:.3f}" in page
     assert f"{body['predicted']['iteration_ms']:.3f}" in page
+    (tmp_path / "other.json").write_text(json.dumps({**body, "replicas": [1, 1, 1]}))
+    assert main(["report", str(hybrid), "--measured", str(tmp_path / "other.json"),
+                 "-o", str(out)]) == 2
+    assert "another plan" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
     assert main(["report", str(hybrid), "--measured", str(tmp_path / "bad.json"),
                  "-o", str(out)]) == 2
