@@ -382,13 +382,12 @@ def _check(
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from onnx_partition.measured import dumps, simulate_json
     from onnx_partition.plan_sim import format_simulation, simulate_plan
 
     plan = read_plan(args.plan)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
-    from onnx_partition.measured import dumps, simulate_json
-
     body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
                          batch_size=args.batch_size)
     if args.json:
