@@ -253,7 +253,7 @@ def format_comparison(run: Mapping[str, Any]) -> str:
     m, p, ratio = run["measured"], run["predicted"], run["ratio"]
 
     def r(value: float | None) -> str:
-        return f"{value:.2f}" if value is not None else "-"
+        return f"{value:.3g}" if value is not None else "-"
 
     rows = [("", "measured", "predicted", "measured/predicted"),
             ("samples/s", f"{m['samples_per_s']:.1f}", f"{p['samples_per_s']:.1f}",
