@@ -12,8 +12,9 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -189,14 +190,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     p.add_argument("--force", action="store_true",
                    help="replace an output folder that is not an earlier plan")
+    _json_arg(p)
     p.set_defaults(func=_partition)
 
     p = verbs.add_parser("run", help="run a plan folder as a pipeline and measure it")
     p.add_argument("plan", type=Path, help="plan folder (from partition)")
-    p.add_argument("--batch-size", type=int, help="rows per batch (default: as partitioned)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
-    p.add_argument("--iterations", type=int, default=10, help="timed batches")
-    p.add_argument("--warmup", type=int, default=2, help="untimed batches first")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch (default: the plan's); an iteration feeds "
+                        "batch size x micro-batches rows")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per iteration (default: the plan's, else 8)")
+    p.add_argument("--iterations", type=int, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--threads-per-stage", type=int, default=1,
                    help="onnxruntime intra-op threads per stage replica")
     p.add_argument("--nproc", type=int,
@@ -211,17 +216,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    _json_arg(p)
     p.set_defaults(func=_run)
 
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path, help="plan folder (from partition)")
     _schedule_args(p)
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch for samples/s (default: the plan's; another "
+                        "size scales the times linearly)")
+    _json_arg(p)
     p.set_defaults(func=_simulate)
 
     p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
     p.add_argument("plan", type=Path, help="plan folder (from partition)")
     p.add_argument("-o", "--output", type=Path,
                    help="HTML file to write (default: PLAN.report.html beside the folder)")
+    p.add_argument("--measured", type=Path, metavar="RUN.json",
+                   help="a `run --json` file: show the measured run next to the simulation")
     _schedule_args(p)
     p.set_defaults(func=_report)
 
@@ -257,6 +269,12 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                         "must divide the stage count")
 
 
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout instead of text (plan.json's field "
+                        "names)")
+
+
 def _chunks(args: argparse.Namespace) -> int | None:
     """``--chunks``, which only the interleaved schedule takes."""
     if args.chunks is not None and args.schedule != "interleaved":
@@ -267,7 +285,8 @@ def _chunks(args: argparse.Namespace) -> int | None:
 def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's shape (repeatable)")
-    p.add_argument("--batch-size", type=int, help="fix a symbolic leading (batch) dim")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch: fixes a symbolic leading (batch) dim")
 
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
@@ -352,6 +371,14 @@ def _partition(args: argparse.Namespace) -> int:
         force=args.force,
     )
     stop_bar()
+    costs_check = plan.extra.get("costs", {}).get("check", {})
+    for note in costs_check.get("notes", []):
+        print(note, file=sys.stderr)
+    if args.json:
+        from onnx_partition.measured import dumps, partition_json
+
+        print(dumps(partition_json(plan, args.output)))
+        return 0
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
     _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
@@ -407,11 +434,23 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from onnx_partition.runtime import PipelineSession
+    """Run the plan as planned: its micro-batch size and count unless told, every replica fed
+    (replica j of r takes micro-batches m = j mod r), then measured against predicted."""
+    from onnx_partition.measured import (
+        dumps,
+        format_comparison,
+        idle_replicas_note,
+        plan_batch_size,
+        plan_microbatches,
+        run_json,
+        run_shape,
+    )
     from onnx_partition.runtime.check import random_feeds
+    from onnx_partition.runtime.measure import measure_distributed, measure_threads, shape_of_feeds
 
     plan = read_plan(args.plan)
-    feeds = random_feeds(plan, batch_size=args.batch_size, seed=args.seed)
+    shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
+    feeds = random_feeds(plan, batch_size=shape.rows, seed=args.seed)
     for item in args.input:
         name, sep, file = item.partition("=")
         if not sep or name not in feeds:
@@ -421,35 +460,38 @@ def _run(args: argparse.Namespace) -> int:
             feeds[name] = np.load(file)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    shape = shape_of_feeds(shape, feeds)
+    if args.iterations < 1 or args.warmup < 0:
+        raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
+    out = sys.stderr if args.json else sys.stdout
+    note = idle_replicas_note(plan, shape.microbatches)
+    if note:
+        print(note, file=sys.stderr)
+    planned = (plan_batch_size(plan), plan_microbatches(plan))
+    default = "" if "microbatches" in plan.predicted else " by default"
+    print(f"{len(plan.stages)} stages ({' + '.join(str(s.replicas) for s in plan.stages)} "
+          f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
+          f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
+          f"{planned[0] or '?'} rows)", file=out)
+    options = {"warmup": args.warmup, "iterations": args.iterations,
+               "threads_per_stage": args.threads_per_stage}
     if args.nproc is not None:
-        return _run_distributed(args, plan, feeds)
-    session = PipelineSession(args.plan, microbatches=args.microbatches,
-                              threads_per_stage=args.threads_per_stage,
-                              providers=_providers(args))
-    rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
-    for _ in range(args.warmup):
-        outputs = session.run(None, feeds)
-    began = time.perf_counter()
-    busy: dict[tuple[int, int], float] = {}
-    batch_ms: list[float] = []
-    for _ in _iterations(max(1, args.iterations), "run"):
-        outputs = session.run(None, feeds)
-        batch_ms.append(session.last_stats.wall_ms)
-        for key, ms in session.last_stats.busy_ms.items():
-            busy[key] = busy.get(key, 0.0) + ms
-    seconds = time.perf_counter() - began
-    iters = max(1, args.iterations)
-    print(f"{_plural(len(session.stages), 'stage')}, batch {rows} in {session.microbatches} "
-          f"micro-batches: {rows * iters / seconds:.1f} samples/s "
-          f"({seconds / iters * 1000:.2f} ms per batch)")
-    print(timing_line(batch_ms))
-    for (stage, replica), ms in sorted(busy.items()):
-        print(f"  stage {stage} replica {replica}: busy {ms / iters:.2f} ms per batch "
-              f"({ms / (seconds * 1000) * 100:.0f}% of wall)")
+        runtime, measured, outputs = measure_distributed(
+            args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device, **options)
+    else:
+        runtime, measured, outputs = measure_threads(
+            args.plan, plan, feeds, shape, providers=_providers(args),
+            show_progress=not args.json and log.isEnabledFor(logging.INFO), **options)
+    body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
+    code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
     if args.check:
-        return _check(args.plan, plan, feeds,
-                      dict(zip([o.name for o in session.get_outputs()], outputs)))
-    return 0
+        body["check"] = "ok" if code == 0 else "mismatch"
+    if args.json:
+        print(dumps(body))
+    else:
+        print(format_comparison(body))
+        print(timing_line(measured["iteration_ms_each"]))
+    return code
 
 
 def _providers(args: argparse.Namespace) -> list[str] | None:
@@ -457,59 +499,50 @@ def _providers(args: argparse.Namespace) -> list[str] | None:
     return ["CPUExecutionProvider"] if args.device == "cpu" else None
 
 
-def _iterations(count: int, label: str) -> range | Iterator[int]:
-    """``range(count)``, with a progress bar on a terminal unless -q."""
-    from onnx_partition.progress import iterate
-
-    return iterate(range(count), label, total=count, enabled=log.isEnabledFor(logging.INFO))
-
-
 def timing_line(samples_ms: Sequence[float]) -> str:
-    """Per-batch latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
+    """Per-iteration latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
     linear percentiles) over the timed iterations."""
     values = np.asarray(samples_ms, dtype=np.float64)
     if values.size == 0:
         return "latency: no timed iterations"
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return (f"latency per batch over {_plural(values.size, 'iteration')}: mean "
+    return (f"latency per iteration over {_plural(values.size, 'iteration')}: mean "
             f"{values.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
 
 
-def _run_distributed(
-    args: argparse.Namespace, plan: Plan, feeds: dict[str, np.ndarray]
-) -> int:
-    from onnx_partition.runtime.distributed import format_stats, run_distributed
-
-    outputs, stats = run_distributed(
-        args.plan, feeds, nproc=args.nproc, microbatches=args.microbatches,
-        iterations=max(1, args.warmup + args.iterations),
-        threads_per_stage=args.threads_per_stage, device=args.device,
-    )
-    print(format_stats(stats))
-    print(timing_line(stats.iteration_ms[args.warmup:] or stats.iteration_ms))
-    named = dict(zip([o.name for o in plan.outputs], outputs))
-    return _check(args.plan, plan, feeds, named) if args.check else 0
-
-
 def _check(
-    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]
+    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+    out: Any = None,
 ) -> int:
     """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
     from onnx_partition.runtime.check import compare, whole_model_outputs
 
     worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds))
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
-    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
+    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
+          file=out or sys.stdout)
     return 0 if verdict == "OK" else 1
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from onnx_partition.measured import dumps, simulate_json
     from onnx_partition.plan_sim import format_simulation, simulate_plan
 
     plan = read_plan(args.plan)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
+    body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
+                         batch_size=args.batch_size)
+    if args.json:
+        print(dumps(body))
+        return 0
     print(format_simulation(plan, result))
+    if body["samples_per_s"]:
+        scaled = (f", times scaled linearly from the plan's {body['scaled_from_batch_size']}"
+                  if body.get("scaled_from_batch_size") else "")
+        print(f"{body['samples_per_s']:.1f} samples/s ({body['microbatches']} micro-batches x "
+              f"{body['batch_size']} rows per iteration of {body['iteration_ms']:.3f} ms"
+              f"{scaled})")
     return 0
 
 
@@ -517,7 +550,8 @@ def _report(args: argparse.Namespace) -> int:
     from onnx_partition.report import write_report
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
-                        microbatches=args.microbatches, chunks=_chunks(args))
+                        microbatches=args.microbatches, chunks=_chunks(args),
+                        measured=args.measured)
     _say(f"wrote {path}")
     return 0
 
@@ -537,7 +571,7 @@ def _demo_in(args: argparse.Namespace, work: Path) -> int:
         ["export", args.model, "--size", args.size, "-o", str(model)],
         ["partition", str(model), "--stages", str(args.stages), "--batch-size",
          str(args.batch_size), "-o", str(plan)],
-        ["run", str(plan), "--batch-size", str(args.batch_size), "--check"],
+        ["run", str(plan), "--check"],  # the plan's micro-batch size and count
     ]
     for step in steps:
         _say(f"$ onnx-partition {' '.join(step)}")

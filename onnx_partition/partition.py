@@ -16,8 +16,15 @@ from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
-from onnx_partition.cost.annotate import NodeCosts, annotate
+from onnx_partition.cost.annotate import NodeCosts, annotate, read_costs
 from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.costs_file import (
+    CostsCheck,
+    batch_size_of,
+    check_costs,
+    recorded_shapes,
+    rescale,
+)
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
@@ -98,8 +105,10 @@ def partition(
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
-    graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
+    graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     node_costs = annotate(graph, device=device, costs_path=costs)
+    if costs is not None and checked is not None:
+        node_costs = rescale(node_costs, graph, list(read_costs(costs)), checked.scale)
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
@@ -111,8 +120,41 @@ def partition(
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
+    plan.extra["batch_size"] = batch_size_of(graph)  # rows per micro-batch
+    plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
+    if checked is not None:
+        plan.extra["costs"]["check"] = checked.to_json()
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
+
+
+def _load_for_costs(
+    model: str | os.PathLike[str],
+    costs: str | os.PathLike[str] | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    batch_size: int | None,
+) -> tuple[OpGraph, CostsCheck | None]:
+    """Load ``model`` (at the costs file's input shapes when neither ``input_shapes`` nor
+    ``batch_size`` is given) and check the costs file against it (``cost.costs_file``)."""
+    if costs is None:
+        return load(model, input_shapes=input_shapes, batch_size=batch_size), None
+    graph = None
+    defaulted = None
+    if batch_size is None and not input_shapes:
+        defaulted = recorded_shapes(costs)
+        if defaulted:
+            try:
+                graph = load(model, input_shapes=defaulted)
+            except PartitionError:  # another model's inputs: the check below says so
+                defaulted = None
+    if graph is None:
+        graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
+    checked = check_costs(costs, graph)
+    if defaulted:
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in defaulted.items())
+        checked.notes.append(f"note: planning at the input shapes costs file {costs} was "
+                             f"measured at ({shapes})")
+    return graph, checked
 
 
 def plan_stages(

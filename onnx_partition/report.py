@@ -7,6 +7,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
@@ -153,17 +154,24 @@ MAX_DAG_NODES = 300
 def write_report(
     plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
     microbatches: int | None = None, chunks: int | None = None,
+    measured: Path | None = None,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
     ``PLAN.report.html`` beside the folder: :func:`default_report_path`), atomically; returns
-    its path. ``schedule``, ``microbatches``
-    and ``chunks`` go to :func:`simulate_plan`. Raises PartitionError for a folder without a
+    its path. ``schedule``, ``microbatches`` and ``chunks`` go to :func:`simulate_plan`.
+    ``measured``: a ``run --json`` file shown next to the simulation
+    (:func:`measured_section`). Raises PartitionError for a folder without a
     readable plan.json or a schedule the plan does not allow."""
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
     result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
                                   chunks=chunks)
     page = report_html(plan, plan_dir, result, costs)
+    if measured is not None:
+        from onnx_partition.measured import read_run
+
+        section = measured_section(plan, read_run(measured), Path(measured).name)
+        page = page.replace("</main>", section + "</main>", 1)
     out = Path(out) if out is not None else default_report_path(plan_dir)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -231,6 +239,46 @@ def _header(plan: Plan) -> str:
                      f"solver {plan.solver}"),
             ("onnx-partition", str(plan.extra.get("version", "?")))]
     return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
+
+
+def measured_section(plan: Plan, run: dict[str, Any], name: str = "run.json") -> str:
+    """A measured run (``run --json``) next to the plan's simulation of that very run
+    (:func:`onnx_partition.measured.predict`, re-done here from plan.json): overall and per
+    stage, with the ratio measured / predicted."""
+    from onnx_partition.measured import RunShape, predict, ratios
+
+    replicas = [s.replicas for s in plan.stages]
+    if run.get("replicas") != replicas:
+        raise PartitionError(f"{name} is a run of another plan (replicas per stage "
+                             f"{run.get('replicas')}, this plan's {replicas})")
+    shape = RunShape(int(run["batch_size"]), int(run["microbatches"]))
+    measured, predicted = run["measured"], predict(plan, shape)
+    ratio = ratios(measured, predicted)
+
+    def cell(value: float | None) -> str:
+        return f"<td>{sig3(value) if value is not None else '-'}</td>"
+
+    rows = [
+        '<tr><td class="l">samples/s</td>' + cell(measured["samples_per_s"])
+        + cell(predicted["samples_per_s"]) + cell(ratio["samples_per_s"])
+        + "</tr>",
+        '<tr><td class="l">iteration ms</td>' + cell(measured["iteration_ms"])
+        + cell(predicted["iteration_ms"]) + cell(ratio["iteration_ms"]) + "</tr>",
+    ]
+    by_stage = {s["index"]: s for s in predicted["stages"]}
+    for stage, value in zip(measured["stages"], ratio["stage_busy_ms"]):
+        pred = by_stage.get(stage["index"], {}).get("busy_ms")
+        rows.append(f'<tr><td class="l">stage {stage["index"]} busy ms (per replica)</td>'
+                    + cell(stage["busy_ms"]) + cell(pred) + cell(value)
+                    + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("measured", "predicted", "measured / predicted"))
+    note = (f"{esc(name)}: {esc(str(run.get('runtime', '?')))} runtime, "
+            f"{shape.microbatches} micro-batches x {shape.batch_size} rows, "
+            f"{measured.get('iterations', '?')} timed iterations. Predicted: the plan's "
+            "forward-only simulation of the same micro-batches.")
+    return _section("Measured run against the simulation",
+                    f'<table><thead><tr><th class="l"></th>{head}</tr></thead>'
+                    f'<tbody>{"".join(rows)}</tbody></table><p class="note">{note}</p>')
 
 
 def _section(title: str, content: str) -> str:

@@ -47,7 +47,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from onnx import helper, numpy_helper
 from onnx_partition.cost.analytic import _DENSE, DeviceSpec
 from onnx_partition.cost.analytic import forward_ms as analytic_forward_ms
 from onnx_partition.cost.annotate import op_infos, write_costs
+from onnx_partition.cost.costs_file import provenance
 from onnx_partition.emit import _index_bounds
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import _NONDETERMINISTIC, OpGraph, load, shape_of
@@ -106,6 +107,8 @@ class ProfileResult:
     settings: dict[str, object]
     unique_signatures: int  # signatures measured by this call
     reused: int  # nodes served by another node's measurement or by the cache
+    # fingerprint, input_shapes, batch_size, device_kind, device_name (cost.costs_file)
+    provenance: dict[str, object] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- public API
@@ -220,7 +223,7 @@ def profile_model(
         "clock": "thread_time" if ctx.clock is time.thread_time else "perf_counter",
         "cache": str(cache.path) if cache.path else None, **info}
     return ProfileResult(forward, backward, whole_ms, raw_sum, name, ort.__version__, settings,
-                         len(measured), reused)
+                         len(measured), reused, provenance(graph, name))
 
 
 def save_profile(result: ProfileResult, path: Path) -> None:
@@ -232,7 +235,8 @@ def save_profile(result: ProfileResult, path: Path) -> None:
     costs = {k: {"forward_ms": round(v, 6), "backward_ms": round(result.backward_ms[k], 6)}
              for k, v in result.forward_ms.items()}
     write_costs(path, costs, device=result.device, source="profile",
-                onnxruntime=result.onnxruntime, whole_model_ms=round(result.whole_model_ms, 6),
+                onnxruntime=result.onnxruntime, **result.provenance,
+                whole_model_ms=round(result.whole_model_ms, 6),
                 raw_sum_ms=round(result.raw_sum_ms, 6),
                 unique_signatures=result.unique_signatures, reused=result.reused,
                 settings=result.settings)

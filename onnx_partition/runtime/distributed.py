@@ -32,7 +32,7 @@ errors it provokes in its peers.
 **Several machines** (the plan folder copied to each; devices name local devices)::
 
     torchrun --nnodes 2 --node-rank R --nproc-per-node N --master-addr HOST --master-port 29500 \\
-        -m onnx_partition.runtime.distributed PLAN --batch-size 8 --microbatches 4 --iterations 10
+        -m onnx_partition.runtime.distributed PLAN --iterations 10
 
 ``--nproc-per-node`` times ``--nnodes`` must equal the plan's replicas in total (set
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.pipeline import StageFailed
@@ -174,6 +175,9 @@ class DistStats:
     placement: list[tuple[int, int, str]]  # per rank: (stage, replica, device)
     busy_ms: dict[int, float] = field(default_factory=dict)  # per rank: onnxruntime compute
     comm_ms: dict[int, float] = field(default_factory=dict)  # per rank: blocked in recv / sends
+    # per rank: onnxruntime compute in each iteration (busy_ms split by iteration)
+    busy_each_ms: dict[int, list[float]] = field(default_factory=dict)
+    cpu_each_ms: dict[int, list[float]] = field(default_factory=dict)  # the same, thread CPU time
     wall_ms: dict[int, float] = field(default_factory=dict)  # per rank: its serving loop
     launch_ms: float = 0.0  # run_distributed: spawn to results back (imports, set-up, run)
 
@@ -260,9 +264,11 @@ def _serve_rank(
 
     wire, busy, exit_hook = Wire(comm, lay.name), 0.0, os.environ.get(EXIT_RANK_ENV) == str(rank)
     iteration_ms: list[float] = []
+    busy_each: list[float] = []
+    cpu, cpu_each = 0.0, []
     results: dict[int, Env] = {}
     for _ in range(iterations):
-        began = time.perf_counter()
+        began, busy_before, cpu_before = time.perf_counter(), busy, cpu
         pending: list[Any] = []
         results.clear()
         if rank == 0:
@@ -277,12 +283,13 @@ def _serve_rank(
                 env = wire.recv(src, m, lay.recv_names[k])
             if exit_hook:
                 os._exit(1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
             except Exception as exc:  # onnxruntime raises its own types
                 raise _Failure("compute", one_line(exc)) from exc
             busy += time.perf_counter() - t0
+            cpu += time.thread_time() - c0
             env.update(zip(stage.outputs, values))
             dst = 0 if last else lay.rank_of(k + 1, m)
             if dst == rank:
@@ -295,10 +302,12 @@ def _serve_rank(
                     results[m] = wire.recv(lay.rank_of(lay.stages - 1, m), m, lay.send_names[-1])
         wire.wait(pending)
         iteration_ms.append((time.perf_counter() - began) * 1000.0)
+        busy_each.append((busy - busy_before) * 1000.0)
+        cpu_each.append((cpu - cpu_before) * 1000.0)
     done = time.perf_counter()
 
     mine = {"rank": rank, "busy": busy, "comm": wire.comm_s, "wall": done - ready,
-            "setup": ready - started}
+            "setup": ready - started, "busy_each": busy_each, "cpu_each": cpu_each}
     gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
@@ -313,6 +322,8 @@ def _serve_rank(
                     or lay.devices[lay.place(q)[0]][lay.place(q)[1]])
                    for q in range(lay.world_size)],
         busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
+        busy_each_ms={g["rank"]: g["busy_each"] for g in gathered},
+        cpu_each_ms={g["rank"]: g["cpu_each"] for g in gathered},
         comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
         wall_ms={g["rank"]: g["wall"] * 1000.0 for g in gathered},
     )
@@ -391,7 +402,7 @@ def run_distributed(
     feeds: Mapping[str, np.ndarray],
     *,
     nproc: int | None = None,
-    microbatches: int = 4,
+    microbatches: int | None = None,
     iterations: int = 1,
     backend: str | None = None,
     master_addr: str = "127.0.0.1",
@@ -421,6 +432,8 @@ def run_distributed(
     if any(n not in known for n in names):
         raise PartitionError(f"unknown output {next(n for n in names if n not in known)!r}; "
                              f"outputs: {known}")
+    if microbatches is None:  # the plan's (predicted.microbatches, else 8)
+        microbatches = plan_microbatches(plan)
     _check_feeds(plan, feeds, microbatches)
     if iterations < 1:
         raise PartitionError(f"need at least one iteration, got {iterations}")
@@ -514,7 +527,7 @@ def main_worker(
     plan_dir: str | os.PathLike[str],
     feeds: Mapping[str, np.ndarray] | None = None,
     *,
-    microbatches: int = 4,
+    microbatches: int | None = None,
     iterations: int = 1,
     backend: str | None = None,
     timeout_s: float = 60.0,
@@ -531,6 +544,8 @@ def main_worker(
     folder = Path(plan_dir)
     plan = read_plan(folder)
     lay = layout(plan)
+    if microbatches is None:  # the plan's (predicted.microbatches, else 8)
+        microbatches = plan_microbatches(plan)
     if world != lay.world_size:
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {world} processes")
@@ -555,8 +570,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
         prog="python -m onnx_partition.runtime.distributed",
         description="One rank of a distributed pipeline run (start it with torchrun).")
     parser.add_argument("plan", type=Path)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per micro-batch (default: the plan's)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per iteration (default: the plan's)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     parser.add_argument("--seed", type=int, default=0)
@@ -565,18 +582,22 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, help="rank 0 saves the outputs here as .npy")
     args = parser.parse_args(argv)
     try:
+        from onnx_partition.measured import run_shape
+
         feeds = None
+        shape = run_shape(read_plan(args.plan), batch_size=args.batch_size,
+                          microbatches=args.microbatches)
         if os.environ.get("RANK") == "0":
             from onnx_partition.runtime.check import random_feeds
 
-            feeds = random_feeds(read_plan(args.plan), batch_size=args.batch_size, seed=args.seed)
+            feeds = random_feeds(read_plan(args.plan), batch_size=shape.rows, seed=args.seed)
             for item in args.input:
                 name, sep, file = item.partition("=")
                 if not sep or name not in feeds:
                     raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME "
                                          f"one of {', '.join(feeds)}")
                 feeds[name] = np.load(file)
-        result = main_worker(args.plan, feeds, microbatches=args.microbatches,
+        result = main_worker(args.plan, feeds, microbatches=shape.microbatches,
                              iterations=args.iterations, backend=args.backend,
                              timeout_s=args.timeout)
     except (PartitionError, StageFailed) as exc:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.stages import NodeArg, Provider, StageSession, load_stages, node_args
@@ -39,6 +40,9 @@ class RunStats:
     wall_ms: float = 0.0
     microbatches: int = 0
     busy_ms: dict[tuple[int, int], float] = field(default_factory=dict)  # (stage, replica)
+    # the same compute in the worker thread's CPU time: busy_ms less the time other threads
+    # and processes took its core (onnxruntime computes on the calling thread at 1 thread)
+    cpu_ms: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def idle_ms(self) -> dict[tuple[int, int], float]:
         return {k: max(0.0, self.wall_ms - v) for k, v in self.busy_ms.items()}
@@ -56,7 +60,7 @@ class PipelineSession:
         plan_dir: str | os.PathLike[str],
         providers: Sequence[Provider] | None = None,
         *,
-        microbatches: int = 4,
+        microbatches: int | None = None,
         threads_per_stage: int = 1,
         timeout_s: float = 600.0,
     ) -> None:
@@ -64,7 +68,9 @@ class PipelineSession:
         self.plan, self.stages = load_stages(
             plan_dir, providers=providers, threads_per_stage=threads_per_stage
         )
-        self.microbatches = microbatches
+        # micro-batches per run(): the plan's (predicted.microbatches, else 8) unless given
+        self.microbatches = microbatches if microbatches is not None else plan_microbatches(
+            self.plan)
         self.timeout_s = timeout_s
         self.last_stats = RunStats()
         # Names still needed after stage k: later stages' inputs and the graph outputs.
@@ -80,8 +86,10 @@ class PipelineSession:
         self._busy: dict[tuple[int, int], float] = {
             (s.index, s.replica): 0.0 for replicas in self.stages for s in replicas
         }
+        self._cpu = dict(self._busy)
         threads = [
-            threading.Thread(target=_serve, args=(s, self._inbox, self._keep, self._busy),
+            threading.Thread(target=_serve,
+                             args=(s, self._inbox, self._keep, self._busy, self._cpu),
                              daemon=True, name=f"stage{s.index}.{s.replica}")
             for replicas in self.stages for s in replicas
         ]
@@ -121,7 +129,7 @@ class PipelineSession:
             raise PartitionError("this PipelineSession is closed")
         count = len(batches)
         done: queue.SimpleQueue[Item | str] = queue.SimpleQueue()
-        busy_before = dict(self._busy)
+        busy_before, cpu_before = dict(self._busy), dict(self._cpu)
         began = time.perf_counter()
         first = self._inbox[0]
         for m, batch in enumerate(batches):
@@ -140,6 +148,7 @@ class PipelineSession:
             wall_ms=(time.perf_counter() - began) * 1000.0,
             microbatches=count,
             busy_ms={k: (v - busy_before.get(k, 0.0)) * 1000.0 for k, v in self._busy.items()},
+            cpu_ms={k: (v - cpu_before.get(k, 0.0)) * 1000.0 for k, v in self._cpu.items()},
         )
         return [results[m] for m in range(count)]
 
@@ -159,6 +168,7 @@ def _serve(
     inboxes: list[list[queue.SimpleQueue[Task | None]]],
     keep: list[set[str]],
     busy: dict[tuple[int, int], float],
+    cpu: dict[tuple[int, int], float],
 ) -> None:
     """A worker: take (reply queue, micro-batch, tensors) tasks until told to stop.
 
@@ -171,7 +181,7 @@ def _serve(
         if task is None:
             return
         done, m, env = task
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         try:
             values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
         except Exception as exc:  # onnxruntime raises its own types; report and keep serving
@@ -180,6 +190,7 @@ def _serve(
             continue
         finally:
             busy[(k, r)] += time.perf_counter() - began
+            cpu[(k, r)] += time.thread_time() - began_cpu
         env.update(zip(stage.outputs, values))
         env = {n: v for n, v in env.items() if n in keep[k]}
         if last:
