@@ -130,3 +130,12 @@ def test_cut_bytes_relay_model():
     np.testing.assert_array_equal(cuts, [0.0, 11.0, 111.0, 0.0])
     assert is_topological([0, 1, 2], producer, consumers)
     assert not is_topological([1, 0, 2], producer, consumers)
+
+
+def test_a_cut_below_the_bounds_last_bit_still_splits():
+    """Found by hypothesis: a cut of 1e-98 ms vanishes from ``total + 2 max(cut)`` in float,
+    so that start bound was unreachable and the backtrack found no start."""
+    split = split_sequence([0.0, 1.0], [0.0, 1.1267841127897931e-98, 0.0], 2,
+                           bandwidth_bytes_per_ms=1.0)
+    assert split.bounds == [0, 1, 2]
+    assert split.bottleneck_ms == pytest.approx(1.0)

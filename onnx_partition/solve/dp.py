@@ -95,7 +95,10 @@ def split_sequence(
 
     # Every stage's time is at least its compute, and the stages share all of it.
     lo = max(float(prefix[-1]) / num_stages, float(np.max(np.diff(prefix))))
-    hi = float(prefix[-1] + 2.0 * cut.max())  # any split meets this
+    hi = float(prefix[-1] + 2.0 * cut.max())  # any split meets this, up to rounding:
+    step = max(abs(hi), 1.0) * np.finfo(float).eps
+    while not reachable(hi)[num_stages, n]:  # a cut below hi's last bit must still fit
+        hi, step = hi + step, 2.0 * step
     reach = reachable(lo)
     if reach[num_stages, n]:
         hi = lo
