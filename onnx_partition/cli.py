@@ -469,7 +469,8 @@ def _run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     planned = (plan_batch_size(plan), plan_microbatches(plan))
     default = "" if "microbatches" in plan.predicted else " by default"
-    print(f"{len(plan.stages)} stages ({' + '.join(str(s.replicas) for s in plan.stages)} "
+    print(f"{_plural(len(plan.stages), 'stage')} "
+          f"({' + '.join(str(s.replicas) for s in plan.stages)} "
           f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
           f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
           f"{planned[0] or '?'} rows)", file=out)
