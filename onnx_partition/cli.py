@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_partition import values
 from onnx_partition.cost.cluster import Cluster, LinkSpec, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
@@ -27,8 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from onnx_partition.runtime.pipeline import StageFailed
 
     parser = _parser()
-    args = parser.parse_args(argv)
+    values.install(parser)  # every numeric option checked: finite, in range, unit in the message
     try:
+        args = parser.parse_args(argv)
         return int(args.func(args))
     except PartitionError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -114,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="with --nproc: seconds a rank may block on one operation or stay "
+                        "silent before the run fails naming it (default 60)")
     p.set_defaults(func=_run)
 
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
@@ -124,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("report", help="write a self-contained HTML report of a plan")
     p.add_argument("plan", type=Path)
     p.add_argument("-o", "--output", type=Path, help="default: PLAN/report.html")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing file that is not an earlier report")
     _schedule_args(p)
     p.set_defaults(func=_report)
 
@@ -142,6 +149,8 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                    help="default: 1f1b for training plans, infer otherwise; interleaved: "
                         "interleaved 1F1B, the stages as --chunks model chunks per device")
     p.add_argument("--microbatches", type=int, help="default: the plan's")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check the plan folder's file sizes only, not their sha256")
     p.add_argument("--chunks", type=int,
                    help="model chunks per device for --schedule interleaved (default 2); "
                         "must divide the stage count")
@@ -162,17 +171,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
     """``NAME=2,3,224`` items -> {NAME: [2, 3, 224]}; a clear error otherwise."""
-    shapes: dict[str, list[int]] = {}
-    for item in items:
-        name, sep, dims = item.rpartition("=")
-        try:
-            values = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
-        except ValueError:
-            values = []
-        if not sep or not name or not values or min(values) < 0:
-            raise PartitionError(f"--input-shape {item!r}: expected NAME=D0,D1,... (integers)")
-        shapes[name] = values
-    return shapes
+    return dict(values.input_shape(item) for item in items)
 
 
 # --------------------------------------------------------------------------- verbs
@@ -330,7 +329,7 @@ def _run_distributed(
     outputs, stats = run_distributed(
         args.plan, feeds, nproc=args.nproc, microbatches=args.microbatches,
         iterations=max(1, args.warmup + args.iterations),
-        threads_per_stage=args.threads_per_stage,
+        threads_per_stage=args.threads_per_stage, timeout_s=args.timeout,
     )
     print(format_stats(stats))
     return _check(args.plan, plan, feeds, outputs) if args.check else 0
@@ -350,8 +349,10 @@ def _check(
 
 def _simulate(args: argparse.Namespace) -> int:
     from onnx_partition.plan_sim import format_simulation, simulate_plan
+    from onnx_partition.plandir import verify
 
     plan = read_plan(args.plan)
+    verify(args.plan, plan, hashes=not args.no_verify)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
     print(format_simulation(plan, result))
@@ -362,7 +363,8 @@ def _report(args: argparse.Namespace) -> int:
     from onnx_partition.report import write_report
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
-                        microbatches=args.microbatches, chunks=_chunks(args))
+                        microbatches=args.microbatches, chunks=_chunks(args),
+                        force=args.force, hashes=not args.no_verify)
     print(f"wrote {path}")
     return 0
 

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.values import MAX_BYTES, Rule, check
 
 Shape = tuple[int, ...]
 
@@ -227,12 +228,23 @@ def _check_external_data(model: onnx.ModelProto, folder: Path) -> None:
             )
         if not target.is_file():
             raise PartitionError(f"missing external data file {location!r} (for {tensor.name!r})")
-        end = int(info.get("offset", 0)) + int(info.get("length", _tensor_proto_bytes(tensor)))
+        span = Rule(int, 0, MAX_BYTES, "bytes")
+        what = f"external data of {tensor.name!r}:"
+        offset = check(info.get("offset") or 0, f"{what} offset", span)
+        end = offset + check(info.get("length") or _tensor_proto_bytes(tensor), f"{what} length",
+                             span)
         if end > target.stat().st_size:
             raise PartitionError(
                 f"external data file {location!r} is too short for {tensor.name!r} "
                 f"(needs {end} bytes, has {target.stat().st_size})"
             )
+
+
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """The external data files (relative locations) the model's tensors point at."""
+    found = {e.value for t in iter_tensors(model.graph) for e in t.external_data
+             if t.data_location == onnx.TensorProto.EXTERNAL and e.key == "location"}
+    return sorted(found)
 
 
 def iter_tensors(

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.plan import REPORT_FILE, Plan, read_plan
+from onnx_partition.plan import PLAN_FILE, REPORT_FILE, Plan, read_plan
 from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
+from onnx_partition.plandir import REPORT_MARK, is_our_report, manifest_of, verify, write_file
 from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
 from onnx_partition.svg import (
     ALLREDUCE,
@@ -99,34 +97,27 @@ MAX_DAG_NODES = 300
 
 def write_report(
     plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
-    microbatches: int | None = None, chunks: int | None = None,
+    microbatches: int | None = None, chunks: int | None = None, force: bool = False,
+    hashes: bool = True,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
     ``plan_dir/report.html``), atomically; returns its path. ``schedule``, ``microbatches``
-    and ``chunks`` go to :func:`simulate_plan`. Raises PartitionError for a folder without a
-    readable plan.json or a schedule the plan does not allow."""
+    and ``chunks`` go to :func:`simulate_plan`. The folder is verified first (sizes, and
+    sha256 when ``hashes``). An existing file is replaced only when it is an earlier report or
+    ``force`` is given; plan.json and the plan's own files never are. Raises PartitionError for
+    a folder without a readable plan.json or a schedule the plan does not allow."""
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
+    verify(plan_dir, plan, hashes=hashes)
+    out = Path(out) if out is not None else plan_dir / REPORT_FILE
+    root = plan_dir.resolve()
+    owned = {root / PLAN_FILE} | {(root / name).resolve() for name in manifest_of(plan, plan_dir)}
+    if out.resolve() in owned:
+        raise PartitionError(f"{out} is a file of the plan; write the report elsewhere")
     result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
                                   chunks=chunks)
     page = report_html(plan, plan_dir, result, costs)
-    out = Path(out) if out is not None else plan_dir / REPORT_FILE
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    except OSError as exc:
-        raise PartitionError(f"cannot write the report to {out}: {exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(page)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is for reading
-        os.replace(tmp, out)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise PartitionError(f"cannot write the report to {out}: {exc}") from None
-        raise
-    return out
+    return write_file(out, page, replace=lambda path: force or is_our_report(path))
 
 
 def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts) -> str:
@@ -149,7 +140,8 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
         _section("Operator graph", _dag(plan, plan_dir)),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{esc(f'onnx-partition plan: {name}')}</title><style>{_CSS}</style>"
+            f"{REPORT_MARK.decode()}<title>{esc(f'onnx-partition plan: {name}')}</title>"
+            f"<style>{_CSS}</style>"
             "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.schema import validate_cluster
+from onnx_partition.values import byte_size
 
 FORMAT = "onnx-partition/cluster@1"
 
@@ -116,36 +117,24 @@ class Cluster:
 
 
 def parse_bytes(text: str) -> float:
-    """``80GB``, ``512MiB``, ``1.5e9`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
-    if not match:
-        raise PartitionError(f"cannot read a size from {text!r} (e.g. 80GB, 512MiB)")
-    value = float(match[1])
-    unit = (match[2] or "B").upper()
-    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return value * scale
+    """``80GB``, ``512MiB``, ``1.5e9`` -> bytes (positive and finite)."""
+    return byte_size(text, "--device-memory")
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
-    """Read cluster.json; a clear error for a missing file or a bad field."""
+    """Read cluster.json, checked against its schema (:mod:`onnx_partition.schema`); a clear
+    one-line error for a missing file or a bad field."""
     path = Path(path)
-    body = read_json(path, "cluster")
-    if not isinstance(body, dict):
-        raise PartitionError(f"cluster file {path} is not a JSON object")
-    try:
-        memory = body.get("memory_gb")
-        return Cluster(
-            machines=int(body.get("machines", 1)),
-            devices_per_machine=int(body.get("devices_per_machine", 1)),
-            memory_gb=math.inf if memory is None else float(memory),
-            speed=float(body.get("speed", 1.0)),
-            kind=str(body.get("kind", "cpu")),
-            intra=LinkSpec(**body["intra"]) if "intra" in body else LinkSpec(10.0, 0.02),
-            inter=LinkSpec(**body["inter"]) if "inter" in body else LinkSpec(1.25, 0.05),
-        )
-    except (TypeError, ValueError) as exc:
-        raise PartitionError(f"cluster file {path}: {exc}") from None
+    spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")
+    return Cluster(
+        machines=spec.machines,
+        devices_per_machine=spec.devices_per_machine,
+        memory_gb=math.inf if spec.memory_gb is None else spec.memory_gb,
+        speed=spec.speed,
+        kind=spec.kind,
+        intra=LinkSpec(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
+        inter=LinkSpec(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
+    )
 
 
 def save_cluster(cluster: Cluster, path: Path) -> None:

@@ -53,7 +53,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -516,7 +516,7 @@ def main_worker(
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {world} processes")
     k, _ = lay.place(rank)
-    verify_plan_folder(folder, replace(plan, stages=[plan.stages[k]]))  # this machine's copy
+    verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
     chosen = choose_backend(lay, backend)
     if rank == 0:
         if feeds is None:
