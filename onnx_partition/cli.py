@@ -282,7 +282,7 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from onnx_partition.runtime import PipelineSession
+    from onnx_partition.runtime import PipelineSession, microbatch
     from onnx_partition.runtime.check import random_feeds
 
     plan = read_plan(args.plan)
@@ -300,7 +300,10 @@ def _run(args: argparse.Namespace) -> int:
         return _run_distributed(args, plan, feeds)
     session = PipelineSession(args.plan, microbatches=args.microbatches,
                               threads_per_stage=args.threads_per_stage)
-    rows = next(iter(v.shape[0] for v in feeds.values() if v.ndim), 1)
+    try:
+        rows = microbatch.batch_size(feeds, microbatch.batch_axes(plan))
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
     for _ in range(args.warmup):
         outputs = session.run(None, feeds)
     began = time.perf_counter()

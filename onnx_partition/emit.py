@@ -76,15 +76,19 @@ def cut_stages(graph: OpGraph, stage_of: dict[int, int], num_stages: int) -> lis
             for name in node.outputs:
                 if name in graph.tensors and last_use[name] > k:
                     outputs[name] = None
-        if k == num_stages - 1:  # graph outputs computed from constants alone
+        whole: list[str] = []
+        if k == num_stages - 1:  # graph outputs computed from constants, or initializers
             for name in graph.outputs:
-                if name not in graph.tensors and name not in graph.initializer_bytes:
+                if name in graph.initializer_bytes and name not in graph.tensors:
+                    whole.append(name)
+                    outputs[name] = None
+                elif name not in graph.tensors:
                     consts.append(name)
                     outputs[name] = None
         if not outputs and nodes:  # a stage of dead ends still needs an output
             outputs[next(o for o in graph.nodes[nodes[-1]].outputs if o)] = None
         constants = graph.free_closure(consts)
-        inits: dict[str, None] = {}
+        inits: dict[str, None] = dict.fromkeys(whole)
         for index in sorted(nodes + constants):
             inits.update(dict.fromkeys(graph.nodes[index].initializers))
         cuts.append(StageCut(nodes, constants, list(inputs), list(outputs), list(inits)))

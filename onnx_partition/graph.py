@@ -154,6 +154,7 @@ def from_model(
         node.name = key
     order = _topological_order(graph, keys, set(inputs) | set(init_bytes))
     shapes = _fixed_input_shapes(graph, inputs, input_shapes or {}, batch_size, where)
+    _shape_loop_outputs(graph)
     concrete = _infer_types(_with_input_shapes(model, shapes), where)
     symbolic = _infer_types(model, where)
 
@@ -358,6 +359,30 @@ def _fixed_input_shapes(
                 )
         shapes[name] = tuple(dims)
     return shapes
+
+
+def _shape_loop_outputs(graph: onnx.GraphProto) -> None:
+    """Declare the shapes of Loop outputs that the body states but shape inference drops: a
+    loop-carried value's final shape is the body output's declared shape (inference leaves it
+    unknown, as it may change between iterations; the body's declaration says it does not).
+    Without a shape such a tensor cannot cross a cut (stage files need typed inputs)."""
+    known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
+    for node in graph.node:
+        if node.op_type != "Loop":
+            continue
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None:
+            continue
+        carried = len(node.input) - 2
+        for i, name in enumerate(node.output[:carried]):
+            declared = body.output[1 + i] if 1 + i < len(body.output) else None
+            if (not name or name in known or declared is None
+                    or not declared.type.tensor_type.HasField("shape")):
+                continue
+            info = graph.value_info.add()
+            info.name = name
+            info.type.CopyFrom(declared.type)
+            known.add(name)
 
 
 def _with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Shape]) -> onnx.ModelProto:

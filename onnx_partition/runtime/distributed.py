@@ -243,7 +243,8 @@ def _serve_rank(
         if backend == "nccl":
             comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
             torch.cuda.set_device(comm)
-        batches = microbatch.split(dict(feeds), microbatches) if feeds is not None else []
+        fixed = microbatch.batch_axes(plan)
+        batches = microbatch.split(dict(feeds), microbatches, fixed) if feeds is not None else []
     except Exception as exc:  # onnxruntime raises its own types
         raise _Failure("setup", f"cannot start: {one_line(exc)}") from exc
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -311,8 +312,8 @@ def _serve_rank(
     dist.destroy_process_group()
     if rank != 0:
         return None
-    outputs = microbatch.merge([results[m] for m in range(count)])
-    rows = microbatch.batch_size(feeds) if feeds is not None else 0
+    outputs = microbatch.merge([results[m] for m in range(count)], fixed)
+    rows = microbatch.batch_size(feeds, fixed) if feeds is not None else 0
     stats = DistStats(
         backend=backend, world_size=lay.world_size, microbatches=count, rows=rows,
         iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
@@ -386,7 +387,7 @@ def _check_feeds(plan: Plan, feeds: Mapping[str, np.ndarray], microbatches: int)
         raise PartitionError(f"missing input {missing[0]!r}; inputs: "
                              f"{[s.name for s in plan.inputs]}")
     try:
-        microbatch.split(dict(feeds), microbatches)
+        microbatch.split(dict(feeds), microbatches, microbatch.batch_axes(plan))
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 
