@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from math import inf
 from pathlib import Path
 
 from onnx_partition.errors import PartitionError
@@ -57,14 +58,14 @@ def plan_table(plan: Plan) -> str:
             f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
             f"{total['microbatches']} micro-batches per "
             f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
-            f"{total['bubble_fraction'] * 100:.1f}%, {total['throughput_per_s']:.1f} "
+            f"{total['bubble_fraction'] * 100:.1f}%, {total.get('throughput_per_s', inf):.1f} "
             f"micro-batches/s"
         )
     elif total:
         lines.append(
             f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
             f"{total.get('bottleneck_ms', 0):.3f} ms, predicted "
-            f"{total.get('throughput_per_s', 0):.1f} micro-batches/s "
+            f"{total.get('throughput_per_s', inf):.1f} micro-batches/s "
             f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
         )
     return "\n".join(lines)

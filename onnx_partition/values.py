@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,15 +130,16 @@ _ANY_INT = Rule(int, -MAX_COUNT, MAX_COUNT)
 _ANY_FLOAT = Rule(float, -1e300, 1e300)
 
 
-def option_type(flag: str, rule: Rule) -> Callable[[str], Any]:
+@dataclass(frozen=True)
+class OptionType:
     """An argparse ``type`` that checks ``rule`` and raises PartitionError (one line) on a bad
-    value."""
+    value of option ``flag``."""
 
-    def convert(text: str) -> Any:
-        return check(text, flag, rule)
+    flag: str
+    rule: Rule
 
-    convert.__name__ = rule.kind.__name__  # argparse names the type in its own messages
-    return convert
+    def __call__(self, text: str) -> Any:
+        return check(text, self.flag, self.rule)
 
 
 def install(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +157,7 @@ def install(parser: argparse.ArgumentParser) -> None:
         rule = OPTIONS.get(action.dest) or (_ANY_INT if action.type is int else _ANY_FLOAT)
         if rule.kind is not action.type:
             rule = Rule(action.type, rule.low, rule.high, rule.unit, rule.low_open)
-        action.type = option_type(flag, rule)
+        action.type = OptionType(flag, rule)
 
 
 # --------------------------------------------------------------------------- shapes and sizes
