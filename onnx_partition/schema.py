@@ -27,6 +27,8 @@ from pydantic import (
 from onnx_partition.errors import PartitionError
 from onnx_partition.values import (
     MAX_DEVICES,
+    MAX_DIM,
+    MAX_ELEMENTS,
     MAX_GBPS,
     MAX_MS,
     MAX_REPLICAS,
@@ -94,11 +96,20 @@ class StageSchema(BaseModel):
     sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
 
 
+Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
+
+
+def _elements(shape: list[Any]) -> list[Any]:
+    if math.prod(d for d in shape if isinstance(d, int)) > MAX_ELEMENTS:
+        raise ValueError(f"more than {MAX_ELEMENTS} elements")
+    return shape
+
+
 class IOSchema(BaseModel):
     model_config = _CONFIG
     name: Name
     dtype: Annotated[str, AfterValidator(_dtype)]
-    shape: list[Annotated[int, Field(ge=0)] | str]
+    shape: Annotated[list[Dim | str], AfterValidator(_elements)]
     high: Annotated[int, Field(ge=1)] | None = None
 
 
@@ -112,7 +123,8 @@ class PlanSchema(BaseModel):
     stages: Annotated[list[StageSchema], Field(min_length=1, max_length=MAX_STAGES)]
     inputs: list[IOSchema] = []
     outputs: Annotated[list[IOSchema], Field(min_length=1)]
-    predicted: dict[str, Any] = {}
+    predicted: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = {}
+    input_shapes: dict[str, Annotated[list[Dim], AfterValidator(_elements)]] = {}
     manifest: dict[RelPath, FileEntry] | None = None
 
     @model_validator(mode="after")
@@ -187,12 +199,17 @@ def validate(schema: type[BaseModel], body: Any, where: str) -> Any:
     return model
 
 
+#: Parts of pydantic's error location that name a union member, not a field.
+_TAGS = {"int", "str", "float", "bool", "nullable", "constrained-int", "constrained-str",
+         "constrained-float", "list", "dict"}
+
+
 def _field(loc: tuple[int | str, ...]) -> str:
     text = ""
     for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif part not in ("int", "str", "float", "function-after[_relative()]", "nullable"):
+        elif part not in _TAGS and not part.startswith("function-"):
             text += f".{part}" if text else str(part)
     return f"{text}: " if text else ""
 

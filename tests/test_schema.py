@@ -53,7 +53,11 @@ PLAN_CASES = [
                                              "finite number"),
     ("stages.0.file", "../m.onnx", "stages[0].file: must be a path inside the plan folder"),
     ("stages", KeyError, "stages: Field required"),
-    ("predicted.bottleneck_ms", math.inf, "predicted.bottleneck_ms: NaN and Infinity"),
+    ("predicted.bottleneck_ms", math.inf, "predicted.bottleneck_ms: Input should be a finite"),
+    ("predicted.bottleneck_ms", "fast", "predicted.bottleneck_ms: Input should be a valid number"),
+    ("inputs.0.shape", [2**40, 4], "inputs[0].shape[0]: Input should be less than or equal to"),
+    ("input_shapes.x", [2**31 - 1, 2**31 - 1], "input_shapes.x: more than"),
+    ("link.bandwidth_gbps", math.nan, "link.bandwidth_gbps: NaN and Infinity are not allowed"),
 ]
 
 
