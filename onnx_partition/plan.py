@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.schema import validate_plan
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
@@ -70,6 +69,8 @@ class Plan:
             "onnx-partition/plan@"
         ):
             raise PartitionError("plan.json has no onnx-partition/plan format tag")
+        from onnx_partition.schema import validate_plan  # pydantic: loaded when first needed
+
         validate_plan(body)
         known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted"}
         try:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.schema import validate_cluster
 from onnx_partition.values import byte_size
 
 FORMAT = "onnx-partition/cluster@1"
@@ -124,6 +123,8 @@ def parse_bytes(text: str) -> float:
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     """Read cluster.json, checked against its schema (:mod:`onnx_partition.schema`); a clear
     one-line error for a missing file or a bad field."""
+    from onnx_partition.schema import validate_cluster  # pydantic: loaded when first needed
+
     path = Path(path)
     spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")
     return Cluster(
