@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_partition import __version__
+from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, LinkSpec, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
@@ -34,15 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from onnx_partition.runtime.pipeline import StageFailed
 
     parser = _parser()
-    args = parser.parse_args(argv)
-    _configure_logging(args.verbose - args.quiet)
-    from onnx_partition import progress
-
-    progress.install(log.isEnabledFor(logging.INFO))
-    log.debug("onnx-partition %s, python %s, arguments %s", __version__,
-              sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
-    began = time.perf_counter()
+    values.install(parser)  # every numeric option checked: finite, in range, unit in the message
     try:
+        args = parser.parse_args(argv)
+        _configure_logging(args.verbose - args.quiet)
+        from onnx_partition import progress
+
+        progress.install(log.isEnabledFor(logging.INFO))
+        log.debug("onnx-partition %s, python %s, arguments %s", __version__,
+                  sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
+        began = time.perf_counter()
         code = int(args.func(args))
         log.debug("%s finished in %.2f s with exit code %d", args.verb,
                   time.perf_counter() - began, code)
@@ -216,6 +217,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="with --nproc: seconds a rank may block on one operation or stay "
+                        "silent before the run fails naming it")
     _json_arg(p)
     p.set_defaults(func=_run)
 
@@ -234,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="HTML file to write (default: PLAN.report.html beside the folder)")
     p.add_argument("--measured", type=Path, metavar="RUN.json",
                    help="a `run --json` file: show the measured run next to the simulation")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing file that is not an earlier report")
     _schedule_args(p)
     p.set_defaults(func=_report)
 
@@ -264,6 +270,8 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                    help="default: 1f1b for training plans, infer otherwise; interleaved: "
                         "interleaved 1F1B, the stages as --chunks model chunks per device")
     p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check the plan folder's file sizes only, not their sha256")
     p.add_argument("--chunks", type=int,
                    help="model chunks per device for --schedule interleaved (default 2); "
                         "must divide the stage count")
@@ -291,17 +299,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
 
 def parse_input_shapes(items: Sequence[str]) -> dict[str, list[int]]:
     """``NAME=2,3,224`` items -> {NAME: [2, 3, 224]}; a clear error otherwise."""
-    shapes: dict[str, list[int]] = {}
-    for item in items:
-        name, sep, dims = item.rpartition("=")
-        try:
-            values = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
-        except ValueError:
-            values = []
-        if not sep or not name or not values or min(values) < 0:
-            raise PartitionError(f"--input-shape {item!r}: expected NAME=D0,D1,... (integers)")
-        shapes[name] = values
-    return shapes
+    return dict(values.input_shape(item) for item in items)
 
 
 # --------------------------------------------------------------------------- verbs
@@ -447,6 +445,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     from onnx_partition.runtime.check import random_feeds
     from onnx_partition.runtime.measure import measure_distributed, measure_threads, shape_of_feeds
+    from onnx_partition.runtime.microbatch import batch_axes
 
     plan = read_plan(args.plan)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
@@ -460,7 +459,7 @@ def _run(args: argparse.Namespace) -> int:
             feeds[name] = np.load(file)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
-    shape = shape_of_feeds(shape, feeds)
+    shape = shape_of_feeds(shape, feeds, batch_axes(plan))
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     out = sys.stderr if args.json else sys.stdout
@@ -478,7 +477,8 @@ def _run(args: argparse.Namespace) -> int:
                "threads_per_stage": args.threads_per_stage}
     if args.nproc is not None:
         runtime, measured, outputs = measure_distributed(
-            args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device, **options)
+            args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device,
+            timeout_s=args.timeout, **options)
     else:
         runtime, measured, outputs = measure_threads(
             args.plan, plan, feeds, shape, providers=_providers(args),
@@ -503,12 +503,12 @@ def _providers(args: argparse.Namespace) -> list[str] | None:
 def timing_line(samples_ms: Sequence[float]) -> str:
     """Per-iteration latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
     linear percentiles) over the timed iterations."""
-    values = np.asarray(samples_ms, dtype=np.float64)
-    if values.size == 0:
+    times = np.asarray(samples_ms, dtype=np.float64)
+    if times.size == 0:
         return "latency: no timed iterations"
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return (f"latency per iteration over {_plural(values.size, 'iteration')}: mean "
-            f"{values.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    return (f"latency per iteration over {_plural(times.size, 'iteration')}: mean "
+            f"{times.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
 
 
 def _check(
@@ -528,8 +528,10 @@ def _check(
 def _simulate(args: argparse.Namespace) -> int:
     from onnx_partition.measured import dumps, simulate_json
     from onnx_partition.plan_sim import format_simulation, simulate_plan
+    from onnx_partition.plandir import verify
 
     plan = read_plan(args.plan)
+    verify(args.plan, plan, hashes=not args.no_verify)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
                               chunks=_chunks(args))
     body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
@@ -552,7 +554,8 @@ def _report(args: argparse.Namespace) -> int:
 
     path = write_report(args.plan, args.output, schedule=args.schedule,
                         microbatches=args.microbatches, chunks=_chunks(args),
-                        measured=args.measured)
+                        measured=args.measured, force=args.force,
+                        hashes=not args.no_verify)
     _say(f"wrote {path}")
     return 0
 

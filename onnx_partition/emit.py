@@ -9,13 +9,11 @@ piece, never loaded whole.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -23,12 +21,14 @@ from onnx import helper, numpy_helper
 
 from onnx_partition import __version__, progress
 from onnx_partition.errors import PartitionError
-from onnx_partition.graph import OpGraph, iter_tensors
-from onnx_partition.plan import IOSpec, Plan, is_plan_folder, write_plan
+from onnx_partition.graph import OpGraph, external_files, iter_tensors
+from onnx_partition.plan import IOSpec, Plan
+from onnx_partition.plandir import MANIFEST, file_digest, publish, read_body
 
 #: Initializers of at least this many bytes are stored as external data.
 EXTERNAL_THRESHOLD = 1 << 20
 _ALIGN = 4096
+_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,19 @@ def cut_stages(graph: OpGraph, stage_of: dict[int, int], num_stages: int) -> lis
             for name in node.outputs:
                 if name in graph.tensors and last_use[name] > k:
                     outputs[name] = None
-        if k == num_stages - 1:  # graph outputs computed from constants alone
+        whole: list[str] = []
+        if k == num_stages - 1:  # graph outputs computed from constants, or initializers
             for name in graph.outputs:
-                if name not in graph.tensors and name not in graph.initializer_bytes:
+                if name in graph.initializer_bytes and name not in graph.tensors:
+                    whole.append(name)
+                    outputs[name] = None
+                elif name not in graph.tensors:
                     consts.append(name)
                     outputs[name] = None
         if not outputs and nodes:  # a stage of dead ends still needs an output
             outputs[next(o for o in graph.nodes[nodes[-1]].outputs if o)] = None
         constants = graph.free_closure(consts)
-        inits: dict[str, None] = {}
+        inits: dict[str, None] = dict.fromkeys(whole)
         for index in sorted(nodes + constants):
             inits.update(dict.fromkeys(graph.nodes[index].initializers))
         cuts.append(StageCut(nodes, constants, list(inputs), list(outputs), list(inits)))
@@ -135,17 +139,26 @@ def _value_info(graph: OpGraph, name: str) -> onnx.ValueInfoProto:
 def save_stage(
     model: onnx.ModelProto, path: Path, source_dir: Path | None, *, check: bool = True
 ) -> str:
-    """Write a stage to ``path`` with large weights external; return its sha256."""
+    """Write a stage to ``path`` with large weights external; return its sha256.
+
+    Weights external in the source are copied to the stage's data file in 1 MiB blocks, so a
+    tensor of any size costs no more memory than one block."""
     data_name = path.name + ".data"
     with open(path.parent / data_name, "wb") as data:
         for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                source, start, length = _external_span(tensor, source_dir)
+                if length < EXTERNAL_THRESHOLD:
+                    _set_inline(tensor, _read_span(source, start, length))
+                    continue
+                offset = _aligned(data)
+                _copy_span(source, start, length, data)
+                _set_external(tensor, data_name, offset, length)
+                continue
             raw = _raw_bytes(tensor, source_dir)
             if raw is None or len(raw) < EXTERNAL_THRESHOLD:
-                if raw is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    _set_inline(tensor, raw)
                 continue
-            offset = -data.tell() % _ALIGN + data.tell()
-            data.seek(offset)
+            offset = _aligned(data)
             data.write(raw)
             _set_external(tensor, data_name, offset, len(raw))
     for tensor in iter_tensors(model.graph, nested_only=True):
@@ -161,19 +174,47 @@ def save_stage(
             first = str(exc).strip().splitlines()[0]
             msg = f"stage file {path.name} failed the ONNX checker: {first}"
             raise PartitionError(msg) from None
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return file_digest(path)
+
+
+def _aligned(data: BinaryIO) -> int:
+    offset = -data.tell() % _ALIGN + data.tell()
+    data.seek(offset)
+    return offset
+
+
+def _external_span(tensor: onnx.TensorProto, source_dir: Path | None) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes (checked by :func:`graph.load`)."""
+    if source_dir is None:
+        raise PartitionError(f"{tensor.name!r} has external data but the model has no folder")
+    info = {e.key: e.value for e in tensor.external_data}
+    source = source_dir / info["location"]
+    start = int(info.get("offset") or 0)
+    length = int(info["length"]) if info.get("length") else source.stat().st_size - start
+    return source, start, length
+
+
+def _read_span(source: Path, start: int, length: int) -> bytes:
+    with open(source, "rb") as src:
+        src.seek(start)
+        return src.read(length)
+
+
+def _copy_span(source: Path, start: int, length: int, data: BinaryIO) -> None:
+    with open(source, "rb") as src:
+        src.seek(start)
+        while length > 0:
+            block = src.read(min(_BLOCK, length))
+            if not block:
+                raise PartitionError(f"external data file {source.name} ended early")
+            data.write(block)
+            length -= len(block)
 
 
 def _raw_bytes(tensor: onnx.TensorProto, source_dir: Path | None) -> bytes | None:
     """The tensor's little-endian bytes (read from the source's data file when external)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        info = {e.key: e.value for e in tensor.external_data}
-        if source_dir is None:
-            raise PartitionError(f"{tensor.name!r} has external data but the model has no folder")
-        with open(source_dir / info["location"], "rb") as src:
-            src.seek(int(info.get("offset", 0)))
-            length = info.get("length")
-            return src.read(int(length)) if length is not None else src.read()
+        return _read_span(*_external_span(tensor, source_dir))
     if tensor.data_type == onnx.TensorProto.STRING:
         return None
     if tensor.HasField("raw_data"):
@@ -248,31 +289,14 @@ def _index_bounds(graph: OpGraph) -> dict[str, int]:
 def write_plan_folder(
     out: Path, write: Callable[[Path], None], *, force: bool = False
 ) -> None:
-    """Run ``write(tmp)`` into a fresh temporary folder, then swap it in for ``out``.
+    """Run ``write(tmp)`` (which writes plan.json and its files) into a fresh temporary folder,
+    then publish it as ``out`` with its manifest (see :func:`onnx_partition.plandir.publish`)."""
 
-    ``out`` may be missing, empty, or an earlier plan; anything else needs ``force``. Nothing is
-    left half-written: on failure the temporary folder is removed and ``out`` is untouched.
-    """
-    if out.exists() and not out.is_dir():
-        raise PartitionError(f"output {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not is_plan_folder(out) and not force:
-        raise PartitionError(
-            f"output folder {out} exists and is not an earlier plan; use --force to replace it"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = out.parent / f".{out.name}.tmp-{tag}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out.parent / f".{out.name}.old-{tag}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    def body(folder: Path) -> dict[str, Any]:
+        write(folder)
+        return read_body(folder)
+
+    publish(out, body, force=force)
 
 
 def emit(
@@ -287,16 +311,18 @@ def emit(
     """Write every stage file and plan.json into ``out`` atomically; return the final plan."""
     source_dir = graph.path.parent.resolve() if graph.path else None
 
-    def write(folder: Path) -> None:
+    def write(folder: Path) -> dict[str, Any]:
         for k, cut in enumerate(cuts):
             stage = plan.stages[k]
             stage.sha256 = save_stage(
                 stage_model(graph, cut, k), folder / stage.file, source_dir, check=check
             )
             progress.step("writing stage files", k + 1, len(cuts))
-        write_plan(plan, folder)
+        return plan.to_json()
 
+    protect: list[Path] = []
     if graph.path is not None:
-        plan.model = os.path.relpath(graph.path.resolve(), out.resolve())
-    write_plan_folder(out, write, force=force)
+        plan.model = os.path.relpath(graph.path.resolve(), Path(os.path.abspath(out)).resolve())
+        protect = [graph.path, *(graph.path.parent / f for f in external_files(graph.model))]
+    plan.extra[MANIFEST] = publish(out, write, force=force, protect=protect)
     return plan

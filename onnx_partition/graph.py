@@ -21,6 +21,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.values import MAX_BYTES, Rule, check
 
 Shape = tuple[int, ...]
 
@@ -153,6 +154,7 @@ def from_model(
         node.name = key
     order = _topological_order(graph, keys, set(inputs) | set(init_bytes))
     shapes = _fixed_input_shapes(graph, inputs, input_shapes or {}, batch_size, where)
+    _shape_loop_outputs(graph)
     concrete = _infer_types(_with_input_shapes(model, shapes), where)
     symbolic = _infer_types(model, where)
 
@@ -227,12 +229,23 @@ def _check_external_data(model: onnx.ModelProto, folder: Path) -> None:
             )
         if not target.is_file():
             raise PartitionError(f"missing external data file {location!r} (for {tensor.name!r})")
-        end = int(info.get("offset", 0)) + int(info.get("length", _tensor_proto_bytes(tensor)))
+        span = Rule(int, 0, MAX_BYTES, "bytes")
+        what = f"external data of {tensor.name!r}:"
+        offset = check(info.get("offset") or 0, f"{what} offset", span)
+        end = offset + check(info.get("length") or _tensor_proto_bytes(tensor), f"{what} length",
+                             span)
         if end > target.stat().st_size:
             raise PartitionError(
                 f"external data file {location!r} is too short for {tensor.name!r} "
                 f"(needs {end} bytes, has {target.stat().st_size})"
             )
+
+
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """The external data files (relative locations) the model's tensors point at."""
+    found = {e.value for t in iter_tensors(model.graph) for e in t.external_data
+             if t.data_location == onnx.TensorProto.EXTERNAL and e.key == "location"}
+    return sorted(found)
 
 
 def iter_tensors(
@@ -346,6 +359,30 @@ def _fixed_input_shapes(
                 )
         shapes[name] = tuple(dims)
     return shapes
+
+
+def _shape_loop_outputs(graph: onnx.GraphProto) -> None:
+    """Declare the shapes of Loop outputs that the body states but shape inference drops: a
+    loop-carried value's final shape is the body output's declared shape (inference leaves it
+    unknown, as it may change between iterations; the body's declaration says it does not).
+    Without a shape such a tensor cannot cross a cut (stage files need typed inputs)."""
+    known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
+    for node in graph.node:
+        if node.op_type != "Loop":
+            continue
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        if body is None:
+            continue
+        carried = len(node.input) - 2
+        for i, name in enumerate(node.output[:carried]):
+            declared = body.output[1 + i] if 1 + i < len(body.output) else None
+            if (not name or name in known or declared is None
+                    or not declared.type.tensor_type.HasField("shape")):
+                continue
+            info = graph.value_info.add()
+            info.name = name
+            info.type.CopyFrom(declared.type)
+            known.add(name)
 
 
 def _with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Shape]) -> onnx.ModelProto:

@@ -204,9 +204,9 @@ def plan_stages(
         compute[k] += problem.compute_ms[i]
     comm = [t - c for t, c in zip(times, compute)]
     bottleneck = max(times)
-    predicted = {
+    predicted = {  # no throughput when nothing costs time (JSON has no Infinity)
         "bottleneck_ms": round(bottleneck, 6),
-        "throughput_per_s": round(1000.0 / bottleneck, 3) if bottleneck > 0 else math.inf,
+        **({"throughput_per_s": round(1000.0 / bottleneck, 3)} if bottleneck > 0 else {}),
         "total_compute_ms": round(sum(compute), 6),
     }
     return _describe(graph, node_costs, nodes, local_stage, compute, comm,
@@ -249,7 +249,8 @@ def plan_on_cluster(
     sim = best.sim
     predicted = {
         "iteration_ms": round(sim.iteration_ms, 6),
-        "throughput_per_s": round(sim.throughput_per_s, 3),
+        **({"throughput_per_s": round(sim.throughput_per_s, 3)}
+           if math.isfinite(sim.throughput_per_s) else {}),
         "bubble_fraction": round(sim.bubble_fraction, 4),
         "microbatches": microbatches,
         "bottleneck_ms": round(max(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +69,21 @@ class Plan:
             "onnx-partition/plan@"
         ):
             raise PartitionError("plan.json has no onnx-partition/plan format tag")
+        from onnx_partition.schema import validate_plan  # pydantic: loaded when first needed
+
+        validate_plan(body)
         known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted"}
         try:
             stages = []
             for raw in body["stages"]:
-                raw = dict(raw)
+                raw = {k: v for k, v in raw.items() if k in _STAGE_FIELDS}
                 pred = raw.pop("predicted", None)
                 stages.append(Stage(**raw, predicted=Predicted(**pred) if pred else None))
             return cls(
                 model=body["model"],
                 stages=stages,
-                inputs=[IOSpec(**x) for x in body.get("inputs", [])],
-                outputs=[IOSpec(**x) for x in body.get("outputs", [])],
+                inputs=[_io(x) for x in body.get("inputs", [])],
+                outputs=[_io(x) for x in body.get("outputs", [])],
                 mode=body.get("mode", "infer"),
                 ordering=body.get("ordering", "topo"),
                 solver=body.get("solver", "dp"),
@@ -89,6 +92,13 @@ class Plan:
             )
         except (KeyError, TypeError) as exc:
             raise PartitionError(f"plan.json is malformed: {exc}") from None
+
+
+_STAGE_FIELDS = {f.name for f in fields(Stage)}
+
+
+def _io(raw: dict[str, Any]) -> IOSpec:
+    return IOSpec(**{k: v for k, v in raw.items() if k in {f.name for f in fields(IOSpec)}})
 
 
 def read_plan(folder: str | os.PathLike[str]) -> Plan:
@@ -104,15 +114,13 @@ def read_plan(folder: str | os.PathLike[str]) -> Plan:
 
 
 def write_plan(plan: Plan, folder: Path) -> None:
-    (folder / PLAN_FILE).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+    (folder / PLAN_FILE).write_text(plan_text(plan.to_json()))
 
 
-def is_plan_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds only an earlier plan: plan.json and the files it names."""
+def plan_text(body: dict[str, Any]) -> str:
+    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written)."""
     try:
-        plan = read_plan(folder)
-    except PartitionError:
-        return False
-    owned = {PLAN_FILE, REPORT_FILE} | {s.file for s in plan.stages}
-    owned |= {s.file + ".data" for s in plan.stages}
-    return all(p.name in owned for p in folder.iterdir())
+        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise PartitionError(f"plan.json would hold a non-finite number: {exc}") from None
+

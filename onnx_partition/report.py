@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
+from math import inf
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.plan import Plan, read_plan
+from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
+from onnx_partition.plandir import REPORT_MARK, is_our_report, manifest_of, verify, write_file
 from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
 from onnx_partition.svg import (
     ALLREDUCE,
@@ -62,14 +61,14 @@ def plan_table(plan: Plan) -> str:
             f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
             f"{total['microbatches']} micro-batches per "
             f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
-            f"{total['bubble_fraction'] * 100:.1f}%, {total['throughput_per_s']:.1f} "
+            f"{total['bubble_fraction'] * 100:.1f}%, {total.get('throughput_per_s', inf):.1f} "
             f"micro-batches/s"
         )
     elif total:
         lines.append(
             f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
             f"{total.get('bottleneck_ms', 0):.3f} ms, predicted "
-            f"{total.get('throughput_per_s', 0):.1f} micro-batches/s "
+            f"{total.get('throughput_per_s', inf):.1f} micro-batches/s "
             f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
         )
     lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
@@ -154,16 +153,24 @@ MAX_DAG_NODES = 300
 def write_report(
     plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
     microbatches: int | None = None, chunks: int | None = None,
-    measured: Path | None = None,
+    measured: Path | None = None, force: bool = False, hashes: bool = True,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
     ``PLAN.report.html`` beside the folder: :func:`default_report_path`), atomically; returns
     its path. ``schedule``, ``microbatches`` and ``chunks`` go to :func:`simulate_plan`.
     ``measured``: a ``run --json`` file shown next to the simulation
-    (:func:`measured_section`). Raises PartitionError for a folder without a
-    readable plan.json or a schedule the plan does not allow."""
+    (:func:`measured_section`). The folder is verified first (sizes, and sha256 when
+    ``hashes``). An existing file is replaced only when it is an earlier report or ``force``
+    is given; plan.json and the plan's own files never are. Raises PartitionError for a folder
+    without a readable plan.json or a schedule the plan does not allow."""
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
+    verify(plan_dir, plan, hashes=hashes)
+    out = Path(out) if out is not None else default_report_path(plan_dir)
+    root = plan_dir.resolve()
+    owned = {root / PLAN_FILE} | {(root / name).resolve() for name in manifest_of(plan, plan_dir)}
+    if out.resolve() in owned:
+        raise PartitionError(f"{out} is a file of the plan; write the report elsewhere")
     result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
                                   chunks=chunks)
     page = report_html(plan, plan_dir, result, costs)
@@ -172,23 +179,7 @@ def write_report(
 
         section = measured_section(plan, read_run(measured), Path(measured).name)
         page = page.replace("</main>", section + "</main>", 1)
-    out = Path(out) if out is not None else default_report_path(plan_dir)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    except OSError as exc:
-        raise PartitionError(f"cannot write the report to {out}: {exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(page)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is for reading
-        os.replace(tmp, out)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise PartitionError(f"cannot write the report to {out}: {exc}") from None
-        raise
-    return out
+    return write_file(out, page, replace=lambda path: force or is_our_report(path))
 
 
 def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts) -> str:
@@ -204,7 +195,8 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
         _section("Operator graph", _dag(plan, plan_dir)),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{esc(f'onnx-partition plan: {name}')}</title><style>{_CSS}</style>"
+            f"{REPORT_MARK.decode()}<title>{esc(f'onnx-partition plan: {name}')}</title>"
+            f"<style>{_CSS}</style>"
             "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
 
 

@@ -145,15 +145,19 @@ def test_run_checks_plan_folder(capsys, tmp_path, chain):
     assert main(["run", str(out), "--check", "--iterations", "2"]) == 0
     assert "max relative error" in capsys.readouterr().out
     stage = out / "stage_1.onnx"
-    stage.write_bytes(stage.read_bytes() + b"\0")
-    fails(capsys, ["run", out], "does not match its checksum")
+    data = bytearray(stage.read_bytes())
+    data[-1] ^= 1
+    stage.write_bytes(bytes(data))
+    fails(capsys, ["run", out], "stage_1.onnx does not match its sha256")
+    stage.write_bytes(bytes(data) + b"\0")
+    fails(capsys, ["run", out], "stage_1.onnx has 135 bytes, its manifest says 134")
     stage.unlink()
-    fails(capsys, ["run", out], "stage file stage_1.onnx is missing")
+    fails(capsys, ["run", out], "stage_1.onnx is missing")
     fails(capsys, ["run", tmp_path], "is not a plan folder")
     plan = json.loads((out / "plan.json").read_text())
     plan["stages"][1]["file"] = "../m.onnx"
     (out / "plan.json").write_text(json.dumps(plan))
-    fails(capsys, ["run", out], "outside the plan folder")
+    fails(capsys, ["run", out], "must be a path inside the plan folder")
 
 
 def test_simulate_and_report_interleaved(capsys, tmp_path, chain):
@@ -179,7 +183,7 @@ def test_simulate_and_report_interleaved(capsys, tmp_path, chain):
     fails(capsys, ["report", out, "--schedule", "1f1b", "--chunks", "2"],
           "--chunks needs --schedule interleaved")
     fails(capsys, ["report", out, "--schedule", "interleaved", "--chunks", "0"],
-          "at least one model chunk")
+          "--chunks must be an integer from 1 to 4096")
     body = json.loads((out / "plan.json").read_text())
     body["stages"][2]["replicas"] = 2
     (out / "plan.json").write_text(json.dumps(body))
@@ -213,4 +217,4 @@ def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
     capsys.readouterr()
     fails(capsys, ["partition", chain, "-o", tmp_path / "o2", "-s", "2",
                    "--inter-bandwidth", "5"], "need --devices N or --cluster")
-    fails(capsys, [*argv[:10], "--inter-latency", "-1"], "--inter-latency must be >= 0")
+    fails(capsys, [*argv[:10], "--inter-latency", "-1"], "--inter-latency must be a finite number")

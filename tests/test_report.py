@@ -281,7 +281,10 @@ def test_report_escapes_text_and_replaces_atomically(tmp_path, chain):
     body["stages"][0]["devices"] = ["<b>cpu&</b>"]
     (out / "plan.json").write_text(json.dumps(body))
     (tmp_path / "out.report.html").write_text("old")
-    path = write_report(out)
+    with pytest.raises(PartitionError, match="exists; use --force"):
+        write_report(out)  # not a report of ours
+    path = write_report(out, force=True)
+    assert write_report(out) == path  # an earlier report is replaced without --force
     html = path.read_text()
     assert "<b>cpu" not in html and "&lt;b&gt;cpu&amp;&lt;/b&gt;" in html
     parse(path)

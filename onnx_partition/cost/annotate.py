@@ -80,25 +80,15 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 
 def read_costs(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """Read costs.json (the contract): node key -> {"forward_ms": ..., "backward_ms": ...}."""
+    from onnx_partition.schema import validate_costs  # pydantic: loaded when first needed
+
     path = Path(path)
-    body = read_json(path, "costs")
-    nodes = body.get("nodes") if isinstance(body, dict) else None
-    if not isinstance(nodes, dict):
-        raise PartitionError(f"costs file {path} has no 'nodes' object")
-    unit = body.get("unit", "ms")
-    if unit != "ms":
-        raise PartitionError(f"costs file {path}: unit {unit!r} is not supported (use 'ms')")
-    costs: dict[str, dict[str, float]] = {}
-    for key, entry in nodes.items():
-        try:
-            values = {k: float(entry[k]) for k in ("forward_ms", "backward_ms") if k in entry}
-        except (TypeError, ValueError):
-            msg = f"costs file {path}: node {key!r} has a non-numeric time"
-            raise PartitionError(msg) from None
-        if "forward_ms" not in values or min(values.values()) < 0:
-            raise PartitionError(f"costs file {path}: node {key!r} needs forward_ms >= 0")
-        costs[key] = values
-    return costs
+    spec = validate_costs(read_json(path, "costs"), f"costs file {path}")
+    return {
+        key: {"forward_ms": entry.forward_ms}
+        | ({"backward_ms": entry.backward_ms} if entry.backward_ms is not None else {})
+        for key, entry in spec.nodes.items()
+    }
 
 
 def write_costs(path: Path, costs: Mapping[str, Mapping[str, float]], **meta: Any) -> None:

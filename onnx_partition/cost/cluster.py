@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.values import MAX_BYTES, Rule, check
 
 FORMAT = "onnx-partition/cluster@1"
 
@@ -121,7 +122,7 @@ _SCALE = {"": 1e9, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, name: str = "--device-memory") -> float:
     """A size as people type it -> bytes: ``80GB``, ``16G``, ``16gb``, ``16GiB``, ``512MiB``,
     ``512M``, ``1e6B``; a bare number is GB, as ``memory_gb`` in cluster.json (SI units are
     powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` powers of 1024)."""
@@ -130,28 +131,27 @@ def parse_bytes(text: str) -> float:
         raise PartitionError(f"cannot read a size from {text!r} (e.g. 80GB, 16G, 512MiB; "
                              "a bare number is GB)")
     unit = "B" if match[3] else (match[2] or "").upper()
-    return float(match[1]) * _SCALE[unit]
+    scale = _SCALE[unit]
+    rule = Rule(float, 0.0, MAX_BYTES / scale, unit or "GB", low_open=True)
+    return float(check(match[1], name, rule)) * scale
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
-    """Read cluster.json; a clear error for a missing file or a bad field."""
+    """Read cluster.json, checked against its schema (:mod:`onnx_partition.schema`); a clear
+    one-line error for a missing file or a bad field."""
+    from onnx_partition.schema import validate_cluster  # pydantic: loaded when first needed
+
     path = Path(path)
-    body = read_json(path, "cluster")
-    if not isinstance(body, dict):
-        raise PartitionError(f"cluster file {path} is not a JSON object")
-    try:
-        memory = body.get("memory_gb")
-        return Cluster(
-            machines=int(body.get("machines", 1)),
-            devices_per_machine=int(body.get("devices_per_machine", 1)),
-            memory_gb=math.inf if memory is None else float(memory),
-            speed=float(body.get("speed", 1.0)),
-            kind=str(body.get("kind", "cpu")),
-            intra=LinkSpec(**body["intra"]) if "intra" in body else LinkSpec(10.0, 0.02),
-            inter=LinkSpec(**body["inter"]) if "inter" in body else LinkSpec(1.25, 0.05),
-        )
-    except (TypeError, ValueError) as exc:
-        raise PartitionError(f"cluster file {path}: {exc}") from None
+    spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")
+    return Cluster(
+        machines=spec.machines,
+        devices_per_machine=spec.devices_per_machine,
+        memory_gb=math.inf if spec.memory_gb is None else spec.memory_gb,
+        speed=spec.speed,
+        kind=spec.kind,
+        intra=LinkSpec(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
+        inter=LinkSpec(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
+    )
 
 
 def save_cluster(cluster: Cluster, path: Path) -> None:

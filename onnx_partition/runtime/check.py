@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.graph import node_keys
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
+from onnx_partition.runtime.microbatch import batch_axes
 from onnx_partition.runtime.stages import session_options
 
 
@@ -23,11 +27,13 @@ def random_feeds(
     """
     rng = np.random.default_rng(seed)
     fixed = plan.extra.get("input_shapes", {})
+    axes = batch_axes(plan)
     feeds = {}
     for spec in plan.inputs:
         shape = list(fixed.get(spec.name, spec.shape))
-        if batch_size is not None and shape:
-            shape[0] = batch_size
+        axis = axes.get(spec.name, 0)
+        if batch_size is not None and axis is not None and len(shape) > axis:
+            shape[axis] = batch_size
         if any(not isinstance(d, int) for d in shape):
             raise PartitionError(f"input {spec.name!r} has symbolic dims {shape}; give its shape")
         dtype = np.dtype(spec.dtype) if spec.dtype != "unknown" else np.dtype("float32")
@@ -48,24 +54,50 @@ def whole_model_outputs(
     model = (Path(plan_dir) / plan.model).resolve()
     if not model.is_file():
         raise PartitionError(f"the plan's model {model} is missing; cannot check outputs")
-    session = ort.InferenceSession(str(model), sess_options=session_options(threads),
-                                   providers=["CPUExecutionProvider"])
+    session = _whole_session(model, session_options(threads))
     names = [o.name for o in plan.outputs]
     # A model whose inputs all fix their leading dim takes that many rows a call: a run of
     # several micro-batches is checked one micro-batch at a time.
+    axes = batch_axes(plan)
     fixed = {s.shape[0] for s in plan.inputs if s.shape}
-    rows = microbatch.batch_size(feeds)
+    rows = microbatch.batch_size(feeds, axes)
     parts = [dict(feeds)]
     if len(fixed) == 1 and all(isinstance(d, int) and d > 0 for d in fixed):
         size = int(fixed.pop())
         if rows != size and rows % size == 0:
-            parts = microbatch.split(dict(feeds), rows // size)
+            parts = microbatch.split(dict(feeds), rows // size, axes)
     try:
         outputs = [dict(zip(names, session.run(names, part))) for part in parts]
     except Exception as exc:  # onnxruntime raises its own types
         text = (str(exc).strip().splitlines() or ["?"])[0]
         raise PartitionError(f"the whole model cannot run these inputs: {text}") from None
-    return microbatch.merge(outputs)
+    return microbatch.merge(outputs, axes)
+
+
+def _whole_session(model: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    """onnxruntime session of the original model; a model that onnxruntime refuses for
+    duplicate node names (the ONNX checker allows them) runs with its nodes named by key."""
+    try:
+        return ort.InferenceSession(str(model), sess_options=options,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    proto = onnx.load(str(model), load_external_data=False)
+    names = [n.name for n in proto.graph.node]
+    if len(set(names)) == len(names):
+        raise PartitionError(f"cannot run the whole model {model} to check: {first}")
+    for node, key in zip(proto.graph.node, node_keys(proto.graph.node)):
+        node.name = key
+    renamed = model.parent / f".{model.stem}.check-{os.getpid()}.onnx"  # beside its weights
+    try:
+        onnx.save(proto, str(renamed))
+        return ort.InferenceSession(str(renamed), sess_options=options,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own types
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise PartitionError(f"cannot run the whole model {model} to check: {text}") from None
+    finally:
+        renamed.unlink(missing_ok=True)
 
 
 def compare(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> float:

@@ -49,6 +49,7 @@ import hashlib
 import itertools
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -67,6 +68,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.runtime import microbatch
+from onnx_partition.runtime.lifeline import Heartbeats, die_with, guard_fork_server
 from onnx_partition.runtime.pipeline import StageFailed
 from onnx_partition.runtime.stages import (
     check_devices,
@@ -79,10 +81,14 @@ from onnx_partition.runtime.wire import Env, Wire, one_line
 
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
 DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says
+STOP_RANK_ENV = "ONNX_PARTITION_DIST_STOP_RANK"  # test hook: that rank SIGSTOPs itself mid-run
+#: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
+SILENT_S = 10.0
 # imported once by the fork server, before it forks the workers
 PRELOAD = ["numpy", "onnxruntime", "torch", "torch.distributed",
            "onnx_partition.runtime.distributed"]
 GRACE_S = 0.5  # after the first failure, how long the parent gathers reports before choosing one
+guard_fork_server()  # preloaded by the fork server: it dies with the process that started it
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,8 @@ def _serve_rank(
         if backend == "nccl":
             comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
             torch.cuda.set_device(comm)
-        batches = microbatch.split(dict(feeds), microbatches) if feeds is not None else []
+        fixed = microbatch.batch_axes(plan)
+        batches = microbatch.split(dict(feeds), microbatches, fixed) if feeds is not None else []
     except Exception as exc:  # onnxruntime raises its own types
         raise _Failure("setup", f"cannot start: {one_line(exc)}") from exc
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -263,6 +270,7 @@ def _serve_rank(
     ready = time.perf_counter()
 
     wire, busy, exit_hook = Wire(comm, lay.name), 0.0, os.environ.get(EXIT_RANK_ENV) == str(rank)
+    stop_hook = os.environ.get(STOP_RANK_ENV) == str(rank)
     iteration_ms: list[float] = []
     busy_each: list[float] = []
     cpu, cpu_each = 0.0, []
@@ -283,6 +291,8 @@ def _serve_rank(
                 env = wire.recv(src, m, lay.recv_names[k])
             if exit_hook:
                 os._exit(1)
+            if stop_hook:
+                os.kill(os.getpid(), signal.SIGSTOP)
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
@@ -313,8 +323,8 @@ def _serve_rank(
     dist.destroy_process_group()
     if rank != 0:
         return None
-    outputs = microbatch.merge([results[m] for m in range(count)])
-    rows = microbatch.batch_size(feeds) if feeds is not None else 0
+    outputs = microbatch.merge([results[m] for m in range(count)], fixed)
+    rows = microbatch.batch_size(feeds, fixed) if feeds is not None else 0
     stats = DistStats(
         backend=backend, world_size=lay.world_size, microbatches=count, rows=rows,
         iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
@@ -343,9 +353,14 @@ def _spawned(
     timeout_s: float,
     reports: Any,
     environ: Mapping[str, str],
+    launcher: int,
+    beats: Heartbeats,
 ) -> None:
     """A child of :func:`run_distributed`: report ``("done", rank, result)`` or
-    ``("error", rank, kind, text)`` on ``reports`` (a SimpleQueue)."""
+    ``("error", rank, kind, text)`` on ``reports`` (a SimpleQueue). It dies with the launcher
+    (pid ``launcher``) and beats on ``beats`` while it lives."""
+    die_with(launcher)
+    beats.start(rank)
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(environ)
     try:
@@ -392,7 +407,7 @@ def _check_feeds(plan: Plan, feeds: Mapping[str, np.ndarray], microbatches: int)
         raise PartitionError(f"missing input {missing[0]!r}; inputs: "
                              f"{[s.name for s in plan.inputs]}")
     try:
-        microbatch.split(dict(feeds), microbatches)
+        microbatch.split(dict(feeds), microbatches, microbatch.batch_axes(plan))
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
 
@@ -452,6 +467,7 @@ def run_distributed(
     if method == "forkserver":
         context.set_forkserver_preload(PRELOAD)
     reports = context.SimpleQueue()
+    beats = Heartbeats(context, lay.world_size)
     inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
     procs = [
         context.Process(
@@ -459,7 +475,8 @@ def run_distributed(
             args=(rank, str(folder), master_addr, store.port, chosen,
                   inputs if rank == 0 else None, microbatches, iterations, threads_per_stage,
                   timeout_s, reports,
-                  dict(os.environ) | ({DEVICE_ENV: device} if device else {})),
+                  dict(os.environ) | ({DEVICE_ENV: device} if device else {}), os.getpid(),
+                  beats),
         )
         for rank in range(lay.world_size)
     ]
@@ -467,7 +484,7 @@ def run_distributed(
     try:
         for proc in procs:
             proc.start()
-        outputs, stats = _supervise(procs, reports, lay)
+        outputs, stats = _supervise(procs, reports, lay, beats, min(timeout_s, SILENT_S))
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -480,10 +497,13 @@ def run_distributed(
     return [outputs[n] for n in names], stats
 
 
-def _supervise(procs: Sequence[Any], reports: Any, lay: Layout) -> tuple[Env, DistStats]:
-    """Wait for rank 0's result and clean exits; on the first failure, gather reports for
-    ``GRACE_S``, then raise the most telling one (a cause before a dead rank before a
-    communication error that followed it)."""
+def _supervise(
+    procs: Sequence[Any], reports: Any, lay: Layout, beats: Heartbeats, silent_s: float
+) -> tuple[Env, DistStats]:
+    """Wait for rank 0's result and clean exits; on the first failure (a report, a bad exit,
+    a rank silent for ``silent_s``), gather reports for ``GRACE_S``, then raise the most
+    telling one (a cause before a silent rank before a dead rank before a communication
+    error that followed it)."""
     errors: dict[int, tuple[str, str]] = {}
     result: tuple[Env, DistStats] | None = None
     failed_at: float | None = None
@@ -496,11 +516,14 @@ def _supervise(procs: Sequence[Any], reports: Any, lay: Layout) -> tuple[Env, Di
             else:
                 errors.setdefault(message[1], (message[2], message[3]))
         bad = [q for q, code in enumerate(exits) if code not in (None, 0)]
-        if (errors or bad) and failed_at is None:
+        running = [code is None for code in exits]
+        if (errors or bad or beats.silent(silent_s, running)) and failed_at is None:
             failed_at = time.perf_counter()
         if failed_at is not None and (time.perf_counter() - failed_at > GRACE_S
                                       or all(code is not None for code in exits)):
-            raise StageFailed(_cause(errors, exits, lay))
+            # a rank silent for a few beats when the run fails is a cause, not a victim
+            silent = beats.silent(min(silent_s, 2.0), running)
+            raise StageFailed(_cause(errors, exits, lay, silent))
         if failed_at is None and all(code == 0 for code in exits):
             if result is None:
                 raise StageFailed("the workers finished without sending the outputs")
@@ -508,10 +531,18 @@ def _supervise(procs: Sequence[Any], reports: Any, lay: Layout) -> tuple[Env, Di
         time.sleep(0.02)
 
 
-def _cause(errors: Mapping[int, tuple[str, str]], exits: Sequence[int | None], lay: Layout) -> str:
+def _cause(
+    errors: Mapping[int, tuple[str, str]],
+    exits: Sequence[int | None],
+    lay: Layout,
+    silent: Mapping[int, float] | None = None,
+) -> str:
     for rank, (kind, text) in sorted(errors.items()):
         if kind in ("setup", "compute"):
             return f"{lay.name(rank)} failed: {text}"
+    for rank, age in sorted((silent or {}).items(), key=lambda item: -item[1]):
+        return (f"{lay.name(rank)} stopped answering: no heartbeat for {age:.1f} s "
+                f"(stopped or hung)")
     for rank, code in enumerate(exits):
         if code not in (None, 0) and rank not in errors:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -550,7 +581,7 @@ def main_worker(
         raise PartitionError(f"the plan has {lay.world_size} stage replicas "
                              f"({' + '.join(map(str, lay.replicas))}); got {world} processes")
     k, _ = lay.place(rank)
-    verify_plan_folder(folder, replace(plan, stages=[plan.stages[k]]))  # this machine's copy
+    verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
     chosen = choose_backend(lay, backend)
     if rank == 0:
         if feeds is None:

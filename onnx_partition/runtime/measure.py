@@ -21,11 +21,13 @@ from onnx_partition.runtime import microbatch
 Result = tuple[str, dict[str, Any], dict[str, np.ndarray]]  # runtime, measured, outputs
 
 
-def shape_of_feeds(shape: RunShape, feeds: dict[str, np.ndarray]) -> RunShape:
+def shape_of_feeds(shape: RunShape, feeds: dict[str, np.ndarray],
+                   axes: dict[str, int | None] | None = None) -> RunShape:
     """The run's shape as the (possibly user-given) feeds make it: their rows in
-    ``shape.microbatches`` equal micro-batches (fewer when there are fewer rows)."""
+    ``shape.microbatches`` equal micro-batches (fewer when there are fewer rows); ``axes``:
+    where the batch lies in feeds that do not have it on axis 0 (``microbatch.batch_axes``)."""
     try:
-        rows = microbatch.batch_size(feeds)
+        rows = microbatch.batch_size(feeds, axes)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
     if rows == shape.rows:
@@ -72,7 +74,7 @@ def measure_threads(
 def measure_distributed(
     plan_dir: str | os.PathLike[str], plan: Plan, feeds: dict[str, np.ndarray],
     shape: RunShape, *, nproc: int | None, warmup: int, iterations: int,
-    threads_per_stage: int = 1, device: str | None = None,
+    threads_per_stage: int = 1, device: str | None = None, timeout_s: float = 60.0,
 ) -> Result:
     """Run with a process per replica (:func:`~onnx_partition.runtime.distributed.
     run_distributed`); the first ``warmup`` iterations are left out of the figures."""
@@ -81,6 +83,7 @@ def measure_distributed(
     outputs, stats = run_distributed(
         plan_dir, feeds, nproc=nproc, microbatches=shape.microbatches,
         iterations=warmup + iterations, threads_per_stage=threads_per_stage, device=device,
+        timeout_s=timeout_s,
     )
     busy, cpu = {}, {}
     for rank, (k, r, _) in enumerate(stats.placement):

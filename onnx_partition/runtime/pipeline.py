@@ -119,8 +119,13 @@ class PipelineSession:
         missing = [n for n in inputs if n not in feeds]
         if missing:
             raise PartitionError(f"missing input {missing[0]!r}; inputs: {inputs}")
-        parts = self.run_microbatches(microbatch.split(dict(feeds), self.microbatches))
-        merged = microbatch.merge([{n: p[n] for n in names} for p in parts])
+        fixed = microbatch.batch_axes(self.plan)
+        try:
+            batches = microbatch.split(dict(feeds), self.microbatches, fixed)
+        except ValueError as exc:
+            raise PartitionError(str(exc)) from None
+        parts = self.run_microbatches(batches)
+        merged = microbatch.merge([{n: p[n] for n in names} for p in parts], fixed)
         return [merged[n] for n in names]
 
     def run_microbatches(self, batches: Sequence[Mapping[str, np.ndarray]]) -> list[Env]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Sequence
@@ -16,40 +15,20 @@ from onnx import TensorProto, helper
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import IOSpec, Plan, read_plan
+from onnx_partition.plandir import verify
 
 Provider = str | tuple[str, dict[str, Any]]
 
 
-def verify_plan_folder(folder: Path, plan: Plan) -> list[Path]:
-    """Every stage file exists inside ``folder`` and matches its checksum; returns their paths.
+def verify_plan_folder(
+    folder: Path, plan: Plan, *, stages: Sequence[int] | None = None
+) -> list[Path]:
+    """Every file of the plan folder (or of ``stages`` only) matches plan.json's manifest, size
+    and sha256 (:func:`onnx_partition.plandir.verify`); returns the stage files' paths.
 
     Runs before any session is created, so a bad folder fails fast and clearly.
     """
-    root = folder.resolve()
-    paths = []
-    for stage in plan.stages:
-        path = (root / stage.file).resolve()
-        if os.path.isabs(stage.file) or root not in path.parents:
-            raise PartitionError(f"plan.json: stage {stage.index} file {stage.file!r} is outside "
-                                 f"the plan folder")
-        if not path.is_file():
-            raise PartitionError(f"plan folder {folder}: stage file {stage.file} is missing")
-        if stage.sha256 and _sha256(path) != stage.sha256:
-            raise PartitionError(
-                f"plan folder {folder}: {stage.file} does not match its checksum in plan.json"
-            )
-        paths.append(path)
-    if not paths:
-        raise PartitionError(f"plan folder {folder} has no stages")
-    return paths
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return verify(folder, plan, stages=stages)
 
 
 _MACHINE = re.compile(r"m\d+/")

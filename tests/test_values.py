@@ -1,0 +1,164 @@
+"""Every number a user gives: a bad one is one line on stderr and exit code 2, never a traceback,
+and never taken for something else (a NaN bandwidth for a free link)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_graph import CHAIN, save
+from test_plandir import one_error
+
+from onnx_partition import cli, values
+from onnx_partition.cli import _parser, main
+from onnx_partition.errors import PartitionError
+from onnx_partition.values import OptionType, Rule
+
+
+def numeric_options() -> list[tuple[str, str, Rule]]:
+    """(verb, flag, rule) of every numeric option of every verb."""
+    parser = _parser()
+    values.install(parser)
+    found = []
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for verb, verb_parser in sub.choices.items():
+        for action in verb_parser._actions:
+            if isinstance(action.type, OptionType):
+                found.append((verb, action.type.flag, action.type.rule))
+    return found
+
+
+OPTIONS = numeric_options()
+
+
+def parser_that_never_runs_a_verb() -> argparse.ArgumentParser:
+    """The CLI's parser with every verb replaced by a failure: a value that got through would
+    otherwise run the verb (the demo takes minutes)."""
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for verb_parser in sub.choices.values():
+        verb_parser.set_defaults(func=lambda args: pytest.fail(f"a bad value got through: {args}"))
+    return parser
+
+
+def test_every_numeric_option_is_covered():
+    flags = {flag for _, flag, _ in OPTIONS}
+    assert {"--bandwidth", "--latency", "--batch-size", "--microbatches", "--stages",
+            "--inter-bandwidth", "--devices", "--machines", "--timeout", "--chunks"} <= flags
+
+
+@st.composite
+def bad_value(draw: st.DrawFn, rule: Rule) -> str:
+    """Text that ``rule`` refuses: not a number, not finite, out of range, or (for an integer
+    option) not whole."""
+    choices = [
+        st.sampled_from(["nan", "NaN", "inf", "-inf", "Infinity", "fast", "", "1e", "0x10",
+                         "1,5", "1e999", " ", "½"]),
+        st.floats(max_value=rule.low, exclude_max=not rule.low_open, allow_nan=False,
+                  allow_infinity=False).map(repr),
+        st.floats(min_value=rule.high, exclude_min=True, allow_nan=False).map(repr),
+    ]
+    if rule.kind is int:
+        choices += [st.integers(max_value=int(rule.low) - 1).map(str),
+                    st.integers(min_value=int(rule.high) + 1).map(str),
+                    st.floats(allow_nan=False, allow_infinity=False)
+                    .filter(lambda x: not x.is_integer()).map(repr)]
+    return draw(st.one_of(choices))
+
+
+# capsys is read (and so emptied) after every example
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_bad_numbers_anywhere_on_the_command_line(capsys, monkeypatch, data):
+    monkeypatch.setattr(cli, "_parser", parser_that_never_runs_a_verb)
+    verb, flag, rule = data.draw(st.sampled_from(OPTIONS))
+    text = data.draw(bad_value(rule))
+    code = main([verb, f"{flag}={text}"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: {flag} must be "), lines[0]
+
+
+def test_the_message_names_the_unit(capsys):
+    line = one_error(capsys, ["partition", "m.onnx", "-s", "2", "--bandwidth", "nan", "-o", "x"],
+                     "--bandwidth must be a finite number >= 0")
+    assert line.endswith("GB/s, got 'nan'")
+    one_error(capsys, ["partition", "m", "-o", "x", "--latency", "1e308"], "ms, got '1e308'")
+    one_error(capsys, ["partition", "m", "-o", "x", "--batch-size", "0"],
+              "--batch-size must be an integer from 1 to")
+    one_error(capsys, ["run", "p", "--batch-size", "-3"], "--batch-size must be an integer")
+    one_error(capsys, ["simulate", "p", "--microbatches", "100000000"],
+              "--microbatches must be an integer from 1 to 4096")
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("x=99999999999999999999,16", "--input-shape x dim 0 must be an integer from 1 to"),
+    ("x=0,4", "--input-shape x dim 0 must be an integer from 1"),
+    ("x=-2,4", "dim 0 must be an integer"),
+    ("x=1.5,4", "expected NAME=D0,D1"),
+    ("x=2147483647,2147483647", "elements is more than"),
+])
+def test_input_shapes(capsys, tmp_path, item, message):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", model, "-s", "2", "--input-shape", item, "-o",
+                       tmp_path / "o"], message)
+
+
+@pytest.mark.parametrize("memory", ["nan", "-5GB", "1e999GB", "1.2.3GB", "0", "lots"])
+def test_device_memory(capsys, tmp_path, memory):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", model, "--batch-size", "2", "--devices", "2",
+                       f"--device-memory={memory}", "-o", tmp_path / "o"], "--device-memory")
+
+
+@pytest.mark.parametrize(("key", "value"), [("offset", "-5"), ("offset", "abc"),
+                                            ("length", "-1"), ("length", "1e3")])
+def test_external_data_offsets_and_lengths(capsys, tmp_path, key, value):
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, [2, 4])],
+                              [helper.make_tensor_value_info("y", 1, [2, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+              location="m.data", size_threshold=0)
+    model = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    entries = model.graph.initializer[0].external_data
+    found = [e for e in entries if e.key == key]
+    entry = found[0] if found else entries.add()
+    entry.key, entry.value = key, value
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    one_error(capsys, ["partition", tmp_path / "m.onnx", "-s", "1", "-o", tmp_path / "o"],
+              f"external data of 'w': {key} must be an integer")
+
+
+def test_checked_numbers_keep_their_type():
+    assert values.check("3", "n", Rule(int, 1, 5)) == 3
+    assert values.check(2.0, "n", Rule(int, 1, 5)) == 2
+    assert values.check("0.5", "x", Rule(float, 0, 1)) == 0.5
+    for bad in (True, "2.5", 6, None, [1]):
+        with pytest.raises(PartitionError, match="n must be an integer from 1 to 5"):
+            values.check(bad, "n", Rule(int, 1, 5))
+    with pytest.raises(PartitionError, match="> 0"):
+        values.check(0, "t", Rule(float, 0, 1, low_open=True))
+    assert values.byte_size("80GB") == 80e9 and values.byte_size("1 KiB") == 1024
+
+
+def test_a_nan_bandwidth_is_never_a_free_link(capsys, tmp_path):
+    """The same option means the same with and without --devices (was: nan taken as free)."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    for extra in ([], ["--devices", "2"]):
+        one_error(capsys, ["partition", model, "-s", "2", "--batch-size", "2", *extra,
+                           "--bandwidth", "nan", "-o", tmp_path / "o"], "--bandwidth must be")
+    assert not (tmp_path / "o").exists()
+    assert main(["partition", str(model), "-s", "2", "--batch-size", "2", "--bandwidth", "0",
+                 "-o", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "plan.json").read_text())["link"]["bandwidth_gbps"] == 0
