@@ -16,8 +16,9 @@ from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
-from onnx_partition.cost.annotate import NodeCosts, annotate
+from onnx_partition.cost.annotate import NodeCosts, annotate, costs_device
 from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
@@ -86,6 +87,7 @@ def partition(
     time_limit_s: float = 60.0,
     force: bool = False,
     check: bool = True,
+    strict_costs: bool = False,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -93,13 +95,20 @@ def partition(
     minimised. With one: stages *and* replicas per stage on its devices (``num_stages`` then
     fixes the depth, or ``None`` lets the planner choose), fastest simulated iteration of
     ``microbatches`` micro-batches in ``mode`` ("infer" or "train") within device memory.
+    Without ``costs`` the analytic model prices the nodes on ``device``, by default the
+    cluster's (:func:`~onnx_partition.cost.devices.device_for`: its GPU, or the measured CPU).
+    A costs file measured on another device kind than the cluster's is noted in plan.json's
+    ``device_model.warning`` (an error with ``strict_costs``).
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
     graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
+    if costs is None and device is None:
+        device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
     node_costs = annotate(graph, device=device, costs_path=costs)
+    priced = device_model(device, costs, cluster, strict=strict_costs)
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
@@ -111,8 +120,45 @@ def partition(
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
+    plan.extra["device_model"] = priced
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
+
+
+def device_model(device: DeviceSpec | None, costs: str | os.PathLike[str] | None,
+                 cluster: Cluster | None, *, strict: bool = False) -> dict[str, Any]:
+    """plan.json's ``device_model``: what priced the plan. Analytic: the spec's name, peaks
+    and launch overhead; a costs file: its path and the device it was measured on, with a
+    ``warning`` when that is not the cluster's kind (:class:`PartitionError` if ``strict``)."""
+    if costs is None:
+        assert device is not None
+        return {"source": "analytic", "name": device.name, "kind": device.kind,
+                "peak_tflops": device.peak_gflops / 1e3, "mem_gbps": device.mem_gbps,
+                "launch_overhead_ms": device.launch_overhead_ms}
+    measured = costs_device(costs)
+    body: dict[str, Any] = {"source": "costs", "file": str(costs), "measured_on": measured}
+    want = cluster.kind if cluster is not None else None
+    if measured is not None and want is not None and measured.split(":")[0] != want:
+        body["warning"] = (f"costs file {costs} was measured on {measured}, the cluster's "
+                           f"devices are {want}: its times may not fit them")
+        if strict:
+            raise PartitionError(body["warning"] + " (--strict-costs)")
+    return body
+
+
+def priced_by(plan: Plan) -> str:
+    """One line naming what priced ``plan`` (its ``device_model``), for the summary."""
+    model = plan.extra.get("device_model")
+    if not isinstance(model, dict):
+        return "priced by: unknown (plan.json has no device_model)"
+    if model.get("source") == "costs":
+        where = model.get("measured_on") or "an unnamed device"
+        return f"priced by: costs file {model.get('file')} (measured on {where})"
+    default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
+        f"{DEFAULT_GPU}:tf32") else ""
+    return (f"priced by: analytic roofline of {model.get('name')}{default}, "
+            f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
+            f"{model.get('mem_gbps', 0):.4g} GB/s")
 
 
 def plan_stages(
