@@ -29,6 +29,7 @@ from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
+from onnx_partition.solve.stage_model import StageBytes, memory_per_device
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
@@ -324,10 +325,16 @@ def _describe(
     """The Plan and stage cuts of an assignment of the solvers' nodes to stages."""
     num_stages = len(replicas)
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
+    if memory is None:  # a plain pipeline: the one memory model, one micro-batch at a time
+        def nbytes(names: Sequence[str]) -> float:
+            return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
+
+        sizes = [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
+                            nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs]),
+                            nbytes(cut.inputs)) for cut in cuts]
+        memory = memory_per_device(sizes, replicas, 1, schedule="infer")
     stages = []
     for k, cut in enumerate(cuts):
-        params = sum(graph.initializer_bytes[t] for t in cut.initializers)
-        io = sum(graph.tensors[t].nbytes for t in cut.inputs + cut.outputs if t in graph.tensors)
         stages.append(Stage(
             index=k,
             file=f"stage_{k}.onnx",
@@ -340,7 +347,7 @@ def _describe(
             predicted=Predicted(
                 compute_ms=round(compute[k], 6),
                 comm_ms=round(comm[k], 6),
-                memory_bytes=int(memory[k]) if memory is not None else params + io,
+                memory_bytes=int(memory[k]),
             ),
         ))
     inputs, outputs = io_specs(graph)

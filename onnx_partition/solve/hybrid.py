@@ -271,7 +271,9 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     tables = _Tables(costs, config)
     max_q = min(config.max_stages, devices, n)
     fits: np.ndarray | None = None  # training with a memory limit: checked per suffix
-    if not config.train or math.isinf(config.memory_bytes):
+    held_most = config.microbatches if config.train else 1  # no replica holds more
+    if not config.train or bool(np.all(tables.static + held_most * tables.stash
+                                       <= config.memory_bytes)):
         fits = tables.static + tables.stash <= config.memory_bytes
     depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
 
