@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -141,13 +142,16 @@ class _Tables:
                                narrow)
         self.lookup = np.asarray([*self.choices, _NONE], dtype=_COUNT)
 
-    def allreduce(self, r: int) -> np.ndarray:
+    def allreduce(self, r: int, params: Any = None) -> Any:
+        """Ring all-reduce time of every stage's gradients (or of ``params`` bytes) among
+        ``r`` replicas, once per iteration (training only)."""
         c = self.c
+        params = self.params if params is None else params
         if not c.train:
-            return np.zeros_like(self.params)
+            return params * 0.0
         bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
         lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
-        return ring_allreduce_ms(self.params, r, bw, lat)
+        return ring_allreduce_ms(params, r, bw, lat)
 
     def memory(self, q: int) -> np.ndarray:
         """Bytes per device of every stage placed ``q``-th from the end of a pipeline of single
@@ -158,7 +162,7 @@ class _Tables:
     def stage(self, i: int, j: int, r: int) -> HybridStage:
         """Stage ``[i, j)`` on ``r`` replicas; its memory is set by :meth:`with_memory`."""
         c = self.c
-        allreduce = float(self.allreduce(r)[i, j])
+        allreduce = float(self.allreduce(r, float(self.params[i, j])))
         latency = float(self.latency[i, j])
         return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
                            allreduce, math.nan, latency / r + allreduce / c.microbatches)
@@ -323,9 +327,11 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                 # Both the lean plan and the one widened onto spare devices: more replicas
                 # shorten the period but lengthen the all-reduce, which the simulator, not the
                 # period, sees.
+                # Widening changes the warm-ups upstream: a variant over memory is dropped.
                 for variant in (stages, tables.widen(stages, budget)):
                     key = tuple((s.start, s.end, s.replicas) for s in variant)
-                    if key not in seen:
+                    fits = max(s.memory_bytes for s in variant) <= config.memory_bytes
+                    if key not in seen and fits:
                         seen.add(key)
                         plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
