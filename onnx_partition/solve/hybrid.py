@@ -330,8 +330,8 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                 # Widening changes the warm-ups upstream: a variant over memory is dropped.
                 for variant in (stages, tables.widen(stages, budget)):
                     key = tuple((s.start, s.end, s.replicas) for s in variant)
-                    fits = max(s.memory_bytes for s in variant) <= config.memory_bytes
-                    if key not in seen and fits:
+                    within = max(s.memory_bytes for s in variant) <= config.memory_bytes
+                    if key not in seen and within:
                         seen.add(key)
                         plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
