@@ -126,6 +126,11 @@ class _Tables:
         self.static = (config.optimizer_factor * self.params + self.sent if config.train
                        else self.params)
         self.stash = self.acts + self.received
+        # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            room = config.memory_bytes - self.static
+            self.cap = np.where(self.stash > 0, room / self.stash,
+                                np.where(room >= 0, np.inf, -np.inf))
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
         self.choices = replica_choices(config.devices)
@@ -206,8 +211,10 @@ def _fewest_devices(
     """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
     memory (``_NONE`` or more: impossible); with the chosen end and replica count per (q, i).
     ``fits`` says where a stage is within memory when that does not depend on the plan
-    (inference); in training each stage's memory is checked in front of the suffix chosen
-    (:func:`_train_fits`). Integer tables: the device counts are small whole numbers."""
+    (inference); in training each stage's memory is checked in front of the suffix chosen:
+    its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
+    replica count and warm-up (:func:`_held`), a small table looked up per (start, end) and
+    compared with ``tables.cap``. Integer tables: the device counts are small whole numbers."""
     n = tables.n
     above = np.zeros((n + 1, n + 1), dtype=_COUNT)
     limit = np.float32(tau)
@@ -219,41 +226,41 @@ def _fewest_devices(
     end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     warm = np.zeros((max_q + 1, n + 1), dtype=np.int64)  # 1F1B warm-up of the first stage
-    rows = np.arange(n + 1)
+    rows, cols = np.arange(n + 1), np.arange(n + 1)[None, :]
     cand = np.empty((n + 1, n + 1), dtype=_COUNT)
     for q in range(1, max_q + 1):
-        if fits is None:
-            stage_fits, steps = _train_fits(tables, reps, rep[q - 1], warm[q - 1], q == 1)
-        else:
-            stage_fits, steps = fits, None
         np.copyto(cand, reps)
-        cand[~stage_fits] = _NONE
+        if fits is None:
+            held, steps = _held(tables, rep[q - 1], warm[q - 1], q == 1)
+            cand[held[above, cols] > tables.cap] = _NONE
+        else:
+            cand[~fits] = _NONE
         cand += h[q - 1][None, :]
         end[q] = np.argmin(cand, axis=1)
         h[q] = np.minimum(cand[rows, end[q]], _NONE)
         rep[q] = np.where(h[q] < _NONE, reps[rows, end[q]], 0)
-        if steps is not None:
-            warm[q] = np.minimum(steps[rows, end[q]] + warm[q - 1][end[q]],
+        if fits is None:
+            warm[q] = np.minimum(steps[above[rows, end[q]], end[q]] + warm[q - 1][end[q]],
                                  tables.c.microbatches)
     return h, end, rep
 
 
-def _train_fits(tables: _Tables, reps: np.ndarray, next_reps: np.ndarray,
-                next_warm: np.ndarray, last: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Where stage [i, j) on ``reps[i, j]`` replicas fits in memory in front of the suffix
-    whose first stage has ``next_reps[j]`` replicas and 1F1B warm-up ``next_warm[j]`` (the
-    closed form of :mod:`.stage_model`, vectorised), and the warm-up each boundary adds."""
+def _held(tables: _Tables, next_reps: np.ndarray, next_warm: np.ndarray,
+          last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``held[c, j]``: micro-batches in flight on a stage of ``lookup[c]`` replicas ending at
+    ``j``, in front of the suffix whose first stage has ``next_reps[j]`` replicas and 1F1B
+    warm-up ``next_warm[j]`` (the closed form of :mod:`.stage_model`, vectorised); and
+    ``steps[c, j]``, the warm-up that boundary adds."""
     m = tables.c.microbatches
-    r = reps.astype(np.int64)
+    r = tables.lookup.astype(np.int64)[:, None]
     if last:
-        steps = np.zeros_like(r)
+        steps = np.zeros((len(r), len(next_reps)), dtype=np.int64)
     else:
         after = np.maximum(next_reps, 1)[None, :]
         divides = (r % after == 0) | (after % r == 0)
         steps = np.where(divides, np.maximum(r, after), r + after - 1)
     warmup = np.minimum(steps + next_warm[None, :], m)
-    held = -(-np.minimum(warmup + 1, m) // r)
-    return tables.static + held * tables.stash <= tables.c.memory_bytes, steps
+    return -(-np.minimum(warmup + 1, m) // r), steps
 
 
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
