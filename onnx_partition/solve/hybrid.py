@@ -129,8 +129,14 @@ class _Tables:
         # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             room = config.memory_bytes - self.static
-            self.cap = np.where(self.stash > 0, room / self.stash,
-                                np.where(room >= 0, np.inf, -np.inf))
+            cap = np.where(self.stash > 0, room / self.stash,
+                           np.where(room >= 0, np.inf, -np.inf))
+        # float32 rounded down: the DP never counts a stage as fitting that does not
+        # the stages that could overflow at all (all M micro-batches in flight), flat indices
+        valid_ij = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        held_most = config.microbatches if config.train else 1
+        self.risky = np.flatnonzero(valid_ij & (cap < held_most))
+        self.risky_cap = cap.reshape(-1)[self.risky]
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
         self.choices = replica_choices(config.devices)
@@ -213,8 +219,9 @@ def _fewest_devices(
     ``fits`` says where a stage is within memory when that does not depend on the plan
     (inference); in training each stage's memory is checked in front of the suffix chosen:
     its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
-    replica count and warm-up (:func:`_held`), a small table looked up per (start, end) and
-    compared with ``tables.cap``. Integer tables: the device counts are small whole numbers."""
+    replica count and warm-up (:func:`_held`), a small table looked up for the stages that
+    could overflow at all (``tables.risky``) and compared with how many micro-batches each may
+    hold (``tables.risky_cap``). Integer tables: the device counts are small whole numbers."""
     n = tables.n
     above = np.zeros((n + 1, n + 1), dtype=_COUNT)
     limit = np.float32(tau)
@@ -226,15 +233,19 @@ def _fewest_devices(
     end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     warm = np.zeros((max_q + 1, n + 1), dtype=np.int64)  # 1F1B warm-up of the first stage
-    rows, cols = np.arange(n + 1), np.arange(n + 1)[None, :]
+    rows = np.arange(n + 1)
     cand = np.empty((n + 1, n + 1), dtype=_COUNT)
+    flat = cand.reshape(-1)  # a view
+    if fits is None:  # only stages that could overflow: held[c, j] is held.flat[at[k]]
+        risky = tables.risky
+        at = above.reshape(-1)[risky].astype(np.int64) * (n + 1) + risky % (n + 1)
     for q in range(1, max_q + 1):
         np.copyto(cand, reps)
         if fits is None:
             held, steps = _held(tables, rep[q - 1], warm[q - 1], q == 1)
-            cand[held[above, cols] > tables.cap] = _NONE
+            flat[risky[np.take(held, at) > tables.risky_cap]] = _NONE
         else:
-            cand[~fits] = _NONE
+            np.copyto(cand, _NONE, where=~fits)
         cand += h[q - 1][None, :]
         end[q] = np.argmin(cand, axis=1)
         h[q] = np.minimum(cand[rows, end[q]], _NONE)
