@@ -136,7 +136,9 @@ class _Tables:
         valid_ij = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         held_most = config.microbatches if config.train else 1
         self.risky = np.flatnonzero(valid_ij & (cap < held_most))
-        self.risky_cap = cap.reshape(-1)[self.risky]
+        # held <= cap iff held <= floor(cap) (held is whole): small integers stream faster
+        self.risky_cap = np.clip(np.floor(cap.reshape(-1)[self.risky]), -1,
+                                 held_most).astype(_COUNT)
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
         self.choices = replica_choices(config.devices)
@@ -271,7 +273,7 @@ def _held(tables: _Tables, next_reps: np.ndarray, next_warm: np.ndarray,
         divides = (r % after == 0) | (after % r == 0)
         steps = np.where(divides, np.maximum(r, after), r + after - 1)
     warmup = np.minimum(steps + next_warm[None, :], m)
-    return -(-np.minimum(warmup + 1, m) // r), steps
+    return (-(-np.minimum(warmup + 1, m) // r)).astype(_COUNT), steps
 
 
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
