@@ -42,6 +42,7 @@ import numpy as np
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.stage_model import (
     StageBytes,
+    device_bytes,
     memory_per_device,
     ring_allreduce_ms,
 )
@@ -170,7 +171,7 @@ class _Tables:
         """Bytes per device of every stage placed ``q``-th from the end of a pipeline of single
         replicas (1F1B holds ``min(q, M)`` micro-batches there): the least-memory report."""
         held = min(q, self.c.microbatches) if self.c.train else 1
-        return self.static + held * self.stash
+        return device_bytes(self.static, self.stash, held)
 
     def stage(self, i: int, j: int, r: int) -> HybridStage:
         """Stage ``[i, j)`` on ``r`` replicas; its memory is set by :meth:`with_memory`."""
@@ -296,9 +297,9 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     max_q = min(config.max_stages, devices, n)
     fits: np.ndarray | None = None  # training with a memory limit: checked per suffix
     held_most = config.microbatches if config.train else 1  # no replica holds more
-    if not config.train or bool(np.all(tables.static + held_most * tables.stash
+    if not config.train or bool(np.all(device_bytes(tables.static, tables.stash, held_most)
                                        <= config.memory_bytes)):
-        fits = tables.static + tables.stash <= config.memory_bytes
+        fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
     depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
 
     def fewest(tau: float) -> int:
