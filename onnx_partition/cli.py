@@ -7,6 +7,7 @@ whole model's exits with code 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -181,6 +182,10 @@ def _parser() -> argparse.ArgumentParser:
                         "GB (default: unlimited)")
     g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"),
                    help="the devices the plan is for (cuda: stage files placed on cuda:N)")
+    g.add_argument("--gpu", help="GPU of the analytic costs: v100, a100-40gb, a100-80gb, h100 "
+                   "(default), h200, l4; NAME:fp32|tf32|bf16|fp16 sets the math of fp32 graphs")
+    g.add_argument("--strict-costs", action="store_true",
+                   help="refuse a costs file measured on another device kind than the cluster's")
     g.add_argument("--inter-bandwidth", type=float,
                    help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
     g.add_argument("--inter-latency", type=float,
@@ -344,7 +349,8 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.partition import Link, partition
+    from onnx_partition.cost.devices import device_for
+    from onnx_partition.partition import Link, partition, priced_by
     from onnx_partition.report import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -352,15 +358,18 @@ def _partition(args: argparse.Namespace) -> int:
     if args.microbatches < 1:
         raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
     stop_bar = _ilp_bar(args)
+    cluster = _cluster(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
         costs=args.costs,
+        device=None if cluster or args.costs else device_for(args.device_kind, args.gpu),
+        strict_costs=args.strict_costs,
         input_shapes=parse_input_shapes(args.input_shape),
         batch_size=args.batch_size,
         link=Link(args.bandwidth, args.latency),
-        cluster=_cluster(args),
+        cluster=cluster,
         mode=args.mode,
         microbatches=args.microbatches,
         ordering=args.order,
@@ -379,6 +388,9 @@ def _partition(args: argparse.Namespace) -> int:
         return 0
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
+    print(priced_by(plan))
+    if plan.extra["device_model"].get("warning"):
+        print(f"warning: {plan.extra['device_model']['warning']}", file=sys.stderr)
     _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
          f"in {plan.extra.get('partition_s', 0):.2f} s")
     return 0
@@ -401,7 +413,10 @@ def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:
 def _cluster(args: argparse.Namespace) -> Cluster | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
     if args.cluster is not None:
-        return load_cluster(args.cluster)
+        cluster = load_cluster(args.cluster)
+        return dataclasses.replace(cluster, gpu=args.gpu) if args.gpu else cluster
+    if args.gpu and args.device_kind != "cuda":
+        raise PartitionError("--gpu needs --device-kind cuda")
     inter = args.inter_bandwidth is not None or args.inter_latency is not None
     if args.devices is None:
         if args.mode == "train" or args.device_memory or inter:
@@ -423,7 +438,8 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
              f"({memory * 1e9:,.0f} bytes) per device")
     default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
-                   kind=args.device_kind, intra=LinkSpec(args.bandwidth, args.latency),
+                   kind=args.device_kind, gpu=args.gpu,
+                   intra=LinkSpec(args.bandwidth, args.latency),
                    inter=LinkSpec(
                        default.inter.bandwidth_gbps if args.inter_bandwidth is None
                        else args.inter_bandwidth,

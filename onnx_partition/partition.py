@@ -16,7 +16,7 @@ from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
-from onnx_partition.cost.annotate import NodeCosts, annotate, read_costs
+from onnx_partition.cost.annotate import NodeCosts, annotate, costs_device, read_costs
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import (
     CostsCheck,
@@ -25,6 +25,7 @@ from onnx_partition.cost.costs_file import (
     recorded_shapes,
     rescale,
 )
+from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
@@ -35,6 +36,7 @@ from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
+from onnx_partition.solve.stage_model import StageBytes, memory_per_device
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
@@ -93,6 +95,7 @@ def partition(
     time_limit_s: float = 60.0,
     force: bool = False,
     check: bool = True,
+    strict_costs: bool = False,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -100,15 +103,22 @@ def partition(
     minimised. With one: stages *and* replicas per stage on its devices (``num_stages`` then
     fixes the depth, or ``None`` lets the planner choose), fastest simulated iteration of
     ``microbatches`` micro-batches in ``mode`` ("infer" or "train") within device memory.
+    Without ``costs`` the analytic model prices the nodes on ``device``, by default the
+    cluster's (:func:`~onnx_partition.cost.devices.device_for`: its GPU, or the measured CPU).
+    A costs file measured on another device kind than the cluster's is noted in plan.json's
+    ``device_model.warning`` (an error with ``strict_costs``).
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
+    if costs is None and device is None:
+        device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
     node_costs = annotate(graph, device=device, costs_path=costs)
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(read_costs(costs)), checked.scale)
+    priced = device_model(device, costs, cluster, strict=strict_costs)
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
@@ -124,6 +134,7 @@ def partition(
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
+    plan.extra["device_model"] = priced
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
 
@@ -155,6 +166,42 @@ def _load_for_costs(
         checked.notes.append(f"note: planning at the input shapes costs file {costs} was "
                              f"measured at ({shapes})")
     return graph, checked
+
+
+def device_model(device: DeviceSpec | None, costs: str | os.PathLike[str] | None,
+                 cluster: Cluster | None, *, strict: bool = False) -> dict[str, Any]:
+    """plan.json's ``device_model``: what priced the plan. Analytic: the spec's name, peaks
+    and launch overhead; a costs file: its path and the device it was measured on, with a
+    ``warning`` when that is not the cluster's kind (:class:`PartitionError` if ``strict``)."""
+    if costs is None:
+        assert device is not None
+        return {"source": "analytic", "name": device.name, "kind": device.kind,
+                "peak_tflops": device.peak_gflops / 1e3, "mem_gbps": device.mem_gbps,
+                "launch_overhead_ms": device.launch_overhead_ms}
+    measured = costs_device(costs)
+    body: dict[str, Any] = {"source": "costs", "file": str(costs), "measured_on": measured}
+    want = cluster.kind if cluster is not None else None
+    if measured is not None and want is not None and measured.split(":")[0] != want:
+        body["warning"] = (f"costs file {costs} was measured on {measured}, the cluster's "
+                           f"devices are {want}: its times may not fit them")
+        if strict:
+            raise PartitionError(body["warning"] + " (--strict-costs)")
+    return body
+
+
+def priced_by(plan: Plan) -> str:
+    """One line naming what priced ``plan`` (its ``device_model``), for the summary."""
+    model = plan.extra.get("device_model")
+    if not isinstance(model, dict):
+        return "priced by: unknown (plan.json has no device_model)"
+    if model.get("source") == "costs":
+        where = model.get("measured_on") or "an unnamed device"
+        return f"priced by: costs file {model.get('file')} (measured on {where})"
+    default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
+        f"{DEFAULT_GPU}:tf32") else ""
+    return (f"priced by: analytic roofline of {model.get('name')}{default}, "
+            f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
+            f"{model.get('mem_gbps', 0):.4g} GB/s")
 
 
 def plan_stages(
@@ -321,10 +368,16 @@ def _describe(
     """The Plan and stage cuts of an assignment of the solvers' nodes to stages."""
     num_stages = len(replicas)
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
+    if memory is None:  # a plain pipeline: the one memory model, one micro-batch at a time
+        def nbytes(names: Sequence[str]) -> float:
+            return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
+
+        sizes = [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
+                            nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs]),
+                            nbytes(cut.inputs)) for cut in cuts]
+        memory = memory_per_device(sizes, replicas, 1, schedule="infer")
     stages = []
     for k, cut in enumerate(cuts):
-        params = sum(graph.initializer_bytes[t] for t in cut.initializers)
-        io = sum(graph.tensors[t].nbytes for t in cut.inputs + cut.outputs if t in graph.tensors)
         stages.append(Stage(
             index=k,
             file=f"stage_{k}.onnx",
@@ -337,7 +390,7 @@ def _describe(
             predicted=Predicted(
                 compute_ms=round(compute[k], 6),
                 comm_ms=round(comm[k], 6),
-                memory_bytes=int(memory[k]) if memory is not None else params + io,
+                memory_bytes=int(memory[k]),
             ),
         ))
     inputs, outputs = io_specs(graph)

@@ -152,6 +152,7 @@ class ClusterSchema(BaseModel):
     model_config = _CONFIG
     format: str = "onnx-partition/cluster@1"
     kind: Literal["cpu", "cuda"] = "cpu"
+    gpu: str | None = None  # a named GPU of cost/devices.py (kind cuda)
     machines: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     devices_per_machine: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     memory_gb: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)] | None = None

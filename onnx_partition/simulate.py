@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.solve.stage_model import device_bytes, one_f_one_b_warmups
 
 
 class ScheduleError(PartitionError, ValueError):
@@ -98,7 +99,8 @@ class SimResult:
     ``peak_inflight`` is the most micro-batch chunks (a micro-batch on one hosted stage) whose
     forward ran but backward has not (0 for inference). ``peak_memory_bytes`` is the hosted
     stages' ``static`` plus, in training, the peak over time of the stashed chunks'
-    ``activation`` (``static + peak_inflight * activation`` for one stage per device); in
+    ``activation`` (``static + peak_inflight * activation`` for one stage per device, by
+    :func:`~onnx_partition.solve.stage_model.device_bytes`); in
     inference, plus the largest hosted stage's ``activation`` (``static`` alone on an idle
     device). ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train,
     when ``allreduce_ms > 0``).
@@ -169,21 +171,20 @@ def one_f_one_b(
 ) -> Schedule:
     """PipeDream-Flush / 1F1B (Narayanan et al. 2021).
 
-    Stage r runs ``w_r`` warm-up forwards, then alternates one forward and one backward,
-    then drains the remaining backwards. Without replicas ``w_r = p - r - 1`` (the
-    standard schedule; peak in-flight ``min(p - r, M)``). With replicas ``d``, each
-    boundary adds ``d[s] + d[s+1] - 1`` instead of 1: ``w_r = sum(d[s] + d[s+1] - 1 for s
-    in r..p-2)``, the stage's warm-up shared among its replicas by round-robin. This keeps
-    the pipeline full when a stage of ``d`` replicas costs ``d`` times a balanced stage
-    (checked by simulation). Warm-ups shrink downstream, so it cannot deadlock.
+    Stage s runs ``W_s`` warm-up forwards, then alternates one forward and one backward,
+    then drains the remaining backwards; its replicas share the order by round-robin. Without
+    replicas ``W_s = p - s - 1`` (the standard schedule; peak in-flight ``min(p - s, M)``).
+    With replicas each boundary adds ``max(d_k, d_k+1)`` micro-batches when one count divides
+    the other (equal counts: every replica runs Megatron's 1F1B on its own micro-batches),
+    else ``d_k + d_k+1 - 1`` (:func:`~onnx_partition.solve.stage_model.one_f_one_b_warmups`,
+    whose module gives the peak in-flight per replica in closed form). Warm-ups shrink
+    downstream, so it cannot deadlock.
     """
     counts = _replica_counts(num_stages, replicas)
     _check_microbatches(num_microbatches)
     m = num_microbatches
     orders: list[list[tuple[Kind, int]]] = []
-    steps = [counts[s] + counts[s + 1] - 1 for s in range(num_stages - 1)]
-    for stage in range(num_stages):
-        warmup = min(sum(steps[stage:]), m)
+    for warmup in one_f_one_b_warmups(counts, m):
         order = [(Kind.F, mb) for mb in range(warmup)]
         for mb in range(warmup, m):
             order += [(Kind.F, mb), (Kind.B, mb - warmup)]
@@ -433,14 +434,14 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     for dev, actions in schedule.items():
         hosted = [costs.stages[s] for s in range(dev[0], num_stages, width)]
         static = sum(stage.static_bytes for stage in hosted)
-        if not train:
+        if not train:  # the micro-batch being computed, of the largest stage it runs
             ran = {a.stage for a in actions}
             largest = max((costs.stages[s].activation_bytes for s in ran), default=0.0)
-            memory[dev] = static + largest
+            memory[dev] = device_bytes(static, largest, 1 if ran else 0)
         elif shared:
-            memory[dev] = static + peak_stashed[dev]
+            memory[dev] = device_bytes(static, peak_stashed[dev], 1)
         else:
-            memory[dev] = static + peak[dev] * hosted[0].activation_bytes
+            memory[dev] = device_bytes(static, hosted[0].activation_bytes, peak[dev])
     if not train:
         peak = dict.fromkeys(schedule, 0)
     timeline.sort(key=lambda item: (item[2], item[0]))

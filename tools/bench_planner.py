@@ -8,7 +8,11 @@
 For every recipe x device count x mode: our planner (``plan_cluster``) and every baseline of
 ``onnx_partition.solve.baselines`` (uniform, parameter- and time-balanced splits on the best
 Megatron pp x dp grid, pure data parallelism, PipeDream's DP), all scored by the same event
-simulator. Partition time is the wall time of the solver on the DagProblem (model export,
+simulator. Every plan returned, ours and the baselines', is also checked against the device
+memory in the simulator (its peak per device, ``SimResult.peak_memory_bytes``) and against the
+planner's own figure per stage (the one memory model, ``solve/stage_model.py``): the summary
+line (e) counts plans over the limit and plans whose two figures differ (target 0 and 0).
+Partition time is the wall time of the solver on the DagProblem (model export,
 loading and analytic costing are common to all and left out). Prints a Markdown table and the
 summary lines for the targets. Exports are cached in a temporary folder (or ``--cache``).
 """
@@ -123,6 +127,14 @@ def shape(plan: HybridPlan) -> str:
     return f"{len(reps)}x{reps[0]}" if len(set(reps)) == 1 else "[" + ",".join(map(str, reps)) + "]"
 
 
+def simulated_peaks(plan: HybridPlan) -> list[float]:
+    """The simulator's peak memory of each stage's fullest replica."""
+    peaks = [0.0] * plan.num_stages
+    for (stage, _), peak in plan.sim.peak_memory_bytes.items():
+        peaks[stage] = max(peaks[stage], peak)
+    return peaks
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else math.nan
 
@@ -159,8 +171,10 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
           f"Baseline columns: ours / baseline throughput (> 1: ours faster); throughput in "
           f"micro-batches/s of the simulated 1F1B (train) or forward (infer) schedule.\n")
     print("| recipe | nodes | D | mode | ours mb/s | ours plan | ours s | "
-          + " | ".join(BASELINES) + " | best baseline plan | PipeDream s | PD s / ours s |")
-    print("| --- " * (9 + len(BASELINES)) + "|")
+          + " | ".join(BASELINES) + " | best baseline plan | PipeDream s | PD s / ours s | "
+          "ours peak memory |")
+    print("| --- " * (10 + len(BASELINES)) + "|")
+    checked, over, differ = 0, [], []  # every plan's simulated memory against the limit
     ratios: dict[str, list[tuple[float, str]]] = {b: [] for b in BASELINES}
     branchy_uniform: dict[str, list[float]] = {"uniform": [], "uniform-fewer": []}
     time_ratios: list[float] = []
@@ -215,6 +229,16 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
                     if b.startswith("uniform") and mode == "train" and name in BRANCHY:
                         branchy_uniform[b].append(ratio)
                     cells.append(f"{ratio:.2f}x")
+                limit = run.cluster.memory_bytes
+                named = [(b, p) for b, p in plans.items() if not isinstance(p, str)]
+                for who, plan in ([("ours", ours)] if ours else []) + named:
+                    checked += 1
+                    where = f"{who} {name} D={devices} {mode} {shape(plan)}"
+                    if max(simulated_peaks(plan)) > limit:
+                        over.append(where)
+                    if simulated_peaks(plan) != list(plan.memory_bytes):
+                        differ.append(where)
+                peak = (f"{max(simulated_peaks(ours)) / 1e9:.1f} GB" if ours else "-")
                 real = [p for p in plans.values() if not isinstance(p, str)]
                 top = min(real, key=lambda p: p.sim.iteration_ms) if real else None
                 pd_plan = plans["pipedream"]
@@ -226,7 +250,7 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
                       end="")
                 print(f"{ours_s:.3f} | " + " | ".join(cells) + " | "
                       f"{top.source + ' ' + shape(top) if top else '-'} | "
-                      + " | ".join(pd_cells) + " |", flush=True)
+                      + " | ".join(pd_cells) + f" | {peak} |", flush=True)
     print()
     flat = [(r, b, where) for b, rs in ratios.items() for r, where in rs]
     if flat:
@@ -240,6 +264,10 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
         print(f"(b) min over all rows of ours / baseline: {worst[0]:.3f}x ({worst[1]}, "
               f"{worst[2]}) (target >= 1.0x); below 1.0 in {len(below)} of {len(flat)}: "
               + ("; ".join(f"{b} {where} {r:.3f}x" for r, b, where in below) or "none"))
+    print(f"(e) plans over the {setting.memory_gb:g} GB device memory in the simulator: "
+          f"{len(over)} of {checked} (target 0){': ' + '; '.join(over) if over else ''}; "
+          f"plans whose planner and simulator memory differ: {len(differ)}"
+          f"{': ' + '; '.join(differ) if differ else ''}")
     if time_ratios:
         print(f"(c) PipeDream time / our time where PipeDream finishes: geometric mean "
               f"{geomean(time_ratios):.1f}x, min {min(time_ratios):.1f}x, max "

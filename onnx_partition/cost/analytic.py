@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 
 from onnx_partition.errors import PartitionError
@@ -26,12 +26,24 @@ _T = 4.0  # FLOPs charged per transcendental function evaluation
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Roofline parameters of one device (GFLOP/s, GB/s with G = 1e9, and ms per operator)."""
+    """Roofline parameters of one device (GFLOP/s, GB/s with G = 1e9, and ms per operator).
+
+    ``peak_gflops`` is the dense peak of matrix products on 4-byte floats (TF32 or fp32 on a
+    GPU, see :mod:`onnx_partition.cost.devices`), ``half_gflops`` that on 2-byte floats,
+    ``vector_gflops`` that of every other operator (CUDA cores); 0 means ``peak_gflops``.
+    ``efficiency`` maps an operator class (:func:`op_class`) to the achievable fractions
+    ``(of peak FLOP/s, of bandwidth)``; a class not listed gets ``(1, 1)``.
+    """
 
     name: str
     peak_gflops: float
     mem_gbps: float
     launch_overhead_ms: float
+    half_gflops: float = 0.0
+    vector_gflops: float = 0.0
+    efficiency: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+    memory_gb: float = math.inf
+    kind: str = "cpu"
 
     def __post_init__(self) -> None:
         if not (self.peak_gflops > 0 and self.mem_gbps > 0 and self.launch_overhead_ms >= 0):
@@ -328,13 +340,47 @@ def bytes_moved(op: OpInfo) -> float:
         return 0.0
 
 
+_ATTENTION = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
+#: Operator classes with their own achievable fractions of peak (see ``cost/devices.py``).
+OP_CLASSES = ("dense", "attention", "norm", "elementwise", "move", "view")
+
+
+def op_class(op_type: str) -> str:
+    """``dense`` (matrix products, convolutions), ``attention`` (fused attention ops), ``norm``
+    (normalisations, softmax, reductions, pooling), ``elementwise``, ``move`` (data movement)
+    or ``view`` (free: reshapes and metadata)."""
+    if op_type in _ATTENTION:
+        return "attention"
+    if op_type in _DENSE:
+        return "dense"
+    if op_type in _VIEW:
+        return "view"
+    if op_type in _MOVE:
+        return "move"
+    if op_type in _PER_INPUT or op_type in _SPECIAL:
+        return "norm"
+    return "elementwise"
+
+
+def _peak_gflops(op: OpInfo, device: DeviceSpec, kind: str) -> float:
+    if kind not in ("dense", "attention"):
+        return device.vector_gflops or device.peak_gflops
+    if device.half_gflops and any(s == 2 for s in op.input_itemsizes[:2]):
+        return device.half_gflops
+    return device.peak_gflops
+
+
 def _roofline_ms(op: OpInfo, device: DeviceSpec) -> float:
     # GFLOP/s * 1e6 = FLOP/ms; GB/s * 1e6 = B/ms.
-    return max(flops(op) / (device.peak_gflops * 1e6), bytes_moved(op) / (device.mem_gbps * 1e6))
+    kind = op_class(op.op_type)
+    compute_eff, memory_eff = device.efficiency.get(kind, (1.0, 1.0))
+    return max(flops(op) / (_peak_gflops(op, device, kind) * compute_eff * 1e6),
+               bytes_moved(op) / (device.mem_gbps * memory_eff * 1e6))
 
 
 def forward_ms(op: OpInfo, device: DeviceSpec) -> float:
-    """``launch_overhead + max(flops / peak, bytes / bandwidth)`` (roofline, Williams 2009)."""
+    """``launch_overhead + max(flops / (peak x eff_c), bytes / (bandwidth x eff_m))`` (roofline,
+    Williams 2009), with the efficiencies of the operator's class (:func:`op_class`)."""
     return device.launch_overhead_ms + _roofline_ms(op, device)
 
 

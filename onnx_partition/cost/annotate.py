@@ -91,6 +91,13 @@ def read_costs(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     }
 
 
+def costs_device(path: str | os.PathLike[str]) -> str | None:
+    """The ``device`` a costs file says it was measured on (``cpu``, ``cuda:0``), if any."""
+    body = read_json(Path(path), "costs")
+    device = body.get("device") if isinstance(body, dict) else None
+    return str(device) if device is not None else None
+
+
 def write_costs(path: Path, costs: Mapping[str, Mapping[str, float]], **meta: Any) -> None:
     """Write costs.json atomically (temporary name, then rename)."""
     body = {"format": COSTS_FORMAT, "unit": "ms", **meta, "nodes": dict(costs)}
@@ -108,6 +115,7 @@ def annotate(
     """Costs of every node: from ``costs_path`` where it names the node, else analytic.
 
     Free (constant) nodes cost nothing: they are folded or copied, never scheduled.
+    ``source`` says what priced them: ``analytic:<device spec name>`` or the costs file.
     """
     device = device or DeviceSpec.cpu()
     infos = op_infos(graph)

@@ -2,13 +2,15 @@
 
 ``cluster.json``::
 
-    {"format": "onnx-partition/cluster@1", "kind": "cuda", "machines": 2,
+    {"format": "onnx-partition/cluster@1", "kind": "cuda", "gpu": "h100", "machines": 2,
      "devices_per_machine": 8, "memory_gb": 80, "speed": 1.0,
      "intra": {"bandwidth_gbps": 300, "latency_ms": 0.005},
      "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02}}
 
 Bandwidths are in GB/s (1e9 bytes per second), memory in GB (1e9 bytes). ``speed`` divides every
-compute time (a device twice as fast as the one the costs were measured on has speed 2).
+compute time (a device twice as fast as the one the costs were measured on has speed 2). ``gpu``
+names the GPU the analytic costs price (:mod:`onnx_partition.cost.devices`, ``NAME[:MODE]``;
+default ``h100``) when no costs file is given; it needs ``"kind": "cuda"``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Cluster:
     kind: str = "cpu"
     intra: LinkSpec = field(default_factory=lambda: LinkSpec(10.0, 0.02))
     inter: LinkSpec = field(default_factory=lambda: LinkSpec(1.25, 0.05))
+    gpu: str | None = None  # the GPU of the analytic costs (cost/devices.py), kind "cuda"
 
     def __post_init__(self) -> None:
         if self.machines < 1 or self.devices_per_machine < 1:
@@ -60,6 +63,10 @@ class Cluster:
             raise PartitionError("device memory and speed must be positive")
         if self.kind not in ("cpu", "cuda"):
             raise PartitionError(f"device kind must be cpu or cuda, got {self.kind!r}")
+        if self.gpu is not None:
+            from onnx_partition.cost.devices import device_for
+
+            device_for(self.kind, self.gpu)  # a known GPU, on a cuda cluster
 
     @property
     def devices(self) -> int:
@@ -149,6 +156,7 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
         memory_gb=math.inf if spec.memory_gb is None else spec.memory_gb,
         speed=spec.speed,
         kind=spec.kind,
+        gpu=spec.gpu,
         intra=LinkSpec(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
         inter=LinkSpec(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
     )

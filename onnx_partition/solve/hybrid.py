@@ -10,14 +10,16 @@ Narayanan et al., SOSP 2019, with the transfers of every tensor crossing its bou
     period  P = L / r + allreduce / M          (replicas take micro-batches in turn; the ring
     allreduce = 2 (r-1)/r W / bw + 2 (r-1) lat  all-reduce of W gradient bytes once per iteration)
 
-and needs per device (1F1B keeps ``min(q, M)`` micro-batches of activations in flight at the
-``q``-th stage from the end, Narayanan et al. 2021; Adam keeps ~4x the fp32 parameters):
+and needs per device the memory of :mod:`.stage_model` (the one memory model): in training
+``opt * W + G + held * (A + R)``, where 1F1B's ``held`` micro-batches in flight depend on the
+stage's replicas and the replicas and warm-up of the stages after it. The DP builds plans from
+the pipeline's end, so when it places stage ``[i, j)`` on ``r`` replicas in front of the
+suffix it chose from ``j``, it knows that suffix's first replica count and warm-up and checks
+the stage's memory exactly; the plans it returns carry each stage's exact memory
+(:func:`.stage_model.memory_per_device`), and the planner checks again after widening.
 
-    memory = opt * W + min(q, M) * A           (train)
-           = W + A                             (infer)
-
-The DP runs over suffixes with the number of stages in the state, because the in-flight count
-depends on it (table shape written as in Alpa's ``training_dp_impl``)::
+The DP runs over suffixes with the number of stages in the state (table shape written as in
+Alpa's ``training_dp_impl``)::
 
     g[q, i, d] = min over j > i, r <= d - (q - 1) of max(P(i, j, r, q), g[q-1, j, d-r])
 
@@ -39,11 +41,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.solve.stage_model import (
+    StageBytes,
+    device_bytes,
+    memory_per_device,
+    ring_allreduce_ms,
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,26 @@ class _Tables:
             self.comm = 2.0 * self.comm
         self.params = span(costs.param_bytes)
         self.acts = span(costs.activation_bytes)
+        raw_cut = np.asarray(costs.cut_bytes, dtype=float)
+        self.received = np.broadcast_to(raw_cut[:, None], (n + 1, n + 1))  # at boundary i
+        self.sent = np.broadcast_to(raw_cut[None, :], (n + 1, n + 1))  # at boundary j
+        # memory = static + held * stash (stage_model), as (start, end) matrices
+        self.static = (config.optimizer_factor * self.params + self.sent if config.train
+                       else self.params)
+        self.stash = self.acts + self.received
+        # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            room = config.memory_bytes - self.static
+            cap = np.where(self.stash > 0, room / self.stash,
+                           np.where(room >= 0, np.inf, -np.inf))
+        # float32 rounded down: the DP never counts a stage as fitting that does not
+        # the stages that could overflow at all (all M micro-batches in flight), flat indices
+        valid_ij = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        held_most = config.microbatches if config.train else 1
+        self.risky = np.flatnonzero(valid_ij & (cap < held_most))
+        # held <= cap iff held <= floor(cap) (held is whole): small integers stream faster
+        self.risky_cap = np.clip(np.floor(cap.reshape(-1)[self.risky]), -1,
+                                 held_most).astype(_COUNT)
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
         self.choices = replica_choices(config.devices)
@@ -134,36 +163,40 @@ class _Tables:
                                narrow)
         self.lookup = np.asarray([*self.choices, _NONE], dtype=_COUNT)
 
-    def allreduce(self, r: int) -> np.ndarray:
+    def allreduce(self, r: int, params: Any = None) -> Any:
+        """Ring all-reduce time of every stage's gradients (or of ``params`` bytes) among
+        ``r`` replicas, once per iteration (training only)."""
         c = self.c
-        if not c.train or r == 1:
-            return np.zeros_like(self.params)
+        params = self.params if params is None else params
+        if not c.train:
+            return params * 0.0
         bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
         lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
-        return 2.0 * (r - 1) / r * self.params / bw + 2.0 * (r - 1) * lat
+        return ring_allreduce_ms(params, r, bw, lat)
 
     def memory(self, q: int) -> np.ndarray:
-        """Bytes per device of every stage placed ``q``-th from the pipeline's end."""
-        c = self.c
-        if c.train:
-            return c.optimizer_factor * self.params + min(q, c.microbatches) * self.acts
-        return self.params + self.acts
+        """Bytes per device of every stage placed ``q``-th from the end of a pipeline of single
+        replicas (1F1B holds ``min(q, M)`` micro-batches there): the least-memory report."""
+        held = min(q, self.c.microbatches) if self.c.train else 1
+        return device_bytes(self.static, self.stash, held)
 
-    def stage(self, i: int, j: int, r: int, q: int) -> HybridStage:
+    def stage(self, i: int, j: int, r: int) -> HybridStage:
+        """Stage ``[i, j)`` on ``r`` replicas; its memory is set by :meth:`with_memory`."""
         c = self.c
-        params = float(self.params[i, j])
-        allreduce = 0.0
-        if c.train and r > 1:
-            bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
-            lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
-            allreduce = 2.0 * (r - 1) / r * params / bw + 2.0 * (r - 1) * lat
-        if c.train:
-            memory = c.optimizer_factor * params + min(q, c.microbatches) * float(self.acts[i, j])
-        else:
-            memory = params + float(self.acts[i, j])
+        allreduce = float(self.allreduce(r, float(self.params[i, j])))
         latency = float(self.latency[i, j])
         return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
-                           allreduce, memory, latency / r + allreduce / c.microbatches)
+                           allreduce, math.nan, latency / r + allreduce / c.microbatches)
+
+    def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
+        """The stages with their exact memory per device (:func:`memory_per_device`)."""
+        sizes = [StageBytes(float(self.params[s.start, s.end]), float(self.acts[s.start, s.end]),
+                            float(self.received[s.start, s.end]),
+                            float(self.sent[s.start, s.end])) for s in stages]
+        memory = memory_per_device(sizes, [s.replicas for s in stages], self.c.microbatches,
+                                   schedule="1f1b" if self.c.train else "infer",
+                                   optimizer_factor=self.c.optimizer_factor)
+        return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
 
     def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:
         """Give devices the DP left unused to the slowest stages, while that helps."""
@@ -175,12 +208,12 @@ class _Tables:
             more = [r for r in self.choices if slow.replicas < r <= slow.replicas + spare]
             if not more:
                 break
-            wider = self.stage(slow.start, slow.end, more[-1], len(stages) - k)
+            wider = self.stage(slow.start, slow.end, more[-1])
             if wider.period_ms >= slow.period_ms:
                 break
             spare -= wider.replicas - slow.replicas
             stages[k] = wider
-        return stages
+        return self.with_memory(stages)
 
 
 _COUNT = np.int16  # device counts in the DP's tables
@@ -189,12 +222,16 @@ MAX_DEVICES = _NONE - 1
 
 
 def _fewest_devices(
-    tables: _Tables, tau: float, max_q: int, penalty: list[np.ndarray]
+    tables: _Tables, tau: float, max_q: int, fits: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
     memory (``_NONE`` or more: impossible); with the chosen end and replica count per (q, i).
-    ``penalty[q]`` is ``_NONE`` where a stage placed ``q``-th from the end overflows memory,
-    else 0. Integer tables: the device counts are small whole numbers."""
+    ``fits`` says where a stage is within memory when that does not depend on the plan
+    (inference); in training each stage's memory is checked in front of the suffix chosen:
+    its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
+    replica count and warm-up (:func:`_held`), a small table looked up for the stages that
+    could overflow at all (``tables.risky``) and compared with how many micro-batches each may
+    hold (``tables.risky_cap``). Integer tables: the device counts are small whole numbers."""
     n = tables.n
     above = np.zeros((n + 1, n + 1), dtype=_COUNT)
     limit = np.float32(tau)
@@ -205,15 +242,46 @@ def _fewest_devices(
     h[0, n] = 0
     end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
     rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
+    warm = np.zeros((max_q + 1, n + 1), dtype=np.int64)  # 1F1B warm-up of the first stage
     rows = np.arange(n + 1)
     cand = np.empty((n + 1, n + 1), dtype=_COUNT)
+    flat = cand.reshape(-1)  # a view
+    if fits is None:  # only stages that could overflow: held[c, j] is held.flat[at[k]]
+        risky = tables.risky
+        at = above.reshape(-1)[risky].astype(np.int64) * (n + 1) + risky % (n + 1)
     for q in range(1, max_q + 1):
-        np.maximum(reps, penalty[q], out=cand)
+        np.copyto(cand, reps)
+        if fits is None:
+            held, steps = _held(tables, rep[q - 1], warm[q - 1], q == 1)
+            flat[risky[np.take(held, at) > tables.risky_cap]] = _NONE
+        else:
+            np.copyto(cand, _NONE, where=~fits)
         cand += h[q - 1][None, :]
         end[q] = np.argmin(cand, axis=1)
         h[q] = np.minimum(cand[rows, end[q]], _NONE)
         rep[q] = np.where(h[q] < _NONE, reps[rows, end[q]], 0)
+        if fits is None:
+            warm[q] = np.minimum(steps[above[rows, end[q]], end[q]] + warm[q - 1][end[q]],
+                                 tables.c.microbatches)
     return h, end, rep
+
+
+def _held(tables: _Tables, next_reps: np.ndarray, next_warm: np.ndarray,
+          last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``held[c, j]``: micro-batches in flight on a stage of ``lookup[c]`` replicas ending at
+    ``j``, in front of the suffix whose first stage has ``next_reps[j]`` replicas and 1F1B
+    warm-up ``next_warm[j]`` (the closed form of :mod:`.stage_model`, vectorised); and
+    ``steps[c, j]``, the warm-up that boundary adds."""
+    m = tables.c.microbatches
+    r = tables.lookup.astype(np.int64)[:, None]
+    if last:
+        steps = np.zeros((len(r), len(next_reps)), dtype=np.int64)
+    else:
+        after = np.maximum(next_reps, 1)[None, :]
+        divides = (r % after == 0) | (after % r == 0)
+        steps = np.where(divides, np.maximum(r, after), r + after - 1)
+    warmup = np.minimum(steps + next_warm[None, :], m)
+    return (-(-np.minimum(warmup + 1, m) // r)).astype(_COUNT), steps
 
 
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
@@ -234,20 +302,15 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
         raise ValueError(f"cut_bytes needs {n + 1} entries, got {len(costs.cut_bytes)}")
     tables = _Tables(costs, config)
     max_q = min(config.max_stages, devices, n)
-    penalties: dict[int, np.ndarray] = {}  # one array per distinct in-flight count
-    for q in range(1, max_q + 1):
-        inflight = min(q, config.microbatches) if config.train else 0
-        if inflight not in penalties:
-            fits = tables.memory(q) <= config.memory_bytes
-            penalties[inflight] = np.where(fits, 0, _NONE).astype(_COUNT)
-    penalty = [np.zeros(0, dtype=_COUNT)] + [
-        penalties[min(q, config.microbatches) if config.train else 0]
-        for q in range(1, max_q + 1)
-    ]
+    fits: np.ndarray | None = None  # training with a memory limit: checked per suffix
+    held_most = config.microbatches if config.train else 1  # no replica holds more
+    if not config.train or bool(np.all(device_bytes(tables.static, tables.stash, held_most)
+                                       <= config.memory_bytes)):
+        fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
     depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
 
     def fewest(tau: float) -> int:
-        h, _, _ = _fewest_devices(tables, tau, max_q, penalty)
+        h, _, _ = _fewest_devices(tables, tau, max_q, fits)
         return int(h[depths, 0].min())
 
     finite = tables.period[np.isfinite(tables.period)]
@@ -278,22 +341,25 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     for budget in reversed(budgets):
         hi = brackets[budget][1]
         for slack in (1.0, 1.05, 1.25, 1.5):
-            h, end, rep = _fewest_devices(tables, hi * slack, max_q, penalty)
+            h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
             for q in range(1, max_q + 1):
                 if h[q, 0] > budget or (config.depth and q != config.depth):
                     continue
                 stages, i = [], 0
                 for left in range(q, 0, -1):
                     j, r = int(end[left, i]), int(rep[left, i])
-                    stages.append(tables.stage(i, j, r, left))
+                    stages.append(tables.stage(i, j, r))
                     i = j
                 assert i == n
+                stages = tables.with_memory(stages)
                 # Both the lean plan and the one widened onto spare devices: more replicas
                 # shorten the period but lengthen the all-reduce, which the simulator, not the
                 # period, sees.
+                # Widening changes the warm-ups upstream: a variant over memory is dropped.
                 for variant in (stages, tables.widen(stages, budget)):
                     key = tuple((s.start, s.end, s.replicas) for s in variant)
-                    if key not in seen:
+                    within = max(s.memory_bytes for s in variant) <= config.memory_bytes
+                    if key not in seen and within:
                         seen.add(key)
                         plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))

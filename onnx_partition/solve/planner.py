@@ -46,6 +46,7 @@ from onnx_partition.solve.scoring import (
     totals_costs,
 )
 from onnx_partition.solve.search import polish_split, sequence_for
+from onnx_partition.solve.stage_model import ring_allreduce_ms
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
@@ -212,8 +213,8 @@ def grid_candidates(
         compute = base
         if run.train and replicas > 1:
             group = run.cluster.link(replicas)
-            share = 2.0 * (replicas - 1) / replicas / group.bytes_per_ms / run.microbatches
-            compute = [c + share * w for c, w in zip(base, arrays.param_bytes)]
+            share = ring_allreduce_ms(arrays.columns[1], replicas, group.bytes_per_ms, 0.0)
+            compute = list(np.asarray(base) + share / run.microbatches)
         block_compute, block_cuts = blocks.compress(compute, cuts)
         split = split_sequence(block_compute, block_cuts, pp,  # a proposal: 0.0001% will do
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
@@ -337,6 +338,8 @@ def plan_cluster(
                    key=lambda p: p.sim.iteration_ms)
     else:
         best = polish_replicas(problem, arrays, best, run, LONG_POLISH)
+    # every proposal was checked with the one memory model, which the simulator agrees with
+    assert max(best.sim.peak_memory_bytes.values()) <= run.cluster.memory_bytes
     best.planning_s = time.perf_counter() - started
     return best, families
 
@@ -362,7 +365,8 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
     only approximates (its replica choices are 1..8 and powers of two, its objective the
     period): neighbours one device away, tried in :func:`lower_bound_ms` order, those that
     cannot win skipped, the first faster one taken; at most ``budget`` simulations.
-    Stage cuts stay; memory per device does not depend on the replica count."""
+    Stage cuts stay; neighbours over the device memory (which the replicas change: 1F1B's
+    micro-batches in flight depend on them) are not tried."""
     totals = stage_totals(problem, arrays, plan.stage_of, plan.num_stages)
     spent, improved = 0, True
     while improved and spent < budget:
@@ -371,7 +375,7 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
         for replicas in _replica_moves(plan.replicas, run.cluster.devices):
             costs, memory = totals_costs(totals, replicas, run)
             bound = lower_bound_ms(costs, run.microbatches, run.train)
-            if bound < plan.sim.iteration_ms:
+            if bound < plan.sim.iteration_ms and max(memory) <= run.cluster.memory_bytes:
                 ranked.append((bound, replicas, costs, memory))
         ranked.sort(key=lambda e: e[0])
         for _, replicas, costs, memory in ranked[: budget - spent]:

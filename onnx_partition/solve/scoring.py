@@ -29,6 +29,13 @@ from onnx_partition.simulate import (
     simulate,
 )
 from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.stage_model import (
+    StageBytes,
+    memory_per_device,
+    ring_allreduce_ms,
+    stash_bytes,
+    static_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class RunSpec:
     microbatches: int = 8
     optimizer_factor: float = 4.0
     max_stages: int = 16
+
+    @property
+    def schedule(self) -> str:
+        """The schedule plans are scored with: ``1f1b`` in training, ``infer`` otherwise."""
+        return "1f1b" if self.train else "infer"
 
 
 @dataclass
@@ -143,19 +155,20 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     groups, links = _links(cluster, replicas, run.microbatches)
     send = [b / link.bytes_per_ms + link.latency_ms
             for b, link in zip(totals.cross_bytes, links)]
-    stages, memory = [], []
+    cross = [0.0, *totals.cross_bytes, 0.0]  # bytes received at stage k's input boundary
+    sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
+                        cross[k], cross[k + 1]) for k in range(num_stages)]
+    stages = []
     for k, r in enumerate(replicas):
-        params, acts = float(totals.param_bytes[k]), float(totals.activation_bytes[k])
-        allreduce = 0.0
-        if run.train and r > 1:
-            allreduce = (2.0 * (r - 1) / r * params / groups[k].bytes_per_ms
-                         + 2.0 * (r - 1) * groups[k].latency_ms)
-        static = run.optimizer_factor * params if run.train else params
+        allreduce = (ring_allreduce_ms(sizes[k].params, r, groups[k].bytes_per_ms,
+                                       groups[k].latency_ms) if run.train else 0.0)
         backward = float(totals.backward_ms[k]) / cluster.speed if run.train else 0.0
-        stages.append(StageCosts(float(totals.forward_ms[k]) / cluster.speed, backward, r,
-                                 allreduce, acts, static))
-        inflight = min(num_stages - k, run.microbatches) if run.train else 1
-        memory.append(static + inflight * acts)
+        stages.append(StageCosts(
+            float(totals.forward_ms[k]) / cluster.speed, backward, r, allreduce,
+            stash_bytes(sizes[k]),
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
+    memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
+                               optimizer_factor=run.optimizer_factor)
     return PipelineCosts(stages, send), memory
 
 
@@ -178,7 +191,7 @@ def score(
 
 def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
-    builder = one_f_one_b if run.train else inference
+    builder = one_f_one_b if run.schedule == "1f1b" else inference
     schedule = builder(len(replicas), run.microbatches, list(replicas))
     sim = simulate(schedule, costs)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),

@@ -1,0 +1,171 @@
+"""Named device specs for the analytic (roofline) costs: datasheet GPUs and a measured CPU.
+
+A GPU spec holds the vendor's dense peaks per math mode, its memory bandwidth and size; turned
+into a :class:`~onnx_partition.cost.analytic.DeviceSpec` with the per-op-class efficiencies of
+:data:`GPU_EFFICIENCY` and a launch overhead. Peaks are *dense* (no 2:4 sparsity), SXM parts.
+
+Sources (vendor datasheets):
+
+* V100 SXM2 32 GB: 15.7 TFLOP/s fp32, 125 fp16 tensor, 900 GB/s HBM2 (no TF32, no bf16:
+  those are priced at fp32 and fp16). NVIDIA Tesla V100 datasheet, 2020.
+* A100 SXM4 40 GB / 80 GB: 19.5 fp32, 156 TF32, 312 fp16/bf16; 1,555 / 2,039 GB/s.
+  NVIDIA A100 Tensor Core GPU datasheet, 2021.
+* H100 SXM5 80 GB: 67 fp32, 494.7 TF32, 989.4 fp16/bf16; 3,350 GB/s HBM3.
+  NVIDIA H100 Tensor Core GPU datasheet, 2023.
+* H200 SXM 141 GB: the H100's compute; 4,800 GB/s HBM3e. NVIDIA H200 datasheet, 2024.
+* L4 24 GB: 30.3 fp32, 60 TF32, 121 fp16/bf16 (half the datasheet's sparse figures); 300 GB/s
+  GDDR6. NVIDIA L4 datasheet, 2023.
+
+**Math mode of a float32 graph.** A float32 ONNX graph's matrix products are priced at
+**TF32** on GPUs that have it (A100, H100, H200, L4): onnxruntime's CUDA provider uses TF32 by
+default (``use_tf32 = 1``), and PyTorch training of fp32 models on these GPUs enables it
+(``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``, on by
+default in NVIDIA's containers). ``NAME:fp32`` prices them at IEEE fp32 instead,
+``NAME:bf16`` / ``NAME:fp16`` at the half-precision tensor-core peak (mixed precision; bytes
+stay those of the graph's dtypes). Operators whose inputs are 2-byte floats always use the
+half-precision peak. Element-wise, normalisation and data-movement operators run on the
+CUDA cores (fp32 peak) and are memory-bound in practice.
+
+**The CPU** is not a datasheet part: :func:`measured_cpu` times a small matrix product and a
+large element-wise add in onnxruntime on one thread (the runtime's default), once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.errors import PartitionError
+
+#: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
+#: dense (MatMul, Gemm, Conv): large cuBLAS GEMMs reach 70-80% of tensor-core peak (NVIDIA,
+#:   "Matrix Multiplication Background User's Guide", Deep Learning Performance docs);
+#:   Megatron-LM sustains 52% of A100 peak end to end on GPT-3 175B (Narayanan et al., SC'21,
+#:   163 of 312 TFLOP/s), its GEMMs above that: 0.7.
+#: attention (fused Attention ops): FlashAttention-2 reaches 50-73% of A100 peak in the
+#:   forward pass (Dao, "FlashAttention-2", 2023): 0.5.
+#: norm (LayerNorm, Softmax, reductions): framework kernels reach 60-80% of HBM bandwidth
+#:   (OneFlow, "How to implement an efficient Softmax CUDA kernel", 2021; Triton's fused-softmax
+#:   tutorial measures torch.softmax on A100 there): 0.7.
+#: elementwise: streaming kernels reach 85-90% of HBM bandwidth (BabelStream on A100/H100,
+#:   Deakin et al., 2018 and later results): 0.85.
+#: move (Transpose, Concat, Gather, ...): strided copies reach well under a stream copy;
+#:   a tiled transpose gets ~75% of copy bandwidth (Harris, "An Efficient Matrix Transpose in
+#:   CUDA C/C++", NVIDIA blog 2013): 0.6.
+GPU_EFFICIENCY = MappingProxyType({
+    "dense": (0.70, 0.80),
+    "attention": (0.50, 0.80),
+    "norm": (0.70, 0.70),
+    "elementwise": (0.80, 0.85),
+    "move": (1.00, 0.60),
+})
+#: Per-kernel launch overhead on a GPU: ~4 us from host to kernel start in a stream of small
+#: kernels (NVIDIA, "Getting Started with CUDA Graphs", 2019, measures 3-4 us per launch).
+GPU_LAUNCH_MS = 0.004
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet figures of one GPU: dense TFLOP/s per math mode, GB/s, GB."""
+
+    name: str
+    fp32_tflops: float
+    tf32_tflops: float  # 0: no TF32 (priced at fp32)
+    half_tflops: float  # fp16 / bf16 tensor cores, dense
+    mem_gbps: float
+    memory_gb: float
+
+
+GPUS = MappingProxyType({
+    "v100": GpuSpec("V100-SXM2-32GB", 15.7, 0.0, 125.0, 900.0, 32.0),
+    "a100-40gb": GpuSpec("A100-SXM4-40GB", 19.5, 156.0, 312.0, 1555.0, 40.0),
+    "a100-80gb": GpuSpec("A100-SXM4-80GB", 19.5, 156.0, 312.0, 2039.0, 80.0),
+    "h100": GpuSpec("H100-SXM5-80GB", 67.0, 494.7, 989.4, 3350.0, 80.0),
+    "h200": GpuSpec("H200-SXM-141GB", 67.0, 494.7, 989.4, 4800.0, 141.0),
+    "l4": GpuSpec("L4-24GB", 30.3, 60.0, 121.0, 300.0, 24.0),
+})
+DEFAULT_GPU = "h100"
+MATH_MODES = ("tf32", "fp32", "fp16", "bf16")
+
+
+def gpu(name: str = DEFAULT_GPU) -> DeviceSpec:
+    """The roofline spec of GPU ``NAME`` or ``NAME:MODE`` (``MODE`` in :data:`MATH_MODES`:
+    how float32 matrix products are priced; default TF32 where the GPU has it)."""
+    key, _, mode = name.strip().lower().partition(":")
+    if key == "a100":
+        key = "a100-80gb"
+    spec = GPUS.get(key)
+    if spec is None:
+        raise PartitionError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} "
+                             f"(optionally NAME:{'|'.join(MATH_MODES)})")
+    mode = mode or ("tf32" if spec.tf32_tflops else "fp32")
+    if mode not in MATH_MODES:
+        raise PartitionError(f"unknown math mode {mode!r} in {name!r}; choose one of "
+                             f"{', '.join(MATH_MODES)}")
+    dense = {"fp32": spec.fp32_tflops, "tf32": spec.tf32_tflops or spec.fp32_tflops,
+             "fp16": spec.half_tflops, "bf16": spec.half_tflops}[mode]
+    return DeviceSpec(
+        f"{key}:{mode}", peak_gflops=dense * 1e3, mem_gbps=spec.mem_gbps,
+        launch_overhead_ms=GPU_LAUNCH_MS, half_gflops=spec.half_tflops * 1e3,
+        vector_gflops=spec.fp32_tflops * 1e3, efficiency=GPU_EFFICIENCY,
+        memory_gb=spec.memory_gb, kind="cuda")
+
+
+def _best_ms(run: object, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+@functools.cache
+def measured_cpu() -> DeviceSpec:
+    """One CPU core running onnxruntime, measured once per process (~0.1 s): peak from a
+    256^3 MatMul (2 * 256^3 FLOPs), bandwidth from an Add of two 4M-float tensors (48 MB
+    moved, beyond the caches), overhead from a 1-element Add; best of a few runs each."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def session(op: str, shape: list[int]) -> ort.InferenceSession:
+        graph = helper.make_graph(
+            [helper.make_node(op, ["a", "b"], ["c"])], "bench",
+            [helper.make_tensor_value_info(x, TensorProto.FLOAT, shape) for x in "ab"],
+            [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        return ort.InferenceSession(model.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+
+    rng = np.random.default_rng(0)
+
+    def timed(op: str, shape: list[int], repeats: int) -> float:
+        sess = session(op, shape)
+        feeds = {x: rng.standard_normal(shape, dtype=np.float32) for x in "ab"}
+        sess.run(None, feeds)
+        return _best_ms(lambda: sess.run(None, feeds), repeats)
+
+    overhead = timed("Add", [1], 20)
+    matmul = max(timed("MatMul", [256, 256], 5) - overhead, 1e-6)
+    add = max(timed("Add", [4 << 20], 3) - overhead, 1e-6)
+    return DeviceSpec("cpu:measured", peak_gflops=2 * 256**3 / matmul / 1e6,
+                      mem_gbps=3 * 4 * (4 << 20) / add / 1e6, launch_overhead_ms=overhead)
+
+
+def device_for(kind: str, gpu_name: str | None = None) -> DeviceSpec:
+    """The analytic model of a cluster's devices: ``cuda`` -> :func:`gpu` (default
+    :data:`DEFAULT_GPU`), ``cpu`` -> :func:`measured_cpu`."""
+    if kind == "cuda":
+        return gpu(gpu_name or DEFAULT_GPU)
+    if gpu_name:
+        raise PartitionError(f"a GPU ({gpu_name}) was named for {kind} devices: use "
+                             "--device-kind cuda (cluster.json \"kind\": \"cuda\")")
+    return measured_cpu()
