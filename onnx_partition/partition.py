@@ -149,6 +149,7 @@ def _load_for_costs(
     ``batch_size`` is given) and check the costs file against it (``cost.costs_file``)."""
     if costs is None:
         return load(model, input_shapes=input_shapes, batch_size=batch_size), None
+    read_costs(costs)  # its schema first: a malformed file is named by the bad field
     graph = None
     defaulted = None
     if batch_size is None and not input_shapes:

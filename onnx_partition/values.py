@@ -153,7 +153,7 @@ def install(parser: argparse.ArgumentParser) -> None:
             continue
         if action.type not in (int, float):
             continue
-        flag = max(action.option_strings, key=len, default=action.dest)
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.dest)
         rule = OPTIONS.get(action.dest) or (_ANY_INT if action.type is int else _ANY_FLOAT)
         if rule.kind is not action.type:
             rule = Rule(action.type, rule.low, rule.high, rule.unit, rule.low_open)

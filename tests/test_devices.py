@@ -144,9 +144,8 @@ def test_partition_names_the_device_model_and_checks_costs_kind(capsys, tmp_path
     cuda = [*base, "--device-kind", "cuda", "--costs", str(costs)]
     assert main([*cuda, "-o", str(tmp_path / "c")]) == 0
     captured = capsys.readouterr()
-    assert captured.err.strip().splitlines() == [
-        f"warning: costs file {costs} was measured on cpu, the cluster's devices are cuda: "
-        "its times may not fit them"]
+    assert (f"warning: costs file {costs} was measured on cpu, the cluster's devices are cuda: "
+            "its times may not fit them") in captured.err.strip().splitlines()
     assert f"priced by: costs file {costs} (measured on cpu)" in captured.out
     assert main([*cuda, "--strict-costs", "-o", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -135,8 +135,8 @@ def parse_bytes(text: str, name: str = "--device-memory") -> float:
     powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` powers of 1024)."""
     match = _SIZE.fullmatch(text)
     if not match:
-        raise PartitionError(f"cannot read a size from {text!r} (e.g. 80GB, 16G, 512MiB; "
-                             "a bare number is GB)")
+        raise PartitionError(f"{name}: cannot read a size from {text!r} (e.g. 80GB, 16G, "
+                             "512MiB; a bare number is GB)")
     unit = "B" if match[3] else (match[2] or "").upper()
     scale = _SCALE[unit]
     rule = Rule(float, 0.0, MAX_BYTES / scale, unit or "GB", low_open=True)
