@@ -55,6 +55,11 @@ HYBRID_ORDERINGS = ("topo", "dfs", "minlive")
 #: ready set, and the orderings' blocks differ little), grid cuts are not polished, and only
 #: the winner's replica counts are, with LONG_POLISH simulations.
 LONG_GRAPH = 2000
+#: Graphs up to this many operators also get PipeDream's downset DP as a proposal: its splits
+#: need not be contiguous in any sequence the DP cuts, and with at most DOWNSET_STATES downsets
+#: it costs milliseconds.
+DOWNSET_GRAPH = 32
+DOWNSET_STATES = 2000
 #: Simulations the replica polish of each starting plan may spend.
 POLISH_SIMULATIONS = 24
 #: ... and of the winner alone on long graphs: on GPT-2 medium tiled to 5,082 operators (PCIe
@@ -70,7 +75,7 @@ class Proposal:
 
     stage_of: list[int]
     replicas: list[int]
-    source: str  # "dp:<ordering>", "grid:pp<k>" or "<common split>:pp<k>"
+    source: str  # "dp:<ordering>", "grid:pp<k>", "<common split>:pp<k>" or "pipedream"
     polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
 
 
@@ -243,6 +248,21 @@ def _common_splits() -> list[tuple[str, Callable[[DagProblem, NodeArrays, int], 
     ]
 
 
+def downset_candidates(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
+                       num_stages: int | None = None) -> list[Proposal]:
+    """PipeDream's plan (:func:`.baselines.pipedream`, exact for its own cost model over every
+    downset split) as one more proposal on small graphs, so that baseline is never better
+    either; none when the downsets are too many or its depth is not ``num_stages``."""
+    try:
+        found = baselines.pipedream(problem, arrays, run, max_states=DOWNSET_STATES,
+                                    time_limit_s=1.0)
+    except PartitionError:
+        return []
+    if num_stages is not None and len(found.replicas) != num_stages:
+        return []
+    return [Proposal(list(found.stage_of), list(found.replicas), "pipedream")]
+
+
 def machine_budgets(cluster: Cluster) -> list[int]:
     """The devices of the first 1, 2, 4, ... machines, short of the whole cluster."""
     budgets, machines = [], 1
@@ -275,6 +295,8 @@ def plan_cluster(
                  for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
     proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
                                  machine_budgets(run.cluster))
+    if problem.num_nodes <= DOWNSET_GRAPH:
+        proposals += downset_candidates(problem, arrays, run, num_stages)
 
     best: HybridPlan | None = None
     families: dict[str, dict[str, float]] = {}
