@@ -1,0 +1,83 @@
+"""Point-to-point transfer of named torch tensors between training ranks.
+
+Per hop and micro-batch: the int64 header of :mod:`onnx_partition.runtime.wire` (micro-batch,
+count, dtype and shape per tensor), then each non-empty tensor as its own message, straight
+from and into torch tensors on the communication device (no host round trip on NCCL). Sends
+are ``isend``s kept in ``pending`` until :meth:`TensorWire.wait`; receives block, in the
+order the sender sent (both sides walk the same schedule), and the header's micro-batch
+number catches any disorder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from onnx_partition.runtime.wire import decode_header, encode_header, header_size, one_line
+
+Tensors = dict[str, torch.Tensor]
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype of a torch dtype (those the wire protocol carries)."""
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _shape_only(t: torch.Tensor) -> np.ndarray:
+    """A zero-strided numpy array with ``t``'s dtype and shape (for the header; no copy)."""
+    return np.broadcast_to(np.zeros((), numpy_dtype(t.dtype)), tuple(t.shape))
+
+
+class TensorWire:
+    """Send and receive named tensors for one micro-batch; ``peer`` names a rank in errors."""
+
+    def __init__(self, device: torch.device, peer: Callable[[int], str] = str) -> None:
+        self.device = device
+        self.peer = peer
+        self.comm_s = 0.0
+
+    def send(self, dst: int, m: int, names: Sequence[str], tensors: Mapping[str, torch.Tensor],
+             pending: list[Any]) -> None:
+        values = [tensors[n].detach().to(self.device).contiguous() for n in names]
+        head = encode_header(m, names, [_shape_only(v) for v in values])
+        self._isend(torch.from_numpy(head).to(self.device), dst, pending)
+        for v in values:
+            if v.numel():
+                self._isend(v, dst, pending)
+
+    def recv(self, src: int, m: int, names: Sequence[str]) -> Tensors:
+        head = torch.empty(header_size(len(names)), dtype=torch.int64, device=self.device)
+        self._recv(head, src)
+        out: Tensors = {}
+        for n, (dtype, shape) in zip(names, decode_header(head.cpu().numpy(), m, len(names))):
+            value = torch.from_numpy(np.empty(0, dtype)).new_empty(shape, device=self.device)
+            if value.numel():
+                self._recv(value, src)
+            out[n] = value
+        return out
+
+    def wait(self, pending: list[Any]) -> None:
+        began = time.perf_counter()
+        for work, dst, _ in pending:
+            try:
+                work.wait()
+            except Exception as exc:  # torch raises DistBackendError / RuntimeError
+                raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
+        pending.clear()
+        self.comm_s += time.perf_counter() - began
+
+    def _isend(self, tensor: torch.Tensor, dst: int, pending: list[Any]) -> None:
+        pending.append((dist.isend(tensor, dst), dst, tensor))  # kept alive until sent
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+        began = time.perf_counter()
+        try:
+            dist.recv(tensor, src)
+        except Exception as exc:  # torch raises DistBackendError / RuntimeError
+            raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
+        self.comm_s += time.perf_counter() - began
