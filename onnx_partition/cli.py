@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
 
+    p = verbs.add_parser("train", help="train a train-mode plan: one process per stage replica")
+    _train_args(p)
+    p.set_defaults(func=_train)
+
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path)
     _schedule_args(p)
@@ -346,6 +350,30 @@ def _check(
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
     print(f"check against the whole model: max relative error {worst:.2e} ({verdict})")
     return 0 if verdict == "OK" else 1
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from onnx_partition.train.runtime import ENGINES, add_train_args
+
+    add_train_args(p)
+    p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
+    p.add_argument("--save", type=Path, metavar="OUT",
+                   help="write the trained weights as a new plan folder that `run` serves")
+    p.add_argument("--engine", default="ours", choices=ENGINES,
+                   help="ours (any plan) or torch (torch.distributed.pipelining + DDP; "
+                        "plans with the same replica count in every stage)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from onnx_partition.train.runtime import format_train, train_plan
+
+    stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
+                       microbatches=args.microbatches, batch_size=args.batch_size,
+                       schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
+                       check=args.check, save=args.save, engine=args.engine, seed=args.seed,
+                       verbose=True)
+    print(format_train(stats))
+    return EXIT_FAILED if stats.mismatches else 0
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -193,3 +193,4 @@ def test_a_rank_killed_mid_step_ends_the_job(monkeypatch):
     with pytest.raises(StageFailed, match=r"stage 0 replica 1 \(rank 1, cpu\) exited with code 1"):
         train(2, [2, 1], TrainConfig(steps=2, microbatches=4))
     assert time.perf_counter() - began < 30
+
