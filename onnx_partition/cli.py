@@ -360,8 +360,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save", type=Path, metavar="OUT",
                    help="write the trained weights as a new plan folder that `run` serves")
     p.add_argument("--engine", default="ours", choices=ENGINES,
-                   help="ours (any plan) or torch (torch.distributed.pipelining + DDP; "
-                        "plans with the same replica count in every stage)")
+                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
+                        "for now, see docs/design.md")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -55,10 +55,8 @@ def rank_device(plan: Plan, rank: int, backend: str) -> torch.device:
 
 
 def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: str,
-             timeout_s: float, store: dist.Store | None, engine: str = "ours"
-             ) -> list[RankResult] | None:
-    """One rank from process-group set-up to the gathered results (rank 0) or None;
-    ``engine`` ``torch`` trains on torch.distributed.pipelining instead of our engine."""
+             timeout_s: float, store: dist.Store | None) -> list[RankResult] | None:
+    """One rank from process-group set-up to the gathered results (rank 0) or None."""
     try:
         stages, loss_fn, plan, batches = build()
         device = rank_device(plan, rank, backend)
@@ -71,10 +69,7 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
-    train = train_stages
-    if engine == "torch":
-        from onnx_partition.train.torch_engine import train_stages_torch as train
-    result = train(stages, loss_fn, plan, batches, config, rank=rank, device=device)
+    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(result, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
@@ -82,10 +77,10 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
 
 
 def _spawned(rank: int, store: dist.Store, world: int, build: Build, config: TrainConfig,
-             backend: str, timeout_s: float, engine: str) -> bytes | None:
+             backend: str, timeout_s: float) -> bytes | None:
     """Results pickled plainly: a queue would share the tensors' memory through file
     descriptors that die with this process."""
-    results = run_rank(rank, world, build, config, backend, timeout_s, store, engine)
+    results = run_rank(rank, world, build, config, backend, timeout_s, store)
     return None if results is None else pickle.dumps(results)
 
 
@@ -97,7 +92,6 @@ def launch_training(
     backend: str | None = None,
     timeout_s: float = 60.0,
     start_method: str | None = None,
-    engine: str = "ours",
 ) -> list[RankResult]:
     """Train with one local process per stage replica of ``plan``; every rank's result.
     Raises :class:`~onnx_partition.runtime.pipeline.StageFailed` naming the stage, replica
@@ -105,7 +99,7 @@ def launch_training(
     lay = layout(plan)
     chosen = choose_backend(lay, backend, one_machine=True)
     world = lay.world_size
-    args = [(world, build, config, chosen, timeout_s, engine)] * world
+    args = [(world, build, config, chosen, timeout_s)] * world
     results = launch_ranks(_spawned, args, lay.name, timeout_s=timeout_s,
                            start_method=start_method, preload=TRAIN_PRELOAD)
     if 0 not in results:

@@ -146,9 +146,7 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     if engine == "torch":
         from onnx_partition.train.torch_engine import torch_engine_refusal
 
-        reason = torch_engine_refusal(plan)
-        if reason:
-            raise PartitionError(f"--engine torch: {reason}")
+        raise PartitionError(f"--engine torch: {torch_engine_refusal(plan)}")
     return plan
 
 
@@ -194,8 +192,7 @@ def train_plan(
                          lr=lr, check_steps=checks, keep_state=save is not None,
                          verbose=verbose)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check)
-    ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s,
-                            engine=engine)
+    ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
     stats = summarize(plan, ranks, config, rows * count, engine)
     if checks:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
