@@ -6,6 +6,8 @@ call_function[target=torch.ops.aten.linear.default](...)``; its name is the word
 
 from __future__ import annotations
 
+import re
+
 import onnx
 
 #: Node metadata key the dynamo exporter writes: the FX node an ONNX node came from.
@@ -22,3 +24,18 @@ def fx_node_name(node: onnx.NodeProto) -> str | None:
                 return name or None
             return None
     return None
+
+
+_GETITEM = re.compile(r"target=operator\.getitem\]\(args = \(%([^\s,)]+)")
+
+
+def fx_unit(node: onnx.NodeProto) -> str | None:
+    """The unit ``node`` belongs to: its FX node, or for an FX ``getitem`` (an element of a
+    tuple-valued op, e.g. ``split``) the op it reads from, since a tuple cannot cross a cut."""
+    for entry in node.metadata_props:
+        if entry.key == FX_NODE_KEY:
+            match = _GETITEM.search(entry.value)
+            if match:
+                return match.group(1)
+            break
+    return fx_node_name(node)

@@ -21,7 +21,7 @@ from onnx_partition.cost.annotate import NodeCosts, annotate
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
-from onnx_partition.fxtag import fx_node_name
+from onnx_partition.fxtag import fx_unit
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
@@ -63,12 +63,13 @@ def unit_problem(
     graph: OpGraph, forward_ms: Sequence[float], link: Link
 ) -> tuple[DagProblem, list[int], list[list[int]]]:
     """:func:`dag_problem` with the nodes exported from one FX node (their
-    ``pkg.torch.onnx.fx_node`` tag) contracted into one unit, so no plan splits a torch op.
+    ``pkg.torch.onnx.fx_node`` tag; a ``getitem`` joins the op it reads) contracted into one
+    unit, so no plan splits a torch op.
     Returns the units' problem, the OpGraph index of each cut node, and each unit's members
     (indices into that list). Untagged models give one unit per node."""
     problem, nodes = dag_problem(graph, forward_ms, link)
     protos = graph.protos()
-    labels = [fx_node_name(protos[graph.nodes[g].key]) for g in nodes]
+    labels = [fx_unit(protos[graph.nodes[g].key]) for g in nodes]
     if all(label is None for label in labels):
         return problem, nodes, [[i] for i in range(len(nodes))]
     units, members = contract(problem, labels)

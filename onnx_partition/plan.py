@@ -122,4 +122,5 @@ def is_plan_folder(folder: Path) -> bool:
         return False
     owned = {PLAN_FILE, REPORT_FILE} | {s.file for s in plan.stages}
     owned |= {s.file + ".data" for s in plan.stages}
+    owned |= {plan.model, plan.model + ".data", plan.program}  # a trained plan holds its own
     return all(p.name in owned for p in folder.iterdir())

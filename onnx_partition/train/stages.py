@@ -23,6 +23,7 @@ relay, tied weights"):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.fxtag import fx_node_name
 from onnx_partition.plan import Plan, read_plan
 
-__all__ = ["StageModule", "require_trainable", "stage_modules", "whole_module"]
+__all__ = ["StageModule", "load_program", "require_trainable", "stage_modules", "whole_module"]
 
 #: Ops that draw dropout masks, with the position of their ``train`` flag or probability.
 _DROPOUT_FLAG = {torch.ops.aten.native_dropout.default: 2, torch.ops.aten.dropout.default: 2}
@@ -82,12 +83,24 @@ def require_trainable(plan_dir: str | Path) -> Plan:
     return plan
 
 
+def load_program(plan_dir: str | Path, plan: Plan) -> ExportedProgram:
+    """The plan's exported program (checked by :func:`require_trainable`); the last two loaded
+    are kept, as loading is slow and the stage modules copy what they use."""
+    path = (Path(plan_dir) / plan.program).resolve()
+    return _load(str(path), plan.program_sha256)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: str, sha256: str) -> ExportedProgram:
+    return torch.export.load(path)
+
+
 def stage_modules(plan_dir: str | Path, *, deterministic: bool = False) -> list[StageModule]:
     """One module per stage, built from plan.json and the program it names (checked by sha256).
     ``deterministic=True`` turns dropout off (for ``--check``)."""
     plan_dir = Path(plan_dir)
     plan = require_trainable(plan_dir)
-    program = _Program(torch.export.load(plan_dir / plan.program), plan)
+    program = _Program(load_program(plan_dir, plan), plan)
     stage_of = program.assign([_stage_fx_nodes(plan_dir, plan, k) for k in range(len(plan.stages))])
     built = [program.build(nodes=[n for n in program.order if stage_of.get(n.name) == k],
                            inputs=s.inputs, outputs=s.outputs, deterministic=deterministic)
@@ -107,7 +120,7 @@ def whole_module(plan_dir: str | Path, *, deterministic: bool = False) -> torch.
     of model outputs in plan.outputs order``, parameters named as in the stage modules."""
     plan_dir = Path(plan_dir)
     plan = require_trainable(plan_dir)
-    program = _Program(torch.export.load(plan_dir / plan.program), plan)
+    program = _Program(load_program(plan_dir, plan), plan)
     module, _ = program.build(nodes=list(program.order),
                               inputs=[s.name for s in plan.inputs],
                               outputs=[s.name for s in plan.outputs], deterministic=deterministic)
@@ -119,7 +132,7 @@ def program_names(plan_dir: str | Path) -> dict[str, list[str]]:
     than one for tied parameters): what :mod:`onnx_partition.train.save` maps to initializers."""
     plan_dir = Path(plan_dir)
     plan = require_trainable(plan_dir)
-    program = _Program(torch.export.load(plan_dir / plan.program), plan)
+    program = _Program(load_program(plan_dir, plan), plan)
     names: dict[str, list[str]] = {}
     for original, canonical in program.canonical.items():
         names.setdefault(canonical, []).append(original)
@@ -163,7 +176,7 @@ class _Program:
         self.target: dict[str, str] = {}  # placeholder name -> original FQN / constant name
         self.kind: dict[str, str] = {}  # placeholder name -> parameter | buffer | constant
         user_inputs: list[torch.fx.Node] = []
-        seen: dict[int, str] = {}
+        seen: dict[object, str] = {}
         self.canonical: dict[str, str] = {}  # original name -> name in the built modules
         for spec in sig.input_specs:
             name = spec.arg.name
@@ -184,7 +197,7 @@ class _Program:
                                      "supported for training")
             assert isinstance(value, torch.Tensor)
             self.tensor[name], self.kind[name] = value, kind
-            key = id(value) if kind == "parameter" else id(name)
+            key = _storage_key(value) if kind == "parameter" else name
             self.canonical[target] = seen.setdefault(key, target)
             self.target[name] = self.canonical[target]
         self.user_outputs: list[torch.fx.Node] = []
@@ -345,6 +358,13 @@ class _Program:
             owner = module.get_submodule(".".join(path)) if path else module
             owner._non_persistent_buffers_set.add(leaf)
         return module
+
+
+def _storage_key(value: torch.Tensor) -> object:
+    """Tensors with equal keys are one tensor under several names (tied parameters); a loaded
+    program keeps the sharing as shared storage, not as one object."""
+    return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+            tuple(value.stride()), value.dtype)
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
