@@ -264,8 +264,8 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
         return load_cluster(args.cluster)
     inter = args.inter_bandwidth is not None or args.inter_latency is not None
     if args.devices is None:
-        if args.mode == "train" or args.device_memory or inter:
-            raise PartitionError("--mode train, --device-memory and --inter-bandwidth/latency "
+        if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
+            raise PartitionError("--device-memory and --inter-bandwidth/latency "
                                  "need --devices N or --cluster")
         return None
     if args.devices < 1 or args.machines < 1:

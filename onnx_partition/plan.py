@@ -56,6 +56,10 @@ class Plan:
     ordering: str = "topo"
     solver: str = "dp"
     predicted: dict[str, float] = field(default_factory=dict)
+    # the torch program exported with the model (onnx_partition.export), relative to the plan
+    # folder, and its sha256; empty when the model has none (then the plan cannot be trained)
+    program: str = ""
+    program_sha256: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
 
     def to_json(self) -> dict[str, Any]:
@@ -69,7 +73,8 @@ class Plan:
             "onnx-partition/plan@"
         ):
             raise PartitionError("plan.json has no onnx-partition/plan format tag")
-        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted"}
+        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted",
+                 "program", "program_sha256"}
         try:
             stages = []
             for raw in body["stages"]:
@@ -85,6 +90,8 @@ class Plan:
                 ordering=body.get("ordering", "topo"),
                 solver=body.get("solver", "dp"),
                 predicted=body.get("predicted", {}),
+                program=body.get("program", ""),
+                program_sha256=body.get("program_sha256", ""),
                 extra={k: v for k, v in body.items() if k not in known | {"format"}},
             )
         except (KeyError, TypeError) as exc:
@@ -115,4 +122,5 @@ def is_plan_folder(folder: Path) -> bool:
         return False
     owned = {PLAN_FILE, REPORT_FILE} | {s.file for s in plan.stages}
     owned |= {s.file + ".data" for s in plan.stages}
+    owned |= {plan.model, plan.model + ".data", plan.program}  # a trained plan holds its own
     return all(p.name in owned for p in folder.iterdir())

@@ -1,1 +1,1 @@
-"""Training a plan: stage modules from the partition, and a pipeline that trains them."""
+"""Training a train plan: stage modules cut from the exported program, and their runtime."""
