@@ -18,7 +18,8 @@ from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.distributed import EXIT_RANK_ENV
 from onnx_partition.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.train.launch import launch_training
-from onnx_partition.train.rank import TrainConfig, build_schedule, make_optimizer, microbatch
+from onnx_partition.train.rank import TrainConfig, build_schedule, microbatch
+from onnx_partition.train.reference import make_optimizer
 
 ROWS = 3  # per micro-batch
 

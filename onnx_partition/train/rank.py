@@ -47,9 +47,9 @@ from onnx_partition.runtime.distributed import EXIT_RANK_ENV, Layout, _Failure, 
 from onnx_partition.runtime.wire import one_line
 from onnx_partition.simulate import Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.train.comm import Tensors, TensorWire
+from onnx_partition.train.reference import make_optimizer
 
 SCHEDULES = ("1f1b", "gpipe")
-OPTIMIZERS = ("sgd", "adamw")
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
 Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
 
@@ -74,6 +74,7 @@ class TrainConfig:
     check_steps: tuple[int, ...] = ()  # keep the parameters after these steps (1-based)
     keep_state: bool = False  # replica 0 returns its module's state_dict at the end
     verbose: bool = False  # rank 0 prints a line per step
+    threads: int = 1  # torch intra-op threads per rank (0: torch's default)
 
 
 @dataclass
@@ -101,16 +102,6 @@ def build_schedule(name: str, replicas: Sequence[int], microbatches: int) -> Sch
     if name == "gpipe":
         return gpipe(len(replicas), microbatches, replicas)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-
-
-def make_optimizer(name: str, params: Sequence[torch.nn.Parameter],
-                   lr: float) -> torch.optim.Optimizer:
-    """``sgd`` (plain) or ``adamw`` (torch defaults otherwise), as the reference trainer."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -147,6 +138,8 @@ def train_stages(
     (targets) call it. Raises ``_Failure("compute", ...)`` when the stage module or the loss
     raises."""
     device = device or torch.device("cpu")
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
     lay = layout(plan)
     k, replica = lay.place(rank)
     last = k == lay.stages - 1

@@ -42,7 +42,6 @@ from onnx_partition.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.train.comm import Tensors
 from onnx_partition.train.launch import launch_training, torchrun_rank
 from onnx_partition.train.rank import (
-    OPTIMIZERS,
     SCHEDULES,
     Batches,
     LossFn,
@@ -52,6 +51,7 @@ from onnx_partition.train.rank import (
     build_schedule,
     train_stages,
 )
+from onnx_partition.train.reference import OPTIMIZERS
 
 __all__ = ["TrainStats", "format_train", "train_plan", "train_stages"]
 
