@@ -267,6 +267,7 @@ def format_train(stats: TrainStats) -> str:
         f"{len(stats.ranks)} ranks ({stats.engine} engine, {stats.schedule}), batch {stats.rows} "
         f"= {stats.microbatches} micro-batches x {stats.rows // stats.microbatches} rows: "
         f"{stats.samples_per_s:.1f} samples/s, {stats.measured_ms:.2f} ms per step",
+        f"  loss per step: {' '.join(f'{v:.4f}' for v in stats.loss)}",
         "  stage  forward ms  backward ms  (per micro-batch on one replica, measured)",
     ]
     lines += [f"  {k:>5}  {f:10.3f}  {b:11.3f}"
