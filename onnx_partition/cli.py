@@ -359,6 +359,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
     p.add_argument("--save", type=Path, metavar="OUT",
                    help="write the trained weights as a new plan folder that `run` serves")
+    p.add_argument("--record", type=Path, metavar="FILE",
+                   help="write the measured per-stage forward/backward ms (plan.json's "
+                        "simulator_costs form) to FILE")
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="ours (any plan); torch (torch.distributed.pipelining) is refused "
                         "for now, see docs/design.md")
@@ -370,7 +373,8 @@ def _train(args: argparse.Namespace) -> int:
     stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
                        microbatches=args.microbatches, batch_size=args.batch_size,
                        schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
-                       check=args.check, save=args.save, engine=args.engine, seed=args.seed,
+                       check=args.check, save=args.save, record=args.record,
+                       engine=args.engine, seed=args.seed,
                        verbose=True)
     print(format_train(stats))
     return EXIT_FAILED if stats.mismatches else 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.plan import Plan
+from onnx_partition.plan import Plan, is_plan_folder
 from onnx_partition.plan_sim import plan_costs, simulate_plan
 from onnx_partition.runtime.distributed import choose_backend, layout
 from onnx_partition.runtime.stages import verify_plan_folder
@@ -150,6 +151,46 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     return plan
 
 
+def check_save(plan_dir: Path, out: Path) -> None:
+    """Refuse before training what ``save_trained`` would refuse after it (the rules of
+    :func:`onnx_partition.emit.write_plan_folder`)."""
+    if out.resolve() == plan_dir.resolve():
+        raise PartitionError(f"--save writes a new plan folder, not over {plan_dir}")
+    if out.exists() and not out.is_dir():
+        raise PartitionError(f"--save {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_plan_folder(out):
+        raise PartitionError(f"--save {out}: the folder exists and is not an earlier plan")
+
+
+RECORD_FORMAT = "onnx-partition/stage-costs@1"
+
+
+def check_record(path: Path) -> None:
+    """``--record FILE`` may replace only an earlier record."""
+    if path.exists():
+        try:
+            ours = json.loads(path.read_text()).get("format") == RECORD_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise PartitionError(f"--record {path}: the file exists and is not an earlier "
+                                 f"record ({RECORD_FORMAT}); choose another name")
+
+
+def write_record(path: Path, stats: TrainStats, rows: int, device: str) -> None:
+    """The measured per-stage times (per micro-batch of ``rows`` rows on one replica) in the
+    ``simulator_costs`` form that plan.json accepts (``onnx_partition.plan_sim``), written
+    atomically."""
+    body = {"format": RECORD_FORMAT, "unit": "ms", "device": device,
+            "rows_per_microbatch": rows, "microbatches": stats.microbatches,
+            "schedule": stats.schedule, "measured_iteration_ms": stats.measured_ms,
+            "simulator_costs": {"forward_ms": stats.forward_ms,
+                                "backward_ms": stats.backward_ms}}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def train_plan(
     plan_dir: str | os.PathLike[str],
     *,
@@ -162,6 +203,7 @@ def train_plan(
     lr: float = 0.01,
     check: bool = False,
     save: str | os.PathLike[str] | None = None,
+    record: str | os.PathLike[str] | None = None,
     engine: str = "ours",
     seed: int = 0,
     verbose: bool = False,
@@ -185,8 +227,10 @@ def train_plan(
     rows = batch_size or default_batch_size(plan0)
     plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
                          schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
-    if save is not None and Path(save).exists() and not Path(save).is_dir():
-        raise PartitionError(f"--save {save}: not a folder")
+    if save is not None:
+        check_save(folder, Path(save))
+    if record is not None:
+        check_record(Path(record))
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
     config = TrainConfig(steps=steps, microbatches=count, schedule=schedule, optimizer=optimizer,
                          lr=lr, check_steps=checks, keep_state=save is not None,
@@ -197,6 +241,9 @@ def train_plan(
     if checks:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
         stats.checked_steps = checks
+    if record is not None:
+        write_record(Path(record), stats, rows, "cuda" if torch.cuda.is_available() and
+                     any(d.startswith("cuda") for s in plan.stages for d in s.devices) else "cpu")
     if save is not None:
         from onnx_partition.train.save import save_trained
 
