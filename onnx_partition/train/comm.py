@@ -2,10 +2,16 @@
 
 Per hop and micro-batch: the int64 header of :mod:`onnx_partition.runtime.wire` (micro-batch,
 count, dtype and shape per tensor), then each non-empty tensor as its own message, straight
-from and into torch tensors on the communication device (no host round trip on NCCL). Sends
-are ``isend``s kept in ``pending`` until :meth:`TensorWire.wait`; receives block, in the
-order the sender sent (both sides walk the same schedule), and the header's micro-batch
-number catches any disorder.
+from and into torch tensors on the communication device (no host round trip on NCCL).
+Receives block, in the order the sender sent (both sides walk the same schedule), and the
+header's micro-batch number catches any disorder.
+
+Sends are queued, and posted together with the rank's next receive in one
+``batch_isend_irecv`` (or at :meth:`TensorWire.wait`, the end of the step): a send is thus
+posted before the rank blocks, as the schedule needs, and a send and a receive between the
+same two ranks in opposite directions (1F1B's steady state: activation forward, gradient back)
+form one group, which NCCL needs (two separately issued ones serialize on the pair's stream and
+deadlock; Megatron's ``send_forward_recv_backward`` batches them likewise).
 """
 
 from __future__ import annotations
@@ -40,15 +46,15 @@ class TensorWire:
         self.device = device
         self.peer = peer
         self.comm_s = 0.0
+        self.outbox: list[tuple[torch.Tensor, int]] = []  # queued sends
+        self.pending: list[tuple[Any, int, torch.Tensor]] = []  # posted, not yet complete
 
-    def send(self, dst: int, m: int, names: Sequence[str], tensors: Mapping[str, torch.Tensor],
-             pending: list[Any]) -> None:
+    def send(self, dst: int, m: int, names: Sequence[str],
+             tensors: Mapping[str, torch.Tensor]) -> None:
         values = [tensors[n].detach().to(self.device).contiguous() for n in names]
         head = encode_header(m, names, [_shape_only(v) for v in values])
-        self._isend(torch.from_numpy(head).to(self.device), dst, pending)
-        for v in values:
-            if v.numel():
-                self._isend(v, dst, pending)
+        self.outbox.append((torch.from_numpy(head).to(self.device), dst))
+        self.outbox.extend((v, dst) for v in values if v.numel())
 
     def recv(self, src: int, m: int, names: Sequence[str]) -> Tensors:
         head = torch.empty(header_size(len(names)), dtype=torch.int64, device=self.device)
@@ -61,23 +67,36 @@ class TensorWire:
             out[n] = value
         return out
 
-    def wait(self, pending: list[Any]) -> None:
+    def wait(self) -> None:
+        """Post the queued sends and wait for every send to complete."""
         began = time.perf_counter()
-        for work, dst, _ in pending:
+        self._post(None)
+        for work, dst, _ in self.pending:
             try:
                 work.wait()
             except Exception as exc:  # torch raises DistBackendError / RuntimeError
                 raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
-        pending.clear()
+        self.pending.clear()
         self.comm_s += time.perf_counter() - began
 
-    def _isend(self, tensor: torch.Tensor, dst: int, pending: list[Any]) -> None:
-        pending.append((dist.isend(tensor, dst), dst, tensor))  # kept alive until sent
+    def _post(self, receive: tuple[torch.Tensor, int] | None) -> Any:
+        """Post the queued sends and ``receive`` (tensor, source) as one batch; the receive's
+        work, if any."""
+        ops = [dist.P2POp(dist.isend, t, dst) for t, dst in self.outbox]
+        if receive is not None:
+            ops.append(dist.P2POp(dist.irecv, receive[0], receive[1]))
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        for work, (t, dst) in zip(works, self.outbox):
+            self.pending.append((work, dst, t))  # the tensor kept alive until sent
+        self.outbox.clear()
+        return works[-1] if receive is not None else None
 
     def _recv(self, tensor: torch.Tensor, src: int) -> None:
         began = time.perf_counter()
         try:
-            dist.recv(tensor, src)
+            self._post((tensor, src)).wait()
         except Exception as exc:  # torch raises DistBackendError / RuntimeError
             raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
         self.comm_s += time.perf_counter() - began

@@ -19,9 +19,10 @@ model input read late travels hop by hop.
   gradient passes straight through and adds to this stage's own use of it), and send the
   leaves' gradients back (zeros for a tensor this stage did not use).
 
-Sends are ``isend``s awaited at the end of the step, receives block: a rank waits only for
-what the simulator's action waits for, so an order the simulator runs without deadlock runs
-here too.
+Sends are posted before the rank next blocks (with its next receive, in one batch: see
+:mod:`onnx_partition.train.comm`) and awaited at the end of the step; receives block: a rank
+waits only for what the simulator's action waits for, so an order the simulator runs without
+deadlock runs here too.
 
 **Gradient sums.** A micro-batch's loss is its mean divided by ``M``, so summing gradients over
 micro-batches and replicas gives the gradient of the mean over the whole batch, as single-
@@ -163,6 +164,7 @@ def train_stages(
     params = dict(module.named_parameters())
     optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr)
     wire = TensorWire(device, lay.name)
+    dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
     exit_hook = os.environ.get(EXIT_RANK_ENV) == str(rank)
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
@@ -172,7 +174,6 @@ def train_stages(
         targets: Tensors = {}
         if k == 0 or last:
             inputs, targets = batches(step)
-        pending: list[Any] = []
         stash: dict[int, _Stash] = {}
         fwd = bwd = 0.0
         loss_sum = 0.0
@@ -208,7 +209,7 @@ def train_stages(
                     stash[m] = _Stash(leaves, {"": loss})
                 else:
                     sent = {n: env[n] for n in lay.send_names[k]}
-                    wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent, pending)
+                    wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent)
                     stash[m] = _Stash(leaves, sent)
                 result.peak_inflight = max(result.peak_inflight, len(stash))
                 if exit_hook:
@@ -233,10 +234,10 @@ def train_stages(
                 if k > 0:
                     names = _grad_names(held.leaves, lay.recv_names[k], model_inputs)
                     back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
-                    wire.send(lay.rank_of(k - 1, m), m, names, back, pending)
+                    wire.send(lay.rank_of(k - 1, m), m, names, back)
+        wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
         optimizer.step()
-        wire.wait(pending)
         # One small all-reduce per step: rank 0 learns the loss and every rank's times.
         row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
         row[rank] = torch.tensor([fwd * 1000.0, bwd * 1000.0, loss_sum], dtype=torch.float64)
