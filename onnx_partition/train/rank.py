@@ -221,7 +221,7 @@ def train_stages(
                     roots, grads = [held.sent[""]], [None]
                 else:
                     names = _grad_names(held.sent, lay.send_names[k], model_inputs)
-                    got = wire.recv(lay.rank_of(k + 1, m), m, names)
+                    got = wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
                     pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
                     roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
                 t0 = _now(device)
@@ -234,7 +234,7 @@ def train_stages(
                 if k > 0:
                     names = _grad_names(held.leaves, lay.recv_names[k], model_inputs)
                     back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
-                    wire.send(lay.rank_of(k - 1, m), m, names, back)
+                    wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
         optimizer.step()
