@@ -228,6 +228,10 @@ def _parser() -> argparse.ArgumentParser:
     _json_arg(p)
     p.set_defaults(func=_run)
 
+    p = verbs.add_parser("train", help="train a train-mode plan: one process per stage replica")
+    _train_args(p)
+    p.set_defaults(func=_train)
+
     p = verbs.add_parser("simulate", help="simulate a plan's schedule: time, bubbles, memory")
     p.add_argument("plan", type=Path, help="plan folder (from partition)")
     _schedule_args(p)
@@ -419,8 +423,8 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
         raise PartitionError("--gpu needs --device-kind cuda")
     inter = args.inter_bandwidth is not None or args.inter_latency is not None
     if args.devices is None:
-        if args.mode == "train" or args.device_memory or inter:
-            raise PartitionError("--mode train, --device-memory and --inter-bandwidth/latency "
+        if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
+            raise PartitionError("--device-memory and --inter-bandwidth/latency "
                                  "need --devices N or --cluster")
         return None
     if args.devices < 1 or args.machines < 1:
@@ -539,6 +543,34 @@ def _check(
     print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
           file=out or sys.stdout)
     return 0 if verdict == "OK" else 1
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from onnx_partition.train.runtime import ENGINES, add_train_args
+
+    add_train_args(p)
+    p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
+    p.add_argument("--save", type=Path, metavar="OUT",
+                   help="write the trained weights as a new plan folder that `run` serves")
+    p.add_argument("--record", type=Path, metavar="FILE",
+                   help="write the measured per-stage forward/backward ms (plan.json's "
+                        "simulator_costs form) to FILE")
+    p.add_argument("--engine", default="ours", choices=ENGINES,
+                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
+                        "for now, see docs/design.md")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from onnx_partition.train.runtime import format_train, train_plan
+
+    stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
+                       microbatches=args.microbatches, batch_size=args.batch_size,
+                       schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
+                       check=args.check, save=args.save, record=args.record,
+                       engine=args.engine, seed=args.seed,
+                       verbose=True)
+    print(format_train(stats))
+    return EXIT_FAILED if stats.mismatches else 0
 
 
 def _simulate(args: argparse.Namespace) -> int:

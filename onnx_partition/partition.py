@@ -6,6 +6,7 @@ Each step lives in its own module; this one wires them together and turns the so
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -28,9 +29,11 @@ from onnx_partition.cost.costs_file import (
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
 from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
+from onnx_partition.fxtag import fx_unit
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
+from onnx_partition.solve.contract import contract, expand
 from onnx_partition.solve.ilp import solve_ilp
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
@@ -63,6 +66,27 @@ def dag_problem(
         latency_ms=link.latency_ms,
     )
     return problem, nodes
+
+
+def unit_problem(
+    graph: OpGraph, forward_ms: Sequence[float], link: Link
+) -> tuple[DagProblem, list[int], list[list[int]]]:
+    """:func:`dag_problem` with the nodes exported from one FX node (their
+    ``pkg.torch.onnx.fx_node`` tag; a ``getitem`` joins the op it reads) contracted into one
+    unit, so no plan splits a torch op.
+    Returns the units' problem, the OpGraph index of each cut node, and each unit's members
+    (indices into that list). Untagged models give one unit per node."""
+    problem, nodes = dag_problem(graph, forward_ms, link)
+    protos = graph.protos()
+    labels = [fx_unit(protos[graph.nodes[g].key]) for g in nodes]
+    if all(label is None for label in labels):
+        return problem, nodes, [[i] for i in range(len(nodes))]
+    units, members = contract(problem, labels)
+    return units, nodes, members
+
+
+def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[float]:
+    return [float(sum(values[i] for i in m)) for m in members]
 
 
 @dataclass(frozen=True)
@@ -123,7 +147,8 @@ def partition(
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
-                                 ordering=ordering, solver=solver, time_limit_s=time_limit_s)
+                                 ordering=ordering, solver=solver, time_limit_s=time_limit_s,
+                                 mode=mode)
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
@@ -136,6 +161,7 @@ def partition(
         plan.extra["costs"]["check"] = checked.to_json()
     plan.extra["device_model"] = priced
     plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
+    _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
 
 
@@ -214,10 +240,12 @@ def plan_stages(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    mode: str = "infer",
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages."""
-    problem, nodes = dag_problem(graph, node_costs.forward_ms, link)
+    from there, and describe the stages (``mode`` is recorded: a plain pipeline is balanced on
+    forward times in both modes)."""
+    problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     _check_stages(num_stages, problem.num_nodes)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -225,7 +253,7 @@ def plan_stages(
         "link": {"bandwidth_gbps": link.bandwidth_gbps, "latency_ms": link.latency_ms},
     }
     if solver in BASELINES:  # the splits other tools make, for comparison
-        params = [float(graph.nodes[g].param_bytes) for g in nodes]
+        params = _per_unit([float(graph.nodes[g].param_bytes) for g in nodes], members)
         local_stage = _baseline(solver, problem, params, num_stages)
         ordering = "topo"
     else:
@@ -257,9 +285,9 @@ def plan_stages(
         **({"throughput_per_s": round(1000.0 / bottleneck, 3)} if bottleneck > 0 else {}),
         "total_compute_ms": round(sum(compute), 6),
     }
-    return _describe(graph, node_costs, nodes, local_stage, compute, comm,
-                     replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
-                     memory=None, ordering=ordering, solver=solver, mode="infer",
+    return _describe(graph, node_costs, nodes, expand(local_stage, members, len(nodes)),
+                     compute, comm, replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
+                     memory=None, ordering=ordering, solver=solver, mode=mode,
                      predicted=predicted, extra=extra)
 
 
@@ -274,16 +302,16 @@ def plan_on_cluster(
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
     link = Link(cluster.intra.bandwidth_gbps, cluster.intra.latency_ms)
-    problem, nodes = dag_problem(graph, node_costs.forward_ms, link)
+    problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
         _check_stages(num_stages, problem.num_nodes)
         if num_stages > cluster.devices:
             raise PartitionError(f"--stages {num_stages} needs at least {num_stages} devices; "
                                  f"the cluster has {cluster.devices}")
     arrays = node_arrays(
-        problem, [node_costs.backward_ms[g] for g in nodes],
-        [float(graph.nodes[g].param_bytes) for g in nodes],
-        [graph.nodes[g].key for g in nodes],
+        problem, _per_unit([node_costs.backward_ms[g] for g in nodes], members),
+        _per_unit([float(graph.nodes[g].param_bytes) for g in nodes], members),
+        [graph.nodes[nodes[m[0]]].key for m in members],
     )
     run = RunSpec(cluster, train=mode == "train", microbatches=microbatches,
                   max_stages=max(16, num_stages or 0))
@@ -324,11 +352,21 @@ def plan_on_cluster(
             "send_ms": list(best.costs.send_ms),
         },
     }
-    return _describe(graph, node_costs, nodes, best.stage_of, compute, comm,
+    return _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
+                     compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
                      ordering=best.source.partition(":")[2] if best.source.startswith("dp:")
                      else "topo", solver=f"hybrid-{best.source.partition(':')[0]}", mode=mode,
                      predicted=predicted, extra=extra)
+
+
+def _record_program(plan: Plan, model: Path, out: Path) -> None:
+    """Name the exported program lying beside ``model`` (``model.pt2``) in the plan, with its
+    sha256, so training can find it and refuse an altered one."""
+    program = model.with_suffix(".pt2")
+    if program.is_file():
+        plan.program = os.path.relpath(program.resolve(), out.resolve())
+        plan.program_sha256 = hashlib.sha256(program.read_bytes()).hexdigest()
 
 
 def _baseline(

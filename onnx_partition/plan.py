@@ -56,6 +56,10 @@ class Plan:
     ordering: str = "topo"
     solver: str = "dp"
     predicted: dict[str, float] = field(default_factory=dict)
+    # the torch program exported with the model (onnx_partition.export), relative to the plan
+    # folder, and its sha256; empty when the model has none (then the plan cannot be trained)
+    program: str = ""
+    program_sha256: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
 
     def to_json(self) -> dict[str, Any]:
@@ -72,7 +76,8 @@ class Plan:
         from onnx_partition.schema import validate_plan  # pydantic: loaded when first needed
 
         validate_plan(body)
-        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted"}
+        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted",
+                 "program", "program_sha256"}
         try:
             stages = []
             for raw in body["stages"]:
@@ -88,6 +93,8 @@ class Plan:
                 ordering=body.get("ordering", "topo"),
                 solver=body.get("solver", "dp"),
                 predicted=body.get("predicted", {}),
+                program=body.get("program", ""),
+                program_sha256=body.get("program_sha256", ""),
                 extra={k: v for k, v in body.items() if k not in known | {"format"}},
             )
         except (KeyError, TypeError) as exc:

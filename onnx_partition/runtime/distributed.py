@@ -53,7 +53,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -342,36 +342,47 @@ def _serve_rank(
 
 def _spawned(
     rank: int,
+    store: dist.Store,
     plan_dir: str,
-    master_addr: str,
-    master_port: int,
     backend: str,
     feeds: dict[str, np.ndarray] | None,
     microbatches: int,
     iterations: int,
     threads: int,
     timeout_s: float,
+) -> tuple[Env, DistStats] | None:
+    """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
+    folder = Path(plan_dir)
+    plan = read_plan(folder)
+    return _serve_rank(folder, plan, layout(plan), rank, backend, feeds, microbatches,
+                       iterations, threads, timeout_s, store)
+
+
+def _child(
+    rank: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
     reports: Any,
     environ: Mapping[str, str],
     launcher: int,
     beats: Heartbeats,
 ) -> None:
-    """A child of :func:`run_distributed`: report ``("done", rank, result)`` or
-    ``("error", rank, kind, text)`` on ``reports`` (a SimpleQueue). It dies with the launcher
-    (pid ``launcher``) and beats on ``beats`` while it lives."""
+    """A child of :func:`launch_ranks`: run ``target(rank, store, *args)``, report
+    ``("done", rank, result)`` (unless None) or ``("error", rank, kind, text)`` on ``reports``
+    (a SimpleQueue). It dies with the launcher (pid ``launcher``) and beats on ``beats``
+    while it lives."""
     die_with(launcher)
     beats.start(rank)
     os.environ.clear()  # the parent's environment now, not the fork server's at its start
     os.environ.update(environ)
     try:
-        folder = Path(plan_dir)
-        plan = read_plan(folder)
-        lay = layout(plan)
         _bind_gloo_to_loopback(master_addr)
         store = dist.TCPStore(master_addr, master_port, None, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        result = _serve_rank(folder, plan, lay, rank, backend, feeds, microbatches, iterations,
-                             threads, timeout_s, store)
+        result = target(rank, store, *args)
         if result is not None:
             reports.put(("done", rank, result))
     except BaseException as exc:
@@ -452,6 +463,41 @@ def run_distributed(
     _check_feeds(plan, feeds, microbatches)
     if iterations < 1:
         raise PartitionError(f"need at least one iteration, got {iterations}")
+    inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
+    args = [(str(folder), chosen, inputs if rank == 0 else None, microbatches, iterations,
+             threads_per_stage, timeout_s) for rank in range(lay.world_size)]
+    began = time.perf_counter()
+    results = launch_ranks(_spawned, args, lay.name, master_addr=master_addr,
+                           master_port=master_port, timeout_s=timeout_s,
+                           start_method=start_method,
+                           environ={DEVICE_ENV: device} if device else None)
+    if 0 not in results:
+        raise StageFailed("the workers finished without sending the outputs")
+    outputs, stats = results[0]
+    stats.launch_ms = (time.perf_counter() - began) * 1000.0
+    return [outputs[n] for n in names], stats
+
+
+def launch_ranks(
+    target: Callable[..., Any],
+    args: Sequence[tuple[Any, ...]],
+    name: Callable[[int], str],
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    timeout_s: float = 60.0,
+    start_method: str | None = None,
+    preload: Sequence[str] = PRELOAD,
+    environ: Mapping[str, str] | None = None,
+) -> dict[int, Any]:
+    """Start one local process per rank running ``target(rank, store, *args[rank])`` (a
+    module-level function; ``store`` is the rendezvous store this process hosts) and
+    supervise them: the results that ranks returned (not None), by rank, once all exited
+    cleanly; :class:`StageFailed` naming the rank (``name(rank)``) that raised, died or went
+    silent first, the others killed. The ranks die with this process (``lifeline``), and the
+    fork server too. ``environ`` adds variables to the ranks' environment. ``start_method``:
+    ``forkserver`` (the default where available, with ``preload`` imported once) or
+    ``spawn``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(master_addr, master_port, None, is_master=True, timeout=timeout,
@@ -465,54 +511,51 @@ def run_distributed(
         raise PartitionError(f"start method {method!r}: use spawn or forkserver")
     context: Any = mp.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *preload])))
     reports = context.SimpleQueue()
-    beats = Heartbeats(context, lay.world_size)
-    inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
+    beats = Heartbeats(context, len(args))
+    env = dict(os.environ) | dict(environ or {})
     procs = [
         context.Process(
-            target=_spawned, name=f"onnx-partition-rank{rank}", daemon=True,
-            args=(rank, str(folder), master_addr, store.port, chosen,
-                  inputs if rank == 0 else None, microbatches, iterations, threads_per_stage,
-                  timeout_s, reports,
-                  dict(os.environ) | ({DEVICE_ENV: device} if device else {}), os.getpid(),
-                  beats),
+            target=_child, name=f"onnx-partition-rank{rank}", daemon=True,
+            args=(rank, target, tuple(rank_args), master_addr, store.port, timeout_s, reports,
+                  env, os.getpid(), beats),
         )
-        for rank in range(lay.world_size)
+        for rank, rank_args in enumerate(args)
     ]
-    began = time.perf_counter()
+    started: list[Any] = []
     try:
         for proc in procs:
             proc.start()
-        outputs, stats = _supervise(procs, reports, lay, beats, min(timeout_s, SILENT_S))
+            started.append(proc)
+        return _supervise(procs, reports, name, beats, min(timeout_s, SILENT_S))
     finally:
-        for proc in procs:
+        for proc in started:
             if proc.is_alive():
                 proc.kill()
-        for proc in procs:
+        for proc in started:
             proc.join(timeout=5)
         reports.close()
         del store
-    stats.launch_ms = (time.perf_counter() - began) * 1000.0
-    return [outputs[n] for n in names], stats
 
 
 def _supervise(
-    procs: Sequence[Any], reports: Any, lay: Layout, beats: Heartbeats, silent_s: float
-) -> tuple[Env, DistStats]:
-    """Wait for rank 0's result and clean exits; on the first failure (a report, a bad exit,
-    a rank silent for ``silent_s``), gather reports for ``GRACE_S``, then raise the most
-    telling one (a cause before a silent rank before a dead rank before a communication
-    error that followed it)."""
+    procs: Sequence[Any], reports: Any, name: Callable[[int], str], beats: Heartbeats,
+    silent_s: float,
+) -> dict[int, Any]:
+    """Wait for clean exits, keeping the ranks' results; on the first failure (a report, a bad
+    exit, a rank silent for ``silent_s``), gather reports for ``GRACE_S``, then raise the most
+    telling one (a cause before a silent rank before a dead rank before a communication error
+    that followed it)."""
     errors: dict[int, tuple[str, str]] = {}
-    result: tuple[Env, DistStats] | None = None
+    results: dict[int, Any] = {}
     failed_at: float | None = None
     while True:
         exits = [p.exitcode for p in procs]
         while not reports.empty():
             message = reports.get()
             if message[0] == "done":
-                result = message[2]
+                results[message[1]] = message[2]
             else:
                 errors.setdefault(message[1], (message[2], message[3]))
         bad = [q for q, code in enumerate(exits) if code not in (None, 0)]
@@ -523,32 +566,34 @@ def _supervise(
                                       or all(code is not None for code in exits)):
             # a rank silent for a few beats when the run fails is a cause, not a victim
             silent = beats.silent(min(silent_s, 2.0), running)
-            raise StageFailed(_cause(errors, exits, lay, silent))
+            raise StageFailed(_cause(errors, exits, name, silent))
         if failed_at is None and all(code == 0 for code in exits):
-            if result is None:
-                raise StageFailed("the workers finished without sending the outputs")
-            return result
+            while not reports.empty():  # a result put just before its rank exited
+                message = reports.get()
+                if message[0] == "done":
+                    results[message[1]] = message[2]
+            return results
         time.sleep(0.02)
 
 
 def _cause(
     errors: Mapping[int, tuple[str, str]],
     exits: Sequence[int | None],
-    lay: Layout,
+    name: Callable[[int], str],
     silent: Mapping[int, float] | None = None,
 ) -> str:
     for rank, (kind, text) in sorted(errors.items()):
         if kind in ("setup", "compute"):
-            return f"{lay.name(rank)} failed: {text}"
+            return f"{name(rank)} failed: {text}"
     for rank, age in sorted((silent or {}).items(), key=lambda item: -item[1]):
-        return (f"{lay.name(rank)} stopped answering: no heartbeat for {age:.1f} s "
+        return (f"{name(rank)} stopped answering: no heartbeat for {age:.1f} s "
                 f"(stopped or hung)")
     for rank, code in enumerate(exits):
         if code not in (None, 0) and rank not in errors:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return f"{lay.name(rank)} {how} without reporting an error"
+            return f"{name(rank)} {how} without reporting an error"
     rank, (_, text) = min(errors.items())
-    return f"{lay.name(rank)} failed: {text}"
+    return f"{name(rank)} failed: {text}"
 
 
 # ---------------------------------------------------------------- torchrun entry point

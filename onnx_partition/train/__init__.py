@@ -1,0 +1,1 @@
+"""Training a train plan: stage modules cut from the exported program, and their runtime."""

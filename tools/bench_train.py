@@ -1,0 +1,137 @@
+"""Training throughput of a plan against the whole model in one process and the uniform split,
+and measured iteration time against the simulator's, on this machine (CPU, gloo).
+
+    python tools/bench_train.py [--model gpt] [--size small] [--stages 2] [--batch-size 2]
+        [--microbatches 8] [--steps 6] [--repeats 2] [--whole-threads 1 2] [--workdir DIR]
+
+Exports the recipe with its program, profiles it (one thread, ``--batch-size`` rows: one
+micro-batch), partitions it in train mode with those costs twice (our DP and the ``uniform``
+baseline, equal operator counts), then trains each plan with ``onnx-partition train``'s
+engine (one process per stage, one torch thread each; ``--repeats`` runs per plan, the
+plans taking turns, the fastest run shown), and the whole program in one process
+(``--whole-threads``), ``--steps`` steps of ``--microbatches`` micro-batches, SGD. The first
+step is left out of every figure. Columns: samples/s; measured ms per step; the simulator's
+ms per step from the plan's profiled costs and from the stage times measured in the run
+(``measured / simulated`` is the target: within 15%).
+torch.distributed.pipelining (on our split, or its ``split_into_equal_size``) is reported with
+the reason it does not run (see ``onnx_partition/train/torch_engine.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import models
+from onnx_partition.cost.profile import profile_to_file
+from onnx_partition.partition import partition
+from onnx_partition.plan import read_plan
+from onnx_partition.train.rank import microbatch
+from onnx_partition.train.reference import make_optimizer
+from onnx_partition.train.runtime import TrainStats, synthetic_batch, train_plan
+from onnx_partition.train.stages import whole_module
+from onnx_partition.train.task import task_for
+from onnx_partition.train.torch_engine import torch_engine_refusal
+
+
+def whole_steps(plan_dir: Path, rows: int, count: int, steps: int, threads: int) -> list[float]:
+    """ms per step of the whole program in this process (gradient accumulation)."""
+    torch.set_num_threads(threads)
+    plan = read_plan(plan_dir)
+    module = whole_module(plan_dir).train()
+    task = task_for(plan_dir)
+    opt = make_optimizer("sgd", module.parameters(), 0.01)
+    names = [o.name for o in plan.outputs]
+    times = []
+    for step in range(steps):
+        inputs, targets = synthetic_batch(task.make_batch, rows * count, 0, step)
+        began = time.perf_counter()
+        opt.zero_grad()
+        for m in range(count):
+            x, y = microbatch(inputs, m, count), microbatch(targets, m, count)
+            out = module(*[x[s.name] for s in plan.inputs])
+            (task.loss_fn(dict(zip(names, out)), y) / count).backward()
+        opt.step()
+        times.append((time.perf_counter() - began) * 1000.0)
+    return times
+
+
+def row(name: str, rows: int, ms: float, stats: TrainStats | None) -> str:
+    rate = rows / ms * 1000.0
+    if stats is None:
+        return f"| {name} | {rate:.1f} | {ms:.1f} | - | - | - | - |"
+    return (f"| {name} | {rate:.1f} | {ms:.1f} | {stats.simulated_ms:.1f} | "
+            f"{ms / stats.simulated_ms:.2f} | {stats.calibrated_ms:.1f} | "
+            f"{ms / stats.calibrated_ms:.2f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2, help="rows per micro-batch")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each plan, taking turns (the faster one is shown)")
+    parser.add_argument("--whole-threads", type=int, nargs="+", default=[1],
+                        help="torch threads of the whole-model runs (default 1)")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    b, m = args.batch_size, args.microbatches
+    onnx_file = work / f"{args.model}-{args.size}.onnx"
+    began = time.perf_counter()
+    if not onnx_file.exists():
+        models.export(args.model, onnx_file, size=args.size)
+    costs = work / "costs.json"
+    if not costs.exists():
+        profile_to_file(onnx_file, costs, batch_size=b, repeats=10)
+    plans = {}
+    for solver in ("dp", "uniform"):
+        plans[solver] = work / f"plan-{solver}"
+        partition(onnx_file, args.stages, plans[solver], costs=costs, batch_size=b,
+                  mode="train", microbatches=m, solver=solver, force=True)
+    print(f"prepared in {time.perf_counter() - began:.0f} s: {args.model} {args.size}, "
+          f"{args.stages} stages, batch {b * m} = {m} micro-batches x {b} rows, "
+          f"{args.steps} steps (first left out), SGD")
+    for solver, plan_dir in plans.items():
+        ops = [len(s.nodes) for s in read_plan(plan_dir).stages]
+        print(f"  {solver} split: {ops} ONNX nodes per stage")
+
+    lines = ["| configuration | samples/s | measured ms/step | simulated ms (plan costs) | "
+             "measured/simulated | simulated ms (measured stage times) | measured/simulated |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for threads in args.whole_threads:
+        ms = whole_steps(plans["dp"], b, m, args.steps, threads)[1:]
+        lines.append(row(f"(a) whole model, 1 process, {threads} thread(s)", b * m,
+                         sum(ms) / len(ms), None))
+    runs: dict[str, list[TrainStats]] = {"dp": [], "uniform": []}
+    for _ in range(args.repeats):
+        for solver in runs:  # taking turns: a slow spell of the machine hits both
+            runs[solver].append(train_plan(plans[solver], steps=args.steps, microbatches=m,
+                                           batch_size=b))
+    for solver, label in (("dp", "our plan (DP)"), ("uniform", "(b) uniform split")):
+        stats = min(runs[solver], key=lambda st: st.measured_ms)
+        lines.append(row(f"{label}, {len(stats.ranks)} processes", b * m, stats.measured_ms,
+                         stats))
+        print(f"  {label}: ms per step of each run "
+              f"{[round(st.measured_ms, 1) for st in runs[solver]]}; best run's per-stage "
+              f"forward ms {[round(x, 2) for x in stats.forward_ms]}, "
+              f"backward ms {[round(x, 2) for x in stats.backward_ms]}")
+    reason = torch_engine_refusal(read_plan(plans["dp"]))
+    lines.append(f"| (c) torch.distributed.pipelining, our split | n/a: {reason} |||||| ")
+    lines.append("| (d) torch pipelining's split_into_equal_size | n/a: needs a traceable "
+                 "module for its own splitter and the same engine as (c) |||||| ")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
