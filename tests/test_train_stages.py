@@ -68,27 +68,14 @@ def assert_stages_equal_whole(plan_dir: Path, rows: int = 3, seed: int = 0) -> N
     assert {n: ks for s in stages for n, ks in s.tied.items()} == tied
 
 
-@pytest.fixture(scope="module")
-def recipe_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("train-recipes")
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = models.export(name, root / f"{name}.onnx")
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", models.RECIPES)
 def test_recipe_stage_modules_equal_whole(
-    name: str, stages: int, recipe_model: Callable[[str], Path], tmp_path: Path
+    name: str, stages: int, exported: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    model = recipe_model(name)
+    model = exported(name)  # conftest's session-wide export (onnx_partition.export underneath)
     assert model.with_suffix(".pt2").is_file()
     plan = partition(model, stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
-    assert plan.mode == "train" and plan.program.endswith(f"{name}.pt2")
+    assert plan.mode == "train" and plan.program.endswith(model.with_suffix(".pt2").name)
     assert_stages_equal_whole(tmp_path / "plan")
