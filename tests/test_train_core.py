@@ -167,6 +167,16 @@ def test_train_semantics_dropout_and_batch_norm(plan3: Path) -> None:
     assert not torch.equal(dict(once.named_buffers())["bn.running_mean"], initial)
 
 
+def test_only_some_stages(plan3: Path) -> None:
+    every = stage_modules(plan3)
+    (one,) = stage_modules(plan3, only=[1])
+    assert (one.index, one.inputs, one.outputs, one.tied) == (
+        1, every[1].inputs, every[1].outputs, every[1].tied)
+    assert one.module.state_dict().keys() == every[1].module.state_dict().keys()
+    with pytest.raises(PartitionError, match="stage 3 is not in the plan"):
+        stage_modules(plan3, only=[3])
+
+
 def test_reference_trainer_accumulates_like_one_batch(plan3: Path) -> None:
     """The reference (whole module, micro-batches, loss weighted by rows) equals the stage
     modules chained by hand over the same micro-batches, for SGD and AdamW, two steps."""

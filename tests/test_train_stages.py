@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
 import models
+from onnx_partition.fxtag import fx_node_name
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.stages import StageModule, stage_modules, whole_module
+from onnx_partition.train.stages import StageModule, load_program, stage_modules, whole_module
 from onnx_partition.train.task import task_for
 
 
@@ -78,4 +80,9 @@ def test_recipe_stage_modules_equal_whole(
     plan = partition(model, stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
     assert plan.mode == "train" and plan.program.endswith(model.with_suffix(".pt2").name)
+    if stages == 2:  # the FX map: every ONNX node's tag names a node of the train program
+        program = load_program(tmp_path / "plan", plan)  # (cached for the checks below)
+        names = {n.name for n in program.graph.nodes}
+        tags = [fx_node_name(n) for n in onnx.load(str(model), load_external_data=False).graph.node]
+        assert tags and all(t in names for t in tags)
     assert_stages_equal_whole(tmp_path / "plan")
