@@ -280,3 +280,15 @@ def test_save_trained_round_trip_through_run_check(plan3: Path, tmp_path: Path,
         save_trained(plan3, [s.module.state_dict() for s in stages], tmp_path / "busy")
     assert (tmp_path / "busy" / "mine.txt").read_text() == "x"
     save_trained(plan3, [s.module.state_dict() for s in stages], out)  # over an earlier save
+
+
+def test_hybrid_train_plan_gives_stage_modules(net: tuple[Net, Path], tmp_path: Path) -> None:
+    """The hybrid planner's train plans (replicas per stage) cut along FX units too."""
+    from test_train_stages import assert_stages_equal_whole
+
+    from onnx_partition.cost.cluster import Cluster
+
+    plan = partition(net[1], 2, tmp_path / "hybrid", batch_size=4, mode="train",
+                     microbatches=4, cluster=Cluster(devices_per_machine=3))
+    assert len(plan.stages) == 2 and plan.program
+    assert_stages_equal_whole(tmp_path / "hybrid")
