@@ -292,3 +292,9 @@ def test_hybrid_train_plan_gives_stage_modules(net: tuple[Net, Path], tmp_path: 
                      microbatches=4, cluster=Cluster(devices_per_machine=3))
     assert len(plan.stages) == 2 and plan.program
     assert_stages_equal_whole(tmp_path / "hybrid")
+
+
+def test_export_refuses_a_program_path(tmp_path: Path) -> None:
+    with pytest.raises(PartitionError, match=r"must not end in \.pt2"):
+        export(nn.Linear(2, 2), (torch.randn(2, 2),), tmp_path / "b.pt2")
+    assert not any(tmp_path.iterdir())
