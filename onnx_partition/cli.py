@@ -322,7 +322,8 @@ def _export(args: argparse.Namespace) -> int:
         path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size)
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
-    _say(f"wrote {path} ({args.name}, {args.size}) in {time.perf_counter() - started:.1f} s")
+    _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.name}, "
+         f"{args.size}) in {time.perf_counter() - started:.1f} s")
     return 0
 
 

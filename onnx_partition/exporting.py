@@ -9,7 +9,8 @@ the eval-mode model: each ``Dropout`` loses its ``training_mode`` input (inferen
 batch norm is already exported as an inference ``BatchNormalization`` over the running statistics.
 ``optimize=False`` keeps every initializer equal to one parameter or buffer, named after it, and
 every FX node's ONNX nodes apart (the optimizer fuses Conv with BatchNorm under one tag).
-See docs/design.md, "Training: FX mapping, relay, tied weights".
+See docs/design.md, "Training: FX mapping, relay, tied weights". (The module is not named
+``export``: a submodule of that name would shadow the function ``onnx_partition.export``.)
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def export(
     """Export ``module`` called on ``args`` to the ONNX file ``path`` and its train-mode program
     to ``path.with_suffix(".pt2")``; weights go to ``<path>.data`` above 100 MB.
 
-    ``dynamic_batch`` makes dim 0 of every input symbolic (named ``batch``; trace with at least
-    2 rows). The module's train/eval mode is restored afterwards. Both files are written into a
-    temporary folder beside ``path`` under their final names, then moved into place with
+    ``dynamic_batch`` makes dim 0 of every tensor input symbolic (named ``batch``; trace with
+    at least 2 rows). The module's train/eval mode is restored afterwards. Both files are
+    written into a temporary folder beside ``path`` under their final names, then moved with
     `os.replace` (data file first, program last). ``external_data`` forces weights out of (True)
     or into (False) the ONNX file. Raises :class:`PartitionError` when the module
     does not export.
@@ -131,7 +132,8 @@ def _export_program(
     opset: int | None,
 ) -> Any:
     batch = torch.export.Dim(BATCH)
-    dynamic = tuple({0: batch} for _ in args) if dynamic_batch else None
+    dynamic = (tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() >= 1 else None
+                     for a in args) if dynamic_batch else None)
     try:
         return torch.onnx.export(
             module, args, None,

@@ -167,6 +167,16 @@ def test_train_semantics_dropout_and_batch_norm(plan3: Path) -> None:
     assert not torch.equal(dict(once.named_buffers())["bn.running_mean"], initial)
 
 
+def test_only_some_stages(plan3: Path) -> None:
+    every = stage_modules(plan3)
+    (one,) = stage_modules(plan3, only=[1])
+    assert (one.index, one.inputs, one.outputs, one.tied) == (
+        1, every[1].inputs, every[1].outputs, every[1].tied)
+    assert one.module.state_dict().keys() == every[1].module.state_dict().keys()
+    with pytest.raises(PartitionError, match="stage 3 is not in the plan"):
+        stage_modules(plan3, only=[3])
+
+
 def test_reference_trainer_accumulates_like_one_batch(plan3: Path) -> None:
     """The reference (whole module, micro-batches, loss weighted by rows) equals the stage
     modules chained by hand over the same micro-batches, for SGD and AdamW, two steps."""
@@ -270,3 +280,21 @@ def test_save_trained_round_trip_through_run_check(plan3: Path, tmp_path: Path,
         save_trained(plan3, [s.module.state_dict() for s in stages], tmp_path / "busy")
     assert (tmp_path / "busy" / "mine.txt").read_text() == "x"
     save_trained(plan3, [s.module.state_dict() for s in stages], out)  # over an earlier save
+
+
+def test_hybrid_train_plan_gives_stage_modules(net: tuple[Net, Path], tmp_path: Path) -> None:
+    """The hybrid planner's train plans (replicas per stage) cut along FX units too."""
+    from test_train_stages import assert_stages_equal_whole
+
+    from onnx_partition.cost.cluster import Cluster
+
+    plan = partition(net[1], 2, tmp_path / "hybrid", batch_size=4, mode="train",
+                     microbatches=4, cluster=Cluster(devices_per_machine=3))
+    assert len(plan.stages) == 2 and plan.program
+    assert_stages_equal_whole(tmp_path / "hybrid")
+
+
+def test_export_refuses_a_program_path(tmp_path: Path) -> None:
+    with pytest.raises(PartitionError, match=r"must not end in \.pt2"):
+        export(nn.Linear(2, 2), (torch.randn(2, 2),), tmp_path / "b.pt2")
+    assert not any(tmp_path.iterdir())

@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
 import models
+from onnx_partition.fxtag import fx_node_name
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.stages import StageModule, stage_modules, whole_module
+from onnx_partition.train.stages import StageModule, load_program, stage_modules, whole_module
 from onnx_partition.train.task import task_for
 
 
@@ -68,27 +70,19 @@ def assert_stages_equal_whole(plan_dir: Path, rows: int = 3, seed: int = 0) -> N
     assert {n: ks for s in stages for n, ks in s.tied.items()} == tied
 
 
-@pytest.fixture(scope="module")
-def recipe_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("train-recipes")
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = models.export(name, root / f"{name}.onnx")
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", models.RECIPES)
 def test_recipe_stage_modules_equal_whole(
-    name: str, stages: int, recipe_model: Callable[[str], Path], tmp_path: Path
+    name: str, stages: int, exported: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    model = recipe_model(name)
+    model = exported(name)  # conftest's session-wide export (onnx_partition.export underneath)
     assert model.with_suffix(".pt2").is_file()
     plan = partition(model, stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
-    assert plan.mode == "train" and plan.program.endswith(f"{name}.pt2")
+    assert plan.mode == "train" and plan.program.endswith(model.with_suffix(".pt2").name)
+    if stages == 2:  # the FX map: every ONNX node's tag names a node of the train program
+        program = load_program(tmp_path / "plan", plan)  # (cached for the checks below)
+        names = {n.name for n in program.graph.nodes}
+        tags = [fx_node_name(n) for n in onnx.load(str(model), load_external_data=False).graph.node]
+        assert tags and all(t in names for t in tags)
     assert_stages_equal_whole(tmp_path / "plan")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,24 +95,33 @@ def _load(path: str, sha256: str) -> ExportedProgram:
     return torch.export.load(path)
 
 
-def stage_modules(plan_dir: str | Path, *, deterministic: bool = False) -> list[StageModule]:
+def stage_modules(
+    plan_dir: str | Path, *, deterministic: bool = False, only: Collection[int] | None = None
+) -> list[StageModule]:
     """One module per stage, built from plan.json and the program it names (checked by sha256).
-    ``deterministic=True`` turns dropout off (for ``--check``)."""
+    ``deterministic=True`` turns dropout off (for ``--check``). ``only``: build just these
+    stages (a rank builds its own; ``tied`` still counts every stage)."""
     plan_dir = Path(plan_dir)
     plan = require_trainable(plan_dir)
     program = _Program(load_program(plan_dir, plan), plan)
     stage_of = program.assign([_stage_fx_nodes(plan_dir, plan, k) for k in range(len(plan.stages))])
-    built = [program.build(nodes=[n for n in program.order if stage_of.get(n.name) == k],
-                           inputs=s.inputs, outputs=s.outputs, deterministic=deterministic)
-             for k, s in enumerate(plan.stages)]
+    graphs = [program.graph_of(nodes=[n for n in program.order if stage_of.get(n.name) == k],
+                               inputs=s.inputs, outputs=s.outputs, deterministic=deterministic)
+              for k, s in enumerate(plan.stages)]
     holders: dict[str, list[int]] = {}
-    for k, (_, params) in enumerate(built):
-        for name in params:
-            holders.setdefault(name, []).append(k)
+    for k, (_, attrs) in enumerate(graphs):
+        for name in attrs:
+            if program.kind_of(name) == "parameter":
+                holders.setdefault(name, []).append(k)
     tied = {name: tuple(ks) for name, ks in holders.items() if len(ks) > 1}
-    return [StageModule(index=k, module=module, inputs=tuple(s.inputs), outputs=tuple(s.outputs),
+    wanted = range(len(plan.stages)) if only is None else sorted(set(only))
+    for k in wanted:
+        if not 0 <= k < len(plan.stages):
+            raise PartitionError(f"stage {k} is not in the plan's 0..{len(plan.stages) - 1}")
+    return [StageModule(index=k, module=program.module(*graphs[k]),
+                        inputs=tuple(plan.stages[k].inputs), outputs=tuple(plan.stages[k].outputs),
                         tied={n: ks for n, ks in tied.items() if k in ks})
-            for k, ((module, _), s) in enumerate(zip(built, plan.stages, strict=True))]
+            for k in wanted]
 
 
 def whole_module(plan_dir: str | Path, *, deterministic: bool = False) -> torch.nn.Module:
@@ -121,10 +130,9 @@ def whole_module(plan_dir: str | Path, *, deterministic: bool = False) -> torch.
     plan_dir = Path(plan_dir)
     plan = require_trainable(plan_dir)
     program = _Program(load_program(plan_dir, plan), plan)
-    module, _ = program.build(nodes=list(program.order),
-                              inputs=[s.name for s in plan.inputs],
-                              outputs=[s.name for s in plan.outputs], deterministic=deterministic)
-    return module
+    return program.module(*program.graph_of(
+        nodes=list(program.order), inputs=[s.name for s in plan.inputs],
+        outputs=[s.name for s in plan.outputs], deterministic=deterministic))
 
 
 def program_names(plan_dir: str | Path) -> dict[str, list[str]]:
@@ -175,6 +183,7 @@ class _Program:
         self.tensor: dict[str, torch.Tensor] = {}  # placeholder name -> its value
         self.target: dict[str, str] = {}  # placeholder name -> original FQN / constant name
         self.kind: dict[str, str] = {}  # placeholder name -> parameter | buffer | constant
+        self.source: dict[str, str] = {}  # name in the built modules -> a placeholder of it
         user_inputs: list[torch.fx.Node] = []
         seen: dict[object, str] = {}
         self.canonical: dict[str, str] = {}  # original name -> name in the built modules
@@ -200,6 +209,7 @@ class _Program:
             key = _storage_key(value) if kind == "parameter" else name
             self.canonical[target] = seen.setdefault(key, target)
             self.target[name] = self.canonical[target]
+            self.source.setdefault(self.canonical[target], name)
         self.user_outputs: list[torch.fx.Node] = []
         self.mutations: list[tuple[torch.fx.Node, str]] = []  # (value, buffer placeholder)
         output = next(n for n in self.graph.nodes if n.op == "output")
@@ -267,16 +277,16 @@ class _Program:
                 stage_of[node.name] = max(reads, default=0)
         return stage_of
 
-    def build(
+    def graph_of(
         self,
         *,
         nodes: Sequence[torch.fx.Node],
         inputs: Sequence[str],
         outputs: Sequence[str],
         deterministic: bool,
-    ) -> tuple[torch.fx.GraphModule, list[str]]:
-        """A GraphModule running ``nodes`` (program order) from ``inputs`` to ``outputs``; also
-        the names of the parameters it holds."""
+    ) -> tuple[torch.fx.Graph, dict[str, torch.fx.Node]]:
+        """The graph running ``nodes`` (program order) from ``inputs`` to ``outputs``, and its
+        weight reads (name -> get_attr node), for :meth:`module`."""
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for name in inputs:
@@ -324,18 +334,20 @@ class _Program:
             results.append(env[node] if _is_tensor(node)
                            else graph.call_function(_from_value, (read(node),)))
         graph.output(tuple(results))
-        return self._module(graph, attrs), [t for t in attrs if self._kind(t) == "parameter"]
+        graph.lint()
+        return graph, attrs
 
-    def _kind(self, target: str) -> str:
-        return next(self.kind[p] for p, t in self.target.items() if t == target)
+    def kind_of(self, target: str) -> str:
+        """``parameter``, ``buffer`` or ``constant``: what the weight named ``target`` is."""
+        return self.kind[self.source[target]]
 
-    def _module(
+    def module(
         self, graph: torch.fx.Graph, attrs: dict[str, torch.fx.Node]
     ) -> torch.fx.GraphModule:
         root = torch.nn.Module()
         constants = []
         for target in attrs:
-            placeholder = next(p for p, t in self.target.items() if t == target)
+            placeholder = self.source[target]
             value, kind = self.tensor[placeholder], self.kind[placeholder]
             *path, leaf = target.split(".")
             owner = root
@@ -351,7 +363,6 @@ class _Program:
                 owner.register_buffer(leaf, copy, persistent=kind == "buffer")
                 if kind == "constant":
                     constants.append(target)
-        graph.lint()
         module = torch.fx.GraphModule(root, graph)
         for target in constants:  # GraphModule registers every copied tensor as persistent
             *path, leaf = target.split(".")
