@@ -339,16 +339,17 @@ def format_train(stats: TrainStats) -> str:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The options of ``onnx-partition train`` and of this module under torchrun."""
-    p.add_argument("plan", type=Path)
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("plan", type=Path, help="a train-mode plan folder (partition --mode train)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--microbatches", type=int,
                    help="micro-batches per step (default: the plan's, else 4)")
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="the pipeline schedule every rank executes (the simulator's)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches")
     p.add_argument("--check", action="store_true",
                    help="dropout off; parameters after step 1 (and 3) must equal "
@@ -359,7 +360,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m onnx_partition.train.runtime",
                                      description="One rank of a training run (under torchrun).")
     add_train_args(parser)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: nccl when every rank has its own GPU, else gloo")
     args = parser.parse_args(argv)
     try:
         from onnx_partition.train.stages import require_trainable
