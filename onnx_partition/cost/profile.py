@@ -56,13 +56,12 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from onnx_partition.cost.analytic import _DENSE, DeviceSpec
+from onnx_partition.cost.analytic import DeviceSpec, backward_factor
 from onnx_partition.cost.analytic import forward_ms as analytic_forward_ms
 from onnx_partition.cost.annotate import op_infos, write_costs
 from onnx_partition.cost.costs_file import provenance
-from onnx_partition.emit import _index_bounds
 from onnx_partition.errors import PartitionError
-from onnx_partition.graph import _NONDETERMINISTIC, OpGraph, load, shape_of
+from onnx_partition.graph import NONDETERMINISTIC, OpGraph, load, shape_of
 from onnx_partition.runtime.stages import session_options
 
 Progress = Callable[[int, int], None]
@@ -209,7 +208,7 @@ def profile_model(
     scale = whole_ms / total if total > 0 else 1.0
     forward = {k: v * scale for k, v in weight.items()}
     op_type = {n.key: n.op_type for n in graph.nodes}
-    backward = {k: v * ratios.get(op_type[k], 2.0 if op_type[k] in _DENSE else 1.0)
+    backward = {k: v * ratios.get(op_type[k], backward_factor(op_type[k]))
                 for k, v in forward.items()}
     settings: dict[str, object] = {
         "method": method, "repeats": repeats, "warmup": warmup, "threads": threads,
@@ -284,7 +283,7 @@ def parse_device(device: str) -> tuple[str, int | None]:
 def input_feeds(graph: OpGraph, *, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs of the graph's concrete shapes and dtypes (integer index inputs in range)."""
     rng = np.random.default_rng(seed)
-    bounds = _index_bounds(graph)
+    bounds = graph.index_bounds
     feeds = {}
     for name in graph.inputs:
         ttype = graph.concrete_types.get(name) or graph.types.get(name)
@@ -520,7 +519,7 @@ def _profile_events(ctx: _Context, reps: list[int] | None, ticker: _Ticker,
     if reps is not None:
         constant = {o for n in graph.nodes if n.free for o in n.outputs if o}
         folded = [graph.nodes[r].key for r in reps if graph.nodes[r].key not in medians
-                  and graph.nodes[r].op_type not in _NONDETERMINISTIC
+                  and graph.nodes[r].op_type not in NONDETERMINISTIC
                   and all(i in constant for i in graph.nodes[r].inputs)]
         medians.update(dict.fromkeys(folded, _FOLDED))
         info["folded_signatures"] = len(folded)
