@@ -55,10 +55,10 @@ def calibrate(graph: OpGraph, sigs: Mapping[int, tuple[str, bool]], times: Signa
     for index, (digest, _) in sigs.items():
         key = graph.nodes[index].key
         if digest in times.raw_ms:
-            event = times.raw_ms[digest]
-            raw_sum += max(event, 0.0)
-            weight[key] = (0.0 if event == FOLDED
-                           else max(event - times.event_overhead_ms, 0.0)
+            raw = times.raw_ms[digest]
+            raw_sum += max(raw, 0.0)
+            weight[key] = (0.0 if raw == FOLDED
+                           else max(raw - times.event_overhead_ms, 0.0)
                            + times.node_overhead_ms)
             reused += index not in times.measured_nodes
         else:
