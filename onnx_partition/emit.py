@@ -248,7 +248,7 @@ def _clear_data(tensor: onnx.TensorProto) -> None:
 
 def io_specs(graph: OpGraph) -> tuple[list[IOSpec], list[IOSpec]]:
     """Graph inputs and outputs with dtype and (symbolic) shape, for feeding a plan."""
-    bounds = _index_bounds(graph)
+    bounds = graph.index_bounds
 
     def spec(name: str, high: int | None = None) -> IOSpec:
         ttype = graph.types.get(name) or graph.concrete_types.get(name)
@@ -263,27 +263,6 @@ def io_specs(graph: OpGraph) -> tuple[list[IOSpec], list[IOSpec]]:
 
     inputs = [spec(name, bounds.get(name)) for name in graph.inputs]
     return inputs, [spec(name) for name in graph.outputs]
-
-
-def _index_bounds(graph: OpGraph) -> dict[str, int]:
-    """Integer graph inputs used as Gather indices: the size of the gathered axis (so that
-    random feeds stay in range, e.g. token ids below the vocabulary size)."""
-    protos = graph.protos()
-    init_dims = {t.name: list(t.dims) for t in graph.model.graph.initializer}
-    bounds: dict[str, int] = {}
-    for node in graph.nodes:
-        proto = protos[node.key]
-        if proto.op_type != "Gather" or len(proto.input) < 2 or proto.input[1] not in graph.inputs:
-            continue
-        axis = next((a.i for a in proto.attribute if a.name == "axis"), 0)
-        dims = init_dims.get(proto.input[0])
-        if dims is None:
-            shape = graph.tensors.get(proto.input[0])
-            dims = list(shape.shape) if shape and shape.shape else None
-        if dims:
-            size = dims[axis]
-            bounds[proto.input[1]] = min(bounds.get(proto.input[1], size), size)
-    return bounds
 
 
 def write_plan_folder(

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import google.protobuf.message
@@ -25,8 +26,8 @@ from onnx_partition.values import MAX_BYTES, Rule, check
 
 Shape = tuple[int, ...]
 
-#: Operators that draw random numbers: never copied into several stages.
-_NONDETERMINISTIC = frozenset(
+#: Operators that draw random numbers: never copied into several stages (nor constant-folded).
+NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
      "Bernoulli", "Dropout"}
 )
@@ -82,6 +83,33 @@ class OpGraph:
     def compute_nodes(self) -> list[int]:
         """Indices of the nodes that are cut into stages (free constants excluded)."""
         return [n.index for n in self.nodes if not n.free]
+
+    @cached_property
+    def free_outputs(self) -> frozenset[str]:
+        """Outputs of the free (constant-only) nodes."""
+        return frozenset(o for n in self.nodes if n.free for o in n.outputs if o)
+
+    @cached_property
+    def index_bounds(self) -> Mapping[str, int]:
+        """Integer graph inputs used as Gather indices: the size of the gathered axis (so that
+        random feeds stay in range, e.g. token ids below the vocabulary size)."""
+        protos = self.protos()
+        init_dims = {t.name: list(t.dims) for t in self.model.graph.initializer}
+        bounds: dict[str, int] = {}
+        for node in self.nodes:
+            proto = protos[node.key]
+            if (proto.op_type != "Gather" or len(proto.input) < 2
+                    or proto.input[1] not in self.inputs):
+                continue
+            axis = next((a.i for a in proto.attribute if a.name == "axis"), 0)
+            dims = init_dims.get(proto.input[0])
+            if dims is None:
+                shape = self.tensors.get(proto.input[0])
+                dims = list(shape.shape) if shape and shape.shape else None
+            if dims:
+                size = dims[axis]
+                bounds[proto.input[1]] = min(bounds.get(proto.input[1], size), size)
+        return bounds
 
     def protos(self) -> dict[str, onnx.NodeProto]:
         """Node key -> its NodeProto in :attr:`model` (named by its key)."""
@@ -173,7 +201,7 @@ def from_model(
         inits = tuple(dict.fromkeys(u for u in used if u in init_bytes))
         flow = tuple(dict.fromkeys(u for u in used if u and u not in init_bytes))
         free = (
-            proto.op_type not in _NONDETERMINISTIC
+            proto.op_type not in NONDETERMINISTIC
             and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                         for a in proto.attribute)
             and all(u in is_const for u in flow + inits)

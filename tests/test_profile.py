@@ -19,12 +19,12 @@ from onnx_partition.cost.annotate import COSTS_FORMAT, annotate, read_costs
 from onnx_partition.cost.profile import (
     CACHE_ENV,
     ProfileResult,
-    _match_key,
     parse_device,
     profile_model,
     profile_to_file,
     save_profile,
 )
+from onnx_partition.cost.profile.cpu import _match_key
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 

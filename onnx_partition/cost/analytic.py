@@ -129,7 +129,7 @@ _PER_INPUT: dict[str, float] = {
     "RMSNormalization": 5.0, "LpNormalization": 3.0, "LRN": 6.0,
     "Softmax": _T + 4, "LogSoftmax": _T + 4, "Hardmax": 1.0}  # max, sub, exp, sum, div
 # Backward computes gradients w.r.t. input and weight: 2x the forward work.
-_DENSE = frozenset({
+DENSE = frozenset({
     "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "Attention", "MultiHeadAttention",
     "GroupQueryAttention", "MatMulInteger", "QLinearMatMul", "ConvInteger", "QLinearConv"})
 # fmt: on
@@ -351,7 +351,7 @@ def op_class(op_type: str) -> str:
     or ``view`` (free: reshapes and metadata)."""
     if op_type in _ATTENTION:
         return "attention"
-    if op_type in _DENSE:
+    if op_type in DENSE:
         return "dense"
     if op_type in _VIEW:
         return "view"
@@ -391,5 +391,9 @@ def backward_ms(op: OpInfo, device: DeviceSpec) -> float:
     input and the weight, each as costly as the forward), k = 1 for everything else
     (element-wise, normalization, data movement: one gradient of the same size).
     """
-    k = 2.0 if op.op_type in _DENSE else 1.0
-    return device.launch_overhead_ms + k * _roofline_ms(op, device)
+    return device.launch_overhead_ms + backward_factor(op.op_type) * _roofline_ms(op, device)
+
+
+def backward_factor(op_type: str) -> float:
+    """Backward time over forward time: 2 for the :data:`DENSE` operators, 1 otherwise."""
+    return 2.0 if op_type in DENSE else 1.0
