@@ -32,23 +32,33 @@ MISSING_ORT = ("onnxruntime is not installed: pip install 'onnx-partition[cpu]',
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from onnx_partition.runtime.pipeline import StageFailed
-
     parser = _parser()
     values.install(parser)  # every numeric option checked: finite, in range, unit in the message
-    try:
-        args = parser.parse_args(argv)
-        _configure_logging(args.verbose - args.quiet)
-        from onnx_partition import progress
+    return guarded(lambda: _dispatch(parser.parse_args(argv)))
 
-        progress.install(log.isEnabledFor(logging.INFO))
-        log.debug("onnx-partition %s, python %s, arguments %s", __version__,
-                  sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
-        began = time.perf_counter()
-        code = int(args.func(args))
-        log.debug("%s finished in %.2f s with exit code %d", args.verb,
-                  time.perf_counter() - began, code)
-        return code
+
+def _dispatch(args: argparse.Namespace) -> int:
+    _configure_logging(args.verbose - args.quiet)
+    from onnx_partition import progress
+
+    progress.install(log.isEnabledFor(logging.INFO))
+    log.debug("onnx-partition %s, python %s, arguments %s", __version__,
+              sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
+    began = time.perf_counter()
+    code = int(args.func(args))
+    log.debug("%s finished in %.2f s with exit code %d", args.verb,
+              time.perf_counter() - began, code)
+    return code
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command (argument parsing included) and return its exit code: bad input prints
+    ``error: <one line>`` and gives 2, a failed run (a stage raised, a worker died) 1, an
+    interrupt 130, a closed stdout pipe 0; never a traceback for any of them."""
+    from onnx_partition.errors import StageFailed
+
+    try:
+        return command()
     except BrokenPipeError:  # `onnx-partition ... | head`: the reader has all it wanted
         _silence_stdout()
         return 0
@@ -464,22 +474,12 @@ def _run(args: argparse.Namespace) -> int:
         run_json,
         run_shape,
     )
-    from onnx_partition.runtime.check import random_feeds
     from onnx_partition.runtime.measure import measure_distributed, measure_threads, shape_of_feeds
     from onnx_partition.runtime.microbatch import batch_axes
 
     plan = read_plan(args.plan)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
-    feeds = random_feeds(plan, batch_size=shape.rows, seed=args.seed)
-    for item in args.input:
-        name, sep, file = item.partition("=")
-        if not sep or name not in feeds:
-            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
-                                 f"{', '.join(feeds)}")
-        try:
-            feeds[name] = np.load(file)
-        except (OSError, ValueError) as exc:
-            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    feeds = run_feeds(plan, args.input, rows=shape.rows, seed=args.seed)
     shape = shape_of_feeds(shape, feeds, batch_axes(plan))
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
@@ -514,6 +514,24 @@ def _run(args: argparse.Namespace) -> int:
         print(format_comparison(body))
         print(timing_line(measured["iteration_ms_each"]))
     return code
+
+
+def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
+    """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
+    each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
+    from onnx_partition.runtime.check import random_feeds
+
+    feeds = random_feeds(plan, batch_size=rows, seed=seed)
+    for item in inputs:
+        name, sep, file = item.partition("=")
+        if not sep or name not in feeds:
+            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
+                                 f"{', '.join(feeds)}")
+        try:
+            feeds[name] = np.load(file)
+        except (OSError, ValueError) as exc:
+            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    return feeds
 
 
 def _providers(args: argparse.Namespace) -> list[str] | None:

@@ -1,4 +1,5 @@
-"""The one error class users see: a clear message, exit code 2 at the command line."""
+"""The two error classes users see: bad input (:class:`PartitionError`, exit code 2 at the
+command line) and a run that failed (:class:`StageFailed`, exit code 1)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ class PartitionError(Exception):
     """Bad input or an impossible request, explained in one line.
 
     The CLI prints ``error: <message>`` and exits with code 2; library callers catch it.
+    """
+
+
+class StageFailed(RuntimeError):
+    """A stage or rank failed while running; the message names the stage and replica (and rank).
+
+    Raised ``from`` the original exception where this process holds it (as torchgpipe's worker
+    does), so ``__cause__`` keeps its type and traceback; a rank that failed in another process
+    is known by its message only.
     """
 
 

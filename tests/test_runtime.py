@@ -110,3 +110,14 @@ def test_local_device_names() -> None:
     assert providers_for("m1/cpu") == ["CPUExecutionProvider"]
     with pytest.raises(PartitionError, match="unknown device 'mx/cpu'"):
         providers_for("mx/cpu")
+
+
+def test_a_failing_stage_keeps_onnxruntimes_exception_as_the_cause(tmp_path):
+    partition(gather_model(tmp_path / "m.onnx"), 3, tmp_path / "out", batch_size=2)
+    feeds = {"x": np.ones((2, 4), np.float32), "ids": np.array([0, 99])}
+    with (PipelineSession(tmp_path / "out", microbatches=1, timeout_s=30) as session,
+          pytest.raises(StageFailed) as failed):
+        session.run(None, feeds)
+    cause = failed.value.__cause__
+    assert cause is not None and not isinstance(cause, StageFailed)
+    assert str(failed.value).endswith(str(cause).strip().splitlines()[0])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
@@ -25,12 +25,17 @@ from onnx_partition.runtime.stages import NodeArg, Provider, StageSession, load_
 
 Env = dict[str, np.ndarray]
 Item = tuple[int, Env]  # (micro-batch index, the tensors it carries)
-# (where to reply: results or an error line, micro-batch index, tensors)
-Task = tuple["queue.SimpleQueue[Item | str]", int, Env]
+# (where to reply: results or a failure, micro-batch index, tensors)
+Task = tuple["queue.SimpleQueue[Item | _Failed]", int, Env]
+__all__ = ["PipelineSession", "RunStats", "StageFailed"]  # StageFailed: from errors, as before
 
 
-class StageFailed(RuntimeError):
-    """A stage worker raised; the message names the stage and replica."""
+@dataclass(frozen=True)
+class _Failed:
+    """A worker's report of a stage that raised: the line to show and the exception."""
+
+    text: str
+    cause: Exception
 
 
 @dataclass
@@ -133,7 +138,7 @@ class PipelineSession:
         if not self._finalizer.alive:
             raise PartitionError("this PipelineSession is closed")
         count = len(batches)
-        done: queue.SimpleQueue[Item | str] = queue.SimpleQueue()
+        done: queue.SimpleQueue[Item | _Failed] = queue.SimpleQueue()
         busy_before, cpu_before = dict(self._busy), dict(self._cpu)
         began = time.perf_counter()
         first = self._inbox[0]
@@ -146,8 +151,8 @@ class PipelineSession:
                 item = done.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
                 raise StageFailed(f"pipeline timed out after {self.timeout_s:.0f} s") from None
-            if isinstance(item, str):
-                raise StageFailed(item)
+            if isinstance(item, _Failed):
+                raise StageFailed(item.text) from item.cause
             results[item[0]] = item[1]
         self.last_stats = RunStats(
             wall_ms=(time.perf_counter() - began) * 1000.0,
@@ -191,7 +196,7 @@ def _serve(
             values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
         except Exception as exc:  # onnxruntime raises its own types; report and keep serving
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            done.put(f"stage {k} replica {r} ({stage.device}) failed: {text}")
+            done.put(_Failed(f"stage {k} replica {r} ({stage.device}) failed: {text}", exc))
             continue
         finally:
             busy[(k, r)] += time.perf_counter() - began

@@ -1,5 +1,5 @@
 """Start the training ranks: locally through the inference runtime's launcher
-(:func:`onnx_partition.runtime.distributed.launch_ranks`: fork server, rendezvous store,
+(:func:`onnx_partition.runtime.launcher.launch_ranks`: fork server, rendezvous store,
 supervision naming the failing stage, replica and rank), or as one rank under ``torchrun``.
 
 What each rank trains comes from a ``build`` callable (module-level, or a
@@ -10,7 +10,6 @@ list, the loss function, the plan and the batch function. Rank 0 gathers every r
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -21,13 +20,8 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.distributed import (
-    PRELOAD,
-    _Failure,
-    choose_backend,
-    launch_ranks,
-    layout,
-)
+from onnx_partition.runtime.launcher import PRELOAD, RankFailure, join_group, launch_ranks
+from onnx_partition.runtime.rank import choose_backend, layout
 from onnx_partition.runtime.stages import local_device
 from onnx_partition.train.rank import (
     Batches,
@@ -61,14 +55,8 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
         stages, loss_fn, plan, batches = build()
         device = rank_device(plan, rank, backend)
     except Exception as exc:
-        raise _Failure("setup", f"cannot start: {exc}") from exc
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout)
+        raise RankFailure("setup", f"cannot start: {exc}") from exc
+    join_group(backend, rank, world, timeout_s, store)
     result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(result, gathered if rank == 0 else None, dst=0)
@@ -94,7 +82,7 @@ def launch_training(
     start_method: str | None = None,
 ) -> list[RankResult]:
     """Train with one local process per stage replica of ``plan``; every rank's result.
-    Raises :class:`~onnx_partition.runtime.pipeline.StageFailed` naming the stage, replica
+    Raises :class:`~onnx_partition.errors.StageFailed` naming the stage, replica
     and rank that raised or died (the others are killed)."""
     lay = layout(plan)
     chosen = choose_backend(lay, backend, one_machine=True)

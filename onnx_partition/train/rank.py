@@ -1,6 +1,6 @@
 """One rank of a training pipeline: it runs the simulator's action list for its device.
 
-**Layout and routing** are the inference runtime's (:func:`onnx_partition.runtime.distributed.
+**Layout and routing** are the inference runtime's (:func:`onnx_partition.runtime.rank.
 layout`): ranks stage by stage, replicas consecutive; replica ``j`` of a stage with ``r``
 replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ between stages);
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.distributed import EXIT_RANK_ENV, Layout, _Failure, layout
+from onnx_partition.runtime.launcher import RankFailure
+from onnx_partition.runtime.rank import EXIT_RANK_ENV, Layout, layout
 from onnx_partition.runtime.wire import one_line
 from onnx_partition.simulate import Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.train.comm import Tensors, TensorWire
@@ -136,7 +137,7 @@ def train_stages(
     ``stages`` list (all stages: the tied groups are read from it), ``plan`` and
     ``config``. ``batches(step)`` gives the whole batch (``microbatches`` x rows per
     micro-batch) of step ``step`` (0-based); only stage 0 (inputs) and the last stage
-    (targets) call it. Raises ``_Failure("compute", ...)`` when the stage module or the loss
+    (targets) call it. Raises ``RankFailure("compute", ...)`` when the stage module or the loss
     raises."""
     device = device or torch.device("cpu")
     if config.threads > 0:
@@ -202,7 +203,7 @@ def train_stages(
                         want = {n: v.to(device) for n, v in microbatch(targets, m, count).items()}
                         loss = loss_fn(got, want) / count
                 except Exception as exc:
-                    raise _Failure("compute", f"{action}: {one_line(exc)}") from exc
+                    raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
                 fwd += _now(device) - t0
                 if last:
                     loss_sum += float(loss.detach())
@@ -229,7 +230,7 @@ def train_stages(
                     if roots:
                         torch.autograd.backward(roots, grads)
                 except Exception as exc:
-                    raise _Failure("compute", f"{action}: {one_line(exc)}") from exc
+                    raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
                 bwd += _now(device) - t0
                 if k > 0:
                     names = _grad_names(held.leaves, lay.recv_names[k], model_inputs)
