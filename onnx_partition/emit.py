@@ -20,7 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_partition import __version__, progress
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph, external_files, iter_tensors
 from onnx_partition.plan import IOSpec, Plan
 from onnx_partition.plandir import MANIFEST, file_digest, publish, read_body
@@ -171,7 +171,7 @@ def save_stage(
         try:
             onnx.checker.check_model(str(path), full_check=True)
         except onnx.checker.ValidationError as exc:
-            first = str(exc).strip().splitlines()[0]
+            first = one_line(exc)
             msg = f"stage file {path.name} failed the ONNX checker: {first}"
             raise PartitionError(msg) from None
     return file_digest(path)

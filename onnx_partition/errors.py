@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,14 @@ class StageFailed(RuntimeError):
     does), so ``__cause__`` keeps its type and traceback; a rank that failed in another process
     is known by its message only.
     """
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its message's first line (its ``repr`` when it has none),
+    without the C++ source location torch and onnxruntime prefix."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else repr(exc)
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:

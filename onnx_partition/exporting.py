@@ -28,7 +28,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 
 #: Name of the symbolic batch dimension (``dim_param``) in the exported model.
 BATCH = "batch"
@@ -143,7 +143,7 @@ def _export_program(
             verbose=False,
         )
     except Exception as exc:  # the exporters raise many types; report one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = one_line(exc)
         raise PartitionError(f"cannot export {type(module).__name__}: {first}") from None
 
 

@@ -219,3 +219,11 @@ def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
     fails(capsys, ["partition", chain, "-o", tmp_path / "o2", "-s", "2",
                    "--inter-bandwidth", "5"], "need --devices N or --cluster")
     fails(capsys, [*argv[:10], "--inter-latency", "-1"], "--inter-latency must be a finite number")
+
+
+def test_one_line_takes_the_first_line_and_never_fails_on_an_empty_message():
+    from onnx_partition.errors import one_line
+
+    assert one_line(ValueError("first\nsecond")) == "first"
+    assert one_line(ValueError("")) == "ValueError('')"
+    assert one_line(RuntimeError("[enforce fail at op.cc:12] bad shape")) == "bad shape"

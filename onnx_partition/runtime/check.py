@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import node_keys
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
@@ -69,7 +69,7 @@ def whole_model_outputs(
     try:
         outputs = [dict(zip(names, session.run(names, part))) for part in parts]
     except Exception as exc:  # onnxruntime raises its own types
-        text = (str(exc).strip().splitlines() or ["?"])[0]
+        text = one_line(exc)
         raise PartitionError(f"the whole model cannot run these inputs: {text}") from None
     return microbatch.merge(outputs, axes)
 
@@ -81,7 +81,7 @@ def _whole_session(model: Path, options: ort.SessionOptions) -> ort.InferenceSes
         return ort.InferenceSession(str(model), sess_options=options,
                                     providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        first = one_line(exc)
     proto = onnx.load(str(model), load_external_data=False)
     names = [n.name for n in proto.graph.node]
     if len(set(names)) == len(names):
@@ -94,7 +94,7 @@ def _whole_session(model: Path, options: ort.SessionOptions) -> ort.InferenceSes
         return ort.InferenceSession(str(renamed), sess_options=options,
                                     providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own types
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        text = one_line(exc)
         raise PartitionError(f"cannot run the whole model {model} to check: {text}") from None
     finally:
         renamed.unlink(missing_ok=True)

@@ -28,9 +28,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from onnx_partition.errors import PartitionError, StageFailed
+from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.runtime.lifeline import Heartbeats, die_with, guard_fork_server
-from onnx_partition.runtime.wire import one_line
 
 #: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
 SILENT_S = 10.0

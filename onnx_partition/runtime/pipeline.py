@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_partition.errors import PartitionError, StageFailed
+from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
@@ -195,7 +195,7 @@ def _serve(
         try:
             values = stage.session.run(stage.outputs, {n: env[n] for n in stage.inputs})
         except Exception as exc:  # onnxruntime raises its own types; report and keep serving
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            text = one_line(exc)
             done.put(_Failed(f"stage {k} replica {r} ({stage.device}) failed: {text}", exc))
             continue
         finally:

@@ -37,12 +37,12 @@ import onnxruntime as ort
 import torch
 import torch.distributed as dist
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.plan import PLAN_FILE, Plan
 from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.launcher import RankFailure, join_group
 from onnx_partition.runtime.stages import local_device, providers_for, session_options
-from onnx_partition.runtime.wire import Env, Wire, one_line
+from onnx_partition.runtime.wire import Env, Wire
 
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
 DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.plandir import verify
 
@@ -141,7 +141,7 @@ def load_stages(
                     str(path), sess_options=session_options(threads_per_stage), providers=chosen
                 )
             except Exception as exc:  # onnxruntime raises its own exception types
-                first = str(exc).strip().splitlines()[0]
+                first = one_line(exc)
                 raise PartitionError(f"cannot load {stage.file} on {device}: {first}") from None
             replicas.append(StageSession(stage.index, replica, device, session,
                                          list(stage.inputs), list(stage.outputs)))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_partition.errors import PartitionError, StageFailed
+from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.measured import plan_microbatches
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.launcher import bind_gloo_to_loopback
@@ -38,7 +38,6 @@ from onnx_partition.runtime.rank import (
     serve_rank,
 )
 from onnx_partition.runtime.stages import verify_plan_folder
-from onnx_partition.runtime.wire import one_line
 
 
 def main_worker(

@@ -16,7 +16,6 @@ of each iteration, so a rank never waits for its successor to post a receive.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 
 Env = dict[str, np.ndarray]
 
@@ -34,13 +33,6 @@ SMALL_BYTES = 64 << 10
 ALIGN = 16
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16",
           "uint32", "uint64", "bool", "complex64", "complex128")
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line, without the C++ source location torch prefixes."""
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else repr(exc)
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
 
 
 def dtype_code(dtype: np.dtype[Any], name: str) -> int:

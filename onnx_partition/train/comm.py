@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from onnx_partition.runtime.wire import decode_header, encode_header, header_size, one_line
+from onnx_partition.errors import one_line
+from onnx_partition.runtime.wire import decode_header, encode_header, header_size
 
 Tensors = dict[str, torch.Tensor]
 

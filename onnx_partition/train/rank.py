@@ -43,10 +43,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from onnx_partition.errors import one_line
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.launcher import RankFailure
 from onnx_partition.runtime.rank import EXIT_RANK_ENV, Layout, layout
-from onnx_partition.runtime.wire import one_line
 from onnx_partition.simulate import Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.train.comm import Tensors, TensorWire
 from onnx_partition.train.reference import make_optimizer

@@ -33,13 +33,12 @@ from pathlib import Path
 
 import torch
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.plan import Plan
 from onnx_partition.plan_sim import plan_costs, simulate_plan
 from onnx_partition.plandir import is_earlier_plan
 from onnx_partition.runtime.rank import choose_backend, layout
 from onnx_partition.runtime.stages import verify_plan_folder
-from onnx_partition.runtime.wire import one_line
 from onnx_partition.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.train.comm import Tensors
 from onnx_partition.train.launch import launch_training, torchrun_rank

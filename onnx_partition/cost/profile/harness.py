@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph
 from onnx_partition.runtime.stages import session_options
 
@@ -96,7 +96,7 @@ class Context:
             return ort.InferenceSession(model.SerializeToString(), opts,
                                         providers=self.providers)
         except Exception as exc:  # onnxruntime raises its own exception types
-            first = (str(exc).strip().splitlines() or ["?"])[0]
+            first = one_line(exc)
             raise PartitionError(f"onnxruntime cannot load {what} on {self.device}: "
                                  f"{first}") from None
 
@@ -150,7 +150,7 @@ def run_session(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray],
     try:
         session.run(None, dict(feeds))
     except Exception as exc:  # onnxruntime raises its own exception types
-        first = (str(exc).strip().splitlines() or ["?"])[0]
+        first = one_line(exc)
         raise PartitionError(f"onnxruntime failed to run {what}: {first}") from None
 
 

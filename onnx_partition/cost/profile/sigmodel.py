@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from onnx_partition.cost.profile.harness import Context, input_feeds, random_array
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import shape_of
 
 _RANDOM_FLOATS = (np.float16, np.float32, np.float64)
@@ -111,7 +111,7 @@ def _capture(ctx: Context, names: Sequence[str],
     try:
         values = session.run(list(names), dict(feeds))
     except Exception as exc:  # onnxruntime raises its own exception types
-        first = (str(exc).strip().splitlines() or ["?"])[0]
+        first = one_line(exc)
         raise PartitionError(f"onnxruntime failed to run the model: {first}") from None
     result = {}
     for name, value in zip(names, values):
