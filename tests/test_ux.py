@@ -283,6 +283,8 @@ def test_long_library_loops_report_to_the_cli_bars(monkeypatch, tmp_path, chain)
     partition(chain, 2, tmp_path / "b", batch_size=2, cluster=Cluster(devices_per_machine=2))
     text = terminal.getvalue()
     assert "writing stage files:" in text and "planning: simulating proposals:" in text
+    partition(chain, 2, tmp_path / "c", batch_size=2)  # the plain pipeline's search too
+    assert "planning: orderings:" in terminal.getvalue()
 
 
 def test_missing_onnxruntime_says_which_extra(capsys, monkeypatch):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from onnx_partition import progress
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
 from onnx_partition.order.topo import cut_bytes, depth_first_order, min_live_order
@@ -128,6 +129,9 @@ def best_split(
 ) -> tuple[Candidate, list[Candidate]]:
     """The best candidate over ``ordering`` (``auto`` = all of :data:`ORDERINGS`), and all."""
     names: Sequence[str] = ORDERINGS if ordering == "auto" else (ordering,)
-    candidates = [solve_ordering(problem, num_stages, name, polish=polish) for name in names]
+    candidates = []
+    for done, name in enumerate(names, 1):
+        candidates.append(solve_ordering(problem, num_stages, name, polish=polish))
+        progress.step("planning: orderings", done, len(names))
     best = min(candidates, key=lambda c: c.refined_ms)  # first minimum: topo wins ties
     return best, candidates
