@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_train_recipes import train_checked
 from test_train_stages import assert_stages_equal_whole
 
 from onnx_partition import export
@@ -75,3 +76,12 @@ def test_hf_stage_modules_equal_whole(
     if name == "gpt2":  # lm_head is wte: one parameter, held by the first and last stages
         tied = stage_modules(tmp_path / "plan")[0].tied
         assert tied == {"model.transformer.wte.weight": (0, len(plan.stages) - 1)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_hf_trains_over_gloo_like_one_process(
+    name: str, hf_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """2 stages, 2 ranks, 2 SGD steps: every rank's parameters (GPT-2's tied ``wte`` summed
+    across its first and last stage) equal single-process training."""
+    train_checked(hf_model(name), tmp_path / "plan", 2, ordering="topo")

@@ -323,6 +323,11 @@ class _Program:
             copy = graph.node_copy(node, lambda a: env[a])
             if deterministic:
                 _no_dropout(copy)
+            if copy.target == torch.ops.aten.view.default:
+                # a tensor received from another process is contiguous, not strided as it was
+                # in the whole program: reshape is the same view where the strides allow one,
+                # a copy where they do not (found on a Llama decoder cut between processes)
+                copy.target = torch.ops.aten.reshape.default
             env[node] = copy
         for value, buffer in self.mutations:
             if isinstance(value, torch.fx.Node) and value.name in members:
