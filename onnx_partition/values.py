@@ -177,18 +177,3 @@ def input_shape(item: str) -> tuple[str, list[int]]:
         raise PartitionError(f"--input-shape {name}: {math.prod(dims)} elements is more than "
                              f"{MAX_ELEMENTS}")
     return name, dims
-
-
-_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def byte_size(text: str, name: str = "size") -> float:
-    """``80GB``, ``512MiB``, ``1.5e9`` -> bytes (> 0, finite, at most MAX_BYTES)."""
-    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([KMGTkmgt]i?[Bb]|[Bb])?\s*", str(text))
-    if not match:
-        raise PartitionError(f"{name}: cannot read a size from {_show(text)} (e.g. 80GB, 512MiB)")
-    scale = _UNITS[(match[2] or "B").upper()]
-    value = check(match[1], name, Rule(float, 0.0, MAX_BYTES / scale, match[2] or "B",
-                                       low_open=True))
-    return float(value) * scale

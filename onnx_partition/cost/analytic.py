@@ -341,8 +341,6 @@ def bytes_moved(op: OpInfo) -> float:
 
 
 _ATTENTION = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
-#: Operator classes with their own achievable fractions of peak (see ``cost/devices.py``).
-OP_CLASSES = ("dense", "attention", "norm", "elementwise", "move", "view")
 
 
 def op_class(op_type: str) -> str:

@@ -15,7 +15,6 @@ default ``h100``) when no costs file is given; it needs ``"kind": "cuda"``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -161,8 +160,3 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
         inter=LinkSpec(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
     )
 
-
-def save_cluster(cluster: Cluster, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(cluster.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
