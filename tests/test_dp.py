@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.topo import cut_bytes, is_topological
+from onnx_partition.order.topo import assign, cut_bytes, is_topological
 from onnx_partition.solve.dp import split_sequence, stage_times
+from onnx_partition.solve.problem import DagProblem
 
 
 def brute_force(compute, cuts, stages, bandwidth, latency):
@@ -125,11 +126,17 @@ def test_cut_bytes_relay_model():
     consumers = [[0, 2], [1, 2], [2], []]
     is_output = [False, False, False, True]
     nbytes = [1.0, 10.0, 100.0, 1000.0]
-    cuts = cut_bytes([0, 1, 2], producer, consumers, is_output, nbytes)
+    problem = DagProblem([1.0] * 3, producer, consumers, is_output, nbytes)
+    cuts = cut_bytes(problem, [0, 1, 2])
     # boundary 1: x (needed by 2) + t1 ; boundary 2: x + t1 (skip) + t2
     np.testing.assert_array_equal(cuts, [0.0, 11.0, 111.0, 0.0])
-    assert is_topological([0, 1, 2], producer, consumers)
-    assert not is_topological([1, 0, 2], producer, consumers)
+    np.testing.assert_array_equal(cut_bytes(problem, [0, 1, 2], [2.0, 0.0, 1.0, 5.0]),
+                                  [0.0, 2.0, 3.0, 0.0])
+    assert assign([0, 1, 2], [0, 2, 3]) == [0, 0, 1]
+    assert assign([2, 0, 1], [0, 1, 3]) == [1, 1, 0]
+    assert is_topological(problem, [0, 1, 2])
+    assert not is_topological(problem, [1, 0, 2])
+    assert not is_topological(problem, [0, 1])
 
 
 def test_a_cut_below_the_bounds_last_bit_still_splits():

@@ -64,11 +64,9 @@ def test_every_ordering_is_valid_and_auto_is_best(problem, data):
 @given(problem=problems(max_nodes=14))
 def test_orders_are_topological(problem):
     n = problem.num_nodes
-    for order in (depth_first_order(n, problem.producer, problem.consumers),
-                  min_live_order(n, problem.producer, problem.consumers, problem.nbytes,
-                                 problem.is_output)):
+    for order in (depth_first_order(problem), min_live_order(problem)):
         assert sorted(order) == list(range(n))
-        assert is_topological(order, problem.producer, problem.consumers)
+        assert is_topological(problem, order)
 
 
 def residual_chain(blocks: int) -> DagProblem:
@@ -93,13 +91,12 @@ def test_narrow_points_are_block_boundaries():
     problem = residual_chain(4)
     order = list(range(12))
     # Inside a block the skip and the branch cross; between blocks only the trunk does.
-    assert narrow_points(order, problem.producer, problem.consumers, problem.is_output) == [
-        3, 6, 9]
-    blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                            problem.compute_ms, 1)  # a quarter of the ideal stage (3) is a block
+    assert narrow_points(problem, order) == [3, 6, 9]
+    # a quarter of the ideal stage (3) is a block
+    blocks = cluster_blocks(problem, order, problem.compute_ms, 1)
     assert blocks.bounds == [0, 3, 6, 9, 12]
-    opened = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                            problem.compute_ms, 2)  # a quarter of 6 < a block's 3: opened
+    # a quarter of 6 < a block's 3: opened
+    opened = cluster_blocks(problem, order, problem.compute_ms, 2)
     assert opened.bounds == list(range(13))
 
 

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnx_partition.order.topo import crossing, live_spans
+from onnx_partition.solve.problem import DagProblem
+
+__all__ = ["Blocks", "cluster_blocks", "narrow_points"]
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -36,27 +41,24 @@ class Blocks:
     order: list[int]
     bounds: list[int]
 
+    def sums(self, values: Sequence[float]) -> list[float]:
+        """Per block, the sum of a per-node ``values`` over its nodes."""
+        prefix = np.concatenate([[0.0], np.cumsum([values[v] for v in self.order])])
+        return list(np.diff(prefix[np.asarray(self.bounds)]))
+
     def compress(
         self, compute_ms: Sequence[float], cut_bytes: np.ndarray
     ) -> tuple[list[float], np.ndarray]:
         """Per-block compute and the bytes crossing each allowed boundary (the DP's input)."""
-        prefix = np.concatenate([[0.0], np.cumsum([compute_ms[v] for v in self.order])])
-        bounds = np.asarray(self.bounds)
-        return list(np.diff(prefix[bounds])), cut_bytes[bounds]
+        return self.sums(compute_ms), cut_bytes[np.asarray(self.bounds)]
 
     def expand(self, block_bounds: Sequence[int]) -> list[int]:
         """Boundaries in blocks -> boundaries in positions of :attr:`order`."""
         return [self.bounds[b] for b in block_bounds]
 
 
-def narrow_points(
-    order: Sequence[int],
-    producer: Sequence[int],
-    consumers: Sequence[Sequence[int]],
-    is_output: Sequence[bool],
-    *,
-    long_span: float = 0.25,
-) -> list[int]:
+def narrow_points(problem: DagProblem, order: Sequence[int], *, long_span: float = 0.25
+                  ) -> list[int]:
     """Interior boundaries of ``order`` crossed by the fewest short-lived tensors.
 
     A tensor is short-lived when it stays alive over at most ``long_span`` of the positions.
@@ -64,35 +66,21 @@ def narrow_points(
     n = len(order)
     if n < 2:
         return []
-    position = np.empty(n, dtype=np.int64)
-    position[np.asarray(order, dtype=np.int64)] = np.arange(n)
-    diff = np.zeros(n + 2, dtype=np.int64)
-    for t, prod in enumerate(producer):
-        first = int(position[prod]) if prod >= 0 else -1
-        last = n if is_output[t] else max((int(position[c]) for c in consumers[t]), default=-1)
-        if last <= first or last - first > long_span * n:
-            continue
-        lo, hi = first + 1, min(last, n - 1)
-        if lo <= hi:
-            diff[lo] += 1
-            diff[hi + 1] -= 1
-    crossing = np.cumsum(diff)[1:n]  # boundaries 1..n-1
-    threshold = max(1, int(crossing.min()))
-    return [b + 1 for b in np.flatnonzero(crossing <= threshold).tolist()]
+    first, last = live_spans(problem, order)
+    short = ((last > first) & (last - first <= long_span * n)).astype(float)
+    counts = crossing(first, last, short, n)[1:n]  # boundaries 1..n-1
+    threshold = max(1, int(counts.min()))
+    return [b + 1 for b in np.flatnonzero(counts <= threshold).tolist()]
 
 
 def cluster_blocks(
-    order: Sequence[int],
-    producer: Sequence[int],
-    consumers: Sequence[Sequence[int]],
-    is_output: Sequence[bool],
-    compute_ms: Sequence[float],
-    num_stages: int,
+    problem: DagProblem, order: Sequence[int], compute_ms: Sequence[float], num_stages: int
 ) -> Blocks:
-    """Blocks between narrow points, heavy ones opened, with at least ``num_stages`` blocks."""
+    """Blocks between narrow points, heavy ones opened, with at least ``num_stages`` blocks.
+    ``compute_ms`` weighs the nodes (the problem's own, or forward plus backward)."""
     # A block heavier than a quarter of the ideal stage is opened (see the module docstring).
     n = len(order)
-    narrow = narrow_points(order, producer, consumers, is_output)
+    narrow = narrow_points(problem, order)
     bounds = sorted({0, n, *narrow})
     ideal = sum(compute_ms) / max(1, num_stages)
     cost = np.concatenate([[0.0], np.cumsum([compute_ms[v] for v in order])])

@@ -1,4 +1,4 @@
-"""Topological orders of a DAG and the bytes crossing each position of one.
+"""Topological orders of a DAG, the bytes crossing each position of one, and splits of one.
 
 A sequence is a permutation of the DAG's nodes in which every edge points forward. Cutting it at
 boundary ``b`` (between positions ``b - 1`` and ``b``) is crossed by every tensor made before ``b``
@@ -12,71 +12,73 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from onnx_partition.solve.problem import DagProblem
 
-def cut_bytes(
-    order: Sequence[int],
-    producer: Sequence[int],
-    consumers: Sequence[Sequence[int]],
-    is_output: Sequence[bool],
-    nbytes: Sequence[float],
-) -> np.ndarray:
-    """Bytes crossing each boundary ``0..n`` of ``order`` (ends included, always 0).
+__all__ = ["assign", "crossing", "cut_bytes", "depth_first_order", "is_topological",
+           "live_spans", "min_live_order"]
 
-    ``producer[t]`` is a node index or -1 for a graph input. O(n + sum of consumers).
-    """
+
+def live_spans(problem: DagProblem, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor, the position of ``order`` that makes it (-1: a graph input) and the last that
+    needs it (``n``: a graph output; -1: nobody)."""
     n = len(order)
     position = np.empty(n, dtype=np.int64)
     position[np.asarray(order, dtype=np.int64)] = np.arange(n)
-    diff = np.zeros(n + 2)
-    for t, size in enumerate(nbytes):
-        first = position[producer[t]] if producer[t] >= 0 else -1
-        last = n if is_output[t] else max((position[c] for c in consumers[t]), default=-1)
-        # crosses boundaries b with first < b <= last, clipped to the interior 1..n-1
-        lo, hi = first + 1, min(last, n - 1)
-        if size and lo <= hi:
-            diff[lo] += size
-            diff[hi + 1] -= size
-    cut = np.cumsum(diff)[: n + 1]
+    read_tensor, read_by, producer, is_output, _ = problem.arrays
+    last = np.full(len(producer), -1, dtype=np.int64)
+    np.maximum.at(last, read_tensor, position[read_by])
+    last[is_output] = n
+    first = np.where(producer >= 0, position[np.maximum(producer, 0)], -1)
+    return first, last
+
+
+def crossing(first: np.ndarray, last: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """Per boundary ``0..n`` of a sequence, the summed ``weights`` of the spans crossing it: a
+    span crosses ``b`` when ``first < b <= last``; the ends cross nothing (always 0)."""
+    lo, hi = first + 1, np.minimum(last, n - 1)
+    keep = (lo <= hi) & (weights != 0)
+    # one bincount over (start, +w), (end, -w) pairs in tensor order: the sums of a running loop
+    at = np.stack([lo[keep], hi[keep] + 1], axis=1).ravel()
+    signed = np.stack([weights[keep], -weights[keep]], axis=1).ravel()
+    cut = np.cumsum(np.bincount(at, signed, minlength=n + 2))[: n + 1]
     cut[0] = cut[n] = 0.0
     return cut
 
 
-def is_topological(order: Sequence[int], producer: Sequence[int],
-                   consumers: Sequence[Sequence[int]]) -> bool:
-    """Whether every tensor's consumers come after its producer in ``order``."""
+def cut_bytes(
+    problem: DagProblem, order: Sequence[int], nbytes: Sequence[float] | None = None
+) -> np.ndarray:
+    """Bytes crossing each boundary ``0..n`` of ``order`` (ends included, always 0); ``nbytes``
+    replaces the problem's tensor sizes. O(n + sum of consumers)."""
+    first, last = live_spans(problem, order)
+    sizes = problem.arrays.nbytes if nbytes is None else np.asarray(nbytes, dtype=float)
+    return crossing(first, last, sizes, len(order))
+
+
+def assign(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
+    """Node -> stage for stage boundaries ``bounds`` (``0 .. n``) over the sequence ``order``."""
+    stage_of = np.empty(len(order), dtype=np.int64)
+    stage_of[np.asarray(order, dtype=np.int64)] = np.repeat(np.arange(len(bounds) - 1),
+                                                           np.diff(bounds))
+    return stage_of.tolist()
+
+
+def is_topological(problem: DagProblem, order: Sequence[int]) -> bool:
+    """Whether ``order`` holds every node once and every edge points forward in it."""
+    if sorted(order) != list(range(problem.num_nodes)):
+        return False
     position = {node: i for i, node in enumerate(order)}
-    return all(
-        position[producer[t]] < position[c]
-        for t in range(len(producer)) if producer[t] >= 0
-        for c in consumers[t]
-    )
+    return all(position[p] < position[c] for p, c in problem.edges())
 
 
-def successors(
-    n: int, producer: Sequence[int], consumers: Sequence[Sequence[int]]
-) -> list[list[int]]:
-    """Node -> sorted distinct consumer nodes of its outputs."""
-    succ: list[set[int]] = [set() for _ in range(n)]
-    for t, prod in enumerate(producer):
-        if prod >= 0:
-            succ[prod].update(c for c in consumers[t] if c != prod)
-    return [sorted(s) for s in succ]
-
-
-def depth_first_order(
-    n: int, producer: Sequence[int], consumers: Sequence[Sequence[int]]
-) -> list[int]:
+def depth_first_order(problem: DagProblem) -> list[int]:
     """A topological order that finishes a branch before starting the next (LIFO ready set).
 
     After a fork, one branch runs to the join before the next begins, so parallel branches stay
     contiguous and a cut inside a fork-join region crosses few of its tensors.
     """
-    succ = successors(n, producer, consumers)
-    indegree = [0] * n
-    for node in range(n):
-        for s in succ[node]:
-            indegree[s] += 1
-    stack = [v for v in range(n - 1, -1, -1) if indegree[v] == 0]
+    succ, indegree = problem.successors, problem.in_degrees()
+    stack = [v for v in range(problem.num_nodes - 1, -1, -1) if indegree[v] == 0]
     order: list[int] = []
     while stack:
         node = stack.pop()
@@ -85,36 +87,28 @@ def depth_first_order(
             indegree[s] -= 1
             if indegree[s] == 0:
                 stack.append(s)
-    assert len(order) == n, "the graph has a cycle"
+    assert len(order) == problem.num_nodes, "the graph has a cycle"
     return order
 
 
-def min_live_order(
-    n: int,
-    producer: Sequence[int],
-    consumers: Sequence[Sequence[int]],
-    nbytes: Sequence[float],
-    is_output: Sequence[bool],
-) -> list[int]:
+def min_live_order(problem: DagProblem) -> list[int]:
     """A greedy topological order keeping the bytes alive at each position low.
 
     Among the ready nodes it runs the one whose step grows the live set least: the bytes it
     makes (that anyone needs) minus the bytes of inputs it is the last consumer of. Ties go to
     the earliest node. The live set at a position is what a cut there must send.
     """
-    succ = successors(n, producer, consumers)
+    n, consumers, nbytes, is_output = (problem.num_nodes, problem.consumers, problem.nbytes,
+                                       problem.is_output)
     made: list[list[int]] = [[] for _ in range(n)]
     reads: list[list[int]] = [[] for _ in range(n)]
-    for t, prod in enumerate(producer):
+    for t, prod in enumerate(problem.producer):
         if prod >= 0:
             made[prod].append(t)
         for c in set(consumers[t]):
             reads[c].append(t)
     pending = [len(set(c)) for c in consumers]  # consumers of each tensor still to run
-    indegree = [0] * n
-    for node in range(n):
-        for s in succ[node]:
-            indegree[s] += 1
+    indegree = problem.in_degrees()
     ready = {v for v in range(n) if indegree[v] == 0}
     order: list[int] = []
 
@@ -129,9 +123,10 @@ def min_live_order(
         order.append(node)
         for t in reads[node]:
             pending[t] -= 1
-        for s in succ[node]:
+        for s in problem.successors[node]:
             indegree[s] -= 1
             if indegree[s] == 0:
                 ready.add(s)
     assert len(order) == n, "the graph has a cycle"
     return order
+

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.order.topo import assign
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec, score
 
@@ -64,15 +65,6 @@ def _check(problem: DagProblem, num_stages: int) -> list[int]:
     return topological_order(problem)
 
 
-def _assign(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
-    """Stage of every node from stage bounds over ``order`` (bounds[0] = 0, bounds[-1] = n)."""
-    stage_of = [0] * len(order)
-    for k in range(len(bounds) - 1):
-        for pos in range(bounds[k], bounds[k + 1]):
-            stage_of[order[pos]] = k
-    return stage_of
-
-
 def _nonempty(bounds: list[int], n: int) -> list[int]:
     """Give every empty stage one node from its neighbour, where the source left it empty
     (DeepSpeed's trailing stages, a block Bárány's moves emptied): ours need >= 1 node."""
@@ -91,7 +83,7 @@ def uniform(problem: DagProblem, num_stages: int) -> list[int]:
     order = _check(problem, num_stages)
     chunk, residual = divmod(len(order), num_stages)
     bounds = [k * chunk + min(k, residual) for k in range(num_stages + 1)]
-    return _assign(order, bounds)
+    return assign(order, bounds)
 
 
 def _greedy(prefix: np.ndarray, num_stages: int, limit: float) -> list[int] | None:
@@ -136,7 +128,7 @@ def parameter_balanced(problem: DagProblem, arrays: NodeArrays, num_stages: int)
     order = _check(problem, num_stages)
     if len(order) == num_stages:  # DeepSpeed: num_items <= num_parts -> partition_uniform
         return uniform(problem, num_stages)
-    return _assign(order, _min_max([arrays.param_bytes[v] for v in order], num_stages))
+    return assign(order, _min_max([arrays.param_bytes[v] for v in order], num_stages))
 
 
 def time_balanced(problem: DagProblem, num_stages: int, *, exact: bool = False) -> list[int]:
@@ -156,7 +148,7 @@ def time_balanced(problem: DagProblem, num_stages: int, *, exact: bool = False) 
     order = _check(problem, num_stages)
     times = [problem.compute_ms[v] for v in order]
     if exact:
-        return _assign(order, _min_max(times, num_stages))
+        return assign(order, _min_max(times, num_stages))
     n, k = len(times), num_stages
     low, span = min(times), max(times) - min(times)
     prefix = [0.0]
@@ -170,7 +162,7 @@ def time_balanced(problem: DagProblem, num_stages: int, *, exact: bool = False) 
         while True:
             min_size = min(sizes)
             if max_size <= min_size + 1 + 1e-9:  # (prefix sums round)
-                return _assign(order, _nonempty(bounds, n))
+                return assign(order, _nonempty(bounds, n))
             q = min((abs(i - p), i) for i, size in enumerate(sizes) if size == min_size)[1]
             h = q - 1 if p < q else q + 1
             bounds[max(q, h)] += -1 if p < q else 1  # the boundary between q and h

@@ -41,11 +41,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from ortools.sat.python import cp_model
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.problem import DagProblem, topological_order
+from onnx_partition.solve.search import split_order
 
 __all__ = ["DagProblem", "IlpResult", "solve_ilp"]  # DagProblem re-exported from .problem
 
@@ -60,67 +60,6 @@ _SMALL_PORTFOLIO = ("max_lp", "reduced_costs", "quick_restart_no_lp", "default_l
 
 # A CP-SAT linear expression or an integer constant.
 _Expr = cp_model.LinearExpr | int
-
-
-def topological_split(problem: DagProblem, num_stages: int) -> list[int]:
-    """Best split of one fixed topological order into contiguous runs (exact DP, same cost model).
-
-    Any contiguous split of a topological order is valid, so this is a cheap feasible plan;
-    ``solve_ilp`` uses it as the CP-SAT hint and as the initial upper bound.
-    """
-    n, big_s = problem.num_nodes, num_stages
-    if not 1 <= big_s <= n:
-        raise PartitionError(f"num_stages must be between 1 and {n} (the node count), got {big_s}")
-    order = topological_order(problem)
-    pos = [0] * n
-    for k, i in enumerate(order):
-        pos[i] = k
-    # Bytes crossing a cut placed before order position j (j = 1..n-1): the tensors with
-    # first position < j <= last position (graph inputs start at -1, outputs end at n).
-    diff = np.zeros(n + 2)
-    for t, cs in enumerate(problem.consumers):
-        if problem.is_output[t]:
-            last = n
-        elif cs:
-            last = max(pos[c] for c in cs)
-        else:
-            continue
-        p = problem.producer[t]
-        first = -1 if p < 0 else pos[p]
-        if first < last:
-            diff[first + 1] += problem.nbytes[t]
-            diff[last + 1] -= problem.nbytes[t]
-    cut = np.cumsum(diff)[: n + 1]
-    bw = problem.bandwidth_bytes_per_ms
-    comm = cut / bw if math.isfinite(bw) else np.zeros(n + 1)
-    pre = np.concatenate([[0.0], np.cumsum([problem.compute_ms[i] for i in order])])
-    lat = problem.latency_ms
-
-    # best[k][e]: least bottleneck with order[0:e] in stages 0..k; arg[k][e]: where stage k starts.
-    best = np.full((big_s, n + 1), np.inf)
-    arg = np.zeros((big_s, n + 1), dtype=np.int64)
-    right0 = big_s > 1
-    best[0, 1:] = pre[1:] + (comm[1:] + lat if right0 else 0.0)
-    for k in range(1, big_s):
-        right = k < big_s - 1
-        e_range = range(k + 1, n + 1) if right else range(n, n + 1)
-        for e in e_range:
-            starts = np.arange(k, e)
-            seg = pre[e] - pre[starts] + comm[starts] + lat
-            if right:
-                seg = seg + comm[e] + lat
-            cand = np.maximum(best[k - 1, starts], seg)
-            j = int(np.argmin(cand))
-            best[k, e] = cand[j]
-            arg[k, e] = starts[j]
-    stage_of = [0] * n
-    e = n
-    for k in range(big_s - 1, -1, -1):
-        a = int(arg[k, e]) if k > 0 else 0
-        for q in range(a, e):
-            stage_of[order[q]] = k
-        e = a
-    return stage_of
 
 
 @dataclass(frozen=True)
@@ -178,14 +117,10 @@ class _Rounding:
 
 def _descendants(problem: DagProblem) -> list[int]:
     """Bitmask of strict descendants for every node (Python ints as bitsets)."""
-    n = problem.num_nodes
-    succ: list[set[int]] = [set() for _ in range(n)]
-    for p, c in problem.edges():
-        succ[p].add(c)
-    desc = [0] * n
+    desc = [0] * problem.num_nodes
     for i in reversed(topological_order(problem)):
         mask = 0
-        for j in succ[i]:
+        for j in problem.successors[i]:
             mask |= (1 << j) | desc[j]
         desc[i] = mask
     return desc
@@ -203,8 +138,8 @@ def solve_ilp(
 
     ``time_limit_s`` bounds the whole call (model building included, the search gets what is
     left); when it runs out the best plan found so far is returned with ``optimal=False``.
-    ``hint`` is an optional valid assignment to start from; the better of it and a
-    topological-order split (:func:`topological_split`) seeds the search.
+    ``hint`` is an optional valid assignment to start from; the better of it and the best split
+    of the topological order (:func:`~onnx_partition.solve.search.split_order`) seeds the search.
 
     Raises :class:`PartitionError` when ``num_stages`` is not in ``1..n``, when the hint is not
     a valid assignment, or when CP-SAT finds no feasible plan within the time limit.
@@ -217,161 +152,24 @@ def solve_ilp(
         )
     if workers < 1:
         raise PartitionError(f"workers must be >= 1, got {workers}")
-    if hint is not None:
-        hint = [int(s) for s in hint]
-        if not problem.is_valid(hint, big_s):
-            raise PartitionError(
-                f"hint is not a valid {big_s}-stage assignment (length {n}, every stage "
-                "non-empty, no tensor flowing backwards)"
-            )
-
-    # Starting plan: the better (by exact float cost) of the caller's hint and a topo split.
-    start_plan = topological_split(problem, big_s)
-    if hint is not None and problem.bottleneck_ms(hint, big_s) <= problem.bottleneck_ms(
-        start_plan, big_s
-    ):
-        start_plan = list(hint)
+    start_plan = _start_plan(problem, big_s, hint)
     if big_s == 1:
         value = problem.bottleneck_ms(start_plan, 1)
-        return IlpResult(
-            stage_of=start_plan,
-            bottleneck_ms=value,
-            lower_bound_ms=value,
-            optimal=True,
-            gap=0.0,
-            wall_s=time.perf_counter() - started,
-        )
+        return IlpResult(stage_of=start_plan, bottleneck_ms=value, lower_bound_ms=value,
+                         optimal=True, gap=0.0, wall_s=time.perf_counter() - started)
 
-    # ------------------------------------------------------------------ data
-    # Integer costs (units): w[i] node compute, lat latency per existing boundary, and one
-    # transfer weight per group of tensors that cross exactly the same boundaries.
-    scale = _scale_for(problem)
-    bw = problem.bandwidth_bytes_per_ms
-    rounding = _Rounding(scale)
-    w = [rounding.units(c) for c in problem.compute_ms]
-    lat = rounding.units(problem.latency_ms, 2)  # a stage pays at most two latencies
-    boundaries = range(big_s - 1)
+    costs = _IntegerCosts.of(problem)
+    enc = _Encoding.new(problem, big_s, costs)
+    enc.add_monotone_stages()
+    enc.add_forward_only()
+    enc.add_nonempty_stages()
+    enc.add_multi_consumer_crossings()
+    enc.add_stage_times()
+    start_units = _int_stage_times(problem, start_plan, big_s, costs)
+    enc.add_redundant_bounds(max(start_units))
+    enc.model.minimize(enc.makespan)
+    enc.add_hint(start_plan, max(start_units))
 
-    # A tensor's crossing depends only on its producer (-1: graph input), on whether it is a
-    # graph output, and on its *maximal* consumers: a consumer that is an ancestor of another
-    # consumer is never in a later stage, so it cannot decide last(t). Tensors with the same
-    # key are merged; zero-cost tensors (free transfers, empty tensors) are dropped.
-    desc = _descendants(problem)
-    groups: dict[tuple[int, bool, tuple[int, ...]], float] = {}
-    for t, cs in enumerate(problem.consumers):
-        if not math.isfinite(bw) or problem.nbytes[t] == 0.0:
-            continue
-        distinct = set(cs)
-        if not distinct and not problem.is_output[t]:
-            continue  # crosses nothing
-        if problem.is_output[t]:
-            key_cs: tuple[int, ...] = ()  # last(t) = S-1 whatever the consumers are
-        else:
-            key_cs = tuple(
-                sorted(c for c in distinct if not any(desc[c] >> d & 1 for d in distinct))
-            )
-        key = (problem.producer[t], problem.is_output[t], key_cs)
-        groups[key] = groups.get(key, 0.0) + problem.nbytes[t] / bw
-    group_units: dict[tuple[int, bool, tuple[int, ...]], int] = {}
-    for key, ms in groups.items():
-        units = rounding.units(ms, 2)  # a tensor can weigh on both boundaries of one stage
-        if units > 0:
-            group_units[key] = units
-    rounding_ms = max(rounding.up, rounding.down) / scale
-
-    model = cp_model.CpModel()
-
-    # ------------------------------------------------------------------ variables
-    # y[i][b] = 1  <=>  node i is in stage <= b  (b = 0..S-2). So stage(i) = sum_b (1 - y[i][b])
-    # and "node i is in stage k" is y[i][k] - y[i][k-1] (with y[i][-1] = 0, y[i][S-1] = 1).
-    y = [[model.new_bool_var(f"y[{i},{b}]") for b in boundaries] for i in range(n)]
-
-    def le(i: int, b: int) -> _Expr:
-        """[stage(i) <= b] for any b, constant outside 0..S-2."""
-        if b < 0:
-            return 0
-        if b >= big_s - 1:
-            return 1
-        return y[i][b]
-
-    # cross[key][b]: 0/1 linear expression, 1 iff the tensors of group `key` cross boundary b.
-    # Single-consumer and output/input cases are linear in y; only tensors with several
-    # maximal consumers need an auxiliary boolean v = [some consumer is in a stage > b].
-    cross: dict[tuple[int, bool, tuple[int, ...]], list[_Expr]] = {}
-    aux: list[tuple[cp_model.IntVar, int, tuple[int, ...], int]] = []  # (v, producer, cs, b)
-    for key in group_units:
-        p, out, cs = key
-        exprs: list[_Expr] = []
-        for b in boundaries:
-            made = 1 if p < 0 else y[p][b]  # first(t) <= b
-            if out:
-                exprs.append(made)  # last(t) = S-1 > b
-            elif len(cs) == 1:
-                # Forward-only makes y[c][b] -> made, so this difference is 0 or 1.
-                exprs.append(made - y[cs[0]][b])
-            else:
-                v = model.new_bool_var(f"later[{p},{cs},{b}]")
-                aux.append((v, p, cs, b))
-                exprs.append(made - 1 + v if p >= 0 else v)
-        cross[key] = exprs
-    makespan = model.new_int_var(0, sum(w) + 2 * lat + 2 * sum(group_units.values()), "makespan")
-
-    # ------------------------------------------------------------------ constraints
-    # Stage encoding is monotone: stage(i) <= b implies stage(i) <= b + 1.
-    for i in range(n):
-        for b in range(big_s - 2):
-            model.add_implication(y[i][b], y[i][b + 1])
-
-    # Forward-only (convexity): stage(producer) <= stage(consumer) for every edge,
-    # i.e. stage(c) <= b implies stage(p) <= b.
-    for p, c in problem.edges():
-        if p != c:
-            for b in boundaries:
-                model.add_implication(y[c][b], y[p][b])
-
-    # Every stage is non-empty: #{stage <= k} - #{stage <= k-1} >= 1.
-    for k in range(big_s):
-        model.add(sum(le(i, k) for i in range(n)) - sum(le(i, k - 1) for i in range(n)) >= 1)
-
-    # Multi-consumer crossing: v = OR_c [stage(c) > b]  (exact in both directions).
-    for v, _p, cs, b in aux:
-        for c in cs:
-            model.add_bool_or([v, y[c][b]])  # stage(c) > b  ->  v
-        model.add_bool_or([~v, *(~y[c][b] for c in cs)])  # v -> some stage(c) > b
-
-    # Stage time: compute + transfers on each existing boundary + latency <= makespan.
-    stage_time: list[_Expr] = []
-    for k in range(big_s):
-        expr: _Expr = sum(w[i] * (le(i, k) - le(i, k - 1)) for i in range(n))
-        hops = (k > 0) + (k < big_s - 1)
-        for key, units in group_units.items():
-            if k > 0:
-                expr += units * cross[key][k - 1]
-            if k < big_s - 1:
-                expr += units * cross[key][k]
-        expr += lat * hops
-        stage_time.append(expr)
-        model.add(expr <= makespan)
-
-    # Redundant bounds: the starting plan is feasible, and no stage beats the average or
-    # the heaviest single node (plus the one latency every stage pays when S >= 2).
-    start_units = _int_stage_times(problem, start_plan, big_s, w, lat, group_units)
-    model.add(makespan <= max(start_units))
-    model.add(makespan * big_s >= sum(w) + 2 * (big_s - 1) * lat)
-    model.add(makespan >= max(w) + lat)
-
-    # ------------------------------------------------------------------ objective
-    model.minimize(makespan)
-
-    # Hint: the starting plan, complete (every variable) so CP-SAT can take it at once.
-    for i in range(n):
-        for b in boundaries:
-            model.add_hint(y[i][b], start_plan[i] <= b)
-    for v, _p, cs, b in aux:
-        model.add_hint(v, any(start_plan[c] > b for c in cs))
-    model.add_hint(makespan, max(start_units))
-
-    # ------------------------------------------------------------------ solve
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     # Portfolio: the bound comes from the LP with every boolean constraint linearised
@@ -383,63 +181,252 @@ def solve_ilp(
         solver.parameters.subsolvers.extend(_SMALL_PORTFOLIO)
     remaining_s = time_limit_s - (time.perf_counter() - started)
     solver.parameters.max_time_in_seconds = max(0.01, remaining_s)
-    status = solver.solve(model)
-
-    # ------------------------------------------------------------------ status check
+    status = solver.solve(enc.model)
     if status == cp_model.INFEASIBLE:
         raise PartitionError(f"no valid split into {big_s} stages exists")
     if status == cp_model.MODEL_INVALID:
-        raise RuntimeError(f"internal error: invalid CP-SAT model: {model.validate()}")
+        raise RuntimeError(f"internal error: invalid CP-SAT model: {enc.model.validate()}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise PartitionError(
             f"CP-SAT found no feasible {big_s}-stage split within {time_limit_s:g} s"
         )
-
-    # ------------------------------------------------------------------ extract + check
-    stage_of = [sum(1 - int(solver.boolean_value(y[i][b])) for b in boundaries) for i in range(n)]
-    assert problem.is_valid(stage_of, big_s), "CP-SAT returned an invalid assignment"
-    units_now = _int_stage_times(problem, stage_of, big_s, w, lat, group_units)
-    model_units = [int(solver.value(e)) for e in stage_time]
-    assert units_now == model_units, f"crossing encoding mismatch: {units_now} != {model_units}"
-    assert max(units_now) <= solver.value(makespan)
+    stage_of = enc.checked_solution(solver)
     bottleneck = problem.bottleneck_ms(stage_of, big_s)
-    slack = 1e-6 * max(1.0, bottleneck * scale)  # float noise
-    assert -rounding.down - slack <= max(units_now) - bottleneck * scale <= rounding.up + slack, (
-        "scaled objective disagrees with the float cost model"
-    )
-
     optimal = status == cp_model.OPTIMAL
+    lower = _lower_bound_ms(problem, big_s, costs, solver.best_objective_bound, bottleneck)
+    gap = 0.0 if optimal or bottleneck <= 0.0 else (bottleneck - lower) / bottleneck
+    return IlpResult(stage_of=stage_of, bottleneck_ms=bottleneck, lower_bound_ms=lower,
+                     optimal=optimal, gap=gap, wall_s=time.perf_counter() - started,
+                     rounding_ms=costs.rounding_ms)
+
+
+def _start_plan(problem: DagProblem, num_stages: int, hint: Sequence[int] | None) -> list[int]:
+    """The better (by exact float cost) of the caller's hint and the best topological split."""
+    plan = split_order(problem, topological_order(problem), num_stages)
+    if hint is None:
+        return plan
+    given = [int(s) for s in hint]
+    if not problem.is_valid(given, num_stages):
+        raise PartitionError(
+            f"hint is not a valid {num_stages}-stage assignment (length {problem.num_nodes}, "
+            "every stage non-empty, no tensor flowing backwards)"
+        )
+    if problem.bottleneck_ms(given, num_stages) <= problem.bottleneck_ms(plan, num_stages):
+        return given
+    return plan
+
+
+#: Tensors that cross the same boundaries: (producer or -1, is a graph output, maximal consumers).
+_GroupKey = tuple[int, bool, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class _IntegerCosts:
+    """The problem's times in integer units: ``w`` per node, ``lat`` per existing boundary, and
+    one transfer weight per group of tensors that cross exactly the same boundaries."""
+
+    scale: float
+    w: list[int]
+    lat: int
+    group_units: dict[_GroupKey, int]
+    up: float  # worst upward / downward drift of one stage's time (units), see _Rounding
+    down: float
+
+    @property
+    def rounding_ms(self) -> float:
+        return max(self.up, self.down) / self.scale
+
+    @staticmethod
+    def of(problem: DagProblem) -> _IntegerCosts:
+        """A tensor's crossing depends only on its producer (-1: graph input), on whether it is
+        a graph output, and on its *maximal* consumers: a consumer that is an ancestor of
+        another consumer is never in a later stage, so it cannot decide last(t). Tensors with
+        the same key are merged; zero-cost tensors (free transfers, empty tensors) dropped."""
+        scale = _scale_for(problem)
+        bw = problem.bandwidth_bytes_per_ms
+        rounding = _Rounding(scale)
+        w = [rounding.units(c) for c in problem.compute_ms]
+        lat = rounding.units(problem.latency_ms, 2)  # a stage pays at most two latencies
+        desc = _descendants(problem)
+        groups: dict[_GroupKey, float] = {}
+        for t, cs in enumerate(problem.consumers):
+            if not math.isfinite(bw) or problem.nbytes[t] == 0.0:
+                continue
+            distinct = set(cs)
+            if not distinct and not problem.is_output[t]:
+                continue  # crosses nothing
+            if problem.is_output[t]:
+                key_cs: tuple[int, ...] = ()  # last(t) = S-1 whatever the consumers are
+            else:
+                key_cs = tuple(
+                    sorted(c for c in distinct if not any(desc[c] >> d & 1 for d in distinct))
+                )
+            key = (problem.producer[t], problem.is_output[t], key_cs)
+            groups[key] = groups.get(key, 0.0) + problem.nbytes[t] / bw
+        group_units: dict[_GroupKey, int] = {}
+        for key, ms in groups.items():
+            units = rounding.units(ms, 2)  # a tensor can weigh on both boundaries of one stage
+            if units > 0:
+                group_units[key] = units
+        return _IntegerCosts(scale, w, lat, group_units, rounding.up, rounding.down)
+
+
+@dataclass
+class _Encoding:
+    """The CP-SAT model, its variables, and one ``add_*`` method per constraint family.
+
+    ``y[i][b] = 1  <=>  node i is in stage <= b`` (b = 0..S-2). So stage(i) = sum_b (1 - y[i][b])
+    and "node i is in stage k" is y[i][k] - y[i][k-1] (with y[i][-1] = 0, y[i][S-1] = 1).
+    ``cross[key][b]`` is a 0/1 linear expression, 1 iff the tensors of group ``key`` cross
+    boundary b. Single-consumer and output/input cases are linear in y; only tensors with
+    several maximal consumers need an auxiliary boolean v = [some consumer is in a stage > b],
+    listed in ``aux`` as (v, producer, consumers, b).
+    """
+
+    problem: DagProblem
+    num_stages: int
+    costs: _IntegerCosts
+    model: cp_model.CpModel
+    y: list[list[cp_model.IntVar]]
+    cross: dict[_GroupKey, list[_Expr]]
+    aux: list[tuple[cp_model.IntVar, int, tuple[int, ...], int]]
+    makespan: cp_model.IntVar
+    stage_time: list[_Expr]
+
+    @staticmethod
+    def new(problem: DagProblem, num_stages: int, costs: _IntegerCosts) -> _Encoding:
+        model = cp_model.CpModel()
+        boundaries = range(num_stages - 1)
+        y = [[model.new_bool_var(f"y[{i},{b}]") for b in boundaries]
+             for i in range(problem.num_nodes)]
+        cross: dict[_GroupKey, list[_Expr]] = {}
+        aux: list[tuple[cp_model.IntVar, int, tuple[int, ...], int]] = []
+        for key in costs.group_units:
+            p, out, cs = key
+            exprs: list[_Expr] = []
+            for b in boundaries:
+                made = 1 if p < 0 else y[p][b]  # first(t) <= b
+                if out:
+                    exprs.append(made)  # last(t) = S-1 > b
+                elif len(cs) == 1:
+                    # Forward-only makes y[c][b] -> made, so this difference is 0 or 1.
+                    exprs.append(made - y[cs[0]][b])
+                else:
+                    v = model.new_bool_var(f"later[{p},{cs},{b}]")
+                    aux.append((v, p, cs, b))
+                    exprs.append(made - 1 + v if p >= 0 else v)
+            cross[key] = exprs
+        top = sum(costs.w) + 2 * costs.lat + 2 * sum(costs.group_units.values())
+        makespan = model.new_int_var(0, top, "makespan")
+        return _Encoding(problem, num_stages, costs, model, y, cross, aux, makespan, [])
+
+    def le(self, i: int, b: int) -> _Expr:
+        """[stage(i) <= b] for any b, constant outside 0..S-2."""
+        if b < 0:
+            return 0
+        if b >= self.num_stages - 1:
+            return 1
+        return self.y[i][b]
+
+    def add_monotone_stages(self) -> None:
+        """stage(i) <= b implies stage(i) <= b + 1."""
+        for row in self.y:
+            for b in range(self.num_stages - 2):
+                self.model.add_implication(row[b], row[b + 1])
+
+    def add_forward_only(self) -> None:
+        """Convexity: stage(producer) <= stage(consumer) for every edge, i.e. stage(c) <= b
+        implies stage(p) <= b."""
+        for p, c in self.problem.edges():
+            if p != c:
+                for b in range(self.num_stages - 1):
+                    self.model.add_implication(self.y[c][b], self.y[p][b])
+
+    def add_nonempty_stages(self) -> None:
+        """#{stage <= k} - #{stage <= k-1} >= 1 for every stage k."""
+        nodes = range(self.problem.num_nodes)
+        for k in range(self.num_stages):
+            self.model.add(sum(self.le(i, k) for i in nodes)
+                           - sum(self.le(i, k - 1) for i in nodes) >= 1)
+
+    def add_multi_consumer_crossings(self) -> None:
+        """v = OR_c [stage(c) > b], exact in both directions."""
+        for v, _p, cs, b in self.aux:
+            for c in cs:
+                self.model.add_bool_or([v, self.y[c][b]])  # stage(c) > b  ->  v
+            self.model.add_bool_or([~v, *(~self.y[c][b] for c in cs)])  # v -> some c later
+
+    def add_stage_times(self) -> None:
+        """compute + transfers on each existing boundary + latency <= makespan, per stage."""
+        big_s, costs = self.num_stages, self.costs
+        for k in range(big_s):
+            expr: _Expr = sum(w * (self.le(i, k) - self.le(i, k - 1))
+                              for i, w in enumerate(costs.w))
+            for key, units in costs.group_units.items():
+                if k > 0:
+                    expr += units * self.cross[key][k - 1]
+                if k < big_s - 1:
+                    expr += units * self.cross[key][k]
+            expr += costs.lat * ((k > 0) + (k < big_s - 1))
+            self.stage_time.append(expr)
+            self.model.add(expr <= self.makespan)
+
+    def add_redundant_bounds(self, start_units: int) -> None:
+        """The starting plan is feasible, and no stage beats the average or the heaviest single
+        node (plus the one latency every stage pays when S >= 2)."""
+        w, lat, big_s = self.costs.w, self.costs.lat, self.num_stages
+        self.model.add(self.makespan <= start_units)
+        self.model.add(self.makespan * big_s >= sum(w) + 2 * (big_s - 1) * lat)
+        self.model.add(self.makespan >= max(w) + lat)
+
+    def add_hint(self, plan: Sequence[int], plan_units: int) -> None:
+        """The starting plan, complete (every variable) so CP-SAT can take it at once."""
+        for i, row in enumerate(self.y):
+            for b, var in enumerate(row):
+                self.model.add_hint(var, plan[i] <= b)
+        for v, _p, cs, b in self.aux:
+            self.model.add_hint(v, any(plan[c] > b for c in cs))
+        self.model.add_hint(self.makespan, plan_units)
+
+    def checked_solution(self, solver: cp_model.CpSolver) -> list[int]:
+        """The solved assignment, checked against the model and the float cost model."""
+        big_s, problem, costs = self.num_stages, self.problem, self.costs
+        stage_of = [sum(1 - int(solver.boolean_value(var)) for var in row) for row in self.y]
+        assert problem.is_valid(stage_of, big_s), "CP-SAT returned an invalid assignment"
+        units_now = _int_stage_times(problem, stage_of, big_s, costs)
+        model_units = [int(solver.value(e)) for e in self.stage_time]
+        assert units_now == model_units, f"crossing encoding mismatch: {units_now} != {model_units}"
+        assert max(units_now) <= solver.value(self.makespan)
+        bottleneck = problem.bottleneck_ms(stage_of, big_s)
+        slack = 1e-6 * max(1.0, bottleneck * costs.scale)  # float noise
+        drift = max(units_now) - bottleneck * costs.scale
+        assert -costs.down - slack <= drift <= costs.up + slack, (
+            "scaled objective disagrees with the float cost model"
+        )
+        return stage_of
+
+
+def _lower_bound_ms(problem: DagProblem, num_stages: int, costs: _IntegerCosts,
+                    bound_units: float, bottleneck_ms: float) -> float:
+    """A valid bound on the float optimum: CP-SAT's bound less the rounding, or the trivial one
+    (the heaviest node, the average stage), never above the plan found."""
     trivial_ms = max(
         max(problem.compute_ms) + problem.latency_ms,
-        (sum(problem.compute_ms) + 2 * (big_s - 1) * problem.latency_ms) / big_s,
+        (sum(problem.compute_ms) + 2 * (num_stages - 1) * problem.latency_ms) / num_stages,
     )
-    bound_ms = (solver.best_objective_bound - rounding.up) / scale
-    lower = min(bottleneck, max(0.0, bound_ms, trivial_ms))
-    gap = 0.0 if optimal or bottleneck <= 0.0 else (bottleneck - lower) / bottleneck
-    return IlpResult(
-        stage_of=stage_of,
-        bottleneck_ms=bottleneck,
-        lower_bound_ms=lower,
-        optimal=optimal,
-        gap=gap,
-        wall_s=time.perf_counter() - started,
-        rounding_ms=rounding_ms,
-    )
+    bound_ms = (bound_units - costs.up) / costs.scale
+    return min(bottleneck_ms, max(0.0, bound_ms, trivial_ms))
 
 
 def _int_stage_times(
-    problem: DagProblem,
-    stage_of: Sequence[int],
-    num_stages: int,
-    w: Sequence[int],
-    lat: int,
-    group_units: dict[tuple[int, bool, tuple[int, ...]], int],
+    problem: DagProblem, stage_of: Sequence[int], num_stages: int, costs: _IntegerCosts
 ) -> list[int]:
     """Stage times in integer units, recomputed directly from an assignment (model check)."""
+    lat = costs.lat
     times = [0] * num_stages
     for i, s in enumerate(stage_of):
-        times[s] += w[i]
-    for (p, out, cs), units in group_units.items():
+        times[s] += costs.w[i]
+    for (p, out, cs), units in costs.group_units.items():
         first = 0 if p < 0 else stage_of[p]
         last = num_stages - 1 if out else max(stage_of[c] for c in cs)
         for b in range(first, last):

@@ -23,8 +23,8 @@ import numpy as np
 from onnx_partition import progress
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.cluster import cluster_blocks
-from onnx_partition.order.topo import cut_bytes
+from onnx_partition.order.cluster import Blocks, cluster_blocks
+from onnx_partition.order.topo import assign, cut_bytes
 from onnx_partition.solve import baselines
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
@@ -79,15 +79,12 @@ class Proposal:
     polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
 
 
-def _coarse_blocks(
-    order: list[int], problem: DagProblem, cuts: np.ndarray, devices: int
-) -> list[int]:
-    """Allowed boundaries of ``order``: narrow-point blocks, merged down to MAX_POSITIONS."""
-    blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                            problem.compute_ms, max(1, min(devices, 16)))
+def _coarse_blocks(order: list[int], problem: DagProblem, devices: int) -> Blocks:
+    """Narrow-point blocks of ``order``, merged down to MAX_POSITIONS."""
+    blocks = cluster_blocks(problem, order, problem.compute_ms, max(1, min(devices, 16)))
     bounds = blocks.bounds
     if len(bounds) - 1 <= MAX_POSITIONS:
-        return bounds
+        return blocks
     prefix = np.concatenate([[0.0], np.cumsum([problem.compute_ms[v] for v in order])])
     target = prefix[-1] / MAX_POSITIONS
     kept = [0]
@@ -95,7 +92,7 @@ def _coarse_blocks(
         if prefix[b] - prefix[kept[-1]] >= target:
             kept.append(b)
     kept.append(len(order))
-    return kept
+    return Blocks(order, kept)
 
 
 def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
@@ -118,14 +115,8 @@ def dp_candidates(
     inter-machine network is found by planning without it (PipeDream's "use fewer machines").
     Every proposal is then simulated on the real cluster."""
     order = list(sequence_for(problem, ordering) if order is None else order)
-    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
-                     problem.nbytes)
-    bounds = _coarse_blocks(order, problem, cuts, run.cluster.devices)
-
-    def per_block(values: Sequence[float]) -> list[float]:
-        prefix = np.concatenate([[0.0], np.cumsum([values[v] for v in order])])
-        return list(np.diff(prefix[np.asarray(bounds)]))
-
+    blocks = _coarse_blocks(order, problem, run.cluster.devices)
+    bounds = blocks.bounds
     cluster = run.cluster
     choices = replica_choices(cluster.devices)
     group_bw = [math.inf] * (cluster.devices + 1)
@@ -154,9 +145,9 @@ def dp_candidates(
             first, last = arrays.names[order[lo]], arrays.names[order[hi - 1]]
             labels.append(f"operator {first!r}" if lo + 1 == hi else
                           f"operators {first!r}..{last!r}")
-    seq = SequenceCosts(per_block(problem.compute_ms), per_block(arrays.backward_ms),
-                        per_block(arrays.param_bytes), per_block(arrays.activation_bytes),
-                        cuts[np.asarray(bounds)], labels)
+    seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
+                        blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
+                        cut_bytes(problem, order)[np.asarray(bounds)], labels)
     proposals = [p for p in plan_hybrid(seq, config)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
@@ -168,16 +159,9 @@ def dp_candidates(
         per_machines[machines] = per_machines.get(machines, 0) + 1
         if per_machines[machines] <= SIMULATED:
             kept.append(proposal)
-    return [Proposal(_assignment(order, [bounds[s.start] for s in proposal] + [len(order)]),
+    return [Proposal(assign(order, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal], f"dp:{ordering}")
             for proposal in kept]
-
-
-def _assignment(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
-    """Node -> stage for stage boundaries ``bounds`` (``0 .. n``) over the sequence ``order``."""
-    stage_of = np.empty(len(order), dtype=np.int64)
-    stage_of[np.asarray(order)] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
-    return stage_of.tolist()
 
 
 def grid_candidates(
@@ -206,9 +190,8 @@ def grid_candidates(
         nbytes = [2.0 * b for b in nbytes]
     base = [c / run.cluster.speed for c in base]
     order = list(sequence_for(problem, "dfs") if order is None else order)
-    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output, nbytes)
-    blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                            base, max(pp for _, pp in grids))
+    cuts = cut_bytes(problem, order, nbytes)
+    blocks = cluster_blocks(problem, order, base, max(pp for _, pp in grids))
     plans = []
     common: dict[tuple[str, int], list[int]] = {}
     for devices, pp in grids:
@@ -224,7 +207,7 @@ def grid_candidates(
         split = split_sequence(block_compute, block_cuts, pp,  # a proposal: 0.0001% will do
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
                                latency_ms=problem.latency_ms, precision=1e-6)
-        stage_of = _assignment(order, blocks.expand(split.bounds))
+        stage_of = assign(order, blocks.expand(split.bounds))
         short = problem.num_nodes <= LONG_GRAPH
         polish = None
         if short and devices == run.cluster.devices:  # splits no sequence holds

@@ -21,12 +21,23 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from onnx_partition.errors import PartitionError
 
-__all__ = ["DagProblem", "topological_order"]
+__all__ = ["DagProblem", "TensorArrays", "topological_order"]
+
+
+class TensorArrays(NamedTuple):
+    """A problem's tensors as arrays: one entry per (tensor, consumer) pair, then per tensor."""
+
+    read_tensor: np.ndarray  # the tensor of each (tensor, consumer) pair
+    read_by: np.ndarray  # its consumer node
+    producer: np.ndarray
+    is_output: np.ndarray
+    nbytes: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -118,23 +129,38 @@ class DagProblem:
 
     def edges(self) -> list[tuple[int, int]]:
         """Distinct (producer, consumer) node pairs, graph inputs left out."""
-        seen: set[tuple[int, int]] = set()
+        return [(p, c) for p, succ in enumerate(self.successors) for c in succ]
+
+    @functools.cached_property
+    def successors(self) -> tuple[tuple[int, ...], ...]:
+        """Node -> its distinct consumer nodes, ascending (a node reading its own output, which
+        only a cyclic graph has, is kept so the cycle check sees it)."""
+        succ: list[set[int]] = [set() for _ in range(len(self.compute_ms))]
         for p, cs in zip(self.producer, self.consumers, strict=True):
             if p >= 0:
-                seen.update((p, c) for c in cs)
-        return sorted(seen)
+                succ[p].update(cs)
+        return tuple(tuple(sorted(s)) for s in succ)
+
+    def in_degrees(self) -> list[int]:
+        """Node -> how many distinct nodes feed it (a fresh list: Kahn-style walks consume it)."""
+        degree = [0] * self.num_nodes
+        for succ in self.successors:
+            for c in succ:
+                degree[c] += 1
+        return degree
 
     @functools.cached_property
     def compute_array(self) -> np.ndarray:
         return np.asarray(self.compute_ms, dtype=float)
 
     @functools.cached_property
-    def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(consumer's tensor, consumer node) pairs, producers, output flags, bytes as arrays."""
+    def arrays(self) -> TensorArrays:
+        """The tensors as numpy arrays, for vectorised passes over them."""
         pairs = [(t, c) for t, cs in enumerate(self.consumers) for c in cs]
         flat = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-        return (flat[:, 0], flat[:, 1], np.asarray(self.producer, dtype=np.int64),
-                np.asarray(self.is_output, dtype=bool), np.asarray(self.nbytes, dtype=float))
+        return TensorArrays(flat[:, 0], flat[:, 1], np.asarray(self.producer, dtype=np.int64),
+                            np.asarray(self.is_output, dtype=bool),
+                            np.asarray(self.nbytes, dtype=float))
 
     def _check_assignment(self, stage_of: Sequence[int], num_stages: int) -> np.ndarray:
         if num_stages < 1:
@@ -153,7 +179,7 @@ class DagProblem:
     def cross_bytes(self, stage_of: Sequence[int], num_stages: int) -> list[float]:
         """Bytes crossing each interior boundary ``b = 0..S-2`` under the relay model."""
         stages = self._check_assignment(stage_of, num_stages)
-        cons_t, cons_v, producer, is_output, nbytes = self._flat
+        cons_t, cons_v, producer, is_output, nbytes = self.arrays
         last = np.full(len(producer), -1, dtype=np.int64)
         np.maximum.at(last, cons_t, stages[cons_v])
         last[is_output] = num_stages - 1
@@ -195,25 +221,15 @@ class DagProblem:
 
 def topological_order(problem: DagProblem) -> list[int]:
     """Kahn's order, smallest index first among ready nodes; shorter than n iff there is a cycle."""
-    n = len(problem.compute_ms)
-    succ: list[set[int]] = [set() for _ in range(n)]
-    for p, cs in zip(problem.producer, problem.consumers, strict=True):
-        if p >= 0:
-            succ[p].update(cs)
-    indeg = [0] * n
-    for i in range(n):
-        for j in succ[i]:
-            indeg[j] += 1
-    ready = [i for i in range(n) if indeg[i] == 0]
+    indeg = problem.in_degrees()
+    ready = [i for i, d in enumerate(indeg) if d == 0]
     heapq.heapify(ready)
     order: list[int] = []
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        for j in succ[i]:
+        for j in problem.successors[i]:
             indeg[j] -= 1
             if indeg[j] == 0:
                 heapq.heappush(ready, j)
     return order
-
-

@@ -12,7 +12,6 @@ contiguous in any sequence tried, and choosing the sequence is the strongly NP-h
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +19,9 @@ from dataclasses import dataclass
 from onnx_partition import progress
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
-from onnx_partition.order.topo import cut_bytes, depth_first_order, min_live_order
+from onnx_partition.order.topo import assign, cut_bytes, depth_first_order, min_live_order
 from onnx_partition.solve.dp import split_sequence
-from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 
 ORDERINGS = ("topo", "dfs", "minlive", "cluster")
@@ -42,15 +41,21 @@ class Candidate:
 
 def sequence_for(problem: DagProblem, ordering: str) -> list[int]:
     """The node order an ordering strategy gives (``cluster`` starts from depth-first)."""
-    n = problem.num_nodes
-    if ordering == "topo":
-        return list(range(n))  # OpGraph numbers nodes in a (file-stable) topological order
+    if ordering == "topo":  # the identity where nodes are numbered topologically (OpGraph's)
+        return topological_order(problem)
     if ordering in ("dfs", "cluster"):
-        return depth_first_order(n, problem.producer, problem.consumers)
+        return depth_first_order(problem)
     if ordering == "minlive":
-        return min_live_order(n, problem.producer, problem.consumers, problem.nbytes,
-                              problem.is_output)
+        return min_live_order(problem)
     raise PartitionError(f"unknown ordering {ordering!r}; choose auto or one of {ORDERINGS}")
+
+
+def split_order(problem: DagProblem, order: Sequence[int], num_stages: int) -> list[int]:
+    """Node -> stage of the best contiguous split of one sequence (the exact DP of :mod:`.dp`)."""
+    split = split_sequence([problem.compute_ms[v] for v in order], cut_bytes(problem, order),
+                           num_stages, bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
+                           latency_ms=problem.latency_ms)
+    return assign(order, split.bounds)
 
 
 def solve_ordering(
@@ -59,22 +64,18 @@ def solve_ordering(
     """Cut one ordering's sequence by DP (over blocks for ``cluster``), then refine."""
     started = time.perf_counter()
     order = sequence_for(problem, ordering)
-    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
-                     problem.nbytes)
-    compute = [problem.compute_ms[v] for v in order]
-    link = {"bandwidth_bytes_per_ms": problem.bandwidth_bytes_per_ms,
-            "latency_ms": problem.latency_ms}
     if ordering == "cluster":
-        blocks = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                                problem.compute_ms, num_stages)
-        block_compute, block_cuts = blocks.compress(problem.compute_ms, cuts)
-        bounds = blocks.expand(split_sequence(block_compute, block_cuts, num_stages,
-                                              **link).bounds)
+        blocks = cluster_blocks(problem, order, problem.compute_ms, num_stages)
+        block_compute, block_cuts = blocks.compress(problem.compute_ms,
+                                                    cut_bytes(problem, order))
+        split = split_sequence(block_compute, block_cuts, num_stages,
+                               bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
+                               latency_ms=problem.latency_ms)
+        stage_of = assign(order, blocks.expand(split.bounds))
         positions = len(blocks.bounds) - 1
     else:
-        bounds = split_sequence(compute, cuts, num_stages, **link).bounds
+        stage_of = split_order(problem, order, num_stages)
         positions = len(order)
-    stage_of = _assignment(order, bounds, problem.num_nodes)
     dp_ms = problem.bottleneck_ms(stage_of, num_stages)
     if polish:
         stage_of = polish_split(problem, stage_of, num_stages, order)
@@ -82,14 +83,6 @@ def solve_ordering(
     assert refined <= dp_ms * (1 + 1e-9) + 1e-12
     return Candidate(ordering, stage_of, dp_ms, refined, time.perf_counter() - started,
                      positions)
-
-
-def _assignment(order: Sequence[int], bounds: Sequence[int], n: int) -> list[int]:
-    stage_of = [0] * n
-    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        for pos in range(lo, hi):
-            stage_of[order[pos]] = k
-    return stage_of
 
 
 def polish_split(
@@ -105,14 +98,9 @@ def polish_split(
     position = {v: i for i, v in enumerate(order)}
     best = refine(problem, stage_of, num_stages)
     best_ms = problem.bottleneck_ms(best, num_stages)
-    link = {"bandwidth_bytes_per_ms": problem.bandwidth_bytes_per_ms,
-            "latency_ms": problem.latency_ms}
     for _ in range(rounds):
         seq = sorted(range(problem.num_nodes), key=lambda v: (best[v], position[v]))
-        cuts = cut_bytes(seq, problem.producer, problem.consumers, problem.is_output,
-                         problem.nbytes)
-        split = split_sequence([problem.compute_ms[v] for v in seq], cuts, num_stages, **link)
-        moved = refine(problem, _assignment(seq, split.bounds, problem.num_nodes), num_stages)
+        moved = refine(problem, split_order(problem, seq, num_stages), num_stages)
         moved_ms = problem.bottleneck_ms(moved, num_stages)
         if moved_ms >= best_ms * (1 - 1e-12):
             break
