@@ -100,13 +100,7 @@ def min_live_order(problem: DagProblem) -> list[int]:
     """
     n, consumers, nbytes, is_output = (problem.num_nodes, problem.consumers, problem.nbytes,
                                        problem.is_output)
-    made: list[list[int]] = [[] for _ in range(n)]
-    reads: list[list[int]] = [[] for _ in range(n)]
-    for t, prod in enumerate(problem.producer):
-        if prod >= 0:
-            made[prod].append(t)
-        for c in set(consumers[t]):
-            reads[c].append(t)
+    made, reads = problem.made_by, problem.read_by
     pending = [len(set(c)) for c in consumers]  # consumers of each tensor still to run
     indegree = problem.in_degrees()
     ready = {v for v in range(n) if indegree[v] == 0}

@@ -15,7 +15,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -255,6 +255,92 @@ def machine_budgets(cluster: Cluster) -> list[int]:
     return budgets
 
 
+def proposals_for(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
+                  num_stages: int | None, orderings: Sequence[str]) -> list[Proposal]:
+    """Every unscored proposal: each distinct ordering's DP plans, the balanced grids (cut
+    depth-first), and on small graphs PipeDream's downset DP."""
+    if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed:
+        orderings = list(orderings)[:1]  # the first for the hybrid DP; grids cut depth-first
+    sequences = {o: sequence_for(problem, o) for o in {*orderings, "dfs"}}
+    distinct: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
+    for o in orderings:
+        distinct.setdefault(tuple(sequences[o]), o)
+    proposals = [p for o in distinct.values()
+                 for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
+    proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
+                                 machine_budgets(run.cluster))
+    if problem.num_nodes <= DOWNSET_GRAPH:
+        proposals += downset_candidates(problem, arrays, run, num_stages)
+    return proposals
+
+
+@dataclass
+class _Tournament:
+    """Proposals simulated best lower bound first; the best plan so far, the best per machine
+    count, and per family its best ``iteration_ms`` or the ``lower_bound_ms`` that ruled it out."""
+
+    problem: DagProblem
+    arrays: NodeArrays
+    run: RunSpec
+    best: HybridPlan | None = None
+    families: dict[str, dict[str, float]] = field(default_factory=dict)
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=set)
+    by_machines: dict[int, HybridPlan] = field(default_factory=dict)
+
+    def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
+        """Simulate a batch best bound first, skipping what cannot beat :attr:`best`; return
+        every new proposal that fits in memory with its bound."""
+        run = self.run
+        pool = []
+        for proposal in batch:
+            key = (tuple(proposal.stage_of), tuple(proposal.replicas))
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
+                                           proposal.replicas, run)
+            if max(memory) <= run.cluster.memory_bytes:
+                pool.append((lower_bound_ms(costs, run.microbatches, run.train), proposal,
+                              costs, memory))
+        pool.sort(key=lambda e: e[0])
+        for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
+            progress.step("planning: simulating proposals", played_n, len(pool))
+            family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
+                      else "grid")
+            if self.best is not None and bound >= self.best.sim.iteration_ms:
+                self.families.setdefault(family, {"lower_bound_ms": bound})
+                continue
+            plan = simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
+                             proposal.source)
+            done = self.families.get(family, {}).get("iteration_ms", math.inf)
+            self.families[family] = {"iteration_ms": float(min(done, plan.sim.iteration_ms))}
+            machines = -(-sum(plan.replicas) // run.cluster.devices_per_machine)
+            if machines not in self.by_machines or (
+                    plan.sim.iteration_ms < self.by_machines[machines].sim.iteration_ms):
+                self.by_machines[machines] = plan
+            if self.best is None or plan.sim.iteration_ms < self.best.sim.iteration_ms:
+                self.best = plan
+        return [(bound, proposal) for bound, proposal, _, _ in pool]
+
+    def play_polished_grids(self, played: list[tuple[float, Proposal]]) -> None:
+        """Re-cut (polish) the grid proposals whose depth and replicas could still win: those
+        whose equal shares of the work beat the best plan so far."""
+        if self.best is None:
+            return
+        run = self.run
+        work = float(self.problem.compute_array.sum()
+                     + (self.arrays.columns[0].sum() if run.train else 0))
+        work /= run.cluster.speed
+        best_ms = self.best.sim.iteration_ms
+
+        def balanced(p: Proposal) -> float:
+            """No cut of ``p``'s depth and replicas beats equal shares of the work."""
+            return -(-run.microbatches // p.replicas[0]) * work / len(p.replicas)
+
+        self.play([replace(p, stage_of=p.polish(), polish=None) for _, p in played
+                   if p.polish is not None and balanced(p) < best_ms])
+
+
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
     orderings: Sequence[str] = HYBRID_ORDERINGS,
@@ -268,77 +354,17 @@ def plan_cluster(
     ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
     """
     started = time.perf_counter()
-    if problem.num_nodes > LONG_GRAPH:  # orderings differ little once blocks are formed:
-        orderings = list(orderings)[:1]  # the first for the hybrid DP; grids cut depth-first
-    sequences = {o: sequence_for(problem, o) for o in {*orderings, "dfs"}}
-    distinct: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
-    for o in orderings:
-        distinct.setdefault(tuple(sequences[o]), o)
-    proposals = [p for o in distinct.values()
-                 for p in dp_candidates(problem, arrays, run, o, num_stages, sequences[o])]
-    proposals += grid_candidates(problem, arrays, run, num_stages, sequences["dfs"],
-                                 machine_budgets(run.cluster))
-    if problem.num_nodes <= DOWNSET_GRAPH:
-        proposals += downset_candidates(problem, arrays, run, num_stages)
-
-    best: HybridPlan | None = None
-    families: dict[str, dict[str, float]] = {}
-    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    by_machines: dict[int, HybridPlan] = {}  # the best simulated plan per machine count
-
-    def play(batch: list[Proposal]) -> list[tuple[float, Proposal]]:
-        """Simulate a batch best bound first, skipping what cannot beat ``best``; return
-        every new proposal with its bound."""
-        nonlocal best
-        pool = []
-        for proposal in batch:
-            key = (tuple(proposal.stage_of), tuple(proposal.replicas))
-            if key in seen:
-                continue
-            seen.add(key)
-            costs, memory = pipeline_costs(problem, arrays, proposal.stage_of,
-                                           proposal.replicas, run)
-            if max(memory) <= run.cluster.memory_bytes:
-                pool.append((lower_bound_ms(costs, run.microbatches, run.train), proposal,
-                              costs, memory))
-        pool.sort(key=lambda e: e[0])
-        for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
-            progress.step("planning: simulating proposals", played_n, len(pool))
-            family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
-                      else "grid")
-            if best is not None and bound >= best.sim.iteration_ms:
-                families.setdefault(family, {"lower_bound_ms": bound})
-                continue
-            plan = simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
-                              proposal.source)
-            done = families.get(family, {}).get("iteration_ms", math.inf)
-            families[family] = {"iteration_ms": float(min(done, plan.sim.iteration_ms))}
-            machines = -(-sum(plan.replicas) // run.cluster.devices_per_machine)
-            if machines not in by_machines or (plan.sim.iteration_ms
-                                               < by_machines[machines].sim.iteration_ms):
-                by_machines[machines] = plan
-            if best is None or plan.sim.iteration_ms < best.sim.iteration_ms:
-                best = plan
-        return [(bound, proposal) for bound, proposal, _, _ in pool]
-
-    played = play(proposals)
-    if best is not None:  # polish the grid cuts that a re-cut could still make win
-        work = float(problem.compute_array.sum() + (arrays.columns[0].sum() if run.train else 0))
-        work /= run.cluster.speed
-
-        def balanced(p: Proposal) -> float:
-            """No cut of ``p``'s depth and replicas beats equal shares of the work."""
-            return -(-run.microbatches // p.replicas[0]) * work / len(p.replicas)
-
-        play([replace(p, stage_of=p.polish(), polish=None) for _, p in played
-              if p.polish is not None and balanced(p) < best.sim.iteration_ms])
+    tournament = _Tournament(problem, arrays, run)
+    played = tournament.play(proposals_for(problem, arrays, run, num_stages, orderings))
+    tournament.play_polished_grids(played)
+    best = tournament.best
     if best is None:
         raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
     # Polish the winner and the best plan of every other machine count too: one device at a
     # time cannot climb from a plan on 8 machines to a better one on 2, so more devices could
     # otherwise end in a slower plan than fewer.
     if problem.num_nodes <= LONG_GRAPH:
-        starts = [best] + [p for p in by_machines.values() if p is not best]
+        starts = [best] + [p for p in tournament.by_machines.values() if p is not best]
         best = min((polish_replicas(problem, arrays, p, run) for p in starts),
                    key=lambda p: p.sim.iteration_ms)
     else:
@@ -346,7 +372,7 @@ def plan_cluster(
     # every proposal was checked with the one memory model, which the simulator agrees with
     assert max(best.sim.peak_memory_bytes.values()) <= run.cluster.memory_bytes
     best.planning_s = time.perf_counter() - started
-    return best, families
+    return best, tournament.families
 
 
 def _replica_moves(replicas: Sequence[int], devices: int) -> list[list[int]]:

@@ -141,6 +141,24 @@ class DagProblem:
                 succ[p].update(cs)
         return tuple(tuple(sorted(s)) for s in succ)
 
+    @functools.cached_property
+    def made_by(self) -> tuple[tuple[int, ...], ...]:
+        """Node -> the tensors it makes, ascending."""
+        made: list[list[int]] = [[] for _ in range(len(self.compute_ms))]
+        for t, p in enumerate(self.producer):
+            if p >= 0:
+                made[p].append(t)
+        return tuple(tuple(m) for m in made)
+
+    @functools.cached_property
+    def read_by(self) -> tuple[tuple[int, ...], ...]:
+        """Node -> the distinct tensors it reads, ascending."""
+        reads: list[list[int]] = [[] for _ in range(len(self.compute_ms))]
+        for t, cs in enumerate(self.consumers):
+            for c in set(cs):
+                reads[c].append(t)
+        return tuple(tuple(r) for r in reads)
+
     def in_degrees(self) -> list[int]:
         """Node -> how many distinct nodes feed it (a fresh list: Kahn-style walks consume it)."""
         degree = [0] * self.num_nodes

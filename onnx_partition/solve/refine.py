@@ -13,7 +13,7 @@ incrementally: a move changes only the boundary between the two stages involved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -27,14 +27,7 @@ class _State:
         self.p = problem
         self.s = num_stages
         self.stage_of = list(stage_of)
-        n = problem.num_nodes
-        self.reads: list[list[int]] = [[] for _ in range(n)]
-        self.makes: list[list[int]] = [[] for _ in range(n)]
-        for t, prod in enumerate(problem.producer):
-            if prod >= 0:
-                self.makes[prod].append(t)
-            for c in set(problem.consumers[t]):
-                self.reads[c].append(t)
+        self.reads, self.makes = problem.read_by, problem.made_by
         self.members: list[set[int]] = [set() for _ in range(num_stages)]
         self.compute = np.zeros(num_stages)
         for v, k in enumerate(self.stage_of):
@@ -89,6 +82,15 @@ class _State:
                        for t in self.reads[v])
         return all(self.stage_of[c] >= to for t in self.makes[v] for c in p.consumers[t])
 
+    def neighbours(self, k: int) -> list[int]:
+        """The stages next to stage ``k``."""
+        return [to for to in (k - 1, k + 1) if 0 <= to < self.s]
+
+    def movable(self, k: int, to: int) -> Iterator[int]:
+        """Stage ``k``'s nodes that may move to its neighbour ``to`` (checked as each is
+        reached: a caller may move nodes in between, as long as it puts them back)."""
+        return (v for v in sorted(self.members[k]) if self.can_move(v, to))
+
 
 def _score(times: np.ndarray) -> tuple[float, float]:
     return float(times.max()), float(np.dot(times, times))
@@ -105,12 +107,8 @@ def _best_single(state: _State, best: tuple[float, float], eps: float
     times = state.times()
     for k in np.argsort(-times).tolist():
         choice: tuple[tuple[float, float], int, int] | None = None
-        for to in (k - 1, k + 1):
-            if not 0 <= to < state.s:
-                continue
-            for v in sorted(state.members[k]):
-                if not state.can_move(v, to):
-                    continue
+        for to in state.neighbours(k):
+            for v in state.movable(k, to):
                 state.move(v, to)
                 score = _score(state.times())
                 state.move(v, k)
@@ -128,12 +126,9 @@ def _chain(state: _State, best: tuple[float, float], eps: float, *, max_len: int
     times = state.times()
     k = int(np.argmax(times))
     target = best[0] - eps
-    for step in (-1, 1):
-        if not 0 <= k + step < state.s:
-            continue
-        for v in sorted(state.members[k]):
-            if not state.can_move(v, k + step):
-                continue
+    for to in state.neighbours(k):
+        step = to - k
+        for v in state.movable(k, to):
             done = [(v, k)]
             state.move(v, k + step)
             at = k + step
@@ -159,9 +154,7 @@ def _push(state: _State, stage: int, to: int, target: float) -> int | None:
     ``target``, else the one that relieves it most."""
     fits: tuple[float, int] | None = None
     most: tuple[float, int] | None = None
-    for u in sorted(state.members[stage]):
-        if not state.can_move(u, to):
-            continue
+    for u in state.movable(stage, to):
         state.move(u, to)
         left = float(state.times()[stage])
         state.move(u, stage)
@@ -177,15 +170,11 @@ def _swap(state: _State, best: tuple[float, float], eps: float) -> bool:
     """Exchange a frontier node of the slowest stage with one of a neighbour's, both moving
     across their shared boundary; applied (and True returned) only if it improves the score."""
     k = int(np.argmax(state.times()))
-    for other in (k - 1, k + 1):
-        if not 0 <= other < state.s:
-            continue
-        for v in sorted(state.members[k]):
-            if not state.can_move(v, other):
-                continue
+    for other in state.neighbours(k):
+        for v in state.movable(k, other):
             state.move(v, other)
-            for u in sorted(state.members[other] - {v}):
-                if not state.can_move(u, k):
+            for u in state.movable(other, k):
+                if u == v:
                     continue
                 state.move(u, k)
                 if _better(_score(state.times()), best, eps):
