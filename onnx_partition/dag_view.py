@@ -69,7 +69,7 @@ def _scopes(graph: OpGraph) -> dict[str, list[str]]:
 
 def condense(graph: OpGraph, stage_of: Mapping[str, int]) -> tuple[list[Group], list[Flow]]:
     """Groups (stage, block) in topological order of their first operator, and the tensors
-    between them (bytes summed over distinct tensors). Constant nodes are left out."""
+    between them (bytes summed over distinct tensors). Free (constant-only) nodes are left out."""
     scopes = _scopes(graph)
     index: dict[tuple[int, str], int] = {}
     counts: list[int] = []

@@ -1,17 +1,16 @@
 """ONNX model -> operator DAG with tensor and parameter bytes.
 
-The one module (with :mod:`onnx_partition.emit`) that reads ONNX protos. It loads a model without
-its external weights, names every node by its key (the contract in ``docs/design.md``), sorts the
-nodes topologically, runs shape inference with the symbolic dims fixed, and records for every
-tensor its producer, its consumers and its size in bytes. Solvers never see this module's protos:
-:meth:`OpGraph.flow` hands them plain arrays.
+:func:`load` reads a model without its external weights, names every node by its key (the
+contract in ``docs/design.md``), sorts the nodes topologically, runs shape inference with the
+symbolic dims fixed (through :mod:`onnx_partition.protos`, which reads the protos), and records
+for every tensor its producer, its consumers and its size in bytes. Solvers never see the
+protos: :func:`onnx_partition.partition.dag_problem` hands them plain arrays.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -19,12 +18,26 @@ from pathlib import Path
 import google.protobuf.message
 import networkx as nx
 import onnx
-from onnx import helper, shape_inference
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.values import MAX_BYTES, Rule, check
+from onnx_partition.protos import (
+    Shape,
+    check_external_data,
+    fixed_input_shapes,
+    infer_types,
+    shape_and_type,
+    shape_bytes,
+    shape_loop_outputs,
+    tensor_proto_bytes,
+    used_names,
+    with_input_shapes,
+)
 
-Shape = tuple[int, ...]
+# Re-exported: emit.py and cost/ import these from here (``graph`` is the loading API they use).
+from onnx_partition.protos import external_files as external_files
+from onnx_partition.protos import itemsize as itemsize
+from onnx_partition.protos import iter_tensors as iter_tensors
+from onnx_partition.protos import shape_of as shape_of
 
 #: Operators that draw random numbers: never copied into several stages (nor constant-folded).
 NONDETERMINISTIC = frozenset(
@@ -133,7 +146,7 @@ class OpGraph:
         return sorted(needed)
 
 
-# --------------------------------------------------------------------------- loading
+# -------------------------------------------------------------------- loading
 
 
 def load(
@@ -157,7 +170,7 @@ def load(
     except (google.protobuf.message.DecodeError, RuntimeError, ValueError) as exc:
         msg = f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
         raise PartitionError(msg) from None
-    _check_external_data(model, path.parent.resolve())
+    check_external_data(model, path.parent.resolve())
     return from_model(model, path=path, input_shapes=input_shapes, batch_size=batch_size)
 
 
@@ -173,7 +186,7 @@ def from_model(
     if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.node:
         raise PartitionError(f"{where} is not a valid ONNX model (no graph or no nodes)")
     graph = model.graph
-    init_bytes = {t.name: _tensor_proto_bytes(t) for t in graph.initializer}
+    init_bytes = {t.name: tensor_proto_bytes(t) for t in graph.initializer}
     inputs = [v.name for v in graph.input if v.name not in init_bytes]
     outputs = [v.name for v in graph.output]
 
@@ -181,10 +194,10 @@ def from_model(
     for node, key in zip(graph.node, keys, strict=True):
         node.name = key
     order = _topological_order(graph, keys, set(inputs) | set(init_bytes))
-    shapes = _fixed_input_shapes(graph, inputs, input_shapes or {}, batch_size, where)
-    _shape_loop_outputs(graph)
-    concrete = _infer_types(_with_input_shapes(model, shapes), where)
-    symbolic = _infer_types(model, where)
+    shapes = fixed_input_shapes(graph, inputs, input_shapes or {}, batch_size, where)
+    shape_loop_outputs(graph)
+    concrete = infer_types(with_input_shapes(model, shapes), where)
+    symbolic = infer_types(model, where)
 
     produced = {o for n in graph.node for o in n.output if o}
     missing = [o for o in outputs if o not in produced and o not in inputs and o not in init_bytes]
@@ -197,7 +210,7 @@ def from_model(
     first_reader: dict[str, int] = {}
     for index, file_pos in enumerate(order):
         proto = graph.node[file_pos]
-        used = _used_names(proto)
+        used = used_names(proto)
         inits = tuple(dict.fromkeys(u for u in used if u in init_bytes))
         flow = tuple(dict.fromkeys(u for u in used if u and u not in init_bytes))
         free = (
@@ -240,85 +253,7 @@ def node_keys(nodes: Sequence[onnx.NodeProto]) -> list[str]:
     return keys
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _check_external_data(model: onnx.ModelProto, folder: Path) -> None:
-    """Every external tensor's file exists inside the model's folder and is long enough."""
-    for tensor in iter_tensors(model.graph):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = {e.key: e.value for e in tensor.external_data}
-        location = info.get("location", "")
-        target = (folder / location).resolve()
-        if not location or os.path.isabs(location) or folder not in target.parents:
-            raise PartitionError(
-                f"external data of {tensor.name!r} points outside the model's folder: {location!r}"
-            )
-        if not target.is_file():
-            raise PartitionError(f"missing external data file {location!r} (for {tensor.name!r})")
-        span = Rule(int, 0, MAX_BYTES, "bytes")
-        what = f"external data of {tensor.name!r}:"
-        offset = check(info.get("offset") or 0, f"{what} offset", span)
-        end = offset + check(info.get("length") or _tensor_proto_bytes(tensor), f"{what} length",
-                             span)
-        if end > target.stat().st_size:
-            raise PartitionError(
-                f"external data file {location!r} is too short for {tensor.name!r} "
-                f"(needs {end} bytes, has {target.stat().st_size})"
-            )
-
-
-def external_files(model: onnx.ModelProto) -> list[str]:
-    """The external data files (relative locations) the model's tensors point at."""
-    found = {e.value for t in iter_tensors(model.graph) for e in t.external_data
-             if t.data_location == onnx.TensorProto.EXTERNAL and e.key == "location"}
-    return sorted(found)
-
-
-def iter_tensors(
-    graph: onnx.GraphProto, *, nested_only: bool = False
-) -> Iterator[onnx.TensorProto]:
-    """Initializers of a graph and of all its subgraphs, and tensor attributes (Constant values).
-    ``nested_only`` leaves out the graph's own initializers."""
-    if not nested_only:
-        yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
-                yield attr.t
-            for sub in _subgraphs(attr):
-                yield from iter_tensors(sub)
-
-
-def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
-    if attr.type == onnx.AttributeProto.GRAPH:
-        return [attr.g]
-    if attr.type == onnx.AttributeProto.GRAPHS:
-        return list(attr.graphs)
-    return []
-
-
-def _used_names(node: onnx.NodeProto) -> list[str]:
-    """Names a node reads: its inputs plus values its subgraphs capture from outer scopes."""
-    used = [i for i in node.input if i]
-    for attr in node.attribute:
-        for sub in _subgraphs(attr):
-            used.extend(_captured(sub))
-    return used
-
-
-def _captured(graph: onnx.GraphProto) -> list[str]:
-    """Outer-scope names a subgraph reads (recursively through nested subgraphs)."""
-    local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    local |= {t.name for t in graph.sparse_initializer}
-    captured: list[str] = []
-    for node in graph.node:
-        for name in _used_names(node):
-            if name not in local:
-                captured.append(name)
-        local.update(node.output)
-    return captured
+# -------------------------------------------------------------------- helpers
 
 
 def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str]) -> list[int]:
@@ -331,7 +266,7 @@ def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(graph.node)))
     for i, node in enumerate(graph.node):
-        for name in _used_names(node):
+        for name in used_names(node):
             if name in producer and name not in sources:
                 dag.add_edge(producer[name], i)
     try:
@@ -340,116 +275,6 @@ def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str
         cycle = nx.find_cycle(dag)
         path = " -> ".join(keys[u] for u, _ in cycle) + f" -> {keys[cycle[0][0]]}"
         raise PartitionError(f"the graph has a cycle: {path}") from None
-
-
-def _fixed_input_shapes(
-    graph: onnx.GraphProto,
-    inputs: list[str],
-    given: Mapping[str, Sequence[int]],
-    batch_size: int | None,
-    where: str,
-) -> dict[str, Shape]:
-    """Concrete shape of every graph input, or a clear error naming the dim left unknown."""
-    unknown = sorted(set(given) - set(inputs))
-    if unknown:
-        raise PartitionError(
-            f"--input-shape names unknown input {unknown[0]!r}; the model's inputs are: "
-            + ", ".join(inputs)
-        )
-    by_name = {v.name: v for v in graph.input}
-    shapes: dict[str, Shape] = {}
-    for name in inputs:
-        ttype = by_name[name].type.tensor_type
-        if name in given:
-            shape = tuple(int(d) for d in given[name])
-            declared = ttype.shape.dim if ttype.HasField("shape") else []
-            if declared and len(declared) != len(shape):
-                raise PartitionError(
-                    f"--input-shape {name}: rank {len(shape)} but the model declares rank "
-                    f"{len(declared)}"
-                )
-            shapes[name] = shape
-            continue
-        if not ttype.HasField("shape"):
-            raise PartitionError(f"input {name!r} has no declared shape; give --input-shape")
-        dims: list[int] = []
-        for axis, dim in enumerate(ttype.shape.dim):
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif axis == 0 and batch_size is not None:
-                dims.append(batch_size)
-            else:
-                label = dim.dim_param or "?"
-                hint = "--batch-size B or " if axis == 0 else ""
-                raise PartitionError(
-                    f"input {name!r} dim {axis} ({label!r}) is symbolic; give {hint}"
-                    f"--input-shape {name}=D0,D1,..."
-                )
-        shapes[name] = tuple(dims)
-    return shapes
-
-
-def _shape_loop_outputs(graph: onnx.GraphProto) -> None:
-    """Declare the shapes of Loop outputs that the body states but shape inference drops: a
-    loop-carried value's final shape is the body output's declared shape (inference leaves it
-    unknown, as it may change between iterations; the body's declaration says it does not).
-    Without a shape such a tensor cannot cross a cut (stage files need typed inputs)."""
-    known = {v.name for v in graph.value_info} | {v.name for v in graph.output}
-    for node in graph.node:
-        if node.op_type != "Loop":
-            continue
-        body = next((a.g for a in node.attribute if a.name == "body"), None)
-        if body is None:
-            continue
-        carried = len(node.input) - 2
-        for i, name in enumerate(node.output[:carried]):
-            declared = body.output[1 + i] if 1 + i < len(body.output) else None
-            if (not name or name in known or declared is None
-                    or not declared.type.tensor_type.HasField("shape")):
-                continue
-            info = graph.value_info.add()
-            info.name = name
-            info.type.CopyFrom(declared.type)
-            known.add(name)
-
-
-def _with_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Shape]) -> onnx.ModelProto:
-    """A copy whose inputs have concrete dims, and whose symbolic dims of the same names are
-    substituted everywhere, ready for shape inference."""
-    fixed = onnx.ModelProto()
-    fixed.CopyFrom(model)
-    symbols: dict[str, int] = {}
-    for value in fixed.graph.input:
-        if value.name not in shapes:
-            continue
-        tshape = value.type.tensor_type.shape
-        for dim, size in zip(tshape.dim, shapes[value.name], strict=False):
-            if dim.dim_param:
-                symbols.setdefault(dim.dim_param, size)
-        del tshape.dim[:]
-        for size in shapes[value.name]:
-            tshape.dim.add().dim_value = size
-    for value in list(fixed.graph.value_info) + list(fixed.graph.output):
-        if not value.type.HasField("tensor_type"):
-            continue
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param in symbols:
-                dim.dim_value = symbols[dim.dim_param]
-    return fixed
-
-
-def _infer_types(model: onnx.ModelProto, where: str) -> dict[str, onnx.TypeProto]:
-    """Name -> TypeProto of every value shape inference can type (inputs and outputs too)."""
-    try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception:  # inference is best effort; missing types are handled by the caller
-        inferred = model
-    graph = inferred.graph
-    types: dict[str, onnx.TypeProto] = {}
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            types.setdefault(value.name, value.type)
-    return types
 
 
 def _flow_tensors(
@@ -473,8 +298,8 @@ def _flow_tensors(
     for name, prod in producer.items():
         if prod >= 0 and nodes[prod].free:
             continue
-        shape, elem = _shape_of(types.get(name))
-        nbytes = _nbytes(shape, elem)
+        shape, elem = shape_and_type(types.get(name))
+        nbytes = shape_bytes(shape, elem)
         if nbytes is None:
             unknown.append(name)
             nbytes = _estimate_bytes(nodes, prod, tensors)
@@ -489,43 +314,3 @@ def _estimate_bytes(nodes: list[Node], prod: int, known: Mapping[str, TensorInfo
     if prod < 0:
         return 0
     return max((known[i].nbytes for i in nodes[prod].inputs if i in known), default=0)
-
-
-def _shape_of(ttype: onnx.TypeProto | None) -> tuple[Shape | None, int]:
-    if ttype is None or not ttype.HasField("tensor_type"):
-        return None, 0
-    tt = ttype.tensor_type
-    if not tt.HasField("shape"):
-        return None, tt.elem_type
-    dims = []
-    for dim in tt.shape.dim:
-        if not dim.HasField("dim_value") or dim.dim_value < 0:
-            return None, tt.elem_type
-        dims.append(dim.dim_value)
-    return tuple(dims), tt.elem_type
-
-
-def itemsize(elem_type: int) -> int:
-    """Bytes per element of an ONNX tensor type (sub-byte types round up to one byte)."""
-    if elem_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
-        return 0
-    try:
-        return max(1, int(helper.tensor_dtype_to_np_dtype(elem_type).itemsize))
-    except (KeyError, TypeError, ValueError):
-        return 1
-
-
-def _nbytes(shape: Shape | None, elem_type: int) -> int | None:
-    if shape is None or elem_type == 0:
-        return None
-    return math.prod(shape) * itemsize(elem_type)
-
-
-def _tensor_proto_bytes(tensor: onnx.TensorProto) -> int:
-    return math.prod(tensor.dims) * itemsize(tensor.data_type)
-
-
-def shape_of(types: Mapping[str, onnx.TypeProto], name: str) -> Shape | None:
-    """Concrete shape of a value in ``types``, or None."""
-    return _shape_of(types.get(name))[0]
-

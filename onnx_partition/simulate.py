@@ -1,72 +1,34 @@
-"""Pipeline schedules as data, and a dependency-driven event simulator.
+"""A dependency-driven event simulator of pipeline schedules, and closed forms to check it.
 
-A schedule maps each device ``(stage, replica)`` to the ordered list of actions it runs;
-an action such as ``1F0`` is (stage 1, forward, micro-batch 0). Builders:
-
-* :func:`gpipe` -- all forwards, then all backwards (GPipe, Huang et al. 2019).
-* :func:`one_f_one_b` -- PipeDream-Flush / 1F1B (Narayanan et al. 2021): a few warm-up
-  forwards, then alternate one forward and one backward, then drain the backwards.
-* :func:`interleaved` -- interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): each
-  of ``p`` devices holds ``v`` model chunks (stages ``d, d + p, ...``), shrinking the bubble
-  by ``v``.
-* :func:`inference` -- forwards only.
-
-A stage with ``d`` replicas sends micro-batch ``m`` to replica ``m % d``; each replica runs
-the subsequence of the stage's action list that belongs to its micro-batches. A device is
-keyed by its first stage: with ``p`` distinct first stages, device ``(d, r)`` runs the
-actions of stages ``s`` with ``s % p == d`` (``p`` = number of stages unless interleaved).
-
-:func:`simulate` plays a schedule against :class:`PipelineCosts` (plain numbers, no
-devices) and returns makespan, throughput, bubble, per-device busy time, peak in-flight
-micro-batches and memory, and a timeline for Gantt charts. Pure Python, no ONNX.
+:func:`simulate` plays a schedule (:mod:`onnx_partition.schedules`) against
+:class:`PipelineCosts` (plain numbers, no devices) and returns makespan, throughput, bubble,
+per-device busy time, peak in-flight micro-batches and memory, the all-reduce windows, and a
+timeline for Gantt charts. Pure Python, no ONNX.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
-from onnx_partition.errors import PartitionError
-from onnx_partition.solve.stage_model import device_bytes, one_f_one_b_warmups
+from onnx_partition.schedules import (
+    Action,
+    ActionKey,
+    Device,
+    Kind,
+    Schedule,
+    ScheduleError,
+    pipeline_width,
+    render,
+    validate,
+)
 
-
-class ScheduleError(PartitionError, ValueError):
-    """An invalid or deadlocking schedule (also a ``ValueError``)."""
-
-
-class Kind(Enum):
-    F = "F"
-    B = "B"
-
-
-_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One unit of work: ``str(Action(1, Kind.F, 0)) == "1F0"``."""
-
-    stage: int
-    kind: Kind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``Action.parse("1B3") == Action(1, Kind.B, 3)``."""
-        match = _ACTION_RE.fullmatch(text.strip())
-        if match is None:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '1F0')")
-        return cls(int(match[1]), Kind(match[2]), int(match[3]))
-
-
-Device = tuple[int, int]  # (first stage hosted, replica)
-Schedule = dict[Device, list[Action]]
-_Key = tuple[int, bool, int]  # (stage, is_backward, microbatch): a cheaply hashed Action
+# Re-exported: callers and tests take the schedule builders from here, with the simulator.
+from onnx_partition.schedules import gpipe as gpipe
+from onnx_partition.schedules import inference as inference
+from onnx_partition.schedules import interleaved as interleaved
+from onnx_partition.schedules import one_f_one_b as one_f_one_b
+from onnx_partition.solve.stage_model import device_bytes
 
 
 @dataclass(frozen=True)
@@ -115,230 +77,10 @@ class SimResult:
     timeline: list[tuple[Device, Action, float, float]]
     allreduce: dict[int, tuple[float, float]]
 
-
-# ---------------------------------------------------------------------------- builders
-
-
-def _replica_counts(num_stages: int, replicas: Sequence[int] | None) -> list[int]:
-    if num_stages < 1:
-        raise ScheduleError(f"need at least one stage, got {num_stages}")
-    counts = [1] * num_stages if replicas is None else list(replicas)
-    if len(counts) != num_stages or any(d < 1 for d in counts):
-        raise ScheduleError(f"replicas must be {num_stages} counts >= 1, got {counts}")
-    return counts
+# ----------------------------------------------------------------- simulation
 
 
-def _distribute(stage_orders: list[list[tuple[Kind, int]]], counts: list[int]) -> Schedule:
-    """Split each stage's action order over its replicas (micro-batch m -> replica m % d)."""
-    schedule: Schedule = {}
-    for stage, (order, d) in enumerate(zip(stage_orders, counts, strict=True)):
-        for r in range(d):
-            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order if mb % d == r]
-    return schedule
-
-
-def _check_microbatches(num_microbatches: int) -> None:
-    if num_microbatches < 1:
-        raise ScheduleError(f"need at least one micro-batch, got {num_microbatches}")
-
-
-def gpipe(
-    num_stages: int,
-    num_microbatches: int,
-    replicas: Sequence[int] | None = None,
-    *,
-    train: bool = True,
-) -> Schedule:
-    """GPipe (Huang et al. 2019): every stage runs all forwards, then all backwards
-    (micro-batch order 0..M-1 both ways). Every stage stashes all M micro-batches."""
-    counts = _replica_counts(num_stages, replicas)
-    _check_microbatches(num_microbatches)
-    order = [(Kind.F, mb) for mb in range(num_microbatches)]
-    if train:
-        order += [(Kind.B, mb) for mb in range(num_microbatches)]
-    return _distribute([order] * num_stages, counts)
-
-
-def inference(
-    num_stages: int, num_microbatches: int, replicas: Sequence[int] | None = None
-) -> Schedule:
-    """Forward-only pipeline: each stage runs micro-batches 0..M-1 in order."""
-    return gpipe(num_stages, num_microbatches, replicas, train=False)
-
-
-def one_f_one_b(
-    num_stages: int, num_microbatches: int, replicas: Sequence[int] | None = None
-) -> Schedule:
-    """PipeDream-Flush / 1F1B (Narayanan et al. 2021).
-
-    Stage s runs ``W_s`` warm-up forwards, then alternates one forward and one backward,
-    then drains the remaining backwards; its replicas share the order by round-robin. Without
-    replicas ``W_s = p - s - 1`` (the standard schedule; peak in-flight ``min(p - s, M)``).
-    With replicas each boundary adds ``max(d_k, d_k+1)`` micro-batches when one count divides
-    the other (equal counts: every replica runs Megatron's 1F1B on its own micro-batches),
-    else ``d_k + d_k+1 - 1`` (:func:`~onnx_partition.solve.stage_model.one_f_one_b_warmups`,
-    whose module gives the peak in-flight per replica in closed form). Warm-ups shrink
-    downstream, so it cannot deadlock.
-    """
-    counts = _replica_counts(num_stages, replicas)
-    _check_microbatches(num_microbatches)
-    m = num_microbatches
-    orders: list[list[tuple[Kind, int]]] = []
-    for warmup in one_f_one_b_warmups(counts, m):
-        order = [(Kind.F, mb) for mb in range(warmup)]
-        for mb in range(warmup, m):
-            order += [(Kind.F, mb), (Kind.B, mb - warmup)]
-        order += [(Kind.B, mb) for mb in range(m - warmup, m)]
-        orders.append(order)
-    return _distribute(orders, counts)
-
-
-def interleaved(
-    num_stages: int, num_microbatches: int, chunks: int, replicas: Sequence[int] | None = None
-) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2), Megatron-LM's order.
-
-    The ``S`` stages run on ``p = S / v`` devices of ``v = chunks`` model chunks each: device
-    ``d`` hosts stages ``d, d + p, ..., d + (v-1) p`` and keeps the key ``(d, replica)``.
-    Forward step ``k = 0 .. M v - 1`` runs chunk ``(k // p) % v`` on micro-batch
-    ``(k // (p v)) p + k % p``; backward step ``k`` runs chunk ``v - 1 - (k // p) % v`` on the
-    same micro-batch. Device ``d`` runs ``min(M v, 2 (p - d - 1) + (v - 1) p)`` warm-up
-    forward steps, then alternates one forward and one backward step, then drains the
-    backwards. Needs ``M % p == 0`` (Megatron's requirement). With ``R`` replicas of every
-    stage, replica ``r`` is its own pipeline over micro-batches ``r, r + R, ...`` (the
-    simulator's ``m % R`` rule), so ``M % (p R) == 0``. ``chunks == 1`` is :func:`one_f_one_b`
-    (any replicas). Each device's bubble is ``(p - 1) / v`` of a micro-batch's full
-    forward + backward, ``v`` times less than 1F1B's.
-    """
-    counts = _replica_counts(num_stages, replicas)
-    _check_microbatches(num_microbatches)
-    if chunks < 1:
-        raise ScheduleError(f"need at least one model chunk per device, got {chunks}")
-    if num_stages % chunks:
-        raise ScheduleError(
-            f"cannot lay out {num_stages} stage(s) as {chunks} model chunks per device: "
-            "the chunk count must divide the stage count"
-        )
-    if chunks == 1:
-        return one_f_one_b(num_stages, num_microbatches, counts)
-    if len(set(counts)) > 1:
-        raise ScheduleError(
-            f"the interleaved schedule needs the same replica count in every stage, got {counts}"
-        )
-    p, v, reps = num_stages // chunks, chunks, counts[0]
-    if num_microbatches % (p * reps):
-        what = f"{p} device{'s' * (p != 1)}" + (f" x {reps} replicas" if reps > 1 else "")
-        raise ScheduleError(
-            f"the interleaved schedule needs micro-batches in multiples of {what} = "
-            f"{p * reps}, got {num_microbatches}"
-        )
-    local = num_microbatches // reps  # micro-batches per replica pipeline
-    total = local * v  # forward (and backward) steps per device
-
-    def step(k: int, kind: Kind) -> tuple[Kind, int, int]:
-        chunk = (k // p) % v
-        return kind, (v - 1 - chunk if kind is Kind.B else chunk), (k // (p * v)) * p + k % p
-
-    schedule: Schedule = {}
-    for d in range(p):
-        warmup = min(total, (p - d - 1) * 2 + (v - 1) * p)
-        order = [step(k, Kind.F) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [step(warmup + k, Kind.F), step(k, Kind.B)]
-        order += [step(k, Kind.B) for k in range(total - warmup, total)]
-        for r in range(reps):
-            schedule[(d, r)] = [Action(c * p + d, kind, j * reps + r) for kind, c, j in order]
-    return schedule
-
-
-# -------------------------------------------------------------------------- validation
-
-
-def pipeline_width(devices: Iterable[Device], num_stages: int) -> int:
-    """Devices per replica ``p``: the number of distinct first stages when they are
-    ``0..p-1`` with ``p < num_stages`` (stages hosted round-robin, device ``d`` running
-    stages ``d, d + p, ...``), else ``num_stages``."""
-    firsts = sorted({dev[0] for dev in devices})
-    p = len(firsts)
-    return p if 0 < p < num_stages and firsts == list(range(p)) else num_stages
-
-
-def validate(
-    schedule: Schedule,
-    num_stages: int,
-    num_microbatches: int,
-    train: bool,
-    *,
-    replicas: Sequence[int] | None = None,
-) -> None:
-    """Raise :class:`ScheduleError` unless every (stage, kind, micro-batch) appears exactly
-    once, on a replica of a device hosting that stage, with a micro-batch's F and B on the same
-    device. Device ``(d, r)`` hosts stages ``s`` with ``s % p == d``, where ``p`` is the number
-    of distinct first stages (``num_stages`` unless interleaved, see :func:`interleaved`).
-    With ``replicas``, the devices must be exactly ``(s % p, 0..replicas[s]-1)``, and the
-    stages sharing a device must have equal replica counts."""
-    problems: list[str] = []
-    p = pipeline_width(schedule, num_stages)
-    if replicas is not None:
-        counts = _replica_counts(num_stages, replicas)
-        want = {(s % p, r) for s, d in enumerate(counts) for r in range(d)}
-        if set(schedule) != want:
-            problems.append(f"devices {sorted(schedule)} != expected {sorted(want)}")
-        for d in range(p):
-            shared = counts[d::p]
-            if len(set(shared)) > 1:
-                problems.append(f"stages {list(range(d, num_stages, p))} share device {d} but "
-                                f"have replica counts {shared}")
-    seen: dict[_Key, Device] = {}
-    for device, actions in schedule.items():
-        for a in actions:
-            key = (a.stage, a.kind is Kind.B, a.microbatch)
-            home = a.stage % p if 0 <= a.stage < num_stages else a.stage  # its device
-            if home != device[0]:
-                hosts = "stage" if p == num_stages else "first stage"
-                problems.append(f"{a} is on device {device} of {hosts} {device[0]}")
-            elif a.kind is Kind.B and not train:
-                problems.append(f"{a} is a backward in an inference schedule")
-            elif not 0 <= a.microbatch < num_microbatches or not 0 <= a.stage < num_stages:
-                problems.append(
-                    f"{a} is out of range ({num_stages} stages, {num_microbatches} micro-batches)"
-                )
-            elif key in seen:
-                problems.append(f"{a} appears twice (on {seen[key]} and {device})")
-            else:
-                seen[key] = device
-    for s in range(num_stages):
-        for mb in range(num_microbatches):
-            fwd, bwd = seen.get((s, False, mb)), seen.get((s, True, mb))
-            if fwd is None:
-                problems.append(f"{s}F{mb} is missing")
-            if train and bwd is None:
-                problems.append(f"{s}B{mb} is missing")
-            if train and fwd is not None and bwd is not None and fwd != bwd:
-                problems.append(f"{s}F{mb} on {fwd} but {s}B{mb} on {bwd}")
-    if problems:
-        more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise ScheduleError("invalid schedule: " + "; ".join(problems[:10]) + more)
-
-
-def render(schedule: Schedule, marked: dict[Device, int] | None = None) -> str:
-    """Step-by-device grid, one row per device; ``marked[dev] = i`` brackets step i."""
-    marked = marked or {}
-    width = max((len(str(a)) for acts in schedule.values() for a in acts), default=3) + 2
-    steps = max((len(acts) for acts in schedule.values()), default=0)
-    lines = ["device  " + "".join(f"{i:^{width}}" for i in range(steps)).rstrip()]
-    for dev in sorted(schedule):
-        cells = [
-            f"[{a}]" if marked.get(dev) == i else f" {a} " for i, a in enumerate(schedule[dev])
-        ]
-        lines.append(f"{dev[0]},{dev[1]:<5} " + "".join(f"{c:^{width}}" for c in cells))
-    return "\n".join(line.rstrip() for line in lines)
-
-
-# --------------------------------------------------------------------------- simulation
-
-
-def _dependencies(a: Action, last: int) -> list[tuple[_Key, int]]:
+def _dependencies(a: Action, last: int) -> list[tuple[ActionKey, int]]:
     """(action, boundary whose send time applies or -1) that ``a`` waits for."""
     s, mb = a.stage, a.microbatch
     if a.kind is Kind.F:
@@ -359,6 +101,32 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     The number of micro-batches and train/inference are read from the schedule.
     Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
     """
+    num_mb, train = _checked_shape(schedule, costs)
+    num_stages = len(costs.stages)
+    width = pipeline_width(schedule, num_stages)  # devices per replica
+    engine = _Engine(schedule, costs, shared=width < num_stages)
+    engine.run()
+    finish = max(engine.free.values(), default=0.0)
+    allreduce = _allreduce(costs, engine.free, width) if train else {}
+    finish = max([finish, *(t1 for _, t1 in allreduce.values())])
+    memory = _memory(engine, width, train)
+    peak = engine.peak if train else dict.fromkeys(schedule, 0)
+    engine.timeline.sort(key=lambda item: (item[2], item[0]))
+    busy = engine.busy
+    return SimResult(
+        iteration_ms=finish,
+        throughput_per_s=num_mb / finish * 1000.0 if finish > 0 else float("inf"),
+        bubble_fraction=1.0 - sum(busy.values()) / (len(schedule) * finish) if finish else 0.0,
+        busy_ms=busy,
+        peak_inflight=peak,
+        peak_memory_bytes=memory,
+        timeline=engine.timeline,
+        allreduce=allreduce,
+    )
+
+
+def _checked_shape(schedule: Schedule, costs: PipelineCosts) -> tuple[int, bool]:
+    """The schedule's micro-batch count and whether it trains, once it and ``costs`` agree."""
     num_stages = len(costs.stages)
     if len(costs.send_ms) != num_stages - 1:
         raise ScheduleError(
@@ -369,96 +137,110 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     num_mb = max((a.microbatch for a in all_actions), default=-1) + 1
     train = any(a.kind is Kind.B for a in all_actions)
     validate(schedule, num_stages, num_mb, train, replicas=[s.replicas for s in costs.stages])
-    width = pipeline_width(schedule, num_stages)  # devices per replica
-    shared = width < num_stages  # some device hosts several stages
+    return num_mb, train
 
-    last = num_stages - 1
-    end: dict[_Key, float] = {}
-    pos = dict.fromkeys(schedule, 0)
-    free = dict.fromkeys(schedule, 0.0)
-    inflight = dict.fromkeys(schedule, 0)
-    peak = dict.fromkeys(schedule, 0)
-    stashed = dict.fromkeys(schedule, 0.0)  # activation bytes held (several stages per device)
-    peak_stashed = dict.fromkeys(schedule, 0.0)
-    busy = dict.fromkeys(schedule, 0.0)
-    timeline: list[tuple[Device, Action, float, float]] = []
-    # Worklist: a device runs its actions until one waits for an action not yet done, then
-    # waits on that action's key and is woken when it ends. Every action is handled once; an
-    # action's start depends only on its dependencies and its device, so the order of handling
-    # does not change the result.
-    waiting: dict[_Key, list[Device]] = {}
-    work = list(reversed(schedule))
-    while work:
-        dev = work.pop()
-        actions = schedule[dev]
-        while pos[dev] < len(actions):
-            a = actions[pos[dev]]
-            deps = _dependencies(a, last)
-            missing = next((d for d, _ in deps if d not in end), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(dev)
-                break
-            ready = max(
-                (end[d] + (costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps), default=0.0
-            )
-            stage = costs.stages[a.stage]
-            forward = a.kind is Kind.F
-            duration = stage.forward_ms if forward else stage.backward_ms
-            start = max(free[dev], ready)
-            key = (a.stage, not forward, a.microbatch)
-            end[key] = free[dev] = start + duration
-            busy[dev] += duration
-            timeline.append((dev, a, start, start + duration))
-            inflight[dev] += 1 if forward else -1
-            peak[dev] = max(peak[dev], inflight[dev])
-            if shared:
-                stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
-                peak_stashed[dev] = max(peak_stashed[dev], stashed[dev])
-            pos[dev] += 1
-            work.extend(reversed(waiting.pop(key, [])))
-    if len(end) < len(all_actions):
-        raise ScheduleError(_deadlock_message(schedule, pos, end, last))
 
-    finish = max(free.values(), default=0.0)
-    allreduce: dict[int, tuple[float, float]] = {}
-    if train:
-        for s, stage in enumerate(costs.stages):
-            if stage.allreduce_ms > 0:
-                t0 = max(free[(s % width, r)] for r in range(stage.replicas))
-                for r in range(stage.replicas):
-                    free[(s % width, r)] = t0 + stage.allreduce_ms
-                allreduce[s] = (t0, t0 + stage.allreduce_ms)
-                finish = max(finish, t0 + stage.allreduce_ms)
+class _Engine:
+    """The event engine: plays every device's actions and keeps each device's figures."""
 
+    def __init__(self, schedule: Schedule, costs: PipelineCosts, *, shared: bool) -> None:
+        self.schedule, self.costs = schedule, costs
+        self.shared = shared  # some device hosts several stages
+        self.last = len(costs.stages) - 1
+        self.end: dict[ActionKey, float] = {}
+        self.pos = dict.fromkeys(schedule, 0)
+        self.free = dict.fromkeys(schedule, 0.0)
+        self.inflight = dict.fromkeys(schedule, 0)
+        self.peak = dict.fromkeys(schedule, 0)
+        self.stashed = dict.fromkeys(schedule, 0.0)  # activation bytes held (shared devices)
+        self.peak_stashed = dict.fromkeys(schedule, 0.0)
+        self.busy = dict.fromkeys(schedule, 0.0)
+        self.timeline: list[tuple[Device, Action, float, float]] = []
+
+    def run(self) -> None:
+        """Run every action once; raise :class:`ScheduleError` on a deadlock.
+
+        Worklist: a device runs its actions until one waits for an action not yet done, then
+        waits on that action's key and is woken when it ends. Every action is handled once; an
+        action's start depends only on its dependencies and its device, so the order of
+        handling does not change the result.
+        """
+        schedule = self.schedule
+        waiting: dict[ActionKey, list[Device]] = {}
+        work = list(reversed(schedule))
+        while work:
+            dev = work.pop()
+            actions = schedule[dev]
+            while self.pos[dev] < len(actions):
+                a = actions[self.pos[dev]]
+                deps = _dependencies(a, self.last)
+                missing = next((d for d, _ in deps if d not in self.end), None)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(dev)
+                    break
+                key = self._execute(dev, a, deps)
+                self.pos[dev] += 1
+                work.extend(reversed(waiting.pop(key, [])))
+        if len(self.end) < sum(len(acts) for acts in schedule.values()):
+            raise ScheduleError(_deadlock_message(schedule, self.pos, self.end, self.last))
+
+    def _execute(self, dev: Device, a: Action, deps: list[tuple[ActionKey, int]]) -> ActionKey:
+        """Run ``a`` on ``dev`` once the device is free and ``deps`` (all done) have arrived."""
+        ready = max(
+            (self.end[d] + (self.costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps),
+            default=0.0,
+        )
+        stage = self.costs.stages[a.stage]
+        forward = a.kind is Kind.F
+        duration = stage.forward_ms if forward else stage.backward_ms
+        start = max(self.free[dev], ready)
+        key = (a.stage, not forward, a.microbatch)
+        self.end[key] = self.free[dev] = start + duration
+        self.busy[dev] += duration
+        self.timeline.append((dev, a, start, start + duration))
+        self.inflight[dev] += 1 if forward else -1
+        self.peak[dev] = max(self.peak[dev], self.inflight[dev])
+        if self.shared:
+            self.stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
+            self.peak_stashed[dev] = max(self.peak_stashed[dev], self.stashed[dev])
+        return key
+
+
+def _allreduce(
+    costs: PipelineCosts, free: dict[Device, float], width: int
+) -> dict[int, tuple[float, float]]:
+    """Each stage's all-reduce window, in stage order, once all of its replicas' devices are
+    free; ``free`` moves on past each window."""
+    windows: dict[int, tuple[float, float]] = {}
+    for s, stage in enumerate(costs.stages):
+        if stage.allreduce_ms > 0:
+            t0 = max(free[(s % width, r)] for r in range(stage.replicas))
+            for r in range(stage.replicas):
+                free[(s % width, r)] = t0 + stage.allreduce_ms
+            windows[s] = (t0, t0 + stage.allreduce_ms)
+    return windows
+
+
+def _memory(engine: _Engine, width: int, train: bool) -> dict[Device, float]:
+    """Peak bytes per device (see :class:`SimResult`)."""
+    stages = engine.costs.stages
     memory: dict[Device, float] = {}
-    for dev, actions in schedule.items():
-        hosted = [costs.stages[s] for s in range(dev[0], num_stages, width)]
+    for dev, actions in engine.schedule.items():
+        hosted = [stages[s] for s in range(dev[0], len(stages), width)]
         static = sum(stage.static_bytes for stage in hosted)
         if not train:  # the micro-batch being computed, of the largest stage it runs
             ran = {a.stage for a in actions}
-            largest = max((costs.stages[s].activation_bytes for s in ran), default=0.0)
+            largest = max((stages[s].activation_bytes for s in ran), default=0.0)
             memory[dev] = device_bytes(static, largest, 1 if ran else 0)
-        elif shared:
-            memory[dev] = device_bytes(static, peak_stashed[dev], 1)
+        elif engine.shared:
+            memory[dev] = device_bytes(static, engine.peak_stashed[dev], 1)
         else:
-            memory[dev] = device_bytes(static, hosted[0].activation_bytes, peak[dev])
-    if not train:
-        peak = dict.fromkeys(schedule, 0)
-    timeline.sort(key=lambda item: (item[2], item[0]))
-    return SimResult(
-        iteration_ms=finish,
-        throughput_per_s=num_mb / finish * 1000.0 if finish > 0 else float("inf"),
-        bubble_fraction=1.0 - sum(busy.values()) / (len(schedule) * finish) if finish else 0.0,
-        busy_ms=busy,
-        peak_inflight=peak,
-        peak_memory_bytes=memory,
-        timeline=timeline,
-        allreduce=allreduce,
-    )
+            memory[dev] = device_bytes(static, hosted[0].activation_bytes, engine.peak[dev])
+    return memory
 
 
 def _deadlock_message(
-    schedule: Schedule, pos: dict[Device, int], end: dict[_Key, float], last: int
+    schedule: Schedule, pos: dict[Device, int], end: dict[ActionKey, float], last: int
 ) -> str:
     stuck = {dev: i for dev, i in pos.items() if i < len(schedule[dev])}
     waits = []
@@ -477,8 +259,7 @@ def _deadlock_message(
         + render(schedule, stuck)
     )
 
-
-# ------------------------------------------------------------------------- closed forms
+# --------------------------------------------------------------- closed forms
 
 
 def bubble_closed_form(p: int, m: int) -> float:

@@ -53,7 +53,7 @@ from onnx_partition.runtime.rank import (
     serve_rank,
 )
 from onnx_partition.runtime.stages import check_devices, verify_plan_folder
-from onnx_partition.runtime.torchrun import main_worker
+from onnx_partition.runtime.torchrun import check_world_size, main_worker
 from onnx_partition.runtime.wire import Env
 
 __all__ = [
@@ -129,9 +129,8 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     lay = layout(plan)
     if device == "cpu":
         lay = replace(lay, devices=[["cpu"] * len(d) for d in lay.devices])
-    if nproc is not None and nproc != lay.world_size:
-        raise PartitionError(f"the plan has {lay.world_size} stage replicas "
-                             f"({' + '.join(map(str, lay.replicas))}); got {nproc} processes")
+    if nproc is not None:
+        check_world_size(lay, nproc)
     return plan, lay, choose_backend(lay, backend, one_machine=True)
 
 

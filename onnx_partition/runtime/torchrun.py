@@ -30,6 +30,7 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime.launcher import bind_gloo_to_loopback
 from onnx_partition.runtime.rank import (
     DistStats,
+    Layout,
     RankConfig,
     check_feeds,
     choose_backend,
@@ -63,9 +64,7 @@ def main_worker(
     lay = layout(plan)
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
         microbatches = plan_microbatches(plan)
-    if world != lay.world_size:
-        raise PartitionError(f"the plan has {lay.world_size} stage replicas "
-                             f"({' + '.join(map(str, lay.replicas))}); got {world} processes")
+    check_world_size(lay, world)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
     config = RankConfig(folder, plan, lay, choose_backend(lay, backend), microbatches,
@@ -80,6 +79,13 @@ def main_worker(
         return serve_rank(config, rank, feeds if rank == 0 else None, None)
     except Exception as exc:
         raise StageFailed(f"{lay.name(rank)} failed: {one_line(exc)}") from exc
+
+
+def check_world_size(lay: Layout, processes: int) -> None:
+    """One process per stage replica of the plan, or a clear error."""
+    if processes != lay.world_size:
+        raise PartitionError(f"the plan has {lay.world_size} stage replicas "
+                             f"({' + '.join(map(str, lay.replicas))}); got {processes} processes")
 
 
 def _parser() -> argparse.ArgumentParser:

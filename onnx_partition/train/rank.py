@@ -6,8 +6,8 @@ replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ be
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
 model input read late travels hop by hop.
 
-**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of :func:`simulate.one_f_one_b` or
-:func:`simulate.gpipe` with the plan's replica counts, action by action:
+**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of :func:`schedules.one_f_one_b` or
+:func:`schedules.gpipe` with the plan's replica counts, action by action:
 
 * ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
   the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
@@ -47,7 +47,7 @@ from onnx_partition.errors import one_line
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.launcher import RankFailure
 from onnx_partition.runtime.rank import EXIT_RANK_ENV, Layout, layout
-from onnx_partition.simulate import Kind, Schedule, gpipe, one_f_one_b
+from onnx_partition.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.train.comm import Tensors, TensorWire
 from onnx_partition.train.reference import make_optimizer
 
@@ -122,6 +122,39 @@ class _Stash:
     sent: Tensors  # tensors sent on (autograd graph kept), or {"": loss} on the last stage
 
 
+@dataclass(frozen=True)
+class _Rank:
+    """What this rank keeps through training: its stage, its place and its wire."""
+
+    lay: Layout
+    k: int  # the stage served
+    stage: StageLike
+    module: torch.nn.Module
+    loss_fn: LossFn
+    wire: TensorWire
+    device: torch.device
+    count: int  # micro-batches per step
+    model_inputs: set[str]
+    model_outputs: list[str]
+    exit_hook: bool  # test hook: die after the first forward
+
+    @property
+    def last(self) -> bool:
+        return self.k == self.lay.stages - 1
+
+
+@dataclass
+class _Step:
+    """One step's state on this rank: its batch, the stashed micro-batches and the sums."""
+
+    inputs: Tensors
+    targets: Tensors
+    stash: dict[int, _Stash] = field(default_factory=dict)
+    fwd: float = 0.0  # seconds of forward compute (with the loss)
+    bwd: float = 0.0  # seconds of backward compute
+    loss_sum: float = 0.0
+
+
 def train_stages(
     stages: Sequence[StageLike],
     loss_fn: LossFn,
@@ -144,123 +177,141 @@ def train_stages(
         torch.set_num_threads(config.threads)
     lay = layout(plan)
     k, replica = lay.place(rank)
-    last = k == lay.stages - 1
-    stage = stages[k]
-    module = stage.module.to(device).train()
-    model_inputs = {s.name for s in plan.inputs}
-    model_outputs = [s.name for s in plan.outputs]
-    count = config.microbatches
-    actions = build_schedule(config.schedule, lay.replicas, count)[(k, replica)]
+    module = stages[k].module.to(device).train()
+    actions = build_schedule(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
 
     # Every rank creates every group, in the same order (torch.distributed requires it).
     stage_group = _group_for(lay, [s for s in range(lay.stages)], k)
-    tied_sets = tied_groups(stages)
-    my_tied = []
-    for stage_set in tied_sets:
-        group = dist.new_group(ranks=[q for s in stage_set for q in _ranks(lay, s)])
-        if k in stage_set:
-            names = sorted(n for n, s in stage.tied.items() if tuple(sorted(s)) == stage_set)
-            my_tied.append((group, names))
+    my_tied = _tied_groups_here(lay, stages, k)
     tied_names = {n for _, names in my_tied for n in names}
     params = dict(module.named_parameters())
     optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr)
     wire = TensorWire(device, lay.name)
     dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
-    exit_hook = os.environ.get(EXIT_RANK_ENV) == str(rank)
+    me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs],
+               os.environ.get(EXIT_RANK_ENV) == str(rank))
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
     for step in range(config.steps):
         began = time.perf_counter()
-        inputs: Tensors = {}
-        targets: Tensors = {}
-        if k == 0 or last:
-            inputs, targets = batches(step)
-        stash: dict[int, _Stash] = {}
-        fwd = bwd = 0.0
-        loss_sum = 0.0
+        st = _Step(*(batches(step) if k == 0 or me.last else ({}, {})))
         optimizer.zero_grad(set_to_none=True)
         for action in actions:
-            m = action.microbatch
             result.actions.append(str(action))
             if action.kind is Kind.F:
-                if k == 0:
-                    env = {n: v.to(device) for n, v in
-                           microbatch({n: inputs[n] for n in lay.recv_names[0]}, m, count).items()}
-                else:
-                    env = wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
-                leaves = {}
-                for n in list(env):
-                    if env[n].is_floating_point() and n not in model_inputs:
-                        env[n] = leaves[n] = env[n].detach().requires_grad_()
-                t0 = _now(device)
-                try:
-                    outs = module(*[env[n] for n in stage.inputs])
-                    if isinstance(outs, torch.Tensor):
-                        outs = (outs,)
-                    env.update(zip(stage.outputs, outs, strict=True))
-                    if last:
-                        got = {n: env[n] for n in model_outputs}
-                        want = {n: v.to(device) for n, v in microbatch(targets, m, count).items()}
-                        loss = loss_fn(got, want) / count
-                except Exception as exc:
-                    raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-                fwd += _now(device) - t0
-                if last:
-                    loss_sum += float(loss.detach())
-                    stash[m] = _Stash(leaves, {"": loss})
-                else:
-                    sent = {n: env[n] for n in lay.send_names[k]}
-                    wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent)
-                    stash[m] = _Stash(leaves, sent)
-                result.peak_inflight = max(result.peak_inflight, len(stash))
-                if exit_hook:
+                _forward(me, st, action)
+                result.peak_inflight = max(result.peak_inflight, len(st.stash))
+                if me.exit_hook:
                     os._exit(1)  # test hook: die mid-step
             else:
-                held = stash.pop(m)
-                grads: list[torch.Tensor | None]
-                if last:
-                    roots, grads = [held.sent[""]], [None]
-                else:
-                    names = _grad_names(held.sent, lay.send_names[k], model_inputs)
-                    got = wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
-                    pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
-                    roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-                t0 = _now(device)
-                try:
-                    if roots:
-                        torch.autograd.backward(roots, grads)
-                except Exception as exc:
-                    raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-                bwd += _now(device) - t0
-                if k > 0:
-                    names = _grad_names(held.leaves, lay.recv_names[k], model_inputs)
-                    back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
-                    wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
+                _backward(me, st, action)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
         optimizer.step()
-        # One small all-reduce per step: rank 0 learns the loss and every rank's times.
-        row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
-        row[rank] = torch.tensor([fwd * 1000.0, bwd * 1000.0, loss_sum], dtype=torch.float64)
-        wired = row.to(device)
-        dist.all_reduce(wired)
-        table = wired.cpu()
-        ms = (time.perf_counter() - began) * 1000.0
-        result.step_ms.append(ms)
-        result.forward_ms.append(fwd * 1000.0)
-        result.backward_ms.append(bwd * 1000.0)
-        if rank == 0:
-            result.loss.append(float(table[:, 2].sum()))
-            result.table.append([float(v) for v in table[:, :2].reshape(-1)])
-            if config.verbose:
-                rows = next(iter(inputs.values())).shape[0] if inputs else 0
-                print(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows),
-                      flush=True)
+        _record_step(me, st, result, step, began, verbose=config.verbose)
         if step + 1 in config.check_steps:
             result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
     if config.keep_state and replica == 0:
         result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
     return result
+
+
+def _tied_groups_here(lay: Layout, stages: Sequence[StageLike],
+                      k: int) -> list[tuple[Any, list[str]]]:
+    """Create every tied group (on every rank); those of stage ``k``, each with the names of the
+    parameters it sums."""
+    mine = []
+    for stage_set in tied_groups(stages):
+        group = dist.new_group(ranks=[q for s in stage_set for q in _ranks(lay, s)])
+        if k in stage_set:
+            names = sorted(n for n, s in stages[k].tied.items() if tuple(sorted(s)) == stage_set)
+            mine.append((group, names))
+    return mine
+
+
+def _forward(me: _Rank, st: _Step, action: Action) -> None:
+    """``kF m``: take micro-batch ``m``'s tensors, run the stage (and on the last stage the
+    loss), send the relay set on and stash what the backward needs."""
+    lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
+    if k == 0:
+        env = {n: v.to(device) for n, v in
+               microbatch({n: st.inputs[n] for n in lay.recv_names[0]}, m, count).items()}
+    else:
+        env = me.wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
+    leaves = {}
+    for n in list(env):
+        if env[n].is_floating_point() and n not in me.model_inputs:
+            env[n] = leaves[n] = env[n].detach().requires_grad_()
+    t0 = _now(device)
+    try:
+        outs = me.module(*[env[n] for n in me.stage.inputs])
+        if isinstance(outs, torch.Tensor):
+            outs = (outs,)
+        env.update(zip(me.stage.outputs, outs, strict=True))
+        if me.last:
+            got = {n: env[n] for n in me.model_outputs}
+            want = {n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
+            loss = me.loss_fn(got, want) / count
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    st.fwd += _now(device) - t0
+    if me.last:
+        st.loss_sum += float(loss.detach())
+        st.stash[m] = _Stash(leaves, {"": loss})
+    else:
+        sent = {n: env[n] for n in lay.send_names[k]}
+        me.wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent)
+        st.stash[m] = _Stash(leaves, sent)
+
+
+def _backward(me: _Rank, st: _Step, action: Action) -> None:
+    """``kB m``: receive the gradients of what was sent on, backpropagate them and send the
+    leaves' gradients back."""
+    lay, k, m = me.lay, me.k, action.microbatch
+    held = st.stash.pop(m)
+    grads: list[torch.Tensor | None]
+    if me.last:
+        roots, grads = [held.sent[""]], [None]
+    else:
+        names = _grad_names(held.sent, lay.send_names[k], me.model_inputs)
+        got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
+        pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
+        roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+    t0 = _now(me.device)
+    try:
+        if roots:
+            torch.autograd.backward(roots, grads)
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    st.bwd += _now(me.device) - t0
+    if k > 0:
+        names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
+        back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
+        me.wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
+
+
+def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: float, *,
+                 verbose: bool) -> None:
+    """Add the step's figures to ``result``. One small all-reduce per step: rank 0 learns the
+    loss and every rank's times (and prints the step line when ``verbose``)."""
+    lay, rank = me.lay, result.rank
+    row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
+    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, st.loss_sum], dtype=torch.float64)
+    wired = row.to(me.device)
+    dist.all_reduce(wired)
+    table = wired.cpu()
+    ms = (time.perf_counter() - began) * 1000.0
+    result.step_ms.append(ms)
+    result.forward_ms.append(st.fwd * 1000.0)
+    result.backward_ms.append(st.bwd * 1000.0)
+    if rank == 0:
+        result.loss.append(float(table[:, 2].sum()))
+        result.table.append([float(v) for v in table[:, :2].reshape(-1)])
+        if verbose:
+            rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
+            print(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows),
+                  flush=True)
 
 
 def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]], lay: Layout,
