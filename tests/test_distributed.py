@@ -24,7 +24,7 @@ from onnx_partition.runtime.distributed import (
     layout,
     run_distributed,
 )
-from onnx_partition.runtime.wire import SMALL_BYTES, decode_header, encode_header, pack, unpack
+from onnx_partition.runtime.wire import SMALL_BYTES
 
 # a skips stage 1; z is a graph input read only by the last stage
 SKIP = """
@@ -50,21 +50,6 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
 def named(plan_dir, outputs):
     """run_distributed's list (in the plan's output order, as onnxruntime) by output name."""
     return dict(zip([o.name for o in read_plan(plan_dir).outputs], outputs))
-
-
-def test_header_and_packing_round_trip():
-    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(True), np.zeros((0, 5)),
-              np.arange(3, dtype=np.int8), np.ones((2, 1, 1, 2), np.float16)]
-    names = [f"t{i}" for i in range(len(arrays))]
-    specs = decode_header(encode_header(7, names, arrays), 7, len(arrays))
-    assert specs == [(a.dtype, a.shape) for a in arrays]
-    for got, want in zip(unpack(pack(arrays), specs), arrays):
-        assert got.dtype == want.dtype and got.ctypes.data % 16 == 0
-        np.testing.assert_array_equal(got, want)
-    with pytest.raises(RuntimeError, match="protocol error"):
-        decode_header(encode_header(7, names, arrays), 8, len(arrays))
-    with pytest.raises(PartitionError, match="cannot be sent"):
-        encode_header(0, ["s"], [np.array(["text"], dtype=object)])
 
 
 def partition_skip(tmp_path: Path) -> Path:
