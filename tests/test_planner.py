@@ -14,11 +14,10 @@ from test_baselines import Case, chain, dags, run_on
 from onnx_partition.cost.cluster import Cluster, LinkSpec
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
-from onnx_partition.order.topo import cut_bytes
+from onnx_partition.order.topo import assign
 from onnx_partition.solve import planner
 from onnx_partition.solve.hybrid import HybridStage
 from onnx_partition.solve.planner import (
-    _assignment,
     _coarse_blocks,
     _replica_moves,
     downset_candidates,
@@ -150,11 +149,9 @@ def test_coarse_blocks_keep_narrow_points_down_to_max_positions(
     """50 unit nodes in a chain (every point narrow) and at most 10 positions: every 5th."""
     problem, _ = chain([1.0] * 50)
     order = list(range(50))
-    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
-                     problem.nbytes)
-    assert _coarse_blocks(order, problem, cuts, 2) == list(range(51))  # under the limit
+    assert _coarse_blocks(order, problem, 2).bounds == list(range(51))  # under the limit
     monkeypatch.setattr(planner, "MAX_POSITIONS", 10)
-    assert _coarse_blocks(order, problem, cuts, 2) == list(range(0, 51, 5))
+    assert _coarse_blocks(order, problem, 2).bounds == list(range(0, 51, 5))
 
 
 @settings(max_examples=20, deadline=None)
@@ -162,14 +159,11 @@ def test_coarse_blocks_keep_narrow_points_down_to_max_positions(
 def test_coarse_blocks_are_a_subset_of_the_narrow_points(case: Case, limit: int) -> None:
     problem, _ = case
     order = list(sequence_for(problem, "dfs"))
-    cuts = cut_bytes(order, problem.producer, problem.consumers, problem.is_output,
-                     problem.nbytes)
-    allowed = cluster_blocks(order, problem.producer, problem.consumers, problem.is_output,
-                             problem.compute_ms, 2).bounds
+    allowed = cluster_blocks(problem, order, problem.compute_ms, 2).bounds
     original = planner.MAX_POSITIONS
     planner.MAX_POSITIONS = limit
     try:
-        kept = _coarse_blocks(order, problem, cuts, 2)
+        kept = _coarse_blocks(order, problem, 2).bounds
     finally:
         planner.MAX_POSITIONS = original
     assert kept[0] == 0 and kept[-1] == problem.num_nodes
@@ -180,9 +174,9 @@ def test_coarse_blocks_are_a_subset_of_the_narrow_points(case: Case, limit: int)
             assert sum(problem.compute_ms[v] for v in order[lo:hi]) >= total / limit * (1 - 1e-9)
 
 
-def test_assignment_maps_sequence_positions_back_to_nodes() -> None:
-    assert _assignment([2, 0, 1], [0, 1, 3]) == [1, 1, 0]
-    assert _assignment([0, 1, 2, 3], [0, 2, 3, 4]) == [0, 0, 1, 2]
+def test_assign_maps_sequence_positions_back_to_nodes() -> None:
+    assert assign([2, 0, 1], [0, 1, 3]) == [1, 1, 0]
+    assert assign([0, 1, 2, 3], [0, 2, 3, 4]) == [0, 0, 1, 2]
 
 
 def test_replica_moves_are_one_device_away() -> None:

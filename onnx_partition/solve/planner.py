@@ -284,24 +284,28 @@ class _Tournament:
     run: RunSpec
     best: HybridPlan | None = None
     families: dict[str, dict[str, float]] = field(default_factory=dict)
-    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=set)
+    #: the lower bound of every plan weighed so far, None where it does not fit in memory
+    bounds: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = field(
+        default_factory=dict)
     by_machines: dict[int, HybridPlan] = field(default_factory=dict)
 
     def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
-        """Simulate a batch best bound first, skipping what cannot beat :attr:`best`; return
-        every new proposal that fits in memory with its bound."""
+        """Simulate a batch's new plans best bound first, skipping what cannot beat
+        :attr:`best`; return every proposal of the batch that fits in memory with its bound
+        (a plan proposed twice is simulated once, but each proposal keeps its own polish)."""
         run = self.run
         pool = []
         for proposal in batch:
             key = (tuple(proposal.stage_of), tuple(proposal.replicas))
-            if key in self.seen:
+            if key in self.bounds:
                 continue
-            self.seen.add(key)
             costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
                                            proposal.replicas, run)
+            self.bounds[key] = None
             if max(memory) <= run.cluster.memory_bytes:
-                pool.append((lower_bound_ms(costs, run.microbatches, run.train), proposal,
-                              costs, memory))
+                bound = lower_bound_ms(costs, run.microbatches, run.train)
+                self.bounds[key] = bound
+                pool.append((bound, proposal, costs, memory))
         pool.sort(key=lambda e: e[0])
         for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
             progress.step("planning: simulating proposals", played_n, len(pool))
@@ -320,7 +324,8 @@ class _Tournament:
                 self.by_machines[machines] = plan
             if self.best is None or plan.sim.iteration_ms < self.best.sim.iteration_ms:
                 self.best = plan
-        return [(bound, proposal) for bound, proposal, _, _ in pool]
+        weighed = [(self.bounds[tuple(p.stage_of), tuple(p.replicas)], p) for p in batch]
+        return [(bound, p) for bound, p in weighed if bound is not None]
 
     def play_polished_grids(self, played: list[tuple[float, Proposal]]) -> None:
         """Re-cut (polish) the grid proposals whose depth and replicas could still win: those
