@@ -100,8 +100,6 @@ g (float[N, 4] x) => (float[N, 4] y, float z)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="runtime.wire.Wire.send frames a 0-d tensor as shape "
-                   "(1,) (np.ascontiguousarray), so the 0-d output z comes back as shape (1,)")
 def test_a_0d_output_stays_0d_across_ranks(tmp_path):
     model = save(SCALAR, tmp_path / "m.onnx")
     partition(model, 2, tmp_path / "out", batch_size=2)

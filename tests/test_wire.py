@@ -33,7 +33,7 @@ from onnx_partition.runtime.wire import (
     unpack,
 )
 
-SHAPES = [(0,), (3, 0, 2), (1,), (2, 3), (1, 1, 1, 1, 1, 1, 1, 2)]  # 0-d: see the xfail
+SHAPES = [(), (0,), (3, 0, 2), (1,), (2, 3), (1, 1, 1, 1, 1, 1, 1, 2)]
 
 
 def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -141,8 +141,6 @@ def test_send_frames_header_packed_small_then_each_large_tensor() -> None:
     assert len(wire.sent) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="Wire.send frames a 0-d tensor as shape (1,): "
-                   "np.ascontiguousarray returns at least one dimension")
 def test_send_keeps_a_0d_tensor_0d() -> None:
     wire = _Captured()
     wire.send(1, 0, ["s"], {"s": np.array(2.5, np.float32)}, [])

@@ -127,7 +127,7 @@ class Wire:
         """Start sending ``env[names]`` for micro-batch ``m``; handles go to ``pending``."""
         arrays = []
         for n in names:
-            a = np.ascontiguousarray(env[n])
+            a = np.require(env[n], requirements="C")  # keeps 0-d arrays 0-d
             arrays.append(a if a.flags.writeable else a.copy())
         self._isend(encode_header(m, names, arrays), dst, pending)
         small = [a for a in arrays if a.nbytes < SMALL_BYTES]
