@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper, numpy_helper
 from torch import nn
 
 from onnx_partition import export
@@ -21,7 +22,7 @@ from onnx_partition.fxtag import fx_node_name, fx_unit
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.train.reference import make_optimizer, reference_train, split_rows
-from onnx_partition.train.save import save_trained
+from onnx_partition.train.save import _replace, save_trained
 from onnx_partition.train.stages import require_trainable, stage_modules, whole_module
 from onnx_partition.train.task import task_for
 
@@ -298,3 +299,21 @@ def test_export_refuses_a_program_path(tmp_path: Path) -> None:
     with pytest.raises(PartitionError, match=r"must not end in \.pt2"):
         export(nn.Linear(2, 2), (torch.randn(2, 2),), tmp_path / "b.pt2")
     assert not any(tmp_path.iterdir())
+
+
+def test_trained_weights_keep_their_shape_and_dtype_even_0d() -> None:
+    """A scalar initializer stays 0-d (np.ascontiguousarray made it shape [1]); dtypes are the
+    initializer's own; names not trained are left alone."""
+    graph = helper.make_graph(
+        [], "g", [], [],
+        initializer=[numpy_helper.from_array(np.array(1.0, np.float16), "scale"),
+                     numpy_helper.from_array(np.zeros((2, 3), np.float32), "w"),
+                     numpy_helper.from_array(np.ones(2, np.float32), "kept")])
+    model = helper.make_model(graph)
+    trained = {"scale": torch.tensor(2.5), "w": torch.arange(6.0).reshape(2, 3)}
+    assert _replace(model, trained) == 2
+    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert out["scale"].shape == () and out["scale"].dtype == np.float16 and out["scale"] == 2.5
+    np.testing.assert_array_equal(out["w"], np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(out["kept"], np.ones(2))
+    onnx.checker.check_model(model)

@@ -104,7 +104,7 @@ def _replace(model: onnx.ModelProto, values: Mapping[str, torch.Tensor]) -> int:
         if tuple(tensor.dims) != array.shape:
             raise PartitionError(f"trained {tensor.name!r} has shape {list(array.shape)}, the "
                                  f"initializer {list(tensor.dims)}")
-        tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array.astype(old)),
+        tensor.CopyFrom(numpy_helper.from_array(np.require(array.astype(old), requirements="C"),
                                                 tensor.name))
         count += 1
     return count
