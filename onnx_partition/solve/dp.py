@@ -28,6 +28,8 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 
+__all__ = ["SequenceSplit", "split_sequence", "stage_times"]
+
 
 @dataclass(frozen=True)
 class SequenceSplit:

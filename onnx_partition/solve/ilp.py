@@ -47,7 +47,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.search import split_order
 
-__all__ = ["DagProblem", "IlpResult", "solve_ilp"]  # DagProblem re-exported from .problem
+__all__ = ["IlpResult", "solve_ilp"]
 
 # The largest conceivable stage time maps to [_TARGET_UNITS, 10 * _TARGET_UNITS) integer units.
 _TARGET_UNITS = 1_000_000

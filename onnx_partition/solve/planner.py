@@ -48,6 +48,11 @@ from onnx_partition.solve.scoring import (
 from onnx_partition.solve.search import polish_split, sequence_for
 from onnx_partition.solve.stage_model import ring_allreduce_ms
 
+__all__ = ["DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH", "LONG_POLISH",
+           "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",
+           "downset_candidates", "dp_candidates", "estimate_ms", "grid_candidates",
+           "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for"]
+
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
 HYBRID_ORDERINGS = ("topo", "dfs", "minlive")

@@ -19,6 +19,8 @@ import numpy as np
 
 from onnx_partition.solve.problem import DagProblem
 
+__all__ = ["refine"]
+
 
 class _State:
     """Assignment, per-stage compute and per-boundary bytes, updated move by move."""

@@ -37,6 +37,10 @@ from onnx_partition.solve.stage_model import (
     static_bytes,
 )
 
+__all__ = ["HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
+           "lower_bound_ms", "node_arrays", "pipeline_costs", "score", "simulated",
+           "stage_totals", "totals_costs"]
+
 
 @dataclass(frozen=True)
 class NodeArrays:

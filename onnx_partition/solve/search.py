@@ -24,6 +24,9 @@ from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 
+__all__ = ["ORDERINGS", "Candidate", "best_split", "polish_split", "sequence_for",
+           "solve_ordering", "split_order"]
+
 ORDERINGS = ("topo", "dfs", "minlive", "cluster")
 
 

@@ -54,6 +54,10 @@ from typing import TypeVar
 
 import numpy as np
 
+__all__ = ["SCHEDULES", "Num", "StageBytes", "boundary_step", "device_bytes", "memory_per_device",
+           "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms", "stash_bytes",
+           "static_bytes"]
+
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 SCHEDULES = ("1f1b", "gpipe", "infer")
 
