@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, read_json
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
@@ -113,11 +113,7 @@ def read_plan(folder: str | os.PathLike[str]) -> Plan:
     path = Path(folder) / PLAN_FILE
     if not path.is_file():
         raise PartitionError(f"{folder} is not a plan folder (no {PLAN_FILE})")
-    try:
-        body = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read {path}: {exc}") from None
-    return Plan.from_json(body)
+    return Plan.from_json(read_json(path, "plan"))
 
 
 def write_plan(plan: Plan, folder: Path) -> None:

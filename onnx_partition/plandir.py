@@ -27,7 +27,6 @@ import ctypes
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import uuid
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.plan import PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
 MANIFEST = "manifest"
@@ -373,8 +372,5 @@ def write_file(
 
 def read_body(folder: Path) -> dict[str, Any]:
     """plan.json of ``folder`` as a plain dict (for callers that wrote it themselves)."""
-    try:
-        body: dict[str, Any] = json.loads((folder / PLAN_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read {folder / PLAN_FILE}: {exc}") from None
+    body: dict[str, Any] = read_json(folder / PLAN_FILE, "plan")
     return body
