@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from onnx_partition import __version__, values
-from onnx_partition.cost.cluster import Cluster, LinkSpec, load_cluster, parse_bytes
+from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
@@ -365,7 +365,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 def _partition(args: argparse.Namespace) -> int:
     from onnx_partition.cost.devices import device_for
-    from onnx_partition.partition import Link, partition, priced_by
+    from onnx_partition.partition import partition, priced_by
     from onnx_partition.report import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -454,8 +454,8 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
     default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
                    kind=args.device_kind, gpu=args.gpu,
-                   intra=LinkSpec(args.bandwidth, args.latency),
-                   inter=LinkSpec(
+                   intra=Link(args.bandwidth, args.latency),
+                   inter=Link(
                        default.inter.bandwidth_gbps if args.inter_bandwidth is None
                        else args.inter_bandwidth,
                        default.inter.latency_ms if args.inter_latency is None

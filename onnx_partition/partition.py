@@ -11,14 +11,13 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import NodeCosts, annotate, costs_device, read_costs
-from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
     batch_size_of,
@@ -87,18 +86,6 @@ def unit_problem(
 
 def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[float]:
     return [float(sum(values[i] for i in m)) for m in members]
-
-
-@dataclass(frozen=True)
-class Link:
-    """The link between neighbouring stages."""
-
-    bandwidth_gbps: float = 10.0  # GB/s; CPU processes on one machine copy at memory speed
-    latency_ms: float = 0.02
-
-    @property
-    def bytes_per_ms(self) -> float:
-        return self.bandwidth_gbps * 1e6 if self.bandwidth_gbps > 0 else math.inf
 
 
 def partition(
@@ -301,7 +288,7 @@ def plan_on_cluster(
     microbatches: int = 8,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
-    link = Link(cluster.intra.bandwidth_gbps, cluster.intra.latency_ms)
+    link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
         _check_stages(num_stages, problem.num_nodes)
