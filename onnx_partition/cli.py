@@ -447,9 +447,7 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
             raise PartitionError(f"{name} must be >= 0, got {value}")
     memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
     if args.device_memory:
-        from onnx_partition.svg import fmt_bytes
-
-        _say(f"device memory {args.device_memory!r} read as {fmt_bytes(memory * 1e9)} "
+        _say(f"device memory {args.device_memory!r} read as {values.fmt_bytes(memory * 1e9)} "
              f"({memory * 1e9:,.0f} bytes) per device")
     default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,

@@ -60,7 +60,7 @@ from onnx_partition.simulate import (
     render,
     simulate,
 )
-from onnx_partition.svg import fmt_bytes
+from onnx_partition.values import fmt_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
 #: Assumed backward / forward ratio when a plan stores only forward + backward.

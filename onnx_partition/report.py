@@ -22,14 +22,13 @@ from onnx_partition.svg import (
     DagNode,
     Segment,
     esc,
-    fmt_bytes,
     fmt_ms,
     gantt,
     hbar_chart,
     layered_dag,
-    sig3,
     stage_colour,
 )
+from onnx_partition.values import fmt_bytes, sig3
 
 
 def _mb(nbytes: float) -> str:
