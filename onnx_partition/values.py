@@ -181,6 +181,18 @@ def input_shape(item: str) -> tuple[str, list[int]]:
     return name, dims
 
 
+
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def device_index(device: str) -> int | None:
+    """A device name: ``cpu`` -> None, ``cuda`` / ``cuda:N`` -> its CUDA index (0 / N); else
+    a PartitionError. Whether this machine has CUDA is the caller's question."""
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
+        raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
+    return None if device == "cpu" else int(match.group(1) or 0)
+
 # --------------------------------------------------------------------------- printing numbers
 
 
