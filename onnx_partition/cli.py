@@ -393,7 +393,7 @@ def _partition(args: argparse.Namespace) -> int:
         force=args.force,
     )
     stop_bar()
-    costs_check = plan.extra.get("costs", {}).get("check", {})
+    costs_check = plan.costs.get("check", {})
     for note in costs_check.get("notes", []):
         print(note, file=sys.stderr)
     if args.json:
@@ -404,10 +404,11 @@ def _partition(args: argparse.Namespace) -> int:
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
     print(priced_by(plan))
-    if plan.extra["device_model"].get("warning"):
-        print(f"warning: {plan.extra['device_model']['warning']}", file=sys.stderr)
+    warning = (plan.device_model or {}).get("warning")
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
-         f"in {plan.extra.get('partition_s', 0):.2f} s")
+         f"in {plan.partition_s or 0:.2f} s")
     return 0
 
 

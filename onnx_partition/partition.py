@@ -142,12 +142,12 @@ def partition(
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
-    plan.extra["batch_size"] = batch_size_of(graph)  # rows per micro-batch
+    plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
-    plan.extra["device_model"] = priced
-    plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
+    plan.device_model = priced
+    plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
 
@@ -205,8 +205,8 @@ def device_model(device: DeviceSpec | None, costs: str | os.PathLike[str] | None
 
 def priced_by(plan: Plan) -> str:
     """One line naming what priced ``plan`` (its ``device_model``), for the summary."""
-    model = plan.extra.get("device_model")
-    if not isinstance(model, dict):
+    model = plan.device_model
+    if model is None:
         return "priced by: unknown (plan.json has no device_model)"
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"

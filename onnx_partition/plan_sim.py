@@ -39,7 +39,6 @@ throughput can exceed its ``predicted.throughput_per_s``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -91,9 +90,9 @@ def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
 
 
 def _given(plan: Plan, key: str, length: int) -> list[float] | None:
-    """``plan.extra["simulator_costs"][key]`` as floats, if present and well formed."""
-    raw: Any = plan.extra.get("simulator_costs")
-    if not isinstance(raw, dict) or key not in raw:
+    """``plan.simulator_costs[key]`` as floats, if present and well formed."""
+    raw = plan.simulator_costs
+    if key not in raw:
         return None
     values = raw[key]
     if not isinstance(values, list) or len(values) != length:
@@ -122,9 +121,9 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
         send = send_times(comm, 2.0 if hybrid_train else 1.0)
     acts = _given(plan, "activation_bytes", p) or [0.0] * p
     static = _given(plan, "static_bytes", p) or memory
-    raw_allreduce = plan.extra.get("allreduce_ms")
+    raw_allreduce = plan.allreduce_ms
     allreduce = [0.0] * p
-    if isinstance(raw_allreduce, list) and len(raw_allreduce) == p:
+    if raw_allreduce is not None and len(raw_allreduce) == p:
         allreduce = [float(x) for x in raw_allreduce]
     stages = [
         StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),

@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.plan import PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
+from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
-MANIFEST = "manifest"
 #: Marks an HTML report written by this tool (its ``<head>`` holds it).
 REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
 CRASH_ENV = "ONNX_PARTITION_CRASH_AT"  # test hook: os._exit at this step of a publication
@@ -82,7 +81,7 @@ def make_manifest(folder: Path, *, sync: bool = False) -> Manifest:
 
 def manifest_of(plan: Plan, folder: Path) -> Manifest:
     """The plan's manifest, or a PartitionError when it has none."""
-    entries = plan.extra.get(MANIFEST)
+    entries = plan.manifest
     if not entries:
         raise PartitionError(f"{folder / PLAN_FILE} has no manifest of its files (written by an "
                              f"older onnx-partition?); partition the model again")

@@ -105,9 +105,8 @@ def _count(n: int, word: str) -> str:
 
 def _leading_dim(plan: Plan) -> int | None:
     """The batch size the plan was partitioned for (input dim 0), if recorded."""
-    fixed = plan.extra.get("input_shapes", {})
     for spec in plan.inputs:
-        shape = fixed.get(spec.name, spec.shape) if isinstance(fixed, dict) else spec.shape
+        shape = plan.input_shapes.get(spec.name, spec.shape)
         if shape and isinstance(shape[0], int):
             return int(shape[0])
     return None
@@ -203,8 +202,7 @@ def _header(plan: Plan) -> str:
     """The facts a reader needs first: devices (kind, count, memory), where the costs came
     from, what was planned and by which version."""
     devices = sum(s.replicas for s in plan.stages)
-    raw = plan.extra.get("cluster")
-    cluster = raw if isinstance(raw, dict) else {}
+    cluster = plan.cluster
     kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
     kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
     where = f"{devices} × {kind}"
@@ -216,9 +214,8 @@ def _header(plan: Plan) -> str:
         memory = cluster.get("memory_gb")
         where += (f", {fmt_bytes(float(memory) * 1e9)} each" if isinstance(memory, int | float)
                   else ", memory unlimited")
-    costs_info = plan.extra.get("costs")
-    source = str(costs_info.get("source", "?")) if isinstance(costs_info, dict) else "?"
-    measured = costs_info.get("measured_nodes") if isinstance(costs_info, dict) else None
+    source = str(plan.costs.get("source", "?"))
+    measured = plan.costs.get("measured_nodes")
     if source.startswith("analytic:"):
         source = f"analytic roofline model of a {source.partition(':')[2]} device (not measured)"
     elif source != "?":
@@ -228,7 +225,7 @@ def _header(plan: Plan) -> str:
     rows = [("devices", where), ("costs", source),
             ("plan", f"{plan.mode} · {len(plan.stages)} stages · ordering {plan.ordering} · "
                      f"solver {plan.solver}"),
-            ("onnx-partition", str(plan.extra.get("version", "?")))]
+            ("onnx-partition", plan.version or "?")]
     return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
 
 
@@ -358,8 +355,7 @@ def _time_chart(plan: Plan) -> str:
 
 
 def _memory_chart(plan: Plan) -> str:
-    raw = plan.extra.get("cluster")
-    limit_gb = raw.get("memory_gb") if isinstance(raw, dict) else None
+    limit_gb = plan.cluster.get("memory_gb")
     limit = float(limit_gb) * 1e9 if isinstance(limit_gb, int | float) else None
     labels, rows, texts = [], [], []
     for s in plan.stages:
@@ -438,7 +434,7 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
     if path is None or not path.is_file():
         return _note(f"Not drawn: the model file {plan.model or '(none)'} was not found "
                      "beside the plan folder.")
-    shapes = plan.extra.get("input_shapes") or None
+    shapes = plan.input_shapes or None
     try:
         graph = load(path, input_shapes=shapes)
     except (PartitionError, OSError, ValueError) as exc:
