@@ -47,6 +47,7 @@ from onnx_partition.plan import Plan
 from onnx_partition.simulate import (
     Action,
     Device,
+    Kind,
     PipelineCosts,
     Schedule,
     SimResult,
@@ -209,7 +210,7 @@ def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) ->
 
 def schedule_name(result: SimResult) -> str:
     """``infer`` for a forward-only result, else ``train`` (the timeline tells)."""
-    return "train" if any(a.kind.value == "B" for _, a, _, _ in result.timeline) else "infer"
+    return "train" if any(a.kind is Kind.B for _, a, _, _ in result.timeline) else "infer"
 
 
 def format_simulation(plan: Plan, result: SimResult) -> str:

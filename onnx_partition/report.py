@@ -12,7 +12,7 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
 from onnx_partition.plandir import REPORT_MARK, is_our_report, manifest_of, verify, write_file
-from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
+from onnx_partition.simulate import Kind, PipelineCosts, SimResult, pipeline_width
 from onnx_partition.svg import (
     ALLREDUCE,
     BACKWARD,
@@ -401,7 +401,7 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
         names.append(f"stage {s} · replica {r} · {where}")
     bars = []
     for dev, action, t0, t1 in result.timeline:
-        forward = action.kind.value == "F"
+        forward = action.kind is Kind.F
         what = "forward" if forward else "backward"
         bars.append(Bar(row_of[dev], t0, t1, stage_colour(action.stage),
                         str(action.microbatch),
@@ -413,7 +413,7 @@ def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
                             f"stage {stage} gradient all-reduce, {sig3(t0)}–{fmt_ms(t1)}",
                             faint=True))
     items = [("forward: solid, in the stage's colour", FORWARD)]
-    if any(a.kind.value == "B" for _, a, _, _ in result.timeline):
+    if any(a.kind is Kind.B for _, a, _, _ in result.timeline):
         items.append(("backward: hatched", f"hatch:{BACKWARD}"))
     if result.allreduce:
         items.append(("gradient all-reduce", "outline"))
