@@ -1,4 +1,5 @@
-"""The ``onnx-partition`` command: export, partition, run, demo.
+"""The ``onnx-partition`` command: export, profile, partition, run, train, simulate, report,
+demo. Each verb's function is here; their options are in :mod:`onnx_partition.cli_args`.
 
 Bad input prints ``error: <one line>`` and exits with code 2; a run whose outputs differ from the
 whole model's exits with code 1.

@@ -1,4 +1,5 @@
-"""The plan: which nodes go to which stage, and plan.json (the contract) read, write, validate."""
+"""The plan: which nodes go to which stage, and plan.json (the contract) read and written,
+validated by :mod:`onnx_partition.schema`."""
 
 from __future__ import annotations
 

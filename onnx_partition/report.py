@@ -1,5 +1,6 @@
 """Human-readable views of a plan: the text table printed by the CLI, and an HTML report
-(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph)."""
+(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph; the
+charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report_charts`)."""
 
 from __future__ import annotations
 
