@@ -23,7 +23,7 @@ from onnx_partition import __version__, progress
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph, external_files, iter_tensors
 from onnx_partition.plan import IOSpec, Plan
-from onnx_partition.plandir import MANIFEST, file_digest, publish, read_body
+from onnx_partition.plandir import file_digest, publish, read_body
 
 #: Initializers of at least this many bytes are stored as external data.
 EXTERNAL_THRESHOLD = 1 << 20
@@ -303,5 +303,5 @@ def emit(
     if graph.path is not None:
         plan.model = os.path.relpath(graph.path.resolve(), Path(os.path.abspath(out)).resolve())
         protect = [graph.path, *(graph.path.parent / f for f in external_files(graph.model))]
-    plan.extra[MANIFEST] = publish(out, write, force=force, protect=protect)
+    plan.manifest = publish(out, write, force=force, protect=protect)
     return plan

@@ -1,5 +1,6 @@
 """The two error classes users see: bad input (:class:`PartitionError`, exit code 2 at the
-command line) and a run that failed (:class:`StageFailed`, exit code 1)."""
+command line) and a run that failed (:class:`StageFailed`, exit code 1); an exception as one
+line (:func:`one_line`), and every JSON file read with one rule (:func:`read_json`)."""
 
 from __future__ import annotations
 

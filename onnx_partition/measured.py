@@ -57,10 +57,10 @@ def plan_batch_size(plan: Plan) -> int | None:
     """Rows per micro-batch the plan was partitioned at: plan.json ``batch_size``, else (older
     plans, or inputs with a fixed leading dim) the leading dim of ``input_shapes`` shared by the
     inputs declared with a symbolic one, or failing that by all inputs."""
-    given = plan.extra.get("batch_size")
-    if isinstance(given, int) and given > 0:
+    given = plan.batch_size
+    if given is not None and given > 0:
         return given
-    fixed = plan.extra.get("input_shapes", {})
+    fixed = plan.input_shapes
     for symbolic_only in (True, False):
         sizes = {int(fixed[s.name][0]) for s in plan.inputs if fixed.get(s.name)
                  and (not symbolic_only or (s.shape and not isinstance(s.shape[0], int)))}

@@ -11,14 +11,13 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import NodeCosts, annotate, costs_device, read_costs
-from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
     batch_size_of,
@@ -89,18 +88,6 @@ def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list
     return [float(sum(values[i] for i in m)) for m in members]
 
 
-@dataclass(frozen=True)
-class Link:
-    """The link between neighbouring stages."""
-
-    bandwidth_gbps: float = 10.0  # GB/s; CPU processes on one machine copy at memory speed
-    latency_ms: float = 0.02
-
-    @property
-    def bytes_per_ms(self) -> float:
-        return self.bandwidth_gbps * 1e6 if self.bandwidth_gbps > 0 else math.inf
-
-
 def partition(
     model: str | os.PathLike[str],
     num_stages: int | None,
@@ -155,12 +142,12 @@ def partition(
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches)
-    plan.extra["batch_size"] = batch_size_of(graph)  # rows per micro-batch
+    plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
-    plan.extra["device_model"] = priced
-    plan.extra["partition_s"] = round(time.perf_counter() - started, 4)
+    plan.device_model = priced
+    plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check)
 
@@ -218,8 +205,8 @@ def device_model(device: DeviceSpec | None, costs: str | os.PathLike[str] | None
 
 def priced_by(plan: Plan) -> str:
     """One line naming what priced ``plan`` (its ``device_model``), for the summary."""
-    model = plan.extra.get("device_model")
-    if not isinstance(model, dict):
+    model = plan.device_model
+    if model is None:
         return "priced by: unknown (plan.json has no device_model)"
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
@@ -301,7 +288,7 @@ def plan_on_cluster(
     microbatches: int = 8,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
-    link = Link(cluster.intra.bandwidth_gbps, cluster.intra.latency_ms)
+    link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
         _check_stages(num_stages, problem.num_nodes)

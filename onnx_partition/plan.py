@@ -1,4 +1,5 @@
-"""The plan: which nodes go to which stage, and plan.json (the contract) read, write, validate."""
+"""The plan: which nodes go to which stage, and plan.json (the contract) read and written,
+validated by :mod:`onnx_partition.schema`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.errors import PartitionError
+from onnx_partition.errors import PartitionError, read_json
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
+MANIFEST = "manifest"  # plan.json's key naming the folder's files (onnx_partition.plandir)
 REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a plan folder
 
 
@@ -62,6 +64,80 @@ class Plan:
     program_sha256: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
 
+    # The keys of ``extra`` that readers rely on, typed. They stay in ``extra`` so that
+    # plan.json keeps its key order; a value of the wrong JSON type reads as absent.
+
+    @property
+    def input_shapes(self) -> dict[str, list[int]]:
+        """The input shapes the model was partitioned with (``--input-shape``), by name."""
+        return _dict(self.extra.get("input_shapes"))
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows per micro-batch the plan was partitioned at."""
+        value = self.extra.get("batch_size")
+        return value if isinstance(value, int) else None
+
+    @batch_size.setter
+    def batch_size(self, value: int | None) -> None:
+        self.extra["batch_size"] = value
+
+    @property
+    def costs(self) -> dict[str, Any]:
+        """Where the costs came from: ``source``, ``measured_nodes``, ``check``..."""
+        return _dict(self.extra.get("costs"))
+
+    @property
+    def device_model(self) -> dict[str, Any] | None:
+        """What priced the plan (``onnx_partition.partition.priced_by``)."""
+        value = self.extra.get("device_model")
+        return value if isinstance(value, dict) else None
+
+    @device_model.setter
+    def device_model(self, value: dict[str, Any]) -> None:
+        self.extra["device_model"] = value
+
+    @property
+    def cluster(self) -> dict[str, Any]:
+        """The cluster planned for, as in cluster.json; empty without one."""
+        return _dict(self.extra.get("cluster"))
+
+    @property
+    def simulator_costs(self) -> dict[str, Any]:
+        """Per-stage times and sizes that replace the predicted ones in the simulator."""
+        return _dict(self.extra.get("simulator_costs"))
+
+    @property
+    def allreduce_ms(self) -> list[Any] | None:
+        """Each stage's gradient all-reduce time."""
+        value = self.extra.get("allreduce_ms")
+        return value if isinstance(value, list) else None
+
+    @property
+    def partition_s(self) -> float | None:
+        """Seconds the partitioning took."""
+        value = self.extra.get("partition_s")
+        return float(value) if isinstance(value, int | float) else None
+
+    @partition_s.setter
+    def partition_s(self, value: float) -> None:
+        self.extra["partition_s"] = value
+
+    @property
+    def version(self) -> str | None:
+        """The onnx-partition version that wrote the plan."""
+        value = self.extra.get("version")
+        return None if value is None else str(value)
+
+    @property
+    def manifest(self) -> dict[str, dict[str, Any]]:
+        """Every file of the plan folder, by relative path: ``{"size": N, "sha256": H}``."""
+        return _dict(self.extra.get(MANIFEST))
+
+    @manifest.setter
+    def manifest(self, value: dict[str, dict[str, Any]]) -> None:
+        self.extra[MANIFEST] = value
+
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT, **asdict(self)}
         body.update(body.pop("extra"))
@@ -104,6 +180,10 @@ class Plan:
 _STAGE_FIELDS = {f.name for f in fields(Stage)}
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def _io(raw: dict[str, Any]) -> IOSpec:
     return IOSpec(**{k: v for k, v in raw.items() if k in {f.name for f in fields(IOSpec)}})
 
@@ -113,11 +193,7 @@ def read_plan(folder: str | os.PathLike[str]) -> Plan:
     path = Path(folder) / PLAN_FILE
     if not path.is_file():
         raise PartitionError(f"{folder} is not a plan folder (no {PLAN_FILE})")
-    try:
-        body = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read {path}: {exc}") from None
-    return Plan.from_json(body)
+    return Plan.from_json(read_json(path, "plan"))
 
 
 def write_plan(plan: Plan, folder: Path) -> None:

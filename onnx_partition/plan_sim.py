@@ -39,7 +39,6 @@ throughput can exceed its ``predicted.throughput_per_s``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -48,6 +47,7 @@ from onnx_partition.plan import Plan
 from onnx_partition.simulate import (
     Action,
     Device,
+    Kind,
     PipelineCosts,
     Schedule,
     SimResult,
@@ -60,7 +60,7 @@ from onnx_partition.simulate import (
     render,
     simulate,
 )
-from onnx_partition.svg import fmt_bytes
+from onnx_partition.values import fmt_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
 #: Assumed backward / forward ratio when a plan stores only forward + backward.
@@ -91,9 +91,9 @@ def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
 
 
 def _given(plan: Plan, key: str, length: int) -> list[float] | None:
-    """``plan.extra["simulator_costs"][key]`` as floats, if present and well formed."""
-    raw: Any = plan.extra.get("simulator_costs")
-    if not isinstance(raw, dict) or key not in raw:
+    """``plan.simulator_costs[key]`` as floats, if present and well formed."""
+    raw = plan.simulator_costs
+    if key not in raw:
         return None
     values = raw[key]
     if not isinstance(values, list) or len(values) != length:
@@ -122,9 +122,9 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
         send = send_times(comm, 2.0 if hybrid_train else 1.0)
     acts = _given(plan, "activation_bytes", p) or [0.0] * p
     static = _given(plan, "static_bytes", p) or memory
-    raw_allreduce = plan.extra.get("allreduce_ms")
+    raw_allreduce = plan.allreduce_ms
     allreduce = [0.0] * p
-    if isinstance(raw_allreduce, list) and len(raw_allreduce) == p:
+    if raw_allreduce is not None and len(raw_allreduce) == p:
         allreduce = [float(x) for x in raw_allreduce]
     stages = [
         StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),
@@ -210,7 +210,7 @@ def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) ->
 
 def schedule_name(result: SimResult) -> str:
     """``infer`` for a forward-only result, else ``train`` (the timeline tells)."""
-    return "train" if any(a.kind.value == "B" for _, a, _, _ in result.timeline) else "infer"
+    return "train" if any(a.kind is Kind.B for _, a, _, _ in result.timeline) else "infer"
 
 
 def format_simulation(plan: Plan, result: SimResult) -> str:

@@ -27,7 +27,6 @@ import ctypes
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import uuid
@@ -35,10 +34,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.errors import PartitionError
-from onnx_partition.plan import PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
+from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
-MANIFEST = "manifest"
 #: Marks an HTML report written by this tool (its ``<head>`` holds it).
 REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
 CRASH_ENV = "ONNX_PARTITION_CRASH_AT"  # test hook: os._exit at this step of a publication
@@ -83,7 +81,7 @@ def make_manifest(folder: Path, *, sync: bool = False) -> Manifest:
 
 def manifest_of(plan: Plan, folder: Path) -> Manifest:
     """The plan's manifest, or a PartitionError when it has none."""
-    entries = plan.extra.get(MANIFEST)
+    entries = plan.manifest
     if not entries:
         raise PartitionError(f"{folder / PLAN_FILE} has no manifest of its files (written by an "
                              f"older onnx-partition?); partition the model again")
@@ -373,8 +371,5 @@ def write_file(
 
 def read_body(folder: Path) -> dict[str, Any]:
     """plan.json of ``folder`` as a plain dict (for callers that wrote it themselves)."""
-    try:
-        body: dict[str, Any] = json.loads((folder / PLAN_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise PartitionError(f"cannot read {folder / PLAN_FILE}: {exc}") from None
+    body: dict[str, Any] = read_json(folder / PLAN_FILE, "plan")
     return body

@@ -1,5 +1,6 @@
 """Human-readable views of a plan: the text table printed by the CLI, and an HTML report
-(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph)."""
+(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph; the
+charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report_charts`)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,18 @@ from typing import Any
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
-from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name, simulate_plan
+from onnx_partition.plan_sim import schedule_name, simulate_plan
 from onnx_partition.plandir import REPORT_MARK, is_our_report, manifest_of, verify, write_file
-from onnx_partition.simulate import PipelineCosts, SimResult, pipeline_width
+from onnx_partition.report_charts import gantt_chart, html_note, memory_chart, time_chart
+from onnx_partition.simulate import PipelineCosts, SimResult
 from onnx_partition.svg import (
-    ALLREDUCE,
-    BACKWARD,
-    COMM,
-    FORWARD,
-    Bar,
     DagNode,
-    Segment,
     esc,
-    fmt_bytes,
     fmt_ms,
-    gantt,
-    hbar_chart,
     layered_dag,
-    sig3,
     stage_colour,
 )
+from onnx_partition.values import fmt_bytes, sig3
 
 
 def _mb(nbytes: float) -> str:
@@ -106,9 +99,8 @@ def _count(n: int, word: str) -> str:
 
 def _leading_dim(plan: Plan) -> int | None:
     """The batch size the plan was partitioned for (input dim 0), if recorded."""
-    fixed = plan.extra.get("input_shapes", {})
     for spec in plan.inputs:
-        shape = fixed.get(spec.name, spec.shape) if isinstance(fixed, dict) else spec.shape
+        shape = plan.input_shapes.get(spec.name, spec.shape)
         if shape and isinstance(shape[0], int):
             return int(shape[0])
     return None
@@ -189,9 +181,9 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
         f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
         _summary(plan, result),
         _section("Stages", _stage_table(plan)),
-        _section("Time per stage (one micro-batch, one replica)", _time_chart(plan)),
-        _section("Memory per device", _memory_chart(plan)),
-        _section("Simulated schedule", _gantt(plan, result, costs)),
+        _section("Time per stage (one micro-batch, one replica)", time_chart(plan)),
+        _section("Memory per device", memory_chart(plan)),
+        _section("Simulated schedule", gantt_chart(plan, result, costs)),
         _section("Operator graph", _dag(plan, plan_dir)),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -204,8 +196,7 @@ def _header(plan: Plan) -> str:
     """The facts a reader needs first: devices (kind, count, memory), where the costs came
     from, what was planned and by which version."""
     devices = sum(s.replicas for s in plan.stages)
-    raw = plan.extra.get("cluster")
-    cluster = raw if isinstance(raw, dict) else {}
+    cluster = plan.cluster
     kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
     kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
     where = f"{devices} × {kind}"
@@ -217,9 +208,8 @@ def _header(plan: Plan) -> str:
         memory = cluster.get("memory_gb")
         where += (f", {fmt_bytes(float(memory) * 1e9)} each" if isinstance(memory, int | float)
                   else ", memory unlimited")
-    costs_info = plan.extra.get("costs")
-    source = str(costs_info.get("source", "?")) if isinstance(costs_info, dict) else "?"
-    measured = costs_info.get("measured_nodes") if isinstance(costs_info, dict) else None
+    source = str(plan.costs.get("source", "?"))
+    measured = plan.costs.get("measured_nodes")
     if source.startswith("analytic:"):
         source = f"analytic roofline model of a {source.partition(':')[2]} device (not measured)"
     elif source != "?":
@@ -229,7 +219,7 @@ def _header(plan: Plan) -> str:
     rows = [("devices", where), ("costs", source),
             ("plan", f"{plan.mode} · {len(plan.stages)} stages · ordering {plan.ordering} · "
                      f"solver {plan.solver}"),
-            ("onnx-partition", str(plan.extra.get("version", "?")))]
+            ("onnx-partition", plan.version or "?")]
     return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
 
 
@@ -306,7 +296,7 @@ def _summary(plan: Plan, result: SimResult) -> str:
                      "charges each stage its sends on top of its compute, while the simulator "
                      "overlaps sends with the next compute.")
     return (f'<section><div class="cards">{html_cards}</div>'
-            + "".join(_note(n) for n in notes) + "</section>")
+            + "".join(html_note(n) for n in notes) + "</section>")
 
 
 def _stage_table(plan: Plan) -> str:
@@ -344,106 +334,17 @@ def _short(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def _time_chart(plan: Plan) -> str:
-    labels = [f"stage {s.index}" for s in plan.stages]
-    rows, totals = [], []
-    for s in plan.stages:
-        c, m = (s.predicted.compute_ms, s.predicted.comm_ms) if s.predicted else (0.0, 0.0)
-        rows.append([Segment(c, stage_colour(s.index), f"stage {s.index} compute {fmt_ms(c)}"),
-                     Segment(m, COMM, f"stage {s.index} communication {fmt_ms(m)}")])
-        totals.append(f"{sig3(c)} + {sig3(m)} = {fmt_ms(c + m)}")
-    return hbar_chart(labels, rows, unit="time per micro-batch (ms)", value_text=totals,
-                      legend_items=[("compute (in the stage's colour)", stage_colour(0)),
-                                    ("communication", COMM)],
-                      title="time per stage: compute + communication (ms)", row_title="stage")
-
-
-def _memory_chart(plan: Plan) -> str:
-    raw = plan.extra.get("cluster")
-    limit_gb = raw.get("memory_gb") if isinstance(raw, dict) else None
-    limit = float(limit_gb) * 1e9 if isinstance(limit_gb, int | float) else None
-    labels, rows, texts = [], [], []
-    for s in plan.stages:
-        used = float(s.predicted.memory_bytes) if s.predicted else 0.0
-        for r in range(s.replicas):
-            where = s.devices[r] if r < len(s.devices) else "?"
-            labels.append(f"stage {s.index} · replica {r} · {where}")
-            rows.append([Segment(used, stage_colour(s.index), f"{fmt_bytes(used)}")])
-            share = f" ({sig3(used / limit * 100)}% of limit)" if limit else ""
-            texts.append(fmt_bytes(used) + share)
-    peak = max((row[0].value for row in rows), default=0.0)
-    drawn = limit if limit is not None and limit <= 4 * max(peak, 1.0) else None
-    chart = hbar_chart(labels, rows, unit="predicted peak memory per device (bytes)",
-                       value_text=texts, limit=drawn,
-                       limit_label=f"device limit {fmt_bytes(limit or 0)}",
-                       tick_format=fmt_bytes, title="memory per device (bytes)",
-                       row_title="stage · replica · device")
-    if limit is None:
-        note = "No device memory limit in plan.json (no cluster, or unlimited memory)."
-    elif drawn is None:
-        note = (f"Device limit {fmt_bytes(limit)} is off the scale: the largest use is "
-                f"{sig3(peak / limit * 100)}% of it.")
-    else:
-        note = f"Dashed line: the device memory limit, {fmt_bytes(limit)}."
-    what = ("weights, optimizer state and stashed activations" if plan.mode == "train"
-            else "weights and the stage's input and output tensors" if "iteration_ms"
-            not in plan.predicted else "weights and activations of one micro-batch")
-    return chart + _note(f"Planner's predicted peak per device ({what}). {note}")
-
-
-def _gantt(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
-    devices = sorted(result.busy_ms)
-    row_of = {dev: i for i, dev in enumerate(devices)}
-    hosted = hosted_stages(plan, result)
-    width = pipeline_width(devices, len(costs.stages))  # < stages when interleaved
-    names = []
-    for s, r in devices:
-        if len(hosted[(s, r)]) > 1:  # interleaved what-if: plan.json's devices do not apply
-            names.append(f"device {s} · replica {r} · stages "
-                         f"{', '.join(map(str, hosted[(s, r)]))}")
-            continue
-        where = plan.stages[s].devices[r] if r < len(plan.stages[s].devices) else "?"
-        names.append(f"stage {s} · replica {r} · {where}")
-    bars = []
-    for dev, action, t0, t1 in result.timeline:
-        forward = action.kind.value == "F"
-        what = "forward" if forward else "backward"
-        bars.append(Bar(row_of[dev], t0, t1, stage_colour(action.stage),
-                        str(action.microbatch),
-                        f"{action}: stage {action.stage} {what} of micro-batch "
-                        f"{action.microbatch}, {sig3(t0)}–{fmt_ms(t1)}", hatched=not forward))
-    for stage, (t0, t1) in sorted(result.allreduce.items()):
-        for r in range(costs.stages[stage].replicas):
-            bars.append(Bar(row_of[(stage % width, r)], t0, t1, ALLREDUCE, "all-reduce",
-                            f"stage {stage} gradient all-reduce, {sig3(t0)}–{fmt_ms(t1)}",
-                            faint=True))
-    items = [("forward: solid, in the stage's colour", FORWARD)]
-    if any(a.kind.value == "B" for _, a, _, _ in result.timeline):
-        items.append(("backward: hatched", f"hatch:{BACKWARD}"))
-    if result.allreduce:
-        items.append(("gradient all-reduce", "outline"))
-    chart = gantt(names, bars, total=result.iteration_ms, legend_items=items,
-                  row_title="stage · replica · device",
-                  title="schedule Gantt chart: simulated time (ms) per device")
-    sends = ", ".join(sig3(s) for s in costs.send_ms) or "none"
-    what_if = interleaving_note(plan, result)
-    extra = f" {esc(what_if[0].upper() + what_if[1:])}." if what_if else ""
-    return (chart + f'<p class="note">{esc(schedule_name(result))} schedule rebuilt from '
-            f"plan.json; numbers on bars are micro-batches. Send time per boundary (ms): "
-            f"{esc(sends)}. Bubble {result.bubble_fraction * 100:.1f}%.{extra}</p>")
-
-
 def _dag(plan: Plan, plan_dir: Path) -> str:
     count = sum(len(s.nodes) for s in plan.stages)
     path = plan_dir / plan.model if plan.model else None
     if path is None or not path.is_file():
-        return _note(f"Not drawn: the model file {plan.model or '(none)'} was not found "
+        return html_note(f"Not drawn: the model file {plan.model or '(none)'} was not found "
                      "beside the plan folder.")
-    shapes = plan.extra.get("input_shapes") or None
+    shapes = plan.input_shapes or None
     try:
         graph = load(path, input_shapes=shapes)
     except (PartitionError, OSError, ValueError) as exc:
-        return _note(f"Not drawn: cannot load {plan.model}: {exc}")
+        return html_note(f"Not drawn: cannot load {plan.model}: {exc}")
     stage_of = {key: s.index for s in plan.stages for key in s.nodes}
     if count > MAX_DAG_NODES:
         return _condensed_dag(graph, stage_of, count)
@@ -481,12 +382,8 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
     consts = (f" {free} constant node{'s' * (free != 1)} (copied into the stages that need "
               "them) not drawn." if free else "")
     return (layered_dag(nodes, sorted(edges), legend_items=legend_items)
-            + _note(f"{len(index)} operators in topological layers, top to bottom; red edges "
+            + html_note(f"{len(index)} operators in topological layers, top to bottom; red edges "
                     f"cross a stage boundary.{consts} Hover a node for its key."))
-
-
-def _note(text: str) -> str:
-    return f'<p class="note">{esc(text)}</p>'
 
 
 def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
@@ -494,7 +391,7 @@ def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
 
     groups, flows = condense(graph, stage_of)
     svg, engine = draw(groups, flows)
-    return svg + _note(f"{count} operators condensed to {len(groups)} boxes, one per stage and "
+    return svg + html_note(f"{count} operators condensed to {len(groups)} boxes, one per stage and "
                        "repeated block (the exporter's module scopes), operator counts in "
                        "brackets; edges carry the bytes of one micro-batch, red ones cross a "
                        f"stage boundary. Drawn with {engine}.")

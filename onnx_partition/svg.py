@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+# fmt_bytes: re-exported for dag_view, which takes its formats from here
+from onnx_partition.values import fmt_bytes as fmt_bytes
+from onnx_partition.values import sig3
+
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
 _STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
                   "#b07aa1", "#ff9da7", "#9c755f", "#6f4e7c")
@@ -64,22 +68,6 @@ def nice_ticks(hi: float, count: int = 6) -> list[float]:
     return [i * step for i in range(n + 1)]
 
 
-def sig3(x: float) -> str:
-    """Three significant digits, thousands separators, never scientific notation:
-    ``236,800 -> 237,000``, ``45.91 -> 45.9``, ``0.001234 -> 0.00123``, ``2.0 -> 2``."""
-    if not math.isfinite(x):
-        return str(x)
-    if x == 0:
-        return "0"
-    digits = math.floor(math.log10(abs(x)))
-    decimals = max(0, 2 - digits)
-    rounded = round(x, 2 - digits)
-    if rounded and math.floor(math.log10(abs(rounded))) > digits:  # 9.996 -> 10.0
-        decimals = max(0, decimals - 1)
-    text = f"{rounded:,.{decimals}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
 def fmt_num(x: float) -> str:
     """Axis label: :func:`sig3`."""
     return sig3(x)
@@ -87,13 +75,6 @@ def fmt_num(x: float) -> str:
 
 def fmt_ms(x: float) -> str:
     return f"{sig3(x)} ms"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{sig3(n / scale)} {unit}"
-    return f"{n:.0f} B"
 
 
 def _svg(width: float, height: float, body: list[str], label: str) -> str:

@@ -8,6 +8,8 @@ option, its unit and the value: ``--bandwidth must be a finite number >= 0 GB/s,
 
 Every size the user controls is bounded, so that no option can make the tool allocate without
 limit (``--microbatches 100000000`` is refused, not simulated).
+
+Printing numbers back (:func:`sig3`, :func:`fmt_bytes`) is here too, in one format everywhere.
 """
 
 from __future__ import annotations
@@ -177,3 +179,43 @@ def input_shape(item: str) -> tuple[str, list[int]]:
         raise PartitionError(f"--input-shape {name}: {math.prod(dims)} elements is more than "
                              f"{MAX_ELEMENTS}")
     return name, dims
+
+
+
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def device_index(device: str) -> int | None:
+    """A device name: ``cpu`` -> None, ``cuda`` / ``cuda:N`` -> its CUDA index (0 / N); else
+    a PartitionError. Whether this machine has CUDA is the caller's question."""
+    match = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
+        raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
+    return None if device == "cpu" else int(match.group(1) or 0)
+
+# --------------------------------------------------------------------------- printing numbers
+
+
+def sig3(x: float) -> str:
+    """Three significant digits, thousands separators, never scientific notation:
+    ``236,800 -> 237,000``, ``45.91 -> 45.9``, ``0.001234 -> 0.00123``, ``2.0 -> 2``."""
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    digits = math.floor(math.log10(abs(x)))
+    decimals = max(0, 2 - digits)
+    rounded = round(x, 2 - digits)
+    if rounded and math.floor(math.log10(abs(rounded))) > digits:  # 9.996 -> 10.0
+        decimals = max(0, decimals - 1)
+    text = f"{rounded:,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in decimal units, three significant digits: ``1260 -> 1.26 kB``,
+    ``1.5e12 -> 1,500 GB``, ``260 -> 260 B``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{sig3(n / scale)} {unit}"
+    return f"{n:.0f} B"

@@ -30,13 +30,19 @@ FORMAT = "onnx-partition/cluster@1"
 
 
 @dataclass(frozen=True)
-class LinkSpec:
-    bandwidth_gbps: float
-    latency_ms: float = 0.0
+class Link:
+    """A link between devices (the default: between neighbouring stages on one machine; CPU
+    processes there copy at memory speed)."""
+
+    bandwidth_gbps: float = 10.0  # GB/s; 0 means unlimited
+    latency_ms: float = 0.02
 
     @property
     def bytes_per_ms(self) -> float:
         return self.bandwidth_gbps * 1e6 if self.bandwidth_gbps > 0 else math.inf
+
+
+LinkSpec = Link  # the former name, still imported by solve/scoring.py, tests and tools
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,8 @@ class Cluster:
     memory_gb: float = math.inf
     speed: float = 1.0
     kind: str = "cpu"
-    intra: LinkSpec = field(default_factory=lambda: LinkSpec(10.0, 0.02))
-    inter: LinkSpec = field(default_factory=lambda: LinkSpec(1.25, 0.05))
+    intra: Link = field(default_factory=Link)
+    inter: Link = field(default_factory=lambda: Link(1.25, 0.05))
     gpu: str | None = None  # the GPU of the analytic costs (cost/devices.py), kind "cuda"
 
     def __post_init__(self) -> None:
@@ -81,7 +87,7 @@ class Cluster:
         name = "cpu" if self.kind == "cpu" else f"cuda:{local}"
         return name if self.machines == 1 else f"m{machine}/{name}"
 
-    def link(self, devices: int) -> LinkSpec:
+    def link(self, devices: int) -> Link:
         """The link among ``devices`` devices placed on as few machines as possible (a group
         larger than a machine talks over the inter-machine link). For a placed group, see
         :meth:`group_link`."""
@@ -90,7 +96,7 @@ class Cluster:
     def machine_of(self, index: int) -> int:
         return index // self.devices_per_machine
 
-    def group_link(self, indices: Sequence[int]) -> LinkSpec:
+    def group_link(self, indices: Sequence[int]) -> Link:
         """The slowest link among the devices ``indices``: intra only if one machine holds
         them all (a ring all-reduce runs at its slowest hop)."""
         # machines hold consecutive indices: the lowest and highest share one iff all do
@@ -156,7 +162,7 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
         speed=spec.speed,
         kind=spec.kind,
         gpu=spec.gpu,
-        intra=LinkSpec(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
-        inter=LinkSpec(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
+        intra=Link(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
+        inter=Link(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -26,11 +27,11 @@ def random_feeds(
     Symbolic dims take the sizes used at partition time; ``batch_size`` overrides dim 0.
     """
     rng = np.random.default_rng(seed)
-    fixed = plan.extra.get("input_shapes", {})
+    fixed = plan.input_shapes
     axes = batch_axes(plan)
     feeds = {}
     for spec in plan.inputs:
-        shape = list(fixed.get(spec.name, spec.shape))
+        shape: list[Any] = list(fixed.get(spec.name, spec.shape))
         axis = axes.get(spec.name, 0)
         if batch_size is not None and axis is not None and len(shape) > axis:
             shape[axis] = batch_size

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.plandir import verify
+from onnx_partition.values import device_index
 
 Provider = str | tuple[str, dict[str, Any]]
 
@@ -44,14 +45,12 @@ def providers_for(device: str) -> list[Provider]:
     """onnxruntime providers for a plan device name: ``cpu`` or ``cuda:N``, optionally on a
     machine ``mK/`` (see :func:`local_device`)."""
     device = local_device(device)
-    if device == "cpu":
+    index = device_index(device)
+    if index is None:
         return ["CPUExecutionProvider"]
-    if device.startswith("cuda"):
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise PartitionError(no_cuda_message(device))
-        index = int(device.partition(":")[2] or 0)
-        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
-    raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise PartitionError(no_cuda_message(device))
+    return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
 
 
 def no_cuda_message(device: str) -> str:

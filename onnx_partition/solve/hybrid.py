@@ -53,6 +53,7 @@ from onnx_partition.solve.stage_model import (
     memory_per_device,
     ring_allreduce_ms,
 )
+from onnx_partition.values import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -391,15 +392,8 @@ def _memory_report(
     name = (labels[lo] if hi == lo + 1 else f"{labels[lo]} to {labels[hi - 1]}") if labels else (
         f"positions {lo}..{hi - 1}")
     return (
-        f"no plan fits in {format_bytes(config.memory_bytes)} per device: even the split with "
-        f"the least memory ({depth} stages) needs {format_bytes(need)} per device for "
-        f"{name}, {format_bytes(need - config.memory_bytes)} over"
+        f"no plan fits in {fmt_bytes(config.memory_bytes)} per device: even the split with "
+        f"the least memory ({depth} stages) needs {fmt_bytes(need)} per device for "
+        f"{name}, {fmt_bytes(need - config.memory_bytes)} over"
     )
 
-
-def format_bytes(nbytes: float) -> str:
-    """``1.5e9`` -> ``1.50 GB`` (decimal units)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"

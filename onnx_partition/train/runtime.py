@@ -112,7 +112,7 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
 
 def default_batch_size(plan: Plan) -> int:
     """Rows per micro-batch unless told: the batch dimension the plan was partitioned with."""
-    fixed = plan.extra.get("input_shapes", {})
+    fixed = plan.input_shapes
     for spec in plan.inputs:
         shape = list(fixed.get(spec.name, spec.shape))
         if shape and isinstance(shape[0], int) and shape[0] > 0:

@@ -39,7 +39,7 @@ class TrainTask:
 def task_for(plan_dir: str | Path) -> TrainTask:
     """The plan's loss and synthetic batches (see the module docstring)."""
     plan = read_plan(plan_dir)
-    fixed = plan.extra.get("input_shapes", {})
+    fixed = plan.input_shapes
     vocab = max((s.high for s in plan.inputs if s.high and _is_integer(s.dtype)), default=None)
     logits = [o for o in plan.outputs
               if vocab is not None and len(o.shape) >= 2 and o.shape[-1] == vocab]

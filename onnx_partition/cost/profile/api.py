@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,8 +23,7 @@ from onnx_partition.cost.profile.measure import measure, time_whole
 from onnx_partition.cost.profile.signatures import model_digest, signature_groups, signatures
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-
-_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+from onnx_partition.values import device_index
 
 
 @dataclass(frozen=True)
@@ -188,12 +186,9 @@ def profile_to_file(
 
 def parse_device(device: str) -> tuple[str, int | None]:
     """``cpu`` -> ("cpu", None); ``cuda`` / ``cuda:N`` -> ("cuda:N", N), if onnxruntime has CUDA."""
-    match = _DEVICE.fullmatch(device.strip()) if isinstance(device, str) else None
-    if match is None:
-        raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
-    if device.strip() == "cpu":
+    index = device_index(device.strip() if isinstance(device, str) else device)
+    if index is None:
         return "cpu", None
-    index = int(match.group(1) or 0)
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise PartitionError(
             f"device {device!r} needs onnxruntime-gpu (CUDAExecutionProvider is not available)"
