@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.baselines import (
     baseline_plans,
@@ -41,7 +41,7 @@ def chain(compute: list[float], params: list[float] | None = None,
 def run_on(devices: int, *, train: bool = True, gbps: float = 1.0, machines: int = 1,
            inter_gbps: float = 0.1) -> RunSpec:
     cluster = Cluster(machines, devices // machines, memory_gb=80, kind="cuda",
-                      intra=LinkSpec(gbps, 0.0), inter=LinkSpec(inter_gbps, 0.01))
+                      intra=Link(gbps, 0.0), inter=Link(inter_gbps, 0.01))
     return RunSpec(cluster, train=train, microbatches=8)
 
 

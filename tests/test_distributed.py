@@ -12,7 +12,7 @@ from conftest import assert_same, run_whole
 from test_graph import CHAIN, save
 from test_runtime import gather_model
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
@@ -139,7 +139,7 @@ def test_a_plan_straight_from_the_hybrid_planner(tmp_path):
     (two stages forced, so some stage gets replicas), the runtime starts a rank per replica,
     and the outputs equal the whole model's."""
     model = save(SKIP, tmp_path / "m.onnx")
-    cluster = Cluster(1, 4, kind="cpu", intra=LinkSpec(100.0, 0.0))
+    cluster = Cluster(1, 4, kind="cpu", intra=Link(100.0, 0.0))
     plan = partition(model, 2, tmp_path / "out", batch_size=2, cluster=cluster,
                      microbatches=6)
     replicas = [s.replicas for s in plan.stages]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph import CHAIN, save
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec, parse_bytes
+from onnx_partition.cost.cluster import Cluster, Link, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
@@ -167,8 +167,8 @@ def test_cluster_spec_basics(tmp_path):
     assert parse_bytes("80GB") == 80e9 and parse_bytes("1MiB") == 2**20
     with pytest.raises(PartitionError, match="cannot read a size"):
         parse_bytes("lots")
-    assert LinkSpec(0.0).bytes_per_ms == math.inf
-    assert np.isclose(LinkSpec(10.0).bytes_per_ms, 1e7)
+    assert Link(0.0).bytes_per_ms == math.inf
+    assert np.isclose(Link(10.0).bytes_per_ms, 1e7)
 
 
 def test_hybrid_plan_end_to_end(tmp_path):

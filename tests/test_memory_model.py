@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_baselines import Case, dags
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.simulate import PipelineCosts, StageCosts, gpipe, inference, one_f_one_b
 from onnx_partition.simulate import simulate as play
@@ -99,7 +99,7 @@ def test_planner_fits_means_simulator_fits(case: Case, machines: int, per_machin
         microbatches, schedule="1f1b" if train else "infer")[0]
     limit = share * whole if share < math.inf and whole > 0 else math.inf
     cluster = Cluster(machines, per_machine, memory_gb=limit / 1e9, kind="cuda",
-                      intra=LinkSpec(10.0, 0.01), inter=LinkSpec(1.0, 0.05))
+                      intra=Link(10.0, 0.01), inter=Link(1.0, 0.05))
     run = RunSpec(cluster, train=train, microbatches=microbatches)
     stage_of, replicas = data.draw(replica_shapes(problem.num_nodes, cluster.devices))
     if sum(replicas) <= cluster.devices:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_baselines import Case, chain, dags, run_on
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.order.cluster import cluster_blocks
 from onnx_partition.order.topo import assign
@@ -34,7 +34,7 @@ from onnx_partition.solve.search import sequence_for
 
 def devices(n: int, *, train: bool, memory_gb: float = 80.0, microbatches: int = 8) -> RunSpec:
     """``n`` devices on one machine, free transfers (1 TB/s, no latency)."""
-    cluster = Cluster(1, n, memory_gb=memory_gb, kind="cuda", intra=LinkSpec(1000.0, 0.0))
+    cluster = Cluster(1, n, memory_gb=memory_gb, kind="cuda", intra=Link(1000.0, 0.0))
     return RunSpec(cluster, train=train, microbatches=microbatches)
 
 
@@ -55,7 +55,7 @@ def test_training_with_heavy_weights_pipelines_instead() -> None:
     """Forward 1 ms, backward 2 ms per node, 1 GB of weights each, 1 GB/s: data parallel pays a
     2,000 ms all-reduce; the pipeline 1 | 1 has none and runs (8 + 2 - 1) x 3 = 27 ms."""
     problem, arrays = chain([1.0, 1.0], params=[1e9, 1e9], nbytes=0.0)
-    run = RunSpec(Cluster(1, 2, memory_gb=80, kind="cuda", intra=LinkSpec(1.0, 0.0)),
+    run = RunSpec(Cluster(1, 2, memory_gb=80, kind="cuda", intra=Link(1.0, 0.0)),
                   train=True, microbatches=8)
     plan, _ = plan_cluster(problem, arrays, run)
     assert (plan.stage_of, plan.replicas) == ([0, 1], [1, 1])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from test_graph import CHAIN, save
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession, StageFailed, microbatch
@@ -96,7 +96,7 @@ def test_a_plan_for_two_machines_runs_here(tmp_path):
     """Devices of a multi-machine plan carry their machine (m1/cpu); each machine runs its own
     ranks, so the runtime uses the local device, and one machine can run the whole plan."""
     model = save(CHAIN, tmp_path / "m.onnx")
-    cluster = Cluster(2, 1, kind="cpu", intra=LinkSpec(10.0, 0.0), inter=LinkSpec(100.0, 0.0))
+    cluster = Cluster(2, 1, kind="cpu", intra=Link(10.0, 0.0), inter=Link(100.0, 0.0))
     plan = partition(model, 2, tmp_path / "out", batch_size=2, cluster=cluster)
     assert [s.devices for s in plan.stages] == [["m0/cpu"], ["m1/cpu"]]
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)}

@@ -25,15 +25,15 @@ import tempfile
 from pathlib import Path
 
 from onnx_partition.cost.annotate import annotate
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.devices import gpu
 from onnx_partition.graph import load
-from onnx_partition.partition import Link, dag_problem
+from onnx_partition.partition import dag_problem
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import NodeArrays, RunSpec, node_arrays
 
-NVLINK, NETWORK = LinkSpec(300.0, 0.005), LinkSpec(25.0, 0.02)
+NVLINK, NETWORK = Link(300.0, 0.005), Link(25.0, 0.02)
 FLAGPERF_A100X8_SAMPLES_S = 97.6  # seq 1024, one machine of 8 A100-SXM4-40GB
 H100_OVER_A100 = (3350 / 1555, 494.7 / 156)
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import models
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import annotate
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.partition import Link, dag_problem
+from onnx_partition.partition import dag_problem
 from onnx_partition.solve.baselines import (
     MAX_STATES,
     baseline_plans,
@@ -59,15 +59,15 @@ class Setting:
 
     name: str
     memory_gb: float
-    intra: LinkSpec
-    inter: LinkSpec
+    intra: Link
+    inter: Link
     what: str
 
 
 SETTINGS = {
-    "nvlink": Setting("nvlink", 80.0, LinkSpec(300.0, 0.005), LinkSpec(25.0, 0.02),
+    "nvlink": Setting("nvlink", 80.0, Link(300.0, 0.005), Link(25.0, 0.02),
                       "H100-class: 80 GB devices, NVLink inside a machine, 200 Gb/s between"),
-    "pcie": Setting("pcie", 24.0, LinkSpec(16.0, 0.01), LinkSpec(3.0, 0.05),
+    "pcie": Setting("pcie", 24.0, Link(16.0, 0.01), Link(3.0, 0.05),
                     "commodity: 24 GB devices on PCIe 4.0 inside a machine, 25 GbE between"),
 }
 

@@ -42,9 +42,6 @@ class Link:
         return self.bandwidth_gbps * 1e6 if self.bandwidth_gbps > 0 else math.inf
 
 
-LinkSpec = Link  # the former name, still imported by solve/scoring.py, tests and tools
-
-
 @dataclass(frozen=True)
 class Cluster:
     """``machines`` x ``devices_per_machine`` identical devices."""

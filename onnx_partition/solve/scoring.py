@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_partition.cost.cluster import Cluster, LinkSpec
+from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.simulate import (
     PipelineCosts,
     SimResult,
@@ -109,7 +109,7 @@ def assign_devices(cluster: Cluster, replicas: Sequence[int]) -> list[list[str]]
 
 
 def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
-           ) -> tuple[list[LinkSpec], list[LinkSpec]]:
+           ) -> tuple[list[Link], list[Link]]:
     """The link each stage's all-reduce runs over and the link each boundary's transfers take,
     from where :meth:`Cluster.place` puts the replicas: micro-batch ``m`` goes from replica
     ``m % r_k`` to replica ``m % r_(k+1)``; a boundary any of whose transfers leaves its
