@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from onnx_partition.graph import OpGraph
-from onnx_partition.svg import DagNode, esc, fmt_bytes, layered_dag, stage_colour, text_on
+from onnx_partition.svg import DagNode, esc, layered_dag, stage_colour, text_on
+from onnx_partition.values import fmt_bytes
 
 TOP = "top level"
 _NUMBERED = re.compile(r"(^|[._])\d+$")

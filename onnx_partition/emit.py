@@ -21,9 +21,10 @@ from onnx import helper, numpy_helper
 
 from onnx_partition import __version__, progress
 from onnx_partition.errors import PartitionError, one_line
-from onnx_partition.graph import OpGraph, external_files, iter_tensors
+from onnx_partition.graph import OpGraph
 from onnx_partition.plan import IOSpec, Plan
 from onnx_partition.plandir import file_digest, publish, read_body
+from onnx_partition.protos import external_files, iter_tensors
 
 #: Initializers of at least this many bytes are stored as external data.
 EXTERNAL_THRESHOLD = 1 << 20

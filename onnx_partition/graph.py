@@ -33,12 +33,6 @@ from onnx_partition.protos import (
     with_input_shapes,
 )
 
-# Re-exported: emit.py and cost/ import these from here (``graph`` is the loading API they use).
-from onnx_partition.protos import external_files as external_files
-from onnx_partition.protos import itemsize as itemsize
-from onnx_partition.protos import iter_tensors as iter_tensors
-from onnx_partition.protos import shape_of as shape_of
-
 #: Operators that draw random numbers: never copied into several stages (nor constant-folded).
 NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",

@@ -44,22 +44,19 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan
-from onnx_partition.simulate import (
+from onnx_partition.schedules import (
     Action,
     Device,
     Kind,
-    PipelineCosts,
     Schedule,
-    SimResult,
-    StageCosts,
     gpipe,
     inference,
     interleaved,
     one_f_one_b,
     pipeline_width,
     render,
-    simulate,
 )
+from onnx_partition.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.values import fmt_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")

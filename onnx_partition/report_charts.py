@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from onnx_partition.plan import Plan
 from onnx_partition.plan_sim import hosted_stages, interleaving_note, schedule_name
-from onnx_partition.simulate import Kind, PipelineCosts, SimResult, pipeline_width
+from onnx_partition.schedules import Kind, pipeline_width
+from onnx_partition.simulate import PipelineCosts, SimResult
 from onnx_partition.svg import (
     ALLREDUCE,
     BACKWARD,

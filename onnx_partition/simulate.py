@@ -22,12 +22,6 @@ from onnx_partition.schedules import (
     render,
     validate,
 )
-
-# Re-exported: callers and tests take the schedule builders from here, with the simulator.
-from onnx_partition.schedules import gpipe as gpipe
-from onnx_partition.schedules import inference as inference
-from onnx_partition.schedules import interleaved as interleaved
-from onnx_partition.schedules import one_f_one_b as one_f_one_b
 from onnx_partition.solve.stage_model import device_bytes
 
 

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-# fmt_bytes: re-exported for dag_view, which takes its formats from here
-from onnx_partition.values import fmt_bytes as fmt_bytes
 from onnx_partition.values import sig3
 
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"

@@ -13,7 +13,8 @@ from test_baselines import Case, dags
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
-from onnx_partition.simulate import PipelineCosts, StageCosts, gpipe, inference, one_f_one_b
+from onnx_partition.schedules import gpipe, inference, one_f_one_b
+from onnx_partition.simulate import PipelineCosts, StageCosts
 from onnx_partition.simulate import simulate as play
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.scoring import RunSpec, pipeline_costs

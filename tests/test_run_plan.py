@@ -14,7 +14,7 @@ from test_graph import CHAIN, save
 from onnx_partition.cli import main
 from onnx_partition.measured import RunShape, idle_replicas_note, plan_batch_size
 from onnx_partition.plan import read_plan
-from onnx_partition.svg import sig3
+from onnx_partition.values import sig3
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.simulate import (
+from onnx_partition.schedules import (
     Action,
     Kind,
-    PipelineCosts,
     Schedule,
     ScheduleError,
-    StageCosts,
-    bubble_closed_form,
-    bubble_closed_form_interleaved,
     gpipe,
     inference,
     interleaved,
     one_f_one_b,
-    pipeline_time_closed_form,
     render,
-    simulate,
     validate,
+)
+from onnx_partition.simulate import (
+    PipelineCosts,
+    StageCosts,
+    bubble_closed_form,
+    bubble_closed_form_interleaved,
+    pipeline_time_closed_form,
+    simulate,
 )
 from onnx_partition.solve.scoring import lower_bound_ms
 

@@ -18,7 +18,8 @@ from onnx import helper
 
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.graph import OpGraph, Shape, itemsize, shape_of
+from onnx_partition.graph import OpGraph
+from onnx_partition.protos import Shape, itemsize, shape_of
 
 COSTS_FORMAT = "onnx-partition/costs@1"
 

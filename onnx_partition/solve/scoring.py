@@ -20,14 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
-from onnx_partition.simulate import (
-    PipelineCosts,
-    SimResult,
-    StageCosts,
-    inference,
-    one_f_one_b,
-    simulate,
-)
+from onnx_partition.schedules import inference, one_f_one_b
+from onnx_partition.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.stage_model import (
     StageBytes,

@@ -21,7 +21,7 @@ bytes it sends per micro-batch (the gradients of those come back). ``held`` is t
 micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
 
 **Micro-batches in flight under 1F1B with replicas.** The schedule
-(:func:`onnx_partition.simulate.one_f_one_b`) gives stage ``s`` a *global* warm-up of
+(:func:`onnx_partition.schedules.one_f_one_b`) gives stage ``s`` a *global* warm-up of
 ``W_s = min(sum(step_k for k in s..p-2), M)`` forwards, then alternates one forward and one
 backward, and hands micro-batch ``m`` to replica ``m % d_s``. ``step_k`` is what boundary
 ``k`` adds: ``max(d_k, d_k+1)`` when one replica count divides the other (then replica ``j``

@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnx_partition.graph import OpGraph, shape_of
+from onnx_partition.graph import OpGraph
+from onnx_partition.protos import shape_of
 
 #: Integer and boolean initializers with at most this many elements (axes, shapes, indices), and
 #: scalars (exponents, bounds), take part in signatures by value; other values change no cost.
