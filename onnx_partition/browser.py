@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+__all__ = ["FLAGS", "chromium", "probe", "screenshot"]
+
 _PROBE_HEAD = """<script>
 window.__errors = [];
 const __error = console.error.bind(console);

@@ -25,6 +25,9 @@ from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
+           "timing_line"]
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 log = logging.getLogger("onnx_partition")

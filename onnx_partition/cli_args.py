@@ -16,6 +16,8 @@ from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 
+__all__ = ["build_parser", "chunks_of", "cluster_of", "input_shapes_of"]
+
 log = logging.getLogger("onnx_partition")
 
 

@@ -21,6 +21,8 @@ from onnx_partition.graph import OpGraph
 from onnx_partition.svg import DagNode, esc, layered_dag, stage_colour, text_on
 from onnx_partition.values import fmt_bytes
 
+__all__ = ["TOP", "Flow", "Group", "block_of", "condense", "draw", "graphviz_available"]
+
 TOP = "top level"
 _NUMBERED = re.compile(r"(^|[._])\d+$")
 

@@ -26,6 +26,9 @@ from onnx_partition.plan import IOSpec, Plan
 from onnx_partition.plandir import file_digest, publish, read_body
 from onnx_partition.protos import external_files, iter_tensors
 
+__all__ = ["EXTERNAL_THRESHOLD", "StageCut", "cut_stages", "emit", "io_specs", "save_stage",
+           "stage_model", "write_plan_folder"]
+
 #: Initializers of at least this many bytes are stored as external data.
 EXTERNAL_THRESHOLD = 1 << 20
 _ALIGN = 4096

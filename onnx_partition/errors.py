@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+__all__ = ["PartitionError", "StageFailed", "one_line", "read_json"]
+
 
 class PartitionError(Exception):
     """Bad input or an impossible request, explained in one line.

@@ -30,6 +30,9 @@ import torch
 
 from onnx_partition.errors import PartitionError, one_line
 
+__all__ = ["BATCH", "EXTERNAL_DATA_BYTES", "PROGRAM_SUFFIX", "export", "program_path", "quiet",
+           "weight_bytes"]
+
 #: Name of the symbolic batch dimension (``dim_param``) in the exported model.
 BATCH = "batch"
 #: Models with more weight bytes than this keep their weights in ``<path>.data``.

@@ -10,6 +10,8 @@ import re
 
 import onnx
 
+__all__ = ["FX_NODE_KEY", "fx_node_name", "fx_unit"]
+
 #: Node metadata key the dynamo exporter writes: the FX node an ONNX node came from.
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 

@@ -33,6 +33,8 @@ from onnx_partition.protos import (
     with_input_shapes,
 )
 
+__all__ = ["NONDETERMINISTIC", "Node", "OpGraph", "TensorInfo", "from_model", "load", "node_keys"]
+
 #: Operators that draw random numbers: never copied into several stages (nor constant-folded).
 NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",

@@ -36,6 +36,11 @@ from onnx_partition.plan import Plan
 from onnx_partition.plan_sim import default_schedule, simulate_plan
 from onnx_partition.simulate import SimResult
 
+__all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_comparison",
+           "idle_replicas_note", "measured_json", "partition_json", "plan_batch_size",
+           "plan_microbatches", "predict", "ratios", "read_run", "run_json",
+           "run_shape", "simulate_json", "simulation_json"]
+
 #: Micro-batches per iteration of a plan that does not say (partition's default).
 DEFAULT_MICROBATCHES = 8
 RUN_FORMAT = "onnx-partition/run@1"

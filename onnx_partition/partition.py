@@ -40,6 +40,9 @@ from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
 from onnx_partition.solve.stage_model import StageBytes, memory_per_device
 
+__all__ = ["BASELINES", "SOLVERS", "dag_problem", "device_model", "partition", "plan_on_cluster",
+           "plan_stages", "priced_by", "unit_problem"]
+
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
 BASELINES = ("uniform", "parameters", "time")

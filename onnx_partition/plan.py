@@ -11,6 +11,9 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
 
+__all__ = ["FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan", "Predicted",
+           "Stage", "plan_text", "read_plan", "write_plan"]
+
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
 MANIFEST = "manifest"  # plan.json's key naming the folder's files (onnx_partition.plandir)

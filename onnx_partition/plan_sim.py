@@ -59,6 +59,11 @@ from onnx_partition.schedules import (
 from onnx_partition.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.values import fmt_bytes
 
+__all__ = ["BACKWARD_RATIO", "DEFAULT_CHUNKS", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS",
+           "SCHEDULES", "default_schedule", "device_name", "format_simulation",
+           "hosted_stages", "interleaving_note", "plan_costs", "schedule_name",
+           "schedule_of", "send_times", "simulate_plan"]
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
 #: Assumed backward / forward ratio when a plan stores only forward + backward.
 BACKWARD_RATIO = 2.0

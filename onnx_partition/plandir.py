@@ -37,6 +37,10 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
+__all__ = ["CRASH_ENV", "REPORT_MARK", "Manifest", "exchange", "file_digest", "is_earlier_plan",
+           "is_our_report", "locked", "make_manifest", "manifest_of", "publish",
+           "read_body", "recover", "verify", "write_file"]
+
 #: Marks an HTML report written by this tool (its ``<head>`` holds it).
 REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
 CRASH_ENV = "ONNX_PARTITION_CRASH_AT"  # test hook: os._exit at this step of a publication

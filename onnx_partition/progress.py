@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+__all__ = ["install", "iterate", "progress_callback", "shown", "step", "timed"]
+
 T = TypeVar("T")
 # Library code reports long loops with :func:`step`; the command line installs the bars.
 _bars: dict[str, tuple[Callable[[int, int], None], int]] | None = None  # label: (bar, last)

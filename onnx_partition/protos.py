@@ -15,6 +15,11 @@ from onnx import helper, shape_inference
 from onnx_partition.errors import PartitionError
 from onnx_partition.values import MAX_BYTES, Rule, check
 
+__all__ = ["Shape", "check_external_data", "external_files", "fixed_input_shapes", "infer_types",
+           "itemsize", "iter_tensors", "shape_and_type", "shape_bytes",
+           "shape_loop_outputs", "shape_of", "tensor_proto_bytes", "used_names",
+           "with_input_shapes"]
+
 Shape = tuple[int, ...]
 
 

@@ -24,6 +24,9 @@ from onnx_partition.svg import (
 )
 from onnx_partition.values import fmt_bytes, sig3
 
+__all__ = ["MAX_DAG_NODES", "batch_line", "default_report_path", "measured_section", "plan_table",
+           "report_html", "write_report"]
+
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f}"

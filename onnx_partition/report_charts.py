@@ -22,6 +22,8 @@ from onnx_partition.svg import (
 )
 from onnx_partition.values import fmt_bytes, sig3
 
+__all__ = ["gantt_chart", "html_note", "memory_chart", "time_chart"]
+
 
 def html_note(text: str) -> str:
     """A grey explanatory paragraph under a chart."""

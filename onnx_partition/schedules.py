@@ -28,6 +28,10 @@ from enum import Enum
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.stage_model import one_f_one_b_warmups
 
+__all__ = ["Action", "ActionKey", "Device", "Kind", "Schedule", "ScheduleError", "gpipe",
+           "inference", "interleaved", "one_f_one_b", "pipeline_width", "render",
+           "validate"]
+
 
 class ScheduleError(PartitionError, ValueError):
     """An invalid or deadlocking schedule (also a ``ValueError``)."""

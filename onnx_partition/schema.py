@@ -35,6 +35,11 @@ from onnx_partition.values import (
     MAX_STAGES,
 )
 
+__all__ = ["ClusterSchema", "CostsSchema", "Count", "Dim", "FileEntry", "IOSchema", "LinkSchema",
+           "Ms", "Name", "NodeCostSchema", "PlanSchema", "PredictedSchema", "RelPath",
+           "Sha256", "StageSchema", "validate", "validate_cluster", "validate_costs",
+           "validate_plan"]
+
 _CONFIG = ConfigDict(extra="allow", strict=True)
 
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]

@@ -24,6 +24,9 @@ from onnx_partition.schedules import (
 )
 from onnx_partition.solve.stage_model import device_bytes
 
+__all__ = ["PipelineCosts", "SimResult", "StageCosts", "bubble_closed_form",
+           "bubble_closed_form_interleaved", "pipeline_time_closed_form", "simulate"]
+
 
 @dataclass(frozen=True)
 class StageCosts:

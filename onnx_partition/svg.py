@@ -15,6 +15,11 @@ import networkx as nx
 
 from onnx_partition.values import sig3
 
+__all__ = ["ALLREDUCE", "BACKWARD", "COMM", "FONT", "FORWARD", "HATCH", "HATCH_ID", "Bar",
+           "DagNode", "Segment", "esc", "fmt_ms", "fmt_num", "gantt", "hbar_chart",
+           "layered_dag", "legend", "nice_ticks", "stage_colour", "text_on",
+           "text_width"]
+
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
 _STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
                   "#b07aa1", "#ff9da7", "#9c755f", "#6f4e7c")

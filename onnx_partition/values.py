@@ -22,6 +22,11 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError
 
+__all__ = ["MAX_BATCH", "MAX_BYTES", "MAX_COUNT", "MAX_DEVICES", "MAX_DIM", "MAX_ELEMENTS",
+           "MAX_GBPS", "MAX_MICROBATCHES", "MAX_MS", "MAX_REPLICAS", "MAX_SECONDS",
+           "MAX_STAGES", "OPTIONS", "OptionType", "Rule", "check", "device_index",
+           "fmt_bytes", "input_shape", "install", "sig3"]
+
 #: Upper bounds of the sizes a user controls (a plan beyond them is not runnable by this tool).
 MAX_STAGES = 4096
 MAX_REPLICAS = 1024  # per stage: one process or thread per replica

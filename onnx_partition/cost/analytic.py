@@ -19,6 +19,9 @@ from numbers import Integral
 
 from onnx_partition.errors import PartitionError
 
+__all__ = ["DENSE", "DeviceSpec", "OpInfo", "Shape", "backward_factor", "backward_ms",
+           "bytes_moved", "flops", "forward_ms", "op_class"]
+
 Shape = tuple[int, ...]
 
 _T = 4.0  # FLOPs charged per transcendental function evaluation

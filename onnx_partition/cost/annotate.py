@@ -21,6 +21,9 @@ from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.graph import OpGraph
 from onnx_partition.protos import Shape, itemsize, shape_of
 
+__all__ = ["COSTS_FORMAT", "NodeCosts", "annotate", "costs_device", "op_infos", "read_costs",
+           "write_costs"]
+
 COSTS_FORMAT = "onnx-partition/costs@1"
 
 

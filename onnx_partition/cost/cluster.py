@@ -26,6 +26,8 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.values import MAX_BYTES, Rule, check
 
+__all__ = ["FORMAT", "Cluster", "Link", "load_cluster", "parse_bytes"]
+
 FORMAT = "onnx-partition/cluster@1"
 
 

@@ -35,6 +35,9 @@ from onnx_partition.cost.annotate import NodeCosts
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.graph import OpGraph
 
+__all__ = ["MIN_COVERAGE", "CostsCheck", "batch_size_of", "check_costs", "device_name",
+           "fingerprint", "provenance", "recorded_shapes", "rescale"]
+
 #: A costs file covering fewer of the compute nodes than this is warned about.
 MIN_COVERAGE = 0.9
 

@@ -43,6 +43,9 @@ import numpy as np
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.errors import PartitionError
 
+__all__ = ["DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS", "MATH_MODES", "GpuSpec",
+           "device_for", "gpu", "measured_cpu"]
+
 #: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
 #: dense (MatMul, Gemm, Conv): large cuBLAS GEMMs reach 70-80% of tensor-core peak (NVIDIA,
 #:   "Matrix Multiplication Background User's Guide", Deep Learning Performance docs);

@@ -18,6 +18,8 @@ from onnx_partition.runtime import microbatch
 from onnx_partition.runtime.microbatch import batch_axes
 from onnx_partition.runtime.stages import session_options
 
+__all__ = ["compare", "random_feeds", "whole_model_outputs"]
+
 
 def random_feeds(
     plan: Plan, *, batch_size: int | None = None, seed: int = 0

@@ -31,6 +31,9 @@ import torch.multiprocessing as mp
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.runtime.lifeline import Heartbeats, die_with, guard_fork_server
 
+__all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "bind_gloo_to_loopback", "join_group",
+           "launch_ranks"]
+
 #: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
 SILENT_S = 10.0
 # imported once by the fork server, before it forks the workers (this module guards it)

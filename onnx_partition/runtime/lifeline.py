@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any
 
+__all__ = ["BEAT_S", "Heartbeats", "die_with", "guard_fork_server"]
+
 BEAT_S = 0.25  # seconds between heartbeats
 _PR_SET_PDEATHSIG = 1
 

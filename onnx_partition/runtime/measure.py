@@ -18,6 +18,8 @@ from onnx_partition.measured import RunShape, measured_json
 from onnx_partition.plan import Plan
 from onnx_partition.runtime import microbatch
 
+__all__ = ["Result", "measure_distributed", "measure_threads", "shape_of_feeds"]
+
 Result = tuple[str, dict[str, Any], dict[str, np.ndarray]]  # runtime, measured, outputs
 
 

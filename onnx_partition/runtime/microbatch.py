@@ -9,6 +9,8 @@ import numpy as np
 
 from onnx_partition.plan import Plan
 
+__all__ = ["Axes", "Feeds", "batch_axes", "batch_size", "merge", "split"]
+
 Feeds = Mapping[str, np.ndarray]
 #: Name -> its batch axis, or None for a tensor that is not split (given whole to every
 #: micro-batch; an output taken from the first); a name not listed has its batch on axis 0.

@@ -44,6 +44,9 @@ from onnx_partition.runtime.launcher import RankFailure, join_group
 from onnx_partition.runtime.stages import local_device, providers_for, session_options
 from onnx_partition.runtime.wire import Env, Wire
 
+__all__ = ["DEVICE_ENV", "EXIT_RANK_ENV", "STOP_RANK_ENV", "DistStats", "Layout", "RankConfig",
+           "check_feeds", "choose_backend", "format_stats", "layout", "serve_rank"]
+
 EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
 DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says
 STOP_RANK_ENV = "ONNX_PARTITION_DIST_STOP_RANK"  # test hook: that rank SIGSTOPs itself mid-run

@@ -18,6 +18,10 @@ from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.plandir import verify
 from onnx_partition.values import device_index
 
+__all__ = ["NodeArg", "Provider", "StageSession", "check_devices", "load_stages", "local_device",
+           "no_cuda_message", "node_args", "onnx_type", "providers_for",
+           "session_options", "verify_plan_folder"]
+
 Provider = str | tuple[str, dict[str, Any]]
 
 

@@ -40,6 +40,8 @@ from onnx_partition.runtime.rank import (
 )
 from onnx_partition.runtime.stages import verify_plan_folder
 
+__all__ = ["check_world_size", "main_worker"]
+
 
 def main_worker(
     plan_dir: str | os.PathLike[str],

@@ -26,6 +26,10 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
 
+__all__ = ["ALIGN", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "Env", "Spec", "Wire", "as_bytes",
+           "decode_header", "dtype_code", "encode_header", "header_size", "pack",
+           "unpack"]
+
 Env = dict[str, np.ndarray]
 
 MAX_DIMS = 8

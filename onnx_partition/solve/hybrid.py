@@ -55,6 +55,9 @@ from onnx_partition.solve.stage_model import (
 )
 from onnx_partition.values import fmt_bytes
 
+__all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
+           "replica_choices"]
+
 
 @dataclass(frozen=True)
 class SequenceCosts:

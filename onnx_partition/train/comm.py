@@ -29,6 +29,8 @@ import torch.distributed as dist
 from onnx_partition.errors import one_line
 from onnx_partition.runtime.wire import decode_header, encode_header, header_size
 
+__all__ = ["TensorWire", "Tensors", "numpy_dtype"]
+
 Tensors = dict[str, torch.Tensor]
 
 

@@ -32,6 +32,8 @@ from onnx_partition.train.rank import (
     train_stages,
 )
 
+__all__ = ["TRAIN_PRELOAD", "Build", "launch_training", "rank_device", "run_rank", "torchrun_rank"]
+
 Build = Callable[[], tuple[Sequence[StageLike], LossFn, Plan, Batches]]
 # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded
 TRAIN_PRELOAD = [*PRELOAD, "torch._dynamo", "torch.optim", "onnx_partition.train.rank"]

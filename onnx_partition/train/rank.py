@@ -51,6 +51,9 @@ from onnx_partition.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.train.comm import Tensors, TensorWire
 from onnx_partition.train.reference import make_optimizer
 
+__all__ = ["SCHEDULES", "Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+           "build_schedule", "microbatch", "step_line", "tied_groups", "train_stages"]
+
 SCHEDULES = ("1f1b", "gpipe")
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
 Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch

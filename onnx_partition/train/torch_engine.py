@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from onnx_partition.plan import Plan
 
+__all__ = ["REASON", "torch_engine_refusal"]
+
 REASON = ("torch.distributed.pipelining (torch 2.13, gloo) deadlocks on our stages' tuples of "
           "named tensors; use --engine ours")
 

@@ -25,6 +25,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.values import device_index
 
+__all__ = ["ProfileResult", "parse_device", "profile_model", "profile_to_file", "save_profile"]
+
 
 @dataclass(frozen=True)
 class ProfileResult:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+__all__ = ["CACHE_ENV", "METHOD_VERSION", "Cache", "cache_folder"]
+
 #: Environment variable overriding the default cache folder.
 CACHE_ENV = "ONNX_PARTITION_CACHE"
 #: Bump when measurements are no longer comparable with cached ones.

@@ -18,6 +18,8 @@ from onnx_partition.cost.annotate import op_infos
 from onnx_partition.cost.profile.cpu import FOLDED
 from onnx_partition.graph import OpGraph
 
+__all__ = ["Calibrated", "SignatureTimes", "calibrate"]
+
 
 @dataclass(frozen=True)
 class SignatureTimes:

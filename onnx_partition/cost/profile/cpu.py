@@ -29,6 +29,8 @@ from onnx_partition.cost.profile.harness import Context, Ticker, input_feeds, re
 from onnx_partition.cost.profile.sigmodel import flow_values, signature_model
 from onnx_partition.graph import NONDETERMINISTIC
 
+__all__ = ["FOLDED", "node_overhead", "profile_events"]
+
 #: One-element Adds measuring the profiler's own time per event, and the extra ones measuring a
 #: tiny node's real cost.
 _PROBES = 8

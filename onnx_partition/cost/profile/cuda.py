@@ -16,6 +16,8 @@ import onnxruntime as ort
 from onnx_partition.cost.profile.harness import Context, Ticker, repeat
 from onnx_partition.cost.profile.sigmodel import flow_values, signature_model
 
+__all__ = ["cuda_runner", "time_cuda_nodes"]
+
 #: Copies of a node in the second CUDA timing model.
 _CUDA_COPIES = 4
 

@@ -23,6 +23,9 @@ from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph
 from onnx_partition.runtime.stages import session_options
 
+__all__ = ["Context", "MeasureSettings", "Progress", "Ticker", "input_feeds", "random_array",
+           "repeat", "run_session"]
+
 Progress = Callable[[int, int], None]
 
 #: Soft time limit (seconds) of one measuring phase, once ``_MIN_RUNS`` timed runs are in.

@@ -16,6 +16,8 @@ from onnx_partition.cost.profile.cuda import cuda_runner, time_cuda_nodes
 from onnx_partition.cost.profile.harness import Context, Ticker, input_feeds, repeat, run_session
 from onnx_partition.errors import PartitionError
 
+__all__ = ["measure", "time_whole"]
+
 
 def measure(ctx: Context, groups: Mapping[str, list[int]], todo: Sequence[str], method: str,
             ticker: Ticker) -> tuple[dict[str, float], float]:

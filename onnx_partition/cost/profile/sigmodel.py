@@ -17,6 +17,8 @@ from onnx_partition.cost.profile.harness import Context, input_feeds, random_arr
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.protos import shape_of
 
+__all__ = ["flow_values", "signature_model"]
+
 _RANDOM_FLOATS = (np.float16, np.float32, np.float64)
 
 

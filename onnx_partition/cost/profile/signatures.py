@@ -18,6 +18,8 @@ from onnx import numpy_helper
 from onnx_partition.graph import OpGraph
 from onnx_partition.protos import shape_of
 
+__all__ = ["model_digest", "signature_groups", "signatures"]
+
 #: Integer and boolean initializers with at most this many elements (axes, shapes, indices), and
 #: scalars (exponents, bounds), take part in signatures by value; other values change no cost.
 _VALUE_ELEMENTS = 64
