@@ -21,10 +21,9 @@ from onnx_partition.svg import (
     BACKWARD,
     COMM,
     FORWARD,
-    fmt_bytes,
-    sig3,
     stage_colour,
 )
+from onnx_partition.values import fmt_bytes, sig3
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from onnx_partition.svg import (
     DagNode,
     Segment,
     esc,
-    fmt_bytes,
     gantt,
     hbar_chart,
     layered_dag,
@@ -24,6 +23,7 @@ from onnx_partition.svg import (
     stage_colour,
     text_on,
 )
+from onnx_partition.values import fmt_bytes
 
 NS = "{http://www.w3.org/2000/svg}"
 NASTY = "a<b>&c\"d'e"
