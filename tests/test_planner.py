@@ -81,7 +81,7 @@ def test_nothing_fits_is_an_error() -> None:
             r"no plan fits in 80 GB per device: even the split with the least memory "
             r"\(3 stages\) needs 200 GB per device for positions 1..1, 120 GB over")):
         plan_cluster(problem, arrays, devices(4, train=True))
-    with pytest.raises(PartitionError, match=r"least memory \(2 stages\) needs 400.00 GB"):
+    with pytest.raises(PartitionError, match=r"least memory \(2 stages\) needs 400 GB"):
         plan_cluster(problem, arrays, devices(4, train=True), num_stages=2)
 
 
