@@ -1,0 +1,109 @@
+"""Plans of this checkout against those of another revision, for refactors that must not move them.
+
+Exports the recipes once, partitions each with both code trees in several configurations (the
+sequence DP, the cluster ordering, the ILP, the hybrid planner for inference and for training on
+two machines), all priced by the analytic H100 model so that no measurement makes them differ, and
+prints one table row per plan: identical, or what differs. Timing fields are left out. The ILP
+runs with a time limit and several workers, so equal-cost optima may differ; its row then
+compares the proven bottleneck instead.
+
+    python tools/compare_plans.py --base HEAD~3 [--size tiny|small] [--recipes gpt bert]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ("resnet", "inception", "unet", "gpt", "bert", "encdec")
+CONFIGS = {
+    "dp4": ["--stages", "4"],
+    "cluster3": ["--stages", "3", "--order", "cluster"],
+    "ilp5": ["--stages", "5", "--solver", "ilp", "--time-limit", "5"],
+    "hybrid4": ["--devices", "4"],
+    "train2x4": ["--devices", "4", "--machines", "2", "--mode", "train", "--batch-size", "4"],
+}
+TIMINGS = {"partition_s", "planning_s", "seconds", "wall_s", "version", "manifest", "plan_dir"}
+
+
+def partition(tree: Path, model: Path, args: list[str], out: Path) -> dict[str, Any] | str:
+    """plan.json and the --json summary (timings dropped) written by ``tree``'s code, or the
+    error it printed."""
+    command = [sys.executable, "-m", "onnx_partition.cli", "partition", str(model), "-o",
+               str(out), "--batch-size", "8", "--device-kind", "cuda", "--json", "-q", *args]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode:
+        return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
+    plan = json.loads((out / "plan.json").read_text())
+    return {"plan": _strip(plan), "summary": _strip(json.loads(done.stdout))}
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def verdict(name: str, ours: dict[str, Any] | str, theirs: dict[str, Any] | str) -> str:
+    if isinstance(ours, str) or isinstance(theirs, str):
+        return "same error" if ours == theirs else f"differs: {theirs!r} -> {ours!r}"
+    if ours["plan"] == theirs["plan"]:
+        return "identical"
+    if name.startswith("ilp"):
+        a, b = theirs["summary"].get("ilp", {}), ours["summary"].get("ilp", {})
+        if a.get("optimal") and b.get("optimal") and a.get("bottleneck_ms") == b.get(
+                "bottleneck_ms"):
+            return f"another optimum, same bottleneck {a['bottleneck_ms']:.6g} ms"
+    changed = sorted(k for k in {*ours["plan"], *theirs["plan"]}
+                     if ours["plan"].get(k) != theirs["plan"].get(k))
+    return "differs in " + ", ".join(changed)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        base = work / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base),
+                        args.base], check=True)
+        try:
+            print(f"plans of {ROOT} against {args.base} (size {args.size})\n")
+            print("| recipe | config | verdict |\n| --- | --- | --- |")
+            same = total = 0
+            for recipe in args.recipes:
+                model = work / f"{recipe}.onnx"
+                subprocess.run([sys.executable, "-m", "onnx_partition.cli", "export", recipe,
+                                "--size", args.size, "-o", str(model), "-q"], check=True,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                for name in args.configs:
+                    ours = partition(ROOT, model, CONFIGS[name], work / f"ours-{recipe}-{name}")
+                    theirs = partition(base, model, CONFIGS[name],
+                                       work / f"base-{recipe}-{name}")
+                    row = verdict(name, ours, theirs)
+                    total += 1
+                    same += not row.startswith("differs")
+                    print(f"| {recipe} | {name} | {row} |", flush=True)
+            print(f"\n{same} of {total} plans unchanged")
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                           check=False)
+    return 0 if same == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
