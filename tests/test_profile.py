@@ -123,11 +123,12 @@ def test_calibration_by_hand(tmp_path: Path) -> None:
 
 
 def test_matmul_times_follow_their_sizes(tmp_path: Path, cache: Path) -> None:
-    """A chain of three MatMuls of 65 K, 1 M and 34 M multiply-adds (256 rows): measured, their
-    calibrated times keep that order, and the largest takes most of the time."""
+    """A chain of three MatMuls of 65 K, 4 M and 134 M multiply-adds (256 rows, each 30x or more
+    the one before, so that a noisy machine cannot swap them): measured, their calibrated times
+    keep that order, and the largest takes most of the time."""
     nodes, inits, x = [], [], "x"
-    for name, (rows, cols) in {"small": (16, 16), "medium": (16, 256),
-                               "large": (256, 512)}.items():
+    for name, (rows, cols) in {"small": (16, 16), "medium": (16, 1024),
+                               "large": (1024, 512)}.items():
         inits.append(_init(f"w_{name}", [rows, cols], cols))
         nodes.append(helper.make_node("MatMul", [x, f"w_{name}"], [name], name=name))
         x = name
