@@ -186,7 +186,6 @@ def input_shape(item: str) -> tuple[str, list[int]]:
     return name, dims
 
 
-
 _DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 
 
@@ -197,6 +196,7 @@ def device_index(device: str) -> int | None:
     if match is None:
         raise PartitionError(f"unknown device {device!r} (use cpu or cuda:N)")
     return None if device == "cpu" else int(match.group(1) or 0)
+
 
 # --------------------------------------------------------------------------- printing numbers
 

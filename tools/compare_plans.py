@@ -24,10 +24,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("resnet", "inception", "unet", "gpt", "bert", "encdec")
 CONFIGS = {
-    "dp4": ["--stages", "4"],
-    "cluster3": ["--stages", "3", "--order", "cluster"],
-    "ilp5": ["--stages", "5", "--solver", "ilp", "--time-limit", "5"],
-    "hybrid4": ["--devices", "4"],
+    "dp4": ["--stages", "4", "--batch-size", "8"],
+    "cluster3": ["--stages", "3", "--order", "cluster", "--batch-size", "8"],
+    "ilp5": ["--stages", "5", "--solver", "ilp", "--time-limit", "5", "--batch-size", "8"],
+    "hybrid4": ["--devices", "4", "--batch-size", "8"],
     "train2x4": ["--devices", "4", "--machines", "2", "--mode", "train", "--batch-size", "4"],
 }
 TIMINGS = {"partition_s", "planning_s", "seconds", "wall_s", "version", "manifest", "plan_dir"}
@@ -37,7 +37,7 @@ def partition(tree: Path, model: Path, args: list[str], out: Path) -> dict[str, 
     """plan.json and the --json summary (timings dropped) written by ``tree``'s code, or the
     error it printed."""
     command = [sys.executable, "-m", "onnx_partition.cli", "partition", str(model), "-o",
-               str(out), "--batch-size", "8", "--device-kind", "cuda", "--json", "-q", *args]
+               str(out), "--device-kind", "cuda", "--json", "-q", *args]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
