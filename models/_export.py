@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from onnx_partition.exporting import BATCH, quiet, weight_bytes
-from onnx_partition.exporting import export as export_module
+from onnx_partition.graph.export import BATCH, quiet, weight_bytes
+from onnx_partition.graph.export import export as export_module
 
 from ._recipe import Recipe
 

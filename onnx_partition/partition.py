@@ -26,10 +26,11 @@ from onnx_partition.cost.costs_file import (
     rescale,
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
-from onnx_partition.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.errors import PartitionError
-from onnx_partition.fxtag import fx_unit
 from onnx_partition.graph import OpGraph, load
+from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
+from onnx_partition.graph.fxtag import fx_unit
+from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
@@ -38,7 +39,6 @@ from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
-from onnx_partition.solve.stage_model import StageBytes, memory_per_device
 
 __all__ = ["BASELINES", "SOLVERS", "dag_problem", "device_model", "partition", "plan_on_cluster",
            "plan_stages", "priced_by", "unit_problem"]

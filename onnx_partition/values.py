@@ -2,7 +2,7 @@
 
 The command line's numeric options (through :func:`install`, which wraps each option's argparse
 type), ``--input-shape`` dims, byte sizes such as ``80GB``, and the JSON files' numbers (through
-the bounds :mod:`onnx_partition.schema` declares from the constants here) all pass through the
+the bounds :mod:`onnx_partition.plan.schema` declares from the constants here) all pass through the
 same checks, and a bad value is a :class:`~onnx_partition.errors.PartitionError` naming the
 option, its unit and the value: ``--bandwidth must be a finite number >= 0 GB/s, got nan``.
 

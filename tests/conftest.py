@@ -23,7 +23,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
     """``exported(name, size)``: the recipe's ONNX file, exported once per test session."""
-    import models
+    from onnx_partition import models
 
     root = tmp_path_factory.mktemp("recipes")
     cache: dict[tuple[str, str], Path] = {}

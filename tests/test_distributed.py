@@ -17,14 +17,14 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.distributed import (
+from onnx_partition.runtime.dist.wire import SMALL_BYTES
+from onnx_partition.runtime.infer.distributed import (
     EXIT_RANK_ENV,
     Layout,
     choose_backend,
     layout,
     run_distributed,
 )
-from onnx_partition.runtime.wire import SMALL_BYTES
 
 # a skips stage 1; z is a graph input read only by the last stage
 SKIP = """

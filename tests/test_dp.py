@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.topo import assign, cut_bytes, is_topological
 from onnx_partition.solve.dp import split_sequence, stage_times
+from onnx_partition.solve.order.topo import assign, cut_bytes, is_topological
 from onnx_partition.solve.problem import DagProblem
 
 

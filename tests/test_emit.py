@@ -1,4 +1,5 @@
-"""Stage files (:mod:`onnx_partition.emit`): exact cuts, valid ONNX whose inputs and outputs are
+"""Stage files (:mod:`onnx_partition.graph.emit`): exact cuts, valid ONNX whose inputs and outputs
+are
 the cut tensors, external weights, and plan folders written atomically."""
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from conftest import run_whole, session
 from onnx import TensorProto, helper, numpy_helper
 from test_graph import CHAIN, feeds_for, save
 
-from onnx_partition import emit as emit_module
-from onnx_partition.emit import (
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.graph import emit as emit_module
+from onnx_partition.graph.emit import (
     EXTERNAL_THRESHOLD,
     StageCut,
     cut_stages,
@@ -24,8 +27,6 @@ from onnx_partition.emit import (
     save_stage,
     stage_model,
 )
-from onnx_partition.errors import PartitionError
-from onnx_partition.graph import OpGraph, load
 from onnx_partition.plan import IOSpec, Plan, Stage, read_plan
 
 # CHAIN's nodes: 0 c (free Constant), 1 a, 2 b, 3 d, 4 e, 5 f, 6 y

@@ -15,11 +15,11 @@ from test_graph import CHAIN, save
 from onnx_partition.cost.cluster import Cluster, Link, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
+from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.plan import read_plan
-from onnx_partition.plan_sim import simulate_plan
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
-from onnx_partition.solve.stage_model import StageBytes, memory_per_device
 
 
 def uniform(n: int) -> SequenceCosts:

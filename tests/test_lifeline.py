@@ -17,8 +17,8 @@ from test_graph import CHAIN, save
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.distributed import STOP_RANK_ENV, run_distributed
-from onnx_partition.runtime.lifeline import _alive
+from onnx_partition.runtime.dist.lifeline import _alive
+from onnx_partition.runtime.infer.distributed import STOP_RANK_ENV, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,17 +13,17 @@ from test_baselines import Case, dags
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
-from onnx_partition.schedules import gpipe, inference, one_f_one_b
-from onnx_partition.simulate import PipelineCosts, StageCosts
-from onnx_partition.simulate import simulate as play
-from onnx_partition.solve.planner import plan_cluster
-from onnx_partition.solve.scoring import RunSpec, pipeline_costs
-from onnx_partition.solve.stage_model import (
+from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
     peak_inflight,
     ring_allreduce_ms,
 )
+from onnx_partition.pipeline.schedules import gpipe, inference, one_f_one_b
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts
+from onnx_partition.pipeline.simulate import simulate as play
+from onnx_partition.solve.planner import plan_cluster
+from onnx_partition.solve.scoring import RunSpec, pipeline_costs
 
 BUILDERS = {"1f1b": one_f_one_b, "gpipe": gpipe, "infer": inference}
 
@@ -125,7 +125,7 @@ def test_partition_table_and_simulate_state_the_same_memory(tmp_path, mode):
     from test_graph import CHAIN, save
 
     from onnx_partition.partition import partition
-    from onnx_partition.plan_sim import simulate_plan
+    from onnx_partition.pipeline.from_plan import simulate_plan
 
     model = save(CHAIN, tmp_path / "m.onnx")
     plan = partition(model, 2, tmp_path / "out", batch_size=64, mode=mode, microbatches=6,

@@ -10,8 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import models
-import models._export
+from onnx_partition import models
 
 
 def _torch_outputs(module: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list[np.ndarray]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from test_graph import CHAIN, save
 
-from onnx_partition import plandir
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
+from onnx_partition.plan import folder as plandir
 from onnx_partition.plan import read_plan
-from onnx_partition.plandir import CRASH_ENV, is_earlier_plan, publish, verify
+from onnx_partition.plan.folder import CRASH_ENV, is_earlier_plan, publish, verify
 
 
 def one_error(capsys, argv, pattern: str) -> str:

@@ -13,10 +13,10 @@ from test_baselines import Case, chain, dags, run_on
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.cluster import cluster_blocks
-from onnx_partition.order.topo import assign
 from onnx_partition.solve import planner
 from onnx_partition.solve.hybrid import HybridStage
+from onnx_partition.solve.order.blocks import cluster_blocks
+from onnx_partition.solve.order.topo import assign
 from onnx_partition.solve.planner import (
     _coarse_blocks,
     _replica_moves,

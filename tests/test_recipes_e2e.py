@@ -11,7 +11,7 @@ from onnx_partition.graph import load
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
-from onnx_partition.runtime.check import random_feeds
+from onnx_partition.runtime.infer.check import random_feeds
 
 RECIPES = ["resnet", "inception", "unet", "gpt", "bert", "encdec"]
 

@@ -12,14 +12,14 @@ from test_graph import CHAIN, save
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import Link, partition
-from onnx_partition.plan import read_plan
-from onnx_partition.plan_sim import format_simulation, send_times, simulate_plan
-from onnx_partition.report import write_report
-from onnx_partition.simulate import (
+from onnx_partition.pipeline.from_plan import format_simulation, send_times, simulate_plan
+from onnx_partition.pipeline.simulate import (
     bubble_closed_form,
     bubble_closed_form_interleaved,
     pipeline_time_closed_form,
 )
+from onnx_partition.plan import read_plan
+from onnx_partition.report import write_report
 
 CHAIN_NODES = ("a", "b", "d", "e", "f", "y")  # the cut (non-constant) nodes of CHAIN
 

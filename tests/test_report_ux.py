@@ -9,13 +9,13 @@ import re
 import pytest
 from test_graph import CHAIN, save
 
-from onnx_partition import dag_view, report
-from onnx_partition.browser import chromium, probe
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.partition import partition
-from onnx_partition.report import default_report_path, write_report
-from onnx_partition.svg import (
+from onnx_partition.report import dag_view, default_report_path, write_report
+from onnx_partition.report import page as report
+from onnx_partition.report.browser import chromium, probe
+from onnx_partition.report.svg import (
     _STAGE_COLOURS,
     ALLREDUCE,
     BACKWARD,

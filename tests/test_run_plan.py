@@ -12,7 +12,7 @@ from test_distributed import SKIP
 from test_graph import CHAIN, save
 
 from onnx_partition.cli import main
-from onnx_partition.measured import RunShape, idle_replicas_note, plan_batch_size
+from onnx_partition.pipeline.predict import RunShape, idle_replicas_note, plan_batch_size
 from onnx_partition.plan import read_plan
 from onnx_partition.values import sig3
 

@@ -15,9 +15,10 @@ from test_graph import CHAIN, save
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
+from onnx_partition.graph.ort import local_device, providers_for
 from onnx_partition.partition import partition
-from onnx_partition.runtime import PipelineSession, StageFailed, microbatch
-from onnx_partition.runtime.stages import local_device, providers_for
+from onnx_partition.pipeline import microbatch
+from onnx_partition.runtime import PipelineSession, StageFailed
 
 
 @given(rows=st.integers(1, 9), chunks=st.integers(1, 12))

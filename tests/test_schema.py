@@ -13,7 +13,7 @@ from test_plandir import one_error
 
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
-from onnx_partition.schema import validate_cluster, validate_costs, validate_plan
+from onnx_partition.plan.schema import validate_cluster, validate_costs, validate_plan
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onnx_partition.order.cluster import cluster_blocks, narrow_points
-from onnx_partition.order.topo import depth_first_order, is_topological, min_live_order
 from onnx_partition.solve.brute import brute_force
+from onnx_partition.solve.order.blocks import cluster_blocks, narrow_points
+from onnx_partition.solve.order.topo import depth_first_order, is_topological, min_live_order
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.refine import refine
 from onnx_partition.solve.search import ORDERINGS, best_split, solve_ordering

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.schedules import (
+from onnx_partition.pipeline.schedules import (
     Action,
     Kind,
     Schedule,
@@ -21,7 +21,7 @@ from onnx_partition.schedules import (
     render,
     validate,
 )
-from onnx_partition.simulate import (
+from onnx_partition.pipeline.simulate import (
     PipelineCosts,
     StageCosts,
     bubble_closed_form,

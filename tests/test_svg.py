@@ -1,4 +1,4 @@
-"""The report's hand-drawn SVG (:mod:`onnx_partition.svg`): well-formed XML, the numbers it
+"""The report's hand-drawn SVG (:mod:`onnx_partition.report.svg`): well-formed XML, the numbers it
 shows, where it draws them, and names with ``<&>"'`` escaped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from onnx_partition.svg import (
+from onnx_partition.report.svg import (
     HATCH_ID,
     Bar,
     DagNode,

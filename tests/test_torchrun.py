@@ -13,7 +13,7 @@ from conftest import assert_same, run_whole
 from test_graph import CHAIN, save
 
 from onnx_partition.partition import partition
-from onnx_partition.runtime.torchrun import _main
+from onnx_partition.runtime.dist.torchrun import torchrun_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,10 @@ def test_a_bad_input_file_is_one_error_line_and_exit_code_2(tmp_path, monkeypatc
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     missing = tmp_path / "missing.npy"
-    assert _main([str(tmp_path / "plan"), "--input", f"x={missing}"]) == 2
+    assert torchrun_main([str(tmp_path / "plan"), "--input", f"x={missing}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --input 'x={missing}': cannot read {missing}")
     assert err.count("\n") == 1
-    assert _main([str(tmp_path / "plan"), "--input", "z=a.npy"]) == 2
+    assert torchrun_main([str(tmp_path / "plan"), "--input", "z=a.npy"]) == 2
     assert capsys.readouterr().err == ("error: --input 'z=a.npy': expected NAME=FILE.npy with "
                                        "NAME one of x\n")

@@ -18,13 +18,13 @@ from torch import nn
 from onnx_partition import export
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
-from onnx_partition.fxtag import fx_node_name, fx_unit
+from onnx_partition.graph.fxtag import fx_node_name, fx_unit
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.reference import make_optimizer, reference_train, split_rows
-from onnx_partition.train.save import _replace, save_trained
-from onnx_partition.train.stages import require_trainable, stage_modules, whole_module
-from onnx_partition.train.task import task_for
+from onnx_partition.runtime.train.modules import require_trainable, stage_modules, whole_module
+from onnx_partition.runtime.train.reference import make_optimizer, reference_train, split_rows
+from onnx_partition.runtime.train.save import _replace, save_trained
+from onnx_partition.runtime.train.task import task_for
 
 
 class Net(nn.Module):
@@ -211,7 +211,7 @@ def test_reference_trainer_accumulates_like_one_batch(plan3: Path) -> None:
 
 
 def test_split_rows_matches_runtime_split() -> None:
-    from onnx_partition.runtime.microbatch import split
+    from onnx_partition.pipeline.microbatch import split
 
     for rows, chunks in ((7, 3), (4, 8), (6, 6)):
         parts = split({"x": np.arange(rows)}, chunks)

@@ -15,7 +15,7 @@ from test_train_stages import assert_stages_equal_whole
 
 from onnx_partition import export
 from onnx_partition.partition import partition
-from onnx_partition.train.stages import stage_modules
+from onnx_partition.runtime.train.modules import stage_modules
 
 VOCAB = 100
 

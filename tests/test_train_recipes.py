@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import models
+from onnx_partition import models
 from onnx_partition.partition import partition
-from onnx_partition.train.runtime import train_plan
+from onnx_partition.runtime.train.trainer import train_plan
 
 
 def train_checked(model: Path, plan: Path, stages: int, **options: str) -> None:

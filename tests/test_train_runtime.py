@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.distributed import EXIT_RANK_ENV
-from onnx_partition.simulate import PipelineCosts, StageCosts, simulate
-from onnx_partition.train.launch import launch_training
-from onnx_partition.train.rank import TrainConfig, build_schedule, microbatch
-from onnx_partition.train.reference import make_optimizer
+from onnx_partition.runtime.infer.distributed import EXIT_RANK_ENV
+from onnx_partition.runtime.train.launch import launch_training
+from onnx_partition.runtime.train.rank import TrainConfig, build_schedule, microbatch
+from onnx_partition.runtime.train.reference import make_optimizer
 
 ROWS = 3  # per micro-batch
 
@@ -55,7 +55,7 @@ class Piece(nn.Module):
 
 
 @dataclass
-class HandStage:  # the fields of onnx_partition.train.stages.StageModule
+class HandStage:  # the fields of onnx_partition.runtime.train.modules.StageModule
     index: int
     module: nn.Module
     inputs: tuple[str, ...]

@@ -15,12 +15,17 @@ import onnx
 import pytest
 import torch
 
-import models
-from onnx_partition.fxtag import fx_node_name
+from onnx_partition import models
+from onnx_partition.graph.fxtag import fx_node_name
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.stages import StageModule, load_program, stage_modules, whole_module
-from onnx_partition.train.task import task_for
+from onnx_partition.runtime.train.modules import (
+    StageModule,
+    load_program,
+    stage_modules,
+    whole_module,
+)
+from onnx_partition.runtime.train.task import task_for
 
 
 def chain(stages: list[StageModule], feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

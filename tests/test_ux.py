@@ -18,12 +18,12 @@ import pytest
 from test_graph import CHAIN, save
 
 from onnx_partition import __version__
-from onnx_partition.cli import _parser, main, timing_line
+from onnx_partition.cli.verbs import _parser, main, timing_line
 from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.progress import iterate, progress_callback
-from onnx_partition.report import plan_table
+from onnx_partition.report.page import plan_table
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.distributed import run_distributed
 
@@ -288,7 +288,7 @@ def test_long_library_loops_report_to_the_cli_bars(monkeypatch, tmp_path, chain)
 
 
 def test_missing_onnxruntime_says_which_extra(capsys, monkeypatch):
-    import onnx_partition.cli as cli
+    import onnx_partition.cli.verbs as cli
 
     def without_onnxruntime(args):
         raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")

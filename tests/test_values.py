@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from test_graph import CHAIN, save
 from test_plandir import one_error
 
-from onnx_partition import cli, values
-from onnx_partition.cli import _parser, main
+from onnx_partition import values
+from onnx_partition.cli import verbs as cli
+from onnx_partition.cli.verbs import _parser, main
 from onnx_partition.errors import PartitionError
 from onnx_partition.values import OptionType, Rule
 

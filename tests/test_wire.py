@@ -1,4 +1,4 @@
-"""The tensor framing of ``torch.distributed`` messages (:mod:`onnx_partition.runtime.wire`):
+"""The tensor framing of ``torch.distributed`` messages (:mod:`onnx_partition.runtime.dist.wire`):
 exact headers, packing round trips of every dtype and shape, bad headers, and real transfers
 between two gloo ranks on loopback."""
 
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.runtime.wire import (
+from onnx_partition.runtime.dist.wire import (
     ALIGN,
     DTYPES,
     MAX_DIMS,

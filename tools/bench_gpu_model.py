@@ -40,10 +40,11 @@ H100_OVER_A100 = (3350 / 1555, 494.7 / 156)
 
 def export_gpt(path: Path, seq: int) -> Path:
     """The realistic GPT recipe, at another context length when ``seq`` is not 128."""
-    import models
-    from models import gpt
-    from models._export import export_recipe
-    from models._recipe import finish, input_generator, seeded
+    from onnx_partition.models import gpt
+    from onnx_partition.models._export import export_recipe
+    from onnx_partition.models._recipe import finish, input_generator, seeded
+
+    from onnx_partition import models
 
     if path.exists():
         return path

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.cluster import Cluster, Link

@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.profile import profile_to_file
+from onnx_partition.graph.ort import session_options
 from onnx_partition.partition import partition
-from onnx_partition.runtime.check import random_feeds
-from onnx_partition.runtime.stages import load_stages, session_options
+from onnx_partition.runtime.infer.check import random_feeds
+from onnx_partition.runtime.infer.sessions import load_stages
 
 
 def cpu_ms(runs: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]],

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.graph import load
 from onnx_partition.partition import Link, dag_problem

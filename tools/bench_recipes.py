@@ -21,11 +21,11 @@ import numpy as np
 import onnxruntime as ort
 from _timing import samples_per_s
 
-import models
+from onnx_partition import models
+from onnx_partition.graph.ort import session_options
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession
-from onnx_partition.runtime.check import compare, random_feeds
-from onnx_partition.runtime.stages import session_options
+from onnx_partition.runtime.infer.check import compare, random_feeds
 
 
 def main() -> int:

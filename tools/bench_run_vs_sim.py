@@ -29,10 +29,10 @@ from typing import Any
 
 import onnxruntime as ort
 
-import models
+from onnx_partition import models
 from onnx_partition.cli import main as cli
 from onnx_partition.cost.profile import CACHE_ENV
-from onnx_partition.runtime.stages import session_options
+from onnx_partition.graph.ort import session_options
 
 
 def cli_json(argv: list[str]) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def side_by_side(model: Path, feeds: dict[str, Any], copies: int = 2, runs: int 
 
 def measure(recipe: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from onnx_partition.plan import read_plan
-    from onnx_partition.runtime.check import random_feeds
+    from onnx_partition.runtime.infer.check import random_feeds
 
     model = models.export(recipe, work / f"{recipe}.onnx", size=args.size)
     costs, plan = work / f"{recipe}.costs.json", work / f"{recipe}.plan"

@@ -24,14 +24,14 @@ from pathlib import Path
 import onnxruntime as ort
 from _timing import samples_per_s
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.profile import profile_to_file
+from onnx_partition.graph.ort import session_options
 from onnx_partition.partition import partition
-from onnx_partition.plan_sim import simulate_plan
+from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.runtime import PipelineSession
-from onnx_partition.runtime.check import compare, random_feeds
 from onnx_partition.runtime.distributed import run_distributed
-from onnx_partition.runtime.stages import session_options
+from onnx_partition.runtime.infer.check import compare, random_feeds
 
 
 def concurrent_speedup(model: Path, feeds: dict, copies: int, iterations: int) -> float:

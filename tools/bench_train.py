@@ -14,7 +14,7 @@ step is left out of every figure. Columns: samples/s; measured ms per step; the 
 ms per step from the plan's profiled costs and from the stage times measured in the run
 (``measured / simulated`` is the target: within 15%).
 torch.distributed.pipelining (on our split, or its ``split_into_equal_size``) is reported with
-the reason it does not run (see ``onnx_partition/train/torch_engine.py``).
+the reason it does not run (see ``onnx_partition/runtime/train/torch_engine.py``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.profile import profile_to_file
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.rank import microbatch
-from onnx_partition.train.reference import make_optimizer
-from onnx_partition.train.runtime import TrainStats, synthetic_batch, train_plan
-from onnx_partition.train.stages import whole_module
-from onnx_partition.train.task import task_for
-from onnx_partition.train.torch_engine import torch_engine_refusal
+from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.rank import microbatch
+from onnx_partition.runtime.train.reference import make_optimizer
+from onnx_partition.runtime.train.task import task_for
+from onnx_partition.runtime.train.torch_engine import torch_engine_refusal
+from onnx_partition.runtime.train.trainer import TrainStats, synthetic_batch, train_plan
 
 
 def whole_steps(plan_dir: Path, rows: int, count: int, steps: int, threads: int) -> list[float]:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-import models
+from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
-from onnx_partition.exporting import BATCH, export, quiet
 from onnx_partition.graph import load
+from onnx_partition.graph.export import BATCH, export, quiet
 from onnx_partition.partition import Link, partition, unit_problem
 
 

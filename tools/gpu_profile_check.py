@@ -32,8 +32,8 @@ from onnx import TensorProto, helper
 from onnx_partition.cost.profile import input_feeds, parse_device, profile_model, save_profile
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
+from onnx_partition.graph.ort import session_options
 from onnx_partition.partition import partition
-from onnx_partition.runtime.stages import session_options
 
 
 def cuda_unavailable(device: str) -> str | None:
@@ -92,7 +92,7 @@ def stage_runner(path: Path, feeds: dict[str, np.ndarray],
 
 def check(name: str, args: argparse.Namespace, work: Path,
           index: int | None) -> dict[str, Any]:
-    import models  # torch: imported only once CUDA is known to be there
+    from onnx_partition import models  # torch: imported only once CUDA is known to be there
 
     model = models.export(name, work / f"{name}.onnx", size=args.size)
     graph = load(model, batch_size=args.batch_size)

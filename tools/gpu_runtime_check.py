@@ -17,10 +17,10 @@ from pathlib import Path
 import onnxruntime as ort
 from _timing import samples_per_s
 
-import models
+from onnx_partition import models
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession
-from onnx_partition.runtime.check import compare, random_feeds
+from onnx_partition.runtime.infer.check import compare, random_feeds
 
 CUDA = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-import models
+from onnx_partition import models
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.train.rank import microbatch
-from onnx_partition.train.reference import make_optimizer
-from onnx_partition.train.runtime import format_train, synthetic_batch, train_plan
-from onnx_partition.train.stages import whole_module
-from onnx_partition.train.task import task_for
+from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.rank import microbatch
+from onnx_partition.runtime.train.reference import make_optimizer
+from onnx_partition.runtime.train.task import task_for
+from onnx_partition.runtime.train.trainer import format_train, synthetic_batch, train_plan
 
 
 def whole_ms(plan_dir: Path, rows: int, count: int, steps: int) -> float:

@@ -19,9 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-import models
-from onnx_partition.browser import chromium, probe, screenshot
+from onnx_partition import models
 from onnx_partition.cli import main as cli
+from onnx_partition.report.browser import chromium, probe, screenshot
 
 
 def main() -> int:

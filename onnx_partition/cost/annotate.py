@@ -19,7 +19,7 @@ from onnx import helper
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.graph import OpGraph
-from onnx_partition.protos import Shape, itemsize, shape_of
+from onnx_partition.graph.protos import Shape, itemsize, shape_of
 
 __all__ = ["COSTS_FORMAT", "NodeCosts", "annotate", "costs_device", "op_infos", "read_costs",
            "write_costs"]
@@ -84,7 +84,7 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 
 def read_costs(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """Read costs.json (the contract): node key -> {"forward_ms": ..., "backward_ms": ...}."""
-    from onnx_partition.schema import validate_costs  # pydantic: loaded when first needed
+    from onnx_partition.plan.schema import validate_costs  # pydantic: loaded when first needed
 
     path = Path(path)
     spec = validate_costs(read_json(path, "costs"), f"costs file {path}")

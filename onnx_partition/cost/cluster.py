@@ -148,9 +148,9 @@ def parse_bytes(text: str, name: str = "--device-memory") -> float:
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
-    """Read cluster.json, checked against its schema (:mod:`onnx_partition.schema`); a clear
+    """Read cluster.json, checked against its schema (:mod:`onnx_partition.plan.schema`); a clear
     one-line error for a missing file or a bad field."""
-    from onnx_partition.schema import validate_cluster  # pydantic: loaded when first needed
+    from onnx_partition.plan.schema import validate_cluster  # pydantic: loaded when first needed
 
     path = Path(path)
     spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")

@@ -4,9 +4,21 @@
 :mod:`.search` (orderings, DP, polish: the pipeline planner), :mod:`.refine` (frontier moves),
 :mod:`.ilp` (exact CP-SAT reference), :mod:`.brute` (brute force, tests), :mod:`.contract` (FX
 units kept whole), :mod:`.hybrid` (stages x replicas DP), :mod:`.planner` (the hybrid planner),
-:mod:`.scoring` (placed costs and simulation), :mod:`.stage_model` (the one memory and all-reduce
-model), :mod:`.baselines` (the systems we compete with). Names are used from those modules.
+:mod:`.scoring` (placed costs and simulation), :mod:`.order` (DAG to sequence),
+:mod:`.baselines` (the systems we compete with). Names are used from those modules.
 """
 
-__all__ = ["baselines", "brute", "contract", "dp", "hybrid", "ilp", "planner", "problem",
-           "refine", "scoring", "search", "stage_model"]
+__all__ = [
+           "baselines",
+           "brute",
+           "contract",
+           "dp",
+           "hybrid",
+           "ilp",
+           "order",
+           "planner",
+           "problem",
+           "refine",
+           "scoring",
+           "search",
+]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.topo import assign
+from onnx_partition.solve.order.topo import assign
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec, score
 

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.solve.stage_model import (
+from onnx_partition.pipeline.memory import (
     StageBytes,
     device_bytes,
     memory_per_device,

@@ -1,7 +1,7 @@
 """Hybrid-parallel planning over the DAG: sequences -> blocks -> hybrid DP -> simulated choice.
 
 For each ordering the DAG is sequenced, coarsened into at most :data:`MAX_POSITIONS` blocks
-(narrow points first, see :mod:`onnx_partition.order.cluster`), and handed to the hybrid DP
+(narrow points first, see :mod:`onnx_partition.solve.order.blocks`), and handed to the hybrid DP
 (:mod:`.hybrid`), which proposes plans of several pipeline depths, on the whole cluster and on
 its first 1, 2, 4, ... machines; balanced pp x dp grids join them. Every proposal, and any
 baseline, is scored the same way (:mod:`.scoring`): the event simulator plays its schedule over
@@ -23,8 +23,7 @@ import numpy as np
 from onnx_partition import progress
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.cluster import Blocks, cluster_blocks
-from onnx_partition.order.topo import assign, cut_bytes
+from onnx_partition.pipeline.memory import ring_allreduce_ms
 from onnx_partition.solve import baselines
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
@@ -34,6 +33,8 @@ from onnx_partition.solve.hybrid import (
     plan_hybrid,
     replica_choices,
 )
+from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
+from onnx_partition.solve.order.topo import assign, cut_bytes
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import (
     HybridPlan,
@@ -46,7 +47,6 @@ from onnx_partition.solve.scoring import (
     totals_costs,
 )
 from onnx_partition.solve.search import polish_split, sequence_for
-from onnx_partition.solve.stage_model import ring_allreduce_ms
 
 __all__ = ["DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH", "LONG_POLISH",
            "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",

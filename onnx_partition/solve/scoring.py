@@ -1,7 +1,7 @@
 """How a hybrid plan is scored: per-stage costs on the placed cluster, a lower bound, simulation.
 
 One yardstick for the planner's proposals and every baseline of :mod:`.baselines`. An assignment
-(node -> stage) and replica counts become :class:`~onnx_partition.simulate.PipelineCosts`:
+(node -> stage) and replica counts become :class:`~onnx_partition.pipeline.simulate.PipelineCosts`:
 per-stage sums of the node arrays (:func:`stage_totals`), the relay model's bytes across each
 boundary, and the link each transfer and all-reduce really crosses once
 :meth:`Cluster.place <onnx_partition.cost.cluster.Cluster.place>` has put the replicas on
@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
-from onnx_partition.schedules import inference, one_f_one_b
-from onnx_partition.simulate import PipelineCosts, SimResult, StageCosts, simulate
-from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.stage_model import (
+from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
 )
+from onnx_partition.pipeline.schedules import inference, one_f_one_b
+from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.solve.problem import DagProblem
 
 __all__ = ["HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
            "lower_bound_ms", "node_arrays", "pipeline_costs", "score", "simulated",

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from onnx_partition import progress
 from onnx_partition.errors import PartitionError
-from onnx_partition.order.cluster import cluster_blocks
-from onnx_partition.order.topo import assign, cut_bytes, depth_first_order, min_live_order
 from onnx_partition.solve.dp import split_sequence
+from onnx_partition.solve.order.blocks import cluster_blocks
+from onnx_partition.solve.order.topo import assign, cut_bytes, depth_first_order, min_live_order
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 

@@ -1,4 +1,4 @@
-"""Training a train plan: stage modules cut from the exported program, and their runtime."""
+"""Alias package kept for ``onnx_partition.train.runtime`` (``train_plan`` and the torchrun entry);
+training lives in :mod:`onnx_partition.runtime.train`."""
 
-__all__ = ["comm", "launch", "rank", "reference", "runtime", "save", "stages", "task",
-           "torch_engine"]
+__all__ = ["runtime"]

@@ -21,7 +21,7 @@ from onnx import helper
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph
-from onnx_partition.runtime.stages import session_options
+from onnx_partition.graph.ort import session_options
 
 __all__ = ["Context", "MeasureSettings", "Progress", "Ticker", "input_feeds", "random_array",
            "repeat", "run_session"]

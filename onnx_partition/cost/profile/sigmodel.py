@@ -15,7 +15,7 @@ from onnx import helper
 
 from onnx_partition.cost.profile.harness import Context, input_feeds, random_array
 from onnx_partition.errors import PartitionError, one_line
-from onnx_partition.protos import shape_of
+from onnx_partition.graph.protos import shape_of
 
 __all__ = ["flow_values", "signature_model"]
 

@@ -16,7 +16,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnx_partition.graph import OpGraph
-from onnx_partition.protos import shape_of
+from onnx_partition.graph.protos import shape_of
 
 __all__ = ["model_digest", "signature_groups", "signatures"]
 

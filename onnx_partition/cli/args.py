@@ -1,0 +1,300 @@
+"""The ``onnx-partition`` command line's arguments: the parser, with a sub-parser per verb
+(export, profile, partition, run, train, simulate, report, demo), and the values that options
+describe together (a cluster, input shapes). What each verb does is in :mod:`onnx_partition.cli`;
+every numeric option is checked by :func:`onnx_partition.values.install`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from onnx_partition import __version__, values
+from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
+from onnx_partition.errors import PartitionError
+
+__all__ = ["build_parser", "chunks_of", "cluster_of", "input_shapes_of"]
+
+log = logging.getLogger("onnx_partition")
+
+
+def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
+                 ) -> argparse.ArgumentParser:
+    """The command line; ``commands`` maps each verb to the function that runs it
+    (``args.func``)."""
+    parser = argparse.ArgumentParser(
+        prog="onnx-partition", formatter_class=_Help,
+        description="Cut an ONNX model into pipeline stages and run them as a pipeline.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _verbosity_args(parser, 0)
+    common = argparse.ArgumentParser(add_help=False)
+    _verbosity_args(common, argparse.SUPPRESS)  # after the verb too, without resetting them
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB",
+                                  help="what to do (each verb has its own --help)",
+                                  parser_class=_verb_parser(common))
+    for name, summary, add_args in _VERBS:
+        p = verbs.add_parser(name, help=summary)
+        add_args(p)
+        p.set_defaults(func=commands[name])
+    return parser
+
+
+# --------------------------------------------------------------------------- reading them
+
+
+def chunks_of(args: argparse.Namespace) -> int | None:
+    """``--chunks``, which only the interleaved schedule takes."""
+    if args.chunks is not None and args.schedule != "interleaved":
+        raise PartitionError("--chunks needs --schedule interleaved")
+    return args.chunks
+
+
+def input_shapes_of(args: argparse.Namespace) -> dict[str, list[int]]:
+    """``--input-shape NAME=2,3,224`` items -> {NAME: [2, 3, 224]}; a clear error otherwise."""
+    return dict(values.input_shape(item) for item in args.input_shape)
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster | None:
+    """The cluster the options describe, or None for a plain pipeline of --stages devices."""
+    if args.cluster is not None:
+        cluster = load_cluster(args.cluster)
+        return dataclasses.replace(cluster, gpu=args.gpu) if args.gpu else cluster
+    if args.gpu and args.device_kind != "cuda":
+        raise PartitionError("--gpu needs --device-kind cuda")
+    inter = args.inter_bandwidth is not None or args.inter_latency is not None
+    if args.devices is None:
+        if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
+            raise PartitionError("--device-memory and --inter-bandwidth/latency "
+                                 "need --devices N or --cluster")
+        return None
+    if args.devices < 1 or args.machines < 1:
+        raise PartitionError("--devices and --machines must be at least 1")
+    for name, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency),
+                        ("--inter-bandwidth", args.inter_bandwidth),
+                        ("--inter-latency", args.inter_latency)):
+        if value is not None and not value >= 0:
+            raise PartitionError(f"{name} must be >= 0, got {value}")
+    memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
+    if args.device_memory:
+        log.info(f"device memory {args.device_memory!r} read as {values.fmt_bytes(memory * 1e9)} "
+             f"({memory * 1e9:,.0f} bytes) per device")
+    default = Cluster()
+    return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
+                   kind=args.device_kind, gpu=args.gpu,
+                   intra=Link(args.bandwidth, args.latency),
+                   inter=Link(
+                       default.inter.bandwidth_gbps if args.inter_bandwidth is None
+                       else args.inter_bandwidth,
+                       default.inter.latency_ms if args.inter_latency is None
+                       else args.inter_latency))
+
+
+# --------------------------------------------------------------------------- the parser
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except the uninformative ones (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """Verb parsers that show defaults and take -q/-v after the verb too."""
+
+    class VerbParser(argparse.ArgumentParser):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs.setdefault("formatter_class", _Help)
+            kwargs.setdefault("parents", [common])
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    return VerbParser
+
+
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "infer"),
+                   help="default: 1f1b for training plans, infer otherwise; interleaved: "
+                        "interleaved 1F1B, the stages as --chunks model chunks per device")
+    p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="check the plan folder's file sizes only, not their sha256")
+    p.add_argument("--chunks", type=int,
+                   help="model chunks per device for --schedule interleaved (default 2); "
+                        "must divide the stage count")
+
+
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout instead of text (plan.json's field "
+                        "names)")
+
+
+def _verbosity_args(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-q", "--quiet", action="count", default=default,
+                   help="print only results, warnings and errors (no progress lines or bars)")
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="also print debug lines")
+
+
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                   help="fix an input's shape (repeatable)")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch: fixes a symbolic leading (batch) dim")
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="recipe: resnet, inception, unet, gpt, bert, encdec")
+    p.add_argument("--size", default="tiny", help="tiny | small | realistic")
+    p.add_argument("--batch-size", type=int, default=2, help="example batch used for tracing")
+    p.add_argument("-o", "--output", required=True, type=Path, help="ONNX file to write")
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", type=Path, help="the ONNX model to measure")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    _shape_args(p)
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
+
+
+def _partition_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", type=Path, help="the ONNX model to cut")
+    p.add_argument("--stages", "-s", type=int,
+                   help="number of pipeline stages (with a cluster: fix the depth, else chosen)")
+    p.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
+    p.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    _shape_args(p)
+    p.add_argument("--bandwidth", type=float, default=10.0,
+                   help="link bandwidth between stages in GB/s, and between the devices of a "
+                        "machine with --devices (0 = free)")
+    p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
+    p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
+                   help="how to sequence the DAG before the DP (auto: try all, keep the best)")
+    p.add_argument("--solver", default="dp", choices=("dp", "ilp", "uniform", "parameters", "time"),
+                   help="dp, ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), "
+                        "or a baseline: uniform (equal operator counts), parameters (equal "
+                        "weights), time (equal compute, no communication)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    _cluster_args(p)
+    p.add_argument("--force", action="store_true",
+                   help="replace an output folder that is not an earlier plan")
+    _json_arg(p)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """``partition``'s cluster options."""
+    g = p.add_argument_group("hybrid parallelism (stages x data-parallel replicas)")
+    g.add_argument("--devices", "--nproc-per-node", type=int,
+                   help="devices per machine (as torchrun's --nproc-per-node): plan replicas "
+                        "per stage")
+    g.add_argument("--machines", "--nnodes", type=int, default=1,
+                   help="machines (as torchrun's --nnodes)")
+    g.add_argument("--device-memory",
+                   help="memory per device: 80GB, 16G, 16gb, 16GiB, 512MiB; a bare number is "
+                        "GB (default: unlimited)")
+    g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"),
+                   help="the devices the plan is for (cuda: stage files placed on cuda:N)")
+    g.add_argument("--gpu", help="GPU of the analytic costs: v100, a100-40gb, a100-80gb, h100 "
+                   "(default), h200, l4; NAME:fp32|tf32|bf16|fp16 sets the math of fp32 graphs")
+    g.add_argument("--strict-costs", action="store_true",
+                   help="refuse a costs file measured on another device kind than the cluster's")
+    g.add_argument("--inter-bandwidth", type=float,
+                   help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
+    g.add_argument("--inter-latency", type=float,
+                   help="link latency between machines in ms (default 0.05)")
+    g.add_argument("--cluster", type=Path, help="cluster.json (overrides the options above)")
+    g.add_argument("--mode", default="infer", choices=("infer", "train"),
+                   help="infer: forward only; train: forward, backward, all-reduce, 1F1B memory")
+    g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch (default: the plan's); an iteration feeds "
+                        "batch size x micro-batches rows")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per iteration (default: the plan's, else 8)")
+    p.add_argument("--iterations", type=int, default=10, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--threads-per-stage", type=int, default=1,
+                   help="onnxruntime intra-op threads per stage replica")
+    p.add_argument("--nproc", type=int,
+                   help="run one process per stage replica over torch.distributed (gloo on "
+                        "CPU, NCCL on GPUs) instead of threads; must equal the plan's replicas "
+                        "in total (torchrun's --nproc-per-node is per machine)")
+    p.add_argument("--device", choices=("cpu",),
+                   help="run every stage on this device instead of the plan's: cpu checks a "
+                        "CUDA plan's numerics on a machine without a GPU")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="feed an input from a .npy file (repeatable); others are random")
+    p.add_argument("--check", action="store_true",
+                   help="compare outputs with the whole model run in one session")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="with --nproc: seconds a rank may block on one operation or stay "
+                        "silent before the run fails naming it")
+    _json_arg(p)
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from onnx_partition.runtime.train.trainer import ENGINES, add_train_args
+
+    add_train_args(p)
+    p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
+    p.add_argument("--save", type=Path, metavar="OUT",
+                   help="write the trained weights as a new plan folder that `run` serves")
+    p.add_argument("--record", type=Path, metavar="FILE",
+                   help="write the measured per-stage forward/backward ms (plan.json's "
+                        "simulator_costs form) to FILE")
+    p.add_argument("--engine", default="ours", choices=ENGINES,
+                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
+                        "for now, see docs/design.md")
+
+
+def _simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
+    _schedule_args(p)
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch for samples/s (default: the plan's; another "
+                        "size scales the times linearly)")
+    _json_arg(p)
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", type=Path, help="plan folder (from partition)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="HTML file to write (default: PLAN.report.html beside the folder)")
+    p.add_argument("--measured", type=Path, metavar="RUN.json",
+                   help="a `run --json` file: show the measured run next to the simulation")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing file that is not an earlier report")
+    _schedule_args(p)
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", help="recipe name (default gpt)")
+    p.add_argument("--size", default="tiny", help="tiny | small | realistic")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    p.add_argument("--batch-size", type=int, default=8, help="batch to partition and run")
+    p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
+
+
+_VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
+    ("export", "export a model recipe from models/ to ONNX", _export_args),
+    ("profile", "measure every node's time on a device -> costs.json", _profile_args),
+    ("partition", "cut a model into stage files and plan.json", _partition_args),
+    ("run", "run a plan folder as a pipeline and measure it", _run_args),
+    ("train", "train a train-mode plan: one process per stage replica", _train_args),
+    ("simulate", "simulate a plan's schedule: time, bubbles, memory", _simulate_args),
+    ("report", "write a self-contained HTML report of a plan", _report_args),
+    ("demo", "export a recipe, partition it, run it, check it", _demo_args),
+)

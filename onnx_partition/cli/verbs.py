@@ -1,0 +1,413 @@
+"""The ``onnx-partition`` command: export, profile, partition, run, train, simulate, report,
+demo. Each verb's function is here; their options are in :mod:`onnx_partition.cli.args`.
+
+Bad input prints ``error: <one line>`` and exits with code 2; a run whose outputs differ from the
+whole model's exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnx_partition import __version__, values
+from onnx_partition.cli.args import build_parser, chunks_of, cluster_of, input_shapes_of
+from onnx_partition.cost.cluster import Link
+from onnx_partition.errors import PartitionError
+from onnx_partition.plan import Plan, read_plan
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
+           "timing_line"]
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+log = logging.getLogger("onnx_partition")
+MISSING_ORT = ("onnxruntime is not installed: pip install 'onnx-partition[cpu]', or "
+               "'onnx-partition[gpu]' for onnxruntime-gpu (install one, not both)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    values.install(parser)  # every numeric option checked: finite, in range, unit in the message
+    return guarded(lambda: _dispatch(parser.parse_args(argv)))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    _configure_logging(args.verbose - args.quiet)
+    from onnx_partition import progress
+
+    progress.install(log.isEnabledFor(logging.INFO))
+    log.debug("onnx-partition %s, python %s, arguments %s", __version__,
+              sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
+    began = time.perf_counter()
+    code = int(args.func(args))
+    log.debug("%s finished in %.2f s with exit code %d", args.verb,
+              time.perf_counter() - began, code)
+    return code
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command (argument parsing included) and return its exit code: bad input prints
+    ``error: <one line>`` and gives 2, a failed run (a stage raised, a worker died) 1, an
+    interrupt 130, a closed stdout pipe 0; never a traceback for any of them."""
+    from onnx_partition.errors import StageFailed
+
+    try:
+        return command()
+    except BrokenPipeError:  # `onnx-partition ... | head`: the reader has all it wanted
+        _silence_stdout()
+        return 0
+    except PartitionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except StageFailed as exc:  # a stage raised or a worker died while running
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as exc:
+        if exc.name != "onnxruntime":
+            raise
+        print(f"error: {MISSING_ORT}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+class _StdoutHandler(logging.Handler):
+    """Messages to the current ``sys.stdout`` (looked up per message, so redirection and
+    pytest's capture see them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record)
+        if record.levelno != logging.INFO:  # debug: ..., warning: ...
+            text = f"{record.levelname.lower()}: {text}"
+        print(text, file=sys.stdout if record.levelno < logging.WARNING else sys.stderr,
+              flush=True)
+
+
+def _configure_logging(verbosity: int) -> None:
+    """-q: warnings and errors only; default: progress lines; -v: debug lines too."""
+    level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
+    if not any(isinstance(h, _StdoutHandler) for h in log.handlers):
+        log.addHandler(_StdoutHandler())
+        log.propagate = False
+    log.setLevel(level)
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush does not
+    raise again (the recipe in Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured)
+        pass
+
+
+def _say(text: str) -> None:
+    """A progress or status line (hidden by -q)."""
+    log.info(text)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line (:mod:`onnx_partition.cli.args`), each verb bound to its function."""
+    return build_parser({"export": _export, "profile": _profile, "partition": _partition,
+                         "run": _run, "train": _train, "simulate": _simulate,
+                         "report": _report, "demo": _demo})
+
+
+# --------------------------------------------------------------------------- verbs
+
+
+def _export(args: argparse.Namespace) -> int:
+    from onnx_partition import models
+
+    try:
+        started = time.perf_counter()
+        path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.name}, "
+         f"{args.size}) in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from onnx_partition.cost.profile import profile_to_file
+
+    if args.repeats < 1 or args.threads < 1:
+        raise PartitionError("--repeats and --threads must be at least 1")
+    started = time.perf_counter()
+    result = profile_to_file(
+        args.model, args.output, device=args.device, batch_size=args.batch_size,
+        input_shapes=input_shapes_of(args), repeats=args.repeats,
+        threads=args.threads, progress=_progress_bar("profiling"),
+    )
+    _say(f"wrote {args.output}: {len(result.forward_ms)} nodes on {result.device}, "
+          f"whole model {result.whole_model_ms:.3f} ms (per-node sum before calibration "
+          f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
+          f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _progress_bar(label: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing a tqdm bar with its ETA on stderr, only
+    when stderr is a terminal and -q is not given."""
+    from onnx_partition.progress import progress_callback
+
+    return progress_callback(label, enabled=log.isEnabledFor(logging.INFO))
+
+
+def _partition(args: argparse.Namespace) -> int:
+    from onnx_partition.cost.devices import device_for
+    from onnx_partition.partition import partition, priced_by
+    from onnx_partition.report.page import batch_line, plan_table
+
+    if args.stages is not None and args.stages < 1:
+        raise PartitionError(f"--stages must be at least 1, got {args.stages}")
+    if args.microbatches < 1:
+        raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
+    stop_bar = _ilp_bar(args)
+    cluster = cluster_of(args)
+    plan = partition(
+        args.model,
+        args.stages,
+        args.output,
+        costs=args.costs,
+        device=None if cluster or args.costs else device_for(args.device_kind, args.gpu),
+        strict_costs=args.strict_costs,
+        input_shapes=input_shapes_of(args),
+        batch_size=args.batch_size,
+        link=Link(args.bandwidth, args.latency),
+        cluster=cluster,
+        mode=args.mode,
+        microbatches=args.microbatches,
+        ordering=args.order,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        force=args.force,
+    )
+    stop_bar()
+    costs_check = plan.costs.get("check", {})
+    for note in costs_check.get("notes", []):
+        print(note, file=sys.stderr)
+    if args.json:
+        from onnx_partition.pipeline.predict import dumps, partition_json
+
+        print(dumps(partition_json(plan, args.output)))
+        return 0
+    print(plan_table(plan))
+    print(batch_line(plan, args.batch_size))
+    print(priced_by(plan))
+    warning = (plan.device_model or {}).get("warning")
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
+         f"in {plan.partition_s or 0:.2f} s")
+    return 0
+
+
+def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:
+    """A bar over the ILP's time limit (its ETA) while partition runs; returns its stop."""
+    from onnx_partition.progress import timed
+
+    limit = args.time_limit if args.solver == "ilp" else 0.0
+    bar = timed("ILP (CP-SAT)", limit, enabled=bool(limit) and log.isEnabledFor(logging.INFO))
+    bar.__enter__()
+
+    def stop() -> None:
+        bar.__exit__(None, None, None)
+
+    return stop
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the plan as planned: its micro-batch size and count unless told, every replica fed
+    (replica j of r takes micro-batches m = j mod r), then measured against predicted."""
+    from onnx_partition.pipeline.microbatch import batch_axes
+    from onnx_partition.pipeline.predict import (
+        dumps,
+        format_comparison,
+        idle_replicas_note,
+        plan_batch_size,
+        plan_microbatches,
+        run_json,
+        run_shape,
+    )
+    from onnx_partition.runtime.infer.measure import (
+        measure_distributed,
+        measure_threads,
+        shape_of_feeds,
+    )
+
+    plan = read_plan(args.plan)
+    shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
+    feeds = run_feeds(plan, args.input, rows=shape.rows, seed=args.seed)
+    shape = shape_of_feeds(shape, feeds, batch_axes(plan))
+    if args.iterations < 1 or args.warmup < 0:
+        raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
+    out = sys.stderr if args.json else sys.stdout
+    note = idle_replicas_note(plan, shape.microbatches)
+    if note:
+        print(note, file=sys.stderr)
+    planned = (plan_batch_size(plan), plan_microbatches(plan))
+    default = "" if "microbatches" in plan.predicted else " by default"
+    print(f"{_plural(len(plan.stages), 'stage')} "
+          f"({' + '.join(str(s.replicas) for s in plan.stages)} "
+          f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
+          f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
+          f"{planned[0] or '?'} rows)", file=out)
+    options = {"warmup": args.warmup, "iterations": args.iterations,
+               "threads_per_stage": args.threads_per_stage}
+    if args.nproc is not None:
+        runtime, measured, outputs = measure_distributed(
+            args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device,
+            timeout_s=args.timeout, **options)
+    else:
+        runtime, measured, outputs = measure_threads(
+            args.plan, plan, feeds, shape, providers=_providers(args),
+            show_progress=not args.json and log.isEnabledFor(logging.INFO), **options)
+    body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
+    code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
+    if args.check:
+        body["check"] = "ok" if code == 0 else "mismatch"
+    if args.json:
+        print(dumps(body))
+    else:
+        print(format_comparison(body))
+        print(timing_line(measured["iteration_ms_each"]))
+    return code
+
+
+def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
+    """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
+    each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
+    from onnx_partition.runtime.infer.check import random_feeds
+
+    feeds = random_feeds(plan, batch_size=rows, seed=seed)
+    for item in inputs:
+        name, sep, file = item.partition("=")
+        if not sep or name not in feeds:
+            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
+                                 f"{', '.join(feeds)}")
+        try:
+            feeds[name] = np.load(file)
+        except (OSError, ValueError) as exc:
+            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
+    return feeds
+
+
+def _providers(args: argparse.Namespace) -> list[str] | None:
+    """``--device cpu``: every stage on onnxruntime's CPU provider, whatever the plan says."""
+    return ["CPUExecutionProvider"] if args.device == "cpu" else None
+
+
+def timing_line(samples_ms: Sequence[float]) -> str:
+    """Per-iteration latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
+    linear percentiles) over the timed iterations."""
+    times = np.asarray(samples_ms, dtype=np.float64)
+    if times.size == 0:
+        return "latency: no timed iterations"
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    return (f"latency per iteration over {_plural(times.size, 'iteration')}: mean "
+            f"{times.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
+
+
+def _check(
+    plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+    out: Any = None,
+) -> int:
+    """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
+    from onnx_partition.runtime.infer.check import compare, whole_model_outputs
+
+    worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds))
+    verdict = "OK" if worst <= 1e-5 else "MISMATCH"
+    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
+          file=out or sys.stdout)
+    return 0 if verdict == "OK" else 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    from onnx_partition.runtime.train.trainer import format_train, train_plan
+
+    stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
+                       microbatches=args.microbatches, batch_size=args.batch_size,
+                       schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
+                       check=args.check, save=args.save, record=args.record,
+                       engine=args.engine, seed=args.seed,
+                       verbose=True)
+    print(format_train(stats))
+    return EXIT_FAILED if stats.mismatches else 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from onnx_partition.pipeline.from_plan import format_simulation, simulate_plan
+    from onnx_partition.pipeline.predict import dumps, simulate_json
+    from onnx_partition.plan.folder import verify
+
+    plan = read_plan(args.plan)
+    verify(args.plan, plan, hashes=not args.no_verify)
+    result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
+                              chunks=chunks_of(args))
+    body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
+                         batch_size=args.batch_size)
+    if args.json:
+        print(dumps(body))
+        return 0
+    print(format_simulation(plan, result))
+    if body["samples_per_s"]:
+        scaled = (f", times scaled linearly from the plan's {body['scaled_from_batch_size']}"
+                  if body.get("scaled_from_batch_size") else "")
+        print(f"{body['samples_per_s']:.1f} samples/s ({body['microbatches']} micro-batches x "
+              f"{body['batch_size']} rows per iteration of {body['iteration_ms']:.3f} ms"
+              f"{scaled})")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from onnx_partition.report import write_report
+
+    path = write_report(args.plan, args.output, schedule=args.schedule,
+                        microbatches=args.microbatches, chunks=chunks_of(args),
+                        measured=args.measured, force=args.force,
+                        hashes=not args.no_verify)
+    _say(f"wrote {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.workdir is None:
+        with tempfile.TemporaryDirectory(prefix="onnx-partition-demo-") as tmp:
+            return _demo_in(args, Path(tmp))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    return _demo_in(args, args.workdir)
+
+
+def _demo_in(args: argparse.Namespace, work: Path) -> int:
+    model = work / f"{args.model}.onnx"
+    plan = work / "plan"
+    steps = [
+        ["export", args.model, "--size", args.size, "-o", str(model)],
+        ["partition", str(model), "--stages", str(args.stages), "--batch-size",
+         str(args.batch_size), "-o", str(plan)],
+        ["run", str(plan), "--check"],  # the plan's micro-batch size and count
+    ]
+    for step in steps:
+        _say(f"$ onnx-partition {' '.join(step)}")
+        code = main(["-q"] * args.quiet + ["-v"] * args.verbose + step)  # keep -q/-v
+        if code:
+            return code
+    return 0

@@ -1,0 +1,258 @@
+"""Simulate a written plan: rebuild the event simulator's costs from plan.json alone.
+
+plan.json keeps, per stage, ``predicted.compute_ms`` (per micro-batch on one replica: the
+forward in inference, forward + backward in training), ``predicted.comm_ms``, ``replicas`` and
+``predicted.memory_bytes``; hybrid plans add ``allreduce_ms`` (one per stage). From these:
+
+* **Send times.** A stage's ``comm_ms`` counts both of its boundaries, so each interior
+  boundary appears in two stages. Boundary ``b``'s send time ``s[b]`` is the comm it adds to
+  *each* neighbour, i.e. ``comm[k] = f * (s[k-1] + s[k])`` (``s[-1] = s[S-1] = 0``), with
+  ``f = 2`` for hybrid training plans (the activation forward, the gradient back, as the
+  planner writes it) and ``f = 1`` otherwise (plain pipelines: ``(cut bytes) / bandwidth +
+  latency`` per boundary, see ``docs/design.md``). These are ``S`` equations in ``S - 1``
+  unknowns; they are solved by least squares (exact for an untouched plan, a compromise for an
+  edited one) and clipped at 0.
+* **Forward / backward.** Training plans store only ``forward + backward``; the split is
+  taken as backward = 2 x forward (the ``costs.json`` default and the usual rule for dense
+  layers). An inference plan simulated with a training schedule uses the same rule.
+* **Memory.** ``memory_bytes`` is the planner's per-device peak for the plan's own schedule;
+  it is used as the device's static bytes (no separate activation term), so another schedule's
+  extra stashed micro-batches are not counted.
+* **Interleaved 1F1B** (``schedule="interleaved"``, ``chunks=v``; Narayanan et al., SC'21) is a
+  what-if: the plan's ``S`` stages are laid out on ``S / v`` devices per replica, device ``d``
+  hosting stages ``d, d + S/v, ...`` (its memory is the sum of theirs). plan.json's device
+  list describes the plan's own one-stage-per-device layout, so it is not used for names.
+
+The planner keeps the exact split; a plan may carry it as ``simulator_costs`` (all keys
+optional, one entry per stage, ``send_ms`` one per boundary): ``{"forward_ms": [...],
+"backward_ms": [...], "send_ms": [...], "activation_bytes": [...], "static_bytes": [...]}``.
+Given them, the rebuild is the planner's own costs. Without them, a hybrid plan's simulated
+iteration equals ``predicted.iteration_ms`` when backward really is 2 x forward in every
+stage (or the split does not matter, e.g. one stage); otherwise it differs a little.
+
+Note the two cost models: the plain planner charges communication to the stage's time
+(``bottleneck_ms = max(compute + comm)``), while the simulator overlaps sends with compute
+(a send delays the receiver, it does not occupy the sender), so a plain pipeline's simulated
+throughput can exceed its ``predicted.throughput_per_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.schedules import (
+    Action,
+    Device,
+    Kind,
+    Schedule,
+    gpipe,
+    inference,
+    interleaved,
+    one_f_one_b,
+    pipeline_width,
+    render,
+)
+from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.plan import Plan
+from onnx_partition.values import fmt_bytes
+
+__all__ = ["BACKWARD_RATIO", "DEFAULT_CHUNKS", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS",
+           "SCHEDULES", "default_schedule", "device_name", "format_simulation",
+           "hosted_stages", "interleaving_note", "plan_costs", "schedule_name",
+           "schedule_of", "send_times", "simulate_plan"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
+#: Assumed backward / forward ratio when a plan stores only forward + backward.
+BACKWARD_RATIO = 2.0
+#: The schedule grid is printed up to this many steps on one device.
+MAX_GRID_STEPS = 48
+DEFAULT_MICROBATCHES = 8
+#: Model chunks per device of the interleaved schedule unless told.
+DEFAULT_CHUNKS = 2
+
+
+def default_schedule(plan: Plan) -> str:
+    """``1f1b`` for training plans, ``infer`` otherwise (what the planner simulated)."""
+    return "1f1b" if plan.mode == "train" else "infer"
+
+
+def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
+    """Per-boundary send times ``s`` with ``comm[k] ~= factor * (s[k-1] + s[k])`` (least
+    squares, clipped at 0); ``len(comm) - 1`` entries."""
+    p = len(comm_ms)
+    if p < 2:
+        return []
+    a = np.zeros((p, p - 1))
+    for b in range(p - 1):
+        a[b, b] = a[b + 1, b] = factor
+    solution, *_ = np.linalg.lstsq(a, np.asarray(comm_ms, dtype=float), rcond=None)
+    return [max(float(s), 0.0) for s in solution]
+
+
+def _given(plan: Plan, key: str, length: int) -> list[float] | None:
+    """``plan.simulator_costs[key]`` as floats, if present and well formed."""
+    raw = plan.simulator_costs
+    if key not in raw:
+        return None
+    values = raw[key]
+    if not isinstance(values, list) or len(values) != length:
+        raise PartitionError(f"plan.json simulator_costs.{key} needs {length} numbers")
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise PartitionError(f"plan.json simulator_costs.{key} needs numbers") from None
+
+
+def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
+    """The simulator's costs of ``plan`` (see the module docstring for the rules)."""
+    p = len(plan.stages)
+    if p == 0:
+        raise PartitionError("plan.json has no stages")
+    preds = [s.predicted for s in plan.stages]
+    compute = [pr.compute_ms if pr else 0.0 for pr in preds]
+    comm = [pr.comm_ms if pr else 0.0 for pr in preds]
+    memory = [float(pr.memory_bytes) if pr else 0.0 for pr in preds]
+    hybrid_train = plan.mode == "train"
+    stored_fwd = [c / (1.0 + BACKWARD_RATIO) for c in compute] if hybrid_train else compute
+    forward = _given(plan, "forward_ms", p) or stored_fwd
+    backward = _given(plan, "backward_ms", p) or [BACKWARD_RATIO * f for f in forward]
+    send = _given(plan, "send_ms", p - 1)
+    if send is None:
+        send = send_times(comm, 2.0 if hybrid_train else 1.0)
+    acts = _given(plan, "activation_bytes", p) or [0.0] * p
+    static = _given(plan, "static_bytes", p) or memory
+    raw_allreduce = plan.allreduce_ms
+    allreduce = [0.0] * p
+    if raw_allreduce is not None and len(raw_allreduce) == p:
+        allreduce = [float(x) for x in raw_allreduce]
+    stages = [
+        StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),
+                   allreduce[k] if train else 0.0, acts[k], static[k])
+        for k, s in enumerate(plan.stages)
+    ]
+    return PipelineCosts(stages, send)
+
+
+def simulate_plan(
+    plan: Plan, *, schedule: str | None = None, microbatches: int | None = None,
+    chunks: int | None = None,
+) -> tuple[SimResult, PipelineCosts]:
+    """Simulate ``plan`` from plan.json alone: ``schedule`` in :data:`SCHEDULES` (default:
+    1F1B for training plans, forward streaming otherwise), ``microbatches`` per iteration
+    (default: the plan's ``predicted.microbatches``, else 8), ``chunks`` model chunks per
+    device for ``interleaved`` only (default 2). Returns the result and the rebuilt costs.
+    Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
+    the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
+    of devices x replicas, unequal replicas)."""
+    name = (schedule or default_schedule(plan)).lower()
+    if name not in SCHEDULES:
+        raise PartitionError(f"unknown schedule {schedule!r}; choose one of "
+                             f"{', '.join(SCHEDULES)}")
+    if chunks is not None and name != "interleaved":
+        raise PartitionError(f"model chunks per device apply only to the interleaved "
+                             f"schedule, not {name}")
+    m = microbatches if microbatches is not None else int(
+        plan.predicted.get("microbatches", DEFAULT_MICROBATCHES))
+    if m < 1:
+        raise PartitionError(f"need at least one micro-batch, got {m}")
+    costs = plan_costs(plan, train=name != "infer")
+    replicas = [s.replicas for s in costs.stages]
+    if name == "gpipe":
+        sched = gpipe(len(replicas), m, replicas)
+    elif name == "1f1b":
+        sched = one_f_one_b(len(replicas), m, replicas)
+    elif name == "interleaved":
+        v = DEFAULT_CHUNKS if chunks is None else chunks
+        sched = interleaved(len(replicas), m, v, replicas)
+    else:
+        sched = inference(len(replicas), m, replicas)
+    return simulate(sched, costs), costs
+
+
+def schedule_of(result: SimResult) -> Schedule:
+    """The schedule a result played, rebuilt from its timeline (actions in start order)."""
+    sched: dict[Device, list[Action]] = {}
+    for dev, action, _, _ in sorted(result.timeline, key=lambda item: (item[0], item[2])):
+        sched.setdefault(dev, []).append(action)
+    return sched
+
+
+def hosted_stages(plan: Plan, result: SimResult) -> dict[Device, list[int]]:
+    """The plan's stages each simulated device runs: one each, or several (interleaved)."""
+    num_stages = len(plan.stages)
+    width = pipeline_width(result.busy_ms, num_stages)
+    return {dev: list(range(dev[0], num_stages, width)) for dev in result.busy_ms}
+
+
+def interleaving_note(plan: Plan, result: SimResult) -> str | None:
+    """One line saying the result is an interleaved what-if layout, or None if it is not."""
+    num_stages = len(plan.stages)
+    width = pipeline_width(result.busy_ms, num_stages)
+    if width >= num_stages:
+        return None
+    devices = f"{width} device{'s' * (width != 1)}"
+    return (f"interleaved what-if: {num_stages} stages on {devices} per replica, "
+            f"{num_stages // width} model chunks each (device d runs stages d, d + {width}, "
+            "...); plan.json's device list is for one stage per device")
+
+
+def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) -> str:
+    """``stage s replica r`` plus the device id from plan.json when it names one; with
+    several hosted ``stages`` (interleaved) ``device d replica r (stages ...)``."""
+    if stages is not None and len(stages) > 1:
+        return f"device {dev[0]} replica {dev[1]} (stages {', '.join(map(str, stages))})"
+    stage, replica = dev
+    devices = plan.stages[stage].devices if stage < len(plan.stages) else []
+    where = f" ({devices[replica]})" if replica < len(devices) else ""
+    return f"stage {stage} replica {replica}{where}"
+
+
+def schedule_name(result: SimResult) -> str:
+    """``infer`` for a forward-only result, else ``train`` (the timeline tells)."""
+    return "train" if any(a.kind is Kind.B for _, a, _, _ in result.timeline) else "infer"
+
+
+def format_simulation(plan: Plan, result: SimResult) -> str:
+    """Iteration time, throughput, bubble, per-device busy time and peak memory, and the
+    schedule grid when it is small enough to read."""
+    num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
+    lines = [
+        f"simulated {schedule_name(result)} iteration of {num_mb} micro-batches: "
+        f"{result.iteration_ms:.3f} ms, {result.throughput_per_s:.1f} micro-batches/s, "
+        f"bubble {result.bubble_fraction * 100:.1f}%",
+    ]
+    note = interleaving_note(plan, result)
+    if note:
+        lines.append(note)
+    hosted = hosted_stages(plan, result)
+    if "iteration_ms" in plan.predicted:
+        lines.append(f"planner predicted: iteration {plan.predicted['iteration_ms']:.3f} ms")
+    elif "bottleneck_ms" in plan.predicted:
+        lines.append(f"planner predicted: bottleneck {plan.predicted['bottleneck_ms']:.3f} ms "
+                     "per micro-batch (communication charged to the stages)")
+    rows = [("device", "busy ms", "busy %", "peak in-flight", "peak memory")]
+    for dev in sorted(result.busy_ms):
+        busy = result.busy_ms[dev]
+        share = busy / result.iteration_ms * 100 if result.iteration_ms > 0 else 0.0
+        rows.append((device_name(plan, dev, hosted[dev]), f"{busy:.3f}", f"{share:.1f}",
+                     str(result.peak_inflight.get(dev, 0)),
+                     fmt_bytes(result.peak_memory_bytes.get(dev, 0.0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = [rows[0][0].ljust(widths[0]) + "  " + "  ".join(
+        c.rjust(w) for c, w in zip(rows[0][1:], widths[1:]))]
+    table.append("  ".join("-" * w for w in widths))
+    table += [r[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
+                                                         zip(r[1:], widths[1:])) for r in rows[1:]]
+    lines += ["", *table]
+    for stage, (t0, t1) in sorted(result.allreduce.items()):
+        lines.append(f"stage {stage} all-reduce: {t0:.3f} -> {t1:.3f} ms")
+    sched = schedule_of(result)
+    steps = max((len(a) for a in sched.values()), default=0)
+    if steps <= MAX_GRID_STEPS and len(sched) <= 32:
+        lines += ["", render(sched)]
+    else:
+        lines += ["", f"(schedule grid left out: {len(sched)} devices x {steps} steps)"]
+    return "\n".join(lines)

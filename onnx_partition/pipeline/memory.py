@@ -1,0 +1,149 @@
+"""The hybrid cost model of one stage, written once: ring all-reduce time, micro-batches in
+flight, and memory per device.
+
+Every tool that states a stage's memory or all-reduce time calls these functions: the hybrid
+DP (:mod:`.hybrid`), the scorer (:mod:`.scoring`), the planner (:mod:`.planner`), the event
+simulator (:mod:`onnx_partition.pipeline.simulate`, which counts in-flight micro-batches from the
+actions it plays and prices them with :func:`device_bytes`), ``simulate``/``report`` (through
+the plan's ``simulator_costs``) and ``partition``'s table (``predicted.memory_bytes``).
+
+**Memory of a device** holding one replica of a stage::
+
+    memory = static + held * stash
+    static = optimizer_factor * W + G     (train: weights, gradients, optimizer state, and the
+           = W                            (infer)   receive buffer of one gradient micro-batch)
+    stash  = A + R                        (per micro-batch: the stage's own activations and
+                                           the activations it received, both kept for backward)
+
+``W`` parameter bytes, ``A`` bytes of the outputs of the stage's operators, ``R`` bytes the
+stage receives per micro-batch (every tensor crossing its input boundary, relay model), ``G``
+bytes it sends per micro-batch (the gradients of those come back). ``held`` is the number of
+micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
+
+**Micro-batches in flight under 1F1B with replicas.** The schedule
+(:func:`onnx_partition.pipeline.schedules.one_f_one_b`) gives stage ``s`` a *global* warm-up of
+``W_s = min(sum(step_k for k in s..p-2), M)`` forwards, then alternates one forward and one
+backward, and hands micro-batch ``m`` to replica ``m % d_s``. ``step_k`` is what boundary
+``k`` adds: ``max(d_k, d_k+1)`` when one replica count divides the other (then replica ``j``
+of the larger stage always talks to the same replica of the smaller one: with equal counts
+every replica runs Megatron's 1F1B on its own micro-batches, warm-up ``p - s - 1`` of them),
+else ``d_k + d_k+1 - 1`` (round-robin misaligns the replicas; checked by simulation to keep
+the pipeline full). Replica ``j``'s actions are those of micro-batches ``m = j (mod d_s)``:
+between the forward of ``m`` and its backward the stage runs the forwards of ``m .. m + W_s``,
+a window of ``min(W_s + 1, M)`` consecutive micro-batches, of which at most
+``ceil(min(W_s + 1, M) / d_s)`` are replica 0's (the most of any replica). So the peak per
+device of stage ``s``::
+
+    held = ceil(min(W_s + 1, M) / d_s)    (1F1B; no replicas: min(p - s, M), Narayanan 2021)
+         = ceil(M / d_s)                  (GPipe: every micro-batch of the replica)
+         = 1                              (inference: the micro-batch being computed)
+
+The simulator counts the same number from the actions it runs; the property tests assert
+both agree for every stage.
+
+**Ring all-reduce** of ``W`` gradient bytes over ``r`` replicas (Patarasuk and Yuan, JPDC
+2009; PipeDream's replicated-stage model): ``2 (r - 1) / r * W / bandwidth + 2 (r - 1) *
+latency`` (reduce-scatter then all-gather, ``r - 1`` steps each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+__all__ = ["SCHEDULES", "Num", "StageBytes", "boundary_step", "device_bytes", "memory_per_device",
+           "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms", "stash_bytes",
+           "static_bytes"]
+
+#: Schedules whose in-flight count :func:`peak_inflight` knows.
+SCHEDULES = ("1f1b", "gpipe", "infer")
+
+Num = TypeVar("Num", float, np.ndarray)
+
+
+def ring_allreduce_ms(nbytes: Num, replicas: int, bytes_per_ms: float,
+                      latency_ms: float) -> Num:
+    """Time of a ring all-reduce of ``nbytes`` among ``replicas`` devices (0 for one);
+    ``nbytes`` may be an array (the hybrid DP prices every stage at once)."""
+    if replicas <= 1:
+        return nbytes * 0.0
+    return 2.0 * (replicas - 1) / replicas * nbytes / bytes_per_ms + 2.0 * (replicas - 1) * (
+        latency_ms)
+
+
+def boundary_step(before: int, after: int) -> int:
+    """Micro-batches boundary ``before -> after`` (replica counts) adds to the warm-up of every
+    stage up to it: ``max`` when one count divides the other, else ``before + after - 1``."""
+    if before % after == 0 or after % before == 0:
+        return max(before, after)
+    return before + after - 1
+
+
+def one_f_one_b_warmups(replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Global warm-up forwards of each stage under 1F1B: ``min(sum of steps after it, M)``."""
+    warm, out = 0, [0] * len(replicas)
+    for s in range(len(replicas) - 1, -1, -1):
+        if s < len(replicas) - 1:
+            warm += boundary_step(replicas[s], replicas[s + 1])
+        out[s] = min(warm, microbatches)
+    return out
+
+
+def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Micro-batches whose activations the fullest replica of each stage holds at once (see
+    the module docstring): ``1f1b``, ``gpipe`` or ``infer``."""
+    m = microbatches
+    if schedule == "infer":
+        return [1 if m > 0 else 0] * len(replicas)
+    if schedule == "gpipe":
+        return [-(-m // d) for d in replicas]
+    if schedule != "1f1b":
+        raise ValueError(f"no closed form for schedule {schedule!r}; use one of {SCHEDULES}")
+    warm = one_f_one_b_warmups(replicas, m)
+    return [-(-min(w + 1, m) // d) for w, d in zip(warm, replicas, strict=True)]
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one stage holds, in bytes: parameters, its operators' outputs per micro-batch,
+    what it receives per micro-batch (input boundary) and what it sends (output boundary)."""
+
+    params: float
+    activations: float
+    received: float = 0.0
+    sent: float = 0.0
+
+
+def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float) -> float:
+    """Bytes held whatever the schedule: weights (+ gradients, optimizer state and one
+    gradient receive buffer in training)."""
+    if train:
+        return optimizer_factor * stage.params + stage.sent
+    return stage.params
+
+
+def stash_bytes(stage: StageBytes) -> float:
+    """Bytes held per micro-batch in flight: own activations plus received inputs."""
+    return stage.activations + stage.received
+
+
+def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
+    """``static + held * stash``: the one memory formula (the simulator calls it too)."""
+    return static + held * stash
+
+
+def memory_per_device(
+    stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
+    schedule: str, optimizer_factor: float = 4.0,
+) -> list[float]:
+    """Peak bytes on the fullest device of each stage of a plan with these replica counts,
+    under ``schedule`` (``1f1b``, ``gpipe`` or ``infer``): the figure the planner checks
+    against the device memory, ``partition`` prints and plan.json stores."""
+    train = schedule != "infer"
+    held = peak_inflight(schedule, replicas, microbatches)
+    return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor),
+                               stash_bytes(s), h))
+            for s, h in zip(stages, held, strict=True)]

@@ -1,0 +1,306 @@
+"""Predicted against measured: the shape of a run, the plan's prediction for it, and the JSON
+objects ``run --json``, ``simulate --json`` and ``partition --json`` print.
+
+**Batch size.** Every command means the same by ``--batch-size``: *rows per micro-batch* (the
+leading dim the stage files were planned at; plan.json ``batch_size``). An iteration (one call of
+the pipeline) is ``microbatches`` micro-batches, so its rows are ``batch_size x microbatches``
+(:class:`RunShape`). ``run`` defaults to the plan's micro-batch size and count
+(plan.json ``batch_size`` and ``predicted.microbatches``; :data:`DEFAULT_MICROBATCHES` for plans
+without a count, as ``partition`` does).
+
+**Prediction for a run** (:func:`predict`): the plan's own simulation
+(:func:`~onnx_partition.pipeline.from_plan.simulate_plan`) with the run's micro-batch count and the
+forward-only schedule (``run`` executes forward passes, also of training plans). When the run's
+micro-batch size differs from the plan's, every simulated duration is scaled by
+``run / plan`` rows: all costs scaled alike scale the whole timeline alike (linear in batch,
+the assumption ``partition`` makes for costs files).
+
+Field names are plan.json's where they mean the same: ``iteration_ms``, ``throughput_per_s``
+(micro-batches per second), ``microbatches``, ``batch_size``, per-stage ``compute_ms``,
+``comm_ms``, ``memory_bytes``, ``replicas``; new: ``samples_per_s`` (rows per second),
+``rows`` (per iteration), ``busy_ms`` (compute per iteration on one replica).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.pipeline.from_plan import default_schedule, simulate_plan
+from onnx_partition.pipeline.simulate import SimResult
+from onnx_partition.plan import Plan
+
+__all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_comparison",
+           "idle_replicas_note", "measured_json", "partition_json", "plan_batch_size",
+           "plan_microbatches", "predict", "ratios", "read_run", "run_json",
+           "run_shape", "simulate_json", "simulation_json"]
+
+#: Micro-batches per iteration of a plan that does not say (partition's default).
+DEFAULT_MICROBATCHES = 8
+RUN_FORMAT = "onnx-partition/run@1"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How many rows an iteration feeds: ``microbatches`` micro-batches of ``batch_size``."""
+
+    batch_size: int  # rows per micro-batch
+    microbatches: int
+
+    @property
+    def rows(self) -> int:
+        return self.batch_size * self.microbatches
+
+
+def plan_batch_size(plan: Plan) -> int | None:
+    """Rows per micro-batch the plan was partitioned at: plan.json ``batch_size``, else (older
+    plans, or inputs with a fixed leading dim) the leading dim of ``input_shapes`` shared by the
+    inputs declared with a symbolic one, or failing that by all inputs."""
+    given = plan.batch_size
+    if given is not None and given > 0:
+        return given
+    fixed = plan.input_shapes
+    for symbolic_only in (True, False):
+        sizes = {int(fixed[s.name][0]) for s in plan.inputs if fixed.get(s.name)
+                 and (not symbolic_only or (s.shape and not isinstance(s.shape[0], int)))}
+        if sizes:
+            return sizes.pop() if len(sizes) == 1 else None
+    return None
+
+
+def plan_microbatches(plan: Plan) -> int:
+    """The plan's micro-batches per iteration (:data:`DEFAULT_MICROBATCHES` if it has none)."""
+    given = plan.predicted.get("microbatches")
+    return int(given) if isinstance(given, int | float) and given >= 1 else DEFAULT_MICROBATCHES
+
+
+def run_shape(plan: Plan, *, batch_size: int | None = None,
+              microbatches: int | None = None) -> RunShape:
+    """The run's shape: the given values, else the plan's (see the module docstring)."""
+    size = batch_size if batch_size is not None else (plan_batch_size(plan) or 1)
+    count = microbatches if microbatches is not None else plan_microbatches(plan)
+    if size < 1 or count < 1:
+        raise PartitionError(f"--batch-size and --microbatches must be at least 1, got "
+                             f"{size} and {count}")
+    return RunShape(size, count)
+
+
+def idle_replicas_note(plan: Plan, microbatches: int) -> str | None:
+    """One line when fewer micro-batches than a stage's replicas leave some replicas idle
+    (replica ``j`` of a stage with ``r`` replicas takes micro-batches ``m = j (mod r)``)."""
+    most = max((s.replicas for s in plan.stages), default=1)
+    if microbatches >= most:
+        return None
+    short = [s.index for s in plan.stages if s.replicas > microbatches]
+    return (f"note: {microbatches} micro-batches for up to {most} replicas: stage"
+            f"{'s' * (len(short) > 1)} {', '.join(map(str, short))} leave"
+            f"{'s' * (len(short) == 1)} replicas {microbatches}.. idle (give --microbatches "
+            f">= {most})")
+
+
+# ------------------------------------------------------------------------- JSON objects
+
+
+def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatches: int,
+                    batch_size: int | None, scale: float = 1.0) -> dict[str, Any]:
+    """A simulation as plain data (durations multiplied by ``scale``)."""
+    iteration = result.iteration_ms * scale
+    rows = (batch_size or 0) * microbatches
+    devices = [{"stage": dev[0], "replica": dev[1], "busy_ms": round(busy * scale, 6),
+                "peak_inflight": result.peak_inflight.get(dev, 0),
+                "memory_bytes": int(result.peak_memory_bytes.get(dev, 0.0))}
+               for dev, busy in sorted(result.busy_ms.items())]
+    stages = []
+    for stage in plan.stages:
+        mine = [d for d in devices if d["stage"] == stage.index]
+        pred = stage.predicted
+        stages.append({
+            "index": stage.index, "replicas": stage.replicas,
+            "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6),
+            "compute_ms": pred.compute_ms if pred else 0.0,
+            "comm_ms": pred.comm_ms if pred else 0.0,
+            "memory_bytes": max((d["memory_bytes"] for d in mine), default=0),
+        })
+    return {
+        "schedule": schedule, "microbatches": microbatches, "batch_size": batch_size,
+        "rows": rows, "iteration_ms": round(iteration, 6),
+        "throughput_per_s": round(microbatches / iteration * 1000.0, 3) if iteration else 0.0,
+        "samples_per_s": round(rows / iteration * 1000.0, 3) if iteration and rows else 0.0,
+        "bubble_fraction": round(result.bubble_fraction, 4),
+        "stages": stages, "devices": devices,
+    }
+
+
+def predict(plan: Plan, shape: RunShape) -> dict[str, Any]:
+    """The plan's prediction for a run of ``shape`` (see the module docstring)."""
+    result, _ = simulate_plan(plan, schedule="infer", microbatches=shape.microbatches)
+    planned = plan_batch_size(plan)
+    scale = shape.batch_size / planned if planned else 1.0
+    body = simulation_json(plan, result, schedule="infer", microbatches=shape.microbatches,
+                           batch_size=shape.batch_size, scale=scale)
+    body["scaled_from_batch_size"] = planned if scale != 1.0 else None
+    return body
+
+
+def measured_json(plan: Plan, shape: RunShape, *, iteration_ms: Sequence[float],
+                  busy_ms: Mapping[tuple[int, int], float],
+                  cpu_ms: Mapping[tuple[int, int], float] | None = None) -> dict[str, Any]:
+    """A measured run as plain data: ``iteration_ms`` per timed iteration, ``busy_ms`` per
+    (stage, replica) per iteration (means over the timed iterations), and ``cpu_ms`` the same
+    compute in thread CPU time (``busy_ms`` less what other threads and processes took from
+    its core: their ratio is the contention a run suffered)."""
+    mean = sum(iteration_ms) / len(iteration_ms) if iteration_ms else 0.0
+    cpu = cpu_ms or {}
+    devices = [{"stage": k, "replica": r, "busy_ms": round(ms, 6),
+                **({"cpu_ms": round(cpu[k, r], 6)} if (k, r) in cpu else {})}
+               for (k, r), ms in sorted(busy_ms.items())]
+    stages = []
+    for stage in plan.stages:
+        mine = [d for d in devices if d["stage"] == stage.index]
+        entry = {"index": stage.index, "replicas": stage.replicas,
+                 "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6)}
+        if mine and all("cpu_ms" in d for d in mine):
+            entry["cpu_ms"] = round(sum(d["cpu_ms"] for d in mine) / len(mine), 6)
+        stages.append(entry)
+    return {
+        "microbatches": shape.microbatches, "batch_size": shape.batch_size, "rows": shape.rows,
+        "iterations": len(iteration_ms), "iteration_ms": round(mean, 6),
+        "iteration_ms_each": [round(ms, 6) for ms in iteration_ms],
+        "throughput_per_s": round(shape.microbatches / mean * 1000.0, 3) if mean else 0.0,
+        "samples_per_s": round(shape.rows / mean * 1000.0, 3) if mean else 0.0,
+        "stages": stages, "devices": devices,
+    }
+
+
+def ratios(measured: Mapping[str, Any], predicted: Mapping[str, Any]) -> dict[str, Any]:
+    """measured / predicted: throughput, iteration time, and each stage's busy time."""
+    def div(a: float, b: float) -> float | None:
+        return float(f"{a / b:.4g}") if b else None
+
+    by_stage = {s["index"]: s for s in predicted["stages"]}
+    return {
+        "samples_per_s": div(measured["samples_per_s"], predicted["samples_per_s"]),
+        "iteration_ms": div(measured["iteration_ms"], predicted["iteration_ms"]),
+        "stage_busy_ms": [div(s["busy_ms"], by_stage[s["index"]]["busy_ms"])
+                          for s in measured["stages"] if s["index"] in by_stage],
+        "stage_cpu_ms": [div(s["cpu_ms"], by_stage[s["index"]]["busy_ms"])
+                         if "cpu_ms" in s else None
+                         for s in measured["stages"] if s["index"] in by_stage],
+    }
+
+
+def run_json(plan: Plan, shape: RunShape, runtime: str, measured: dict[str, Any],
+             **extra: Any) -> dict[str, Any]:
+    """What ``run --json`` prints: the run's shape, measured, predicted and their ratio."""
+    predicted = predict(plan, shape)
+    return {"format": RUN_FORMAT, "runtime": runtime, "stages": len(plan.stages),
+            "replicas": [s.replicas for s in plan.stages],
+            "microbatches": shape.microbatches, "batch_size": shape.batch_size,
+            "rows": shape.rows, **extra, "measured": measured, "predicted": predicted,
+            "ratio": ratios(measured, predicted)}
+
+
+def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``partition --json`` prints: plan.json without node lists, plus where it went."""
+    body = plan.to_json()
+    for stage in body["stages"]:
+        stage["nodes"] = len(stage["nodes"])
+        stage["constants"] = len(stage.get("constants", []))
+    body["plan_dir"] = str(plan_dir)
+    body.setdefault("batch_size", plan_batch_size(plan))
+    body["microbatches"] = plan_microbatches(plan)
+    return body
+
+
+def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
+                  microbatches: int | None, batch_size: int | None = None) -> dict[str, Any]:
+    """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
+    rows per micro-batch with every duration scaled linearly from the plan's."""
+    count = microbatches if microbatches is not None else plan_microbatches(plan)
+    planned = plan_batch_size(plan)
+    if batch_size is not None and batch_size < 1:
+        raise PartitionError(f"--batch-size must be at least 1, got {batch_size}")
+    size = batch_size if batch_size is not None else planned
+    scale = size / planned if size and planned else 1.0
+    body = simulation_json(plan, result, schedule=schedule or default_schedule(plan),
+                           microbatches=count, batch_size=size, scale=scale)
+    body["scaled_from_batch_size"] = planned if scale != 1.0 else None
+    return body
+
+
+def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``run --json`` file, checked enough to render."""
+    body = read_json(path, "run")
+    if not isinstance(body, dict) or body.get("format") != RUN_FORMAT:
+        raise PartitionError(f"{path} is not a `run --json` file (format {RUN_FORMAT})")
+    for key in ("batch_size", "microbatches"):
+        if not isinstance(body.get(key), int) or body[key] < 1:
+            raise PartitionError(f"{path}: '{key}' must be a positive integer")
+    for part in ("measured", "predicted"):
+        entry = body.get(part)
+        if not isinstance(entry, dict) or not {"iteration_ms", "samples_per_s",
+                                               "stages"} <= set(entry):
+            raise PartitionError(f"{path}: '{part}' needs iteration_ms, samples_per_s, stages")
+    return body
+
+
+# ------------------------------------------------------------------------- text
+
+
+def format_comparison(run: Mapping[str, Any]) -> str:
+    """Measured against predicted as a small text table (the end of ``run``'s output)."""
+    m, p, ratio = run["measured"], run["predicted"], run["ratio"]
+
+    def r(value: float | None) -> str:
+        return f"{value:.3g}" if value is not None else "-"
+
+    rows = [("", "measured", "predicted", "measured/predicted"),
+            ("samples/s", f"{m['samples_per_s']:.1f}", f"{p['samples_per_s']:.1f}",
+             r(ratio["samples_per_s"])),
+            ("iteration ms", f"{m['iteration_ms']:.3f}", f"{p['iteration_ms']:.3f}",
+             r(ratio["iteration_ms"]))]
+    by_stage = {s["index"]: s for s in p["stages"]}
+    for s, value, cpu in zip(m["stages"], ratio["stage_busy_ms"],
+                             ratio.get("stage_cpu_ms", [])):
+        pred = by_stage.get(s["index"], {}).get("busy_ms", 0.0)
+        rows.append((f"stage {s['index']} busy ms", f"{s['busy_ms']:.3f}", f"{pred:.3f}",
+                     r(value)))
+        if "cpu_ms" in s:
+            rows.append(("  in CPU time", f"{s['cpu_ms']:.3f}", f"{pred:.3f}", r(cpu)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
+                                                         zip(row[1:], widths[1:]))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    note = (f" (simulated at {p['scaled_from_batch_size']} rows per micro-batch, scaled "
+            "linearly)" if p.get("scaled_from_batch_size") else "")
+    return "\n".join([f"predicted: the plan's forward-only simulation of {p['microbatches']} "
+                      f"micro-batches{note}", *lines])
+
+
+def dumps(body: Mapping[str, Any]) -> str:
+    """One JSON object on one line (``--json`` output); strict JSON, so an infinite or NaN
+    figure (a plan with no compute) is written as null."""
+    return json.dumps(_finite(body), separators=(",", ":"), default=_default, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _default(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")

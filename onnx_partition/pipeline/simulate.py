@@ -1,0 +1,279 @@
+"""A dependency-driven event simulator of pipeline schedules, and closed forms to check it.
+
+:func:`simulate` plays a schedule (:mod:`onnx_partition.pipeline.schedules`) against
+:class:`PipelineCosts` (plain numbers, no devices) and returns makespan, throughput, bubble,
+per-device busy time, peak in-flight micro-batches and memory, the all-reduce windows, and a
+timeline for Gantt charts. Pure Python, no ONNX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onnx_partition.pipeline.memory import device_bytes
+from onnx_partition.pipeline.schedules import (
+    Action,
+    ActionKey,
+    Device,
+    Kind,
+    Schedule,
+    ScheduleError,
+    pipeline_width,
+    render,
+    validate,
+)
+
+__all__ = ["PipelineCosts", "SimResult", "StageCosts", "bubble_closed_form",
+           "bubble_closed_form_interleaved", "pipeline_time_closed_form", "simulate"]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of one stage; times are per micro-batch on ONE replica."""
+
+    forward_ms: float
+    backward_ms: float
+    replicas: int = 1
+    allreduce_ms: float = 0.0  # gradient all-reduce once per iteration (train), per replica group
+    activation_bytes: float = 0.0  # stashed per in-flight micro-batch
+    static_bytes: float = 0.0  # parameters + grads + optimizer state, per replica
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Stage costs plus ``send_ms[b]``: moving one micro-batch across boundary ``b``
+    (stage b -> b+1; the gradient going back takes the same time)."""
+
+    stages: Sequence[StageCosts]
+    send_ms: Sequence[float]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of :func:`simulate`.
+
+    ``busy_ms`` counts forward/backward compute only; all-reduce and waiting are idle, so
+    ``bubble_fraction = 1 - sum(busy_ms) / (num_devices * iteration_ms)``.
+    ``peak_inflight`` is the most micro-batch chunks (a micro-batch on one hosted stage) whose
+    forward ran but backward has not (0 for inference). ``peak_memory_bytes`` is the hosted
+    stages' ``static`` plus, in training, the peak over time of the stashed chunks'
+    ``activation`` (``static + peak_inflight * activation`` for one stage per device, by
+    :func:`~onnx_partition.pipeline.memory.device_bytes`); in
+    inference, plus the largest hosted stage's ``activation`` (``static`` alone on an idle
+    device). ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train,
+    when ``allreduce_ms > 0``).
+    """
+
+    iteration_ms: float
+    throughput_per_s: float
+    bubble_fraction: float
+    busy_ms: dict[Device, float]
+    peak_inflight: dict[Device, int]
+    peak_memory_bytes: dict[Device, float]
+    timeline: list[tuple[Device, Action, float, float]]
+    allreduce: dict[int, tuple[float, float]]
+
+# ----------------------------------------------------------------- simulation
+
+
+def _dependencies(a: Action, last: int) -> list[tuple[ActionKey, int]]:
+    """(action, boundary whose send time applies or -1) that ``a`` waits for."""
+    s, mb = a.stage, a.microbatch
+    if a.kind is Kind.F:
+        return [((s - 1, False, mb), s - 1)] if s else []
+    return [((s, False, mb), -1), ((s + 1, True, mb), s)] if s < last else [((s, False, mb), -1)]
+
+
+def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
+    """Play ``schedule`` against ``costs``.
+
+    Each device runs its actions in list order; an action starts once the device is free
+    and its dependencies are done: ``sF m`` (s > 0) needs ``(s-1)F m`` + ``send_ms[s-1]``;
+    ``sB m`` needs ``sF m`` and, below the last stage, ``(s+1)B m`` + ``send_ms[s]``.
+    Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
+    gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
+    their last backward and, when a device hosts several stages (interleaved), after the
+    all-reduce of its lower stages (one at a time, sharing the device's links).
+    The number of micro-batches and train/inference are read from the schedule.
+    Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
+    """
+    num_mb, train = _checked_shape(schedule, costs)
+    num_stages = len(costs.stages)
+    width = pipeline_width(schedule, num_stages)  # devices per replica
+    engine = _Engine(schedule, costs, shared=width < num_stages)
+    engine.run()
+    finish = max(engine.free.values(), default=0.0)
+    allreduce = _allreduce(costs, engine.free, width) if train else {}
+    finish = max([finish, *(t1 for _, t1 in allreduce.values())])
+    memory = _memory(engine, width, train)
+    peak = engine.peak if train else dict.fromkeys(schedule, 0)
+    engine.timeline.sort(key=lambda item: (item[2], item[0]))
+    busy = engine.busy
+    return SimResult(
+        iteration_ms=finish,
+        throughput_per_s=num_mb / finish * 1000.0 if finish > 0 else float("inf"),
+        bubble_fraction=1.0 - sum(busy.values()) / (len(schedule) * finish) if finish else 0.0,
+        busy_ms=busy,
+        peak_inflight=peak,
+        peak_memory_bytes=memory,
+        timeline=engine.timeline,
+        allreduce=allreduce,
+    )
+
+
+def _checked_shape(schedule: Schedule, costs: PipelineCosts) -> tuple[int, bool]:
+    """The schedule's micro-batch count and whether it trains, once it and ``costs`` agree."""
+    num_stages = len(costs.stages)
+    if len(costs.send_ms) != num_stages - 1:
+        raise ScheduleError(
+            f"send_ms needs {num_stages - 1} entries for {num_stages} stages, "
+            f"got {len(costs.send_ms)}"
+        )
+    all_actions = [a for acts in schedule.values() for a in acts]
+    num_mb = max((a.microbatch for a in all_actions), default=-1) + 1
+    train = any(a.kind is Kind.B for a in all_actions)
+    validate(schedule, num_stages, num_mb, train, replicas=[s.replicas for s in costs.stages])
+    return num_mb, train
+
+
+class _Engine:
+    """The event engine: plays every device's actions and keeps each device's figures."""
+
+    def __init__(self, schedule: Schedule, costs: PipelineCosts, *, shared: bool) -> None:
+        self.schedule, self.costs = schedule, costs
+        self.shared = shared  # some device hosts several stages
+        self.last = len(costs.stages) - 1
+        self.end: dict[ActionKey, float] = {}
+        self.pos = dict.fromkeys(schedule, 0)
+        self.free = dict.fromkeys(schedule, 0.0)
+        self.inflight = dict.fromkeys(schedule, 0)
+        self.peak = dict.fromkeys(schedule, 0)
+        self.stashed = dict.fromkeys(schedule, 0.0)  # activation bytes held (shared devices)
+        self.peak_stashed = dict.fromkeys(schedule, 0.0)
+        self.busy = dict.fromkeys(schedule, 0.0)
+        self.timeline: list[tuple[Device, Action, float, float]] = []
+
+    def run(self) -> None:
+        """Run every action once; raise :class:`ScheduleError` on a deadlock.
+
+        Worklist: a device runs its actions until one waits for an action not yet done, then
+        waits on that action's key and is woken when it ends. Every action is handled once; an
+        action's start depends only on its dependencies and its device, so the order of
+        handling does not change the result.
+        """
+        schedule = self.schedule
+        waiting: dict[ActionKey, list[Device]] = {}
+        work = list(reversed(schedule))
+        while work:
+            dev = work.pop()
+            actions = schedule[dev]
+            while self.pos[dev] < len(actions):
+                a = actions[self.pos[dev]]
+                deps = _dependencies(a, self.last)
+                missing = next((d for d, _ in deps if d not in self.end), None)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(dev)
+                    break
+                key = self._execute(dev, a, deps)
+                self.pos[dev] += 1
+                work.extend(reversed(waiting.pop(key, [])))
+        if len(self.end) < sum(len(acts) for acts in schedule.values()):
+            raise ScheduleError(_deadlock_message(schedule, self.pos, self.end, self.last))
+
+    def _execute(self, dev: Device, a: Action, deps: list[tuple[ActionKey, int]]) -> ActionKey:
+        """Run ``a`` on ``dev`` once the device is free and ``deps`` (all done) have arrived."""
+        ready = max(
+            (self.end[d] + (self.costs.send_ms[b] if b >= 0 else 0.0) for d, b in deps),
+            default=0.0,
+        )
+        stage = self.costs.stages[a.stage]
+        forward = a.kind is Kind.F
+        duration = stage.forward_ms if forward else stage.backward_ms
+        start = max(self.free[dev], ready)
+        key = (a.stage, not forward, a.microbatch)
+        self.end[key] = self.free[dev] = start + duration
+        self.busy[dev] += duration
+        self.timeline.append((dev, a, start, start + duration))
+        self.inflight[dev] += 1 if forward else -1
+        self.peak[dev] = max(self.peak[dev], self.inflight[dev])
+        if self.shared:
+            self.stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
+            self.peak_stashed[dev] = max(self.peak_stashed[dev], self.stashed[dev])
+        return key
+
+
+def _allreduce(
+    costs: PipelineCosts, free: dict[Device, float], width: int
+) -> dict[int, tuple[float, float]]:
+    """Each stage's all-reduce window, in stage order, once all of its replicas' devices are
+    free; ``free`` moves on past each window."""
+    windows: dict[int, tuple[float, float]] = {}
+    for s, stage in enumerate(costs.stages):
+        if stage.allreduce_ms > 0:
+            t0 = max(free[(s % width, r)] for r in range(stage.replicas))
+            for r in range(stage.replicas):
+                free[(s % width, r)] = t0 + stage.allreduce_ms
+            windows[s] = (t0, t0 + stage.allreduce_ms)
+    return windows
+
+
+def _memory(engine: _Engine, width: int, train: bool) -> dict[Device, float]:
+    """Peak bytes per device (see :class:`SimResult`)."""
+    stages = engine.costs.stages
+    memory: dict[Device, float] = {}
+    for dev, actions in engine.schedule.items():
+        hosted = [stages[s] for s in range(dev[0], len(stages), width)]
+        static = sum(stage.static_bytes for stage in hosted)
+        if not train:  # the micro-batch being computed, of the largest stage it runs
+            ran = {a.stage for a in actions}
+            largest = max((stages[s].activation_bytes for s in ran), default=0.0)
+            memory[dev] = device_bytes(static, largest, 1 if ran else 0)
+        elif engine.shared:
+            memory[dev] = device_bytes(static, engine.peak_stashed[dev], 1)
+        else:
+            memory[dev] = device_bytes(static, hosted[0].activation_bytes, engine.peak[dev])
+    return memory
+
+
+def _deadlock_message(
+    schedule: Schedule, pos: dict[Device, int], end: dict[ActionKey, float], last: int
+) -> str:
+    stuck = {dev: i for dev, i in pos.items() if i < len(schedule[dev])}
+    waits = []
+    for dev, i in sorted(stuck.items()):
+        a = schedule[dev][i]
+        missing = ", ".join(
+            str(Action(d[0], Kind.B if d[1] else Kind.F, d[2]))
+            for d, _ in _dependencies(a, last)
+            if d not in end
+        )
+        waits.append(f"device {dev} is stuck at {a} waiting for {missing}")
+    return (
+        "schedule deadlocks: no device can start its next action\n  "
+        + "\n  ".join(waits)
+        + "\nschedule (stuck actions in brackets):\n"
+        + render(schedule, stuck)
+    )
+
+# --------------------------------------------------------------- closed forms
+
+
+def bubble_closed_form(p: int, m: int) -> float:
+    """Bubble fraction of GPipe and 1F1B with p equal stages and m micro-batches:
+    ``(p-1) / (m+p-1)`` (Huang et al. 2019; Narayanan et al. 2021)."""
+    return (p - 1) / (m + p - 1)
+
+
+def bubble_closed_form_interleaved(p: int, m: int, v: int) -> float:
+    """Bubble fraction of interleaved 1F1B with p devices of v equal chunks each and m
+    micro-batches (``m % p == 0``): ``(p-1) / (v m + p - 1)``. The bubble time is
+    ``(p-1)/v`` of a device's full micro-batch forward + backward ``t``, so the iteration takes
+    ``(m + (p-1)/v) t`` (Narayanan et al., SC'21, section 2.2.2); ``v = 1`` is 1F1B."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_time_closed_form(t_max: float, p: int, m: int) -> float:
+    """Makespan ``(m+p-1) * t_max`` of p equal stages, each taking ``t_max`` per
+    micro-batch (``forward + backward`` in training), without communication."""
+    return (m + p - 1) * t_max

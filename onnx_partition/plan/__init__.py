@@ -1,0 +1,23 @@
+"""The plan contract: what ``partition`` writes and every other verb reads.
+
+:mod:`.schema` (the JSON formats: plan.json, cluster.json, costs.json, each declared once),
+:mod:`.planfile` (:class:`Plan` and plan.json), :mod:`.folder` (a plan folder: manifest, lock,
+atomic publish, verification). The names of :mod:`.planfile` are the package's own.
+"""
+
+from onnx_partition.plan.planfile import (
+    FORMAT,
+    MANIFEST,
+    PLAN_FILE,
+    REPORT_FILE,
+    IOSpec,
+    Plan,
+    Predicted,
+    Stage,
+    plan_text,
+    read_plan,
+    write_plan,
+)
+
+__all__ = ["FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan", "Predicted",
+           "Stage", "plan_text", "read_plan", "write_plan"]

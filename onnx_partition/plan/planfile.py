@@ -1,0 +1,212 @@
+"""The plan: which nodes go to which stage, and plan.json (the contract) read and written,
+validated by :mod:`onnx_partition.plan.schema`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.errors import PartitionError, read_json
+
+__all__ = ["FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan", "Predicted",
+           "Stage", "plan_text", "read_plan", "write_plan"]
+
+FORMAT = "onnx-partition/plan@1"
+PLAN_FILE = "plan.json"
+MANIFEST = "manifest"  # plan.json's key naming the folder's files (onnx_partition.plan.folder)
+REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a plan folder
+
+
+@dataclass
+class Predicted:
+    compute_ms: float
+    comm_ms: float
+    memory_bytes: int
+
+
+@dataclass
+class Stage:
+    index: int
+    file: str
+    nodes: list[str]  # node keys cut into this stage, in topological order
+    inputs: list[str]
+    outputs: list[str]
+    replicas: int = 1
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    predicted: Predicted | None = None
+    constants: list[str] = field(default_factory=list)  # free nodes copied into this stage
+    sha256: str = ""
+
+
+@dataclass
+class IOSpec:
+    """A graph input or output: name, ONNX dtype name, shape (a string for a symbolic dim)."""
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+    high: int | None = None  # integer inputs: exclusive upper bound of valid values, if known
+
+
+@dataclass
+class Plan:
+    model: str
+    stages: list[Stage]
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    mode: str = "infer"
+    ordering: str = "topo"
+    solver: str = "dp"
+    predicted: dict[str, float] = field(default_factory=dict)
+    # the torch program exported with the model (onnx_partition.export), relative to the plan
+    # folder, and its sha256; empty when the model has none (then the plan cannot be trained)
+    program: str = ""
+    program_sha256: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
+
+    # The keys of ``extra`` that readers rely on, typed. They stay in ``extra`` so that
+    # plan.json keeps its key order; a value of the wrong JSON type reads as absent.
+
+    @property
+    def input_shapes(self) -> dict[str, list[int]]:
+        """The input shapes the model was partitioned with (``--input-shape``), by name."""
+        return _dict(self.extra.get("input_shapes"))
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows per micro-batch the plan was partitioned at."""
+        value = self.extra.get("batch_size")
+        return value if isinstance(value, int) else None
+
+    @batch_size.setter
+    def batch_size(self, value: int | None) -> None:
+        self.extra["batch_size"] = value
+
+    @property
+    def costs(self) -> dict[str, Any]:
+        """Where the costs came from: ``source``, ``measured_nodes``, ``check``..."""
+        return _dict(self.extra.get("costs"))
+
+    @property
+    def device_model(self) -> dict[str, Any] | None:
+        """What priced the plan (``onnx_partition.partition.priced_by``)."""
+        value = self.extra.get("device_model")
+        return value if isinstance(value, dict) else None
+
+    @device_model.setter
+    def device_model(self, value: dict[str, Any]) -> None:
+        self.extra["device_model"] = value
+
+    @property
+    def cluster(self) -> dict[str, Any]:
+        """The cluster planned for, as in cluster.json; empty without one."""
+        return _dict(self.extra.get("cluster"))
+
+    @property
+    def simulator_costs(self) -> dict[str, Any]:
+        """Per-stage times and sizes that replace the predicted ones in the simulator."""
+        return _dict(self.extra.get("simulator_costs"))
+
+    @property
+    def allreduce_ms(self) -> list[Any] | None:
+        """Each stage's gradient all-reduce time."""
+        value = self.extra.get("allreduce_ms")
+        return value if isinstance(value, list) else None
+
+    @property
+    def partition_s(self) -> float | None:
+        """Seconds the partitioning took."""
+        value = self.extra.get("partition_s")
+        return float(value) if isinstance(value, int | float) else None
+
+    @partition_s.setter
+    def partition_s(self, value: float) -> None:
+        self.extra["partition_s"] = value
+
+    @property
+    def version(self) -> str | None:
+        """The onnx-partition version that wrote the plan."""
+        value = self.extra.get("version")
+        return None if value is None else str(value)
+
+    @property
+    def manifest(self) -> dict[str, dict[str, Any]]:
+        """Every file of the plan folder, by relative path: ``{"size": N, "sha256": H}``."""
+        return _dict(self.extra.get(MANIFEST))
+
+    @manifest.setter
+    def manifest(self, value: dict[str, dict[str, Any]]) -> None:
+        self.extra[MANIFEST] = value
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"format": FORMAT, **asdict(self)}
+        body.update(body.pop("extra"))
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Plan:
+        if not isinstance(body, dict) or not str(body.get("format", "")).startswith(
+            "onnx-partition/plan@"
+        ):
+            raise PartitionError("plan.json has no onnx-partition/plan format tag")
+        from onnx_partition.plan.schema import validate_plan  # pydantic: loaded when first needed
+
+        validate_plan(body)
+        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted",
+                 "program", "program_sha256"}
+        try:
+            stages = []
+            for raw in body["stages"]:
+                raw = {k: v for k, v in raw.items() if k in _STAGE_FIELDS}
+                pred = raw.pop("predicted", None)
+                stages.append(Stage(**raw, predicted=Predicted(**pred) if pred else None))
+            return cls(
+                model=body["model"],
+                stages=stages,
+                inputs=[_io(x) for x in body.get("inputs", [])],
+                outputs=[_io(x) for x in body.get("outputs", [])],
+                mode=body.get("mode", "infer"),
+                ordering=body.get("ordering", "topo"),
+                solver=body.get("solver", "dp"),
+                predicted=body.get("predicted", {}),
+                program=body.get("program", ""),
+                program_sha256=body.get("program_sha256", ""),
+                extra={k: v for k, v in body.items() if k not in known | {"format"}},
+            )
+        except (KeyError, TypeError) as exc:
+            raise PartitionError(f"plan.json is malformed: {exc}") from None
+
+
+_STAGE_FIELDS = {f.name for f in fields(Stage)}
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _io(raw: dict[str, Any]) -> IOSpec:
+    return IOSpec(**{k: v for k, v in raw.items() if k in {f.name for f in fields(IOSpec)}})
+
+
+def read_plan(folder: str | os.PathLike[str]) -> Plan:
+    """Read ``folder/plan.json``; a clear error when it is missing or malformed."""
+    path = Path(folder) / PLAN_FILE
+    if not path.is_file():
+        raise PartitionError(f"{folder} is not a plan folder (no {PLAN_FILE})")
+    return Plan.from_json(read_json(path, "plan"))
+
+
+def write_plan(plan: Plan, folder: Path) -> None:
+    (folder / PLAN_FILE).write_text(plan_text(plan.to_json()))
+
+
+def plan_text(body: dict[str, Any]) -> str:
+    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written)."""
+    try:
+        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise PartitionError(f"plan.json would hold a non-finite number: {exc}") from None
+

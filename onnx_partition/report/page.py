@@ -1,0 +1,400 @@
+"""Human-readable views of a plan: the text table printed by the CLI, and an HTML report
+(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph; the
+charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report.charts`)."""
+
+from __future__ import annotations
+
+from math import inf
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.pipeline.from_plan import schedule_name, simulate_plan
+from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
+from onnx_partition.plan import PLAN_FILE, Plan, read_plan
+from onnx_partition.plan.folder import REPORT_MARK, is_our_report, manifest_of, verify, write_file
+from onnx_partition.report.charts import gantt_chart, html_note, memory_chart, time_chart
+from onnx_partition.report.svg import (
+    DagNode,
+    esc,
+    fmt_ms,
+    layered_dag,
+    stage_colour,
+)
+from onnx_partition.values import fmt_bytes, sig3
+
+__all__ = ["MAX_DAG_NODES", "batch_line", "default_report_path", "measured_section", "plan_table",
+           "report_html", "write_report"]
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f}"
+
+
+def plan_table(plan: Plan) -> str:
+    """One row per stage: operators, predicted compute and communication, memory, cut tensors."""
+    header = ("stage", "ops", "copied consts", "compute ms", "comm ms", "total ms", "memory MB",
+              "in", "out", "replicas", "devices")
+    rows = [header]
+    for stage in plan.stages:
+        pred = stage.predicted
+        compute = pred.compute_ms if pred else 0.0
+        comm = pred.comm_ms if pred else 0.0
+        rows.append((
+            str(stage.index), str(len(stage.nodes)), str(len(stage.constants)),
+            f"{compute:.3f}", f"{comm:.3f}", f"{compute + comm:.3f}",
+            _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
+            str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    total = plan.predicted
+    if "iteration_ms" in total:
+        lines.append(
+            f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: "
+            f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
+            f"{total['microbatches']} micro-batches per "
+            f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
+            f"{total['bubble_fraction'] * 100:.1f}%, {total.get('throughput_per_s', inf):.1f} "
+            f"micro-batches/s"
+        )
+    elif total:
+        lines.append(
+            f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
+            f"{total.get('bottleneck_ms', 0):.3f} ms, predicted "
+            f"{total.get('throughput_per_s', inf):.1f} micro-batches/s "
+            f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
+        )
+    lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
+                 "not cut); comm: both of a stage's boundaries; times per micro-batch.")
+    return "\n".join(lines)
+
+
+def batch_line(plan: Plan, micro_batch: int | None = None,
+               microbatches: int | None = None) -> str:
+    """The global batch written out, as DeepSpeed users read it: micro-batch size x
+    micro-batches per iteration; the micro-batches are shared among a stage's data-parallel
+    replicas (micro-batch m goes to replica m mod d), which DeepSpeed calls gradient
+    accumulation steps x data-parallel size."""
+    m = microbatches or int(plan.predicted.get("microbatches", 0)) or None
+    size = micro_batch or _leading_dim(plan)
+    what = f"micro-batch size {size}" if size else "micro-batch size B"
+    if m is None:
+        return (f"global batch = {what} x M micro-batches per batch (run --microbatches M; "
+                "one replica per stage)")
+    total = f" = {size * m:,} samples per iteration" if size else ""
+    replicas = sorted({s.replicas for s in plan.stages})
+    if len(replicas) == 1 and m % replicas[0] == 0:
+        d = replicas[0]
+        share = (f" (DeepSpeed's terms: {_count(m // d, 'gradient accumulation step')} x "
+                 f"{_count(d, 'data-parallel replica')})")
+    else:
+        share = ("; a stage with d data-parallel replicas gives each M/d of them (replicas per "
+                 f"stage: {', '.join(str(s.replicas) for s in plan.stages)})")
+    return f"global batch = {what} x {m} micro-batches{total}{share}"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _leading_dim(plan: Plan) -> int | None:
+    """The batch size the plan was partitioned for (input dim 0), if recorded."""
+    for spec in plan.inputs:
+        shape = plan.input_shapes.get(spec.name, spec.shape)
+        if shape and isinstance(shape[0], int):
+            return int(shape[0])
+    return None
+
+
+def default_report_path(plan_dir: Path) -> Path:
+    """``PLAN.report.html`` beside the plan folder: re-partitioning the folder never touches
+    it, and a user's own files in the folder are never overwritten."""
+    folder = Path(plan_dir).resolve()
+    return folder.with_name(f"{folder.name}.report.html")
+
+
+# ----------------------------------------------------------------------------- HTML report
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#222;
+ margin:0;background:#f4f5f7}
+main{max-width:1360px;margin:0 auto;padding:20px 28px 40px}
+h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:0 0 10px}
+header dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;margin:6px 0 16px;
+ font-size:14px}
+header dt{color:#555}header dd{margin:0;font-weight:600}
+section{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:14px 18px;
+ margin:0 0 16px;overflow-x:auto}
+table{border-collapse:collapse;font-size:13px}
+th,td{padding:4px 10px;border-bottom:1px solid #e6e8eb;text-align:right;white-space:nowrap}
+td.wrap{white-space:normal;max-width:420px}
+th{background:#f0f2f5;font-weight:600}td.l,th.l{text-align:left}
+tr.hot td{background:#fff4e5}
+.swatch{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;
+ vertical-align:-1px}
+.cards{display:flex;flex-wrap:wrap;gap:10px;margin:0 0 6px}
+.card{border:1px solid #e1e4e8;border-radius:6px;padding:8px 12px;min-width:150px}
+.card{max-width:300px}
+.card b{display:block;font-size:18px}.card span{color:#555;font-size:12px}
+.note{color:#555;font-size:13px;margin:6px 0 0}
+"""
+#: The DAG is drawn operator by operator up to this many operators, condensed above.
+MAX_DAG_NODES = 300
+
+
+def write_report(
+    plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
+    microbatches: int | None = None, chunks: int | None = None,
+    measured: Path | None = None, force: bool = False, hashes: bool = True,
+) -> Path:
+    """Write one self-contained HTML page about the plan in ``plan_dir`` (default
+    ``PLAN.report.html`` beside the folder: :func:`default_report_path`), atomically; returns
+    its path. ``schedule``, ``microbatches`` and ``chunks`` go to :func:`simulate_plan`.
+    ``measured``: a ``run --json`` file shown next to the simulation
+    (:func:`measured_section`). The folder is verified first (sizes, and sha256 when
+    ``hashes``). An existing file is replaced only when it is an earlier report or ``force``
+    is given; plan.json and the plan's own files never are. Raises PartitionError for a folder
+    without a readable plan.json or a schedule the plan does not allow."""
+    plan_dir = Path(plan_dir)
+    plan = read_plan(plan_dir)
+    verify(plan_dir, plan, hashes=hashes)
+    out = Path(out) if out is not None else default_report_path(plan_dir)
+    root = plan_dir.resolve()
+    owned = {root / PLAN_FILE} | {(root / name).resolve() for name in manifest_of(plan, plan_dir)}
+    if out.resolve() in owned:
+        raise PartitionError(f"{out} is a file of the plan; write the report elsewhere")
+    result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
+                                  chunks=chunks)
+    page = report_html(plan, plan_dir, result, costs)
+    if measured is not None:
+        from onnx_partition.pipeline.predict import read_run
+
+        section = measured_section(plan, read_run(measured), Path(measured).name)
+        page = page.replace("</main>", section + "</main>", 1)
+    return write_file(out, page, replace=lambda path: force or is_our_report(path))
+
+
+def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts) -> str:
+    """The report page as a string (see :func:`write_report`)."""
+    name = Path(plan.model).name or "model"
+    body = [
+        f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
+        _summary(plan, result),
+        _section("Stages", _stage_table(plan)),
+        _section("Time per stage (one micro-batch, one replica)", time_chart(plan)),
+        _section("Memory per device", memory_chart(plan)),
+        _section("Simulated schedule", gantt_chart(plan, result, costs)),
+        _section("Operator graph", _dag(plan, plan_dir)),
+    ]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"{REPORT_MARK.decode()}<title>{esc(f'onnx-partition plan: {name}')}</title>"
+            f"<style>{_CSS}</style>"
+            "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
+
+
+def _header(plan: Plan) -> str:
+    """The facts a reader needs first: devices (kind, count, memory), where the costs came
+    from, what was planned and by which version."""
+    devices = sum(s.replicas for s in plan.stages)
+    cluster = plan.cluster
+    kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
+    kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
+    where = f"{devices} × {kind}"
+    if cluster:
+        machines = int(cluster.get("machines", 1))
+        per = int(cluster.get("devices_per_machine", devices))
+        where += (f" used of {machines} machine{'s' * (machines != 1)} × {per} "
+                  f"(speed {sig3(float(cluster.get('speed', 1.0)))})")
+        memory = cluster.get("memory_gb")
+        where += (f", {fmt_bytes(float(memory) * 1e9)} each" if isinstance(memory, int | float)
+                  else ", memory unlimited")
+    source = str(plan.costs.get("source", "?"))
+    measured = plan.costs.get("measured_nodes")
+    if source.startswith("analytic:"):
+        source = f"analytic roofline model of a {source.partition(':')[2]} device (not measured)"
+    elif source != "?":
+        source = f"profile file {source}"
+    if measured:
+        source += f" ({measured} operators measured)"
+    rows = [("devices", where), ("costs", source),
+            ("plan", f"{plan.mode} · {len(plan.stages)} stages · ordering {plan.ordering} · "
+                     f"solver {plan.solver}"),
+            ("onnx-partition", plan.version or "?")]
+    return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
+
+
+def measured_section(plan: Plan, run: dict[str, Any], name: str = "run.json") -> str:
+    """A measured run (``run --json``) next to the plan's simulation of that very run
+    (:func:`onnx_partition.pipeline.predict.predict`, re-done here from plan.json): overall and per
+    stage, with the ratio measured / predicted."""
+    from onnx_partition.pipeline.predict import RunShape, predict, ratios
+
+    replicas = [s.replicas for s in plan.stages]
+    if run.get("replicas") != replicas:
+        raise PartitionError(f"{name} is a run of another plan (replicas per stage "
+                             f"{run.get('replicas')}, this plan's {replicas})")
+    shape = RunShape(int(run["batch_size"]), int(run["microbatches"]))
+    measured, predicted = run["measured"], predict(plan, shape)
+    ratio = ratios(measured, predicted)
+
+    def cell(value: float | None) -> str:
+        return f"<td>{sig3(value) if value is not None else '-'}</td>"
+
+    rows = [
+        '<tr><td class="l">samples/s</td>' + cell(measured["samples_per_s"])
+        + cell(predicted["samples_per_s"]) + cell(ratio["samples_per_s"])
+        + "</tr>",
+        '<tr><td class="l">iteration ms</td>' + cell(measured["iteration_ms"])
+        + cell(predicted["iteration_ms"]) + cell(ratio["iteration_ms"]) + "</tr>",
+    ]
+    by_stage = {s["index"]: s for s in predicted["stages"]}
+    for stage, value in zip(measured["stages"], ratio["stage_busy_ms"]):
+        pred = by_stage.get(stage["index"], {}).get("busy_ms")
+        rows.append(f'<tr><td class="l">stage {stage["index"]} busy ms (per replica)</td>'
+                    + cell(stage["busy_ms"]) + cell(pred) + cell(value)
+                    + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("measured", "predicted", "measured / predicted"))
+    note = (f"{esc(name)}: {esc(str(run.get('runtime', '?')))} runtime, "
+            f"{shape.microbatches} micro-batches x {shape.batch_size} rows, "
+            f"{measured.get('iterations', '?')} timed iterations. Predicted: the plan's "
+            "forward-only simulation of the same micro-batches.")
+    return _section("Measured run against the simulation",
+                    f'<table><thead><tr><th class="l"></th>{head}</tr></thead>'
+                    f'<tbody>{"".join(rows)}</tbody></table><p class="note">{note}</p>')
+
+
+def _section(title: str, content: str) -> str:
+    return f"<section><h2>{esc(title)}</h2>{content}</section>"
+
+
+def _summary(plan: Plan, result: SimResult) -> str:
+    num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
+    cards = [
+        (fmt_ms(result.iteration_ms), f"simulated iteration: {num_mb} micro-batches through "
+                                      f"the pipeline, {schedule_name(result)} schedule"),
+        (f"{sig3(result.throughput_per_s)} micro-batches/s",
+         "simulated throughput: micro-batches per iteration ÷ iteration time"),
+        (f"{result.bubble_fraction * 100:.1f}%", "bubble: idle share of the devices' time in "
+                                                  "the simulated iteration"),
+    ]
+    pred = plan.predicted
+    if "iteration_ms" in pred:
+        cards.append((fmt_ms(pred["iteration_ms"]), "planner's simulated iteration when it chose "
+                      "this plan (differs from the first card only with another schedule or "
+                      "micro-batch count)"))
+    if "bottleneck_ms" in pred:
+        cards.append((fmt_ms(pred["bottleneck_ms"]), "planner's bottleneck: the largest "
+                      "(compute + comm) ÷ replicas over the stages (+ all-reduce ÷ micro-batches): "
+                      "the steady time per micro-batch; a stage's own time is in the table"))
+    html_cards = "".join(f'<div class="card"><b>{esc(v)}</b><span>{esc(k)}</span></div>'
+                         for v, k in cards)
+    notes = [batch_line(plan, microbatches=num_mb or None) + "."]
+    if "iteration_ms" not in pred and num_mb:
+        per_mb = result.iteration_ms / num_mb
+        notes.append(f"Per micro-batch, the simulation takes {fmt_ms(per_mb)} (iteration ÷ "
+                     f"{num_mb}, fill and drain included); the plain planner's bottleneck "
+                     "charges each stage its sends on top of its compute, while the simulator "
+                     "overlaps sends with the next compute.")
+    return (f'<section><div class="cards">{html_cards}</div>'
+            + "".join(html_note(n) for n in notes) + "</section>")
+
+
+def _stage_table(plan: Plan) -> str:
+    head = ["stage", "operators", "first … last", "copied consts", "compute ms", "comm ms",
+            "total ms", "memory", "in", "out", "replicas", "devices"]
+    load = [(s.predicted.compute_ms + s.predicted.comm_ms) / max(s.replicas, 1)
+            if s.predicted else 0.0 for s in plan.stages]
+    hot = max(range(len(load)), key=load.__getitem__) if load else -1
+    rows = []
+    for k, s in enumerate(plan.stages):
+        pred = s.predicted
+        compute, comm = (pred.compute_ms, pred.comm_ms) if pred else (0.0, 0.0)
+        span = f"{s.nodes[0]} … {s.nodes[-1]}" if len(s.nodes) > 1 else "".join(s.nodes)
+        cells = [
+            f'<td class="l"><span class="swatch" style="background:{stage_colour(k)}"></span>'
+            f"{s.index}</td>", f"<td>{len(s.nodes)}</td>",
+            f'<td class="l" title="{esc(", ".join(s.nodes))}">{esc(_short(span, 48))}</td>',
+            f"<td>{len(s.constants)}</td>", f"<td>{sig3(compute)}</td>", f"<td>{sig3(comm)}</td>",
+            f"<td>{sig3(compute + comm)}</td>",
+            f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
+            f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
+            f'<td class="l wrap">{esc(", ".join(s.devices))}</td>',
+        ]
+        rows.append(f'<tr{" class=hot" if k == hot else ""}>' + "".join(cells) + "</tr>")
+    header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'
+                     f"{esc(h)}</th>" for h in head)
+    return (f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            '<p class="note">Highlighted: the slowest stage per replica. Times are one '
+            "micro-batch on one replica, in ms; comm counts both of a stage's boundaries. "
+            "Copied consts: constant nodes copied into the stages that read them (not cut, so "
+            "not counted as operators); memory: the planner's predicted peak per device.</p>")
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _dag(plan: Plan, plan_dir: Path) -> str:
+    count = sum(len(s.nodes) for s in plan.stages)
+    path = plan_dir / plan.model if plan.model else None
+    if path is None or not path.is_file():
+        return html_note(f"Not drawn: the model file {plan.model or '(none)'} was not found "
+                     "beside the plan folder.")
+    shapes = plan.input_shapes or None
+    try:
+        graph = load(path, input_shapes=shapes)
+    except (PartitionError, OSError, ValueError) as exc:
+        return html_note(f"Not drawn: cannot load {plan.model}: {exc}")
+    stage_of = {key: s.index for s in plan.stages for key in s.nodes}
+    if count > MAX_DAG_NODES:
+        return _condensed_dag(graph, stage_of, count)
+    index: dict[int, int] = {}
+    nodes: list[DagNode] = []
+    for n in graph.nodes:
+        if n.free:
+            continue
+        index[n.index] = len(nodes)
+        k = stage_of.get(n.key)
+        where = f"stage {k}" if k is not None else "not in the plan"
+        nodes.append(DagNode(n.op_type, f"{n.key} ({n.op_type}), {where}",
+                             stage_colour(k) if k is not None else "#999"))
+    edges: set[tuple[int, int, bool]] = set()
+    tensors = graph.tensors
+    for name in graph.inputs:
+        nodes.append(DagNode(name, f"graph input {name}", "#e8eaed", pill=True))
+        for c in tensors[name].consumers if name in tensors else ():
+            if c in index:
+                edges.add((len(nodes) - 1, index[c], False))
+    for info in tensors.values():
+        if info.producer in index:
+            u = index[info.producer]
+            for c in info.consumers:
+                if c in index and c != info.producer:
+                    hot = nodes[u].colour != nodes[index[c]].colour
+                    edges.add((u, index[c], hot))
+    for name in graph.outputs:
+        prod = tensors[name].producer if name in tensors else -1
+        nodes.append(DagNode(name, f"graph output {name}", "#e8eaed", pill=True))
+        if prod in index:
+            edges.add((index[prod], len(nodes) - 1, False))
+    legend_items = [(f"stage {s.index}", stage_colour(s.index)) for s in plan.stages[:16]]
+    free = sum(n.free for n in graph.nodes)
+    consts = (f" {free} constant node{'s' * (free != 1)} (copied into the stages that need "
+              "them) not drawn." if free else "")
+    return (layered_dag(nodes, sorted(edges), legend_items=legend_items)
+            + html_note(f"{len(index)} operators in topological layers, top to bottom; red edges "
+                    f"cross a stage boundary.{consts} Hover a node for its key."))
+
+
+def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
+    from onnx_partition.report.dag_view import condense, draw
+
+    groups, flows = condense(graph, stage_of)
+    svg, engine = draw(groups, flows)
+    return svg + html_note(f"{count} operators condensed to {len(groups)} boxes, one per stage and "
+                       "repeated block (the exporter's module scopes), operator counts in "
+                       "brackets; edges carry the bytes of one micro-batch, red ones cross a "
+                       f"stage boundary. Drawn with {engine}.")

@@ -1,0 +1,230 @@
+"""Start one local process per rank and supervise them: :func:`launch_ranks`, used by the
+inference runtime (:func:`onnx_partition.runtime.distributed.run_distributed`) and the training
+runtime (:func:`onnx_partition.runtime.train.launch.launch_training`).
+
+**Processes.** Workers start from a fork server that has imported :data:`PRELOAD` once (torch,
+onnxruntime and this module, whose import calls :func:`~onnx_partition.runtime.dist.lifeline.
+guard_fork_server`: the fork server dies with the process that started it), or with ``spawn``.
+The parent hosts the rendezvous store on ``master_addr`` (loopback by default, and gloo then
+binds loopback too).
+
+**Faults.** The parent polls its children: a worker that raises reports its message (and its
+kind, :class:`RankFailure`) and exits, one that dies is seen by its exit code, one that stops
+is seen by its heartbeat (:mod:`~onnx_partition.runtime.dist.lifeline`); the parent then kills the
+others and raises :class:`~onnx_partition.errors.StageFailed` naming the stage, replica and rank.
+A cause (a stage that raised, a rank that died) is named before the communication errors it
+provokes in its peers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from onnx_partition.errors import PartitionError, StageFailed, one_line
+from onnx_partition.runtime.dist.lifeline import Heartbeats, die_with, guard_fork_server
+
+__all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "bind_gloo_to_loopback", "join_group",
+           "launch_ranks"]
+
+#: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
+SILENT_S = 10.0
+# imported once by the fork server, before it forks the workers (this module guards it)
+PRELOAD = ["numpy", "onnxruntime", "torch", "torch.distributed",
+           "onnx_partition.runtime.dist.launcher"]
+GRACE_S = 0.5  # after the first failure, how long the parent gathers reports before choosing one
+guard_fork_server()  # preloaded by the fork server: it dies with the process that started it
+
+
+class RankFailure(Exception):
+    """A worker error with its kind: ``setup`` or ``compute`` (causes) or ``comm`` (effects)."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        super().__init__(text)
+        self.kind = kind
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def bind_gloo_to_loopback(master_addr: str) -> None:
+    """Keep gloo's connections on loopback when the rendezvous is (unless GLOO_SOCKET_IFNAME)."""
+    if master_addr in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = _loopback_interface()
+        if name:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def launch_ranks(
+    target: Callable[..., Any],
+    args: Sequence[tuple[Any, ...]],
+    name: Callable[[int], str],
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    timeout_s: float = 60.0,
+    start_method: str | None = None,
+    preload: Sequence[str] = PRELOAD,
+    environ: Mapping[str, str] | None = None,
+) -> dict[int, Any]:
+    """Start one local process per rank running ``target(rank, store, *args[rank])`` (a
+    module-level function; ``store`` is the rendezvous store this process hosts) and
+    supervise them: the results that ranks returned (not None), by rank, once all exited
+    cleanly; :class:`StageFailed` naming the rank (``name(rank)``) that raised, died or went
+    silent first, the others killed. The ranks die with this process (``lifeline``), and the
+    fork server too. ``environ`` adds variables to the ranks' environment. ``start_method``:
+    ``forkserver`` (the default where available, with ``preload`` imported once) or
+    ``spawn``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_addr, master_port, None, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+    except (RuntimeError, ValueError) as exc:
+        raise PartitionError(f"cannot listen on {master_addr}:{master_port}: "
+                             f"{one_line(exc)}") from None
+    method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods()
+                              else "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise PartitionError(f"start method {method!r}: use spawn or forkserver")
+    context: Any = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *preload])))
+    reports = context.SimpleQueue()
+    beats = Heartbeats(context, len(args))
+    env = dict(os.environ) | dict(environ or {})
+    procs = [
+        context.Process(
+            target=_child, name=f"onnx-partition-rank{rank}", daemon=True,
+            args=(rank, target, tuple(rank_args), master_addr, store.port, timeout_s, reports,
+                  env, os.getpid(), beats),
+        )
+        for rank, rank_args in enumerate(args)
+    ]
+    started: list[Any] = []
+    try:
+        for proc in procs:
+            proc.start()
+            started.append(proc)
+        return _supervise(procs, reports, name, beats, min(timeout_s, SILENT_S))
+    finally:
+        for proc in started:
+            if proc.is_alive():
+                proc.kill()
+        for proc in started:
+            proc.join(timeout=5)
+        reports.close()
+        del store
+
+
+def _supervise(
+    procs: Sequence[Any], reports: Any, name: Callable[[int], str], beats: Heartbeats,
+    silent_s: float,
+) -> dict[int, Any]:
+    """Wait for clean exits, keeping the ranks' results; on the first failure (a report, a bad
+    exit, a rank silent for ``silent_s``), gather reports for ``GRACE_S``, then raise the most
+    telling one (a cause before a silent rank before a dead rank before a communication error
+    that followed it)."""
+    errors: dict[int, tuple[str, str]] = {}
+    results: dict[int, Any] = {}
+    failed_at: float | None = None
+    while True:
+        exits = [p.exitcode for p in procs]
+        while not reports.empty():
+            message = reports.get()
+            if message[0] == "done":
+                results[message[1]] = message[2]
+            else:
+                errors.setdefault(message[1], (message[2], message[3]))
+        bad = [q for q, code in enumerate(exits) if code not in (None, 0)]
+        running = [code is None for code in exits]
+        if (errors or bad or beats.silent(silent_s, running)) and failed_at is None:
+            failed_at = time.perf_counter()
+        if failed_at is not None and (time.perf_counter() - failed_at > GRACE_S
+                                      or all(code is not None for code in exits)):
+            # a rank silent for a few beats when the run fails is a cause, not a victim
+            silent = beats.silent(min(silent_s, 2.0), running)
+            raise StageFailed(_cause(errors, exits, name, silent))
+        if failed_at is None and all(code == 0 for code in exits):
+            while not reports.empty():  # a result put just before its rank exited
+                message = reports.get()
+                if message[0] == "done":
+                    results[message[1]] = message[2]
+            return results
+        time.sleep(0.02)
+
+
+def _cause(
+    errors: Mapping[int, tuple[str, str]],
+    exits: Sequence[int | None],
+    name: Callable[[int], str],
+    silent: Mapping[int, float] | None = None,
+) -> str:
+    for rank, (kind, text) in sorted(errors.items()):
+        if kind in ("setup", "compute"):
+            return f"{name(rank)} failed: {text}"
+    for rank, age in sorted((silent or {}).items(), key=lambda item: -item[1]):
+        return (f"{name(rank)} stopped answering: no heartbeat for {age:.1f} s "
+                f"(stopped or hung)")
+    for rank, code in enumerate(exits):
+        if code not in (None, 0) and rank not in errors:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return f"{name(rank)} {how} without reporting an error"
+    rank, (_, text) = min(errors.items())
+    return f"{name(rank)} failed: {text}"
+
+
+def _child(
+    rank: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    reports: Any,
+    environ: Mapping[str, str],
+    launcher: int,
+    beats: Heartbeats,
+) -> None:
+    """A child of :func:`launch_ranks`: run ``target(rank, store, *args)``, report
+    ``("done", rank, result)`` (unless None) or ``("error", rank, kind, text)`` on ``reports``
+    (a SimpleQueue). It dies with the launcher (pid ``launcher``) and beats on ``beats``
+    while it lives."""
+    die_with(launcher)
+    beats.start(rank)
+    os.environ.clear()  # the parent's environment now, not the fork server's at its start
+    os.environ.update(environ)
+    try:
+        bind_gloo_to_loopback(master_addr)
+        store = dist.TCPStore(master_addr, master_port, None, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        result = target(rank, store, *args)
+        if result is not None:
+            reports.put(("done", rank, result))
+    except BaseException as exc:
+        kind = exc.kind if isinstance(exc, RankFailure) else "comm"
+        try:
+            reports.put(("error", rank, kind, one_line(exc)))
+        finally:
+            os._exit(1)
+
+
+def join_group(backend: str, rank: int, world: int, timeout_s: float,
+               store: dist.Store | None) -> None:
+    """Join the process group: through ``store`` (a :func:`launch_ranks` child), else through
+    the environment (``env://``: torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout)

@@ -1,0 +1,154 @@
+"""Run a plan folder as a multi-process pipeline over ``torch.distributed``: one rank per replica.
+
+The runtime in three parts, by role:
+
+* :mod:`~onnx_partition.runtime.dist.launcher`: start one local process per rank from a fork server
+  and supervise them (shared with the training runtime);
+* :mod:`~onnx_partition.runtime.infer.rank`: what one rank does (the plan's rank
+  :class:`Layout`, the
+  relay of every tensor a later stage needs, the wire, the figures);
+* :mod:`~onnx_partition.runtime.dist.torchrun`: one rank under ``torchrun``, on one machine or
+  several.
+
+This module holds :func:`run_distributed` (every rank on this machine) and the names callers
+import; ``python -m onnx_partition.runtime.distributed PLAN ...`` runs a torchrun rank.
+
+**One machine.** :func:`run_distributed` starts the workers from a fork server that has imported
+torch and onnxruntime once (or with ``spawn``); the parent hosts the rendezvous store on
+``master_addr`` (loopback by default, and gloo then binds loopback too).
+
+**Faults.** Process-group set-up and every operation time out after ``timeout_s``. Under
+:func:`run_distributed` the parent polls its children: a worker that raises reports its message
+and exits, one that dies is seen by its exit code; the parent then kills the others and raises
+:class:`StageFailed` naming the stage, replica and rank (0.2-0.4 s in the tests, no timeout
+involved). A cause (a stage that raised, a rank that died) is named before the communication
+errors it provokes in its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+from onnx_partition.errors import PartitionError, StageFailed
+from onnx_partition.pipeline.predict import plan_microbatches
+from onnx_partition.plan import Plan, read_plan
+from onnx_partition.runtime.dist.launcher import PRELOAD, SILENT_S, launch_ranks
+from onnx_partition.runtime.dist.torchrun import check_world_size, main_worker
+from onnx_partition.runtime.dist.wire import Env
+from onnx_partition.runtime.infer.rank import (
+    DEVICE_ENV,
+    EXIT_RANK_ENV,
+    STOP_RANK_ENV,
+    DistStats,
+    Layout,
+    RankConfig,
+    check_feeds,
+    choose_backend,
+    format_stats,
+    layout,
+    serve_rank,
+)
+from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder
+
+__all__ = [
+    "DEVICE_ENV", "EXIT_RANK_ENV", "PRELOAD", "SILENT_S", "STOP_RANK_ENV", "DistStats", "Layout",
+    "StageFailed", "choose_backend", "format_stats", "launch_ranks", "layout", "main_worker",
+    "run_distributed",
+]
+
+
+def run_distributed(
+    plan_dir: str | os.PathLike[str],
+    feeds: Mapping[str, np.ndarray],
+    *,
+    nproc: int | None = None,
+    microbatches: int | None = None,
+    iterations: int = 1,
+    backend: str | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    timeout_s: float = 60.0,
+    threads_per_stage: int = 1,
+    start_method: str | None = None,
+    output_names: Sequence[str] | None = None,
+    device: str | None = None,
+) -> tuple[list[np.ndarray], DistStats]:
+    """Run the plan with one local process per stage replica; the outputs (last iteration's,
+    a list in the order of ``output_names``, default the plan's outputs, as onnxruntime's
+    ``run``) and the figures. ``device="cpu"`` runs every rank on CPU whatever the plan's
+    devices (a CUDA plan's numerics on a machine without a GPU).
+
+    ``nproc`` must equal the plan's replicas in total (None: take it from the plan).
+    ``master_port`` 0 picks a free port. A worker that raises or dies ends the run with
+    :class:`StageFailed` naming its stage, replica and rank. ``start_method``: ``forkserver``
+    (the default where available: torch and onnxruntime are imported once, in the fork server,
+    which is reused by later runs) or ``spawn`` (every worker imports them itself). Neither
+    forks a process that holds threads or a CUDA context.
+    """
+    folder = Path(plan_dir).resolve()
+    plan, lay, chosen = _check_run(folder, nproc, backend, device)
+    known = [o.name for o in plan.outputs]
+    names = list(output_names) if output_names else known
+    if any(n not in known for n in names):
+        raise PartitionError(f"unknown output {next(n for n in names if n not in known)!r}; "
+                             f"outputs: {known}")
+    if microbatches is None:  # the plan's (predicted.microbatches, else 8)
+        microbatches = plan_microbatches(plan)
+    check_feeds(plan, feeds, microbatches)
+    if iterations < 1:
+        raise PartitionError(f"need at least one iteration, got {iterations}")
+    inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
+    args = [(str(folder), chosen, inputs if rank == 0 else None, microbatches, iterations,
+             threads_per_stage, timeout_s) for rank in range(lay.world_size)]
+    began = time.perf_counter()
+    results = launch_ranks(_spawned, args, lay.name, master_addr=master_addr,
+                           master_port=master_port, timeout_s=timeout_s,
+                           start_method=start_method,
+                           preload=[*PRELOAD, "onnx_partition.runtime.distributed"],
+                           environ={DEVICE_ENV: device} if device else None)
+    if 0 not in results:
+        raise StageFailed("the workers finished without sending the outputs")
+    outputs, stats = results[0]
+    stats.launch_ms = (time.perf_counter() - began) * 1000.0
+    return [outputs[n] for n in names], stats
+
+
+def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
+               device: str | None = None) -> tuple[Plan, Layout, str]:
+    plan = read_plan(plan_dir)
+    verify_plan_folder(plan_dir, plan)
+    if device not in (None, "cpu"):
+        raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
+    check_devices(plan, ["CPUExecutionProvider"] if device else None)  # before any process
+    lay = layout(plan)
+    if device == "cpu":
+        lay = replace(lay, devices=[["cpu"] * len(d) for d in lay.devices])
+    if nproc is not None:
+        check_world_size(lay, nproc)
+    return plan, lay, choose_backend(lay, backend, one_machine=True)
+
+
+def _spawned(
+    rank: int,
+    store: dist.Store,
+    plan_dir: str,
+    backend: str,
+    feeds: dict[str, np.ndarray] | None,
+    microbatches: int,
+    iterations: int,
+    threads: int,
+    timeout_s: float,
+) -> tuple[Env, DistStats] | None:
+    """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
+    folder = Path(plan_dir)
+    plan = read_plan(folder)
+    config = RankConfig(folder, plan, layout(plan), backend, microbatches, iterations, threads,
+                        timeout_s)
+    return serve_rank(config, rank, feeds, store)

@@ -1,0 +1,351 @@
+"""One rank of a distributed inference run, and the plan's rank layout.
+
+**Layout.** Ranks follow the plan: stage 0's replicas first, then stage 1's, and so on (replicas
+consecutive). Micro-batch ``m`` goes to replica ``m % d_k`` of stage ``k`` (as in the threaded
+runtime), so every send and receive is known in advance: stage ``k`` replica ``m % d_k`` sends
+micro-batch ``m`` to stage ``k+1`` replica ``m % d_{k+1}``. Rank 0 (stage 0, replica 0) is also
+the driver: it splits the feeds, sends stage 0's other replicas their micro-batches, and receives
+the graph outputs from the last stage's ranks, merging them in order.
+
+**Relay.** Like the threaded runtime's ``_keep``, each stage forwards every tensor that a later
+stage or the graph outputs still need: a skip connection, or a graph input read only by the last
+stage, travels hop by hop (the cost model's relay model). The names each hop carries are fixed by
+the plan (:class:`Layout`), so they never go over the wire.
+
+**Wire protocol**: :mod:`onnx_partition.runtime.dist.wire` (a fixed int64 header, small tensors
+packed, large ones sent zero-copy).
+
+**Backend.** gloo on CPU; nccl when every replica is on a distinct ``cuda:N`` (payloads are then
+copied host -> device -> host around each hop, since onnxruntime hands back host arrays).
+Process-group set-up and every operation time out after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import torch.distributed as dist
+
+from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.graph.ort import local_device, providers_for, session_options
+from onnx_partition.pipeline import microbatch
+from onnx_partition.plan import PLAN_FILE, Plan
+from onnx_partition.runtime.dist.launcher import RankFailure, join_group
+from onnx_partition.runtime.dist.wire import Env, Wire
+
+__all__ = ["DEVICE_ENV", "EXIT_RANK_ENV", "STOP_RANK_ENV", "DistStats", "Layout", "RankConfig",
+           "check_feeds", "choose_backend", "format_stats", "layout", "serve_rank"]
+
+EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
+DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says
+STOP_RANK_ENV = "ONNX_PARTITION_DIST_STOP_RANK"  # test hook: that rank SIGSTOPs itself mid-run
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each stage replica runs and which tensors every hop carries."""
+
+    replicas: list[int]  # per stage
+    first: list[int]  # first rank of each stage
+    devices: list[list[str]]  # per stage, per replica
+    recv_names: list[list[str]]  # tensors stage k's replicas receive (stage 0: from rank 0)
+    send_names: list[list[str]]  # tensors stage k sends on (the last stage: outputs to rank 0)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.replicas)
+
+    @property
+    def stages(self) -> int:
+        return len(self.replicas)
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of ``rank``."""
+        for k in reversed(range(self.stages)):
+            if rank >= self.first[k]:
+                return k, rank - self.first[k]
+        raise ValueError(f"rank {rank} is not in the layout")
+
+    def rank_of(self, stage: int, m: int) -> int:
+        """The rank serving micro-batch ``m`` at ``stage``."""
+        return self.first[stage] + m % self.replicas[stage]
+
+    def name(self, rank: int) -> str:
+        k, r = self.place(rank)
+        return f"stage {k} replica {r} (rank {rank}, {self.devices[k][r]})"
+
+
+def layout(plan: Plan) -> Layout:
+    """The rank layout and relay sets of ``plan``; a PartitionError if a stage reads a tensor
+    that no earlier stage or graph input makes."""
+    replicas = [max(1, s.replicas) for s in plan.stages]
+    first = list(itertools.accumulate([0, *replicas]))[:-1]
+    devices = [[(s.devices or ["cpu"])[r % len(s.devices or ["cpu"])] for r in range(d)]
+               for s, d in zip(plan.stages, replicas)]
+    outputs = {o.name for o in plan.outputs}
+    avail = {i.name for i in plan.inputs}
+    recv, send = [], []
+    for k, stage in enumerate(plan.stages):
+        keep = {n for s in plan.stages[k + 1:] for n in s.inputs} | outputs
+        missing = [n for n in stage.inputs if n not in avail]
+        if missing:
+            raise PartitionError(f"plan.json: stage {k} reads {missing[0]!r}, which no earlier "
+                                 f"stage or graph input makes")
+        recv.append(sorted(avail & (set(stage.inputs) | keep)))
+        avail |= set(stage.outputs)
+        send.append(sorted(avail & keep))
+    lost = sorted(outputs - avail)
+    if lost:
+        raise PartitionError(f"plan.json: no stage makes the graph output {lost[0]!r}")
+    return Layout(replicas, first, devices, recv, send)
+
+
+def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = False) -> str:
+    """gloo, or nccl when every replica is on its own CUDA device (``backend`` overrides).
+    ``one_machine``: every rank runs here, so devices of different machines (``m0/cuda:0``,
+    ``m1/cuda:0``) share the local one and rule nccl out."""
+    flat = [d for stage in lay.devices for d in stage]
+    names = [local_device(d) for d in flat] if one_machine else flat
+    cuda = (all(local_device(d).startswith("cuda") for d in flat)
+            and len(set(names)) == len(names))
+    if backend is None:
+        usable = cuda and dist.is_nccl_available() and torch.cuda.is_available()
+        return "nccl" if usable else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise PartitionError(f"unknown backend {backend!r} (use gloo or nccl)")
+    if backend == "nccl" and not cuda:
+        raise PartitionError("backend nccl needs every replica on its own cuda:N device")
+    return backend
+
+
+@dataclass
+class DistStats:
+    """Measurements of a distributed run (per-rank figures cover all iterations)."""
+
+    backend: str
+    world_size: int
+    microbatches: int
+    rows: int  # samples per iteration
+    iteration_ms: list[float]  # rank 0: sending the first micro-batch to receiving the last
+    setup_ms: float  # slowest rank: worker start to process group ready
+    placement: list[tuple[int, int, str]]  # per rank: (stage, replica, device)
+    busy_ms: dict[int, float] = field(default_factory=dict)  # per rank: onnxruntime compute
+    comm_ms: dict[int, float] = field(default_factory=dict)  # per rank: blocked in recv / sends
+    # per rank: onnxruntime compute in each iteration (busy_ms split by iteration)
+    busy_each_ms: dict[int, list[float]] = field(default_factory=dict)
+    cpu_each_ms: dict[int, list[float]] = field(default_factory=dict)  # the same, thread CPU time
+    wall_ms: dict[int, float] = field(default_factory=dict)  # per rank: its serving loop
+    launch_ms: float = 0.0  # run_distributed: spawn to results back (imports, set-up, run)
+
+    def throughput_per_s(self) -> list[float]:
+        """Samples per second of each iteration."""
+        return [self.rows / (ms / 1000.0) if ms > 0 else 0.0 for ms in self.iteration_ms]
+
+    def idle_ms(self) -> dict[int, float]:
+        return {r: max(0.0, self.wall_ms[r] - b) for r, b in self.busy_ms.items()}
+
+
+def _plan_digest(plan_dir: Path) -> int:
+    return int.from_bytes(hashlib.sha256((plan_dir / PLAN_FILE).read_bytes()).digest()[:7], "big")
+
+
+def check_feeds(plan: Plan, feeds: Mapping[str, np.ndarray], microbatches: int) -> None:
+    """A PartitionError unless ``feeds`` hold every graph input and split into ``microbatches``."""
+    missing = [s.name for s in plan.inputs if s.name not in feeds]
+    if missing:
+        raise PartitionError(f"missing input {missing[0]!r}; inputs: "
+                             f"{[s.name for s in plan.inputs]}")
+    try:
+        microbatch.split(dict(feeds), microbatches, microbatch.batch_axes(plan))
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def format_stats(stats: DistStats) -> str:
+    """A few lines of figures (steady state: the first iteration is left out when there are
+    several)."""
+    steady = stats.iteration_ms[1:] or stats.iteration_ms
+    ms = sum(steady) / len(steady)
+    lines = [f"{stats.world_size} ranks ({stats.backend}), batch {stats.rows} in "
+             f"{stats.microbatches} micro-batches: {stats.rows / ms * 1000.0:.1f} samples/s "
+             f"({ms:.2f} ms per batch; set-up {stats.setup_ms:.0f} ms)"]
+    n = len(stats.iteration_ms)
+    for rank, (k, r, device) in enumerate(stats.placement):
+        lines.append(f"  rank {rank} stage {k} replica {r} ({device}): busy "
+                     f"{stats.busy_ms[rank] / n:.2f} ms, comm {stats.comm_ms[rank] / n:.2f} ms, "
+                     f"idle {stats.idle_ms()[rank] / n:.2f} ms per batch")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What every rank of one run shares: the plan, its layout and the run's settings."""
+
+    plan_dir: Path
+    plan: Plan
+    lay: Layout
+    backend: str
+    microbatches: int
+    iterations: int
+    threads: int  # onnxruntime intra-op threads
+    timeout_s: float  # process-group set-up and every operation
+
+
+@dataclass
+class _Tally:
+    """One rank's running figures: onnxruntime time (wall and thread CPU), per iteration."""
+
+    busy: float = 0.0
+    cpu: float = 0.0
+    iteration_ms: list[float] = field(default_factory=list)
+    busy_each: list[float] = field(default_factory=list)
+    cpu_each: list[float] = field(default_factory=list)
+
+
+def serve_rank(
+    config: RankConfig,
+    rank: int,
+    feeds: Mapping[str, np.ndarray] | None,
+    store: dist.Store | None,
+) -> tuple[Env, DistStats] | None:
+    """Run one rank (``store``: the launcher's, else torchrun's ``env://``); rank 0 returns
+    the merged outputs and the stats."""
+    started = time.perf_counter()
+    lay = config.lay
+    session, comm, batches = _open(config, rank, feeds)
+    join_group(config.backend, rank, lay.world_size, config.timeout_s, store)
+    # Rank 0 tells everyone the micro-batch count; all check they read the same plan.json.
+    control = torch.tensor([len(batches), config.iterations, _plan_digest(config.plan_dir)],
+                           dtype=torch.int64)
+    wired = control.to(comm)
+    dist.broadcast(wired, src=0)
+    count, iterations, digest = (int(v) for v in wired.cpu())
+    if digest != _plan_digest(config.plan_dir):
+        raise RankFailure("setup", "its plan.json differs from rank 0's")
+    ready = time.perf_counter()
+
+    wire, tally = Wire(comm, lay.name), _Tally()
+    results: dict[int, Env] = {}
+    for _ in range(iterations):
+        began, busy_before, cpu_before = time.perf_counter(), tally.busy, tally.cpu
+        results = _iterate(config, rank, session, wire, batches, count, tally)
+        tally.iteration_ms.append((time.perf_counter() - began) * 1000.0)
+        tally.busy_each.append((tally.busy - busy_before) * 1000.0)
+        tally.cpu_each.append((tally.cpu - cpu_before) * 1000.0)
+    done = time.perf_counter()
+
+    mine = {"rank": rank, "busy": tally.busy, "comm": wire.comm_s, "wall": done - ready,
+            "setup": ready - started, "busy_each": tally.busy_each, "cpu_each": tally.cpu_each}
+    gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    fixed = microbatch.batch_axes(config.plan)
+    outputs = microbatch.merge([results[m] for m in range(count)], fixed)
+    rows = microbatch.batch_size(feeds, fixed) if feeds is not None else 0
+    return outputs, _stats(config, count, rows, tally.iteration_ms, gathered)
+
+
+def _open(
+    config: RankConfig, rank: int, feeds: Mapping[str, np.ndarray] | None,
+) -> tuple[ort.InferenceSession, torch.device, list[Env]]:
+    """The rank's stage session, the device its payloads travel through, and (rank 0) the
+    micro-batches; a ``setup`` failure if any of them cannot be made."""
+    k, r = config.lay.place(rank)
+    device = os.environ.get(DEVICE_ENV) or config.lay.devices[k][r]
+    try:
+        session = ort.InferenceSession(str(config.plan_dir / config.plan.stages[k].file),
+                                       sess_options=session_options(config.threads),
+                                       providers=providers_for(device))
+        comm = torch.device("cpu")
+        if config.backend == "nccl":
+            comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
+            torch.cuda.set_device(comm)
+        fixed = microbatch.batch_axes(config.plan)
+        batches = (microbatch.split(dict(feeds), config.microbatches, fixed)
+                   if feeds is not None else [])
+    except Exception as exc:  # onnxruntime raises its own types
+        raise RankFailure("setup", f"cannot start: {one_line(exc)}") from exc
+    return session, comm, batches
+
+
+def _iterate(
+    config: RankConfig, rank: int, session: ort.InferenceSession, wire: Wire,
+    batches: list[Env], count: int, tally: _Tally,
+) -> dict[int, Env]:
+    """One iteration of the rank: its micro-batches in, through the stage, on to the next
+    stage; rank 0 also feeds stage 0's other replicas and returns the last stage's outputs by
+    micro-batch (others: the outputs they kept, none unless they are rank 0)."""
+    lay = config.lay
+    k, r = lay.place(rank)
+    stage, last = config.plan.stages[k], k + 1 == lay.stages
+    pending: list[Any] = []
+    results: dict[int, Env] = {}
+    if rank == 0:
+        for m in range(count):
+            if lay.rank_of(0, m) != 0:
+                wire.send(lay.rank_of(0, m), m, lay.recv_names[0], batches[m], pending)
+    for m in range(r, count, lay.replicas[k]):
+        if rank == 0:
+            env = {n: batches[m][n] for n in lay.recv_names[0]}
+        else:
+            src = 0 if k == 0 else lay.rank_of(k - 1, m)
+            env = wire.recv(src, m, lay.recv_names[k])
+        _test_hooks(rank)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
+        except Exception as exc:  # onnxruntime raises its own types
+            raise RankFailure("compute", one_line(exc)) from exc
+        tally.busy += time.perf_counter() - t0
+        tally.cpu += time.thread_time() - c0
+        env.update(zip(stage.outputs, values))
+        dst = 0 if last else lay.rank_of(k + 1, m)
+        if dst == rank:
+            results[m] = {n: env[n] for n in lay.send_names[k]}
+        else:
+            wire.send(dst, m, lay.send_names[k], env, pending)
+    if rank == 0:
+        for m in range(count):
+            if m not in results:
+                results[m] = wire.recv(lay.rank_of(lay.stages - 1, m), m, lay.send_names[-1])
+    wire.wait(pending)
+    return results
+
+
+def _test_hooks(rank: int) -> None:
+    """The tests' faults: this rank exits (``EXIT_RANK_ENV``) or stops (``STOP_RANK_ENV``)."""
+    if os.environ.get(EXIT_RANK_ENV) == str(rank):
+        os._exit(1)
+    if os.environ.get(STOP_RANK_ENV) == str(rank):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _stats(config: RankConfig, count: int, rows: int, iteration_ms: list[float],
+           gathered: list[Any]) -> DistStats:
+    """Rank 0's figures from every rank's gathered tally."""
+    lay = config.lay
+    return DistStats(
+        backend=config.backend, world_size=lay.world_size, microbatches=count, rows=rows,
+        iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
+        placement=[(*lay.place(q), os.environ.get(DEVICE_ENV)
+                    or lay.devices[lay.place(q)[0]][lay.place(q)[1]])
+                   for q in range(lay.world_size)],
+        busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
+        busy_each_ms={g["rank"]: g["busy_each"] for g in gathered},
+        cpu_each_ms={g["rank"]: g["cpu_each"] for g in gathered},
+        comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
+        wall_ms={g["rank"]: g["wall"] * 1000.0 for g in gathered},
+    )

@@ -1,0 +1,107 @@
+"""Start the training ranks: locally through the inference runtime's launcher
+(:func:`onnx_partition.runtime.dist.launcher.launch_ranks`: fork server, rendezvous store,
+supervision naming the failing stage, replica and rank), or as one rank under ``torchrun``.
+
+What each rank trains comes from a ``build`` callable (module-level, or a
+``functools.partial`` of one, so it pickles to the children): ``build()`` returns the stage
+list, the loss function, the plan and the batch function. Rank 0 gathers every rank's
+:class:`~onnx_partition.runtime.train.rank.RankResult` and returns them in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph.ort import local_device
+from onnx_partition.plan import Plan
+from onnx_partition.runtime.dist.launcher import PRELOAD, RankFailure, join_group, launch_ranks
+from onnx_partition.runtime.infer.rank import choose_backend, layout
+from onnx_partition.runtime.train.rank import (
+    Batches,
+    LossFn,
+    RankResult,
+    StageLike,
+    TrainConfig,
+    train_stages,
+)
+
+__all__ = ["TRAIN_PRELOAD", "Build", "launch_training", "rank_device", "run_rank", "torchrun_rank"]
+
+Build = Callable[[], tuple[Sequence[StageLike], LossFn, Plan, Batches]]
+# torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded
+TRAIN_PRELOAD = [*PRELOAD, "torch._dynamo", "torch.optim", "onnx_partition.runtime.train.rank"]
+
+
+def rank_device(plan: Plan, rank: int, backend: str) -> torch.device:
+    """Where the rank computes: its CUDA device under nccl, else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    lay = layout(plan)
+    k, r = lay.place(rank)
+    index = int(local_device(lay.devices[k][r]).partition(":")[2] or 0)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: str,
+             timeout_s: float, store: dist.Store | None) -> list[RankResult] | None:
+    """One rank from process-group set-up to the gathered results (rank 0) or None."""
+    try:
+        stages, loss_fn, plan, batches = build()
+        device = rank_device(plan, rank, backend)
+    except Exception as exc:
+        raise RankFailure("setup", f"cannot start: {exc}") from exc
+    join_group(backend, rank, world, timeout_s, store)
+    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device)
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(result, gathered if rank == 0 else None, dst=0)
+    dist.destroy_process_group()
+    return gathered if rank == 0 else None
+
+
+def _spawned(rank: int, store: dist.Store, world: int, build: Build, config: TrainConfig,
+             backend: str, timeout_s: float) -> bytes | None:
+    """Results pickled plainly: a queue would share the tensors' memory through file
+    descriptors that die with this process."""
+    results = run_rank(rank, world, build, config, backend, timeout_s, store)
+    return None if results is None else pickle.dumps(results)
+
+
+def launch_training(
+    plan: Plan,
+    build: Build,
+    config: TrainConfig,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
+    start_method: str | None = None,
+) -> list[RankResult]:
+    """Train with one local process per stage replica of ``plan``; every rank's result.
+    Raises :class:`~onnx_partition.errors.StageFailed` naming the stage, replica
+    and rank that raised or died (the others are killed)."""
+    lay = layout(plan)
+    chosen = choose_backend(lay, backend, one_machine=True)
+    world = lay.world_size
+    args = [(world, build, config, chosen, timeout_s)] * world
+    results = launch_ranks(_spawned, args, lay.name, timeout_s=timeout_s,
+                           start_method=start_method, preload=TRAIN_PRELOAD)
+    if 0 not in results:
+        raise PartitionError("the training ranks finished without reporting")
+    return list(pickle.loads(results[0]))
+
+
+def torchrun_rank(build: Build, config: TrainConfig, *, backend: str | None = None,
+                  timeout_s: float = 60.0) -> list[RankResult] | None:
+    """One rank under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise PartitionError("RANK and WORLD_SIZE must be set (run under torchrun)") from None
+    return run_rank(rank, world, build, config, backend or "gloo", timeout_s, None)

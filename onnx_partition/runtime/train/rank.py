@@ -1,0 +1,385 @@
+"""One rank of a training pipeline: it runs the simulator's action list for its device.
+
+**Layout and routing** are the inference runtime's (:func:`onnx_partition.runtime.infer.rank.
+layout`): ranks stage by stage, replicas consecutive; replica ``j`` of a stage with ``r``
+replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ between stages);
+each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
+model input read late travels hop by hop.
+
+**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of :func:`schedules.one_f_one_b` or
+:func:`schedules.gpipe` with the plan's replica counts, action by action:
+
+* ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
+  the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
+  leaves that require grad; run the stage module; send the relay set on (last stage: the loss
+  of the model outputs against the targets, divided by the micro-batch count ``M``). The
+  inputs and outputs stay stashed, with their autograd graph, until ``kB m``.
+* ``kB m``: receive the gradients of the floating tensors sent on (last stage: none, the loss
+  is the root), ``torch.autograd.backward`` them (a relayed tensor is its own leaf, so its
+  gradient passes straight through and adds to this stage's own use of it), and send the
+  leaves' gradients back (zeros for a tensor this stage did not use).
+
+Sends are posted before the rank next blocks (with its next receive, in one batch: see
+:mod:`onnx_partition.runtime.train.comm`) and awaited at the end of the step; receives block: a rank
+waits only for what the simulator's action waits for, so an order the simulator runs without
+deadlock runs here too.
+
+**Gradient sums.** A micro-batch's loss is its mean divided by ``M``, so summing gradients over
+micro-batches and replicas gives the gradient of the mean over the whole batch, as single-
+process training with gradient accumulation does. Replicas of a stage then all-reduce (sum)
+their gradients in their own group; a tied parameter (``StageModule.tied``) is left out of that
+and summed instead over every rank of every stage holding it (Megatron's embedding group),
+which counts each rank's contribution exactly once. Then the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from onnx_partition.errors import one_line
+from onnx_partition.pipeline.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
+from onnx_partition.plan import Plan
+from onnx_partition.runtime.dist.launcher import RankFailure
+from onnx_partition.runtime.infer.rank import EXIT_RANK_ENV, Layout, layout
+from onnx_partition.runtime.train.comm import Tensors, TensorWire
+from onnx_partition.runtime.train.reference import make_optimizer
+
+__all__ = ["SCHEDULES", "Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+           "build_schedule", "microbatch", "step_line", "tied_groups", "train_stages"]
+
+SCHEDULES = ("1f1b", "gpipe")
+LossFn = Callable[[Tensors, Tensors], torch.Tensor]
+Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
+
+
+class StageLike(Protocol):
+    """What the engine needs of a stage (``onnx_partition.runtime.train.modules.StageModule``)."""
+
+    index: int
+    module: torch.nn.Module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    tied: dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    check_steps: tuple[int, ...] = ()  # keep the parameters after these steps (1-based)
+    keep_state: bool = False  # replica 0 returns its module's state_dict at the end
+    verbose: bool = False  # rank 0 prints a line per step
+    threads: int = 1  # torch intra-op threads per rank (0: torch's default)
+
+
+@dataclass
+class RankResult:
+    """What one rank did and measured."""
+
+    rank: int
+    stage: int
+    replica: int
+    actions: list[str]  # executed, in order, every step (``str(Action)``)
+    peak_inflight: int  # most micro-batches stashed at once
+    step_ms: list[float]  # per step: start to optimizer step done
+    forward_ms: list[float]  # per step: this rank's forward compute (with the loss)
+    backward_ms: list[float]  # per step: this rank's backward compute
+    loss: list[float]  # rank 0 only: the whole batch's loss, per step
+    table: list[list[float]] = field(default_factory=list)  # rank 0: per step, per rank [fwd, bwd]
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> params
+    state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
+
+
+def build_schedule(name: str, replicas: Sequence[int], microbatches: int) -> Schedule:
+    """The simulator's schedule (never re-derived here)."""
+    if name == "1f1b":
+        return one_f_one_b(len(replicas), microbatches, replicas)
+    if name == "gpipe":
+        return gpipe(len(replicas), microbatches, replicas)
+    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
+    """Micro-batch ``m`` of ``count``: rows split as ``torch.tensor_split`` does."""
+    return {n: t.tensor_split(count)[m] for n, t in batch.items()}
+
+
+def tied_groups(stages: Sequence[StageLike]) -> list[tuple[int, ...]]:
+    """The distinct sets of stages sharing a parameter, sorted (one process group each)."""
+    return sorted({tuple(sorted(s)) for st in stages for s in st.tied.values() if len(s) > 1})
+
+
+@dataclass
+class _Stash:
+    leaves: Tensors  # received tensors that require grad
+    sent: Tensors  # tensors sent on (autograd graph kept), or {"": loss} on the last stage
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What this rank keeps through training: its stage, its place and its wire."""
+
+    lay: Layout
+    k: int  # the stage served
+    stage: StageLike
+    module: torch.nn.Module
+    loss_fn: LossFn
+    wire: TensorWire
+    device: torch.device
+    count: int  # micro-batches per step
+    model_inputs: set[str]
+    model_outputs: list[str]
+    exit_hook: bool  # test hook: die after the first forward
+
+    @property
+    def last(self) -> bool:
+        return self.k == self.lay.stages - 1
+
+
+@dataclass
+class _Step:
+    """One step's state on this rank: its batch, the stashed micro-batches and the sums."""
+
+    inputs: Tensors
+    targets: Tensors
+    stash: dict[int, _Stash] = field(default_factory=dict)
+    fwd: float = 0.0  # seconds of forward compute (with the loss)
+    bwd: float = 0.0  # seconds of backward compute
+    loss_sum: float = 0.0
+
+
+def train_stages(
+    stages: Sequence[StageLike],
+    loss_fn: LossFn,
+    plan: Plan,
+    batches: Batches,
+    config: TrainConfig,
+    *,
+    rank: int,
+    device: torch.device | None = None,
+) -> RankResult:
+    """Train this rank's stage (``stages[k]`` for the stage ``k`` that ``rank`` serves) in
+    the already initialised default process group; every rank calls it with the same
+    ``stages`` list (all stages: the tied groups are read from it), ``plan`` and
+    ``config``. ``batches(step)`` gives the whole batch (``microbatches`` x rows per
+    micro-batch) of step ``step`` (0-based); only stage 0 (inputs) and the last stage
+    (targets) call it. Raises ``RankFailure("compute", ...)`` when the stage module or the loss
+    raises."""
+    device = device or torch.device("cpu")
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    lay = layout(plan)
+    k, replica = lay.place(rank)
+    module = stages[k].module.to(device).train()
+    actions = build_schedule(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
+
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    stage_group = _group_for(lay, [s for s in range(lay.stages)], k)
+    my_tied = _tied_groups_here(lay, stages, k)
+    tied_names = {n for _, names in my_tied for n in names}
+    params = dict(module.named_parameters())
+    optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr)
+    wire = TensorWire(device, lay.name)
+    dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
+    me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs],
+               os.environ.get(EXIT_RANK_ENV) == str(rank))
+
+    result = RankResult(rank, k, replica, [], 0, [], [], [], [])
+    for step in range(config.steps):
+        began = time.perf_counter()
+        st = _Step(*(batches(step) if k == 0 or me.last else ({}, {})))
+        optimizer.zero_grad(set_to_none=True)
+        for action in actions:
+            result.actions.append(str(action))
+            if action.kind is Kind.F:
+                _forward(me, st, action)
+                result.peak_inflight = max(result.peak_inflight, len(st.stash))
+                if me.exit_hook:
+                    os._exit(1)  # test hook: die mid-step
+            else:
+                _backward(me, st, action)
+        wire.wait()  # before any collective: a peer in it may wait for a queued send
+        _sum_gradients(params, tied_names, stage_group, my_tied)
+        optimizer.step()
+        _record_step(me, st, result, step, began, verbose=config.verbose)
+        if step + 1 in config.check_steps:
+            result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
+    if config.keep_state and replica == 0:
+        result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
+    return result
+
+
+def _tied_groups_here(lay: Layout, stages: Sequence[StageLike],
+                      k: int) -> list[tuple[Any, list[str]]]:
+    """Create every tied group (on every rank); those of stage ``k``, each with the names of the
+    parameters it sums."""
+    mine = []
+    for stage_set in tied_groups(stages):
+        group = dist.new_group(ranks=[q for s in stage_set for q in _ranks(lay, s)])
+        if k in stage_set:
+            names = sorted(n for n, s in stages[k].tied.items() if tuple(sorted(s)) == stage_set)
+            mine.append((group, names))
+    return mine
+
+
+def _forward(me: _Rank, st: _Step, action: Action) -> None:
+    """``kF m``: take micro-batch ``m``'s tensors, run the stage (and on the last stage the
+    loss), send the relay set on and stash what the backward needs."""
+    lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
+    if k == 0:
+        env = {n: v.to(device) for n, v in
+               microbatch({n: st.inputs[n] for n in lay.recv_names[0]}, m, count).items()}
+    else:
+        env = me.wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
+    leaves = {}
+    for n in list(env):
+        if env[n].is_floating_point() and n not in me.model_inputs:
+            env[n] = leaves[n] = env[n].detach().requires_grad_()
+    t0 = _now(device)
+    try:
+        outs = me.module(*[env[n] for n in me.stage.inputs])
+        if isinstance(outs, torch.Tensor):
+            outs = (outs,)
+        env.update(zip(me.stage.outputs, outs, strict=True))
+        if me.last:
+            got = {n: env[n] for n in me.model_outputs}
+            want = {n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
+            loss = me.loss_fn(got, want) / count
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    st.fwd += _now(device) - t0
+    if me.last:
+        st.loss_sum += float(loss.detach())
+        st.stash[m] = _Stash(leaves, {"": loss})
+    else:
+        sent = {n: env[n] for n in lay.send_names[k]}
+        me.wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent)
+        st.stash[m] = _Stash(leaves, sent)
+
+
+def _backward(me: _Rank, st: _Step, action: Action) -> None:
+    """``kB m``: receive the gradients of what was sent on, backpropagate them and send the
+    leaves' gradients back."""
+    lay, k, m = me.lay, me.k, action.microbatch
+    held = st.stash.pop(m)
+    grads: list[torch.Tensor | None]
+    if me.last:
+        roots, grads = [held.sent[""]], [None]
+    else:
+        names = _grad_names(held.sent, lay.send_names[k], me.model_inputs)
+        got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
+        pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
+        roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+    t0 = _now(me.device)
+    try:
+        if roots:
+            torch.autograd.backward(roots, grads)
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    st.bwd += _now(me.device) - t0
+    if k > 0:
+        names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
+        back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
+        me.wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
+
+
+def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: float, *,
+                 verbose: bool) -> None:
+    """Add the step's figures to ``result``. One small all-reduce per step: rank 0 learns the
+    loss and every rank's times (and prints the step line when ``verbose``)."""
+    lay, rank = me.lay, result.rank
+    row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
+    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, st.loss_sum], dtype=torch.float64)
+    wired = row.to(me.device)
+    dist.all_reduce(wired)
+    table = wired.cpu()
+    ms = (time.perf_counter() - began) * 1000.0
+    result.step_ms.append(ms)
+    result.forward_ms.append(st.fwd * 1000.0)
+    result.backward_ms.append(st.bwd * 1000.0)
+    if rank == 0:
+        result.loss.append(float(table[:, 2].sum()))
+        result.table.append([float(v) for v in table[:, :2].reshape(-1)])
+        if verbose:
+            rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
+            print(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows),
+                  flush=True)
+
+
+def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]], lay: Layout,
+              *, rows: int) -> str:
+    """``step 1: loss 2.3026, 812.3 samples/s (19.70 ms); busy ms per stage: 4.1 5.0``
+    (busy = forward + backward, the mean over a stage's replicas)."""
+    busy = []
+    for s in range(lay.stages):
+        mine = [sum(times[q]) for q in _ranks(lay, s)]
+        busy.append(sum(mine) / len(mine))
+    rate = rows / ms * 1000.0 if ms > 0 else 0.0
+    return (f"step {step + 1}: loss {loss:.4f}, {rate:.1f} samples/s ({ms:.2f} ms); busy ms per "
+            f"stage: {' '.join(f'{b:.2f}' for b in busy)}")
+
+
+def _ranks(lay: Layout, stage: int) -> list[int]:
+    return list(range(lay.first[stage], lay.first[stage] + lay.replicas[stage]))
+
+
+def _group_for(lay: Layout, stages: Sequence[int], mine: int) -> Any:
+    """One group per stage with replicas (created on every rank); this rank's, or None."""
+    own = None
+    for s in stages:
+        if lay.replicas[s] > 1:
+            group = dist.new_group(ranks=_ranks(lay, s))
+            if s == mine:
+                own = group
+    return own
+
+
+def _grad_names(tensors: Mapping[str, torch.Tensor], names: Sequence[str],
+                model_inputs: set[str]) -> list[str]:
+    """The names whose gradients cross this hop: floating tensors that a stage made (both
+    ends see the same dtypes, so both derive the same list)."""
+    return [n for n in names
+            if n in tensors and tensors[n].is_floating_point() and n not in model_inputs]
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _sum_gradients(params: Mapping[str, torch.nn.Parameter], tied: set[str], stage_group: Any,
+                   tied_groups_here: Sequence[tuple[Any, list[str]]]) -> None:
+    """Sum gradients over the stage's replicas (tied parameters left out) and, per tied
+    group, over every rank holding the parameter."""
+    if stage_group is not None:
+        _all_reduce_grads([p for n, p in sorted(params.items()) if n not in tied], stage_group)
+    for group, names in tied_groups_here:
+        _all_reduce_grads([params[n] for n in names], group)
+
+
+def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
+    """One flat all-reduce (sum) of the parameters' gradients (None counts as zeros)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for p, piece in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = piece.view_as(p).clone()
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

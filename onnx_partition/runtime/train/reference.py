@@ -1,0 +1,85 @@
+"""The reference: the whole program trained in one process, micro-batch by micro-batch.
+
+A step over ``microbatches`` micro-batches of a batch of B rows accumulates the gradient of
+``loss_m * rows_m / B`` over the micro-batches (``loss_m`` a mean over micro-batch m's rows), so
+it equals one step on the mean loss over all B rows, while batch norm sees each micro-batch
+alone, exactly as the pipeline does. Micro-batches are split as the runtime splits feeds
+(:func:`split_rows`: near-equal, numpy ``linspace`` edges).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.task import TrainTask, task_for
+
+__all__ = ["OPTIMIZERS", "make_optimizer", "reference_train", "split_rows"]
+
+#: Optimizers by CLI name; both sides of ``--check`` build theirs with :func:`make_optimizer`.
+OPTIMIZERS = ("sgd", "adamw")
+
+Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float
+                   ) -> torch.optim.Optimizer:
+    """``sgd``: plain SGD; ``adamw``: AdamW with torch's defaults (betas 0.9/0.999, eps 1e-8,
+    weight decay 0.01)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def split_rows(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """Row ranges of ``chunks`` near-equal micro-batches (fewer when rows < chunks), the same
+    edges as :func:`onnx_partition.pipeline.microbatch.split`."""
+    if chunks < 1:
+        raise PartitionError(f"need at least one micro-batch, got {chunks}")
+    chunks = min(chunks, rows)
+    edges = np.linspace(0, rows, chunks + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in itertools.pairwise(edges)]
+
+
+def reference_train(
+    plan_dir: str | Path,
+    batches: Sequence[Batch],
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    steps: int | None = None,
+    microbatches: int = 1,
+    task: TrainTask | None = None,
+    deterministic: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
+    ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
+    into ``microbatches``; return the parameters after training by name (the stage modules'
+    names). ``task`` defaults to :func:`task_for`'s loss."""
+    if not batches:
+        raise PartitionError("reference_train needs at least one batch")
+    plan = read_plan(plan_dir)
+    module = whole_module(plan_dir, deterministic=deterministic)
+    task = task or task_for(plan_dir)
+    opt = make_optimizer(optimizer, module.parameters(), lr)
+    names = [o.name for o in plan.outputs]
+    for step in range(len(batches) if steps is None else steps):
+        inputs, targets = batches[step % len(batches)]
+        rows = int(next(iter(inputs.values())).shape[0])
+        opt.zero_grad()
+        for lo, hi in split_rows(rows, microbatches):
+            outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
+            loss = task.loss_fn(dict(zip(names, outputs)),
+                                {k: v[lo:hi] for k, v in targets.items()})
+            (loss * ((hi - lo) / rows)).backward()
+        opt.step()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}

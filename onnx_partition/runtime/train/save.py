@@ -1,0 +1,110 @@
+"""Trained weights back into a plan: a new plan folder that ``onnx-partition run`` serves.
+
+The dynamo exporter names each initializer after the parameter or buffer it holds (its
+fully-qualified name; ``optimize=False`` keeps them one-to-one), so the stage modules' state,
+keyed by those names, replaces the initializers of the same names in every stage file. The
+folder also gets the trained whole model (``<model>.onnx``, the plan's ``model``, which
+``run --check`` compares against) and the trained program (``<model>.pt2``, so the new plan can
+be trained further). Tied parameters are written under each of their names. Everything is
+written into a temporary folder that then replaces ``out_dir`` (emit.write_plan_folder).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph.emit import save_stage, write_plan_folder
+from onnx_partition.plan import write_plan
+from onnx_partition.runtime.train.modules import load_program, program_names, require_trainable
+
+__all__ = ["save_trained"]
+
+
+def save_trained(
+    plan_dir: str | Path,
+    state: Sequence[Mapping[str, torch.Tensor]],
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+) -> Path:
+    """A new plan folder ``out_dir`` whose stage files carry the trained initializers
+    (``state[k]`` = stage k's ``module.state_dict()`` after training), with the trained whole
+    model and program; servable by ``onnx-partition run``. Returns ``out_dir``."""
+    plan_dir, out_dir = Path(plan_dir), Path(out_dir)
+    plan = require_trainable(plan_dir)
+    if len(state) != len(plan.stages):
+        raise PartitionError(f"save_trained got {len(state)} stage states for "
+                             f"{len(plan.stages)} stages")
+    if out_dir.resolve() == plan_dir.resolve():
+        raise PartitionError(f"save_trained writes a new plan folder, not over {plan_dir}")
+    values = _by_original_name(plan_dir, state)
+    model = (plan_dir / plan.model).resolve()
+    program = load_program(plan_dir, plan)
+
+    def write(folder: Path) -> None:
+        new = copy.deepcopy(plan)
+        for stage in new.stages:
+            proto = onnx.load(str(plan_dir / stage.file), load_external_data=False)
+            _replace(proto, values)
+            stage.sha256 = save_stage(proto, folder / stage.file, plan_dir, check=False)
+        whole = onnx.load(str(model), load_external_data=False)
+        if not _replace(whole, values):
+            raise PartitionError("no initializer of the model is named after a trained "
+                                 "parameter: was it exported by onnx_partition.export?")
+        save_stage(whole, folder / model.name, model.parent, check=False)
+        with warnings.catch_warnings():  # deepcopy of a program warns about pytree internals
+            warnings.simplefilter("ignore", FutureWarning)
+            trained = copy.deepcopy(program)
+        with torch.no_grad():
+            for name, tensor in trained.state_dict.items():
+                if name in values:
+                    tensor.copy_(values[name])
+        program_file = folder / Path(plan.program).name
+        torch.export.save(trained, program_file)
+        new.model, new.program = model.name, program_file.name
+        new.program_sha256 = hashlib.sha256(program_file.read_bytes()).hexdigest()
+        new.extra["trained_from"] = str(plan_dir.resolve())
+        write_plan(new, folder)
+
+    write_plan_folder(out_dir, write, force=force)
+    return out_dir
+
+
+def _by_original_name(
+    plan_dir: Path, state: Sequence[Mapping[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Every original parameter/buffer name -> its trained value (first stage holding it)."""
+    aliases = program_names(plan_dir)
+    values: dict[str, torch.Tensor] = {}
+    for stage_state in state:
+        for name, tensor in stage_state.items():
+            for original in aliases.get(name, [name]):
+                values.setdefault(original, tensor.detach().cpu())
+    return values
+
+
+def _replace(model: onnx.ModelProto, values: Mapping[str, torch.Tensor]) -> int:
+    """Overwrite the initializers named in ``values`` in place (inline data); how many."""
+    count = 0
+    for tensor in model.graph.initializer:
+        if tensor.name not in values:
+            continue
+        array = values[tensor.name].numpy()
+        old = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        if tuple(tensor.dims) != array.shape:
+            raise PartitionError(f"trained {tensor.name!r} has shape {list(array.shape)}, the "
+                                 f"initializer {list(tensor.dims)}")
+        tensor.CopyFrom(numpy_helper.from_array(np.require(array.astype(old), requirements="C"),
+                                                tensor.name))
+        count += 1
+    return count
