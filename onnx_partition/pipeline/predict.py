@@ -34,7 +34,7 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.pipeline.from_plan import default_schedule, simulate_plan
 from onnx_partition.pipeline.simulate import SimResult
-from onnx_partition.plan import Plan
+from onnx_partition.plan import DEFAULT_MICROBATCHES, Plan
 
 __all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_comparison",
            "idle_replicas_note", "measured_json", "partition_json", "plan_batch_size",
@@ -42,7 +42,6 @@ __all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_co
            "run_shape", "simulate_json", "simulation_json"]
 
 #: Micro-batches per iteration of a plan that does not say (partition's default).
-DEFAULT_MICROBATCHES = 8
 RUN_FORMAT = "onnx-partition/run@1"
 
 
@@ -59,25 +58,13 @@ class RunShape:
 
 
 def plan_batch_size(plan: Plan) -> int | None:
-    """Rows per micro-batch the plan was partitioned at: plan.json ``batch_size``, else (older
-    plans, or inputs with a fixed leading dim) the leading dim of ``input_shapes`` shared by the
-    inputs declared with a symbolic one, or failing that by all inputs."""
-    given = plan.batch_size
-    if given is not None and given > 0:
-        return given
-    fixed = plan.input_shapes
-    for symbolic_only in (True, False):
-        sizes = {int(fixed[s.name][0]) for s in plan.inputs if fixed.get(s.name)
-                 and (not symbolic_only or (s.shape and not isinstance(s.shape[0], int)))}
-        if sizes:
-            return sizes.pop() if len(sizes) == 1 else None
-    return None
+    """:attr:`Plan.rows_per_microbatch` (kept for callers; to be replaced by the attribute)."""
+    return plan.rows_per_microbatch
 
 
 def plan_microbatches(plan: Plan) -> int:
-    """The plan's micro-batches per iteration (:data:`DEFAULT_MICROBATCHES` if it has none)."""
-    given = plan.predicted.get("microbatches")
-    return int(given) if isinstance(given, int | float) and given >= 1 else DEFAULT_MICROBATCHES
+    """:attr:`Plan.microbatches` (kept for callers; to be replaced by the attribute)."""
+    return plan.microbatches
 
 
 def run_shape(plan: Plan, *, batch_size: int | None = None,

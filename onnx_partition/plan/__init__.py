@@ -6,6 +6,7 @@ atomic publish, verification). The names of :mod:`.planfile` are the package's o
 """
 
 from onnx_partition.plan.planfile import (
+    DEFAULT_MICROBATCHES,
     FORMAT,
     MANIFEST,
     PLAN_FILE,
@@ -19,5 +20,6 @@ from onnx_partition.plan.planfile import (
     write_plan,
 )
 
-__all__ = ["FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan", "Predicted",
+__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan",
+           "Predicted",
            "Stage", "plan_text", "read_plan", "write_plan"]

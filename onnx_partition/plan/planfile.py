@@ -11,11 +11,14 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
 
-__all__ = ["FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan", "Predicted",
+__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan",
+           "Predicted",
            "Stage", "plan_text", "read_plan", "write_plan"]
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
+#: Micro-batches per iteration of a plan that records none (:attr:`Plan.microbatches`).
+DEFAULT_MICROBATCHES = 8
 MANIFEST = "manifest"  # plan.json's key naming the folder's files (onnx_partition.plan.folder)
 REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a plan folder
 
@@ -84,6 +87,31 @@ class Plan:
     @batch_size.setter
     def batch_size(self, value: int | None) -> None:
         self.extra["batch_size"] = value
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per iteration the plan was planned for (``predicted.microbatches``),
+        :data:`DEFAULT_MICROBATCHES` for a plan that records none: the one home of that default
+        (``run``, ``simulate``, ``report`` and ``train`` read it here)."""
+        given = self.predicted.get("microbatches")
+        return int(given) if isinstance(given, int | float) and given >= 1 else DEFAULT_MICROBATCHES
+
+    @property
+    def rows_per_microbatch(self) -> int | None:
+        """Rows per micro-batch the plan was partitioned at: plan.json ``batch_size``, else
+        (older plans, or inputs with a fixed leading dim) the leading dim of ``input_shapes``
+        shared by the inputs declared with a symbolic one, or failing that by all inputs; None
+        when nothing says."""
+        given = self.batch_size
+        if given is not None and given > 0:
+            return given
+        fixed = self.input_shapes
+        for symbolic_only in (True, False):
+            sizes = {int(fixed[s.name][0]) for s in self.inputs if fixed.get(s.name)
+                     and (not symbolic_only or (s.shape and not isinstance(s.shape[0], int)))}
+            if sizes:
+                return sizes.pop() if len(sizes) == 1 else None
+        return None
 
     @property
     def costs(self) -> dict[str, Any]:
