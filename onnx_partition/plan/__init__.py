@@ -20,6 +20,5 @@ from onnx_partition.plan.planfile import (
     write_plan,
 )
 
-__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan",
-           "Predicted",
-           "Stage", "plan_text", "read_plan", "write_plan"]
+__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec",
+           "Plan", "Predicted", "Stage", "plan_text", "read_plan", "write_plan"]

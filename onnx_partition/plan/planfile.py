@@ -11,9 +11,8 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
 
-__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec", "Plan",
-           "Predicted",
-           "Stage", "plan_text", "read_plan", "write_plan"]
+__all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec",
+           "Plan", "Predicted", "Stage", "plan_text", "read_plan", "write_plan"]
 
 FORMAT = "onnx-partition/plan@1"
 PLAN_FILE = "plan.json"
