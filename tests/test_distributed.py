@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import assert_same, run_whole
+from support.faults import ExitAt
 from test_graph import CHAIN, save
 from test_runtime import gather_model
 
@@ -19,7 +20,6 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.dist.wire import SMALL_BYTES
 from onnx_partition.runtime.infer.distributed import (
-    EXIT_RANK_ENV,
     Layout,
     choose_backend,
     layout,
@@ -161,12 +161,12 @@ def test_a_raising_stage_fails_the_run_quickly(tmp_path):
     assert time.perf_counter() - began < 30  # a hang would last the 60 s timeout
 
 
-def test_a_dying_worker_fails_the_run_quickly(tmp_path, monkeypatch):
+def test_a_dying_worker_fails_the_run_quickly(tmp_path):
     partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "out", batch_size=2)
-    monkeypatch.setenv(EXIT_RANK_ENV, "1")
     began = time.perf_counter()
     with pytest.raises(StageFailed, match=r"stage 1 replica 0 \(rank 1, cpu\) exited with code 1"):
-        run_distributed(tmp_path / "out", {"x": rows(4)}, microbatches=2, timeout_s=60)
+        run_distributed(tmp_path / "out", {"x": rows(4)}, microbatches=2, timeout_s=60,
+                        hook=ExitAt(1, "compute"))
     assert time.perf_counter() - began < 30
 
 

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.faults import StopAt
 from test_graph import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.dist.lifeline import _alive
-from onnx_partition.runtime.infer.distributed import STOP_RANK_ENV, run_distributed
+from onnx_partition.runtime.infer.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,14 +84,14 @@ def test_killing_the_launcher_ends_every_rank_within_10_s(tmp_path):
     assert not any(left.values()), f"alive 10 s after the launcher was killed: {left}"
 
 
-def test_a_stopped_rank_is_named(tmp_path, monkeypatch):
+def test_a_stopped_rank_is_named(tmp_path):
     model = save(CHAIN, tmp_path / "m.onnx")
     plan = tmp_path / "plan"
     partition(model, 2, plan, batch_size=2)
-    monkeypatch.setenv(STOP_RANK_ENV, "1")
     feeds = {"x": np.ones((2, 4), np.float32)}
     with pytest.raises(StageFailed, match=r"stage 1 replica 0 \(rank 1, cpu\) stopped answering"):
-        run_distributed(plan, feeds, nproc=2, timeout_s=2.0, iterations=3)
+        run_distributed(plan, feeds, nproc=2, timeout_s=2.0, iterations=3,
+                        hook=StopAt(1, "compute"))
 
 
 def test_timeout_is_an_option(capsys, tmp_path):

@@ -10,13 +10,14 @@ import stat
 from pathlib import Path
 
 import pytest
+from support.faults import CrashAt
 from test_graph import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import folder as plandir
 from onnx_partition.plan import read_plan
-from onnx_partition.plan.folder import CRASH_ENV, is_earlier_plan, publish, verify
+from onnx_partition.plan.folder import PUBLISH_STEPS, is_earlier_plan, publish, verify
 
 
 def one_error(capsys, argv, pattern: str) -> str:
@@ -125,12 +126,15 @@ def crash_in_child(out: Path, step: str, text: str) -> int:
     """Publish into ``out`` in a forked child that dies (os._exit) at ``step``."""
     pid = os.fork()
     if pid == 0:  # the child: no clean-up code may run
-        os.environ[CRASH_ENV] = step
         try:
-            publish(out, lambda tmp: files(tmp, 2, text))
+            publish(out, lambda tmp: files(tmp, 2, text), step_hook=CrashAt(step))
         finally:
             os._exit(0)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_the_crash_tests_cover_every_publication_step():
+    assert PUBLISH_STEPS == ("written", "swapped", "moved-old")  # the steps tested below
 
 
 @pytest.mark.parametrize("exchange", [True, False])

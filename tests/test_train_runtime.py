@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.faults import ExitAt
 from torch import nn
 
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.infer.distributed import EXIT_RANK_ENV
 from onnx_partition.runtime.train.launch import launch_training
 from onnx_partition.runtime.train.rank import TrainConfig, build_schedule, microbatch
 from onnx_partition.runtime.train.reference import make_optimizer
@@ -188,10 +188,9 @@ def test_a_raising_stage_ends_the_job_naming_it():
     assert time.perf_counter() - began < 30
 
 
-def test_a_rank_killed_mid_step_ends_the_job(monkeypatch):
-    monkeypatch.setenv(EXIT_RANK_ENV, "1")
+def test_a_rank_killed_mid_step_ends_the_job():
     began = time.perf_counter()
     with pytest.raises(StageFailed, match=r"stage 0 replica 1 \(rank 1, cpu\) exited with code 1"):
-        train(2, [2, 1], TrainConfig(steps=2, microbatches=4))
+        train(2, [2, 1], TrainConfig(steps=2, microbatches=4, hook=ExitAt(1, "forward")))
     assert time.perf_counter() - began < 30
 

@@ -37,13 +37,15 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
-__all__ = ["CRASH_ENV", "REPORT_MARK", "Manifest", "exchange", "file_digest", "is_earlier_plan",
+__all__ = ["PUBLISH_STEPS", "REPORT_MARK", "Manifest", "exchange", "file_digest", "is_earlier_plan",
            "is_our_report", "locked", "make_manifest", "manifest_of", "publish",
            "read_body", "recover", "verify", "write_file"]
 
 #: Marks an HTML report written by this tool (its ``<head>`` holds it).
 REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
-CRASH_ENV = "ONNX_PARTITION_CRASH_AT"  # test hook: os._exit at this step of a publication
+#: The steps of a publication that :func:`publish` reports to its ``step_hook``: the temporary
+#: folder is complete; it was exchanged with OUT; OUT was moved aside (the two-rename fallback).
+PUBLISH_STEPS = ("written", "swapped", "moved-old")
 _BLOCK = 1 << 20
 
 Manifest = dict[str, dict[str, Any]]
@@ -185,11 +187,6 @@ def _prefix(out: Path) -> str:
     return f".{name}"
 
 
-def _crash_point(step: str) -> None:
-    if os.environ.get(CRASH_ENV) == step:
-        os._exit(3)
-
-
 @contextlib.contextmanager
 def locked(out: Path, what: str = "partition") -> Iterator[None]:
     """Hold the exclusive lock of OUT (``flock`` on ``.OUT.lock`` beside it), or fail at once
@@ -273,6 +270,7 @@ def publish(
     *,
     force: bool = False,
     protect: Sequence[str | os.PathLike[str]] = (),
+    step_hook: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write a plan folder to ``out`` as one atomic step; returns its manifest.
 
@@ -280,7 +278,8 @@ def publish(
     plan.json's body; the manifest is added to it here. ``out`` may be missing, empty or an
     earlier plan; anything else needs ``force``, and never may ``out`` hold a ``protect`` path
     (the model). Any failure leaves ``out`` as it was and no temporary behind; an ``OSError``
-    becomes a one-line PartitionError.
+    becomes a one-line PartitionError. ``step_hook(step)`` is called as each of
+    :data:`PUBLISH_STEPS` is reached (the tests crash a publication there).
     """
     out = Path(os.path.abspath(out))
     if out.is_symlink():
@@ -290,14 +289,19 @@ def publish(
         with locked(out):
             recover(out)
             _replaceable(out, force, [Path(p) for p in protect])
-            return _swap_in(out, write)
+            return _swap_in(out, write, step_hook or _no_step)
     except OSError as exc:
         where = exc.filename or out
         raise PartitionError(f"cannot write the plan folder {out}: {exc.strerror or exc} "
                              f"({where})") from None
 
 
-def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]]) -> Manifest:
+def _no_step(step: str) -> None:
+    pass
+
+
+def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]],
+             step_hook: Callable[[str], None]) -> Manifest:
     tag = uuid.uuid4().hex[:8]
     tmp = out.parent / f"{_prefix(out)}.tmp-{tag}"
     tmp.mkdir()
@@ -315,16 +319,16 @@ def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]]) -> Manifest:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _crash_point("written")
+    step_hook("written")
     if not os.path.lexists(out):
         os.rename(tmp, out)
     elif exchange(tmp, out):  # tmp now holds the earlier plan
-        _crash_point("swapped")
+        step_hook("swapped")
         shutil.rmtree(tmp)
     else:
         old = out.parent / f"{_prefix(out)}.old-{tag}"
         os.rename(out, old)
-        _crash_point("moved-old")
+        step_hook("moved-old")
         os.rename(tmp, out)
         shutil.rmtree(old)
     _sync_dir(out.parent)

@@ -39,13 +39,11 @@ import torch.distributed as dist
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import Plan, read_plan
+from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import PRELOAD, SILENT_S, launch_ranks
 from onnx_partition.runtime.dist.torchrun import check_world_size, main_worker
 from onnx_partition.runtime.dist.wire import Env
 from onnx_partition.runtime.infer.rank import (
-    DEVICE_ENV,
-    EXIT_RANK_ENV,
-    STOP_RANK_ENV,
     DistStats,
     Layout,
     RankConfig,
@@ -58,9 +56,8 @@ from onnx_partition.runtime.infer.rank import (
 from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder
 
 __all__ = [
-    "DEVICE_ENV", "EXIT_RANK_ENV", "PRELOAD", "SILENT_S", "STOP_RANK_ENV", "DistStats", "Layout",
-    "StageFailed", "choose_backend", "format_stats", "launch_ranks", "layout", "main_worker",
-    "run_distributed",
+    "PRELOAD", "SILENT_S", "DistStats", "Layout", "RankHook", "StageFailed", "choose_backend",
+    "format_stats", "launch_ranks", "layout", "main_worker", "run_distributed",
 ]
 
 
@@ -79,6 +76,7 @@ def run_distributed(
     start_method: str | None = None,
     output_names: Sequence[str] | None = None,
     device: str | None = None,
+    hook: RankHook | None = None,
 ) -> tuple[list[np.ndarray], DistStats]:
     """Run the plan with one local process per stage replica; the outputs (last iteration's,
     a list in the order of ``output_names``, default the plan's outputs, as onnxruntime's
@@ -90,7 +88,8 @@ def run_distributed(
     :class:`StageFailed` naming its stage, replica and rank. ``start_method``: ``forkserver``
     (the default where available: torch and onnxruntime are imported once, in the fork server,
     which is reused by later runs) or ``spawn`` (every worker imports them itself). Neither
-    forks a process that holds threads or a CUDA context.
+    forks a process that holds threads or a CUDA context. ``hook`` (picklable) is called in
+    every rank before each micro-batch's compute (:mod:`onnx_partition.runtime.dist.hooks`).
     """
     folder = Path(plan_dir).resolve()
     plan, lay, chosen = _check_run(folder, nproc, backend, device)
@@ -106,13 +105,12 @@ def run_distributed(
         raise PartitionError(f"need at least one iteration, got {iterations}")
     inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
     args = [(str(folder), chosen, inputs if rank == 0 else None, microbatches, iterations,
-             threads_per_stage, timeout_s) for rank in range(lay.world_size)]
+             threads_per_stage, timeout_s, device, hook) for rank in range(lay.world_size)]
     began = time.perf_counter()
     results = launch_ranks(_spawned, args, lay.name, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s,
                            start_method=start_method,
-                           preload=[*PRELOAD, "onnx_partition.runtime.distributed"],
-                           environ={DEVICE_ENV: device} if device else None)
+                           preload=[*PRELOAD, "onnx_partition.runtime.distributed"])
     if 0 not in results:
         raise StageFailed("the workers finished without sending the outputs")
     outputs, stats = results[0]
@@ -127,12 +125,17 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     if device not in (None, "cpu"):
         raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
     check_devices(plan, ["CPUExecutionProvider"] if device else None)  # before any process
-    lay = layout(plan)
-    if device == "cpu":
-        lay = replace(lay, devices=[["cpu"] * len(d) for d in lay.devices])
+    lay = _on_device(layout(plan), device)
     if nproc is not None:
         check_world_size(lay, nproc)
     return plan, lay, choose_backend(lay, backend, one_machine=True)
+
+
+def _on_device(lay: Layout, device: str | None) -> Layout:
+    """``lay`` with every replica on ``device`` ("cpu"), or as planned (None)."""
+    if device is None:
+        return lay
+    return replace(lay, devices=[[device] * len(d) for d in lay.devices])
 
 
 def _spawned(
@@ -145,10 +148,12 @@ def _spawned(
     iterations: int,
     threads: int,
     timeout_s: float,
+    device: str | None,
+    hook: RankHook | None,
 ) -> tuple[Env, DistStats] | None:
     """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
     folder = Path(plan_dir)
     plan = read_plan(folder)
-    config = RankConfig(folder, plan, layout(plan), backend, microbatches, iterations, threads,
-                        timeout_s)
+    config = RankConfig(folder, plan, _on_device(layout(plan), device), backend, microbatches,
+                        iterations, threads, timeout_s, hook)
     return serve_rank(config, rank, feeds, store)

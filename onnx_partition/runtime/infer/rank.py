@@ -18,14 +18,15 @@ packed, large ones sent zero-copy).
 **Backend.** gloo on CPU; nccl when every replica is on a distinct ``cuda:N`` (payloads are then
 copied host -> device -> host around each hop, since onnxruntime hands back host arrays).
 Process-group set-up and every operation time out after ``timeout_s``.
+
+**Hook.** ``RankConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
+before each micro-batch's compute: the tests' faults (a rank that exits or stops) use it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import os
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,15 +42,12 @@ from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph.ort import local_device, providers_for, session_options
 from onnx_partition.pipeline import microbatch
 from onnx_partition.plan import PLAN_FILE, Plan
+from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
 
-__all__ = ["DEVICE_ENV", "EXIT_RANK_ENV", "STOP_RANK_ENV", "DistStats", "Layout", "RankConfig",
-           "check_feeds", "choose_backend", "format_stats", "layout", "serve_rank"]
-
-EXIT_RANK_ENV = "ONNX_PARTITION_DIST_EXIT_RANK"  # test hook: that rank os._exit(1)s mid-run
-DEVICE_ENV = "ONNX_PARTITION_DEVICE"  # "cpu": every rank on CPU, whatever the plan says
-STOP_RANK_ENV = "ONNX_PARTITION_DIST_STOP_RANK"  # test hook: that rank SIGSTOPs itself mid-run
+__all__ = ["DistStats", "Layout", "RankConfig", "check_feeds", "choose_backend", "format_stats",
+           "layout", "serve_rank"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +198,7 @@ class RankConfig:
     iterations: int
     threads: int  # onnxruntime intra-op threads
     timeout_s: float  # process-group set-up and every operation
+    hook: RankHook | None = None  # called as hook(rank, "compute") before each micro-batch
 
 
 @dataclass
@@ -264,7 +263,7 @@ def _open(
     """The rank's stage session, the device its payloads travel through, and (rank 0) the
     micro-batches; a ``setup`` failure if any of them cannot be made."""
     k, r = config.lay.place(rank)
-    device = os.environ.get(DEVICE_ENV) or config.lay.devices[k][r]
+    device = config.lay.devices[k][r]
     try:
         session = ort.InferenceSession(str(config.plan_dir / config.plan.stages[k].file),
                                        sess_options=session_options(config.threads),
@@ -303,7 +302,8 @@ def _iterate(
         else:
             src = 0 if k == 0 else lay.rank_of(k - 1, m)
             env = wire.recv(src, m, lay.recv_names[k])
-        _test_hooks(rank)
+        if config.hook is not None:
+            config.hook(rank, "compute")
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
@@ -325,14 +325,6 @@ def _iterate(
     return results
 
 
-def _test_hooks(rank: int) -> None:
-    """The tests' faults: this rank exits (``EXIT_RANK_ENV``) or stops (``STOP_RANK_ENV``)."""
-    if os.environ.get(EXIT_RANK_ENV) == str(rank):
-        os._exit(1)
-    if os.environ.get(STOP_RANK_ENV) == str(rank):
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def _stats(config: RankConfig, count: int, rows: int, iteration_ms: list[float],
            gathered: list[Any]) -> DistStats:
     """Rank 0's figures from every rank's gathered tally."""
@@ -340,8 +332,7 @@ def _stats(config: RankConfig, count: int, rows: int, iteration_ms: list[float],
     return DistStats(
         backend=config.backend, world_size=lay.world_size, microbatches=count, rows=rows,
         iteration_ms=iteration_ms, setup_ms=max(g["setup"] for g in gathered) * 1000.0,
-        placement=[(*lay.place(q), os.environ.get(DEVICE_ENV)
-                    or lay.devices[lay.place(q)[0]][lay.place(q)[1]])
+        placement=[(*lay.place(q), lay.devices[lay.place(q)[0]][lay.place(q)[1]])
                    for q in range(lay.world_size)],
         busy_ms={g["rank"]: g["busy"] * 1000.0 for g in gathered},
         busy_each_ms={g["rank"]: g["busy_each"] for g in gathered},

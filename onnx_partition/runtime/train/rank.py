@@ -30,11 +30,13 @@ process training with gradient accumulation does. Replicas of a stage then all-r
 their gradients in their own group; a tied parameter (``StageModule.tied``) is left out of that
 and summed instead over every rank of every stage holding it (Megatron's embedding group),
 which counts each rank's contribution exactly once. Then the optimizer steps.
+
+**Hook.** ``TrainConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
+after each forward action: the tests kill a rank mid-step through it.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +48,9 @@ import torch.distributed as dist
 from onnx_partition.errors import one_line
 from onnx_partition.pipeline.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
 from onnx_partition.plan import Plan
+from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
-from onnx_partition.runtime.infer.rank import EXIT_RANK_ENV, Layout, layout
+from onnx_partition.runtime.infer.rank import Layout, layout
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.reference import make_optimizer
 
@@ -80,6 +83,7 @@ class TrainConfig:
     keep_state: bool = False  # replica 0 returns its module's state_dict at the end
     verbose: bool = False  # rank 0 prints a line per step
     threads: int = 1  # torch intra-op threads per rank (0: torch's default)
+    hook: RankHook | None = None  # called as hook(rank, "forward") after each forward
 
 
 @dataclass
@@ -139,7 +143,6 @@ class _Rank:
     count: int  # micro-batches per step
     model_inputs: set[str]
     model_outputs: list[str]
-    exit_hook: bool  # test hook: die after the first forward
 
     @property
     def last(self) -> bool:
@@ -192,8 +195,7 @@ def train_stages(
     wire = TensorWire(device, lay.name)
     dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
-               {s.name for s in plan.inputs}, [s.name for s in plan.outputs],
-               os.environ.get(EXIT_RANK_ENV) == str(rank))
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs])
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
     for step in range(config.steps):
@@ -205,8 +207,8 @@ def train_stages(
             if action.kind is Kind.F:
                 _forward(me, st, action)
                 result.peak_inflight = max(result.peak_inflight, len(st.stash))
-                if me.exit_hook:
-                    os._exit(1)  # test hook: die mid-step
+                if config.hook is not None:
+                    config.hook(rank, "forward")
             else:
                 _backward(me, st, action)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
