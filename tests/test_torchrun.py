@@ -3,6 +3,7 @@ under real ``torchrun`` (gloo, two ranks), and run's input handling and error li
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
+    """On a plan made for two GPUs, run on CPU by --device cpu (each rank's own option)."""
     model = save(CHAIN, tmp_path / "m.onnx")
     partition(model, 2, tmp_path / "plan", batch_size=2)
+    body = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    for k, stage in enumerate(body["stages"]):
+        stage["devices"] = [f"cuda:{k}"]
+    (tmp_path / "plan" / "plan.json").write_text(json.dumps(body))
     x = np.random.default_rng(3).standard_normal((6, 4)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -28,10 +34,11 @@ def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "onnx_partition.runtime.distributed", str(tmp_path / "plan"), "--iterations", "1",
          "--microbatches", "3", "--input", f"x={tmp_path / 'x.npy'}",
-         "--output-dir", str(tmp_path / "out")],
+         "--output-dir", str(tmp_path / "out"), "--device", "cpu"],
         env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2 ranks (gloo), batch 6 in 3 micro-batches" in done.stdout
+    assert "rank 1 stage 1 replica 0 (cpu)" in done.stdout
     assert_same({"y": np.load(tmp_path / "out" / "y.npy")}, run_whole(model, {"x": x}))
 
 

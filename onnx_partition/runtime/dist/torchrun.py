@@ -8,7 +8,8 @@
 ``--nproc-per-node`` times ``--nnodes`` must equal the plan's replicas in total (set
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
 ``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. Rank 0 prints the
-figures; ``--output-dir`` saves the outputs as ``.npy``. Rank 0's inputs are ``run``'s
+figures; ``--output-dir`` saves the outputs as ``.npy``; ``--device cpu`` runs every rank on
+CPU whatever the plan's devices. Rank 0's inputs are ``run``'s
 (:func:`onnx_partition.cli.verbs.run_feeds`), and errors end the rank as ``run``'s do
 (:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit code 2 for bad input, 1 for a
 failed run), so torchrun stops the others.
@@ -36,6 +37,7 @@ from onnx_partition.runtime.infer.rank import (
     choose_backend,
     format_stats,
     layout,
+    on_device,
     serve_rank,
 )
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
@@ -52,10 +54,11 @@ def main_worker(
     backend: str | None = None,
     timeout_s: float = 60.0,
     threads_per_stage: int = 1,
+    device: str | None = None,
 ) -> tuple[dict[str, np.ndarray], DistStats] | None:
     """One rank under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
     environment). Only rank 0 needs ``feeds``; it returns the outputs and figures, the others
-    None. Raises :class:`~onnx_partition.errors.StageFailed` naming this rank when it fails.
+    None. ``device="cpu"`` puts every rank on CPU (as ``run_distributed``'s). Raises :class:`~onnx_partition.errors.StageFailed` naming this rank when it fails.
     """
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -63,7 +66,9 @@ def main_worker(
         raise PartitionError("RANK and WORLD_SIZE must be set (run under torchrun)") from None
     folder = Path(plan_dir)
     plan = read_plan(folder)
-    lay = layout(plan)
+    if device not in (None, "cpu"):
+        raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
+    lay = on_device(layout(plan), device)
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
         microbatches = plan_microbatches(plan)
     check_world_size(lay, world)
@@ -103,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--device", choices=["cpu"], default=None,
+                        help="run every rank on this device, whatever the plan's")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per operation")
     parser.add_argument("--output-dir", type=Path, help="rank 0 saves the outputs here as .npy")
     return parser
@@ -119,7 +126,7 @@ def _rank(args: argparse.Namespace) -> int:
              if os.environ.get("RANK") == "0" else None)
     result = main_worker(args.plan, feeds, microbatches=shape.microbatches,
                          iterations=args.iterations, backend=args.backend,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, device=args.device)
     if result is not None:
         outputs, stats = result
         print(format_stats(stats))

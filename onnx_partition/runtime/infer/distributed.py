@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,7 @@ from onnx_partition.runtime.infer.rank import (
     choose_backend,
     format_stats,
     layout,
+    on_device,
     serve_rank,
 )
 from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder
@@ -125,17 +125,10 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     if device not in (None, "cpu"):
         raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
     check_devices(plan, ["CPUExecutionProvider"] if device else None)  # before any process
-    lay = _on_device(layout(plan), device)
+    lay = on_device(layout(plan), device)
     if nproc is not None:
         check_world_size(lay, nproc)
     return plan, lay, choose_backend(lay, backend, one_machine=True)
-
-
-def _on_device(lay: Layout, device: str | None) -> Layout:
-    """``lay`` with every replica on ``device`` ("cpu"), or as planned (None)."""
-    if device is None:
-        return lay
-    return replace(lay, devices=[[device] * len(d) for d in lay.devices])
 
 
 def _spawned(
@@ -154,6 +147,6 @@ def _spawned(
     """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
     folder = Path(plan_dir)
     plan = read_plan(folder)
-    config = RankConfig(folder, plan, _on_device(layout(plan), device), backend, microbatches,
+    config = RankConfig(folder, plan, on_device(layout(plan), device), backend, microbatches,
                         iterations, threads, timeout_s, hook)
     return serve_rank(config, rank, feeds, store)

@@ -29,7 +29,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
 
 __all__ = ["DistStats", "Layout", "RankConfig", "check_feeds", "choose_backend", "format_stats",
-           "layout", "serve_rank"]
+           "layout", "on_device", "serve_rank"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,13 @@ def layout(plan: Plan) -> Layout:
     if lost:
         raise PartitionError(f"plan.json: no stage makes the graph output {lost[0]!r}")
     return Layout(replicas, first, devices, recv, send)
+
+
+def on_device(lay: Layout, device: str | None) -> Layout:
+    """``lay`` with every replica on ``device`` (``run --device cpu``), or as planned (None)."""
+    if device is None:
+        return lay
+    return replace(lay, devices=[[device] * len(d) for d in lay.devices])
 
 
 def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = False) -> str:
