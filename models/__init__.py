@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from onnx_partition.progress import SILENT, Reporter
+
 from . import bert, encdec, gpt, inception, resnet, unet
 from ._export import export_recipe
 from ._recipe import SIZES, Builder, Recipe
@@ -57,18 +59,19 @@ def export(
     size: str = "tiny",
     batch_size: int = 2,
     opset: int | None = None,
+    reporter: Reporter = SILENT,
 ) -> Path:
     """Export recipe ``name`` at ``size`` to the ONNX file ``path`` and return its path.
 
     The batch dimension is symbolic, so ``batch_size`` only sets the example used for
-    tracing (at least 2: tracing with 1 would bake the batch size into the graph).
+    tracing (at least 2: tracing with 1 would bake the batch size into the graph). The two
+    steps (build; trace and convert) are reported to ``reporter``.
     """
-    from onnx_partition import progress
-
     _check(name, size, batch_size)
-    progress.step(f"export {name}: build, trace and convert", 0, 2)
+    label = f"export {name}: build, trace and convert"
+    reporter.step(label, 0, 2)
     recipe = build(name, size, batch_size=max(batch_size, 2))
-    progress.step(f"export {name}: build, trace and convert", 1, 2)
+    reporter.step(label, 1, 2)
     written = export_recipe(recipe, path, opset=opset)
-    progress.step(f"export {name}: build, trace and convert", 2, 2)
+    reporter.step(label, 2, 2)
     return written

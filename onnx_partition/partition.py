@@ -32,6 +32,7 @@ from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.plan import Plan, Predicted, Stage
+from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
 from onnx_partition.solve.ilp import solve_ilp
@@ -110,6 +111,7 @@ def partition(
     force: bool = False,
     check: bool = True,
     strict_costs: bool = False,
+    reporter: Reporter = SILENT,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -120,7 +122,8 @@ def partition(
     Without ``costs`` the analytic model prices the nodes on ``device``, by default the
     cluster's (:func:`~onnx_partition.cost.devices.device_for`: its GPU, or the measured CPU).
     A costs file measured on another device kind than the cluster's is noted in plan.json's
-    ``device_model.warning`` (an error with ``strict_costs``).
+    ``device_model.warning`` (an error with ``strict_costs``). The long steps (planning,
+    writing stage files) report to ``reporter`` (the command line's bars; default: nothing).
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
@@ -138,13 +141,13 @@ def partition(
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
-                                 mode=mode)
+                                 mode=mode, reporter=reporter)
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
-                                     mode=mode, microbatches=microbatches)
+                                     mode=mode, microbatches=microbatches, reporter=reporter)
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
@@ -152,7 +155,7 @@ def partition(
     plan.device_model = priced
     plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
-    return emit(graph, cuts, plan, Path(out), force=force, check=check)
+    return emit(graph, cuts, plan, Path(out), force=force, check=check, reporter=reporter)
 
 
 def _load_for_costs(
@@ -231,6 +234,7 @@ def plan_stages(
     solver: str = "dp",
     time_limit_s: float = 60.0,
     mode: str = "infer",
+    reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
     from there, and describe the stages (``mode`` is recorded: a plain pipeline is balanced on
@@ -247,7 +251,7 @@ def plan_stages(
         local_stage = _baseline(solver, problem, params, num_stages)
         ordering = "topo"
     else:
-        best, candidates = best_split(problem, num_stages, ordering)
+        best, candidates = best_split(problem, num_stages, ordering, reporter=reporter)
         local_stage, ordering = best.stage_of, best.ordering
         extra["candidates"] = {
             c.ordering: {"dp_ms": round(c.dp_ms, 6), "refined_ms": round(c.refined_ms, 6),
@@ -289,6 +293,7 @@ def plan_on_cluster(
     num_stages: int | None = None,
     mode: str = "infer",
     microbatches: int = 8,
+    reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
     link = cluster.intra
@@ -305,7 +310,8 @@ def plan_on_cluster(
     )
     run = RunSpec(cluster, train=mode == "train", microbatches=microbatches,
                   max_stages=max(16, num_stages or 0))
-    best, per_ordering = plan_cluster(problem, arrays, run, num_stages=num_stages)
+    best, per_ordering = plan_cluster(problem, arrays, run, num_stages=num_stages,
+                                      reporter=reporter)
     k_stages = best.num_stages
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     sends = list(best.costs.send_ms)

@@ -2,6 +2,9 @@
 
 A bar shows done/total, rate and ETA. Off a terminal (a pipe, a log file, CI) nothing is drawn,
 so captured output stays clean.
+
+Library code reports a long loop to a :class:`Reporter` it is handed (``reporter=``, default
+:data:`SILENT`); there is no global state. The command line hands it :class:`Bars`.
 """
 
 from __future__ import annotations
@@ -11,16 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["install", "iterate", "progress_callback", "shown", "step", "timed"]
+__all__ = ["SILENT", "Bars", "Reporter", "Silent", "iterate", "progress_callback", "shown",
+           "timed"]
 
 T = TypeVar("T")
-# Library code reports long loops with :func:`step`; the command line installs the bars.
-_bars: dict[str, tuple[Callable[[int, int], None], int]] | None = None  # label: (bar, last)
-_enabled = False
 
 
 def shown(enabled: bool = True) -> bool:
@@ -90,20 +91,35 @@ def timed(label: str, seconds: float, *, enabled: bool = True) -> Iterator[None]
         bar.close()
 
 
-def install(enabled: bool) -> None:
-    """Draw a bar for every :func:`step` label from now on (the CLI calls this; a library
-    user who never does sees nothing)."""
-    global _bars, _enabled
-    _bars, _enabled = {}, enabled
+class Reporter(Protocol):
+    """Where library code reports its long loops (export, writing stage files, planning)."""
+
+    def step(self, label: str, done: int, total: int) -> None:
+        """``done`` of ``total`` for the loop named ``label``."""
 
 
-def step(label: str, done: int, total: int) -> None:
-    """Report ``done`` of ``total`` for a long loop (export, writing stage files, planning); a
-    no-op unless :func:`install` was called. A label's bar starts over when ``done`` goes back."""
-    if _bars is None:
-        return
-    bar, last = _bars.get(label, (None, -1))
-    if bar is None or done <= last:
-        bar = progress_callback(label, enabled=_enabled)
-    _bars[label] = (bar, done)
-    bar(done, total)
+class Silent:
+    """A reporter that shows nothing (the default of every library call)."""
+
+    def step(self, label: str, done: int, total: int) -> None:
+        pass
+
+
+#: The default reporter: nothing shown.
+SILENT = Silent()
+
+
+class Bars:
+    """A reporter drawing a bar per label (:func:`progress_callback`: on a terminal, when
+    ``enabled``); a label's bar starts over when ``done`` goes back."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._bars: dict[str, tuple[Callable[[int, int], None], int]] = {}  # label: (bar, last)
+
+    def step(self, label: str, done: int, total: int) -> None:
+        bar, last = self._bars.get(label, (None, -1))
+        if bar is None or done <= last:
+            bar = progress_callback(label, enabled=self.enabled)
+        self._bars[label] = (bar, done)
+        bar(done, total)

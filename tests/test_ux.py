@@ -22,10 +22,11 @@ from onnx_partition.cli.verbs import _parser, main, timing_line
 from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
-from onnx_partition.progress import iterate, progress_callback
+from onnx_partition.progress import Bars, iterate, progress_callback
 from onnx_partition.report.page import plan_table
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.distributed import run_distributed
+from onnx_partition.solve.search import ORDERINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,20 +272,39 @@ def test_gpu_extra_replaces_onnxruntime():
     assert '".[cpu,test]"' in (ROOT / "tools" / "setup.sh").read_text()
 
 
-def test_long_library_loops_report_to_the_cli_bars(monkeypatch, tmp_path, chain):
-    from onnx_partition import progress
-
-    monkeypatch.setattr(progress, "_bars", None)  # restored after the test
+def test_long_library_loops_report_to_the_reporter_given(monkeypatch, tmp_path, chain):
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     partition(chain, 2, tmp_path / "a", batch_size=2)
-    assert terminal.getvalue() == ""  # a library user who installed nothing sees nothing
-    progress.install(True)
-    partition(chain, 2, tmp_path / "b", batch_size=2, cluster=Cluster(devices_per_machine=2))
+    assert terminal.getvalue() == ""  # a library user who passes no reporter sees nothing
+    partition(chain, 2, tmp_path / "b", batch_size=2, cluster=Cluster(devices_per_machine=2),
+              reporter=Bars())
     text = terminal.getvalue()
     assert "writing stage files:" in text and "planning: simulating proposals:" in text
-    partition(chain, 2, tmp_path / "c", batch_size=2)  # the plain pipeline's search too
+    seen: list[tuple[str, int, int]] = []
+
+    class Recorder:
+        def step(self, label: str, done: int, total: int) -> None:
+            seen.append((label, done, total))
+
+    partition(chain, 2, tmp_path / "c", batch_size=2, reporter=Recorder())  # the plain search
+    assert [s for s in seen if s[0] == "planning: orderings"][-1] == (
+        "planning: orderings", len(ORDERINGS), len(ORDERINGS))
+    assert [s for s in seen if s[0] == "writing stage files"] == [
+        ("writing stage files", 1, 2), ("writing stage files", 2, 2)]
+
+
+def test_the_command_line_draws_bars_unless_quiet(monkeypatch, tmp_path, chain):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    argv = ["partition", str(chain), "-s", "2", "--batch-size", "2", "-o"]
+    assert main([*argv, str(tmp_path / "a")]) == 0
     assert "planning: orderings:" in terminal.getvalue()
+    assert "writing stage files:" in terminal.getvalue()
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main(["-q", *argv, str(tmp_path / "b")]) == 0
+    assert quiet.getvalue() == ""
 
 
 def test_missing_onnxruntime_says_which_extra(capsys, monkeypatch):

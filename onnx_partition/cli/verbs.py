@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from onnx_partition.cli.args import build_parser, chunks_of, cluster_of, input_s
 from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
+
+if TYPE_CHECKING:
+    from onnx_partition.progress import Reporter
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
            "timing_line"]
@@ -43,9 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     _configure_logging(args.verbose - args.quiet)
-    from onnx_partition import progress
-
-    progress.install(log.isEnabledFor(logging.INFO))
     log.debug("onnx-partition %s, python %s, arguments %s", __version__,
               sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
     began = time.perf_counter()
@@ -137,7 +137,8 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         started = time.perf_counter()
-        path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size)
+        path = models.export(args.name, args.output, size=args.size, batch_size=args.batch_size,
+                             reporter=_bars())
     except ValueError as exc:
         raise PartitionError(str(exc)) from None
     _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.name}, "
@@ -161,6 +162,14 @@ def _profile(args: argparse.Namespace) -> int:
           f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
           f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _bars() -> Reporter:
+    """The reporter of a verb's long steps: bars on stderr, only when stderr is a terminal and
+    -q is not given."""
+    from onnx_partition.progress import Bars
+
+    return Bars(enabled=log.isEnabledFor(logging.INFO))
 
 
 def _progress_bar(label: str) -> Callable[[int, int], None]:
@@ -199,6 +208,7 @@ def _partition(args: argparse.Namespace) -> int:
         solver=args.solver,
         time_limit_s=args.time_limit,
         force=args.force,
+        reporter=_bars(),
     )
     stop_bar()
     costs_check = plan.costs.get("check", {})

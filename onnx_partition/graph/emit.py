@@ -19,12 +19,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_partition import __version__, progress
+from onnx_partition import __version__
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import external_files, iter_tensors
 from onnx_partition.plan import IOSpec, Plan
 from onnx_partition.plan.folder import file_digest, publish, read_body
+from onnx_partition.progress import SILENT, Reporter
 
 __all__ = ["EXTERNAL_THRESHOLD", "StageCut", "cut_stages", "emit", "io_specs", "save_stage",
            "stage_model", "write_plan_folder"]
@@ -291,8 +292,10 @@ def emit(
     *,
     force: bool = False,
     check: bool = True,
+    reporter: Reporter = SILENT,
 ) -> Plan:
-    """Write every stage file and plan.json into ``out`` atomically; return the final plan."""
+    """Write every stage file and plan.json into ``out`` atomically; return the final plan.
+    Each stage file written is reported to ``reporter``."""
     source_dir = graph.path.parent.resolve() if graph.path else None
 
     def write(folder: Path) -> dict[str, Any]:
@@ -301,7 +304,7 @@ def emit(
             stage.sha256 = save_stage(
                 stage_model(graph, cut, k), folder / stage.file, source_dir, check=check
             )
-            progress.step("writing stage files", k + 1, len(cuts))
+            reporter.step("writing stage files", k + 1, len(cuts))
         return plan.to_json()
 
     protect: list[Path] = []

@@ -20,10 +20,10 @@ from functools import partial
 
 import numpy as np
 
-from onnx_partition import progress
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import ring_allreduce_ms
+from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve import baselines
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
@@ -293,6 +293,7 @@ class _Tournament:
     bounds: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = field(
         default_factory=dict)
     by_machines: dict[int, HybridPlan] = field(default_factory=dict)
+    reporter: Reporter = SILENT  # each proposal weighed
 
     def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
         """Simulate a batch's new plans best bound first, skipping what cannot beat
@@ -313,7 +314,7 @@ class _Tournament:
                 pool.append((bound, proposal, costs, memory))
         pool.sort(key=lambda e: e[0])
         for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
-            progress.step("planning: simulating proposals", played_n, len(pool))
+            self.reporter.step("planning: simulating proposals", played_n, len(pool))
             family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
                       else "grid")
             if self.best is not None and bound >= self.best.sim.iteration_ms:
@@ -353,7 +354,7 @@ class _Tournament:
 
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
-    orderings: Sequence[str] = HYBRID_ORDERINGS,
+    orderings: Sequence[str] = HYBRID_ORDERINGS, reporter: Reporter = SILENT,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan over every ordering's DP proposals and the balanced grids,
     and per family either its best simulated ``iteration_ms`` or, when none of its proposals
@@ -361,10 +362,11 @@ def plan_cluster(
 
     Proposals are played in the simulator in the order of :func:`lower_bound_ms`, skipping
     any that cannot beat the best so far: the answer is that of simulating them all.
-    ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it.
+    ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it. Each proposal
+    weighed is reported to ``reporter``.
     """
     started = time.perf_counter()
-    tournament = _Tournament(problem, arrays, run)
+    tournament = _Tournament(problem, arrays, run, reporter=reporter)
     played = tournament.play(proposals_for(problem, arrays, run, num_stages, orderings))
     tournament.play_polished_grids(played)
     best = tournament.best

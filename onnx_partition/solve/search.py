@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from onnx_partition import progress
 from onnx_partition.errors import PartitionError
+from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.order.blocks import cluster_blocks
 from onnx_partition.solve.order.topo import assign, cut_bytes, depth_first_order, min_live_order
@@ -117,12 +117,14 @@ def best_split(
     ordering: str = "auto",
     *,
     polish: bool = True,
+    reporter: Reporter = SILENT,
 ) -> tuple[Candidate, list[Candidate]]:
-    """The best candidate over ``ordering`` (``auto`` = all of :data:`ORDERINGS`), and all."""
+    """The best candidate over ``ordering`` (``auto`` = all of :data:`ORDERINGS`), and all;
+    each ordering done is reported to ``reporter``."""
     names: Sequence[str] = ORDERINGS if ordering == "auto" else (ordering,)
     candidates = []
     for done, name in enumerate(names, 1):
         candidates.append(solve_ordering(problem, num_stages, name, polish=polish))
-        progress.step("planning: orderings", done, len(names))
+        reporter.step("planning: orderings", done, len(names))
     best = min(candidates, key=lambda c: c.refined_ms)  # first minimum: topo wins ties
     return best, candidates
