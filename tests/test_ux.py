@@ -301,6 +301,8 @@ def test_the_command_line_draws_bars_unless_quiet(monkeypatch, tmp_path, chain):
     assert main([*argv, str(tmp_path / "a")]) == 0
     assert "planning: orderings:" in terminal.getvalue()
     assert "writing stage files:" in terminal.getvalue()
+    assert main(["export", "resnet", "-o", str(tmp_path / "r.onnx")]) == 0
+    assert "export resnet: build, trace and convert:" in terminal.getvalue()
     quiet = _Terminal()
     monkeypatch.setattr(sys, "stderr", quiet)
     assert main(["-q", *argv, str(tmp_path / "b")]) == 0
