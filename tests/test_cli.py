@@ -11,7 +11,7 @@ import onnx
 import onnx.parser
 import pytest
 from onnx import helper, numpy_helper
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 

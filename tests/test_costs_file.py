@@ -9,8 +9,7 @@ import json
 
 import onnxruntime as ort
 import pytest
-from test_distributed import SKIP
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, SKIP, save
 
 from onnx_partition.cli import main
 from onnx_partition.cost.costs_file import batch_size_of, fingerprint

@@ -123,7 +123,7 @@ def test_partition_names_the_device_model_and_checks_costs_kind(capsys, tmp_path
     """``--device-kind cuda`` prices with the default GPU and says so (summary, plan.json);
     ``--gpu`` picks another; a CPU costs file on a cuda cluster warns, or fails with
     ``--strict-costs``."""
-    from test_graph import CHAIN, save
+    from support.graphs import CHAIN, save
 
     from onnx_partition.cli import main
 
@@ -155,7 +155,7 @@ def test_partition_names_the_device_model_and_checks_costs_kind(capsys, tmp_path
 
 
 def test_cluster_file_names_the_gpu(tmp_path):
-    from test_graph import CHAIN, save
+    from support.graphs import CHAIN, save
 
     from onnx_partition.cost.cluster import load_cluster
     from onnx_partition.partition import partition

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_same, run_whole
 from support.faults import ExitAt
-from test_graph import CHAIN, save
-from test_runtime import gather_model
+from support.graphs import CHAIN, SKIP, gather_model, save
+from support.outputs import assert_same, run_whole
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
@@ -25,22 +24,6 @@ from onnx_partition.runtime.infer.distributed import (
     layout,
     run_distributed,
 )
-
-# a skips stage 1; z is a graph input read only by the last stage
-SKIP = """
-<ir_version: 8, opset_import: ["" : 17]>
-g (float[N, 4] x, float[N, 4] z) => (float[N, 4] y)
-  <float[4,4] w = {1.0,2,0,0, 0,1,0,0, 0,0,1,0, 0,0,3,1}>
-{
-  a = MatMul(x, w)
-  b = Relu(a)
-  c = MatMul(b, w)
-  d = Tanh(c)
-  e = Add(d, a)
-  f = MatMul(e, w)
-  y = Mul(f, z)
-}
-"""
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:
@@ -185,7 +168,6 @@ def test_bad_requests_fail_before_any_process_starts(tmp_path):
     (out / "stage_1.onnx").unlink()
     with pytest.raises(PartitionError, match="missing"):
         run_distributed(out, {"x": rows(2)})
-
 
 
 def test_nccl_needs_distinct_local_devices():

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import run_whole, session
 from onnx import TensorProto, helper, numpy_helper
-from test_graph import CHAIN, feeds_for, save
+from support.graphs import CHAIN, feeds_for, save
+from support.outputs import run_whole, session
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load

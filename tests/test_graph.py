@@ -8,38 +8,15 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
-from conftest import assert_same, run_chained, run_whole
 from onnx import helper, numpy_helper
+from support.graphs import CHAIN, feeds_for, save
+from support.outputs import assert_same, run_chained, run_whole
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load, node_keys
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
-
-CHAIN = """
-<ir_version: 8, opset_import: ["" : 17]>
-g (float[N, 4] x) => (float[N, 4] y) <float[4,4] w = {1.0,2,0,0, 0,1,0,0, 0,0,1,0, 0,0,3,1}>
-{
-  c = Constant<value = float[1] {2.0}>()
-  a = MatMul(x, w)
-  b = Relu(a)
-  d = Mul(b, c)
-  e = Add(d, x)
-  f = MatMul(e, w)
-  y = Add(f, a)
-}
-"""
-
-
-def save(text: str, path):
-    model = onnx.parser.parse_model(text)
-    onnx.save(model, str(path))
-    return path
-
-
-def feeds_for(n: int = 3, width: int = 4, seed: int = 0):
-    return {"x": np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)}
 
 
 def check_exact(model_path, out, feeds):

@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_same, run_whole
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
+from support.outputs import assert_same, run_whole
 
 from onnx_partition.cost.cluster import Cluster, Link, parse_bytes
 from onnx_partition.errors import PartitionError

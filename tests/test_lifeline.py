@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.faults import StopAt
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.dist.lifeline import _alive
 from onnx_partition.runtime.infer.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +41,15 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 stack.append(child)
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, or a process gone, does not): its state in /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b")")[2].split()[0] not in (b"Z", b"X")
 
 
 def launch(plan: Path) -> subprocess.Popen[bytes]:
@@ -70,10 +78,10 @@ def test_killing_the_launcher_ends_every_rank_within_10_s(tmp_path):
         for sig, proc in procs.items():
             os.kill(proc.pid, sig)
         killed = time.monotonic()
-        while (any(_alive(p) for family in families.values() for p in family)
+        while (any(alive(p) for family in families.values() for p in family)
                and time.monotonic() - killed < 10):
             time.sleep(0.1)
-        left = {sig: [p for p in family if _alive(p)] for sig, family in families.items()}
+        left = {sig: [p for p in family if alive(p)] for sig, family in families.items()}
     finally:
         for proc in procs.values():
             proc.kill()

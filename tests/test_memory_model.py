@@ -9,7 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_baselines import Case, dags
+from support.problems import Case, dags
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
@@ -122,7 +122,7 @@ def test_planner_fits_means_simulator_fits(case: Case, machines: int, per_machin
 def test_partition_table_and_simulate_state_the_same_memory(tmp_path, mode):
     """plan.json's ``predicted.memory_bytes`` (partition's table, report) is what ``simulate``
     replays from the plan for every stage, on a plan with unequal replicas."""
-    from test_graph import CHAIN, save
+    from support.graphs import CHAIN, save
 
     from onnx_partition.partition import partition
     from onnx_partition.pipeline.from_plan import simulate_plan

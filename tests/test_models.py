@@ -56,12 +56,21 @@ def test_tiny_export_matches_torch(name: str, tmp_path: Path) -> None:
     _check_runs_like_torch(path, name)
 
 
-def test_external_data_lands_next_to_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_external_data_lands_next_to_path(tmp_path: Path) -> None:
+    """Weights forced out (``external_data=True``, as above 100 MB) go to ``<path>.data``;
+    a later inline export over the same path removes that stale file."""
+    from onnx_partition import export
+
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     recipe = models.Recipe(module.eval(), {"x": torch.randn(2, 8)}, ["y"])
-    monkeypatch.setattr(models._export, "EXTERNAL_DATA_BYTES", 0)
-    path = models._export.export_recipe(recipe, tmp_path / "net.onnx")
+
+    def export_it(external: bool) -> Path:
+        return export(recipe.module, tuple(recipe.inputs.values()), tmp_path / "net.onnx",
+                      input_names=list(recipe.inputs), output_names=recipe.output_names,
+                      external_data=external)
+
+    path = export_it(True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.onnx", "net.onnx.data", "net.pt2"]
     model = onnx.load(str(path), load_external_data=False)
     locations = {
@@ -77,8 +86,7 @@ def test_external_data_lands_next_to_path(tmp_path: Path, monkeypatch: pytest.Mo
     (got,) = session.run(["y"], {"x": x.numpy()})
     np.testing.assert_allclose(got, _torch_outputs(module, {"x": x})[0], rtol=1e-4, atol=1e-5)
 
-    monkeypatch.setattr(models._export, "EXTERNAL_DATA_BYTES", 2**40)
-    models._export.export_recipe(recipe, path)  # inline over it: the stale data file goes
+    export_it(False)  # inline over it: the stale data file goes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.onnx", "net.pt2"]
 
 

@@ -10,23 +10,15 @@ import stat
 from pathlib import Path
 
 import pytest
+from support.cli import one_error
 from support.faults import CrashAt
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import folder as plandir
 from onnx_partition.plan import read_plan
 from onnx_partition.plan.folder import PUBLISH_STEPS, is_earlier_plan, publish, verify
-
-
-def one_error(capsys, argv, pattern: str) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    assert pattern in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

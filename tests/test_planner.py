@@ -9,7 +9,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_baselines import Case, chain, dags, run_on
+from support.problems import Case, chain, dags, run_on
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError

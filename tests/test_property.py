@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from conftest import assert_same, run_chained, run_whole
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper
+from support.outputs import assert_same, run_chained, run_whole
 
 from onnx_partition.graph import load
 from onnx_partition.partition import Link, partition

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import assert_same, run_chained, run_whole
+from support.outputs import assert_same, run_chained, run_whole
 
 from onnx_partition.graph import load
 from onnx_partition.partition import partition

@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 from typing import ClassVar
 
 import pytest
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster

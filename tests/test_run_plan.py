@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_distributed import SKIP
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, SKIP, save
 
 from onnx_partition.cli import main
 from onnx_partition.pipeline.predict import RunShape, idle_replicas_note, plan_batch_size

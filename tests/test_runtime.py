@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx
 import pytest
-from conftest import assert_same, run_whole
 from hypothesis import given
 from hypothesis import strategies as st
-from onnx import helper, numpy_helper
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, gather_model, save
+from support.outputs import assert_same, run_whole
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
@@ -53,20 +51,6 @@ def test_replicas_take_microbatches_in_turn(tmp_path):
         busy = session.last_stats.busy_ms
         assert set(busy) == {(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)}
         assert all(ms > 0 for ms in busy.values())
-
-
-def gather_model(path):
-    table = numpy_helper.from_array(np.arange(20, dtype=np.float32).reshape(5, 4), "table")
-    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
-             helper.make_node("Gather", ["table", "ids"], ["g"], name="gather"),
-             helper.make_node("Add", ["a", "g"], ["y"], name="add")]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4]),
-                     helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N"])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4])],
-        initializer=[table])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
 
 
 def test_a_failing_stage_fails_the_run_naming_it(tmp_path):

@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 import pytest
-from test_graph import CHAIN, save
-from test_plandir import one_error
+from support.cli import one_error
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from conftest import assert_same, run_whole
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
+from support.outputs import assert_same, run_whole
 
 from onnx_partition.partition import partition
 from onnx_partition.runtime.dist.torchrun import torchrun_main

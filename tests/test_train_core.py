@@ -285,7 +285,7 @@ def test_save_trained_round_trip_through_run_check(plan3: Path, tmp_path: Path,
 
 def test_hybrid_train_plan_gives_stage_modules(net: tuple[Net, Path], tmp_path: Path) -> None:
     """The hybrid planner's train plans (replicas per stage) cut along FX units too."""
-    from test_train_stages import assert_stages_equal_whole
+    from support.training import assert_stages_equal_whole
 
     from onnx_partition.cost.cluster import Cluster
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_train_recipes import train_checked
-from test_train_stages import assert_stages_equal_whole
+from support.training import assert_stages_equal_whole, train_checked
 
 from onnx_partition import export
 from onnx_partition.partition import partition

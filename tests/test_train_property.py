@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_train_stages import assert_stages_equal_whole
+from support.training import assert_stages_equal_whole
 from torch import nn
 
 from onnx_partition import export

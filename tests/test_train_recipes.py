@@ -7,17 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.training import train_checked
 
 from onnx_partition import models
-from onnx_partition.partition import partition
-from onnx_partition.runtime.train.trainer import train_plan
-
-
-def train_checked(model: Path, plan: Path, stages: int, **options: str) -> None:
-    """Partition ``model`` in train mode and train it 2 steps with ``--check``."""
-    partition(model, stages, plan, batch_size=2, mode="train", **options)
-    stats = train_plan(plan, steps=2, microbatches=2, batch_size=2, check=True)
-    assert stats.mismatches == [], stats.mismatches
 
 
 @pytest.mark.parametrize("name", models.RECIPES)

@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -15,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from test_graph import CHAIN, save
+from support.cli import parser_that_never_runs_a_verb, verb_parsers
+from support.graphs import CHAIN, save
 
 from onnx_partition import __version__
-from onnx_partition.cli.verbs import _parser, main, timing_line
+from onnx_partition.cli.verbs import main, timing_line
 from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
@@ -55,12 +57,8 @@ def cuda_plan(plan_dir: Path) -> Path:
 
 
 def _all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    parser = _parser()
-    found = [("onnx-partition", parser)]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found += sorted(action.choices.items())
-    return found
+    parser = parser_that_never_runs_a_verb()
+    return [("onnx-partition", parser), *sorted(verb_parsers(parser).items())]
 
 
 def test_every_option_and_positional_has_help():
@@ -90,8 +88,8 @@ def test_version(capsys):
 
 
 def test_torchrun_aliases():
-    args = _parser().parse_args(["partition", "m.onnx", "-o", "p", "--nnodes", "2",
-                                 "--nproc-per-node", "8"])
+    args = parser_that_never_runs_a_verb().parse_args(
+        ["partition", "m.onnx", "-o", "p", "--nnodes", "2", "--nproc-per-node", "8"])
     assert (args.machines, args.devices) == (2, 8)
     actions = {a.dest: a for a in dict(_all_parsers())["partition"]._actions}
     assert "per machine" in actions["devices"].help
@@ -309,13 +307,18 @@ def test_the_command_line_draws_bars_unless_quiet(monkeypatch, tmp_path, chain):
     assert quiet.getvalue() == ""
 
 
-def test_missing_onnxruntime_says_which_extra(capsys, monkeypatch):
-    import onnx_partition.cli.verbs as cli
-
-    def without_onnxruntime(args):
-        raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
-
-    monkeypatch.setattr(cli, "_simulate", without_onnxruntime)
-    assert main(["simulate", "plan"]) == 2
-    err = capsys.readouterr().err
+@pytest.mark.xfail(strict=True, reason="building the parser imports the training runtime, which "
+                   "imports onnxruntime (runtime/infer/rank.py); issue 19 moves Layout to "
+                   "pipeline/layout.py and makes the CLI's imports lazy: drop this mark then")
+def test_missing_onnxruntime_says_which_extra(plan_dir):
+    """A Python without onnxruntime (an import of it fails, as when neither extra is
+    installed): run says which extra to install, in one line."""
+    script = ("import sys; sys.modules['onnxruntime'] = None\n"
+              "from onnx_partition.cli import main\n"
+              f"sys.exit(main(['run', {str(plan_dir)!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr
+    err = done.stderr
     assert err.startswith("error: onnxruntime is not installed") and "[gpu]" in err
+    assert err.count("\n") == 1

@@ -3,29 +3,24 @@ and never taken for something else (a NaN bandwidth for a free link)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_graph import CHAIN, save
-from test_plandir import one_error
+from support.cli import one_error, parser_that_never_runs_a_verb, verb_parsers
+from support.graphs import CHAIN, save
 
 from onnx_partition import values
-from onnx_partition.cli import verbs as cli
-from onnx_partition.cli.verbs import _parser, main
+from onnx_partition.cli.verbs import guarded, main
 from onnx_partition.errors import PartitionError
 from onnx_partition.values import OptionType, Rule
 
 
 def numeric_options() -> list[tuple[str, str, Rule]]:
     """(verb, flag, rule) of every numeric option of every verb."""
-    parser = _parser()
-    values.install(parser)
     found = []
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for verb, verb_parser in sub.choices.items():
+    for verb, verb_parser in verb_parsers(parser_that_never_runs_a_verb()).items():
         for action in verb_parser._actions:
             if isinstance(action.type, OptionType):
                 found.append((verb, action.type.flag, action.type.rule))
@@ -33,16 +28,6 @@ def numeric_options() -> list[tuple[str, str, Rule]]:
 
 
 OPTIONS = numeric_options()
-
-
-def parser_that_never_runs_a_verb() -> argparse.ArgumentParser:
-    """The CLI's parser with every verb replaced by a failure: a value that got through would
-    otherwise run the verb (the demo takes minutes)."""
-    parser = _parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for verb_parser in sub.choices.values():
-        verb_parser.set_defaults(func=lambda args: pytest.fail(f"a bad value got through: {args}"))
-    return parser
 
 
 def test_every_numeric_option_is_covered():
@@ -74,11 +59,11 @@ def bad_value(draw: st.DrawFn, rule: Rule) -> str:
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_bad_numbers_anywhere_on_the_command_line(capsys, monkeypatch, data):
-    monkeypatch.setattr(cli, "_parser", parser_that_never_runs_a_verb)
+def test_bad_numbers_anywhere_on_the_command_line(capsys, data):
     verb, flag, rule = data.draw(st.sampled_from(OPTIONS))
     text = data.draw(bad_value(rule))
-    code = main([verb, f"{flag}={text}"])
+    parser = parser_that_never_runs_a_verb()  # main's parser and checks, with no verb to run
+    code = guarded(lambda: parser.parse_args([verb, f"{flag}={text}"]).func(None))
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err

@@ -1,0 +1,71 @@
+"""Checks of the training path shared by the recipe and Hugging Face tests: stage modules
+against the whole module, and a plan trained with ``--check``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from onnx_partition.partition import partition
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.modules import StageModule, stage_modules, whole_module
+from onnx_partition.runtime.train.task import task_for
+from onnx_partition.runtime.train.trainer import train_plan
+
+__all__ = ["assert_stages_equal_whole", "chain_stages", "train_checked"]
+
+
+def chain_stages(stages: list[StageModule],
+                 feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the stages one after another, each reading its inputs by name from all before it."""
+    env = dict(feeds)
+    for stage in stages:
+        outputs = stage.module(*[env[name] for name in stage.inputs])
+        assert isinstance(outputs, tuple) and len(outputs) == len(stage.outputs)
+        env.update(zip(stage.outputs, outputs, strict=True))
+    return env
+
+
+def assert_stages_equal_whole(plan_dir: Path, rows: int = 3, seed: int = 0) -> None:
+    """Chained stages == whole module: outputs, loss, and every parameter's gradient (the sum
+    over the stages holding a copy of a tied parameter)."""
+    plan = read_plan(plan_dir)
+    task = task_for(plan_dir)
+    inputs, targets = task.make_batch(rows, torch.Generator().manual_seed(seed))
+    whole = whole_module(plan_dir, deterministic=True)
+    stages = stage_modules(plan_dir, deterministic=True)
+    assert [s.inputs for s in stages] == [tuple(s.inputs) for s in plan.stages]
+    assert [s.outputs for s in stages] == [tuple(s.outputs) for s in plan.stages]
+
+    want = dict(zip([o.name for o in plan.outputs],
+                    whole(*[inputs[s.name] for s in plan.inputs]), strict=True))
+    env = chain_stages(stages, inputs)
+    for name, value in want.items():
+        torch.testing.assert_close(env[name], value, rtol=1e-5, atol=1e-6)
+    task.loss_fn(want, targets).backward()
+    task.loss_fn({n: env[n] for n in want}, targets).backward()
+
+    expected = {n: p.grad for n, p in whole.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    holders: dict[str, list[int]] = {}
+    for stage in stages:
+        for name, param in stage.module.named_parameters():
+            assert name in expected, name
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            got[name] = got[name] + grad if name in got else grad
+            holders.setdefault(name, []).append(stage.index)
+        assert all(stage.index in ks for ks in stage.tied.values())
+    for name, want_grad in expected.items():
+        if want_grad is None:
+            continue
+        torch.testing.assert_close(got[name], want_grad, rtol=1e-4, atol=1e-6)
+    tied = {n: tuple(ks) for n, ks in holders.items() if len(ks) > 1}
+    assert {n: ks for s in stages for n, ks in s.tied.items()} == tied
+
+
+def train_checked(model: Path, plan: Path, stages: int, **options: str) -> None:
+    """Partition ``model`` in train mode and train it 2 steps with ``--check``."""
+    partition(model, stages, plan, batch_size=2, mode="train", **options)
+    stats = train_plan(plan, steps=2, microbatches=2, batch_size=2, check=True)
+    assert stats.mismatches == [], stats.mismatches
