@@ -18,6 +18,7 @@ from onnx import helper
 
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.fileio import atomic_write
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import Shape, itemsize, shape_of
 
@@ -103,11 +104,9 @@ def costs_device(path: str | os.PathLike[str]) -> str | None:
 
 
 def write_costs(path: Path, costs: Mapping[str, Mapping[str, float]], **meta: Any) -> None:
-    """Write costs.json atomically (temporary name, then rename)."""
+    """Write costs.json whole or not at all (:func:`onnx_partition.fileio.atomic_write`)."""
     body = {"format": COSTS_FORMAT, "unit": "ms", **meta, "nodes": dict(costs)}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(body, indent=1) + "\n")
 
 
 def annotate(

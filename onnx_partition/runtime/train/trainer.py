@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.fileio import atomic_write
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
@@ -188,9 +189,7 @@ def write_record(path: Path, stats: TrainStats, rows: int, device: str) -> None:
             "schedule": stats.schedule, "measured_iteration_ms": stats.measured_ms,
             "simulator_costs": {"forward_ms": stats.forward_ms,
                                 "backward_ms": stats.backward_ms}}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(body, indent=1) + "\n")
 
 
 def train_plan(
