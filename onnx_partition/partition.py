@@ -6,7 +6,6 @@ Each step lives in its own module; this one wires them together and turns the so
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -27,6 +26,7 @@ from onnx_partition.cost.costs_file import (
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
@@ -356,7 +356,7 @@ def _record_program(plan: Plan, model: Path, out: Path) -> None:
     program = model.with_suffix(".pt2")
     if program.is_file():
         plan.program = os.path.relpath(program.resolve(), out.resolve())
-        plan.program_sha256 = hashlib.sha256(program.read_bytes()).hexdigest()
+        plan.program_sha256 = sha256_file(program)
 
 
 def _baseline(
