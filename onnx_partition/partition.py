@@ -6,7 +6,6 @@ Each step lives in its own module; this one wires them together and turns the so
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
-from onnx_partition.cost.annotate import NodeCosts, annotate, costs_device, read_costs
+from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
@@ -27,6 +26,7 @@ from onnx_partition.cost.costs_file import (
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
@@ -97,7 +97,7 @@ def partition(
     num_stages: int | None,
     out: str | os.PathLike[str],
     *,
-    costs: str | os.PathLike[str] | None = None,
+    costs: CostsLike | None = None,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     batch_size: int | None = None,
     device: DeviceSpec | None = None,
@@ -119,8 +119,10 @@ def partition(
     minimised. With one: stages *and* replicas per stage on its devices (``num_stages`` then
     fixes the depth, or ``None`` lets the planner choose), fastest simulated iteration of
     ``microbatches`` micro-batches in ``mode`` ("infer" or "train") within device memory.
-    Without ``costs`` the analytic model prices the nodes on ``device``, by default the
-    cluster's (:func:`~onnx_partition.cost.devices.device_for`: its GPU, or the measured CPU).
+    ``costs`` (a path, or a :class:`~onnx_partition.cost.annotate.CostsFile`) is read once and
+    that one reading is handed to every step. Without it the analytic model prices the nodes
+    on ``device``, by default the cluster's (:func:`~onnx_partition.cost.devices.device_for`:
+    its GPU, or the measured CPU).
     A costs file measured on another device kind than the cluster's is noted in plan.json's
     ``device_model.warning`` (an error with ``strict_costs``). The long steps (planning,
     writing stage files) report to ``reporter`` (the command line's bars; default: nothing).
@@ -129,12 +131,13 @@ def partition(
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
+    costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if costs is None and device is None:
         device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
-    node_costs = annotate(graph, device=device, costs_path=costs)
+    node_costs = annotate(graph, device=device, costs=costs)
     if costs is not None and checked is not None:
-        node_costs = rescale(node_costs, graph, list(read_costs(costs)), checked.scale)
+        node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
     priced = device_model(device, costs, cluster, strict=strict_costs)
     if cluster is None:
         if num_stages is None:
@@ -160,15 +163,15 @@ def partition(
 
 def _load_for_costs(
     model: str | os.PathLike[str],
-    costs: str | os.PathLike[str] | None,
+    costs: CostsFile | None,
     input_shapes: Mapping[str, Sequence[int]] | None,
     batch_size: int | None,
 ) -> tuple[OpGraph, CostsCheck | None]:
     """Load ``model`` (at the costs file's input shapes when neither ``input_shapes`` nor
-    ``batch_size`` is given) and check the costs file against it (``cost.costs_file``)."""
+    ``batch_size`` is given) and check the costs file (read and validated by
+    :func:`~onnx_partition.cost.annotate.load_costs`) against it (``cost.costs_file``)."""
     if costs is None:
         return load(model, input_shapes=input_shapes, batch_size=batch_size), None
-    read_costs(costs)  # its schema first: a malformed file is named by the bad field
     graph = None
     defaulted = None
     if batch_size is None and not input_shapes:
@@ -183,26 +186,28 @@ def _load_for_costs(
     checked = check_costs(costs, graph)
     if defaulted:
         shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in defaulted.items())
-        checked.notes.append(f"note: planning at the input shapes costs file {costs} was "
+        checked.notes.append(f"note: planning at the input shapes costs file {costs.path} was "
                              f"measured at ({shapes})")
     return graph, checked
 
 
-def device_model(device: DeviceSpec | None, costs: str | os.PathLike[str] | None,
+def device_model(device: DeviceSpec | None, costs: CostsLike | None,
                  cluster: Cluster | None, *, strict: bool = False) -> dict[str, Any]:
     """plan.json's ``device_model``: what priced the plan. Analytic: the spec's name, peaks
-    and launch overhead; a costs file: its path and the device it was measured on, with a
-    ``warning`` when that is not the cluster's kind (:class:`PartitionError` if ``strict``)."""
+    and launch overhead; a costs file (read, or its path): its path and the device it was
+    measured on, with a ``warning`` when that is not the cluster's kind
+    (:class:`PartitionError` if ``strict``)."""
     if costs is None:
         assert device is not None
         return {"source": "analytic", "name": device.name, "kind": device.kind,
                 "peak_tflops": device.peak_gflops / 1e3, "mem_gbps": device.mem_gbps,
                 "launch_overhead_ms": device.launch_overhead_ms}
-    measured = costs_device(costs)
-    body: dict[str, Any] = {"source": "costs", "file": str(costs), "measured_on": measured}
+    costs = load_costs(costs)
+    measured, path = costs.device, costs.path
+    body: dict[str, Any] = {"source": "costs", "file": path, "measured_on": measured}
     want = cluster.kind if cluster is not None else None
     if measured is not None and want is not None and measured.split(":")[0] != want:
-        body["warning"] = (f"costs file {costs} was measured on {measured}, the cluster's "
+        body["warning"] = (f"costs file {path} was measured on {measured}, the cluster's "
                            f"devices are {want}: its times may not fit them")
         if strict:
             raise PartitionError(body["warning"] + " (--strict-costs)")
@@ -362,7 +367,7 @@ def _record_program(plan: Plan, model: Path, out: Path) -> None:
     program = model.with_suffix(".pt2")
     if program.is_file():
         plan.program = os.path.relpath(program.resolve(), out.resolve())
-        plan.program_sha256 = hashlib.sha256(program.read_bytes()).hexdigest()
+        plan.program_sha256 = sha256_file(program)
 
 
 def _baseline(

@@ -6,6 +6,8 @@ Real profiles of tiny models (a fraction of a second each, cache in the test's f
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import onnxruntime as ort
 import pytest
@@ -98,3 +100,33 @@ def test_partial_and_old_costs_files(chain, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be checked" in err[0]
     assert plan_of(tmp_path / "q")["costs"]["measured_nodes"] == len(keys)
+
+
+_OPENS: list[str] = []  # paths opened while a test listens (the audit hook stays for the process)
+_LISTENING: list[bool] = [False]
+
+
+def _on_open(event: str, args: tuple) -> None:
+    if event == "open" and _LISTENING[0] and isinstance(args[0], str | bytes | os.PathLike):
+        _OPENS.append(os.path.realpath(os.fsdecode(args[0])))
+
+
+sys.addaudithook(_on_open)
+
+
+@pytest.mark.parametrize("extra", [[], ["--batch-size", "4"], ["--devices", "2"]],
+                             ids=["recorded-shapes", "batch-size", "cluster"])
+def test_partition_reads_the_costs_file_once(chain, tmp_path, capsys, extra):
+    """Every open of costs.json in the process (Python's ``open`` audit event, whatever opens
+    it) during one ``partition --costs`` call: one."""
+    costs = tmp_path / "c.json"
+    profiled(chain, costs, batch=2)
+    _OPENS.clear()
+    _LISTENING[0] = True
+    try:
+        code = main(["partition", str(chain), "-s", "2", "--costs", str(costs), *extra,
+                     "-o", str(tmp_path / "p")])
+    finally:
+        _LISTENING[0] = False
+    assert code == 0, capsys.readouterr().err
+    assert _OPENS.count(os.path.realpath(costs)) == 1

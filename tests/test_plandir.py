@@ -16,6 +16,7 @@ from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import sha256_file
 from onnx_partition.plan import folder as plandir
 from onnx_partition.plan import read_plan
 from onnx_partition.plan.folder import PUBLISH_STEPS, is_earlier_plan, publish, verify
@@ -57,7 +58,7 @@ def test_manifest_covers_data_files_and_is_checked_before_anything_runs(capsys, 
     assert sorted(manifest) == on_disk and any(n.endswith(".onnx.data") for n in on_disk)
     for name, entry in manifest.items():
         assert entry["size"] == (out / name).stat().st_size
-        assert entry["sha256"] == plandir.file_digest(out / name)
+        assert entry["sha256"] == sha256_file(out / name)
     assert main(["run", str(out), "--iterations", "1", "--check"]) == 0
     capsys.readouterr()
     data = next(out.glob("*.onnx.data"))

@@ -91,7 +91,7 @@ def test_costs_json_round_trip(blocks: OpGraph, cache: Path, tmp_path: Path) -> 
     for key, entry in costs.items():
         assert entry["forward_ms"] == pytest.approx(result.forward_ms[key], abs=1e-6)
         assert entry["backward_ms"] == pytest.approx(result.backward_ms[key], abs=1e-6)
-    assert annotate(blocks, costs_path=out).measured == len(blocks.nodes)
+    assert annotate(blocks, costs=out).measured == len(blocks.nodes)
     assert [p.name for p in out.parent.iterdir()] == ["costs.json"]  # no temporary left
 
 

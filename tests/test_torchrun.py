@@ -10,13 +10,24 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from support.graphs import CHAIN, save
 from support.outputs import assert_same, run_whole
 
+from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.partition import partition
+from onnx_partition.runtime.dist.launcher import (
+    TorchrunEnv,
+    check_world_size,
+    rank_result,
+    torchrun_env,
+)
 from onnx_partition.runtime.dist.torchrun import torchrun_main
 
 ROOT = Path(__file__).resolve().parents[1]
+#: What torchrun sets for rank 0 of 2 on one machine.
+TORCHRUN_RANK0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
 def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
@@ -44,8 +55,8 @@ def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
 
 def test_a_bad_input_file_is_one_error_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
     partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "plan", batch_size=2)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in TORCHRUN_RANK0.items():
+        monkeypatch.setenv(name, value)
     missing = tmp_path / "missing.npy"
     assert torchrun_main([str(tmp_path / "plan"), "--input", f"x={missing}"]) == 2
     err = capsys.readouterr().err
@@ -54,3 +65,66 @@ def test_a_bad_input_file_is_one_error_line_and_exit_code_2(tmp_path, monkeypatc
     assert torchrun_main([str(tmp_path / "plan"), "--input", "z=a.npy"]) == 2
     assert capsys.readouterr().err == ("error: --input 'z=a.npy': expected NAME=FILE.npy with "
                                        "NAME one of x\n")
+
+
+def test_torchrun_env_reads_what_torchrun_sets():
+    assert torchrun_env({**TORCHRUN_RANK0, "RANK": "1", "LOCAL_RANK": "1"}) == TorchrunEnv(
+        rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1",
+        master_port=29500)
+    # LOCAL_* default to one machine; two machines of two ranks name them
+    one = {k: v for k, v in TORCHRUN_RANK0.items() if not k.startswith("LOCAL")}
+    assert torchrun_env({**one, "RANK": "1"}).local_rank == 1
+    two = {**TORCHRUN_RANK0, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    assert torchrun_env(two).local_world_size == 2
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"RANK": None}, "RANK is not set: start each rank with torchrun"),
+    ({"WORLD_SIZE": None}, "WORLD_SIZE is not set"),
+    ({"MASTER_ADDR": None}, "MASTER_ADDR is not set"),
+    ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+    ({"MASTER_PORT": None}, "MASTER_PORT is not set"),
+    ({"RANK": "one"}, "RANK='one' is not a whole number"),
+    ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE='2.0' is not a whole number"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' is not a whole number"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: need at least one rank"),
+    ({"RANK": "2"}, r"RANK=2 is outside 0\.\.1 \(WORLD_SIZE=2\)"),
+    ({"RANK": "-1"}, r"RANK=-1 is outside"),
+    ({"LOCAL_WORLD_SIZE": "3"}, r"LOCAL_WORLD_SIZE=3 is outside 1\.\.2"),
+    ({"LOCAL_RANK": "2"}, r"LOCAL_RANK=2 is outside 0\.\.1"),
+    ({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": None}, "LOCAL_RANK is not set"),
+    ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a port"),
+])
+def test_torchrun_env_errors_are_one_line(change, message):
+    environ = {**TORCHRUN_RANK0, **change}
+    environ = {k: v for k, v in environ.items() if v is not None}
+    with pytest.raises(PartitionError, match=message) as caught:
+        torchrun_env(environ)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_rank_without_the_environment_is_bad_input(tmp_path, monkeypatch, capsys):
+    partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "plan", batch_size=2)
+    for name in TORCHRUN_RANK0:
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_main([str(tmp_path / "plan")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: WORLD_SIZE is not set: start each rank with torchrun")
+    assert err.count("\n") == 1
+
+
+def test_one_world_size_check():
+    check_world_size([1, 2], 3)
+    with pytest.raises(PartitionError, match=r"^the plan has 3 stage replicas \(1 \+ 2\); "
+                                             r"got 4 processes$"):
+        check_world_size([1, 2], 4)
+
+
+def test_rank_zero_without_a_result_is_a_failed_run():
+    """Both launchers and both torchrun ranks: exit code 1 (StageFailed), never 2."""
+    assert rank_result(0, ("outputs", "stats"), "the inference ranks") == ("outputs", "stats")
+    assert rank_result(1, None, "the training ranks") is None
+    assert rank_result(1, "dropped", "the training ranks") is None
+    with pytest.raises(StageFailed, match=r"^the training ranks finished without rank 0's"):
+        rank_result(0, None, "the training ranks")
+    assert not issubclass(StageFailed, PartitionError)

@@ -301,6 +301,24 @@ def test_export_refuses_a_program_path(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def test_an_export_that_fails_midway_leaves_the_earlier_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ONNX file and its program are published together or not at all (fileio)."""
+    path = export(nn.Linear(2, 2), (torch.randn(2, 2),), tmp_path / "m.onnx")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["m.onnx", "m.pt2"]
+
+    def half_then_fail(program: object, where: object) -> None:
+        Path(str(where)).write_bytes(b"half a program")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.export, "save", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        export(nn.Linear(2, 3), (torch.randn(2, 2),), path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_trained_weights_keep_their_shape_and_dtype_even_0d() -> None:
     """A scalar initializer stays 0-d (np.ascontiguousarray made it shape [1]); dtypes are the
     initializer's own; names not trained are left alone."""

@@ -2,6 +2,11 @@
 
 The adapter between ONNX protos and the pure analytic model: it decodes attributes and shapes into
 :class:`~onnx_partition.cost.analytic.OpInfo` records.
+
+A costs file is read once per command: :func:`load_costs` parses and validates it into a
+:class:`CostsFile`, which is what :func:`annotate`, :func:`costs_device`,
+:mod:`~onnx_partition.cost.costs_file` and the partitioner are handed (each also takes a path,
+and reads it then, once).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from onnx import helper
 
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.fileio import atomic_write
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import Shape, itemsize, shape_of
 
-__all__ = ["COSTS_FORMAT", "NodeCosts", "annotate", "costs_device", "op_infos", "read_costs",
-           "write_costs"]
+__all__ = ["COSTS_FORMAT", "CostsFile", "CostsLike", "NodeCosts", "annotate", "costs_device",
+           "load_costs", "op_infos", "read_costs", "write_costs"]
 
 COSTS_FORMAT = "onnx-partition/costs@1"
 
@@ -82,57 +88,84 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
     return list(value) if isinstance(value, list | tuple) else value
 
 
-def read_costs(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
-    """Read costs.json (the contract): node key -> {"forward_ms": ..., "backward_ms": ...}."""
+@dataclass(frozen=True)
+class CostsFile:
+    """One costs.json, read and checked against the contract once (:func:`load_costs`)."""
+
+    path: str  # as the user gave it (messages and plan.json name it so)
+    body: dict[str, Any]  # the whole document (provenance fields: ``cost.costs_file``)
+    nodes: dict[str, dict[str, float]]  # node key -> {"forward_ms": ..., ["backward_ms": ...]}
+
+    @property
+    def device(self) -> str | None:
+        """The ``device`` it says it was measured on (``cpu``, ``cuda:0``), if any."""
+        device = self.body.get("device")
+        return str(device) if device is not None else None
+
+
+CostsLike = CostsFile | str | os.PathLike[str]
+
+
+def load_costs(costs: CostsLike) -> CostsFile:
+    """Read and validate the costs file at ``costs`` (one read; a :class:`CostsFile` is
+    returned as it is). A missing, unreadable or malformed file is a one-line PartitionError
+    naming the bad field."""
+    if isinstance(costs, CostsFile):
+        return costs
     from onnx_partition.plan.schema import validate_costs  # pydantic: loaded when first needed
 
-    path = Path(path)
-    spec = validate_costs(read_json(path, "costs"), f"costs file {path}")
-    return {
+    body = read_json(costs, "costs")
+    spec = validate_costs(body, f"costs file {Path(costs)}")
+    nodes = {
         key: {"forward_ms": entry.forward_ms}
         | ({"backward_ms": entry.backward_ms} if entry.backward_ms is not None else {})
         for key, entry in spec.nodes.items()
     }
+    return CostsFile(os.fspath(costs), body, nodes)
 
 
-def costs_device(path: str | os.PathLike[str]) -> str | None:
+def read_costs(costs: CostsLike) -> dict[str, dict[str, float]]:
+    """The nodes of costs.json (the contract): node key -> {"forward_ms": ..., "backward_ms":
+    ...}."""
+    return load_costs(costs).nodes
+
+
+def costs_device(costs: CostsLike) -> str | None:
     """The ``device`` a costs file says it was measured on (``cpu``, ``cuda:0``), if any."""
-    body = read_json(Path(path), "costs")
-    device = body.get("device") if isinstance(body, dict) else None
-    return str(device) if device is not None else None
+    return load_costs(costs).device
 
 
 def write_costs(path: Path, costs: Mapping[str, Mapping[str, float]], **meta: Any) -> None:
-    """Write costs.json atomically (temporary name, then rename)."""
+    """Write costs.json whole or not at all (:func:`onnx_partition.fileio.atomic_write`)."""
     body = {"format": COSTS_FORMAT, "unit": "ms", **meta, "nodes": dict(costs)}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(body, indent=1) + "\n")
 
 
 def annotate(
     graph: OpGraph,
     *,
     device: DeviceSpec | None = None,
-    costs_path: str | os.PathLike[str] | None = None,
+    costs: CostsLike | None = None,
 ) -> NodeCosts:
-    """Costs of every node: from ``costs_path`` where it names the node, else analytic.
+    """Costs of every node: from the costs file ``costs`` (a :class:`CostsFile` or its path)
+    where it names the node, else analytic.
 
     Free (constant) nodes cost nothing: they are folded or copied, never scheduled.
-    ``source`` says what priced them: ``analytic:<device spec name>`` or the costs file.
+    ``source`` says what priced them: ``analytic:<device spec name>`` or the costs file's path.
     """
     device = device or DeviceSpec.cpu()
     infos = op_infos(graph)
     fwd = [0.0 if n.free else forward_ms(info, device) for n, info in zip(graph.nodes, infos)]
     bwd = [0.0 if n.free else backward_ms(info, device) for n, info in zip(graph.nodes, infos)]
     source, measured = f"analytic:{device.name}", 0
-    if costs_path is not None:
-        given = read_costs(costs_path)
+    if costs is not None:
+        costs = load_costs(costs)
+        given = costs.nodes
         keys = {n.key: n.index for n in graph.nodes}
         matched = [k for k in given if k in keys]
         if given and not matched:
             raise PartitionError(
-                f"costs file {costs_path} names none of the model's nodes (another model?)"
+                f"costs file {costs.path} names none of the model's nodes (another model?)"
             )
         for key in matched:
             index = keys[key]
@@ -141,5 +174,5 @@ def annotate(
             fwd[index] = given[key]["forward_ms"]
             bwd[index] = given[key].get("backward_ms", 2.0 * fwd[index])
             measured += 1
-        source = str(costs_path)
+        source = costs.path
     return NodeCosts(fwd, bwd, source, measured)

@@ -17,7 +17,8 @@
 error; fewer than :data:`MIN_COVERAGE` of the compute nodes covered, or another batch size,
 are one-line warnings; at another batch the measured per-node times are scaled linearly in
 batch (``planned / measured``); an old file without these fields is a one-line note that it
-cannot be checked.
+cannot be checked. Both take the file read once (:class:`~onnx_partition.cost.annotate.CostsFile`,
+from :func:`~onnx_partition.cost.annotate.load_costs`) or its path.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from onnx_partition.cost.annotate import NodeCosts
-from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.cost.annotate import CostsLike, NodeCosts, load_costs
+from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 
 __all__ = ["MIN_COVERAGE", "CostsCheck", "batch_size_of", "check_costs", "device_name",
@@ -106,16 +107,16 @@ def provenance(graph: OpGraph, device: str) -> dict[str, Any]:
     }
 
 
-def recorded_shapes(path: str | os.PathLike[str]) -> dict[str, list[int]] | None:
+def recorded_shapes(costs: CostsLike) -> dict[str, list[int]] | None:
     """The input shapes a costs file was measured at, or None if it does not say (old file)."""
-    body = read_json(path, "costs")
-    shapes = body.get("input_shapes") if isinstance(body, dict) else None
+    costs = load_costs(costs)
+    shapes = costs.body.get("input_shapes")
     if not isinstance(shapes, dict):
         return None
     try:
         return {str(k): [int(d) for d in v] for k, v in shapes.items()}
     except (TypeError, ValueError):
-        raise PartitionError(f"costs file {path}: input_shapes must map names to "
+        raise PartitionError(f"costs file {costs.path}: input_shapes must map names to "
                              "lists of integers") from None
 
 
@@ -134,16 +135,16 @@ class CostsCheck:
                 "batch_size": self.batch_size, "scale": self.scale, "notes": list(self.notes)}
 
 
-def check_costs(path: str | os.PathLike[str], graph: OpGraph) -> CostsCheck:
-    """Check the costs file at ``path`` against ``graph`` (fixed at the planned shapes).
+def check_costs(costs: CostsLike, graph: OpGraph) -> CostsCheck:
+    """Check the costs file ``costs`` (read once, or its path) against ``graph`` (fixed at the
+    planned shapes).
 
     Raises :class:`PartitionError` when its fingerprint names another graph.
     """
-    body = read_json(path, "costs")
-    if not isinstance(body, dict) or not isinstance(body.get("nodes"), dict):
-        raise PartitionError(f"costs file {path} has no 'nodes' object")
+    costs = load_costs(costs)
+    body, path = costs.body, costs.path
     keys = {graph.nodes[i].key for i in graph.compute_nodes}
-    covered = sum(1 for k in body["nodes"] if k in keys)
+    covered = sum(1 for k in costs.nodes if k in keys)
     notes: list[str] = []
     recorded = body.get("fingerprint")
     if isinstance(recorded, str):

@@ -21,10 +21,11 @@ from onnx import helper, numpy_helper
 
 from onnx_partition import __version__
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import external_files, iter_tensors
 from onnx_partition.plan import IOSpec, Plan
-from onnx_partition.plan.folder import file_digest, publish, read_body
+from onnx_partition.plan.folder import publish, read_body
 from onnx_partition.progress import SILENT, Reporter
 
 __all__ = ["EXTERNAL_THRESHOLD", "StageCut", "cut_stages", "emit", "io_specs", "save_stage",
@@ -146,8 +147,10 @@ def save_stage(
 ) -> str:
     """Write a stage to ``path`` with large weights external; return its sha256.
 
-    Weights external in the source are copied to the stage's data file in 1 MiB blocks, so a
-    tensor of any size costs no more memory than one block."""
+    ``path`` lies in a plan folder being published (:func:`write_plan_folder`, :func:`emit`),
+    which is what makes the write atomic; its files are written plainly. Weights external in
+    the source are copied to the stage's data file in 1 MiB blocks, so a tensor of any size
+    costs no more memory than one block."""
     data_name = path.name + ".data"
     with open(path.parent / data_name, "wb") as data:
         for tensor in model.graph.initializer:
@@ -179,7 +182,7 @@ def save_stage(
             first = one_line(exc)
             msg = f"stage file {path.name} failed the ONNX checker: {first}"
             raise PartitionError(msg) from None
-    return file_digest(path)
+    return sha256_file(path)
 
 
 def _aligned(data: BinaryIO) -> int:

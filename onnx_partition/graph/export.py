@@ -19,7 +19,6 @@ import contextlib
 import io
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import onnx_ir as ir
 import torch
 
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.fileio import atomic_path
 
 __all__ = ["BATCH", "EXTERNAL_DATA_BYTES", "PROGRAM_SUFFIX", "export", "program_path", "quiet",
            "weight_bytes"]
@@ -99,8 +99,8 @@ def export(
         raise PartitionError(f"the ONNX path {path} must not end in {PROGRAM_SUFFIX}")
     args = tuple(args)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
-        staged, staged_program = Path(tmp) / path.name, Path(tmp) / program_path(path).name
+    # the program is published last: inner blocks exit first (the ONNX file's .data, then it)
+    with atomic_path(program_path(path)) as staged_program, atomic_path(path) as staged:
         was_training = module.training
         module.train()
         try:
@@ -114,11 +114,7 @@ def export(
                 torch.export.save(program.exported_program, staged_program)
         finally:
             module.train(was_training)
-        sidecars = [p for p in Path(tmp).iterdir() if p not in (staged, staged_program)]
-        for sidecar in sidecars:
-            os.replace(sidecar, path.parent / sidecar.name)
-        os.replace(staged, path)
-        os.replace(staged_program, program_path(path))
+        sidecars = [p for p in staged.parent.iterdir() if p != staged]
     stale = path.with_name(path.name + ".data")
     if not sidecars and stale.exists():
         stale.unlink()  # left by an earlier export of this path with external data

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.fileio import atomic_write, sha256_file, sync_folder
 from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 
-__all__ = ["PUBLISH_STEPS", "REPORT_MARK", "Manifest", "exchange", "file_digest", "is_earlier_plan",
+__all__ = ["PUBLISH_STEPS", "REPORT_MARK", "Manifest", "exchange", "is_earlier_plan",
            "is_our_report", "locked", "make_manifest", "manifest_of", "publish",
            "read_body", "recover", "verify", "write_file"]
 
@@ -46,7 +47,6 @@ REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
 #: The steps of a publication that :func:`publish` reports to its ``step_hook``: the temporary
 #: folder is complete; it was exchanged with OUT; OUT was moved aside (the two-rename fallback).
 PUBLISH_STEPS = ("written", "swapped", "moved-old")
-_BLOCK = 1 << 20
 
 Manifest = dict[str, dict[str, Any]]
 
@@ -54,15 +54,7 @@ Manifest = dict[str, dict[str, Any]]
 # --------------------------------------------------------------------------- the manifest
 
 
-def file_digest(path: Path, *, sync: bool = False) -> str:
-    """sha256 of a file, read in 1 MiB blocks (``sync``: fsync it too)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_BLOCK), b""):
-            digest.update(block)
-        if sync:
-            os.fsync(handle.fileno())
-    return digest.hexdigest()
+#: The manifest's checksum: sha256 streamed in blocks (:func:`onnx_partition.fileio.sha256_file`).
 
 
 def _members(folder: Path) -> Iterator[tuple[str, Path]]:
@@ -81,7 +73,7 @@ def make_manifest(folder: Path, *, sync: bool = False) -> Manifest:
             continue
         if path.is_symlink() or not path.is_file():
             raise PartitionError(f"plan folder: {name} is not a regular file")
-        entries[name] = {"size": path.stat().st_size, "sha256": file_digest(path, sync=sync)}
+        entries[name] = {"size": path.stat().st_size, "sha256": sha256_file(path, sync=sync)}
     return entries
 
 
@@ -143,7 +135,7 @@ def _check_entry(folder: Path, root: Path, name: str, entry: dict[str, Any], has
     if size != entry["size"]:
         raise PartitionError(f"plan folder {folder}: {name} has {size} bytes, its manifest says "
                              f"{entry['size']} (changed or truncated)")
-    if hashes and file_digest(path) != entry["sha256"]:
+    if hashes and sha256_file(path) != entry["sha256"]:
         raise PartitionError(f"plan folder {folder}: {name} does not match its sha256 in "
                              f"plan.json (changed or corrupted)")
 
@@ -171,7 +163,7 @@ def is_earlier_plan(folder: Path) -> bool:
         entry = entries.get(name)
         if entry is None or path.is_symlink() or not path.is_file():
             return False
-        if path.stat().st_size != entry["size"] or file_digest(path) != entry["sha256"]:
+        if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
             return False
     return True
 
@@ -310,12 +302,9 @@ def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]],
         (tmp / PLAN_FILE).unlink(missing_ok=True)
         entries = make_manifest(tmp, sync=True)
         body = {**body, MANIFEST: entries}
-        with open(tmp / PLAN_FILE, "w", encoding="utf-8") as handle:
-            handle.write(plan_text(body))
-            handle.flush()
-            os.fsync(handle.fileno())
+        atomic_write(tmp / PLAN_FILE, plan_text(body))
         os.chmod(tmp, 0o755)
-        _sync_dir(tmp)
+        sync_folder(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -331,50 +320,29 @@ def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]],
         step_hook("moved-old")
         os.rename(tmp, out)
         shutil.rmtree(old)
-    _sync_dir(out.parent)
+    sync_folder(out.parent)
     return entries
-
-
-def _sync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(
     path: str | os.PathLike[str], text: str, *, replace: Callable[[Path], bool]
 ) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it. An existing ``path`` is
-    replaced only when ``replace(path)`` says so (else a PartitionError); one that appears
-    meanwhile is never overwritten (the temporary is hard-linked into place). A folder at
-    ``path`` or an OSError is a one-line PartitionError."""
+    """Write ``text`` to ``path`` whole or not at all (:func:`onnx_partition.fileio.atomic_write`).
+    An existing ``path`` is replaced only when ``replace(path)`` says so (else a PartitionError);
+    one that appears meanwhile is never overwritten. A folder at ``path`` or an OSError is a
+    one-line PartitionError."""
     path = Path(os.path.abspath(path))
     if path.is_dir():
         raise PartitionError(f"{path} is a folder; give a file name")
     exists = os.path.lexists(path)
     if exists and not replace(path):
         raise PartitionError(f"{path} exists; use --force to overwrite it")
-    tmp = path.parent / f"{_prefix(path)}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "x", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        if exists:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if the name was taken meanwhile
+        return atomic_write(path, text, overwrite=exists)
     except FileExistsError:
         raise PartitionError(f"{path} appeared while writing; not overwritten") from None
     except OSError as exc:
         raise PartitionError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    return path
 
 
 def read_body(folder: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.fileio import atomic_write
 
 __all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec",
            "Plan", "Predicted", "Stage", "plan_text", "read_plan", "write_plan"]
@@ -227,7 +228,9 @@ def read_plan(folder: str | os.PathLike[str]) -> Plan:
 
 
 def write_plan(plan: Plan, folder: Path) -> None:
-    (folder / PLAN_FILE).write_text(plan_text(plan.to_json()))
+    """Write ``folder/plan.json`` whole or not at all (a plan folder as a whole is published by
+    :func:`onnx_partition.plan.folder.publish`)."""
+    atomic_write(folder / PLAN_FILE, plan_text(plan.to_json()))
 
 
 def plan_text(body: dict[str, Any]) -> str:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from onnx_partition.fileio import atomic_write
+
 __all__ = ["CACHE_ENV", "METHOD_VERSION", "Cache", "cache_folder"]
 
 #: Environment variable overriding the default cache folder.
@@ -28,7 +30,8 @@ class Cache:
     """Signature -> ms for one context (device, onnxruntime, threads, ...), one JSON file.
 
     Best effort: an unreadable or unwritable cache is ignored; writes merge and replace
-    atomically, so concurrent profilers at worst lose each other's new entries.
+    atomically (:func:`onnx_partition.fileio.atomic_write`), so concurrent profilers at worst
+    lose each other's new entries.
     """
 
     def __init__(self, folder: Path, context: Mapping[str, object]) -> None:
@@ -56,8 +59,6 @@ class Cache:
         self.values = merged
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"context": self.context, "values": merged}))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps({"context": self.context, "values": merged}))
         except OSError:
             pass

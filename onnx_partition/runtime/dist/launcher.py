@@ -14,6 +14,14 @@ is seen by its heartbeat (:mod:`~onnx_partition.runtime.dist.lifeline`); the par
 others and raises :class:`~onnx_partition.errors.StageFailed` naming the stage, replica and rank.
 A cause (a stage that raised, a rank that died) is named before the communication errors it
 provokes in its peers.
+
+**Rules both runtimes share**, here or under ``torchrun``: :func:`torchrun_env` reads what
+torchrun tells a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+one-line :class:`~onnx_partition.errors.PartitionError` when missing or bad);
+:func:`check_world_size` wants one process per stage replica; :func:`rank_result` says what a
+rank's result must be: rank 0 ending without one is a failed run
+(:class:`~onnx_partition.errors.StageFailed`, exit code 1), the other ranks return None (exit
+code 0).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -31,8 +40,8 @@ import torch.multiprocessing as mp
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.runtime.dist.lifeline import Heartbeats, die_with, guard_fork_server
 
-__all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "bind_gloo_to_loopback", "join_group",
-           "launch_ranks"]
+__all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "TorchrunEnv", "bind_gloo_to_loopback",
+           "check_world_size", "join_group", "launch_ranks", "rank_result", "torchrun_env"]
 
 #: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
 SILENT_S = 10.0
@@ -228,3 +237,84 @@ def join_group(backend: str, rank: int, world: int, timeout_s: float,
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
+
+
+# --------------------------------------------------------------------------- shared rules
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What ``torchrun`` tells a rank through its environment (:func:`torchrun_env`)."""
+
+    rank: int  # RANK: 0 .. world_size - 1
+    world_size: int  # WORLD_SIZE: ranks in all
+    local_rank: int  # LOCAL_RANK: rank on this machine (default: RANK)
+    local_world_size: int  # LOCAL_WORLD_SIZE: ranks on this machine (default: WORLD_SIZE)
+    master_addr: str  # MASTER_ADDR: host of the rendezvous
+    master_port: int  # MASTER_PORT: its port
+
+
+def _missing(name: str) -> PartitionError:
+    return PartitionError(f"{name} is not set: start each rank with torchrun (it sets RANK, "
+                          f"WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
+
+
+def _whole(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        if default is not None:
+            return default
+        raise _missing(name)
+    try:
+        return int(raw)
+    except ValueError:
+        raise PartitionError(f"{name}={raw!r} is not a whole number (torchrun sets it)") from None
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+    """This rank's place in a ``torchrun`` job, from ``environ`` (default ``os.environ``).
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set; LOCAL_WORLD_SIZE defaults to
+    WORLD_SIZE and then LOCAL_RANK to RANK (one machine). A missing or bad one, or a rank
+    outside its world, is a one-line PartitionError."""
+    env = os.environ if environ is None else environ
+    world = _whole(env, "WORLD_SIZE")
+    if world < 1:
+        raise PartitionError(f"WORLD_SIZE={world}: need at least one rank")
+    rank = _whole(env, "RANK")
+    if not 0 <= rank < world:
+        raise PartitionError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
+    local_world = _whole(env, "LOCAL_WORLD_SIZE", world)
+    if not 1 <= local_world <= world:
+        raise PartitionError(f"LOCAL_WORLD_SIZE={local_world} is outside 1..{world} "
+                             f"(WORLD_SIZE={world})")
+    local_rank = _whole(env, "LOCAL_RANK", rank if local_world == world else None)
+    if not 0 <= local_rank < local_world:
+        raise PartitionError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1} "
+                             f"(LOCAL_WORLD_SIZE={local_world})")
+    addr = env.get("MASTER_ADDR", "")
+    if not addr:
+        raise _missing("MASTER_ADDR")
+    port = _whole(env, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise PartitionError(f"MASTER_PORT={port} is not a port (1..65535)")
+    return TorchrunEnv(rank, world, local_rank, local_world, addr, port)
+
+
+def check_world_size(replicas: Sequence[int], processes: int) -> None:
+    """One process per stage replica (``replicas``: the plan's replicas per stage), or a
+    one-line PartitionError."""
+    if processes != sum(replicas):
+        raise PartitionError(f"the plan has {sum(replicas)} stage replicas "
+                             f"({' + '.join(map(str, replicas))}); got {processes} processes")
+
+
+def rank_result(rank: int, result: Any, what: str) -> Any:
+    """The one rule for what a rank ends with: rank 0 returns the run's result, a run whose
+    rank 0 ended without one failed (:class:`StageFailed`: exit code 1, as any failed run;
+    never 2, which means bad input); the other ranks' results are dropped (None: exit code 0).
+    ``what`` names the ranks in the message (``"the training ranks"``)."""
+    if rank != 0:
+        return None
+    if result is None:
+        raise StageFailed(f"{what} finished without rank 0's result")
+    return result

@@ -12,7 +12,10 @@ figures; ``--output-dir`` saves the outputs as ``.npy``; ``--device cpu`` runs e
 CPU whatever the plan's devices. Rank 0's inputs are ``run``'s
 (:func:`onnx_partition.cli.verbs.run_feeds`), and errors end the rank as ``run``'s do
 (:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit code 2 for bad input, 1 for a
-failed run), so torchrun stops the others.
+failed run), so torchrun stops the others. The environment is read, the world size checked and
+the rank's result judged by the rules the local launcher shares
+(:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`, ``check_world_size``,
+``rank_result``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,15 @@ import numpy as np
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import read_plan
-from onnx_partition.runtime.dist.launcher import bind_gloo_to_loopback
+from onnx_partition.runtime.dist.launcher import (
+    TorchrunEnv,
+    bind_gloo_to_loopback,
+    check_world_size,
+    rank_result,
+    torchrun_env,
+)
 from onnx_partition.runtime.infer.rank import (
     DistStats,
-    Layout,
     RankConfig,
     check_feeds,
     choose_backend,
@@ -42,7 +50,7 @@ from onnx_partition.runtime.infer.rank import (
 )
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
 
-__all__ = ["check_world_size", "main_worker"]
+__all__ = ["main_worker"]
 
 
 def main_worker(
@@ -55,15 +63,16 @@ def main_worker(
     timeout_s: float = 60.0,
     threads_per_stage: int = 1,
     device: str | None = None,
+    env: TorchrunEnv | None = None,
 ) -> tuple[dict[str, np.ndarray], DistStats] | None:
-    """One rank under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
-    environment). Only rank 0 needs ``feeds``; it returns the outputs and figures, the others
-    None. ``device="cpu"`` puts every rank on CPU (as ``run_distributed``'s). Raises :class:`~onnx_partition.errors.StageFailed` naming this rank when it fails.
+    """One rank under ``torchrun`` (``env``, default :func:`torchrun_env`: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT from the environment). Only rank 0 needs ``feeds``; it returns the
+    outputs and figures, the others None. ``device="cpu"`` puts every rank on CPU (as
+    ``run_distributed``'s). Raises :class:`~onnx_partition.errors.StageFailed` naming this rank
+    when it fails.
     """
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise PartitionError("RANK and WORLD_SIZE must be set (run under torchrun)") from None
+    env = torchrun_env() if env is None else env
+    rank, world = env.rank, env.world_size
     folder = Path(plan_dir)
     plan = read_plan(folder)
     if device not in (None, "cpu"):
@@ -71,7 +80,7 @@ def main_worker(
     lay = on_device(layout(plan), device)
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
         microbatches = plan_microbatches(plan)
-    check_world_size(lay, world)
+    check_world_size(lay.replicas, world)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
     config = RankConfig(folder, plan, lay, choose_backend(lay, backend), microbatches,
@@ -81,18 +90,12 @@ def main_worker(
             raise PartitionError("rank 0 needs the feeds")
         check_feeds(plan, feeds, microbatches)
         feeds = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
-    bind_gloo_to_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    bind_gloo_to_loopback(env.master_addr)
     try:
-        return serve_rank(config, rank, feeds if rank == 0 else None, None)
+        result = serve_rank(config, rank, feeds if rank == 0 else None, None)
     except Exception as exc:
         raise StageFailed(f"{lay.name(rank)} failed: {one_line(exc)}") from exc
-
-
-def check_world_size(lay: Layout, processes: int) -> None:
-    """One process per stage replica of the plan, or a clear error."""
-    if processes != lay.world_size:
-        raise PartitionError(f"the plan has {lay.world_size} stage replicas "
-                             f"({' + '.join(map(str, lay.replicas))}); got {processes} processes")
+    return rank_result(rank, result, "the inference ranks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,13 +123,14 @@ def _rank(args: argparse.Namespace) -> int:
     from onnx_partition.cli.verbs import run_feeds
     from onnx_partition.pipeline.predict import run_shape
 
+    env = torchrun_env()
     plan = read_plan(args.plan)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
     feeds = (run_feeds(plan, args.input, rows=shape.rows, seed=args.seed)
-             if os.environ.get("RANK") == "0" else None)
+             if env.rank == 0 else None)
     result = main_worker(args.plan, feeds, microbatches=shape.microbatches,
                          iterations=args.iterations, backend=args.backend,
-                         timeout_s=args.timeout, device=args.device)
+                         timeout_s=args.timeout, device=args.device, env=env)
     if result is not None:
         outputs, stats = result
         print(format_stats(stats))

@@ -39,8 +39,14 @@ from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.dist.hooks import RankHook
-from onnx_partition.runtime.dist.launcher import PRELOAD, SILENT_S, launch_ranks
-from onnx_partition.runtime.dist.torchrun import check_world_size, main_worker
+from onnx_partition.runtime.dist.launcher import (
+    PRELOAD,
+    SILENT_S,
+    check_world_size,
+    launch_ranks,
+    rank_result,
+)
+from onnx_partition.runtime.dist.torchrun import main_worker
 from onnx_partition.runtime.dist.wire import Env
 from onnx_partition.runtime.infer.rank import (
     DistStats,
@@ -111,9 +117,7 @@ def run_distributed(
                            master_port=master_port, timeout_s=timeout_s,
                            start_method=start_method,
                            preload=[*PRELOAD, "onnx_partition.runtime.distributed"])
-    if 0 not in results:
-        raise StageFailed("the workers finished without sending the outputs")
-    outputs, stats = results[0]
+    outputs, stats = rank_result(0, results.get(0), "the inference ranks")
     stats.launch_ms = (time.perf_counter() - began) * 1000.0
     return [outputs[n] for n in names], stats
 
@@ -127,7 +131,7 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     check_devices(plan, ["CPUExecutionProvider"] if device else None)  # before any process
     lay = on_device(layout(plan), device)
     if nproc is not None:
-        check_world_size(lay, nproc)
+        check_world_size(lay.replicas, nproc)
     return plan, lay, choose_backend(lay, backend, one_machine=True)
 
 

@@ -25,7 +25,6 @@ before each micro-batch's compute: the tests' faults (a rank that exits or stops
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.ort import local_device, providers_for, session_options
 from onnx_partition.pipeline import microbatch
 from onnx_partition.plan import PLAN_FILE, Plan
@@ -162,7 +162,7 @@ class DistStats:
 
 
 def _plan_digest(plan_dir: Path) -> int:
-    return int.from_bytes(hashlib.sha256((plan_dir / PLAN_FILE).read_bytes()).digest()[:7], "big")
+    return int(sha256_file(plan_dir / PLAN_FILE)[:14], 16)
 
 
 def check_feeds(plan: Plan, feeds: Mapping[str, np.ndarray], microbatches: int) -> None:

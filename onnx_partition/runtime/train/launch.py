@@ -1,6 +1,8 @@
 """Start the training ranks: locally through the inference runtime's launcher
 (:func:`onnx_partition.runtime.dist.launcher.launch_ranks`: fork server, rendezvous store,
-supervision naming the failing stage, replica and rank), or as one rank under ``torchrun``.
+supervision naming the failing stage, replica and rank), or as one rank under ``torchrun``;
+both with the launcher's rules (``torchrun_env``, ``rank_result``: rank 0 ending without its
+result is a failed run, exit code 1).
 
 What each rank trains comes from a ``build`` callable (module-level, or a
 ``functools.partial`` of one, so it pickles to the children): ``build()`` returns the stage
@@ -10,7 +12,6 @@ list, the loss function, the plan and the batch function. Rank 0 gathers every r
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,10 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from onnx_partition.errors import PartitionError
 from onnx_partition.graph.ort import local_device
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.dist.launcher import PRELOAD, RankFailure, join_group, launch_ranks
+from onnx_partition.runtime.dist.launcher import (
+    PRELOAD,
+    RankFailure,
+    TorchrunEnv,
+    join_group,
+    launch_ranks,
+    rank_result,
+    torchrun_env,
+)
 from onnx_partition.runtime.infer.rank import choose_backend, layout
 from onnx_partition.runtime.train.rank import (
     Batches,
@@ -92,16 +100,17 @@ def launch_training(
     args = [(world, build, config, chosen, timeout_s)] * world
     results = launch_ranks(_spawned, args, lay.name, timeout_s=timeout_s,
                            start_method=start_method, preload=TRAIN_PRELOAD)
-    if 0 not in results:
-        raise PartitionError("the training ranks finished without reporting")
-    return list(pickle.loads(results[0]))
+    return list(pickle.loads(rank_result(0, results.get(0), "the training ranks")))
 
 
 def torchrun_rank(build: Build, config: TrainConfig, *, backend: str | None = None,
-                  timeout_s: float = 60.0) -> list[RankResult] | None:
-    """One rank under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)."""
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        raise PartitionError("RANK and WORLD_SIZE must be set (run under torchrun)") from None
-    return run_rank(rank, world, build, config, backend or "gloo", timeout_s, None)
+                  timeout_s: float = 60.0, env: TorchrunEnv | None = None
+                  ) -> list[RankResult] | None:
+    """One rank under ``torchrun`` (``env``, default
+    :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT from the environment): rank 0's gathered results, None on the others
+    (:func:`~onnx_partition.runtime.dist.launcher.rank_result`)."""
+    env = torchrun_env() if env is None else env
+    results = run_rank(env.rank, env.world_size, build, config, backend or "gloo", timeout_s,
+                       None)
+    return rank_result(env.rank, results, "the training ranks")

@@ -24,7 +24,6 @@ relay, tied weights"):
 from __future__ import annotations
 
 import functools
-import hashlib
 import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.fxtag import fx_node_name
 from onnx_partition.plan import Plan, read_plan
 
@@ -76,7 +76,7 @@ def require_trainable(plan_dir: str | Path) -> Plan:
     path = Path(plan_dir) / plan.program
     if not path.is_file():
         raise PartitionError(f"the plan's program {path} is missing: {how}")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_file(path)
     if digest != plan.program_sha256:
         raise PartitionError(f"the plan's program {path} was altered (sha256 {digest[:12]}..., "
                              f"plan.json says {plan.program_sha256[:12]}...): {how}")

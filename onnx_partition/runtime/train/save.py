@@ -12,7 +12,6 @@ written into a temporary folder that then replaces ``out_dir`` (emit.write_plan_
 from __future__ import annotations
 
 import copy
-import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from onnx import numpy_helper
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.emit import save_stage, write_plan_folder
 from onnx_partition.plan import write_plan
 from onnx_partition.runtime.train.modules import load_program, program_names, require_trainable
@@ -72,7 +72,7 @@ def save_trained(
         program_file = folder / Path(plan.program).name
         torch.export.save(trained, program_file)
         new.model, new.program = model.name, program_file.name
-        new.program_sha256 = hashlib.sha256(program_file.read_bytes()).hexdigest()
+        new.program_sha256 = sha256_file(program_file)
         new.extra["trained_from"] = str(plan_dir.resolve())
         write_plan(new, folder)
 

@@ -35,10 +35,12 @@ from pathlib import Path
 import torch
 
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.fileio import atomic_write
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.folder import is_earlier_plan
+from onnx_partition.runtime.dist.launcher import check_world_size, torchrun_env
 from onnx_partition.runtime.infer.rank import choose_backend, layout
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.comm import Tensors
@@ -131,9 +133,8 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     plan = require_trainable(plan_dir)
     verify_plan_folder(plan_dir, plan)
     lay = layout(plan)
-    if nproc is not None and nproc != lay.world_size:
-        raise PartitionError(f"the plan has {lay.world_size} stage replicas "
-                             f"({' + '.join(map(str, lay.replicas))}); got {nproc} processes")
+    if nproc is not None:
+        check_world_size(lay.replicas, nproc)
     for what, value in (("step", steps), ("micro-batch", microbatches),
                         ("row per micro-batch", batch_size)):
         if value < 1:
@@ -188,9 +189,7 @@ def write_record(path: Path, stats: TrainStats, rows: int, device: str) -> None:
             "schedule": stats.schedule, "measured_iteration_ms": stats.measured_ms,
             "simulator_costs": {"forward_ms": stats.forward_ms,
                                 "backward_ms": stats.backward_ms}}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(body, indent=1) + "\n")
 
 
 def train_plan(
@@ -367,11 +366,12 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
     try:
         from onnx_partition.runtime.train.modules import require_trainable
 
+        env = torchrun_env()
         folder = args.plan.resolve()
         plan0 = require_trainable(folder)
         count = args.microbatches or int(plan0.predicted.get("microbatches", 4))
         rows = args.batch_size or default_batch_size(plan0)
-        plan = check_request(folder, nproc=int(os.environ.get("WORLD_SIZE", "0")) or None,
+        plan = check_request(folder, nproc=env.world_size,
                              steps=args.steps, microbatches=count, batch_size=rows,
                              schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
                              engine="ours")
@@ -380,13 +380,13 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
                              optimizer=args.optimizer, lr=args.lr, check_steps=checks,
                              verbose=True)
         build = functools.partial(plan_job, str(folder), rows * count, args.seed, args.check)
-        ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), args.backend))
+        ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), args.backend),
+                              env=env)
     except PartitionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a rank's failure under torchrun: name it, exit 1
-        rank = int(os.environ.get("RANK", "0"))
-        print(f"error: {layout(plan).name(rank)} failed: {one_line(exc)}", file=sys.stderr)
+        print(f"error: {layout(plan).name(env.rank)} failed: {one_line(exc)}", file=sys.stderr)
         return 1
     if ranks is None:
         return 0
