@@ -20,11 +20,10 @@ from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forwar
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import Shape, itemsize, shape_of
+from onnx_partition.plan.contracts import COSTS_FORMAT
 
 __all__ = ["COSTS_FORMAT", "NodeCosts", "annotate", "costs_device", "op_infos", "read_costs",
            "write_costs"]
-
-COSTS_FORMAT = "onnx-partition/costs@1"
 
 
 @dataclass(frozen=True)
