@@ -262,3 +262,12 @@ def test_cluster_file_keys_match_the_readme():
     start = readme.index('`{"format": "onnx-partition/cluster@1"') + 1
     example = json.loads(readme[start:readme.index("}}`", start) + 2].replace("\n", " "))
     ClusterSchema.model_validate(example)
+
+
+def test_no_plan_is_written_that_would_not_read_back():
+    body = Plan.from_json(old_plan()).to_json()
+    plan_text(body)
+    body["trainedfrom"] = "x"  # a key the code misspelled
+    with pytest.raises(PartitionError, match=r"^plan.json to be written: unknown key "
+                                             r"'trainedfrom' \(did you mean 'trained_from'\?\)$"):
+        plan_text(body)

@@ -184,9 +184,15 @@ def write_plan(plan: Plan, folder: Path) -> None:
 
 
 def plan_text(body: dict[str, Any]) -> str:
-    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written)."""
+    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written),
+    checked against the schema first, so that no plan is written that would not read back (a
+    key the schema does not declare is named)."""
     try:
-        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+        text = json.dumps(body, indent=1, allow_nan=False) + "\n"
     except ValueError as exc:
         raise PartitionError(f"plan.json would hold a non-finite number: {exc}") from None
+    from onnx_partition.plan.schema import validate_plan  # pydantic: loaded when first needed
+
+    validate_plan(body, "plan.json to be written")
+    return text
 
