@@ -1,5 +1,7 @@
 """plan.json, cluster.json and costs.json against their declared schemas: the offending field is
-named in one line, unknown keys pass, and no NaN or Infinity gets into a plan."""
+named in one line, an unknown key is an error naming it, and no NaN or Infinity gets into a plan.
+(Declarations and defaults agreeing with the code, old files, run and stage-costs files:
+tests/test_contracts.py.)"""
 
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ PLAN_CASES = [
     ("predicted.bottleneck_ms", "fast", "predicted.bottleneck_ms: Input should be a valid number"),
     ("inputs.0.shape", [2**40, 4], "inputs[0].shape[0]: Input should be less than or equal to"),
     ("input_shapes.x", [2**31 - 1, 2**31 - 1], "input_shapes.x: more than"),
-    ("link.bandwidth_gbps", math.nan, "link.bandwidth_gbps: NaN and Infinity are not allowed"),
+    ("link.bandwidth_gbps", math.nan, "link.bandwidth_gbps: Input should be a finite number"),
+    ("costs.measured_nodes", math.nan, "costs.measured_nodes: NaN and Infinity are not allowed"),
+    ("link.latency_ms", "0", "link.latency_ms: Input should be a valid number, got '0'"),
 ]
 
 
@@ -77,15 +81,66 @@ def test_plan_fields_are_checked_by_name(capsys, plan_dir, path, value, message)
         (plan_dir / "plan.json").write_text(saved)
 
 
-def test_unknown_keys_are_allowed_everywhere(plan_dir):
+def test_declared_free_keys_pass(plan_dir):
+    """plan.json's keys beyond the Plan fields are declared; free data lives under them."""
     body = json.loads((plan_dir / "plan.json").read_text())
     body["program"], body["program_sha256"] = "model.pt2", "0" * 64
-    body["stages"][0]["fx_units"] = [1, 2]
+    body["trained_from"] = "/somewhere/plan"
+    body["costs"]["anything"] = [1, 2]
     validate_plan(body)
-    validate_cluster({"machines": 2, "device_model": "H100", "intra": {"bandwidth_gbps": 1,
-                                                                       "nic": "x"}})
-    validate_costs({"fingerprint": "abc", "device_model": "cpu",
-                    "nodes": {"a": {"forward_ms": 1, "calls": 3}}})
+    validate_cluster({"machines": 2, "intra": {"bandwidth_gbps": 1}})
+    validate_costs({"fingerprint": "sha256:abc", "device": "cpu", "settings": {"x": 1},
+                    "nodes": {"a": {"forward_ms": 1}}})
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (("top", "plan_sha256", "0"), "plan.json: unknown key 'plan_sha256' (did you mean "
+                                  "'program_sha256'?)"),
+    (("stage", "replica", 2), "plan.json: stages[0]: unknown key 'replica' (did you mean "
+                              "'replicas'?)"),
+    (("stage", "fx_units", [1]), "plan.json: stages[0]: unknown key 'fx_units'"),
+    (("io", "dtyp", "float32"), "plan.json: inputs[0]: unknown key 'dtyp' (did you mean "
+                                "'dtype'?)"),
+    (("predicted", "compute", 1.0), "plan.json: stages[0].predicted: unknown key 'compute' "
+                                    "(did you mean 'compute_ms'?)"),
+    (("link", "latency", 1.0), "plan.json: link: unknown key 'latency' (did you mean "
+                               "'latency_ms'?)"),
+])
+def test_a_misspelled_plan_key_is_named(plan_dir, body, message):
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    where, key, value = body
+    {"top": plan, "stage": plan["stages"][0], "io": plan["inputs"][0],
+     "predicted": plan["stages"][0]["predicted"], "link": plan["link"]}[where][key] = value
+    with pytest.raises(PartitionError) as info:
+        validate_plan(plan)
+    assert str(info.value) == message
+
+
+def test_a_misspelled_cluster_key_is_named(capsys, tmp_path):
+    """The issue's case: ``memory_gbs`` was ignored and the default (unlimited) used."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    bad = tmp_path / "bad.json"
+    for body, message in [
+        ({"machines": 2, "memory_gbs": 8}, "unknown key 'memory_gbs' (did you mean "
+                                           "'memory_gb'?)"),
+        ({"intra": {"bandwidth_gbps": 5, "latancy_ms": 1}}, "intra: unknown key 'latancy_ms' "
+                                                             "(did you mean 'latency_ms'?)"),
+    ]:
+        bad.write_text(json.dumps(body))
+        err = one_error(capsys, ["partition", model, "--batch-size", "2", "--cluster", bad,
+                                 "-o", tmp_path / "out"], message)
+        assert f"cluster file {bad}: {message}" in err
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelled_costs_key_is_named(capsys, tmp_path):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    (tmp_path / "c.json").write_text(json.dumps({"nodes": {"a": {"forward_ms": 1,
+                                                                 "backwards_ms": 2}}}))
+    one_error(capsys, ["partition", model, "-s", "2", "--batch-size", "2", "--costs",
+                       tmp_path / "c.json", "-o", tmp_path / "out"],
+              f"costs file {tmp_path / 'c.json'}: nodes.a: unknown key 'backwards_ms' (did you "
+              "mean 'backward_ms'?)")
 
 
 CLUSTER_CASES = [

@@ -26,11 +26,10 @@ from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.fileio import atomic_write
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import Shape, itemsize, shape_of
+from onnx_partition.plan.contracts import COSTS_FORMAT
 
 __all__ = ["COSTS_FORMAT", "CostsFile", "CostsLike", "NodeCosts", "annotate", "costs_device",
            "load_costs", "op_infos", "read_costs", "write_costs"]
-
-COSTS_FORMAT = "onnx-partition/costs@1"
 
 
 @dataclass(frozen=True)

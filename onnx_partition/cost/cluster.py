@@ -19,43 +19,24 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
+from onnx_partition.plan.contracts import CLUSTER_FORMAT, ClusterFields, Link
 from onnx_partition.values import MAX_BYTES, Rule, check
 
 __all__ = ["FORMAT", "Cluster", "Link", "load_cluster", "parse_bytes"]
 
-FORMAT = "onnx-partition/cluster@1"
+FORMAT = CLUSTER_FORMAT
 
 
 @dataclass(frozen=True)
-class Link:
-    """A link between devices (the default: between neighbouring stages on one machine; CPU
-    processes there copy at memory speed)."""
-
-    bandwidth_gbps: float = 10.0  # GB/s; 0 means unlimited
-    latency_ms: float = 0.02
-
-    @property
-    def bytes_per_ms(self) -> float:
-        return self.bandwidth_gbps * 1e6 if self.bandwidth_gbps > 0 else math.inf
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``machines`` x ``devices_per_machine`` identical devices."""
-
-    machines: int = 1
-    devices_per_machine: int = 1
-    memory_gb: float = math.inf
-    speed: float = 1.0
-    kind: str = "cpu"
-    intra: Link = field(default_factory=Link)
-    inter: Link = field(default_factory=lambda: Link(1.25, 0.05))
-    gpu: str | None = None  # the GPU of the analytic costs (cost/devices.py), kind "cuda"
+class Cluster(ClusterFields):
+    """``machines`` x ``devices_per_machine`` identical devices: the fields and defaults of
+    :class:`~onnx_partition.plan.contracts.ClusterFields` (declared once, with cluster.json's
+    schema reading them), and how stages are placed on them."""
 
     def __post_init__(self) -> None:
         if self.machines < 1 or self.devices_per_machine < 1:

@@ -35,14 +35,13 @@ from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.pipeline.from_plan import default_schedule, simulate_plan
 from onnx_partition.pipeline.simulate import SimResult
 from onnx_partition.plan import DEFAULT_MICROBATCHES, Plan
+from onnx_partition.plan.contracts import RUN_FORMAT
 
 __all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_comparison",
            "idle_replicas_note", "measured_json", "partition_json", "plan_batch_size",
            "plan_microbatches", "predict", "ratios", "read_run", "run_json",
            "run_shape", "simulate_json", "simulation_json"]
 
-#: Micro-batches per iteration of a plan that does not say (partition's default).
-RUN_FORMAT = "onnx-partition/run@1"
 
 
 @dataclass(frozen=True)
@@ -222,18 +221,14 @@ def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
 
 
 def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A ``run --json`` file, checked enough to render."""
+    """A ``run --json`` file, checked against its schema
+    (:class:`~onnx_partition.plan.schema.RunSchema`: a misspelled key is named)."""
     body = read_json(path, "run")
     if not isinstance(body, dict) or body.get("format") != RUN_FORMAT:
         raise PartitionError(f"{path} is not a `run --json` file (format {RUN_FORMAT})")
-    for key in ("batch_size", "microbatches"):
-        if not isinstance(body.get(key), int) or body[key] < 1:
-            raise PartitionError(f"{path}: '{key}' must be a positive integer")
-    for part in ("measured", "predicted"):
-        entry = body.get(part)
-        if not isinstance(entry, dict) or not {"iteration_ms", "samples_per_s",
-                                               "stages"} <= set(entry):
-            raise PartitionError(f"{path}: '{part}' needs iteration_ms, samples_per_s, stages")
+    from onnx_partition.plan.schema import validate_run  # pydantic: loaded when first needed
+
+    validate_run(body, str(path))
     return body
 
 

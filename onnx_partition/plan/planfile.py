@@ -1,21 +1,29 @@
 """The plan: which nodes go to which stage, and plan.json (the contract) read and written,
-validated by :mod:`onnx_partition.plan.schema`."""
+validated by :mod:`onnx_partition.plan.schema`.
+
+plan.json's fields and defaults are declared once, in :mod:`onnx_partition.plan.contracts`
+(:class:`Stage`, :class:`IOSpec`, :class:`Predicted` are re-exported here); the schema reads its
+defaults from there, and pydantic is loaded only when a plan is read. Keys of plan.json beyond
+:class:`Plan`'s fields live in :attr:`Plan.extra` (in file order, so a plan reads and writes
+back byte for byte); the schema declares each of them, and the typed properties read them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.fileio import atomic_write
+from onnx_partition.plan.contracts import PLAN_FORMAT, IOSpec, PlanFields, Predicted, Stage
 
 __all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec",
            "Plan", "Predicted", "Stage", "plan_text", "read_plan", "write_plan"]
 
-FORMAT = "onnx-partition/plan@1"
+FORMAT = PLAN_FORMAT
 PLAN_FILE = "plan.json"
 #: Micro-batches per iteration of a plan that records none (:attr:`Plan.microbatches`).
 DEFAULT_MICROBATCHES = 8
@@ -24,54 +32,13 @@ REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a pla
 
 
 @dataclass
-class Predicted:
-    compute_ms: float
-    comm_ms: float
-    memory_bytes: int
-
-
-@dataclass
-class Stage:
-    index: int
-    file: str
-    nodes: list[str]  # node keys cut into this stage, in topological order
-    inputs: list[str]
-    outputs: list[str]
-    replicas: int = 1
-    devices: list[str] = field(default_factory=lambda: ["cpu"])
-    predicted: Predicted | None = None
-    constants: list[str] = field(default_factory=list)  # free nodes copied into this stage
-    sha256: str = ""
-
-
-@dataclass
-class IOSpec:
-    """A graph input or output: name, ONNX dtype name, shape (a string for a symbolic dim)."""
-
-    name: str
-    dtype: str
-    shape: list[int | str]
-    high: int | None = None  # integer inputs: exclusive upper bound of valid values, if known
-
-
-@dataclass
-class Plan:
-    model: str
-    stages: list[Stage]
-    inputs: list[IOSpec]
-    outputs: list[IOSpec]
-    mode: str = "infer"
-    ordering: str = "topo"
-    solver: str = "dp"
-    predicted: dict[str, float] = field(default_factory=dict)
-    # the torch program exported with the model (onnx_partition.export), relative to the plan
-    # folder, and its sha256; empty when the model has none (then the plan cannot be trained)
-    program: str = ""
-    program_sha256: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)  # costs source, candidates, versions
+class Plan(PlanFields):
+    """A plan: :class:`~onnx_partition.plan.contracts.PlanFields` (plan.json's own fields), the
+    typed properties of the keys it keeps in ``extra``, and plan.json read and written."""
 
     # The keys of ``extra`` that readers rely on, typed. They stay in ``extra`` so that
-    # plan.json keeps its key order; a value of the wrong JSON type reads as absent.
+    # plan.json keeps its key order; the schema checks their types when a plan is read, and a
+    # value of the wrong JSON type (a Plan built in code) reads as absent.
 
     @property
     def input_shapes(self) -> dict[str, list[int]]:
@@ -182,41 +149,27 @@ class Plan:
             raise PartitionError("plan.json has no onnx-partition/plan format tag")
         from onnx_partition.plan.schema import validate_plan  # pydantic: loaded when first needed
 
-        validate_plan(body)
-        known = {"model", "stages", "inputs", "outputs", "mode", "ordering", "solver", "predicted",
-                 "program", "program_sha256"}
+        validate_plan(body)  # every key declared: a misspelled one is an error naming it
+        known = _PLAN_FIELDS - {"extra"}
         try:
             stages = []
             for raw in body["stages"]:
-                raw = {k: v for k, v in raw.items() if k in _STAGE_FIELDS}
-                pred = raw.pop("predicted", None)
-                stages.append(Stage(**raw, predicted=Predicted(**pred) if pred else None))
-            return cls(
-                model=body["model"],
-                stages=stages,
-                inputs=[_io(x) for x in body.get("inputs", [])],
-                outputs=[_io(x) for x in body.get("outputs", [])],
-                mode=body.get("mode", "infer"),
-                ordering=body.get("ordering", "topo"),
-                solver=body.get("solver", "dp"),
-                predicted=body.get("predicted", {}),
-                program=body.get("program", ""),
-                program_sha256=body.get("program_sha256", ""),
-                extra={k: v for k, v in body.items() if k not in known | {"format"}},
-            )
+                pred = raw.get("predicted")
+                stages.append(Stage(**{**raw, "predicted": Predicted(**pred) if pred else None}))
+            given = {k: v for k, v in body.items() if k in known}  # absent: the defaults here
+            return cls(**{**given, "stages": stages,
+                          "inputs": [IOSpec(**x) for x in body.get("inputs", [])],
+                          "outputs": [IOSpec(**x) for x in body.get("outputs", [])]},
+                       extra={k: v for k, v in body.items() if k not in known | {"format"}})
         except (KeyError, TypeError) as exc:
             raise PartitionError(f"plan.json is malformed: {exc}") from None
 
 
-_STAGE_FIELDS = {f.name for f in fields(Stage)}
+_PLAN_FIELDS = {f.name for f in fields(Plan)}
 
 
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
-
-
-def _io(raw: dict[str, Any]) -> IOSpec:
-    return IOSpec(**{k: v for k, v in raw.items() if k in {f.name for f in fields(IOSpec)}})
 
 
 def read_plan(folder: str | os.PathLike[str]) -> Plan:
@@ -234,9 +187,15 @@ def write_plan(plan: Plan, folder: Path) -> None:
 
 
 def plan_text(body: dict[str, Any]) -> str:
-    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written)."""
+    """plan.json's text: strict JSON (a NaN or Infinity is a PartitionError, never written),
+    checked against the schema first, so that no plan is written that would not read back (a
+    key the schema does not declare is named)."""
     try:
-        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+        text = json.dumps(body, indent=1, allow_nan=False) + "\n"
     except ValueError as exc:
         raise PartitionError(f"plan.json would hold a non-finite number: {exc}") from None
+    from onnx_partition.plan.schema import validate_plan  # pydantic: loaded when first needed
+
+    validate_plan(body, "plan.json to be written")
+    return text
 

@@ -39,6 +39,7 @@ from onnx_partition.fileio import atomic_write
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
+from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
 from onnx_partition.runtime.dist.launcher import check_world_size, torchrun_env
 from onnx_partition.runtime.infer.rank import choose_backend, layout
@@ -165,7 +166,7 @@ def check_save(plan_dir: Path, out: Path) -> None:
         raise PartitionError(f"--save {out}: the folder exists and is not an earlier plan")
 
 
-RECORD_FORMAT = "onnx-partition/stage-costs@1"
+RECORD_FORMAT = STAGE_COSTS_FORMAT  # declared in plan.schema.StageCostsSchema
 
 
 def check_record(path: Path) -> None:
@@ -183,12 +184,16 @@ def check_record(path: Path) -> None:
 def write_record(path: Path, stats: TrainStats, rows: int, device: str) -> None:
     """The measured per-stage times (per micro-batch of ``rows`` rows on one replica) in the
     ``simulator_costs`` form that plan.json accepts (``onnx_partition.pipeline.from_plan``), written
-    atomically."""
+    atomically; the body is checked against its schema
+    (:class:`~onnx_partition.plan.schema.StageCostsSchema`) first."""
+    from onnx_partition.plan.schema import validate_stage_costs
+
     body = {"format": RECORD_FORMAT, "unit": "ms", "device": device,
             "rows_per_microbatch": rows, "microbatches": stats.microbatches,
             "schedule": stats.schedule, "measured_iteration_ms": stats.measured_ms,
             "simulator_costs": {"forward_ms": stats.forward_ms,
                                 "backward_ms": stats.backward_ms}}
+    validate_stage_costs(body, f"--record {path}")
     atomic_write(path, json.dumps(body, indent=1) + "\n")
 
 
