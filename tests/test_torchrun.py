@@ -1,8 +1,11 @@
-"""The torchrun entry of the distributed runtime: ``python -m onnx_partition.runtime.distributed``
-under real ``torchrun`` (gloo, two ranks), and run's input handling and error lines."""
+"""The torchrun entries (:mod:`onnx_partition.cli.torchrun`): ``python -m
+onnx_partition.runtime.distributed`` and ``python -m onnx_partition.train.runtime`` under real
+``torchrun`` (gloo, two ranks), their options (the verbs' own), run's input handling, the
+torchrun environment and the verbs' error lines."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.cli import verb_parsers
 from support.graphs import CHAIN, save
 from support.outputs import assert_same, run_whole
 
+from onnx_partition.cli.args import build_parser, rank_parser
+from onnx_partition.cli.torchrun import infer_main, train_main
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.partition import partition
 from onnx_partition.runtime.dist.launcher import (
@@ -22,12 +28,18 @@ from onnx_partition.runtime.dist.launcher import (
     rank_result,
     torchrun_env,
 )
-from onnx_partition.runtime.dist.torchrun import torchrun_main
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What torchrun sets for rank 0 of 2 on one machine.
 TORCHRUN_RANK0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
@@ -40,17 +52,46 @@ def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
     (tmp_path / "plan" / "plan.json").write_text(json.dumps(body))
     x = np.random.default_rng(3).standard_normal((6, 4)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "onnx_partition.runtime.distributed", str(tmp_path / "plan"), "--iterations", "1",
-         "--microbatches", "3", "--input", f"x={tmp_path / 'x.npy'}",
-         "--output-dir", str(tmp_path / "out"), "--device", "cpu"],
-        env=env, capture_output=True, text=True, timeout=120)
+    done = _torchrun("-m", "onnx_partition.runtime.distributed", str(tmp_path / "plan"),
+                     "--iterations", "1", "--microbatches", "3", "--input",
+                     f"x={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path / "out"),
+                     "--device", "cpu")
     assert done.returncode == 0, done.stderr
     assert "2 ranks (gloo), batch 6 in 3 micro-batches" in done.stdout
     assert "rank 1 stage 1 replica 0 (cpu)" in done.stdout
     assert_same({"y": np.load(tmp_path / "out" / "y.npy")}, run_whole(model, {"x": x}))
+
+
+def test_two_training_ranks_under_torchrun_match_single_process_training(exported, tmp_path):
+    plan = tmp_path / "plan"
+    partition(exported("gpt"), 2, plan, batch_size=2, mode="train")
+    done = _torchrun("-m", "onnx_partition.train.runtime", str(plan), "--steps", "2",
+                     "--microbatches", "2", "--batch-size", "2", "--check")
+    assert done.returncode == 0, done.stderr
+    assert "2 ranks (ours engine, 1f1b), batch 4 = 2 micro-batches x 2 rows" in done.stdout
+    assert "check against single-process training after step 1: OK" in done.stdout
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+@pytest.mark.parametrize("verb", ["run", "train"])
+def test_a_rank_takes_its_verbs_options(verb):
+    """One declaration: every option a rank shares with its verb is the verb's (flags, default,
+    type, choices, help); a rank adds only how it joins its peers and where rank 0 saves."""
+    theirs = _options(verb_parsers(build_parser({}.fromkeys(
+        ("export", "profile", "partition", "run", "train", "simulate", "report", "demo"),
+        lambda args: 0)))[verb])
+    ours = _options(rank_parser(verb))
+    assert set(ours) - set(theirs) == ({"backend", "output_dir"} if verb == "run"
+                                       else {"backend"})
+    for dest in set(ours) & set(theirs):
+        a, b = ours[dest], theirs[dest]
+        assert (a.option_strings, a.default, a.type, a.choices) == \
+            (b.option_strings, b.default, b.type, b.choices), dest
+        if dest != "timeout":  # run's says "with --nproc: " first
+            assert a.help == b.help, dest
 
 
 def test_a_bad_input_file_is_one_error_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
@@ -58,13 +99,27 @@ def test_a_bad_input_file_is_one_error_line_and_exit_code_2(tmp_path, monkeypatc
     for name, value in TORCHRUN_RANK0.items():
         monkeypatch.setenv(name, value)
     missing = tmp_path / "missing.npy"
-    assert torchrun_main([str(tmp_path / "plan"), "--input", f"x={missing}"]) == 2
+    assert infer_main([str(tmp_path / "plan"), "--input", f"x={missing}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --input 'x={missing}': cannot read {missing}")
     assert err.count("\n") == 1
-    assert torchrun_main([str(tmp_path / "plan"), "--input", "z=a.npy"]) == 2
+    assert infer_main([str(tmp_path / "plan"), "--input", "z=a.npy"]) == 2
     assert capsys.readouterr().err == ("error: --input 'z=a.npy': expected NAME=FILE.npy with "
                                        "NAME one of x\n")
+    assert infer_main([str(tmp_path / "plan"), "--iterations", "nan"]) == 2  # run's checks
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_training_an_inference_plan_is_one_error_line_and_exit_code_2(tmp_path, monkeypatch,
+                                                                       capsys):
+    partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "plan", batch_size=2)
+    for name, value in TORCHRUN_RANK0.items():
+        monkeypatch.setenv(name, value)
+    assert train_main([str(tmp_path / "plan")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--mode train" in err and err.count("\n") == 1
+    assert train_main([str(tmp_path / "plan"), "--lr", "nan"]) == 2  # train's checks
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_torchrun_env_reads_what_torchrun_sets():
@@ -107,7 +162,7 @@ def test_a_rank_without_the_environment_is_bad_input(tmp_path, monkeypatch, caps
     partition(save(CHAIN, tmp_path / "m.onnx"), 2, tmp_path / "plan", batch_size=2)
     for name in TORCHRUN_RANK0:
         monkeypatch.delenv(name, raising=False)
-    assert torchrun_main([str(tmp_path / "plan")]) == 2
+    assert infer_main([str(tmp_path / "plan")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: WORLD_SIZE is not set: start each rank with torchrun")
     assert err.count("\n") == 1

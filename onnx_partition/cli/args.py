@@ -1,7 +1,10 @@
 """The ``onnx-partition`` command line's arguments: the parser, with a sub-parser per verb
-(export, profile, partition, run, train, simulate, report, demo), and the values that options
-describe together (a cluster, input shapes). What each verb does is in :mod:`onnx_partition.cli`;
-every numeric option is checked by :func:`onnx_partition.values.install`.
+(export, profile, partition, run, train, simulate, report, demo), the parsers of a torchrun rank
+of ``run`` and of ``train`` (:func:`rank_parser`, the same option functions), and the values that
+options describe together (a cluster, input shapes). What each verb does is in
+:mod:`onnx_partition.cli.verbs`; every numeric option is checked by
+:func:`onnx_partition.values.install`. Building a parser imports no runtime or solver (no torch,
+onnxruntime or OR-Tools).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from pathlib import Path
 from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
+from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS, SCHEDULES
 
-__all__ = ["build_parser", "chunks_of", "cluster_of", "input_shapes_of"]
+__all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "input_shapes_of",
+           "rank_parser"]
 
 log = logging.getLogger("onnx_partition")
 
@@ -40,6 +45,23 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
         p = verbs.add_parser(name, help=summary)
         add_args(p)
         p.set_defaults(func=commands[name])
+    return parser
+
+
+#: The ``python -m`` module that runs one torchrun rank of each verb that has one.
+RANK_ENTRIES = {"run": "onnx_partition.runtime.distributed",
+                "train": "onnx_partition.train.runtime"}
+
+
+def rank_parser(verb: str) -> argparse.ArgumentParser:
+    """The options of one rank of ``verb`` (run or train) under ``torchrun``
+    (:mod:`onnx_partition.cli.torchrun`): the verb's own, less those of a whole run started
+    here (--nproc and the like), plus --backend."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {RANK_ENTRIES[verb]}", formatter_class=_Help,
+        description=f"One rank of `onnx-partition {verb}` across processes or machines: start "
+                    "one per stage replica with torchrun.")
+    {"run": _run_args, "train": _train_args}[verb](parser, True)
     return parser
 
 
@@ -216,7 +238,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
 
 
-def _run_args(p: argparse.ArgumentParser) -> None:
+def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
+    """``run``'s options; ``rank``: those of one torchrun rank of such a run (no --warmup,
+    --nproc, --check, --json; --backend and --output-dir instead)."""
     p.add_argument("plan", type=Path, help="plan folder (from partition)")
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: the plan's); an iteration feeds "
@@ -224,31 +248,55 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int,
                    help="micro-batches per iteration (default: the plan's, else 8)")
     p.add_argument("--iterations", type=int, default=10, help="timed iterations")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    if not rank:
+        p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--threads-per-stage", type=int, default=1,
                    help="onnxruntime intra-op threads per stage replica")
-    p.add_argument("--nproc", type=int,
-                   help="run one process per stage replica over torch.distributed (gloo on "
-                        "CPU, NCCL on GPUs) instead of threads; must equal the plan's replicas "
-                        "in total (torchrun's --nproc-per-node is per machine)")
+    if not rank:
+        p.add_argument("--nproc", type=int,
+                       help="run one process per stage replica over torch.distributed (gloo on "
+                            "CPU, NCCL on GPUs) instead of threads; must equal the plan's "
+                            "replicas in total (torchrun's --nproc-per-node is per machine)")
     p.add_argument("--device", choices=("cpu",),
                    help="run every stage on this device instead of the plan's: cpu checks a "
                         "CUDA plan's numerics on a machine without a GPU")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="feed an input from a .npy file (repeatable); others are random")
-    p.add_argument("--check", action="store_true",
-                   help="compare outputs with the whole model run in one session")
+    if not rank:
+        p.add_argument("--check", action="store_true",
+                       help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--timeout", type=float, default=60.0,
-                   help="with --nproc: seconds a rank may block on one operation or stay "
-                        "silent before the run fails naming it")
-    _json_arg(p)
+                   help=f"{'' if rank else 'with --nproc: '}seconds a rank may block on one "
+                        "operation or stay silent before the run fails naming it")
+    if rank:
+        _backend_arg(p)
+        p.add_argument("--output-dir", type=Path, help="rank 0 saves the outputs here as .npy")
+    else:
+        _json_arg(p)
 
 
-def _train_args(p: argparse.ArgumentParser) -> None:
-    from onnx_partition.runtime.train.trainer import ENGINES, add_train_args
-
-    add_train_args(p)
+def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
+    """``train``'s options; ``rank``: those of one torchrun rank of a training run (no --nproc,
+    --save, --record, --engine; --backend instead)."""
+    p.add_argument("plan", type=Path, help="a train-mode plan folder (partition --mode train)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per step (default: the plan's, else 4)")
+    p.add_argument("--batch-size", type=int,
+                   help="rows per micro-batch (default: as partitioned); a step takes "
+                        "batch-size x microbatches rows")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="the pipeline schedule every rank executes (the simulator's)")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches")
+    p.add_argument("--check", action="store_true",
+                   help="dropout off; parameters after step 1 (and 3) must equal "
+                        "single-process training (exit 1 otherwise)")
+    if rank:
+        _backend_arg(p)
+        return
     p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
     p.add_argument("--save", type=Path, metavar="OUT",
                    help="write the trained weights as a new plan folder that `run` serves")
@@ -258,6 +306,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="ours (any plan); torch (torch.distributed.pipelining) is refused "
                         "for now, see docs/design.md")
+
+
+def _backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("gloo", "nccl"),
+                   help="default: nccl when every rank has its own GPU, else gloo")
 
 
 def _simulate_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""One rank of a distributed inference run under ``torchrun``, on one machine or several.
+"""One rank of a distributed inference run under ``torchrun``, on one machine or several:
+:func:`main_worker`, which the entry :func:`onnx_partition.cli.torchrun.infer_main` calls.
 
 **Several machines** (the plan folder copied to each; devices name local devices)::
 
@@ -7,23 +8,17 @@
 
 ``--nproc-per-node`` times ``--nnodes`` must equal the plan's replicas in total (set
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
-``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. Rank 0 prints the
-figures; ``--output-dir`` saves the outputs as ``.npy``; ``--device cpu`` runs every rank on
-CPU whatever the plan's devices. Rank 0's inputs are ``run``'s
-(:func:`onnx_partition.cli.verbs.run_feeds`), and errors end the rank as ``run``'s do
-(:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit code 2 for bad input, 1 for a
-failed run), so torchrun stops the others. The environment is read, the world size checked and
-the rank's result judged by the rules the local launcher shares
-(:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`, ``check_world_size``,
-``rank_result``).
+``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. The entry takes
+``run``'s options; rank 0 feeds ``run``'s inputs, prints the figures and saves the outputs. The
+environment is read, the world size checked and the rank's result judged by the rules the local
+launcher shares (:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`,
+``check_world_size``, ``rank_result``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +38,6 @@ from onnx_partition.runtime.infer.rank import (
     RankConfig,
     check_feeds,
     choose_backend,
-    format_stats,
     layout,
     on_device,
     serve_rank,
@@ -96,56 +90,3 @@ def main_worker(
     except Exception as exc:
         raise StageFailed(f"{lay.name(rank)} failed: {one_line(exc)}") from exc
     return rank_result(rank, result, "the inference ranks")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m onnx_partition.runtime.distributed",
-        description="One rank of a distributed pipeline run (start it with torchrun).")
-    parser.add_argument("plan", type=Path)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per micro-batch (default: the plan's)")
-    parser.add_argument("--microbatches", type=int, default=None,
-                        help="micro-batches per iteration (default: the plan's)")
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    parser.add_argument("--device", choices=["cpu"], default=None,
-                        help="run every rank on this device, whatever the plan's")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per operation")
-    parser.add_argument("--output-dir", type=Path, help="rank 0 saves the outputs here as .npy")
-    return parser
-
-
-def _rank(args: argparse.Namespace) -> int:
-    """Run this rank; rank 0 prints the figures and saves the outputs if asked."""
-    from onnx_partition.cli.verbs import run_feeds
-    from onnx_partition.pipeline.predict import run_shape
-
-    env = torchrun_env()
-    plan = read_plan(args.plan)
-    shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
-    feeds = (run_feeds(plan, args.input, rows=shape.rows, seed=args.seed)
-             if env.rank == 0 else None)
-    result = main_worker(args.plan, feeds, microbatches=shape.microbatches,
-                         iterations=args.iterations, backend=args.backend,
-                         timeout_s=args.timeout, device=args.device, env=env)
-    if result is not None:
-        outputs, stats = result
-        print(format_stats(stats))
-        if args.output_dir is not None:
-            args.output_dir.mkdir(parents=True, exist_ok=True)
-            for name, value in outputs.items():
-                np.save(args.output_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.npy", value)
-    return 0
-
-
-def torchrun_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m onnx_partition.runtime.distributed PLAN ...``: this rank's exit code."""
-    from onnx_partition import values
-    from onnx_partition.cli.verbs import guarded
-
-    parser = _parser()
-    values.install(parser)  # the numeric options checked as ``run``'s are
-    return guarded(lambda: _rank(parser.parse_args(argv)))

@@ -51,13 +51,13 @@ from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.infer.rank import Layout, layout
+from onnx_partition.runtime.train.choices import SCHEDULES
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.reference import make_optimizer
 
 __all__ = ["SCHEDULES", "Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
            "build_schedule", "microbatch", "step_line", "tied_groups", "train_stages"]
 
-SCHEDULES = ("1f1b", "gpipe")
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
 Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
 

@@ -18,13 +18,11 @@ import torch
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.choices import OPTIMIZERS
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "reference_train", "split_rows"]
-
-#: Optimizers by CLI name; both sides of ``--check`` build theirs with :func:`make_optimizer`.
-OPTIMIZERS = ("sgd", "adamw")
 
 Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 

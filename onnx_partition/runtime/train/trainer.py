@@ -15,26 +15,25 @@ plan's predicted costs and from the measured stage times.
 trained in one process on the same batches (``reference_train``). ``--save`` writes replica 0
 of every stage back as a servable plan folder (``save_trained``).
 
-Several machines (the plan folder on each)::
+Several machines (the plan folder on each): :func:`train_rank` is one rank under ``torchrun``,
+started through the entry :func:`onnx_partition.cli.torchrun.train_main`::
 
     torchrun --nnodes 2 --node-rank R --nproc-per-node N --master-addr HOST \\
-        -m onnx_partition.runtime.train.trainer PLAN --steps 10 --microbatches 8 --batch-size 4
+        -m onnx_partition.train.runtime PLAN --steps 10 --microbatches 8 --batch-size 4
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.fileio import atomic_write
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
@@ -44,10 +43,10 @@ from onnx_partition.plan.folder import is_earlier_plan
 from onnx_partition.runtime.dist.launcher import check_world_size, torchrun_env
 from onnx_partition.runtime.infer.rank import choose_backend, layout
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
+from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS, SCHEDULES
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.rank import (
-    SCHEDULES,
     Batches,
     LossFn,
     RankResult,
@@ -56,11 +55,9 @@ from onnx_partition.runtime.train.rank import (
     build_schedule,
     train_stages,
 )
-from onnx_partition.runtime.train.reference import OPTIMIZERS
 
-__all__ = ["TrainStats", "format_train", "train_plan", "train_stages"]
+__all__ = ["TrainStats", "format_train", "train_plan", "train_rank", "train_stages"]
 
-ENGINES = ("ours", "torch")
 CHECK_STEPS = (1, 3)
 
 
@@ -339,69 +336,54 @@ def format_train(stats: TrainStats) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- torchrun entry point
+# ---------------------------------------------------------------- one rank under torchrun
 
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    """The options of ``onnx-partition train`` and of this module under torchrun."""
-    p.add_argument("plan", type=Path, help="a train-mode plan folder (partition --mode train)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--microbatches", type=int,
-                   help="micro-batches per step (default: the plan's, else 4)")
-    p.add_argument("--batch-size", type=int,
-                   help="rows per micro-batch (default: as partitioned); a step takes "
-                        "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
-                   help="the pipeline schedule every rank executes (the simulator's)")
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches")
-    p.add_argument("--check", action="store_true",
-                   help="dropout off; parameters after step 1 (and 3) must equal "
-                        "single-process training (exit 1 otherwise)")
+def train_rank(
+    plan_dir: str | os.PathLike[str],
+    *,
+    steps: int = 10,
+    microbatches: int | None = None,
+    batch_size: int | None = None,
+    schedule: str = "1f1b",
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    check: bool = False,
+    seed: int = 0,
+    backend: str | None = None,
+) -> TrainStats | None:
+    """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT from the environment, read by
+    :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`; the entry is
+    :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
+    :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
+    ``check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
+    rank's stage and replica when it fails."""
+    from onnx_partition.runtime.train.modules import require_trainable
 
-
-def torchrun_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onnx_partition.runtime.train.trainer",
-                                     description="One rank of a training run (under torchrun).")
-    add_train_args(parser)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                        help="default: nccl when every rank has its own GPU, else gloo")
-    args = parser.parse_args(argv)
+    env = torchrun_env()
+    folder = Path(plan_dir).resolve()
+    plan0 = require_trainable(folder)
+    count = microbatches or int(plan0.predicted.get("microbatches", 4))
+    rows = batch_size or default_batch_size(plan0)
+    plan = check_request(folder, nproc=env.world_size, steps=steps, microbatches=count,
+                         batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
+                         engine="ours")
+    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
+    config = TrainConfig(steps=steps, microbatches=count, schedule=schedule,
+                         optimizer=optimizer, lr=lr, check_steps=checks, verbose=True)
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check)
     try:
-        from onnx_partition.runtime.train.modules import require_trainable
-
-        env = torchrun_env()
-        folder = args.plan.resolve()
-        plan0 = require_trainable(folder)
-        count = args.microbatches or int(plan0.predicted.get("microbatches", 4))
-        rows = args.batch_size or default_batch_size(plan0)
-        plan = check_request(folder, nproc=env.world_size,
-                             steps=args.steps, microbatches=count, batch_size=rows,
-                             schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
-                             engine="ours")
-        checks = tuple(s for s in CHECK_STEPS if s <= args.steps) if args.check else ()
-        config = TrainConfig(steps=args.steps, microbatches=count, schedule=args.schedule,
-                             optimizer=args.optimizer, lr=args.lr, check_steps=checks,
-                             verbose=True)
-        build = functools.partial(plan_job, str(folder), rows * count, args.seed, args.check)
-        ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), args.backend),
+        ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), backend),
                               env=env)
-    except PartitionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a rank's failure under torchrun: name it, exit 1
-        print(f"error: {layout(plan).name(env.rank)} failed: {one_line(exc)}", file=sys.stderr)
-        return 1
+    except PartitionError:
+        raise
+    except Exception as exc:  # this rank's failure: name it (the entry exits 1)
+        raise StageFailed(f"{layout(plan).name(env.rank)} failed: {one_line(exc)}") from exc
     if ranks is None:
-        return 0
+        return None
     stats = summarize(plan, ranks, config, rows * count, "ours")
     if checks:
-        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, args.seed)
+        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
         stats.checked_steps = checks
-    print(format_train(stats))
-    return 1 if stats.mismatches else 0
-
-
-if __name__ == "__main__":
-    sys.exit(torchrun_main())
+    return stats
