@@ -35,7 +35,6 @@ from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
-from onnx_partition.solve.ilp import solve_ilp
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays
@@ -264,6 +263,8 @@ def plan_stages(
             for c in candidates
         }
     if solver == "ilp":
+        from onnx_partition.solve.ilp import solve_ilp  # OR-Tools, for this solver only
+
         try:
             result = solve_ilp(problem, num_stages, time_limit_s=time_limit_s, hint=local_stage)
         except PartitionError as exc:  # no solution within the limit: keep the DP's plan

@@ -307,9 +307,6 @@ def test_the_command_line_draws_bars_unless_quiet(monkeypatch, tmp_path, chain):
     assert quiet.getvalue() == ""
 
 
-@pytest.mark.xfail(strict=True, reason="building the parser imports the training runtime, which "
-                   "imports onnxruntime (runtime/infer/rank.py); issue 19 moves Layout to "
-                   "pipeline/layout.py and makes the CLI's imports lazy: drop this mark then")
 def test_missing_onnxruntime_says_which_extra(plan_dir):
     """A Python without onnxruntime (an import of it fails, as when neither extra is
     installed): run says which extra to install, in one line."""

@@ -1,5 +1,7 @@
 """The ``onnx-partition`` command: export, profile, partition, run, train, simulate, report,
-demo. Each verb's function is here; their options are in :mod:`onnx_partition.cli.args`.
+demo. Each verb's function is here; their options are in :mod:`onnx_partition.cli.args`. A verb
+imports what it runs when it runs (torch, onnxruntime, OR-Tools, numpy), so ``--version``,
+``--help`` and the verbs that need none of them start quickly (``tests/test_imports.py``).
 
 Bad input prints ``error: <one line>`` and exits with code 2; a run whose outputs differ from the
 whole model's exits with code 1.
@@ -17,8 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from onnx_partition import __version__, values
 from onnx_partition.cli.args import build_parser, chunks_of, cluster_of, input_shapes_of
 from onnx_partition.cost.cluster import Link
@@ -26,6 +26,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from onnx_partition.progress import Reporter
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
@@ -305,6 +307,8 @@ def _run(args: argparse.Namespace) -> int:
 def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
     """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
     each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
+    import numpy as np
+
     from onnx_partition.runtime.infer.check import random_feeds
 
     feeds = random_feeds(plan, batch_size=rows, seed=seed)
@@ -328,6 +332,8 @@ def _providers(args: argparse.Namespace) -> list[str] | None:
 def timing_line(samples_ms: Sequence[float]) -> str:
     """Per-iteration latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
     linear percentiles) over the timed iterations."""
+    import numpy as np
+
     times = np.asarray(samples_ms, dtype=np.float64)
     if times.size == 0:
         return "latency: no timed iterations"
