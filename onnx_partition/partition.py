@@ -35,7 +35,6 @@ from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
-from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays
 from onnx_partition.solve.search import best_split
@@ -302,6 +301,8 @@ def plan_on_cluster(
     reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
+    from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
+
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
