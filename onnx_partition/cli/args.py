@@ -15,6 +15,7 @@ from pathlib import Path
 from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline import schedules
 
 __all__ = ["build_parser", "chunks_of", "cluster_of", "input_shapes_of"]
 
@@ -118,7 +119,7 @@ def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParse
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "infer"),
+    p.add_argument("--schedule", choices=schedules.NAMES,
                    help="default: 1f1b for training plans, infer otherwise; interleaved: "
                         "interleaved 1F1B, the stages as --chunks model chunks per device")
     p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")

@@ -48,10 +48,8 @@ from onnx_partition.pipeline.schedules import (
     Device,
     Kind,
     Schedule,
-    gpipe,
-    inference,
-    interleaved,
-    one_f_one_b,
+    build,
+    checked_name,
     pipeline_width,
     render,
 )
@@ -59,19 +57,15 @@ from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCost
 from onnx_partition.plan import Plan
 from onnx_partition.values import fmt_bytes
 
-__all__ = ["BACKWARD_RATIO", "DEFAULT_CHUNKS", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS",
-           "SCHEDULES", "default_schedule", "device_name", "format_simulation",
-           "hosted_stages", "interleaving_note", "plan_costs", "schedule_name",
-           "schedule_of", "send_times", "simulate_plan"]
+__all__ = ["BACKWARD_RATIO", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS", "default_schedule",
+           "device_name", "format_simulation", "hosted_stages", "interleaving_note",
+           "plan_costs", "schedule_name", "schedule_of", "send_times", "simulate_plan"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
 #: Assumed backward / forward ratio when a plan stores only forward + backward.
 BACKWARD_RATIO = 2.0
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
 DEFAULT_MICROBATCHES = 8
-#: Model chunks per device of the interleaved schedule unless told.
-DEFAULT_CHUNKS = 2
 
 
 def default_schedule(plan: Plan) -> str:
@@ -140,35 +134,22 @@ def simulate_plan(
     plan: Plan, *, schedule: str | None = None, microbatches: int | None = None,
     chunks: int | None = None,
 ) -> tuple[SimResult, PipelineCosts]:
-    """Simulate ``plan`` from plan.json alone: ``schedule`` in :data:`SCHEDULES` (default:
-    1F1B for training plans, forward streaming otherwise), ``microbatches`` per iteration
+    """Simulate ``plan`` from plan.json alone: ``schedule`` one of
+    :data:`~onnx_partition.pipeline.schedules.NAMES` (default: 1F1B for training plans,
+    forward streaming otherwise), ``microbatches`` per iteration
     (default: the plan's ``predicted.microbatches``, else 8), ``chunks`` model chunks per
-    device for ``interleaved`` only (default 2). Returns the result and the rebuilt costs.
+    device for ``interleaved`` only (default 2); the schedule is
+    :func:`~onnx_partition.pipeline.schedules.build`'s. Returns the result and the rebuilt costs.
     Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
     the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
     of devices x replicas, unequal replicas)."""
-    name = (schedule or default_schedule(plan)).lower()
-    if name not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; choose one of "
-                             f"{', '.join(SCHEDULES)}")
-    if chunks is not None and name != "interleaved":
-        raise PartitionError(f"model chunks per device apply only to the interleaved "
-                             f"schedule, not {name}")
+    name = checked_name(schedule or default_schedule(plan), chunks)
     m = microbatches if microbatches is not None else int(
         plan.predicted.get("microbatches", DEFAULT_MICROBATCHES))
     if m < 1:
         raise PartitionError(f"need at least one micro-batch, got {m}")
     costs = plan_costs(plan, train=name != "infer")
-    replicas = [s.replicas for s in costs.stages]
-    if name == "gpipe":
-        sched = gpipe(len(replicas), m, replicas)
-    elif name == "1f1b":
-        sched = one_f_one_b(len(replicas), m, replicas)
-    elif name == "interleaved":
-        v = DEFAULT_CHUNKS if chunks is None else chunks
-        sched = interleaved(len(replicas), m, v, replicas)
-    else:
-        sched = inference(len(replicas), m, replicas)
+    sched = build(name, [s.replicas for s in costs.stages], m, chunks=chunks)
     return simulate(sched, costs), costs
 
 

@@ -54,12 +54,12 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "Num", "StageBytes", "boundary_step", "device_bytes", "memory_per_device",
-           "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms", "stash_bytes",
-           "static_bytes"]
+__all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
+           "memory_per_device", "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms",
+           "stash_bytes", "static_bytes"]
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
-SCHEDULES = ("1f1b", "gpipe", "infer")
+CLOSED_FORMS = ("1f1b", "gpipe", "infer")
 
 Num = TypeVar("Num", float, np.ndarray)
 
@@ -101,7 +101,7 @@ def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> 
     if schedule == "gpipe":
         return [-(-m // d) for d in replicas]
     if schedule != "1f1b":
-        raise ValueError(f"no closed form for schedule {schedule!r}; use one of {SCHEDULES}")
+        raise ValueError(f"no closed form for schedule {schedule!r}; use one of {CLOSED_FORMS}")
     warm = one_f_one_b_warmups(replicas, m)
     return [-(-min(w + 1, m) // d) for w, d in zip(warm, replicas, strict=True)]
 

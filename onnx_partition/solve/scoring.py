@@ -27,7 +27,7 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import inference, one_f_one_b
+from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.solve.problem import DagProblem
 
@@ -189,9 +189,7 @@ def score(
 
 def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
-    builder = one_f_one_b if run.schedule == "1f1b" else inference
-    schedule = builder(len(replicas), run.microbatches, list(replicas))
-    sim = simulate(schedule, costs)
+    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
 

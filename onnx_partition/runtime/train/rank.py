@@ -44,17 +44,17 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.pipeline.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
+from onnx_partition.pipeline import schedules
+from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.infer.rank import EXIT_RANK_ENV, Layout, layout
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.reference import make_optimizer
 
-__all__ = ["SCHEDULES", "Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
-           "build_schedule", "microbatch", "step_line", "tied_groups", "train_stages"]
+__all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+           "microbatch", "step_line", "tied_groups", "train_stages"]
 
-SCHEDULES = ("1f1b", "gpipe")
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
 Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
 
@@ -98,15 +98,6 @@ class RankResult:
     table: list[list[float]] = field(default_factory=list)  # rank 0: per step, per rank [fwd, bwd]
     states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> params
     state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
-
-
-def build_schedule(name: str, replicas: Sequence[int], microbatches: int) -> Schedule:
-    """The simulator's schedule (never re-derived here)."""
-    if name == "1f1b":
-        return one_f_one_b(len(replicas), microbatches, replicas)
-    if name == "gpipe":
-        return gpipe(len(replicas), microbatches, replicas)
-    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -181,7 +172,7 @@ def train_stages(
     lay = layout(plan)
     k, replica = lay.place(rank)
     module = stages[k].module.to(device).train()
-    actions = build_schedule(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
+    actions = schedules.build(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
 
     # Every rank creates every group, in the same order (torch.distributed requires it).
     stage_group = _group_for(lay, [s for s in range(lay.stages)], k)

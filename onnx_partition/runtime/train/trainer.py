@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from onnx_partition.errors import PartitionError, one_line
+from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
@@ -44,13 +45,11 @@ from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.rank import (
-    SCHEDULES,
     Batches,
     LossFn,
     RankResult,
     StageLike,
     TrainConfig,
-    build_schedule,
     train_stages,
 )
 from onnx_partition.runtime.train.reference import OPTIMIZERS
@@ -138,8 +137,9 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
                         ("row per micro-batch", batch_size)):
         if value < 1:
             raise PartitionError(f"need at least one {what}, got {value}")
-    if schedule not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}")
+    if schedule not in schedules.TRAIN_NAMES:
+        raise PartitionError(f"unknown schedule {schedule!r}; choose "
+                             f"{', '.join(schedules.TRAIN_NAMES)}")
     if optimizer not in OPTIMIZERS:
         raise PartitionError(f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZERS)}")
     if not lr > 0:
@@ -273,7 +273,7 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
         [StageCosts(fwd[k], bwd[k], s.replicas, s.allreduce_ms) for k, s in
          enumerate(base.stages)], base.send_ms)
     replicas = [s.replicas for s in base.stages]
-    calibrated = simulate(build_schedule(config.schedule, replicas, count), measured)
+    calibrated = simulate(schedules.build(config.schedule, replicas, count), measured)
     rank0 = ranks[0]
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=config.schedule, engine=engine, loss=rank0.loss,
@@ -347,7 +347,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+    p.add_argument("--schedule", default="1f1b", choices=schedules.TRAIN_NAMES,
                    help="the pipeline schedule every rank executes (the simulator's)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
