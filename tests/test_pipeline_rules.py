@@ -4,11 +4,14 @@ Every merged rule is checked against the form it replaced, written out here as i
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onnx_partition.pipeline import schedules
+from onnx_partition.pipeline import memory, schedules
 from onnx_partition.pipeline.schedules import (
     ScheduleError,
     gpipe,
@@ -67,3 +70,57 @@ def test_every_caller_uses_the_registry():
     found = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.name != "schedules.py" and builders.search(p.read_text())]
     assert found == []
+
+
+# ------------------------------------------------------------------ memory closed form
+
+
+def _old_hybrid_held(lookup, next_reps, next_warm, m, last):
+    """solve/hybrid.py's ``_held`` before it moved to pipeline.memory, verbatim."""
+    r = lookup.astype(np.int64)[:, None]
+    if last:
+        steps = np.zeros((len(r), len(next_reps)), dtype=np.int64)
+    else:
+        after = np.maximum(next_reps, 1)[None, :]
+        divides = (r % after == 0) | (after % r == 0)
+        steps = np.where(divides, np.maximum(r, after), r + after - 1)
+    warmup = np.minimum(steps + next_warm[None, :], m)
+    return (-(-np.minimum(warmup + 1, m) // r)).astype(np.int16), steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(lookup=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       suffix=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 60)), min_size=1,
+                       max_size=8),
+       m=st.integers(1, 64), last=st.booleans())
+def test_vectorised_held_equals_the_old_table_and_the_scalar_form(lookup, suffix, m, last):
+    lookup = np.asarray([*lookup, 16000], dtype=np.int16)  # the DP's "no count" entry too
+    next_reps = np.asarray([r for r, _ in suffix], dtype=np.int64)
+    next_warm = np.minimum(np.asarray([w for _, w in suffix], dtype=np.int64), m)
+    held, steps = memory.held_in_front(lookup, next_reps, next_warm, m, last=last)
+    old_held, old_steps = _old_hybrid_held(lookup, next_reps, next_warm, m, last)
+    np.testing.assert_array_equal(held, old_held)
+    np.testing.assert_array_equal(steps, old_steps)
+    # the scalar closed form: the stage in front of a real suffix of that shape
+    for c, j in itertools.product(range(len(lookup) - 1), range(len(suffix))):
+        if last or next_reps[j] < 1:
+            continue
+        d, after = int(lookup[c]), int(next_reps[j])
+        assert steps[c, j] == memory.boundary_step(d, after)
+        warm = min(memory.boundary_step(d, after) + int(next_warm[j]), m)
+        assert held[c, j] == -(-min(warm + 1, m) // d)
+
+
+@settings(max_examples=100, deadline=None)
+@given(replicas=st.lists(st.integers(1, 6), min_size=1, max_size=6), m=st.integers(1, 30))
+def test_vectorised_held_walked_from_the_end_equals_peak_inflight(replicas, m):
+    """Building a pipeline from its end with held_in_front gives peak_inflight's counts."""
+    p = len(replicas)
+    held = [0] * p
+    warm, nxt = 0, 1
+    for s in range(p - 1, -1, -1):
+        h, steps = memory.held_in_front(np.asarray([replicas[s]]), np.asarray([nxt]),
+                                        np.asarray([warm]), m, last=s == p - 1)
+        held[s] = int(h[0, 0])
+        warm, nxt = min(int(steps[0, 0]) + warm, m), replicas[s]
+    assert held == memory.peak_inflight("1f1b", replicas, m)

@@ -39,7 +39,8 @@ device of stage ``s``::
          = 1                              (inference: the micro-batch being computed)
 
 The simulator counts the same number from the actions it runs; the property tests assert
-both agree for every stage.
+both agree for every stage. :func:`held_in_front` is the same closed form over arrays (a stage
+of each replica count in front of each suffix), which the hybrid DP's tables use.
 
 **Ring all-reduce** of ``W`` gradient bytes over ``r`` replicas (Patarasuk and Yuan, JPDC
 2009; PipeDream's replicated-stage model): ``2 (r - 1) / r * W / bandwidth + 2 (r - 1) *
@@ -55,8 +56,8 @@ from typing import TypeVar
 import numpy as np
 
 __all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
-           "memory_per_device", "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms",
-           "stash_bytes", "static_bytes"]
+           "held_in_front", "memory_per_device", "one_f_one_b_warmups", "peak_inflight",
+           "ring_allreduce_ms", "stash_bytes", "static_bytes"]
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 CLOSED_FORMS = ("1f1b", "gpipe", "infer")
@@ -90,6 +91,28 @@ def one_f_one_b_warmups(replicas: Sequence[int], microbatches: int) -> list[int]
             warm += boundary_step(replicas[s], replicas[s + 1])
         out[s] = min(warm, microbatches)
     return out
+
+
+def held_in_front(replicas: np.ndarray, next_replicas: np.ndarray, next_warmup: np.ndarray,
+                  microbatches: int, *, last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The 1F1B closed form for many stages at once (the hybrid DP's tables): a stage of
+    ``replicas[c]`` replicas in front of a suffix whose first stage has ``next_replicas[j]``
+    replicas and global warm-up ``next_warmup[j]`` (``last``: the stage ends the pipeline, no
+    suffix). Returns ``(held[c, j], steps[c, j])`` as int64: the micro-batches the fullest
+    replica holds (:func:`peak_inflight`'s ``ceil(min(W + 1, M) / d)``) and the warm-up its
+    boundary adds (:func:`boundary_step`), so the stage's own warm-up is
+    ``min(steps + next_warmup, M)`` (:func:`one_f_one_b_warmups`)."""
+    m = microbatches
+    r = np.asarray(replicas, dtype=np.int64)[:, None]
+    nxt = np.asarray(next_replicas, dtype=np.int64)
+    if last:
+        steps = np.zeros((len(r), len(nxt)), dtype=np.int64)
+    else:
+        after = np.maximum(nxt, 1)[None, :]
+        divides = (r % after == 0) | (after % r == 0)
+        steps = np.where(divides, np.maximum(r, after), r + after - 1)
+    warmup = np.minimum(steps + np.asarray(next_warmup, dtype=np.int64)[None, :], m)
+    return -(-np.minimum(warmup + 1, m) // r), steps
 
 
 def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
