@@ -124,3 +124,20 @@ def test_vectorised_held_walked_from_the_end_equals_peak_inflight(replicas, m):
         held[s] = int(h[0, 0])
         warm, nxt = min(int(steps[0, 0]) + warm, m), replicas[s]
     assert held == memory.peak_inflight("1f1b", replicas, m)
+
+
+# ------------------------------------------------------------------ micro-batch default
+
+
+def test_the_microbatch_default_has_one_home():
+    """Plan.microbatches / Plan.rows_per_microbatch are read everywhere; nobody else reads
+    predicted.microbatches with a default of its own."""
+    import pathlib
+
+    from onnx_partition.pipeline import predict
+
+    assert not hasattr(predict, "plan_microbatches") and not hasattr(predict, "plan_batch_size")
+    root = pathlib.Path(__file__).resolve().parents[1] / "onnx_partition"
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if p.parent.name != "plan" and 'predicted.get("microbatches"' in p.read_text()]
+    assert found == []

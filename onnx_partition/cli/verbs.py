@@ -242,8 +242,6 @@ def _run(args: argparse.Namespace) -> int:
         dumps,
         format_comparison,
         idle_replicas_note,
-        plan_batch_size,
-        plan_microbatches,
         run_json,
         run_shape,
     )
@@ -263,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     note = idle_replicas_note(plan, shape.microbatches)
     if note:
         print(note, file=sys.stderr)
-    planned = (plan_batch_size(plan), plan_microbatches(plan))
+    planned = (plan.rows_per_microbatch, plan.microbatches)
     default = "" if "microbatches" in plan.predicted else " by default"
     print(f"{_plural(len(plan.stages), 'stage')} "
           f"({' + '.join(str(s.replicas) for s in plan.stages)} "

@@ -57,7 +57,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCost
 from onnx_partition.plan import Plan
 from onnx_partition.values import fmt_bytes
 
-__all__ = ["BACKWARD_RATIO", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS", "default_schedule",
+__all__ = ["BACKWARD_RATIO", "MAX_GRID_STEPS", "default_schedule",
            "device_name", "format_simulation", "hosted_stages", "interleaving_note",
            "plan_costs", "schedule_name", "schedule_of", "send_times", "simulate_plan"]
 
@@ -65,7 +65,6 @@ __all__ = ["BACKWARD_RATIO", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS", "default_
 BACKWARD_RATIO = 2.0
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
-DEFAULT_MICROBATCHES = 8
 
 
 def default_schedule(plan: Plan) -> str:
@@ -137,15 +136,14 @@ def simulate_plan(
     """Simulate ``plan`` from plan.json alone: ``schedule`` one of
     :data:`~onnx_partition.pipeline.schedules.NAMES` (default: 1F1B for training plans,
     forward streaming otherwise), ``microbatches`` per iteration
-    (default: the plan's ``predicted.microbatches``, else 8), ``chunks`` model chunks per
+    (default: :attr:`Plan.microbatches`), ``chunks`` model chunks per
     device for ``interleaved`` only (default 2); the schedule is
     :func:`~onnx_partition.pipeline.schedules.build`'s. Returns the result and the rebuilt costs.
     Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
     the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
     of devices x replicas, unequal replicas)."""
     name = checked_name(schedule or default_schedule(plan), chunks)
-    m = microbatches if microbatches is not None else int(
-        plan.predicted.get("microbatches", DEFAULT_MICROBATCHES))
+    m = microbatches if microbatches is not None else plan.microbatches
     if m < 1:
         raise PartitionError(f"need at least one micro-batch, got {m}")
     costs = plan_costs(plan, train=name != "infer")

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
-from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import bind_gloo_to_loopback
 from onnx_partition.runtime.infer.rank import (
@@ -65,7 +64,7 @@ def main_worker(
     plan = read_plan(folder)
     lay = layout(plan)
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
-        microbatches = plan_microbatches(plan)
+        microbatches = plan.microbatches
     check_world_size(lay, world)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy

@@ -37,7 +37,6 @@ import numpy as np
 import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, StageFailed
-from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.dist.launcher import PRELOAD, SILENT_S, launch_ranks
 from onnx_partition.runtime.dist.torchrun import check_world_size, main_worker
@@ -100,7 +99,7 @@ def run_distributed(
         raise PartitionError(f"unknown output {next(n for n in names if n not in known)!r}; "
                              f"outputs: {known}")
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
-        microbatches = plan_microbatches(plan)
+        microbatches = plan.microbatches
     check_feeds(plan, feeds, microbatches)
     if iterations < 1:
         raise PartitionError(f"need at least one iteration, got {iterations}")

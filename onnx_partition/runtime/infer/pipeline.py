@@ -20,7 +20,6 @@ import numpy as np
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.graph.ort import Provider
 from onnx_partition.pipeline import microbatch
-from onnx_partition.pipeline.predict import plan_microbatches
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.infer.sessions import NodeArg, StageSession, load_stages, node_args
 
@@ -75,8 +74,7 @@ class PipelineSession:
             plan_dir, providers=providers, threads_per_stage=threads_per_stage
         )
         # micro-batches per run(): the plan's (predicted.microbatches, else 8) unless given
-        self.microbatches = microbatches if microbatches is not None else plan_microbatches(
-            self.plan)
+        self.microbatches = microbatches if microbatches is not None else self.plan.microbatches
         self.timeout_s = timeout_s
         self.last_stats = RunStats()
         # Names still needed after stage k: later stages' inputs and the graph outputs.

@@ -111,16 +111,6 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
                                                          seed)
 
 
-def default_batch_size(plan: Plan) -> int:
-    """Rows per micro-batch unless told: the batch dimension the plan was partitioned with."""
-    fixed = plan.input_shapes
-    for spec in plan.inputs:
-        shape = list(fixed.get(spec.name, spec.shape))
-        if shape and isinstance(shape[0], int) and shape[0] > 0:
-            return int(shape[0])
-    return 2
-
-
 def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches: int,
                   batch_size: int, schedule: str, optimizer: str, lr: float, engine: str
                   ) -> Plan:
@@ -214,9 +204,10 @@ def train_plan(
 ) -> TrainStats:
     """Train the plan in ``plan_dir`` with one local process per stage replica.
 
-    ``batch_size`` is rows per micro-batch (default: as partitioned); a step takes
-    ``microbatches`` of them (default: the plan's, else 4). ``check``: dropout off, and the
-    parameters after step 1 (and 3) compared with single-process training
+    ``batch_size`` is rows per micro-batch (default: :attr:`Plan.rows_per_microbatch`); a
+    step takes ``microbatches`` of them (default: :attr:`Plan.microbatches`, the plan's own
+    count). ``check``: dropout off, and the parameters after step 1 (and 3) compared with
+    single-process training
     (:attr:`TrainStats.mismatches`). ``save``: a new plan folder with the trained weights.
     Raises PartitionError for a bad request (before any process starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
@@ -225,8 +216,8 @@ def train_plan(
     from onnx_partition.runtime.train.modules import require_trainable
 
     plan0 = require_trainable(folder)
-    count = microbatches or int(plan0.predicted.get("microbatches", 4))
-    rows = batch_size or default_batch_size(plan0)
+    count = microbatches or plan0.microbatches
+    rows = batch_size or plan0.rows_per_microbatch or 1
     plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
                          schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
     if save is not None:
@@ -343,7 +334,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", type=Path, help="a train-mode plan folder (partition --mode train)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--microbatches", type=int,
-                   help="micro-batches per step (default: the plan's, else 4)")
+                   help="micro-batches per step (default: the plan's, as run and simulate)")
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
@@ -369,8 +360,8 @@ def torchrun_main(argv: Sequence[str] | None = None) -> int:
 
         folder = args.plan.resolve()
         plan0 = require_trainable(folder)
-        count = args.microbatches or int(plan0.predicted.get("microbatches", 4))
-        rows = args.batch_size or default_batch_size(plan0)
+        count = args.microbatches or plan0.microbatches
+        rows = args.batch_size or plan0.rows_per_microbatch or 1
         plan = check_request(folder, nproc=int(os.environ.get("WORLD_SIZE", "0")) or None,
                              steps=args.steps, microbatches=count, batch_size=rows,
                              schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
