@@ -141,3 +141,29 @@ def test_the_microbatch_default_has_one_home():
     found = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.parent.name != "plan" and 'predicted.get("microbatches"' in p.read_text()]
     assert found == []
+
+
+# ------------------------------------------------------------------ routing, layout, relay
+
+
+def test_routing_layout_and_relay_sets_have_one_home():
+    from onnx_partition.pipeline.layout import layout, needed_after, replica_of
+    from onnx_partition.plan import IOSpec, Plan, Stage
+
+    assert [replica_of(m, 3) for m in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    # x read by stages 0 and 2; a made by 0, read by 2 (a skip); b made by 1
+    stages = [Stage(0, "s0", [], ["x"], ["a"], replicas=2, devices=["cpu", "cpu"]),
+              Stage(1, "s1", [], ["a"], ["b"]),
+              Stage(2, "s2", [], ["a", "b", "x"], ["y"], replicas=3)]
+    plan = Plan("m.onnx", stages, [IOSpec("x", "float", ["N", 2])],
+                [IOSpec("y", "float", ["N", 2])])
+    assert needed_after(plan) == [{"a", "b", "x", "y"}, {"a", "b", "x", "y"}, {"y"}]
+    lay = layout(plan)
+    assert lay.first == [0, 2, 3] and lay.world_size == 6
+    assert lay.recv_names == [["x"], ["a", "x"], ["a", "b", "x"]]
+    assert lay.send_names == [["a", "x"], ["a", "b", "x"], ["y"]]
+    assert [lay.rank_of(2, m) for m in range(4)] == [3, 4, 5, 3]
+    # the schedules route by the same rule
+    sched = schedules.build("1f1b", [2, 1, 3], 6)
+    for (stage, r), actions in sched.items():
+        assert all(replica_of(a.microbatch, [2, 1, 3][stage]) == r for a in actions)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import one_f_one_b_warmups
 
 __all__ = [
@@ -115,7 +116,8 @@ def _distribute(stage_orders: list[list[tuple[Kind, int]]], counts: list[int]) -
     schedule: Schedule = {}
     for stage, (order, d) in enumerate(zip(stage_orders, counts, strict=True)):
         for r in range(d):
-            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order if mb % d == r]
+            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order
+                                   if replica_of(mb, d) == r]
     return schedule
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
@@ -117,7 +118,8 @@ def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
             crosses = cluster.machine_of(here[0]) != cluster.machine_of(there[0])
         else:  # a stage spans machines: follow the micro-batches
             machine = cluster.machine_of
-            crosses = any(machine(here[m % len(here)]) != machine(there[m % len(there)])
+            crosses = any(machine(here[replica_of(m, len(here))])
+                          != machine(there[replica_of(m, len(there))])
                           for m in range(microbatches))
         sends.append(cluster.inter if crosses else cluster.intra)
     return groups, sends

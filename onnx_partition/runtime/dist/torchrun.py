@@ -25,16 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
+from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import bind_gloo_to_loopback
 from onnx_partition.runtime.infer.rank import (
     DistStats,
-    Layout,
     RankConfig,
     check_feeds,
     choose_backend,
     format_stats,
-    layout,
     serve_rank,
 )
 from onnx_partition.runtime.infer.sessions import verify_plan_folder

@@ -37,6 +37,7 @@ import numpy as np
 import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, StageFailed
+from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.dist.launcher import PRELOAD, SILENT_S, launch_ranks
 from onnx_partition.runtime.dist.torchrun import check_world_size, main_worker
@@ -46,12 +47,10 @@ from onnx_partition.runtime.infer.rank import (
     EXIT_RANK_ENV,
     STOP_RANK_ENV,
     DistStats,
-    Layout,
     RankConfig,
     check_feeds,
     choose_backend,
     format_stats,
-    layout,
     serve_rank,
 )
 from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder

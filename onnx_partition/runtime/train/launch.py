@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph.ort import local_device
+from onnx_partition.pipeline.layout import layout
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.launcher import PRELOAD, RankFailure, join_group, launch_ranks
-from onnx_partition.runtime.infer.rank import choose_backend, layout
+from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,

@@ -1,6 +1,6 @@
 """One rank of a training pipeline: it runs the simulator's action list for its device.
 
-**Layout and routing** are the inference runtime's (:func:`onnx_partition.runtime.infer.rank.
+**Layout and routing** are the inference runtime's (:func:`onnx_partition.pipeline.layout.
 layout`): ranks stage by stage, replicas consecutive; replica ``j`` of a stage with ``r``
 replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ between stages);
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
@@ -45,10 +45,11 @@ import torch.distributed as dist
 
 from onnx_partition.errors import one_line
 from onnx_partition.pipeline import schedules
+from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.launcher import RankFailure
-from onnx_partition.runtime.infer.rank import EXIT_RANK_ENV, Layout, layout
+from onnx_partition.runtime.infer.rank import EXIT_RANK_ENV
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.reference import make_optimizer
 

@@ -37,10 +37,11 @@ import torch
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
+from onnx_partition.pipeline.layout import layout
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.folder import is_earlier_plan
-from onnx_partition.runtime.infer.rank import choose_backend, layout
+from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
