@@ -167,3 +167,25 @@ def test_routing_layout_and_relay_sets_have_one_home():
     sched = schedules.build("1f1b", [2, 1, 3], 6)
     for (stage, r), actions in sched.items():
         assert all(replica_of(a.microbatch, [2, 1, 3][stage]) == r for a in actions)
+
+
+# ------------------------------------------------------------------ random feeds
+
+
+def test_random_feeds_have_one_home(tmp_path):
+    from onnx_partition.cli import verbs
+    from onnx_partition.plan import IOSpec, Plan, Stage
+    from onnx_partition.runtime.infer.check import random_feeds, run_feeds
+
+    assert not hasattr(verbs, "run_feeds")
+    plan = Plan("m.onnx", [Stage(0, "s0", [], ["x", "ids"], ["y"])],
+                [IOSpec("x", "float32", ["N", 3]), IOSpec("ids", "int64", ["N"], high=7)],
+                [IOSpec("y", "float32", ["N", 3])])
+    drawn = random_feeds(plan, batch_size=5, seed=4)
+    given = run_feeds(plan, [], rows=5, seed=4)
+    assert drawn.keys() == given.keys()
+    for name in drawn:
+        np.testing.assert_array_equal(drawn[name], given[name])
+    assert drawn["x"].shape == (5, 3) and drawn["ids"].max() < 7
+    np.save(tmp_path / "x.npy", np.ones((5, 3), np.float32))
+    assert (run_feeds(plan, [f"x={tmp_path / 'x.npy'}"], rows=5, seed=4)["x"] == 1).all()

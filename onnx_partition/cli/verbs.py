@@ -25,8 +25,7 @@ from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
-           "timing_line"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "timing_line"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -245,6 +244,7 @@ def _run(args: argparse.Namespace) -> int:
         run_json,
         run_shape,
     )
+    from onnx_partition.runtime.infer.check import run_feeds
     from onnx_partition.runtime.infer.measure import (
         measure_distributed,
         measure_threads,
@@ -288,24 +288,6 @@ def _run(args: argparse.Namespace) -> int:
         print(format_comparison(body))
         print(timing_line(measured["iteration_ms_each"]))
     return code
-
-
-def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
-    """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
-    each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
-    from onnx_partition.runtime.infer.check import random_feeds
-
-    feeds = random_feeds(plan, batch_size=rows, seed=seed)
-    for item in inputs:
-        name, sep, file = item.partition("=")
-        if not sep or name not in feeds:
-            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
-                                 f"{', '.join(feeds)}")
-        try:
-            feeds[name] = np.load(file)
-        except (OSError, ValueError) as exc:
-            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
-    return feeds
 
 
 def _providers(args: argparse.Namespace) -> list[str] | None:

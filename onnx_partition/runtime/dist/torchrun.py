@@ -9,7 +9,7 @@
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
 ``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. Rank 0 prints the
 figures; ``--output-dir`` saves the outputs as ``.npy``. Rank 0's inputs are ``run``'s
-(:func:`onnx_partition.cli.verbs.run_feeds`), and errors end the rank as ``run``'s do
+(:func:`onnx_partition.runtime.infer.check.run_feeds`), and errors end the rank as ``run``'s do
 (:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit code 2 for bad input, 1 for a
 failed run), so torchrun stops the others.
 """
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _rank(args: argparse.Namespace) -> int:
     """Run this rank; rank 0 prints the figures and saves the outputs if asked."""
-    from onnx_partition.cli.verbs import run_feeds
+    from onnx_partition.runtime.infer.check import run_feeds
     from onnx_partition.pipeline.predict import run_shape
 
     plan = read_plan(args.plan)
