@@ -189,3 +189,37 @@ def test_random_feeds_have_one_home(tmp_path):
     assert drawn["x"].shape == (5, 3) and drawn["ids"].max() < 7
     np.save(tmp_path / "x.npy", np.ones((5, 3), np.float32))
     assert (run_feeds(plan, [f"x={tmp_path / 'x.npy'}"], rows=5, seed=4)["x"] == 1).all()
+
+
+# ------------------------------------------------------------------ the split rule
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 40), chunks=st.integers(1, 50))
+def test_one_split_rule_for_numpy_torch_and_the_reference(rows, chunks):
+    import torch
+
+    from onnx_partition.pipeline import microbatch
+    from onnx_partition.runtime.train.rank import microbatch as rank_microbatch
+    from onnx_partition.runtime.train.reference import split_rows
+
+    ranges = microbatch.row_ranges(rows, chunks)
+    assert len(ranges) == min(rows, chunks) and ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(lo < hi and hi == nxt for (lo, hi), (nxt, _) in itertools.pairwise(ranges))
+    assert max(hi - lo for lo, hi in ranges) - min(hi - lo for lo, hi in ranges) <= 1
+    assert split_rows(rows, chunks) == ranges
+    x = np.arange(rows * 2).reshape(rows, 2)
+    parts = microbatch.split({"x": x, "s": np.array(1.0)}, chunks)
+    assert [(int(p["x"][0, 0]) // 2, int(p["x"][-1, 0]) // 2 + 1) for p in parts] == ranges
+    np.testing.assert_array_equal(microbatch.merge([{"x": p["x"]} for p in parts])["x"], x)
+    t = torch.arange(rows * 2).reshape(rows, 2)
+    for m, (lo, hi) in enumerate(ranges):
+        assert torch.equal(rank_microbatch({"x": t}, m, len(ranges))["x"], t[lo:hi])
+        np.testing.assert_array_equal(microbatch.rows_of({"x": x}, m, len(ranges))["x"],
+                                      x[lo:hi])
+    if rows % chunks == 0:  # a training step: micro-batch m is rows m B .. (m + 1) B
+        b = rows // chunks
+        assert ranges == [(m * b, (m + 1) * b) for m in range(chunks)]
+        # the training ranks' old rule (torch.tensor_split) agrees there
+        assert [tuple(p.shape) for p in t.tensor_split(chunks)] == [
+            (hi - lo, 2) for lo, hi in ranges]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from onnx_partition.errors import one_line
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.layout import Layout, layout
+from onnx_partition.pipeline.microbatch import rows_of
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.launcher import RankFailure
@@ -102,8 +103,10 @@ class RankResult:
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
-    """Micro-batch ``m`` of ``count``: rows split as ``torch.tensor_split`` does."""
-    return {n: t.tensor_split(count)[m] for n, t in batch.items()}
+    """Micro-batch ``m`` of ``count``: the one split rule
+    (:func:`onnx_partition.pipeline.microbatch.rows_of`; a step's ``B x M`` rows give
+    micro-batch ``m`` rows ``m B .. (m + 1) B``)."""
+    return rows_of(batch, m, count)
 
 
 def tied_groups(stages: Sequence[StageLike]) -> list[tuple[int, ...]]:
