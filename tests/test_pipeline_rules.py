@@ -223,3 +223,42 @@ def test_one_split_rule_for_numpy_torch_and_the_reference(rows, chunks):
         # the training ranks' old rule (torch.tensor_split) agrees there
         assert [tuple(p.shape) for p in t.tensor_split(chunks)] == [
             (hi - lo, 2) for lo, hi in ranges]
+
+
+# ------------------------------------------------------------------ backward from forward
+
+
+def test_backward_from_forward_is_one_rule():
+    import pathlib
+    import re
+
+    from onnx_partition.cost import analytic
+    from onnx_partition.pipeline.simulate import backward_factor
+
+    assert backward_factor(True) == 2.0 and backward_factor(False) == 1.0
+    assert backward_factor() == 2.0  # class not known: the figures the old copies used
+    for op in ["MatMul", "Gemm", "Conv", "Add", "Relu", "LayerNormalization", "Reshape"]:
+        assert analytic.backward_factor(op) == (2.0 if op in analytic.DENSE else 1.0)
+        assert analytic.backward_factor(op) == backward_factor(op in analytic.DENSE)
+    assert analytic.backward_factor(None) == 2.0
+    root = pathlib.Path(__file__).resolve().parents[1] / "onnx_partition"
+    text = "\n".join(p.read_text() for p in root.rglob("*.py"))
+    assert "BACKWARD_RATIO" not in text
+    assert not re.search(r"get\(\"backward_ms\", 2\.0", text)
+
+
+def test_a_costs_file_without_backward_keeps_twice_the_forward(tmp_path):
+    import json
+
+    from test_graph import CHAIN, save
+
+    from onnx_partition.cost.annotate import annotate
+    from onnx_partition.graph import load
+
+    graph = load(save(CHAIN, tmp_path / "m.onnx"), batch_size=2)
+    first = next(n for n in graph.nodes if not n.free)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": "onnx-partition/costs@1", "unit": "ms",
+                                 "nodes": {first.key: {"forward_ms": 0.3}}}))
+    node_costs = annotate(graph, costs_path=costs)
+    assert node_costs.backward_ms[first.index] == 2.0 * 0.3

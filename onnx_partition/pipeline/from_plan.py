@@ -13,8 +13,10 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
   unknowns; they are solved by least squares (exact for an untouched plan, a compromise for an
   edited one) and clipped at 0.
 * **Forward / backward.** Training plans store only ``forward + backward``; the split is
-  taken as backward = 2 x forward (the ``costs.json`` default and the usual rule for dense
-  layers). An inference plan simulated with a training schedule uses the same rule.
+  taken as backward = 2 x forward (:func:`~onnx_partition.pipeline.simulate.backward_factor`
+  for a stage, whose operators' classes the plan does not keep; the ``costs.json`` default and
+  the rule for dense layers). An inference plan simulated with a training schedule uses the
+  same rule.
 * **Memory.** ``memory_bytes`` is the planner's per-device peak for the plan's own schedule;
   it is used as the device's static bytes (no separate activation term), so another schedule's
   extra stashed micro-batches are not counted.
@@ -53,16 +55,20 @@ from onnx_partition.pipeline.schedules import (
     pipeline_width,
     render,
 )
-from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.pipeline.simulate import (
+    PipelineCosts,
+    SimResult,
+    StageCosts,
+    backward_factor,
+    simulate,
+)
 from onnx_partition.plan import Plan
 from onnx_partition.values import fmt_bytes
 
-__all__ = ["BACKWARD_RATIO", "MAX_GRID_STEPS", "default_schedule",
+__all__ = ["MAX_GRID_STEPS", "default_schedule",
            "device_name", "format_simulation", "hosted_stages", "interleaving_note",
            "plan_costs", "schedule_name", "schedule_of", "send_times", "simulate_plan"]
 
-#: Assumed backward / forward ratio when a plan stores only forward + backward.
-BACKWARD_RATIO = 2.0
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
 
@@ -109,9 +115,10 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     comm = [pr.comm_ms if pr else 0.0 for pr in preds]
     memory = [float(pr.memory_bytes) if pr else 0.0 for pr in preds]
     hybrid_train = plan.mode == "train"
-    stored_fwd = [c / (1.0 + BACKWARD_RATIO) for c in compute] if hybrid_train else compute
+    ratio = backward_factor()  # a stage's class is not known: the rule's figure for that
+    stored_fwd = [c / (1.0 + ratio) for c in compute] if hybrid_train else compute
     forward = _given(plan, "forward_ms", p) or stored_fwd
-    backward = _given(plan, "backward_ms", p) or [BACKWARD_RATIO * f for f in forward]
+    backward = _given(plan, "backward_ms", p) or [ratio * f for f in forward]
     send = _given(plan, "send_ms", p - 1)
     if send is None:
         send = send_times(comm, 2.0 if hybrid_train else 1.0)
