@@ -262,3 +262,53 @@ def test_a_costs_file_without_backward_keeps_twice_the_forward(tmp_path):
                                  "nodes": {first.key: {"forward_ms": 0.3}}}))
     node_costs = annotate(graph, costs_path=costs)
     assert node_costs.backward_ms[first.index] == 2.0 * 0.3
+
+
+# ------------------------------------------------------------------ stage comm encoding
+
+
+@settings(max_examples=200, deadline=None)
+@given(sends=st.lists(st.integers(0, 2**20), min_size=0, max_size=12),
+       train=st.booleans())
+def test_send_times_invert_stage_comm_exactly(sends, train):
+    from onnx_partition.pipeline.from_plan import comm_factor, send_times, stage_comm
+
+    exact = [s / 1024 for s in sends]  # dyadic: every sum and difference is exact
+    factor = comm_factor(train)
+    comm = stage_comm(exact, factor)
+    assert len(comm) == len(exact) + 1
+    assert send_times(comm, factor) == exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(sends=st.lists(st.floats(0, 1e3), min_size=1, max_size=12), train=st.booleans())
+def test_send_times_invert_stage_comm_to_rounding(sends, train):
+    from onnx_partition.pipeline.from_plan import comm_factor, send_times, stage_comm
+
+    factor = comm_factor(train)
+    back = send_times(stage_comm(sends, factor), factor)
+    scale = max(sends)
+    assert all(abs(a - b) <= 1e-12 * max(scale, 1.0) * len(sends) for a, b in zip(back, sends))
+    # plan.json keeps comm_ms to 6 decimals: the sends come back to that
+    written = [round(c, 6) for c in stage_comm(sends, factor)]
+    back = send_times(written, factor)
+    assert all(abs(a - b) <= 1e-6 * len(sends) for a, b in zip(back, sends))
+
+
+def test_partition_writes_comm_by_stage_comm(tmp_path):
+    import json
+
+    from test_graph import CHAIN, save
+
+    from onnx_partition.cost.cluster import Cluster, Link
+    from onnx_partition.partition import partition
+    from onnx_partition.pipeline.from_plan import send_times, stage_comm
+
+    model = save(CHAIN, tmp_path / "m.onnx")
+    cluster = Cluster(2, 2, intra=Link(0.002, 0.01), inter=Link(0.001, 0.3))
+    partition(model, 3, tmp_path / "p", batch_size=4, cluster=cluster, mode="train")
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    sends = plan["simulator_costs"]["send_ms"]
+    comm = [s["predicted"]["comm_ms"] for s in plan["stages"]]
+    assert comm == [round(c, 6) for c in stage_comm(sends, 2.0)]
+    assert send_times(comm, 2.0) == pytest.approx(sends, abs=1e-5)

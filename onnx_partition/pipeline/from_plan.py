@@ -9,9 +9,11 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
   *each* neighbour, i.e. ``comm[k] = f * (s[k-1] + s[k])`` (``s[-1] = s[S-1] = 0``), with
   ``f = 2`` for hybrid training plans (the activation forward, the gradient back, as the
   planner writes it) and ``f = 1`` otherwise (plain pipelines: ``(cut bytes) / bandwidth +
-  latency`` per boundary, see ``docs/design.md``). These are ``S`` equations in ``S - 1``
-  unknowns; they are solved by least squares (exact for an untouched plan, a compromise for an
-  edited one) and clipped at 0.
+  latency`` per boundary, see ``docs/design.md``). :func:`stage_comm` writes this encoding
+  (the planner's ``comm_ms``) and :func:`send_times` is its exact inverse: ``s[0] = comm[0] /
+  f``, ``s[b] = comm[b] / f - s[b-1]`` (the last stage's ``comm`` is ``f s[S-2]``, implied),
+  clipped at 0, so an untouched plan gives back its planner's send times to plan.json's
+  rounding; ``simulator_costs.send_ms``, where a plan has it, is taken as written.
 * **Forward / backward.** Training plans store only ``forward + backward``; the split is
   taken as backward = 2 x forward (:func:`~onnx_partition.pipeline.simulate.backward_factor`
   for a stage, whose operators' classes the plan does not keep; the ``costs.json`` default and
@@ -42,8 +44,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.schedules import (
     Action,
@@ -65,9 +65,21 @@ from onnx_partition.pipeline.simulate import (
 from onnx_partition.plan import Plan
 from onnx_partition.values import fmt_bytes
 
-__all__ = ["MAX_GRID_STEPS", "default_schedule",
-           "device_name", "format_simulation", "hosted_stages", "interleaving_note",
-           "plan_costs", "schedule_name", "schedule_of", "send_times", "simulate_plan"]
+__all__ = [
+    "MAX_GRID_STEPS",
+    "comm_factor",
+    "default_schedule",
+    "device_name",
+    "format_simulation",
+    "hosted_stages",
+    "interleaving_note",
+    "plan_costs",
+    "schedule_name",
+    "schedule_of",
+    "send_times",
+    "simulate_plan",
+    "stage_comm",
+]
 
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
@@ -78,17 +90,32 @@ def default_schedule(plan: Plan) -> str:
     return "1f1b" if plan.mode == "train" else "infer"
 
 
+def comm_factor(train: bool) -> float:
+    """How many times a boundary's send time counts in each neighbour's ``comm_ms``: twice in
+    training (the activation forward, the gradient back), once otherwise."""
+    return 2.0 if train else 1.0
+
+
+def stage_comm(send_ms: Sequence[float], factor: float = 1.0) -> list[float]:
+    """Each stage's ``comm_ms`` from the per-boundary send times: ``factor * (s[k-1] + s[k])``
+    with ``s[-1] = s[S-1] = 0`` (``len(send_ms) + 1`` stages); :func:`send_times` inverts it."""
+    k_stages = len(send_ms) + 1
+    return [factor * ((send_ms[k - 1] if k > 0 else 0.0)
+                      + (send_ms[k] if k < k_stages - 1 else 0.0))
+            for k in range(k_stages)]
+
+
 def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
-    """Per-boundary send times ``s`` with ``comm[k] ~= factor * (s[k-1] + s[k])`` (least
-    squares, clipped at 0); ``len(comm) - 1`` entries."""
-    p = len(comm_ms)
-    if p < 2:
-        return []
-    a = np.zeros((p, p - 1))
-    for b in range(p - 1):
-        a[b, b] = a[b + 1, b] = factor
-    solution, *_ = np.linalg.lstsq(a, np.asarray(comm_ms, dtype=float), rcond=None)
-    return [max(float(s), 0.0) for s in solution]
+    """The per-boundary send times of :func:`stage_comm`'s encoding, its exact inverse
+    (``len(comm) - 1`` entries): ``s[0] = comm[0] / factor``, ``s[b] = comm[b] / factor -
+    s[b-1]``, then clipped at 0 (so plan.json's rounding, or an edit, cannot make a send
+    negative)."""
+    sends: list[float] = []
+    before = 0.0
+    for comm in list(comm_ms)[:-1]:
+        before = comm / factor - before
+        sends.append(before)
+    return [max(s, 0.0) for s in sends]
 
 
 def _given(plan: Plan, key: str, length: int) -> list[float] | None:
@@ -121,7 +148,7 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     backward = _given(plan, "backward_ms", p) or [ratio * f for f in forward]
     send = _given(plan, "send_ms", p - 1)
     if send is None:
-        send = send_times(comm, 2.0 if hybrid_train else 1.0)
+        send = send_times(comm, comm_factor(hybrid_train))
     acts = _given(plan, "activation_bytes", p) or [0.0] * p
     static = _given(plan, "static_bytes", p) or memory
     raw_allreduce = plan.allreduce_ms
