@@ -2,10 +2,12 @@
 flight, and memory per device.
 
 Every tool that states a stage's memory or all-reduce time calls these functions: the hybrid
-DP (:mod:`.hybrid`), the scorer (:mod:`.scoring`), the planner (:mod:`.planner`), the event
-simulator (:mod:`onnx_partition.pipeline.simulate`, which counts in-flight micro-batches from the
-actions it plays and prices them with :func:`device_bytes`), ``simulate``/``report`` (through
-the plan's ``simulator_costs``) and ``partition``'s table (``predicted.memory_bytes``).
+DP (:mod:`onnx_partition.solve.hybrid`, through :func:`held_in_front` for its tables), the
+scorer (:mod:`onnx_partition.solve.scoring`), the planner (:mod:`onnx_partition.solve.planner`),
+the event simulator (:mod:`onnx_partition.pipeline.simulate`, which counts in-flight
+micro-batches from the actions it plays and prices them with :func:`device_bytes`),
+``simulate``/``report`` (through the plan's ``simulator_costs``) and ``partition``'s table
+(``predicted.memory_bytes``).
 
 **Memory of a device** holding one replica of a stage::
 
