@@ -13,7 +13,10 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
   (the planner's ``comm_ms``) and :func:`send_times` is its exact inverse: ``s[0] = comm[0] /
   f``, ``s[b] = comm[b] / f - s[b-1]`` (the last stage's ``comm`` is ``f s[S-2]``, implied),
   clipped at 0, so an untouched plan gives back its planner's send times to plan.json's
-  rounding; ``simulator_costs.send_ms``, where a plan has it, is taken as written.
+  rounding (``comm_ms`` has 6 decimals, so a send is off by up to about ``1e-6 S`` ms; the
+  least-squares recovery used before spread that error differently, so a plain plan's
+  simulated figures can differ from it in their last printed digit);
+  ``simulator_costs.send_ms``, where a plan has it, is taken as written.
 * **Forward / backward.** Training plans store only ``forward + backward``; the split is
   taken as backward = 2 x forward (:func:`~onnx_partition.pipeline.simulate.backward_factor`
   for a stage, whose operators' classes the plan does not keep; the ``costs.json`` default and
