@@ -30,6 +30,7 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
+from onnx_partition.pipeline.from_plan import comm_factor, stage_comm
 from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
@@ -319,12 +320,8 @@ def plan_on_cluster(
                   max_stages=max(16, num_stages or 0))
     best, per_ordering = plan_cluster(problem, arrays, run, num_stages=num_stages,
                                       reporter=reporter)
-    k_stages = best.num_stages
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
-    sends = list(best.costs.send_ms)
-    factor = 2.0 if run.train else 1.0
-    comm = [factor * ((sends[k - 1] if k > 0 else 0.0) + (sends[k] if k < k_stages - 1 else 0.0))
-            for k in range(k_stages)]
+    comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
     predicted = {
         "iteration_ms": round(sim.iteration_ms, 6),

@@ -1,4 +1,4 @@
-"""The one memory model (solve/stage_model.py): closed forms equal to the simulator, and the
+"""The one memory model (pipeline/memory.py): closed forms equal to the simulator, and the
 planner never returns a plan its simulator finds over the device memory."""
 
 from __future__ import annotations

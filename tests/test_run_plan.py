@@ -11,7 +11,7 @@ import pytest
 from support.graphs import CHAIN, SKIP, save
 
 from onnx_partition.cli import main
-from onnx_partition.pipeline.predict import RunShape, idle_replicas_note, plan_batch_size
+from onnx_partition.pipeline.predict import RunShape, idle_replicas_note
 from onnx_partition.plan import read_plan
 from onnx_partition.values import sig3
 
@@ -86,7 +86,7 @@ def test_batch_size_means_rows_per_microbatch_everywhere(hybrid, capsys):
     assert (body["batch_size"], body["microbatches"], body["rows"]) == (5, 2, 10)
     # predicted at 5 rows from a plan simulated at 3: scaled linearly
     assert body["predicted"]["scaled_from_batch_size"] == 3
-    assert plan_batch_size(read_plan(hybrid)) == 3 and RunShape(5, 2).rows == 10
+    assert read_plan(hybrid).rows_per_microbatch == 3 and RunShape(5, 2).rows == 10
 
 
 def test_simulate_and_partition_json(hybrid, capsys, tmp_path):

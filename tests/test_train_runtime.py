@@ -14,11 +14,12 @@ import torch
 from support.faults import ExitAt
 from torch import nn
 
+from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.launch import launch_training
-from onnx_partition.runtime.train.rank import TrainConfig, build_schedule, microbatch
+from onnx_partition.runtime.train.rank import TrainConfig, microbatch
 from onnx_partition.runtime.train.reference import make_optimizer
 
 ROWS = 3  # per micro-batch
@@ -156,9 +157,9 @@ def test_three_stages_equal_single_process_sgd(schedule):
                          check_steps=(1,))
     results = train(3, [1, 1, 1], config)
     assert_trained_like_reference(results, config, rtol=1e-4)
-    sim = simulate(build_schedule(schedule, [1, 1, 1], 4),
+    sim = simulate(schedules.build(schedule, [1, 1, 1], 4),
                    PipelineCosts([StageCosts(1.0, 2.0)] * 3, [0.0, 0.0]))
-    want = build_schedule(schedule, [1, 1, 1], 4)
+    want = schedules.build(schedule, [1, 1, 1], 4)
     for res in results:
         assert res.actions == [str(a) for a in want[(res.stage, res.replica)]]
         assert res.peak_inflight == sim.peak_inflight[(res.stage, res.replica)]
@@ -173,7 +174,7 @@ def test_unequal_replicas_equal_single_process_adamw():
     results = train(2, [2, 1], config)
     assert [(r.stage, r.replica) for r in results] == [(0, 0), (0, 1), (1, 0)]
     assert_trained_like_reference(results, config, rtol=1e-3)
-    want = build_schedule("1f1b", [2, 1], 4)
+    want = schedules.build("1f1b", [2, 1], 4)
     sim = simulate(want, PipelineCosts([StageCosts(1.0, 2.0, 2), StageCosts(1.0, 2.0)], [0.0]))
     for res in results:
         assert res.actions == [str(a) for a in want[(res.stage, res.replica)]] * 3

@@ -18,7 +18,8 @@ from pathlib import Path
 from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
-from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS, SCHEDULES
+from onnx_partition.pipeline import schedules
+from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
 
 __all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "input_shapes_of",
            "rank_parser"]
@@ -140,7 +141,7 @@ def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParse
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "infer"),
+    p.add_argument("--schedule", choices=schedules.NAMES,
                    help="default: 1f1b for training plans, infer otherwise; interleaved: "
                         "interleaved 1F1B, the stages as --chunks model chunks per device")
     p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")
@@ -286,7 +287,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+    p.add_argument("--schedule", default="1f1b", choices=schedules.TRAIN_NAMES,
                    help="the pipeline schedule every rank executes (the simulator's)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")

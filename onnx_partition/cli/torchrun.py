@@ -10,7 +10,7 @@ process per stage replica (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from ``tor
 options (:func:`onnx_partition.cli.args.rank_parser`: one declaration, checked as the verb's are),
 and ends as the verb does (:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit
 code 2 for bad input, 1 for a failed rank), so torchrun stops the others. Rank 0 feeds
-``run``'s inputs (:func:`onnx_partition.cli.verbs.run_feeds`) and prints the figures. The
+``run``'s inputs (:func:`onnx_partition.runtime.infer.check.run_feeds`) and prints the figures. The
 environment is read by :func:`onnx_partition.runtime.dist.launcher.torchrun_env`. The work is
 the runtime's: :func:`onnx_partition.runtime.dist.torchrun.main_worker` and
 :func:`onnx_partition.runtime.train.trainer.train_rank`, imported when a rank runs.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from onnx_partition import values
 from onnx_partition.cli.args import rank_parser
-from onnx_partition.cli.verbs import EXIT_FAILED, guarded, run_feeds
+from onnx_partition.cli.verbs import EXIT_FAILED, guarded
 
 __all__ = ["infer_main", "train_main"]
 
@@ -52,6 +52,7 @@ def _infer(args: argparse.Namespace) -> int:
     from onnx_partition.plan import read_plan
     from onnx_partition.runtime.dist.launcher import torchrun_env
     from onnx_partition.runtime.dist.torchrun import main_worker
+    from onnx_partition.runtime.infer.check import run_feeds
     from onnx_partition.runtime.infer.rank import format_stats
 
     env = torchrun_env()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from onnx_partition.progress import Reporter
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main", "run_feeds",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main",
            "timing_line"]
 
 EXIT_BAD_INPUT = 2
@@ -254,11 +254,10 @@ def _run(args: argparse.Namespace) -> int:
         dumps,
         format_comparison,
         idle_replicas_note,
-        plan_batch_size,
-        plan_microbatches,
         run_json,
         run_shape,
     )
+    from onnx_partition.runtime.infer.check import run_feeds
     from onnx_partition.runtime.infer.measure import (
         measure_distributed,
         measure_threads,
@@ -275,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
     note = idle_replicas_note(plan, shape.microbatches)
     if note:
         print(note, file=sys.stderr)
-    planned = (plan_batch_size(plan), plan_microbatches(plan))
+    planned = (plan.rows_per_microbatch, plan.microbatches)
     default = "" if "microbatches" in plan.predicted else " by default"
     print(f"{_plural(len(plan.stages), 'stage')} "
           f"({' + '.join(str(s.replicas) for s in plan.stages)} "
@@ -302,26 +301,6 @@ def _run(args: argparse.Namespace) -> int:
         print(format_comparison(body))
         print(timing_line(measured["iteration_ms_each"]))
     return code
-
-
-def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
-    """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
-    each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
-    import numpy as np
-
-    from onnx_partition.runtime.infer.check import random_feeds
-
-    feeds = random_feeds(plan, batch_size=rows, seed=seed)
-    for item in inputs:
-        name, sep, file = item.partition("=")
-        if not sep or name not in feeds:
-            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
-                                 f"{', '.join(feeds)}")
-        try:
-            feeds[name] = np.load(file)
-        except (OSError, ValueError) as exc:
-            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
-    return feeds
 
 
 def _providers(args: argparse.Namespace) -> list[str] | None:

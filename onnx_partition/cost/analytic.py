@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.simulate import backward_factor as _backward_factor
 
 __all__ = ["DENSE", "DeviceSpec", "OpInfo", "Shape", "backward_factor", "backward_ms",
            "bytes_moved", "flops", "forward_ms", "op_class"]
@@ -395,6 +396,8 @@ def backward_ms(op: OpInfo, device: DeviceSpec) -> float:
     return device.launch_overhead_ms + backward_factor(op.op_type) * _roofline_ms(op, device)
 
 
-def backward_factor(op_type: str) -> float:
-    """Backward time over forward time: 2 for the :data:`DENSE` operators, 1 otherwise."""
-    return 2.0 if op_type in DENSE else 1.0
+def backward_factor(op_type: str | None = None) -> float:
+    """Backward time over forward time: the pipeline model's one rule
+    (:func:`onnx_partition.pipeline.simulate.backward_factor`) for this operator class: 2 for
+    the :data:`DENSE` operators, 1 for other operators, 2 for ``None`` (class not known)."""
+    return _backward_factor(None if op_type is None else op_type in DENSE)

@@ -21,7 +21,13 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms
+from onnx_partition.cost.analytic import (
+    DeviceSpec,
+    OpInfo,
+    backward_factor,
+    backward_ms,
+    forward_ms,
+)
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.fileio import atomic_write
 from onnx_partition.graph import OpGraph
@@ -171,7 +177,8 @@ def annotate(
             if graph.nodes[index].free:
                 continue
             fwd[index] = given[key]["forward_ms"]
-            bwd[index] = given[key].get("backward_ms", 2.0 * fwd[index])
+            # a measured forward alone: the factor of an operator of unknown class (2)
+            bwd[index] = given[key].get("backward_ms", backward_factor() * fwd[index])
             measured += 1
         source = costs.path
     return NodeCosts(fwd, bwd, source, measured)

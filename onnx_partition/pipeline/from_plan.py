@@ -9,12 +9,19 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
   *each* neighbour, i.e. ``comm[k] = f * (s[k-1] + s[k])`` (``s[-1] = s[S-1] = 0``), with
   ``f = 2`` for hybrid training plans (the activation forward, the gradient back, as the
   planner writes it) and ``f = 1`` otherwise (plain pipelines: ``(cut bytes) / bandwidth +
-  latency`` per boundary, see ``docs/design.md``). These are ``S`` equations in ``S - 1``
-  unknowns; they are solved by least squares (exact for an untouched plan, a compromise for an
-  edited one) and clipped at 0.
+  latency`` per boundary, see ``docs/design.md``). :func:`stage_comm` writes this encoding
+  (the planner's ``comm_ms``) and :func:`send_times` is its exact inverse: ``s[0] = comm[0] /
+  f``, ``s[b] = comm[b] / f - s[b-1]`` (the last stage's ``comm`` is ``f s[S-2]``, implied),
+  clipped at 0, so an untouched plan gives back its planner's send times to plan.json's
+  rounding (``comm_ms`` has 6 decimals, so a send is off by up to about ``1e-6 S`` ms; the
+  least-squares recovery used before spread that error differently, so a plain plan's
+  simulated figures can differ from it in their last printed digit);
+  ``simulator_costs.send_ms``, where a plan has it, is taken as written.
 * **Forward / backward.** Training plans store only ``forward + backward``; the split is
-  taken as backward = 2 x forward (the ``costs.json`` default and the usual rule for dense
-  layers). An inference plan simulated with a training schedule uses the same rule.
+  taken as backward = 2 x forward (:func:`~onnx_partition.pipeline.simulate.backward_factor`
+  for a stage, whose operators' classes the plan does not keep; the ``costs.json`` default and
+  the rule for dense layers). An inference plan simulated with a training schedule uses the
+  same rule.
 * **Memory.** ``memory_bytes`` is the planner's per-device peak for the plan's own schedule;
   it is used as the device's static bytes (no separate activation term), so another schedule's
   extra stashed micro-batches are not counted.
@@ -40,38 +47,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.schedules import (
     Action,
     Device,
     Kind,
     Schedule,
-    gpipe,
-    inference,
-    interleaved,
-    one_f_one_b,
+    build,
+    checked_name,
     pipeline_width,
     render,
 )
-from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.pipeline.simulate import (
+    PipelineCosts,
+    SimResult,
+    StageCosts,
+    backward_factor,
+    simulate,
+)
 from onnx_partition.plan import Plan
 from onnx_partition.values import fmt_bytes
 
-__all__ = ["BACKWARD_RATIO", "DEFAULT_CHUNKS", "DEFAULT_MICROBATCHES", "MAX_GRID_STEPS",
-           "SCHEDULES", "default_schedule", "device_name", "format_simulation",
-           "hosted_stages", "interleaving_note", "plan_costs", "schedule_name",
-           "schedule_of", "send_times", "simulate_plan"]
+__all__ = [
+    "MAX_GRID_STEPS",
+    "comm_factor",
+    "default_schedule",
+    "device_name",
+    "format_simulation",
+    "hosted_stages",
+    "interleaving_note",
+    "plan_costs",
+    "schedule_name",
+    "schedule_of",
+    "send_times",
+    "simulate_plan",
+    "stage_comm",
+]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "infer")
-#: Assumed backward / forward ratio when a plan stores only forward + backward.
-BACKWARD_RATIO = 2.0
 #: The schedule grid is printed up to this many steps on one device.
 MAX_GRID_STEPS = 48
-DEFAULT_MICROBATCHES = 8
-#: Model chunks per device of the interleaved schedule unless told.
-DEFAULT_CHUNKS = 2
 
 
 def default_schedule(plan: Plan) -> str:
@@ -79,17 +93,32 @@ def default_schedule(plan: Plan) -> str:
     return "1f1b" if plan.mode == "train" else "infer"
 
 
+def comm_factor(train: bool) -> float:
+    """How many times a boundary's send time counts in each neighbour's ``comm_ms``: twice in
+    training (the activation forward, the gradient back), once otherwise."""
+    return 2.0 if train else 1.0
+
+
+def stage_comm(send_ms: Sequence[float], factor: float = 1.0) -> list[float]:
+    """Each stage's ``comm_ms`` from the per-boundary send times: ``factor * (s[k-1] + s[k])``
+    with ``s[-1] = s[S-1] = 0`` (``len(send_ms) + 1`` stages); :func:`send_times` inverts it."""
+    k_stages = len(send_ms) + 1
+    return [factor * ((send_ms[k - 1] if k > 0 else 0.0)
+                      + (send_ms[k] if k < k_stages - 1 else 0.0))
+            for k in range(k_stages)]
+
+
 def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
-    """Per-boundary send times ``s`` with ``comm[k] ~= factor * (s[k-1] + s[k])`` (least
-    squares, clipped at 0); ``len(comm) - 1`` entries."""
-    p = len(comm_ms)
-    if p < 2:
-        return []
-    a = np.zeros((p, p - 1))
-    for b in range(p - 1):
-        a[b, b] = a[b + 1, b] = factor
-    solution, *_ = np.linalg.lstsq(a, np.asarray(comm_ms, dtype=float), rcond=None)
-    return [max(float(s), 0.0) for s in solution]
+    """The per-boundary send times of :func:`stage_comm`'s encoding, its exact inverse
+    (``len(comm) - 1`` entries): ``s[0] = comm[0] / factor``, ``s[b] = comm[b] / factor -
+    s[b-1]``, then clipped at 0 (so plan.json's rounding, or an edit, cannot make a send
+    negative)."""
+    sends: list[float] = []
+    before = 0.0
+    for comm in list(comm_ms)[:-1]:
+        before = comm / factor - before
+        sends.append(before)
+    return [max(s, 0.0) for s in sends]
 
 
 def _given(plan: Plan, key: str, length: int) -> list[float] | None:
@@ -116,12 +145,13 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     comm = [pr.comm_ms if pr else 0.0 for pr in preds]
     memory = [float(pr.memory_bytes) if pr else 0.0 for pr in preds]
     hybrid_train = plan.mode == "train"
-    stored_fwd = [c / (1.0 + BACKWARD_RATIO) for c in compute] if hybrid_train else compute
+    ratio = backward_factor()  # a stage's class is not known: the rule's figure for that
+    stored_fwd = [c / (1.0 + ratio) for c in compute] if hybrid_train else compute
     forward = _given(plan, "forward_ms", p) or stored_fwd
-    backward = _given(plan, "backward_ms", p) or [BACKWARD_RATIO * f for f in forward]
+    backward = _given(plan, "backward_ms", p) or [ratio * f for f in forward]
     send = _given(plan, "send_ms", p - 1)
     if send is None:
-        send = send_times(comm, 2.0 if hybrid_train else 1.0)
+        send = send_times(comm, comm_factor(hybrid_train))
     acts = _given(plan, "activation_bytes", p) or [0.0] * p
     static = _given(plan, "static_bytes", p) or memory
     raw_allreduce = plan.allreduce_ms
@@ -140,35 +170,21 @@ def simulate_plan(
     plan: Plan, *, schedule: str | None = None, microbatches: int | None = None,
     chunks: int | None = None,
 ) -> tuple[SimResult, PipelineCosts]:
-    """Simulate ``plan`` from plan.json alone: ``schedule`` in :data:`SCHEDULES` (default:
-    1F1B for training plans, forward streaming otherwise), ``microbatches`` per iteration
-    (default: the plan's ``predicted.microbatches``, else 8), ``chunks`` model chunks per
-    device for ``interleaved`` only (default 2). Returns the result and the rebuilt costs.
+    """Simulate ``plan`` from plan.json alone: ``schedule`` one of
+    :data:`~onnx_partition.pipeline.schedules.NAMES` (default: 1F1B for training plans,
+    forward streaming otherwise), ``microbatches`` per iteration
+    (default: :attr:`Plan.microbatches`), ``chunks`` model chunks per
+    device for ``interleaved`` only (default 2); the schedule is
+    :func:`~onnx_partition.pipeline.schedules.build`'s. Returns the result and the rebuilt costs.
     Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
     the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
     of devices x replicas, unequal replicas)."""
-    name = (schedule or default_schedule(plan)).lower()
-    if name not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; choose one of "
-                             f"{', '.join(SCHEDULES)}")
-    if chunks is not None and name != "interleaved":
-        raise PartitionError(f"model chunks per device apply only to the interleaved "
-                             f"schedule, not {name}")
-    m = microbatches if microbatches is not None else int(
-        plan.predicted.get("microbatches", DEFAULT_MICROBATCHES))
+    name = checked_name(schedule or default_schedule(plan), chunks)
+    m = microbatches if microbatches is not None else plan.microbatches
     if m < 1:
         raise PartitionError(f"need at least one micro-batch, got {m}")
     costs = plan_costs(plan, train=name != "infer")
-    replicas = [s.replicas for s in costs.stages]
-    if name == "gpipe":
-        sched = gpipe(len(replicas), m, replicas)
-    elif name == "1f1b":
-        sched = one_f_one_b(len(replicas), m, replicas)
-    elif name == "interleaved":
-        v = DEFAULT_CHUNKS if chunks is None else chunks
-        sched = interleaved(len(replicas), m, v, replicas)
-    else:
-        sched = inference(len(replicas), m, replicas)
+    sched = build(name, [s.replicas for s in costs.stages], m, chunks=chunks)
     return simulate(sched, costs), costs
 
 

@@ -2,10 +2,12 @@
 flight, and memory per device.
 
 Every tool that states a stage's memory or all-reduce time calls these functions: the hybrid
-DP (:mod:`.hybrid`), the scorer (:mod:`.scoring`), the planner (:mod:`.planner`), the event
-simulator (:mod:`onnx_partition.pipeline.simulate`, which counts in-flight micro-batches from the
-actions it plays and prices them with :func:`device_bytes`), ``simulate``/``report`` (through
-the plan's ``simulator_costs``) and ``partition``'s table (``predicted.memory_bytes``).
+DP (:mod:`onnx_partition.solve.hybrid`, through :func:`held_in_front` for its tables), the
+scorer (:mod:`onnx_partition.solve.scoring`), the planner (:mod:`onnx_partition.solve.planner`),
+the event simulator (:mod:`onnx_partition.pipeline.simulate`, which counts in-flight
+micro-batches from the actions it plays and prices them with :func:`device_bytes`),
+``simulate``/``report`` (through the plan's ``simulator_costs``) and ``partition``'s table
+(``predicted.memory_bytes``).
 
 **Memory of a device** holding one replica of a stage::
 
@@ -39,7 +41,8 @@ device of stage ``s``::
          = 1                              (inference: the micro-batch being computed)
 
 The simulator counts the same number from the actions it runs; the property tests assert
-both agree for every stage.
+both agree for every stage. :func:`held_in_front` is the same closed form over arrays (a stage
+of each replica count in front of each suffix), which the hybrid DP's tables use.
 
 **Ring all-reduce** of ``W`` gradient bytes over ``r`` replicas (Patarasuk and Yuan, JPDC
 2009; PipeDream's replicated-stage model): ``2 (r - 1) / r * W / bandwidth + 2 (r - 1) *
@@ -54,12 +57,12 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "Num", "StageBytes", "boundary_step", "device_bytes", "memory_per_device",
-           "one_f_one_b_warmups", "peak_inflight", "ring_allreduce_ms", "stash_bytes",
-           "static_bytes"]
+__all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
+           "held_in_front", "memory_per_device", "one_f_one_b_warmups", "peak_inflight",
+           "ring_allreduce_ms", "stash_bytes", "static_bytes"]
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
-SCHEDULES = ("1f1b", "gpipe", "infer")
+CLOSED_FORMS = ("1f1b", "gpipe", "infer")
 
 Num = TypeVar("Num", float, np.ndarray)
 
@@ -92,6 +95,28 @@ def one_f_one_b_warmups(replicas: Sequence[int], microbatches: int) -> list[int]
     return out
 
 
+def held_in_front(replicas: np.ndarray, next_replicas: np.ndarray, next_warmup: np.ndarray,
+                  microbatches: int, *, last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The 1F1B closed form for many stages at once (the hybrid DP's tables): a stage of
+    ``replicas[c]`` replicas in front of a suffix whose first stage has ``next_replicas[j]``
+    replicas and global warm-up ``next_warmup[j]`` (``last``: the stage ends the pipeline, no
+    suffix). Returns ``(held[c, j], steps[c, j])`` as int64: the micro-batches the fullest
+    replica holds (:func:`peak_inflight`'s ``ceil(min(W + 1, M) / d)``) and the warm-up its
+    boundary adds (:func:`boundary_step`), so the stage's own warm-up is
+    ``min(steps + next_warmup, M)`` (:func:`one_f_one_b_warmups`)."""
+    m = microbatches
+    r = np.asarray(replicas, dtype=np.int64)[:, None]
+    nxt = np.asarray(next_replicas, dtype=np.int64)
+    if last:
+        steps = np.zeros((len(r), len(nxt)), dtype=np.int64)
+    else:
+        after = np.maximum(nxt, 1)[None, :]
+        divides = (r % after == 0) | (after % r == 0)
+        steps = np.where(divides, np.maximum(r, after), r + after - 1)
+    warmup = np.minimum(steps + np.asarray(next_warmup, dtype=np.int64)[None, :], m)
+    return -(-np.minimum(warmup + 1, m) // r), steps
+
+
 def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
     """Micro-batches whose activations the fullest replica of each stage holds at once (see
     the module docstring): ``1f1b``, ``gpipe`` or ``infer``."""
@@ -101,7 +126,7 @@ def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> 
     if schedule == "gpipe":
         return [-(-m // d) for d in replicas]
     if schedule != "1f1b":
-        raise ValueError(f"no closed form for schedule {schedule!r}; use one of {SCHEDULES}")
+        raise ValueError(f"no closed form for schedule {schedule!r}; use one of {CLOSED_FORMS}")
     warm = one_f_one_b_warmups(replicas, m)
     return [-(-min(w + 1, m) // d) for w, d in zip(warm, replicas, strict=True)]
 

@@ -1,20 +1,54 @@
-"""Micro-batches: split feeds along the batch axis, merge outputs back (inverse functions)."""
+"""Micro-batches: split feeds along the batch axis, merge outputs back (inverse functions).
+
+**One split rule** (:func:`row_ranges`): ``rows`` rows make ``min(chunks, rows)`` micro-batches,
+micro-batch ``m`` being rows ``[round(m rows / chunks), round((m + 1) rows / chunks))`` (the
+edges of ``numpy.linspace``, rounded half to even). When ``chunks`` divides ``rows`` (every step
+of the training runtime, ``B x M`` rows) micro-batch ``m`` is rows ``m B .. (m + 1) B``. The
+threaded and multi-process runtimes (:func:`split`, numpy), the training ranks
+(:func:`rows_of`, torch tensors or numpy arrays) and the single-process training reference all
+cut by it."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from onnx_partition.plan import Plan
 
-__all__ = ["Axes", "Feeds", "batch_axes", "batch_size", "merge", "split"]
+__all__ = ["Axes", "Feeds", "batch_axes", "batch_size", "merge", "row_ranges", "rows_of",
+           "split"]
 
 Feeds = Mapping[str, np.ndarray]
 #: Name -> its batch axis, or None for a tensor that is not split (given whole to every
 #: micro-batch; an output taken from the first); a name not listed has its batch on axis 0.
 Axes = Mapping[str, int | None]
+
+
+T = TypeVar("T")
+
+
+def row_ranges(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` of ``chunks`` near-equal micro-batches of ``rows`` rows, fewer
+    when ``rows < chunks``: the one split rule (see the module docstring)."""
+    if chunks < 1:
+        raise ValueError(f"need at least one micro-batch, got {chunks}")
+    chunks = min(chunks, rows)
+    edges = np.linspace(0, rows, chunks + 1).round().astype(int)
+    return [(int(lo), int(hi)) for lo, hi in itertools.pairwise(edges)]
+
+
+def rows_of(batch: Mapping[str, T], m: int, count: int) -> dict[str, T]:
+    """Micro-batch ``m`` of ``count`` of a batch whose tensors (numpy arrays or torch tensors)
+    all have their rows on axis 0, cut by :func:`row_ranges`."""
+    rows = {len(t) for t in batch.values()}  # type: ignore[arg-type]
+    if len(rows) > 1:
+        raise ValueError(f"tensors disagree on the batch dim: {sorted(rows)}")
+    lo, hi = row_ranges(rows.pop() if rows else 0, count)[m]
+    out: dict[str, Any] = {n: t[lo:hi] for n, t in batch.items()}  # type: ignore[index]
+    return out
 
 
 def batch_axes(plan: Plan) -> dict[str, int | None]:
@@ -61,11 +95,8 @@ def split(feeds: Feeds, chunks: int, axes: Axes | None = None) -> list[dict[str,
     if chunks < 1:
         raise ValueError(f"need at least one micro-batch, got {chunks}")
     axes = axes or {}
-    size = batch_size(feeds, axes)
-    chunks = min(chunks, size)
-    edges = np.linspace(0, size, chunks + 1).round().astype(int)
     parts = []
-    for lo, hi in itertools.pairwise(edges):
+    for lo, hi in row_ranges(batch_size(feeds, axes), chunks):
         part = {}
         for k, v in feeds.items():
             axis = _axis(axes, k, v)

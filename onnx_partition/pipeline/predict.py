@@ -5,8 +5,8 @@ objects ``run --json``, ``simulate --json`` and ``partition --json`` print.
 leading dim the stage files were planned at; plan.json ``batch_size``). An iteration (one call of
 the pipeline) is ``microbatches`` micro-batches, so its rows are ``batch_size x microbatches``
 (:class:`RunShape`). ``run`` defaults to the plan's micro-batch size and count
-(plan.json ``batch_size`` and ``predicted.microbatches``; :data:`DEFAULT_MICROBATCHES` for plans
-without a count, as ``partition`` does).
+(:attr:`Plan.rows_per_microbatch` and :attr:`Plan.microbatches`, whose default for plans without
+a count is ``partition``'s).
 
 **Prediction for a run** (:func:`predict`): the plan's own simulation
 (:func:`~onnx_partition.pipeline.from_plan.simulate_plan`) with the run's micro-batch count and the
@@ -34,12 +34,11 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.pipeline.from_plan import default_schedule, simulate_plan
 from onnx_partition.pipeline.simulate import SimResult
-from onnx_partition.plan import DEFAULT_MICROBATCHES, Plan
+from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import RUN_FORMAT
 
-__all__ = ["DEFAULT_MICROBATCHES", "RUN_FORMAT", "RunShape", "dumps", "format_comparison",
-           "idle_replicas_note", "measured_json", "partition_json", "plan_batch_size",
-           "plan_microbatches", "predict", "ratios", "read_run", "run_json",
+__all__ = ["RUN_FORMAT", "RunShape", "dumps", "format_comparison", "idle_replicas_note",
+           "measured_json", "partition_json", "predict", "ratios", "read_run", "run_json",
            "run_shape", "simulate_json", "simulation_json"]
 
 
@@ -56,21 +55,11 @@ class RunShape:
         return self.batch_size * self.microbatches
 
 
-def plan_batch_size(plan: Plan) -> int | None:
-    """:attr:`Plan.rows_per_microbatch` (kept for callers; to be replaced by the attribute)."""
-    return plan.rows_per_microbatch
-
-
-def plan_microbatches(plan: Plan) -> int:
-    """:attr:`Plan.microbatches` (kept for callers; to be replaced by the attribute)."""
-    return plan.microbatches
-
-
 def run_shape(plan: Plan, *, batch_size: int | None = None,
               microbatches: int | None = None) -> RunShape:
     """The run's shape: the given values, else the plan's (see the module docstring)."""
-    size = batch_size if batch_size is not None else (plan_batch_size(plan) or 1)
-    count = microbatches if microbatches is not None else plan_microbatches(plan)
+    size = batch_size if batch_size is not None else (plan.rows_per_microbatch or 1)
+    count = microbatches if microbatches is not None else plan.microbatches
     if size < 1 or count < 1:
         raise PartitionError(f"--batch-size and --microbatches must be at least 1, got "
                              f"{size} and {count}")
@@ -126,7 +115,7 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
 def predict(plan: Plan, shape: RunShape) -> dict[str, Any]:
     """The plan's prediction for a run of ``shape`` (see the module docstring)."""
     result, _ = simulate_plan(plan, schedule="infer", microbatches=shape.microbatches)
-    planned = plan_batch_size(plan)
+    planned = plan.rows_per_microbatch
     scale = shape.batch_size / planned if planned else 1.0
     body = simulation_json(plan, result, schedule="infer", microbatches=shape.microbatches,
                            batch_size=shape.batch_size, scale=scale)
@@ -199,8 +188,8 @@ def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, An
         stage["nodes"] = len(stage["nodes"])
         stage["constants"] = len(stage.get("constants", []))
     body["plan_dir"] = str(plan_dir)
-    body.setdefault("batch_size", plan_batch_size(plan))
-    body["microbatches"] = plan_microbatches(plan)
+    body.setdefault("batch_size", plan.rows_per_microbatch)
+    body["microbatches"] = plan.microbatches
     return body
 
 
@@ -208,8 +197,8 @@ def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
                   microbatches: int | None, batch_size: int | None = None) -> dict[str, Any]:
     """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
     rows per micro-batch with every duration scaled linearly from the plan's."""
-    count = microbatches if microbatches is not None else plan_microbatches(plan)
-    planned = plan_batch_size(plan)
+    count = microbatches if microbatches is not None else plan.microbatches
+    planned = plan.rows_per_microbatch
     if batch_size is not None and batch_size < 1:
         raise PartitionError(f"--batch-size must be at least 1, got {batch_size}")
     size = batch_size if batch_size is not None else planned

@@ -11,6 +11,11 @@ an action such as ``1F0`` is (stage 1, forward, micro-batch 0). Builders:
   by ``v``.
 * :func:`inference` -- forwards only.
 
+**The registry.** :data:`NAMES` lists every schedule by name and :func:`build` makes one from
+its name: the one map from a name to a builder, used by the simulator's callers
+(:mod:`.from_plan`), the planner's scorer, the training runtime (:data:`TRAIN_NAMES`, the
+ones it runs) and the command line's choices.
+
 A stage with ``d`` replicas sends micro-batch ``m`` to replica ``m % d``; each replica runs
 the subsequence of the stage's action list that belongs to its micro-batches. A device is
 keyed by its first stage: with ``p`` distinct first stages, device ``(d, r)`` runs the
@@ -26,11 +31,36 @@ from dataclasses import dataclass
 from enum import Enum
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import one_f_one_b_warmups
 
-__all__ = ["Action", "ActionKey", "Device", "Kind", "Schedule", "ScheduleError", "gpipe",
-           "inference", "interleaved", "one_f_one_b", "pipeline_width", "render",
-           "validate"]
+__all__ = [
+    "DEFAULT_CHUNKS",
+    "NAMES",
+    "TRAIN_NAMES",
+    "Action",
+    "ActionKey",
+    "Device",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "build",
+    "checked_name",
+    "gpipe",
+    "inference",
+    "interleaved",
+    "one_f_one_b",
+    "pipeline_width",
+    "render",
+    "validate",
+]
+
+#: Every schedule :func:`build` knows, in the order the command line lists them.
+NAMES = ("gpipe", "1f1b", "interleaved", "infer")
+#: The schedules the training runtime runs (one stage per device).
+TRAIN_NAMES = ("1f1b", "gpipe")
+#: Model chunks per device of the interleaved schedule unless told.
+DEFAULT_CHUNKS = 2
 
 
 class ScheduleError(PartitionError, ValueError):
@@ -86,7 +116,8 @@ def _distribute(stage_orders: list[list[tuple[Kind, int]]], counts: list[int]) -
     schedule: Schedule = {}
     for stage, (order, d) in enumerate(zip(stage_orders, counts, strict=True)):
         for r in range(d):
-            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order if mb % d == r]
+            schedule[(stage, r)] = [Action(stage, k, mb) for k, mb in order
+                                   if replica_of(mb, d) == r]
     return schedule
 
 
@@ -202,6 +233,36 @@ def interleaved(
         for r in range(reps):
             schedule[(d, r)] = [Action(c * p + d, kind, j * reps + r) for kind, c, j in order]
     return schedule
+
+
+def checked_name(name: str, chunks: int | None = None) -> str:
+    """``name`` as :data:`NAMES` spells it (case ignored); :class:`ScheduleError` for an
+    unknown name or for ``chunks`` given to a schedule other than ``interleaved``."""
+    key = name.lower()
+    if key not in NAMES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
+    if chunks is not None and key != "interleaved":
+        raise ScheduleError(f"model chunks per device apply only to the interleaved "
+                            f"schedule, not {key}")
+    return key
+
+
+def build(name: str, replicas: Sequence[int], microbatches: int, *,
+          chunks: int | None = None) -> Schedule:
+    """The schedule called ``name`` (one of :data:`NAMES`) for stages with these replica
+    counts and ``microbatches`` micro-batches; ``chunks`` model chunks per device for
+    ``interleaved`` only (default :data:`DEFAULT_CHUNKS`). Raises :class:`ScheduleError` for
+    an unknown name, chunks given to another schedule, or what the builder refuses."""
+    key = checked_name(name, chunks)
+    counts = list(replicas)
+    if key == "gpipe":
+        return gpipe(len(counts), microbatches, counts)
+    if key == "1f1b":
+        return one_f_one_b(len(counts), microbatches, counts)
+    if key == "interleaved":
+        return interleaved(len(counts), microbatches,
+                           DEFAULT_CHUNKS if chunks is None else chunks, counts)
+    return inference(len(counts), microbatches, counts)
 
 # ----------------------------------------------------------------- validation
 

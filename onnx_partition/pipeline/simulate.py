@@ -4,6 +4,11 @@
 :class:`PipelineCosts` (plain numbers, no devices) and returns makespan, throughput, bubble,
 per-device busy time, peak in-flight micro-batches and memory, the all-reduce windows, and a
 timeline for Gantt charts. Pure Python, no ONNX.
+
+:func:`backward_factor` is the one rule for a backward time derived from a forward time: the
+analytic cost model prices each operator by it (``cost.analytic``, which says which operators
+are dense), a costs file's node without ``backward_ms`` and a plan that stores only forward +
+backward per stage (:mod:`.from_plan`) take its figure for an operator of unknown class.
 """
 
 from __future__ import annotations
@@ -24,8 +29,17 @@ from onnx_partition.pipeline.schedules import (
     validate,
 )
 
-__all__ = ["PipelineCosts", "SimResult", "StageCosts", "bubble_closed_form",
+__all__ = ["PipelineCosts", "SimResult", "StageCosts", "backward_factor", "bubble_closed_form",
            "bubble_closed_form_interleaved", "pipeline_time_closed_form", "simulate"]
+
+
+def backward_factor(dense: bool | None = None) -> float:
+    """Backward time over forward time, the one rule: 2 for a dense operator (matrix products,
+    convolutions, attention: the gradients of both operands, each as costly as the forward), 1
+    for any other (one gradient the size of its output), and 2 where the class is not known (a
+    measured node without a backward time, a stage's forward + backward stored whole): the
+    dense figure, as dense operators carry most of a model's training time."""
+    return 1.0 if dense is False else 2.0
 
 
 @dataclass(frozen=True)

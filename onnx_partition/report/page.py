@@ -78,12 +78,9 @@ def batch_line(plan: Plan, micro_batch: int | None = None,
     micro-batches per iteration; the micro-batches are shared among a stage's data-parallel
     replicas (micro-batch m goes to replica m mod d), which DeepSpeed calls gradient
     accumulation steps x data-parallel size."""
-    m = microbatches or int(plan.predicted.get("microbatches", 0)) or None
-    size = micro_batch or _leading_dim(plan)
+    m = microbatches or plan.microbatches
+    size = micro_batch or plan.rows_per_microbatch
     what = f"micro-batch size {size}" if size else "micro-batch size B"
-    if m is None:
-        return (f"global batch = {what} x M micro-batches per batch (run --microbatches M; "
-                "one replica per stage)")
     total = f" = {size * m:,} samples per iteration" if size else ""
     replicas = sorted({s.replicas for s in plan.stages})
     if len(replicas) == 1 and m % replicas[0] == 0:
@@ -98,15 +95,6 @@ def batch_line(plan: Plan, micro_batch: int | None = None,
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def _leading_dim(plan: Plan) -> int | None:
-    """The batch size the plan was partitioned for (input dim 0), if recorded."""
-    for spec in plan.inputs:
-        shape = plan.input_shapes.get(spec.name, spec.shape)
-        if shape and isinstance(shape[0], int):
-            return int(shape[0])
-    return None
 
 
 def default_report_path(plan_dir: Path) -> Path:

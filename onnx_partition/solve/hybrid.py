@@ -10,13 +10,14 @@ Narayanan et al., SOSP 2019, with the transfers of every tensor crossing its bou
     period  P = L / r + allreduce / M          (replicas take micro-batches in turn; the ring
     allreduce = 2 (r-1)/r W / bw + 2 (r-1) lat  all-reduce of W gradient bytes once per iteration)
 
-and needs per device the memory of :mod:`.stage_model` (the one memory model): in training
-``opt * W + G + held * (A + R)``, where 1F1B's ``held`` micro-batches in flight depend on the
-stage's replicas and the replicas and warm-up of the stages after it. The DP builds plans from
-the pipeline's end, so when it places stage ``[i, j)`` on ``r`` replicas in front of the
-suffix it chose from ``j``, it knows that suffix's first replica count and warm-up and checks
-the stage's memory exactly; the plans it returns carry each stage's exact memory
-(:func:`.stage_model.memory_per_device`), and the planner checks again after widening.
+and needs per device the memory of :mod:`onnx_partition.pipeline.memory` (the one memory
+model): in training ``opt * W + G + held * (A + R)``, where 1F1B's ``held`` micro-batches in
+flight depend on the stage's replicas and the replicas and warm-up of the stages after it. The
+DP builds plans from the pipeline's end, so when it places stage ``[i, j)`` on ``r`` replicas
+in front of the suffix it chose from ``j``, it knows that suffix's first replica count and
+warm-up and checks the stage's memory exactly (the memory model's vectorised closed form,
+``held_in_front``); the plans it returns carry each stage's exact memory
+(``memory_per_device``), and the planner checks again after widening.
 
 The DP runs over suffixes with the number of stages in the state (table shape written as in
 Alpa's ``training_dp_impl``)::
@@ -50,6 +51,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import (
     StageBytes,
     device_bytes,
+    held_in_front,
     memory_per_device,
     ring_allreduce_ms,
 )
@@ -134,7 +136,7 @@ class _Tables:
         raw_cut = np.asarray(costs.cut_bytes, dtype=float)
         self.received = np.broadcast_to(raw_cut[:, None], (n + 1, n + 1))  # at boundary i
         self.sent = np.broadcast_to(raw_cut[None, :], (n + 1, n + 1))  # at boundary j
-        # memory = static + held * stash (stage_model), as (start, end) matrices
+        # memory = static + held * stash (pipeline.memory), as (start, end) matrices
         self.static = (config.optimizer_factor * self.params + self.sent if config.train
                        else self.params)
         self.stash = self.acts + self.received
@@ -233,9 +235,10 @@ def _fewest_devices(
     ``fits`` says where a stage is within memory when that does not depend on the plan
     (inference); in training each stage's memory is checked in front of the suffix chosen:
     its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
-    replica count and warm-up (:func:`_held`), a small table looked up for the stages that
-    could overflow at all (``tables.risky``) and compared with how many micro-batches each may
-    hold (``tables.risky_cap``). Integer tables: the device counts are small whole numbers."""
+    replica count and warm-up (:func:`~onnx_partition.pipeline.memory.held_in_front`), a
+    small table looked up for the stages that could overflow at all (``tables.risky``) and
+    compared with how many micro-batches each may hold (``tables.risky_cap``).
+    Integer tables: the device counts are small whole numbers."""
     n = tables.n
     above = np.zeros((n + 1, n + 1), dtype=_COUNT)
     limit = np.float32(tau)
@@ -256,7 +259,8 @@ def _fewest_devices(
     for q in range(1, max_q + 1):
         np.copyto(cand, reps)
         if fits is None:
-            held, steps = _held(tables, rep[q - 1], warm[q - 1], q == 1)
+            held, steps = held_in_front(tables.lookup, rep[q - 1], warm[q - 1],
+                                        tables.c.microbatches, last=q == 1)
             flat[risky[np.take(held, at) > tables.risky_cap]] = _NONE
         else:
             np.copyto(cand, _NONE, where=~fits)
@@ -268,24 +272,6 @@ def _fewest_devices(
             warm[q] = np.minimum(steps[above[rows, end[q]], end[q]] + warm[q - 1][end[q]],
                                  tables.c.microbatches)
     return h, end, rep
-
-
-def _held(tables: _Tables, next_reps: np.ndarray, next_warm: np.ndarray,
-          last: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``held[c, j]``: micro-batches in flight on a stage of ``lookup[c]`` replicas ending at
-    ``j``, in front of the suffix whose first stage has ``next_reps[j]`` replicas and 1F1B
-    warm-up ``next_warm[j]`` (the closed form of :mod:`.stage_model`, vectorised); and
-    ``steps[c, j]``, the warm-up that boundary adds."""
-    m = tables.c.microbatches
-    r = tables.lookup.astype(np.int64)[:, None]
-    if last:
-        steps = np.zeros((len(r), len(next_reps)), dtype=np.int64)
-    else:
-        after = np.maximum(next_reps, 1)[None, :]
-        divides = (r % after == 0) | (after % r == 0)
-        steps = np.where(divides, np.maximum(r, after), r + after - 1)
-    warmup = np.minimum(steps + next_warm[None, :], m)
-    return (-(-np.minimum(warmup + 1, m) // r)).astype(_COUNT), steps
 
 
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
@@ -27,7 +28,7 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import inference, one_f_one_b
+from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.solve.problem import DagProblem
 
@@ -117,7 +118,8 @@ def _links(cluster: Cluster, replicas: Sequence[int], microbatches: int
             crosses = cluster.machine_of(here[0]) != cluster.machine_of(there[0])
         else:  # a stage spans machines: follow the micro-batches
             machine = cluster.machine_of
-            crosses = any(machine(here[m % len(here)]) != machine(there[m % len(there)])
+            crosses = any(machine(here[replica_of(m, len(here))])
+                          != machine(there[replica_of(m, len(there))])
                           for m in range(microbatches))
         sends.append(cluster.inter if crosses else cluster.intra)
     return groups, sends
@@ -189,9 +191,7 @@ def score(
 
 def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
-    builder = one_f_one_b if run.schedule == "1f1b" else inference
-    schedule = builder(len(replicas), run.microbatches, list(replicas))
-    sim = simulate(schedule, costs)
+    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
-from onnx_partition.pipeline.predict import plan_microbatches
+from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import (
     TorchrunEnv,
@@ -38,7 +38,6 @@ from onnx_partition.runtime.infer.rank import (
     RankConfig,
     check_feeds,
     choose_backend,
-    layout,
     on_device,
     serve_rank,
 )
@@ -73,7 +72,7 @@ def main_worker(
         raise PartitionError(f"device {device!r}: only cpu replaces the plan's devices")
     lay = on_device(layout(plan), device)
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
-        microbatches = plan_microbatches(plan)
+        microbatches = plan.microbatches
     check_world_size(lay.replicas, world)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy

@@ -1,9 +1,12 @@
-"""Feeds for a plan and the whole model's reference outputs, to check a pipelined run."""
+"""Feeds for a plan and the whole model's reference outputs, to check a pipelined run.
+
+:func:`random_feeds` is the one rule for a plan's random inputs (``run``, a torchrun rank 0,
+the tools and tests); :func:`run_feeds` adds ``run``'s ``--input NAME=FILE.npy`` overrides."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.microbatch import batch_axes
 from onnx_partition.plan import Plan
 
-__all__ = ["compare", "random_feeds", "whole_model_outputs"]
+__all__ = ["compare", "random_feeds", "run_feeds", "whole_model_outputs"]
 
 
 def random_feeds(
@@ -47,6 +50,22 @@ def random_feeds(
             feeds[spec.name] = rng.integers(0, high, size=shape).astype(dtype)
         else:
             feeds[spec.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dict[str, np.ndarray]:
+    """The feeds of ``run`` (and of a torchrun rank 0): seeded random inputs of ``rows`` rows,
+    each ``NAME=FILE.npy`` of ``inputs`` (``--input``) read from its file instead."""
+    feeds = random_feeds(plan, batch_size=rows, seed=seed)
+    for item in inputs:
+        name, sep, file = item.partition("=")
+        if not sep or name not in feeds:
+            raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
+                                 f"{', '.join(feeds)}")
+        try:
+            feeds[name] = np.load(file)
+        except (OSError, ValueError) as exc:
+            raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
     return feeds
 
 

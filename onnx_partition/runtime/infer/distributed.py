@@ -36,7 +36,7 @@ import numpy as np
 import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, StageFailed
-from onnx_partition.pipeline.predict import plan_microbatches
+from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import (
@@ -50,12 +50,10 @@ from onnx_partition.runtime.dist.torchrun import main_worker
 from onnx_partition.runtime.dist.wire import Env
 from onnx_partition.runtime.infer.rank import (
     DistStats,
-    Layout,
     RankConfig,
     check_feeds,
     choose_backend,
     format_stats,
-    layout,
     on_device,
     serve_rank,
 )
@@ -105,7 +103,7 @@ def run_distributed(
         raise PartitionError(f"unknown output {next(n for n in names if n not in known)!r}; "
                              f"outputs: {known}")
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
-        microbatches = plan_microbatches(plan)
+        microbatches = plan.microbatches
     check_feeds(plan, feeds, microbatches)
     if iterations < 1:
         raise PartitionError(f"need at least one iteration, got {iterations}")

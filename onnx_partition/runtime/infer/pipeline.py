@@ -20,7 +20,7 @@ import numpy as np
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.graph.ort import Provider
 from onnx_partition.pipeline import microbatch
-from onnx_partition.pipeline.predict import plan_microbatches
+from onnx_partition.pipeline.layout import needed_after, replica_of
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.infer.sessions import NodeArg, StageSession, load_stages, node_args
 
@@ -75,16 +75,11 @@ class PipelineSession:
             plan_dir, providers=providers, threads_per_stage=threads_per_stage
         )
         # micro-batches per run(): the plan's (predicted.microbatches, else 8) unless given
-        self.microbatches = microbatches if microbatches is not None else plan_microbatches(
-            self.plan)
+        self.microbatches = microbatches if microbatches is not None else self.plan.microbatches
         self.timeout_s = timeout_s
         self.last_stats = RunStats()
         # Names still needed after stage k: later stages' inputs and the graph outputs.
-        outputs = [o.name for o in self.plan.outputs]
-        self._keep: list[set[str]] = []
-        for k in range(len(self.stages)):
-            later = {n for s in self.plan.stages[k + 1:] for n in s.inputs}
-            self._keep.append(later | set(outputs))
+        self._keep = needed_after(self.plan)
         # One long-lived worker thread per stage replica, fed through its own inbox.
         self._inbox: list[list[queue.SimpleQueue[Task | None]]] = [
             [queue.SimpleQueue() for _ in replicas] for replicas in self.stages
@@ -144,7 +139,7 @@ class PipelineSession:
         began = time.perf_counter()
         first = self._inbox[0]
         for m, batch in enumerate(batches):
-            first[m % len(first)].put((done, m, dict(batch)))
+            first[replica_of(m, len(first))].put((done, m, dict(batch)))
         results: dict[int, Env] = {}
         deadline = began + self.timeout_s
         while len(results) < count:
@@ -208,7 +203,7 @@ def _serve(
             done.put((m, env))
         else:
             nxt = inboxes[k + 1]
-            nxt[m % len(nxt)].put((done, m, env))
+            nxt[replica_of(m, len(nxt))].put((done, m, env))
 
 
 def _shutdown(

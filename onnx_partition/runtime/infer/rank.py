@@ -1,16 +1,18 @@
-"""One rank of a distributed inference run, and the plan's rank layout.
+"""One rank of a distributed inference run.
 
-**Layout.** Ranks follow the plan: stage 0's replicas first, then stage 1's, and so on (replicas
-consecutive). Micro-batch ``m`` goes to replica ``m % d_k`` of stage ``k`` (as in the threaded
-runtime), so every send and receive is known in advance: stage ``k`` replica ``m % d_k`` sends
-micro-batch ``m`` to stage ``k+1`` replica ``m % d_{k+1}``. Rank 0 (stage 0, replica 0) is also
-the driver: it splits the feeds, sends stage 0's other replicas their micro-batches, and receives
-the graph outputs from the last stage's ranks, merging them in order.
+**Layout** (:mod:`onnx_partition.pipeline.layout`). Ranks follow the plan: stage 0's replicas
+first, then stage 1's, and so on (replicas consecutive). Micro-batch ``m`` goes to replica
+``m % d_k`` of stage ``k`` (as in the threaded runtime), so every send and receive is known in
+advance: stage ``k`` replica ``m % d_k`` sends micro-batch ``m`` to stage ``k+1`` replica
+``m % d_{k+1}``. Rank 0 (stage 0, replica 0) is also the driver: it splits the feeds, sends
+stage 0's other replicas their micro-batches, and receives the graph outputs from the last
+stage's ranks, merging them in order.
 
-**Relay.** Like the threaded runtime's ``_keep``, each stage forwards every tensor that a later
-stage or the graph outputs still need: a skip connection, or a graph input read only by the last
-stage, travels hop by hop (the cost model's relay model). The names each hop carries are fixed by
-the plan (:class:`Layout`), so they never go over the wire.
+**Relay.** Like the threaded runtime, each stage forwards every tensor that a later stage or the
+graph outputs still need (:func:`~onnx_partition.pipeline.layout.needed_after`): a skip
+connection, or a graph input read only by the last stage, travels hop by hop (the cost model's
+relay model). The names each hop carries are fixed by the plan
+(:class:`~onnx_partition.pipeline.layout.Layout`), so they never go over the wire.
 
 **Wire protocol**: :mod:`onnx_partition.runtime.dist.wire` (a fixed int64 header, small tensors
 packed, large ones sent zero-copy).
@@ -25,7 +27,6 @@ before each micro-batch's compute: the tests' faults (a rank that exits or stops
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -41,72 +42,14 @@ from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.ort import local_device, providers_for, session_options
 from onnx_partition.pipeline import microbatch
+from onnx_partition.pipeline.layout import Layout
 from onnx_partition.plan import PLAN_FILE, Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
 
-__all__ = ["DistStats", "Layout", "RankConfig", "check_feeds", "choose_backend", "format_stats",
-           "layout", "on_device", "serve_rank"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each stage replica runs and which tensors every hop carries."""
-
-    replicas: list[int]  # per stage
-    first: list[int]  # first rank of each stage
-    devices: list[list[str]]  # per stage, per replica
-    recv_names: list[list[str]]  # tensors stage k's replicas receive (stage 0: from rank 0)
-    send_names: list[list[str]]  # tensors stage k sends on (the last stage: outputs to rank 0)
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.replicas)
-
-    @property
-    def stages(self) -> int:
-        return len(self.replicas)
-
-    def place(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of ``rank``."""
-        for k in reversed(range(self.stages)):
-            if rank >= self.first[k]:
-                return k, rank - self.first[k]
-        raise ValueError(f"rank {rank} is not in the layout")
-
-    def rank_of(self, stage: int, m: int) -> int:
-        """The rank serving micro-batch ``m`` at ``stage``."""
-        return self.first[stage] + m % self.replicas[stage]
-
-    def name(self, rank: int) -> str:
-        k, r = self.place(rank)
-        return f"stage {k} replica {r} (rank {rank}, {self.devices[k][r]})"
-
-
-def layout(plan: Plan) -> Layout:
-    """The rank layout and relay sets of ``plan``; a PartitionError if a stage reads a tensor
-    that no earlier stage or graph input makes."""
-    replicas = [max(1, s.replicas) for s in plan.stages]
-    first = list(itertools.accumulate([0, *replicas]))[:-1]
-    devices = [[(s.devices or ["cpu"])[r % len(s.devices or ["cpu"])] for r in range(d)]
-               for s, d in zip(plan.stages, replicas)]
-    outputs = {o.name for o in plan.outputs}
-    avail = {i.name for i in plan.inputs}
-    recv, send = [], []
-    for k, stage in enumerate(plan.stages):
-        keep = {n for s in plan.stages[k + 1:] for n in s.inputs} | outputs
-        missing = [n for n in stage.inputs if n not in avail]
-        if missing:
-            raise PartitionError(f"plan.json: stage {k} reads {missing[0]!r}, which no earlier "
-                                 f"stage or graph input makes")
-        recv.append(sorted(avail & (set(stage.inputs) | keep)))
-        avail |= set(stage.outputs)
-        send.append(sorted(avail & keep))
-    lost = sorted(outputs - avail)
-    if lost:
-        raise PartitionError(f"plan.json: no stage makes the graph output {lost[0]!r}")
-    return Layout(replicas, first, devices, recv, send)
+__all__ = ["DistStats", "RankConfig", "check_feeds", "choose_backend", "format_stats",
+           "on_device", "serve_rank"]
 
 
 def on_device(lay: Layout, device: str | None) -> Layout:

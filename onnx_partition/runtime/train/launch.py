@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.graph.ort import local_device
+from onnx_partition.pipeline.layout import layout
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.launcher import (
     PRELOAD,
@@ -30,7 +31,7 @@ from onnx_partition.runtime.dist.launcher import (
     rank_result,
     torchrun_env,
 )
-from onnx_partition.runtime.infer.rank import choose_backend, layout
+from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,

@@ -1,6 +1,6 @@
 """One rank of a training pipeline: it runs the simulator's action list for its device.
 
-**Layout and routing** are the inference runtime's (:func:`onnx_partition.runtime.infer.rank.
+**Layout and routing** are the inference runtime's (:func:`onnx_partition.pipeline.layout.
 layout`): ranks stage by stage, replicas consecutive; replica ``j`` of a stage with ``r``
 replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ between stages);
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
@@ -46,17 +46,18 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.pipeline.schedules import Action, Kind, Schedule, gpipe, one_f_one_b
+from onnx_partition.pipeline import schedules
+from onnx_partition.pipeline.layout import Layout, layout
+from onnx_partition.pipeline.microbatch import rows_of
+from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
-from onnx_partition.runtime.infer.rank import Layout, layout
-from onnx_partition.runtime.train.choices import SCHEDULES
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.reference import make_optimizer
 
-__all__ = ["SCHEDULES", "Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
-           "build_schedule", "microbatch", "step_line", "tied_groups", "train_stages"]
+__all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+           "microbatch", "step_line", "tied_groups", "train_stages"]
 
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
 Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
@@ -104,18 +105,11 @@ class RankResult:
     state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
 
 
-def build_schedule(name: str, replicas: Sequence[int], microbatches: int) -> Schedule:
-    """The simulator's schedule (never re-derived here)."""
-    if name == "1f1b":
-        return one_f_one_b(len(replicas), microbatches, replicas)
-    if name == "gpipe":
-        return gpipe(len(replicas), microbatches, replicas)
-    raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-
-
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
-    """Micro-batch ``m`` of ``count``: rows split as ``torch.tensor_split`` does."""
-    return {n: t.tensor_split(count)[m] for n, t in batch.items()}
+    """Micro-batch ``m`` of ``count``: the one split rule
+    (:func:`onnx_partition.pipeline.microbatch.rows_of`; a step's ``B x M`` rows give
+    micro-batch ``m`` rows ``m B .. (m + 1) B``)."""
+    return rows_of(batch, m, count)
 
 
 def tied_groups(stages: Sequence[StageLike]) -> list[tuple[int, ...]]:
@@ -184,7 +178,7 @@ def train_stages(
     lay = layout(plan)
     k, replica = lay.place(rank)
     module = stages[k].module.to(device).train()
-    actions = build_schedule(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
+    actions = schedules.build(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
 
     # Every rank creates every group, in the same order (torch.distributed requires it).
     stage_group = _group_for(lay, [s for s in range(lay.stages)], k)

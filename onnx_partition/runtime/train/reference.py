@@ -9,14 +9,13 @@ alone, exactly as the pipeline does. Micro-batches are split as the runtime spli
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.choices import OPTIMIZERS
 from onnx_partition.runtime.train.modules import whole_module
@@ -39,13 +38,11 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float
 
 
 def split_rows(rows: int, chunks: int) -> list[tuple[int, int]]:
-    """Row ranges of ``chunks`` near-equal micro-batches (fewer when rows < chunks), the same
-    edges as :func:`onnx_partition.pipeline.microbatch.split`."""
+    """Row ranges of ``chunks`` near-equal micro-batches (fewer when rows < chunks): the one
+    split rule, :func:`onnx_partition.pipeline.microbatch.row_ranges`."""
     if chunks < 1:
         raise PartitionError(f"need at least one micro-batch, got {chunks}")
-    chunks = min(chunks, rows)
-    edges = np.linspace(0, rows, chunks + 1).round().astype(int)
-    return [(int(lo), int(hi)) for lo, hi in itertools.pairwise(edges)]
+    return row_ranges(rows, chunks)
 
 
 def reference_train(

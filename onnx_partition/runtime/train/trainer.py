@@ -35,15 +35,17 @@ import torch
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.fileio import atomic_write
+from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
+from onnx_partition.pipeline.layout import layout
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
 from onnx_partition.runtime.dist.launcher import check_world_size, torchrun_env
-from onnx_partition.runtime.infer.rank import choose_backend, layout
+from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
-from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS, SCHEDULES
+from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.rank import (
@@ -52,7 +54,6 @@ from onnx_partition.runtime.train.rank import (
     RankResult,
     StageLike,
     TrainConfig,
-    build_schedule,
     train_stages,
 )
 
@@ -112,16 +113,6 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
                                                          seed)
 
 
-def default_batch_size(plan: Plan) -> int:
-    """Rows per micro-batch unless told: the batch dimension the plan was partitioned with."""
-    fixed = plan.input_shapes
-    for spec in plan.inputs:
-        shape = list(fixed.get(spec.name, spec.shape))
-        if shape and isinstance(shape[0], int) and shape[0] > 0:
-            return int(shape[0])
-    return 2
-
-
 def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches: int,
                   batch_size: int, schedule: str, optimizer: str, lr: float, engine: str
                   ) -> Plan:
@@ -137,8 +128,9 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
                         ("row per micro-batch", batch_size)):
         if value < 1:
             raise PartitionError(f"need at least one {what}, got {value}")
-    if schedule not in SCHEDULES:
-        raise PartitionError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}")
+    if schedule not in schedules.TRAIN_NAMES:
+        raise PartitionError(f"unknown schedule {schedule!r}; choose "
+                             f"{', '.join(schedules.TRAIN_NAMES)}")
     if optimizer not in OPTIMIZERS:
         raise PartitionError(f"unknown optimizer {optimizer!r}; choose {', '.join(OPTIMIZERS)}")
     if not lr > 0:
@@ -215,9 +207,10 @@ def train_plan(
 ) -> TrainStats:
     """Train the plan in ``plan_dir`` with one local process per stage replica.
 
-    ``batch_size`` is rows per micro-batch (default: as partitioned); a step takes
-    ``microbatches`` of them (default: the plan's, else 4). ``check``: dropout off, and the
-    parameters after step 1 (and 3) compared with single-process training
+    ``batch_size`` is rows per micro-batch (default: :attr:`Plan.rows_per_microbatch`); a
+    step takes ``microbatches`` of them (default: :attr:`Plan.microbatches`, the plan's own
+    count). ``check``: dropout off, and the parameters after step 1 (and 3) compared with
+    single-process training
     (:attr:`TrainStats.mismatches`). ``save``: a new plan folder with the trained weights.
     Raises PartitionError for a bad request (before any process starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
@@ -226,8 +219,8 @@ def train_plan(
     from onnx_partition.runtime.train.modules import require_trainable
 
     plan0 = require_trainable(folder)
-    count = microbatches or int(plan0.predicted.get("microbatches", 4))
-    rows = batch_size or default_batch_size(plan0)
+    count = microbatches or plan0.microbatches
+    rows = batch_size or plan0.rows_per_microbatch or 1
     plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
                          schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
     if save is not None:
@@ -274,7 +267,7 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
         [StageCosts(fwd[k], bwd[k], s.replicas, s.allreduce_ms) for k, s in
          enumerate(base.stages)], base.send_ms)
     replicas = [s.replicas for s in base.stages]
-    calibrated = simulate(build_schedule(config.schedule, replicas, count), measured)
+    calibrated = simulate(schedules.build(config.schedule, replicas, count), measured)
     rank0 = ranks[0]
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=config.schedule, engine=engine, loss=rank0.loss,
@@ -364,8 +357,8 @@ def train_rank(
     env = torchrun_env()
     folder = Path(plan_dir).resolve()
     plan0 = require_trainable(folder)
-    count = microbatches or int(plan0.predicted.get("microbatches", 4))
-    rows = batch_size or default_batch_size(plan0)
+    count = microbatches or plan0.microbatches
+    rows = batch_size or plan0.rows_per_microbatch or 1
     plan = check_request(folder, nproc=env.world_size, steps=steps, microbatches=count,
                          batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
                          engine="ours")
