@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
-from test_graph import CHAIN, save
+from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
 from onnx_partition.cost.annotate import read_costs

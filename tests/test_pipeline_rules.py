@@ -250,7 +250,7 @@ def test_backward_from_forward_is_one_rule():
 def test_a_costs_file_without_backward_keeps_twice_the_forward(tmp_path):
     import json
 
-    from test_graph import CHAIN, save
+    from support.graphs import CHAIN, save
 
     from onnx_partition.cost.annotate import annotate
     from onnx_partition.graph import load
@@ -260,7 +260,7 @@ def test_a_costs_file_without_backward_keeps_twice_the_forward(tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"format": "onnx-partition/costs@1", "unit": "ms",
                                  "nodes": {first.key: {"forward_ms": 0.3}}}))
-    node_costs = annotate(graph, costs_path=costs)
+    node_costs = annotate(graph, costs=costs)
     assert node_costs.backward_ms[first.index] == 2.0 * 0.3
 
 
@@ -298,7 +298,7 @@ def test_send_times_invert_stage_comm_to_rounding(sends, train):
 def test_partition_writes_comm_by_stage_comm(tmp_path):
     import json
 
-    from test_graph import CHAIN, save
+    from support.graphs import CHAIN, save
 
     from onnx_partition.cost.cluster import Cluster, Link
     from onnx_partition.partition import partition
