@@ -25,7 +25,7 @@ from onnx_partition.graph.emit import (
     emit,
     io_specs,
     save_stage,
-    stage_model,
+    stage_proto,
 )
 from onnx_partition.plan import IOSpec, Plan, Stage, read_plan
 
@@ -86,7 +86,7 @@ def test_io_specs_keep_symbolic_dims(chain: OpGraph) -> None:
 def test_stage_models_are_valid_onnx_over_exactly_the_cut(chain: OpGraph, tmp_path: Path,
                                                           assignment: dict[int, int]) -> None:
     cuts = cut_stages(chain, assignment, max(assignment.values()) + 1)
-    models = [stage_model(chain, cut, k) for k, cut in enumerate(cuts)]
+    models = [stage_proto(chain, cut, k) for k, cut in enumerate(cuts)]
     for k, (model, cut) in enumerate(zip(models, cuts)):
         onnx.checker.check_model(model, full_check=True)
         assert [i.name for i in model.graph.input] == cut.inputs
@@ -134,7 +134,7 @@ def test_large_weights_go_external_aligned_small_ones_inline(tmp_path: Path,
     cut = cut_stages(graph, {0: 0, 1: 0, 2: 0}, 1)[0]
     out = tmp_path / "out"
     out.mkdir()
-    digest = save_stage(stage_model(graph, cut, 0), out / "stage_0.onnx", tmp_path)
+    digest = save_stage(stage_proto(graph, cut, 0), out / "stage_0.onnx", tmp_path)
     assert digest == hashlib.sha256((out / "stage_0.onnx").read_bytes()).hexdigest()
     saved = onnx.load(str(out / "stage_0.onnx"), load_external_data=False)
     by_name = {t.name: t for t in saved.graph.initializer}
@@ -156,12 +156,12 @@ def test_large_weights_go_external_aligned_small_ones_inline(tmp_path: Path,
 
 def test_small_stage_leaves_no_data_file(chain: OpGraph, tmp_path: Path) -> None:
     cut = cut_stages(chain, TWO, 2)[0]
-    save_stage(stage_model(chain, cut, 0), tmp_path / "s.onnx", tmp_path)
+    save_stage(stage_proto(chain, cut, 0), tmp_path / "s.onnx", tmp_path)
     assert not (tmp_path / "s.onnx.data").exists()
 
 
 def test_checker_failure_is_one_line(chain: OpGraph, tmp_path: Path) -> None:
-    model = stage_model(chain, cut_stages(chain, TWO, 2)[0], 0)
+    model = stage_proto(chain, cut_stages(chain, TWO, 2)[0], 0)
     model.graph.node[1].op_type = "NoSuchOp"
     with pytest.raises(PartitionError, match=r"^stage file s.onnx failed the ONNX checker: \S"):
         save_stage(model, tmp_path / "s.onnx", tmp_path)

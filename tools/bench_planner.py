@@ -10,7 +10,7 @@ For every recipe x device count x mode: our planner (``plan_cluster``) and every
 Megatron pp x dp grid, pure data parallelism, PipeDream's DP), all scored by the same event
 simulator. Every plan returned, ours and the baselines', is also checked against the device
 memory in the simulator (its peak per device, ``SimResult.peak_memory_bytes``) and against the
-planner's own figure per stage (the one memory model, ``solve/stage_model.py``): the summary
+planner's own figure per stage (the one memory model, ``pipeline/memory.py``): the summary
 line (e) counts plans over the limit and plans whose two figures differ (target 0 and 0).
 Partition time is the wall time of the solver on the DagProblem (model export,
 loading and analytic costing are common to all and left out). Prints a Markdown table and the

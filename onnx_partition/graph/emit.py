@@ -29,7 +29,7 @@ from onnx_partition.plan.folder import publish, read_body
 from onnx_partition.progress import SILENT, Reporter
 
 __all__ = ["EXTERNAL_THRESHOLD", "StageCut", "cut_stages", "emit", "io_specs", "save_stage",
-           "stage_model", "write_plan_folder"]
+           "stage_proto", "write_plan_folder"]
 
 #: Initializers of at least this many bytes are stored as external data.
 EXTERNAL_THRESHOLD = 1 << 20
@@ -101,7 +101,7 @@ def cut_stages(graph: OpGraph, stage_of: dict[int, int], num_stages: int) -> lis
     return cuts
 
 
-def stage_model(graph: OpGraph, cut: StageCut, index: int) -> onnx.ModelProto:
+def stage_proto(graph: OpGraph, cut: StageCut, index: int) -> onnx.ModelProto:
     """The ONNX model of one stage (initializers still pointing at the source's data)."""
     source = graph.model
     protos = graph.protos()
@@ -305,7 +305,7 @@ def emit(
         for k, cut in enumerate(cuts):
             stage = plan.stages[k]
             stage.sha256 = save_stage(
-                stage_model(graph, cut, k), folder / stage.file, source_dir, check=check
+                stage_proto(graph, cut, k), folder / stage.file, source_dir, check=check
             )
             reporter.step("writing stage files", k + 1, len(cuts))
         return plan.to_json()
