@@ -98,7 +98,7 @@ def test_planner_fits_means_simulator_fits(case: Case, machines: int, per_machin
     whole = memory_per_device(
         [StageBytes(sum(arrays.param_bytes), sum(arrays.activation_bytes))], [1],
         microbatches, schedule="1f1b" if train else "infer")[0]
-    limit = share * whole if share < math.inf and whole > 0 else math.inf
+    limit = share * whole if share < math.inf and whole >= 1 else math.inf  # whole bytes
     cluster = Cluster(machines, per_machine, memory_gb=limit / 1e9, kind="cuda",
                       intra=Link(10.0, 0.01), inter=Link(1.0, 0.05))
     run = RunSpec(cluster, train=train, microbatches=microbatches)

@@ -53,9 +53,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
            "held_in_front", "memory_per_device", "one_f_one_b_warmups", "peak_inflight",
@@ -64,7 +65,7 @@ __all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 CLOSED_FORMS = ("1f1b", "gpipe", "infer")
 
-Num = TypeVar("Num", float, np.ndarray)
+Num = TypeVar("Num", float, "np.ndarray")  # numpy imported by the vectorised callers only
 
 
 def ring_allreduce_ms(nbytes: Num, replicas: int, bytes_per_ms: float,
@@ -105,6 +106,8 @@ def held_in_front(replicas: np.ndarray, next_replicas: np.ndarray, next_warmup: 
     boundary adds (:func:`boundary_step`), so the stage's own warm-up is
     ``min(steps + next_warmup, M)`` (:func:`one_f_one_b_warmups`)."""
     m = microbatches
+    import numpy as np
+
     r = np.asarray(replicas, dtype=np.int64)[:, None]
     nxt = np.asarray(next_replicas, dtype=np.int64)
     if last:
