@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 from support.graphs import CHAIN, feeds_for, save
 from support.outputs import assert_same, run_chained, run_whole
@@ -201,3 +203,34 @@ def test_symbolic_dim_needs_a_value(tmp_path):
     with pytest.raises(PartitionError, match="symbolic; give --batch-size"):
         load(model)
     assert load(model, input_shapes={"x": [5, 4]}).tensors["a"].nbytes == 5 * 4 * 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_file_order_is_kept_where_valid_as_networkx_would(data):
+    """graph.load's topological order (Kahn's, lowest file position first, written out to keep
+    networkx out of every command's imports) equals networkx's lexicographical sort on random
+    DAGs whose nodes are listed in a shuffled file order; a cycle is named."""
+    import networkx as nx
+    from onnx import helper as h
+
+    from onnx_partition.graph.load import _topological_order
+
+    n = data.draw(st.integers(1, 12))
+    edges = {(i, j) for j in range(n) for i in range(j)
+             if data.draw(st.booleans(), label=f"edge {i}->{j}")}
+    perm = data.draw(st.permutations(range(n)))  # file position of topological node k
+    nodes = [None] * n
+    for k in range(n):
+        ins = [f"t{i}" for i in range(k) if (i, k) in edges] or ["x"]
+        nodes[perm[k]] = h.make_node("Sum", ins, [f"t{k}"], name=f"n{k}")
+    graph = h.make_graph(nodes, "g", [], [])
+    keys = [nd.name for nd in nodes]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(n))
+    dag.add_edges_from((perm[i], perm[j]) for i, j in edges)
+    assert _topological_order(graph, keys, {"x"}) == list(nx.lexicographical_topological_sort(dag))
+    looped = h.make_graph([h.make_node("Sum", ["b"], ["a"], name="A"),
+                           h.make_node("Sum", ["a"], ["b"], name="B")], "g", [], [])
+    with pytest.raises(PartitionError, match="the graph has a cycle: A -> B -> A"):
+        _topological_order(looped, ["A", "B"], set())

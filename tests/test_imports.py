@@ -1,7 +1,7 @@
 """A command imports what it runs: building the parser (``--version``, any ``--help``) loads no
-torch, onnxruntime or OR-Tools (nor numpy), and partitioning an inference plan loads no torch (the verbs
-import their runtime when they run). Each check runs in a fresh interpreter, since this one has
-imported everything already."""
+torch, onnxruntime or OR-Tools (nor numpy), and partitioning an inference plan loads no torch
+(the verbs import their runtime when they run). Each check runs in a fresh interpreter, since
+this one has imported everything already."""
 
 from __future__ import annotations
 

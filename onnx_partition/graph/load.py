@@ -10,6 +10,7 @@ protos: :func:`onnx_partition.partition.dag_problem` hands them plain arrays.
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,6 @@ from functools import cached_property
 from pathlib import Path
 
 import google.protobuf.message
-import networkx as nx
 import onnx
 
 from onnx_partition.errors import PartitionError
@@ -260,18 +260,36 @@ def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str
         for out in node.output:
             if out:
                 producer[out] = i
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(len(graph.node)))
+    succ: list[set[int]] = [set() for _ in graph.node]
     for i, node in enumerate(graph.node):
         for name in used_names(node):
             if name in producer and name not in sources:
-                dag.add_edge(producer[name], i)
-    try:
-        return list(nx.lexicographical_topological_sort(dag))
-    except nx.NetworkXUnfeasible:
+                succ[producer[name]].add(i)  # a node reading its own output: a cycle of one
+    # Kahn's algorithm taking the lowest ready file position first (what networkx's
+    # lexicographical_topological_sort does); written out because importing networkx costs
+    # every command about 0.1 s, and it is needed only to name a cycle.
+    indegree = [0] * len(succ)
+    for targets in succ:
+        for j in targets:
+            indegree[j] += 1
+    ready = [i for i, d in enumerate(indegree) if d == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succ[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) < len(succ):
+        import networkx as nx  # only to name the cycle
+
+        dag = nx.DiGraph((i, j) for i, targets in enumerate(succ) for j in targets)
         cycle = nx.find_cycle(dag)
         path = " -> ".join(keys[u] for u, _ in cycle) + f" -> {keys[cycle[0][0]]}"
-        raise PartitionError(f"the graph has a cycle: {path}") from None
+        raise PartitionError(f"the graph has a cycle: {path}")
+    return order
 
 
 def _flow_tensors(
