@@ -10,7 +10,6 @@ protos: :func:`onnx_partition.partition.dag_problem` hands them plain arrays.
 
 from __future__ import annotations
 
-import heapq
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import google.protobuf.message
 import onnx
 
+from onnx_partition.dag import kahn_order
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph.protos import (
     Shape,
@@ -265,23 +265,7 @@ def _topological_order(graph: onnx.GraphProto, keys: list[str], sources: set[str
         for name in used_names(node):
             if name in producer and name not in sources:
                 succ[producer[name]].add(i)  # a node reading its own output: a cycle of one
-    # Kahn's algorithm taking the lowest ready file position first (what networkx's
-    # lexicographical_topological_sort does); written out because importing networkx costs
-    # every command about 0.1 s, and it is needed only to name a cycle.
-    indegree = [0] * len(succ)
-    for targets in succ:
-        for j in targets:
-            indegree[j] += 1
-    ready = [i for i, d in enumerate(indegree) if d == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for j in succ[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                heapq.heappush(ready, j)
+    order = kahn_order(succ)  # file order kept wherever it is already valid
     if len(order) < len(succ):
         import networkx as nx  # only to name the cycle
 

@@ -17,7 +17,6 @@ DP (over sequences), the refinement, the ILP and the brute force all agree with 
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from onnx_partition.dag import kahn_order
 from onnx_partition.errors import PartitionError
 
 __all__ = ["DagProblem", "TensorArrays", "topological_order"]
@@ -239,15 +239,4 @@ class DagProblem:
 
 def topological_order(problem: DagProblem) -> list[int]:
     """Kahn's order, smallest index first among ready nodes; shorter than n iff there is a cycle."""
-    indeg = problem.in_degrees()
-    ready = [i for i, d in enumerate(indeg) if d == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for j in problem.successors[i]:
-            indeg[j] -= 1
-            if indeg[j] == 0:
-                heapq.heappush(ready, j)
-    return order
+    return kahn_order(problem.successors)
