@@ -10,7 +10,8 @@
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
 ``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. The entry takes
 ``run``'s options; rank 0 feeds ``run``'s inputs, prints the figures and saves the outputs. The
-environment is read, the world size checked and the rank's result judged by the rules the local
+environment is read, the world size and this rank's placement (its plan device on this machine,
+``check_placement``) checked before the first operation, and the rank's result judged by the rules the local
 launcher shares (:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`,
 ``check_world_size``, ``rank_result``).
 """
@@ -29,6 +30,7 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import (
     TorchrunEnv,
     bind_gloo_to_loopback,
+    check_placement,
     check_world_size,
     rank_result,
     torchrun_env,
@@ -74,6 +76,7 @@ def main_worker(
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
         microbatches = plan.microbatches
     check_world_size(lay.replicas, world)
+    check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
     config = RankConfig(folder, plan, lay, choose_backend(lay, backend), microbatches,

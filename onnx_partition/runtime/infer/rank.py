@@ -40,7 +40,12 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.fileio import sha256_file
-from onnx_partition.graph.ort import local_device, providers_for, session_options
+from onnx_partition.graph.ort import (
+    local_device,
+    open_session,
+    providers_for,
+    session_options,
+)
 from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.layout import Layout
 from onnx_partition.plan import PLAN_FILE, Plan
@@ -215,9 +220,9 @@ def _open(
     k, r = config.lay.place(rank)
     device = config.lay.devices[k][r]
     try:
-        session = ort.InferenceSession(str(config.plan_dir / config.plan.stages[k].file),
-                                       sess_options=session_options(config.threads),
-                                       providers=providers_for(device))
+        session = open_session(str(config.plan_dir / config.plan.stages[k].file),
+                               session_options(config.threads), providers_for(device),
+                               f"{config.plan.stages[k].file} on {device}")
         comm = torch.device("cpu")
         if config.backend == "nccl":
             comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
