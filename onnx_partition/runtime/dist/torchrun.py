@@ -79,7 +79,8 @@ def main_worker(
     check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
-    config = RankConfig(folder, plan, lay, choose_backend(lay, backend), microbatches,
+    config = RankConfig(folder, plan, lay, choose_backend(lay, backend, auto_nccl=False),
+                        microbatches,
                         iterations, threads_per_stage, timeout_s)
     if rank == 0:
         if feeds is None:

@@ -130,7 +130,7 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     lay = on_device(layout(plan), device)
     if nproc is not None:
         check_world_size(lay.replicas, nproc)
-    return plan, lay, choose_backend(lay, backend, one_machine=True)
+    return plan, lay, choose_backend(lay, backend, one_machine=True, auto_nccl=False)
 
 
 def _spawned(
