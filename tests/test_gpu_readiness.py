@@ -4,17 +4,29 @@ profiler's buffer rotation and signature batches."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 from support.graphs import CHAIN, save
+from support.outputs import assert_same, run_whole
 
+from onnx_partition.cost.profile.cuda import own_inputs, rotation_sets
+from onnx_partition.cost.profile.harness import Context
+from onnx_partition.cost.profile.sigmodel import flow_values, signature_model
 from onnx_partition.errors import PartitionError
+from onnx_partition.graph import load
 from onnx_partition.graph.ort import check_providers, open_session, session_options
 from onnx_partition.partition import partition
+from onnx_partition.pipeline.layout import Layout, layout
+from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.dist.launcher import TorchrunEnv, check_placement, torchrun_env
+from onnx_partition.runtime.infer.distributed import run_distributed
+from onnx_partition.runtime.infer.rank import choose_backend, hop_key
 
 CUDA0 = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
 
@@ -135,3 +147,106 @@ def test_group_rank_must_be_a_machine_number():
         torchrun_env({"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "-1", "MASTER_ADDR": "h",
                       "MASTER_PORT": "1"})
 
+
+
+# --------------------------------------------------------------------------- the wire per hop
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+
+
+def _two_stages(tmp_path: Path) -> tuple[Path, Path]:
+    model = save(CHAIN, tmp_path / "m.onnx")
+    partition(model, 2, tmp_path / "out", batch_size=2)
+    return model, tmp_path / "out"
+
+
+def test_each_hop_sends_its_header_once_and_copies_only_what_it_packs(tmp_path):
+    """CHAIN on two gloo ranks, 4 micro-batches of 2 rows, 2 iterations: one header per hop in
+    all (every micro-batch has the same rows, no data-dependent size); the only host copies are
+    the small tensors packed into one message (one per tensor per micro-batch), none to or from
+    a device."""
+    model, out = _two_stages(tmp_path)
+    plan = read_plan(out)
+    assert plan.extra["unknown_size_tensors"] == 0
+    feeds = {"x": _rows(8)}
+    outputs, stats = run_distributed(out, feeds, nproc=2, microbatches=4, iterations=2,
+                                     timeout_s=60)
+    assert_same(dict(zip([o.name for o in plan.outputs], outputs)), run_whole(model, feeds))
+    lay = layout(plan)
+    assert stats.backend == "gloo"
+    assert stats.headers == {0: 1, 1: 1}
+    assert stats.copies == {0: {"pack": 4 * 2 * len(lay.send_names[0])},
+                            1: {"pack": 4 * 2 * len(lay.send_names[1])}}
+
+
+def test_uneven_and_data_dependent_micro_batches_send_a_header_per_shape(tmp_path):
+    model, out = _two_stages(tmp_path)
+    feeds = {"x": _rows(7)}  # rows 2, 2, 2, 1: two shapes per hop
+    outputs, stats = run_distributed(out, feeds, nproc=2, microbatches=4, iterations=2,
+                                     timeout_s=60)
+    assert stats.headers == {0: 2, 1: 2}
+    plan_file = out / "plan.json"  # a plan that may hold data-dependent sizes: per micro-batch
+    plan = json.loads(plan_file.read_text())
+    del plan["unknown_size_tensors"]
+    plan_file.write_text(json.dumps(plan))
+    again, stats = run_distributed(out, feeds, nproc=2, microbatches=4, iterations=2,
+                                   timeout_s=60)
+    assert stats.headers == {0: 4, 1: 4}  # the first iteration's only
+    for a, b in zip(outputs, again):
+        np.testing.assert_array_equal(a, b)
+    assert_same(dict(zip([o.name for o in read_plan(out).outputs], again)),
+                run_whole(model, feeds))
+
+
+def test_hop_keys_follow_the_plans_sizes(tmp_path):
+    _, out = _two_stages(tmp_path)
+    plan = read_plan(out)
+    assert hop_key(plan, 3, 2) == ("rows", 2)
+    plan.extra["unknown_size_tensors"] = 1
+    assert hop_key(plan, 3, 2) == ("microbatch", 3)
+
+
+def test_inference_defaults_to_gloo_until_nccl_is_confirmed():
+    lay = Layout([1, 1], [0, 1], [["cuda:0"], ["cuda:1"]], [["x"], ["a"]], [["a"], ["y"]])
+    assert choose_backend(lay, None, auto_nccl=False) == "gloo"
+    assert choose_backend(lay, "nccl", auto_nccl=False) == "nccl"
+
+
+# --------------------------------------------------------------------------- CUDA profiling
+
+
+def test_rotation_outgrows_l2_within_the_budget():
+    """R sets such that the R - 1 sets read between two reads of one exceed twice the L2."""
+    l2 = 50 << 20
+    assert rotation_sets(50 << 20, l2, 1 << 40) == 3  # 2 other sets of 50 MB >= 2 x L2
+    assert rotation_sets(40 << 20, l2, 1 << 40) == 4  # ceil(100 / 40) + 1
+    assert rotation_sets(1 << 30, l2, 1 << 40) == 2  # larger than L2: alternate two
+    assert rotation_sets(1 << 10, l2, 1 << 40) == 64  # tiny inputs: capped
+    assert rotation_sets(40 << 20, l2, 100 << 20) == 2  # two sets fit the budget
+    assert rotation_sets(40 << 20, l2, 100 << 20, set_bytes=80 << 20) == 1
+    assert rotation_sets(0, l2, 1 << 40) == 1
+
+
+def test_each_copy_reads_its_own_inputs_and_computes_the_same(tmp_path):
+    """On CPU: copy c of a node reads ``name#in<c>``, a distinct buffer of equal values, and
+    the model runs (the CUDA timing's signature models are these)."""
+    graph = load(save(CHAIN, tmp_path / "m.onnx"), batch_size=2)
+    ctx = Context(graph, "cpu", None, 1, 0, 1)
+    rep = next(i for i, n in enumerate(graph.nodes) if n.op_type == "Add")
+    key = graph.nodes[rep].key
+    model, feeds = own_inputs(*signature_model(ctx, [rep], 3, flow_values(ctx, [rep])), [key])
+    inputs = {n.name: list(n.input) for n in model.graph.node}
+    flow = [n for n in graph.nodes[rep].inputs if n in feeds]
+    assert flow and inputs[f"{key}#copy2"] == [
+        f"{n}#in2" if n in flow else n for n in graph.nodes[rep].inputs]
+    assert inputs[key] == list(graph.nodes[rep].inputs)
+    assert [i.name for i in model.graph.input] == [*flow, *(f"{n}#in{c}" for c in (1, 2)
+                                                          for n in flow)]
+    for n in flow:
+        assert not np.shares_memory(feeds[n], feeds[f"{n}#in1"])
+        np.testing.assert_array_equal(feeds[f"{n}#in2"], feeds[n])
+    session = open_session(model.SerializeToString(), session_options(1),
+                           ["CPUExecutionProvider"], "copies")
+    session.run(None, feeds)
