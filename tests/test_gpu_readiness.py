@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from support.graphs import CHAIN, save
+from support.graphs import CHAIN, SKIP, save
 from support.outputs import assert_same, run_whole
 
 from onnx_partition.cost.profile.cuda import own_inputs, rotation_sets
@@ -26,7 +26,7 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.dist.launcher import TorchrunEnv, check_placement, torchrun_env
 from onnx_partition.runtime.infer.distributed import run_distributed
-from onnx_partition.runtime.infer.rank import choose_backend, hop_key
+from onnx_partition.runtime.infer.rank import check_hop, choose_backend, hop_key
 
 CUDA0 = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
 
@@ -250,3 +250,43 @@ def test_each_copy_reads_its_own_inputs_and_computes_the_same(tmp_path):
     session = open_session(model.SerializeToString(), session_options(1),
                            ["CPUExecutionProvider"], "copies")
     session.run(None, feeds)
+
+
+# --------------------------------------------------------------------------- the device hop
+
+
+def test_the_device_hop_runs_through_iobinding_without_host_copies(tmp_path):
+    """hop="device" on CPU and gloo: the same IOBinding and DLPack path a GPU takes, outputs
+    equal to the whole model and the host hop, no copy anywhere, one header per hop."""
+    model, out = _two_stages(tmp_path)
+    feeds = {"x": _rows(8)}
+    host, _ = run_distributed(out, feeds, nproc=2, microbatches=4, iterations=2, timeout_s=60)
+    device, stats = run_distributed(out, feeds, nproc=2, microbatches=4, iterations=2,
+                                    timeout_s=60, hop="device")
+    for a, b in zip(host, device):
+        np.testing.assert_array_equal(a, b)
+    assert_same(dict(zip([o.name for o in read_plan(out).outputs], device)),
+                run_whole(model, feeds))
+    assert stats.copies == {0: {}, 1: {}}
+    assert stats.headers == {0: 1, 1: 1}
+
+
+def test_the_device_hop_relays_skips_over_three_stages(tmp_path):
+    model = save(SKIP, tmp_path / "m.onnx")
+    partition(model, 3, tmp_path / "out", batch_size=2)
+    feeds = {"x": _rows(6), "z": _rows(6)}
+    outputs, stats = run_distributed(tmp_path / "out", feeds, nproc=3, microbatches=3,
+                                     timeout_s=60, hop="device")
+    assert_same(dict(zip([o.name for o in read_plan(tmp_path / "out").outputs], outputs)),
+                run_whole(model, feeds))
+    assert all(not c for c in stats.copies.values())
+
+
+def test_the_device_hop_of_a_cuda_plan_needs_nccl():
+    cuda = Layout([1, 1], [0, 1], [["cuda:0"], ["cuda:1"]], [["x"], ["a"]], [["a"], ["y"]])
+    with pytest.raises(PartitionError, match="needs backend nccl"):
+        check_hop(cuda, "gloo", "device")
+    check_hop(cuda, "nccl", "device")
+    check_hop(cuda, "gloo", "host")
+    with pytest.raises(PartitionError, match="unknown hop 'gpu'"):
+        check_hop(cuda, "gloo", "gpu")

@@ -39,6 +39,7 @@ from onnx_partition.runtime.infer.rank import (
     DistStats,
     RankConfig,
     check_feeds,
+    check_hop,
     choose_backend,
     on_device,
     serve_rank,
@@ -59,12 +60,14 @@ def main_worker(
     threads_per_stage: int = 1,
     device: str | None = None,
     env: TorchrunEnv | None = None,
+    hop: str = "host",
 ) -> tuple[dict[str, np.ndarray], DistStats] | None:
     """One rank under ``torchrun`` (``env``, default :func:`torchrun_env`: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment). Only rank 0 needs ``feeds``; it returns the
     outputs and figures, the others None. ``device="cpu"`` puts every rank on CPU (as
-    ``run_distributed``'s). Raises :class:`~onnx_partition.errors.StageFailed` naming this rank
-    when it fails.
+    ``run_distributed``'s), and ``hop`` is its hop too (``device``: tensors stay on the GPU,
+    with ``backend="nccl"``). Raises :class:`~onnx_partition.errors.StageFailed` naming this
+    rank when it fails.
     """
     env = torchrun_env() if env is None else env
     rank, world = env.rank, env.world_size
@@ -79,9 +82,10 @@ def main_worker(
     check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
-    config = RankConfig(folder, plan, lay, choose_backend(lay, backend, auto_nccl=False),
-                        microbatches,
-                        iterations, threads_per_stage, timeout_s)
+    chosen = choose_backend(lay, backend, auto_nccl=False)
+    check_hop(lay, chosen, hop)
+    config = RankConfig(folder, plan, lay, chosen, microbatches, iterations, threads_per_stage,
+                        timeout_s, hop=hop)
     if rank == 0:
         if feeds is None:
             raise PartitionError("rank 0 needs the feeds")

@@ -27,6 +27,12 @@ around each hop since onnxruntime hands back host arrays (``DistStats.copies`` c
 gloo stays the default for inference until a GPU run confirms nccl. Process-group set-up and
 every operation time out after ``timeout_s``.
 
+**Hop** (``RankConfig.hop``). ``host`` (the default): numpy arrays from onnxruntime onto the wire
+(:class:`~onnx_partition.runtime.dist.wire.Wire`). ``device``: torch tensors on the rank's device
+from the wire through onnxruntime (IOBinding, DLPack) and back
+(:class:`~onnx_partition.runtime.infer.hop.DeviceHop`); on CUDA it needs nccl, and it is the
+path meant for GPUs once a GPU run confirms it.
+
 **Hook.** ``RankConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
 before each micro-batch's compute: the tests' faults (a rank that exits or stops) use it.
 """
@@ -49,6 +55,7 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.ort import (
     local_device,
     open_session,
+    provider_name,
     providers_for,
     session_options,
 )
@@ -58,9 +65,10 @@ from onnx_partition.plan import PLAN_FILE, Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
+from onnx_partition.runtime.infer.hop import HOPS, DeviceHop
 
-__all__ = ["DistStats", "RankConfig", "check_feeds", "choose_backend", "format_stats", "hop_key",
-           "on_device", "serve_rank"]
+__all__ = ["DistStats", "RankConfig", "check_feeds", "check_hop", "choose_backend", "format_stats",
+           "hop_key", "on_device", "serve_rank"]
 
 
 def on_device(lay: Layout, device: str | None) -> Layout:
@@ -89,6 +97,16 @@ def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = Fals
     if backend == "nccl" and not cuda:
         raise PartitionError("backend nccl needs every replica on its own cuda:N device")
     return backend
+
+
+def check_hop(lay: Layout, backend: str, hop: str) -> None:
+    """A PartitionError unless ``hop`` is one of :data:`~onnx_partition.runtime.infer.hop.HOPS`
+    and the device hop's tensors can travel: CUDA tensors need nccl (gloo would copy them)."""
+    if hop not in HOPS:
+        raise PartitionError(f"unknown hop {hop!r} (use {' or '.join(HOPS)})")
+    cuda = any(local_device(d).startswith("cuda") for stage in lay.devices for d in stage)
+    if hop == "device" and cuda and backend != "nccl":
+        raise PartitionError("the device hop of a CUDA plan needs backend nccl (or device cpu)")
 
 
 @dataclass
@@ -165,6 +183,7 @@ class RankConfig:
     threads: int  # onnxruntime intra-op threads
     timeout_s: float  # process-group set-up and every operation
     hook: RankHook | None = None  # called as hook(rank, "compute") before each micro-batch
+    hop: str = "host"  # "host" (Wire, numpy) or "device" (DeviceHop, torch tensors)
 
 
 @dataclass
@@ -205,7 +224,13 @@ def serve_rank(
     keys = [hop_key(config.plan, m, int(n)) for m, n in enumerate(sizes.cpu())]
     ready = time.perf_counter()
 
-    wire, tally = Wire(comm, lay.name), _Tally()
+    wire: Wire | DeviceHop
+    if config.hop == "device":
+        wire = DeviceHop(session, comm, lay.name)
+        batches = [wire.to_device(b) for b in batches]  # type: ignore[misc]
+    else:
+        wire = Wire(comm, lay.name)
+    tally = _Tally()
     results: dict[int, Env] = {}
     for _ in range(iterations):
         began, busy_before, cpu_before = time.perf_counter(), tally.busy, tally.cpu
@@ -246,13 +271,19 @@ def _open(
     k, r = config.lay.place(rank)
     device = config.lay.devices[k][r]
     try:
-        session = open_session(str(config.plan_dir / config.plan.stages[k].file),
-                               session_options(config.threads), providers_for(device),
-                               f"{config.plan.stages[k].file} on {device}")
         comm = torch.device("cpu")
         if config.backend == "nccl":
             comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
             torch.cuda.set_device(comm)
+        providers = providers_for(device)
+        if config.hop == "device" and comm.type == "cuda":  # onnxruntime on torch's stream
+            first = providers[0]
+            options = dict(first[1]) if isinstance(first, tuple) else {}
+            options["user_compute_stream"] = str(torch.cuda.current_stream(comm).cuda_stream)
+            providers[0] = (provider_name(first), options)
+        session = open_session(str(config.plan_dir / config.plan.stages[k].file),
+                               session_options(config.threads), providers,
+                               f"{config.plan.stages[k].file} on {device}")
         fixed = microbatch.batch_axes(config.plan)
         batches = (microbatch.split(dict(feeds), config.microbatches, fixed)
                    if feeds is not None else [])
@@ -262,8 +293,8 @@ def _open(
 
 
 def _iterate(
-    config: RankConfig, rank: int, session: ort.InferenceSession, wire: Wire,
-    batches: list[Env], keys: list[tuple[str, int]], tally: _Tally,
+    config: RankConfig, rank: int, session: ort.InferenceSession, wire: Wire | DeviceHop,
+    batches: list[Any], keys: list[tuple[str, int]], tally: _Tally,
 ) -> dict[int, Env]:
     """One iteration of the rank: its micro-batches in, through the stage, on to the next
     stage; rank 0 also feeds stage 0's other replicas and returns the last stage's outputs by
@@ -272,7 +303,7 @@ def _iterate(
     k, r = lay.place(rank)
     stage, last = config.plan.stages[k], k + 1 == lay.stages
     pending: list[Any] = []
-    results: dict[int, Env] = {}
+    results: dict[int, Any] = {}
     if rank == 0:
         for m in range(count):
             if lay.rank_of(0, m) != 0:
@@ -288,7 +319,9 @@ def _iterate(
             config.hook(rank, "compute")
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
+            feeds = {n: env[n] for n in stage.inputs}
+            values = (wire.run(stage.outputs, feeds) if isinstance(wire, DeviceHop)
+                      else session.run(stage.outputs, feeds))
         except Exception as exc:  # onnxruntime raises its own types
             raise RankFailure("compute", one_line(exc)) from exc
         tally.busy += time.perf_counter() - t0
@@ -305,6 +338,8 @@ def _iterate(
                 results[m] = wire.recv(lay.rank_of(lay.stages - 1, m), m, lay.send_names[-1],
                                        keys[m])
     wire.wait(pending)
+    if isinstance(wire, DeviceHop):
+        return {m: wire.to_host(env) for m, env in results.items()}
     return results
 
 
