@@ -5,12 +5,15 @@
 
 ``--device cpu`` runs the same check on one CPU thread (times are thread CPU times there).
 
-For each recipe: export it, profile it on the device (each new operator signature timed by wall
-clock as (T(4 copies) - T(1 copy)) / 3 with IOBinding), and print the raw per-node sum against
-the unprofiled whole-model time. Then partition it into ``--stages`` stages with those costs and
-time every stage file alone on the device, against its predicted time (the sum of its nodes'
-calibrated costs). Ends with one JSON line of all figures. Exits 0 with a message, measuring
-nothing, when onnxruntime has no CUDA provider or no CUDA device answers.
+For each recipe: export it, profile it on the device (each new operator signature timed with
+CUDA events as (T(4 copies) - T(1 copy)) / 3 with IOBinding, each copy on its own inputs and
+input sets rotated past the L2 cache: onnx_partition/cost/profile/cuda.py), and compare the raw
+per-node sum with the unprofiled whole-model time. Then partition it into ``--stages`` stages
+with those costs, nodes left unmeasured priced by the device model of the GPU here, and time
+every stage file alone on the device against its predicted time (the sum of its nodes'
+calibrated costs). Prints two Markdown tables (docs/benchmarks.md takes them as is) and one
+JSON line of all figures. Exits 0 with a message, measuring nothing, when onnxruntime has no
+CUDA provider or no CUDA device answers.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from _gpu import here_gpu, table
 from onnx import TensorProto, helper
 
+from onnx_partition.cost.devices import gpu, measured_cpu
 from onnx_partition.cost.profile import input_feeds, parse_device, profile_model, save_profile
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.graph.ort import session_options
+from onnx_partition.graph.ort import open_session, session_options
 from onnx_partition.partition import partition
 
 
@@ -73,8 +78,8 @@ def stage_runner(path: Path, feeds: dict[str, np.ndarray],
             return (time.thread_time() - t0) * 1e3
 
         return run_cpu
-    session = ort.InferenceSession(str(path), session_options(1), providers=[
-        ("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"])
+    session = open_session(str(path), session_options(1), [
+        ("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"], str(path))
     binding = session.io_binding()
     for name, value in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", index))
@@ -102,12 +107,10 @@ def check(name: str, args: argparse.Namespace, work: Path,
     seconds = time.perf_counter() - began
     costs = work / f"{name}-costs.json"
     save_profile(result, costs)
-    print(f"{name}: {len(graph.nodes)} nodes, {result.unique_signatures} signatures timed in "
-          f"{seconds:.1f} s; raw per-node sum {result.raw_sum_ms:.3f} ms vs whole model "
-          f"{result.whole_model_ms:.3f} ms (ratio {result.raw_sum_ms / result.whole_model_ms:.2f})")
-
     plan_dir = work / f"{name}-plan"
-    plan = partition(model, args.stages, plan_dir, costs=costs, batch_size=args.batch_size)
+    device = gpu(here_gpu(index)[1]) if index is not None else measured_cpu()
+    plan = partition(model, args.stages, plan_dir, costs=costs, batch_size=args.batch_size,
+                     device=device)
     env = dict(input_feeds(graph))
     runners = []
     for stage in plan.stages:
@@ -127,11 +130,10 @@ def check(name: str, args: argparse.Namespace, work: Path,
     for stage, stage_times in zip(plan.stages, times):
         measured = statistics.median(stage_times)
         predicted = stage.predicted.compute_ms if stage.predicted else 0.0
-        error = 100 * (predicted - measured) / measured
-        print(f"  stage {stage.index}: {len(stage.nodes)} nodes, predicted {predicted:.3f} ms, "
-              f"measured alone {measured:.3f} ms ({error:+.1f}%)")
-        stages.append({"predicted_ms": predicted, "measured_ms": measured})
+        stages.append({"stage": stage.index, "nodes": len(stage.nodes),
+                       "predicted_ms": predicted, "measured_ms": measured})
     return {"recipe": name, "nodes": len(graph.nodes), "profile_s": seconds,
+            "unmeasured": result.settings.get("signature_model_error"),
             "signatures": result.unique_signatures, "raw_sum_ms": result.raw_sum_ms,
             "whole_model_ms": result.whole_model_ms, "stages": stages}
 
@@ -150,8 +152,21 @@ def main() -> int:
         print(f"gpu_profile_check: CUDA is not available, nothing checked ({why})")
         return 0
     index = parse_device(args.device)[1]
+    here = f"{here_gpu(index)[0]} ({here_gpu(index)[1]})" if index is not None else "cpu"
     with tempfile.TemporaryDirectory(prefix="gpu-profile-check-") as tmp:
         figures = [check(name, args, Path(tmp), index) for name in args.recipes]
+    print(table(["recipe", "size", "device (model)", "nodes", "signatures", "profile s",
+                 "raw per-node sum ms", "whole model ms", "sum / whole", "unmeasured"],
+                [[f["recipe"], args.size, here, f["nodes"], f["signatures"],
+                  f"{f['profile_s']:.1f}", f"{f['raw_sum_ms']:.3f}", f"{f['whole_model_ms']:.3f}",
+                  f"{f['raw_sum_ms'] / f['whole_model_ms']:.2f}", f["unmeasured"] or "none"]
+                 for f in figures]))
+    print()
+    print(table(["recipe", "stage", "nodes", "predicted ms", "measured alone ms", "error"],
+                [[f["recipe"], st["stage"], st["nodes"], f"{st['predicted_ms']:.3f}",
+                  f"{st['measured_ms']:.3f}",
+                  f"{100 * (st['predicted_ms'] - st['measured_ms']) / st['measured_ms']:+.1f}%"]
+                 for f in figures for st in f["stages"]]))
     print(json.dumps({"device": args.device, "onnxruntime": ort.__version__,
                       "batch_size": args.batch_size, "results": figures}))
     return 0

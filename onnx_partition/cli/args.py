@@ -311,7 +311,8 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "nccl"),
-                   help="default: nccl when every rank has its own GPU, else gloo")
+                   help="run: default gloo (nccl only when asked: its GPU path is unconfirmed); "
+                        "train: default nccl when every rank has its own GPU, else gloo")
 
 
 def _simulate_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from onnx import helper
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.graph import OpGraph
-from onnx_partition.graph.ort import session_options
+from onnx_partition.graph.ort import open_session, session_options
 
 __all__ = ["Context", "MeasureSettings", "Progress", "Ticker", "input_feeds", "random_array",
            "repeat", "run_session"]
@@ -96,8 +96,10 @@ class Context:
     def session(self, model: onnx.ModelProto, opts: ort.SessionOptions,
                 what: str) -> ort.InferenceSession:
         try:
-            return ort.InferenceSession(model.SerializeToString(), opts,
-                                        providers=self.providers)
+            return open_session(model.SerializeToString(), opts, self.providers,
+                                f"{what} on {self.device}")
+        except PartitionError:  # the provider it got is not the one asked for
+            raise
         except Exception as exc:  # onnxruntime raises its own exception types
             first = one_line(exc)
             raise PartitionError(f"onnxruntime cannot load {what} on {self.device}: "

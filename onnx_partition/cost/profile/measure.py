@@ -3,7 +3,8 @@
 ``method="signatures"`` measures one signature model of the nodes still to measure;
 ``method="whole"`` profiles the whole model with optimizations off (fusions rename nodes) and
 shares times between identical signatures (also the fallback when the signature model cannot
-be built).
+be built), on CPU only: on CUDA the profiler's events are launch times, so CUDA refuses
+``whole`` and never falls back to it (:mod:`~onnx_partition.cost.profile.cuda`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ def measure(ctx: Context, groups: Mapping[str, list[int]], todo: Sequence[str], 
     """Signature -> raw ms (``FOLDED`` for constant-folded nodes) for the signatures in
     ``todo``, and the profiler's own time per event (0 on CUDA)."""
     graph = ctx.graph
+    if ctx.cuda_id is not None and method != "signatures":
+        raise PartitionError(f"profiling method {method!r} reads the profiler's launch times on "
+                             f"CUDA; use signatures")
     if method == "signatures":
         reps = [groups[d][0] for d in todo]
         try:
             if ctx.cuda_id is None:
                 per_node, overhead = profile_events(ctx, reps, ticker)
-            else:
+            else:  # no fallback to profiler events on CUDA: errors propagate
                 per_node, overhead = time_cuda_nodes(ctx, reps, ticker), 0.0
             keys = {graph.nodes[r].key: d for r, d in zip(reps, todo)}
             return {keys[k]: t for k, t in per_node.items() if k in keys}, overhead
         except PartitionError as exc:  # an odd node the signature model cannot hold
+            if ctx.cuda_id is not None:
+                raise
             ctx.settings.signature_model_error = str(exc)
             ctx.settings.method_used = "whole"
     per_node, overhead = profile_events(ctx, None, ticker)

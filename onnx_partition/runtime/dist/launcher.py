@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -41,7 +43,8 @@ from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.runtime.dist.lifeline import Heartbeats, die_with, guard_fork_server
 
 __all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "TorchrunEnv", "bind_gloo_to_loopback",
-           "check_world_size", "join_group", "launch_ranks", "rank_result", "torchrun_env"]
+           "check_placement", "check_world_size", "join_group", "launch_ranks", "rank_result",
+           "torchrun_env"]
 
 #: A rank whose heartbeat is older than this (or than the timeout, if shorter) has stopped.
 SILENT_S = 10.0
@@ -252,6 +255,7 @@ class TorchrunEnv:
     local_world_size: int  # LOCAL_WORLD_SIZE: ranks on this machine (default: WORLD_SIZE)
     master_addr: str  # MASTER_ADDR: host of the rendezvous
     master_port: int  # MASTER_PORT: its port
+    group_rank: int = 0  # GROUP_RANK: this machine's place (torchrun --node-rank; default 0)
 
 
 def _missing(name: str) -> PartitionError:
@@ -297,7 +301,49 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv:
     port = _whole(env, "MASTER_PORT")
     if not 0 < port < 65536:
         raise PartitionError(f"MASTER_PORT={port} is not a port (1..65535)")
-    return TorchrunEnv(rank, world, local_rank, local_world, addr, port)
+    group = _whole(env, "GROUP_RANK", 0)
+    if group < 0:
+        raise PartitionError(f"GROUP_RANK={group} is not a machine number (0 or more)")
+    return TorchrunEnv(rank, world, local_rank, local_world, addr, port, group)
+
+
+_PLACED = re.compile(r"(?:m(\d+)/)?(cpu|cuda(?::(\d+))?)")
+
+
+def check_placement(env: TorchrunEnv, devices: Sequence[str], name: Callable[[int], str],
+                    device_count: int | None = None) -> None:
+    """Before the first operation: this rank's plan device (``devices``: the plan's device per
+    rank, in rank order) is on this machine and this machine has its GPU, or a one-line
+    PartitionError naming the rank, the machine and the GPU it expected. A plan device
+    ``mN/...`` belongs on machine N: torchrun numbers ranks machine-major (GROUP_RANK), so a
+    plan whose rank order differs would run stages on the wrong machine's GPUs. ``cuda:K``
+    needs K < ``device_count`` (default ``torch.cuda.device_count()``, asked only then);
+    ``cpu`` devices skip the GPU part. A plan without machine prefixes runs on any machine
+    (the plan folder copied to each: devices name local devices)."""
+    if len(devices) != env.world_size:
+        raise PartitionError(f"the plan places {len(devices)} ranks; torchrun started "
+                             f"{env.world_size}")
+    device = devices[env.rank]
+    match = _PLACED.fullmatch(device)
+    if match is None:
+        raise PartitionError(f"{name(env.rank)}: unknown device {device!r}")
+    machine, kind, index = match.group(1), match.group(2), match.group(3)
+    where = (f"torchrun started it on machine {env.group_rank} (GROUP_RANK={env.group_rank}, "
+             f"LOCAL_RANK={env.local_rank} of LOCAL_WORLD_SIZE={env.local_world_size})")
+    if machine is not None and int(machine) != env.group_rank:
+        raise PartitionError(
+            f"{name(env.rank)} belongs on machine m{machine} ({device}) but {where}: start "
+            f"machine m{machine} with --node-rank {machine} and list the plan's devices "
+            f"machine by machine in rank order")
+    if kind == "cpu":
+        return
+    gpu = int(index or 0)
+    if device_count is None:
+        device_count = torch.cuda.device_count()
+    if gpu >= device_count:
+        raise PartitionError(f"{name(env.rank)} expects GPU cuda:{gpu} on machine "
+                             f"m{env.group_rank} ({device}) but this machine has "
+                             f"{device_count} visible GPU(s) ({where})")
 
 
 def check_world_size(replicas: Sequence[int], processes: int) -> None:

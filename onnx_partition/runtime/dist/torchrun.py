@@ -10,7 +10,8 @@
 ``GLOO_SOCKET_IFNAME`` if gloo picks the wrong network interface). A single machine:
 ``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. The entry takes
 ``run``'s options; rank 0 feeds ``run``'s inputs, prints the figures and saves the outputs. The
-environment is read, the world size checked and the rank's result judged by the rules the local
+environment is read, the world size and this rank's placement (its plan device on this machine,
+``check_placement``) checked before the first operation, and the rank's result judged by the rules the local
 launcher shares (:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`,
 ``check_world_size``, ``rank_result``).
 """
@@ -29,6 +30,7 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import (
     TorchrunEnv,
     bind_gloo_to_loopback,
+    check_placement,
     check_world_size,
     rank_result,
     torchrun_env,
@@ -37,6 +39,7 @@ from onnx_partition.runtime.infer.rank import (
     DistStats,
     RankConfig,
     check_feeds,
+    check_hop,
     choose_backend,
     on_device,
     serve_rank,
@@ -57,12 +60,14 @@ def main_worker(
     threads_per_stage: int = 1,
     device: str | None = None,
     env: TorchrunEnv | None = None,
+    hop: str = "host",
 ) -> tuple[dict[str, np.ndarray], DistStats] | None:
     """One rank under ``torchrun`` (``env``, default :func:`torchrun_env`: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment). Only rank 0 needs ``feeds``; it returns the
     outputs and figures, the others None. ``device="cpu"`` puts every rank on CPU (as
-    ``run_distributed``'s). Raises :class:`~onnx_partition.errors.StageFailed` naming this rank
-    when it fails.
+    ``run_distributed``'s), and ``hop`` is its hop too (``device``: tensors stay on the GPU,
+    with ``backend="nccl"``). Raises :class:`~onnx_partition.errors.StageFailed` naming this
+    rank when it fails.
     """
     env = torchrun_env() if env is None else env
     rank, world = env.rank, env.world_size
@@ -74,10 +79,13 @@ def main_worker(
     if microbatches is None:  # the plan's (predicted.microbatches, else 8)
         microbatches = plan.microbatches
     check_world_size(lay.replicas, world)
+    check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     k, _ = lay.place(rank)
     verify_plan_folder(folder, plan, stages=[k])  # this machine's copy
-    config = RankConfig(folder, plan, lay, choose_backend(lay, backend), microbatches,
-                        iterations, threads_per_stage, timeout_s)
+    chosen = choose_backend(lay, backend, auto_nccl=False)
+    check_hop(lay, chosen, hop)
+    config = RankConfig(folder, plan, lay, chosen, microbatches, iterations, threads_per_stage,
+                        timeout_s, hop=hop)
     if rank == 0:
         if feeds is None:
             raise PartitionError("rank 0 needs the feeds")

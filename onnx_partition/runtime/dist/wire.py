@@ -8,6 +8,16 @@ The protocol (per hop and micro-batch, point-to-point ``isend``/``recv``, tag 0,
 3. each larger tensor as its own uint8 tensor: a zero-copy view of the onnxruntime output
    (``torch.from_numpy``), received straight into the array handed to the next stage.
 
+**Shapes once per hop.** Given a ``key`` (:meth:`Wire.send` / :meth:`Wire.recv`: whatever fixes
+the shapes, e.g. the micro-batch's rows when no tensor has a data-dependent size), the header goes
+only with the first message of each (peer, names, key); later messages are the payload alone, so
+the receiver posts its receives at once instead of waiting for a header (on NCCL, a device to
+host round trip per hop). The sender checks that the shapes are the cached ones (a protocol error
+otherwise, never a silent misread). Both ends see a pair's messages in the same order, so they
+agree on which message is the first. ``Wire.headers_sent`` and ``Wire.copies`` (host copies by
+kind: ``pack``, ``contiguous``, ``readonly``, ``to_device``, ``to_host``) are the public seam that
+tests and the run's figures read.
+
 A fixed int64 header beats ``send_object_list`` (one message instead of two, no pickle): 6.4 vs
 14.3 ms per header on the loaded 2-core test machine. Sends are asynchronous and awaited at the end
 of each iteration, so a rank never waits for its successor to post a receive.
@@ -17,7 +27,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,27 +136,57 @@ class Wire:
         self.device = device
         self.peer = peer
         self.comm_s = 0.0
+        self.headers_sent = 0
+        self.copies: Counter[str] = Counter()  # host copies by kind (see the module's notes)
+        self._sent: dict[tuple[Any, ...], list[Spec]] = {}
+        self._known: dict[tuple[Any, ...], list[Spec]] = {}
 
     def send(self, dst: int, m: int, names: Sequence[str], env: Mapping[str, np.ndarray],
-             pending: list[Any]) -> None:
-        """Start sending ``env[names]`` for micro-batch ``m``; handles go to ``pending``."""
+             pending: list[Any], key: Hashable | None = None) -> None:
+        """Start sending ``env[names]`` for micro-batch ``m``; handles go to ``pending``.
+        ``key``: the header only on the first message of (``dst``, ``names``, ``key``)."""
         arrays = []
         for n in names:
             a = np.require(env[n], requirements="C")  # keeps 0-d arrays 0-d
-            arrays.append(a if a.flags.writeable else a.copy())
-        self._isend(encode_header(m, names, arrays), dst, pending)
+            if a is not env[n]:
+                self.copies["contiguous"] += 1
+            if not a.flags.writeable:
+                a = a.copy()
+                self.copies["readonly"] += 1
+            arrays.append(a)
+        specs = [(a.dtype, tuple(a.shape)) for a in arrays]
+        cache = None if key is None else (dst, tuple(names), key)
+        if cache is None or cache not in self._sent:
+            self._isend(encode_header(m, names, arrays), dst, pending)
+            self.headers_sent += 1
+            if cache is not None:
+                self._sent[cache] = specs
+        elif self._sent[cache] != specs:
+            changed = next(n for n, a, b in zip(names, specs, self._sent[cache]) if a != b)
+            raise RuntimeError(f"protocol error: tensor {changed!r} of micro-batch {m} has "
+                               f"shape {dict(zip(names, specs))[changed][1]}, not the "
+                               f"{dict(zip(names, self._sent[cache]))[changed][1]} sent once "
+                               f"for this hop (a data-dependent size)")
         small = [a for a in arrays if a.nbytes < SMALL_BYTES]
         if sum(a.nbytes for a in small):
             self._isend(pack(small), dst, pending)
+            self.copies["pack"] += sum(1 for a in small if a.nbytes)
         for a in arrays:
             if a.nbytes >= SMALL_BYTES:
                 self._isend(as_bytes(a), dst, pending)
 
-    def recv(self, src: int, m: int, names: Sequence[str]) -> Env:
-        """Receive micro-batch ``m``'s tensors ``names`` from ``src``."""
-        head = np.zeros(header_size(len(names)), np.int64)
-        self._recv(head, src)
-        specs = decode_header(head, m, len(names))
+    def recv(self, src: int, m: int, names: Sequence[str], key: Hashable | None = None) -> Env:
+        """Receive micro-batch ``m``'s tensors ``names`` from ``src`` (``key``: as
+        :meth:`send`'s; the sender must pass the same)."""
+        cache = None if key is None else (src, tuple(names), key)
+        if cache is not None and cache in self._known:
+            specs = self._known[cache]
+        else:
+            head = np.zeros(header_size(len(names)), np.int64)
+            self._recv(head, src)
+            specs = decode_header(head, m, len(names))
+            if cache is not None:
+                self._known[cache] = specs
         small = [i for i, (d, s) in enumerate(specs) if _nbytes(d, s) < SMALL_BYTES]
         arrays: list[np.ndarray | None] = [None] * len(specs)
         _, total = _offsets([_nbytes(*specs[i]) for i in small])
@@ -180,6 +221,7 @@ class Wire:
         tensor = torch.from_numpy(array)
         if self.device.type != "cpu":
             tensor = tensor.to(self.device)
+            self.copies["to_device"] += 1
         pending.append((dist.isend(tensor, dst), dst, tensor, array))  # kept alive until sent
 
     def _recv(self, array: np.ndarray, src: int) -> None:
@@ -192,4 +234,5 @@ class Wire:
             raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
         if wire is not host:
             host.copy_(wire)
+            self.copies["to_host"] += 1
         self.comm_s += time.perf_counter() - began

@@ -52,6 +52,7 @@ from onnx_partition.runtime.infer.rank import (
     DistStats,
     RankConfig,
     check_feeds,
+    check_hop,
     choose_backend,
     format_stats,
     on_device,
@@ -81,6 +82,7 @@ def run_distributed(
     output_names: Sequence[str] | None = None,
     device: str | None = None,
     hook: RankHook | None = None,
+    hop: str = "host",
 ) -> tuple[list[np.ndarray], DistStats]:
     """Run the plan with one local process per stage replica; the outputs (last iteration's,
     a list in the order of ``output_names``, default the plan's outputs, as onnxruntime's
@@ -94,9 +96,12 @@ def run_distributed(
     which is reused by later runs) or ``spawn`` (every worker imports them itself). Neither
     forks a process that holds threads or a CUDA context. ``hook`` (picklable) is called in
     every rank before each micro-batch's compute (:mod:`onnx_partition.runtime.dist.hooks`).
+    ``hop``: ``host`` (numpy through host memory, the default) or ``device`` (torch tensors
+    from the wire through onnxruntime's IOBinding, :mod:`~onnx_partition.runtime.infer.hop`;
+    on CUDA with ``backend="nccl"``; not yet confirmed on a GPU).
     """
     folder = Path(plan_dir).resolve()
-    plan, lay, chosen = _check_run(folder, nproc, backend, device)
+    plan, lay, chosen = _check_run(folder, nproc, backend, device, hop)
     known = [o.name for o in plan.outputs]
     names = list(output_names) if output_names else known
     if any(n not in known for n in names):
@@ -109,7 +114,7 @@ def run_distributed(
         raise PartitionError(f"need at least one iteration, got {iterations}")
     inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
     args = [(str(folder), chosen, inputs if rank == 0 else None, microbatches, iterations,
-             threads_per_stage, timeout_s, device, hook) for rank in range(lay.world_size)]
+             threads_per_stage, timeout_s, device, hook, hop) for rank in range(lay.world_size)]
     began = time.perf_counter()
     results = launch_ranks(_spawned, args, lay.name, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s,
@@ -121,7 +126,7 @@ def run_distributed(
 
 
 def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
-               device: str | None = None) -> tuple[Plan, Layout, str]:
+               device: str | None = None, hop: str = "host") -> tuple[Plan, Layout, str]:
     plan = read_plan(plan_dir)
     verify_plan_folder(plan_dir, plan)
     if device not in (None, "cpu"):
@@ -130,7 +135,9 @@ def _check_run(plan_dir: Path, nproc: int | None, backend: str | None,
     lay = on_device(layout(plan), device)
     if nproc is not None:
         check_world_size(lay.replicas, nproc)
-    return plan, lay, choose_backend(lay, backend, one_machine=True)
+    chosen = choose_backend(lay, backend, one_machine=True, auto_nccl=False)
+    check_hop(lay, chosen, hop)
+    return plan, lay, chosen
 
 
 def _spawned(
@@ -145,10 +152,11 @@ def _spawned(
     timeout_s: float,
     device: str | None,
     hook: RankHook | None,
+    hop: str,
 ) -> tuple[Env, DistStats] | None:
     """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
     folder = Path(plan_dir)
     plan = read_plan(folder)
     config = RankConfig(folder, plan, on_device(layout(plan), device), backend, microbatches,
-                        iterations, threads, timeout_s, hook)
+                        iterations, threads, timeout_s, hook, hop)
     return serve_rank(config, rank, feeds, store)

@@ -17,9 +17,21 @@ relay model). The names each hop carries are fixed by the plan
 **Wire protocol**: :mod:`onnx_partition.runtime.dist.wire` (a fixed int64 header, small tensors
 packed, large ones sent zero-copy).
 
-**Backend.** gloo on CPU; nccl when every replica is on a distinct ``cuda:N`` (payloads are then
-copied host -> device -> host around each hop, since onnxruntime hands back host arrays).
-Process-group set-up and every operation time out after ``timeout_s``.
+**Shapes once per hop.** Rank 0 broadcasts each micro-batch's rows at set-up; a plan with no
+data-dependent tensor size (``unknown_size_tensors`` 0) sends each hop's header once per row
+count, others once per micro-batch (later iterations send none): :func:`hop_key`.
+
+**Backend.** gloo unless asked for nccl (``backend="nccl"``, every replica on a distinct
+``cuda:N``): no GPU has run this path yet, and its payloads are copied host -> device -> host
+around each hop since onnxruntime hands back host arrays (``DistStats.copies`` counts them).
+gloo stays the default for inference until a GPU run confirms nccl. Process-group set-up and
+every operation time out after ``timeout_s``.
+
+**Hop** (``RankConfig.hop``). ``host`` (the default): numpy arrays from onnxruntime onto the wire
+(:class:`~onnx_partition.runtime.dist.wire.Wire`). ``device``: torch tensors on the rank's device
+from the wire through onnxruntime (IOBinding, DLPack) and back
+(:class:`~onnx_partition.runtime.infer.hop.DeviceHop`); on CUDA it needs nccl, and it is the
+path meant for GPUs once a GPU run confirms it.
 
 **Hook.** ``RankConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
 before each micro-batch's compute: the tests' faults (a rank that exits or stops) use it.
@@ -40,16 +52,23 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.fileio import sha256_file
-from onnx_partition.graph.ort import local_device, providers_for, session_options
+from onnx_partition.graph.ort import (
+    local_device,
+    open_session,
+    provider_name,
+    providers_for,
+    session_options,
+)
 from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.layout import Layout
 from onnx_partition.plan import PLAN_FILE, Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
+from onnx_partition.runtime.infer.hop import HOPS, DeviceHop
 
-__all__ = ["DistStats", "RankConfig", "check_feeds", "choose_backend", "format_stats",
-           "on_device", "serve_rank"]
+__all__ = ["DistStats", "RankConfig", "check_feeds", "check_hop", "choose_backend", "format_stats",
+           "hop_key", "on_device", "serve_rank"]
 
 
 def on_device(lay: Layout, device: str | None) -> Layout:
@@ -59,22 +78,35 @@ def on_device(lay: Layout, device: str | None) -> Layout:
     return replace(lay, devices=[[device] * len(d) for d in lay.devices])
 
 
-def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = False) -> str:
+def choose_backend(lay: Layout, backend: str | None, *, one_machine: bool = False,
+                   auto_nccl: bool = True) -> str:
     """gloo, or nccl when every replica is on its own CUDA device (``backend`` overrides).
     ``one_machine``: every rank runs here, so devices of different machines (``m0/cuda:0``,
-    ``m1/cuda:0``) share the local one and rule nccl out."""
+    ``m1/cuda:0``) share the local one and rule nccl out. ``auto_nccl=False`` (inference):
+    gloo unless nccl is asked for, until a GPU run confirms the nccl path."""
     flat = [d for stage in lay.devices for d in stage]
     names = [local_device(d) for d in flat] if one_machine else flat
     cuda = (all(local_device(d).startswith("cuda") for d in flat)
             and len(set(names)) == len(names))
     if backend is None:
-        usable = cuda and dist.is_nccl_available() and torch.cuda.is_available()
+        usable = (auto_nccl and cuda and dist.is_nccl_available()
+                  and torch.cuda.is_available())
         return "nccl" if usable else "gloo"
     if backend not in ("gloo", "nccl"):
         raise PartitionError(f"unknown backend {backend!r} (use gloo or nccl)")
     if backend == "nccl" and not cuda:
         raise PartitionError("backend nccl needs every replica on its own cuda:N device")
     return backend
+
+
+def check_hop(lay: Layout, backend: str, hop: str) -> None:
+    """A PartitionError unless ``hop`` is one of :data:`~onnx_partition.runtime.infer.hop.HOPS`
+    and the device hop's tensors can travel: CUDA tensors need nccl (gloo would copy them)."""
+    if hop not in HOPS:
+        raise PartitionError(f"unknown hop {hop!r} (use {' or '.join(HOPS)})")
+    cuda = any(local_device(d).startswith("cuda") for stage in lay.devices for d in stage)
+    if hop == "device" and cuda and backend != "nccl":
+        raise PartitionError("the device hop of a CUDA plan needs backend nccl (or device cpu)")
 
 
 @dataclass
@@ -94,6 +126,8 @@ class DistStats:
     busy_each_ms: dict[int, list[float]] = field(default_factory=dict)
     cpu_each_ms: dict[int, list[float]] = field(default_factory=dict)  # the same, thread CPU time
     wall_ms: dict[int, float] = field(default_factory=dict)  # per rank: its serving loop
+    headers: dict[int, int] = field(default_factory=dict)  # per rank: wire headers it sent
+    copies: dict[int, dict[str, int]] = field(default_factory=dict)  # per rank: Wire.copies
     launch_ms: float = 0.0  # run_distributed: spawn to results back (imports, set-up, run)
 
     def throughput_per_s(self) -> list[float]:
@@ -149,6 +183,7 @@ class RankConfig:
     threads: int  # onnxruntime intra-op threads
     timeout_s: float  # process-group set-up and every operation
     hook: RankHook | None = None  # called as hook(rank, "compute") before each micro-batch
+    hop: str = "host"  # "host" (Wire, numpy) or "device" (DeviceHop, torch tensors)
 
 
 @dataclass
@@ -182,20 +217,32 @@ def serve_rank(
     count, iterations, digest = (int(v) for v in wired.cpu())
     if digest != _plan_digest(config.plan_dir):
         raise RankFailure("setup", "its plan.json differs from rank 0's")
+    fixed = microbatch.batch_axes(config.plan)
+    sizes = torch.tensor([microbatch.batch_size(b, fixed) for b in batches] if rank == 0
+                         else [0] * count, dtype=torch.int64).to(comm)
+    dist.broadcast(sizes, src=0)
+    keys = [hop_key(config.plan, m, int(n)) for m, n in enumerate(sizes.cpu())]
     ready = time.perf_counter()
 
-    wire, tally = Wire(comm, lay.name), _Tally()
+    wire: Wire | DeviceHop
+    if config.hop == "device":
+        wire = DeviceHop(session, comm, lay.name)
+        batches = [wire.to_device(b) for b in batches]  # type: ignore[misc]
+    else:
+        wire = Wire(comm, lay.name)
+    tally = _Tally()
     results: dict[int, Env] = {}
     for _ in range(iterations):
         began, busy_before, cpu_before = time.perf_counter(), tally.busy, tally.cpu
-        results = _iterate(config, rank, session, wire, batches, count, tally)
+        results = _iterate(config, rank, session, wire, batches, keys, tally)
         tally.iteration_ms.append((time.perf_counter() - began) * 1000.0)
         tally.busy_each.append((tally.busy - busy_before) * 1000.0)
         tally.cpu_each.append((tally.cpu - cpu_before) * 1000.0)
     done = time.perf_counter()
 
     mine = {"rank": rank, "busy": tally.busy, "comm": wire.comm_s, "wall": done - ready,
-            "setup": ready - started, "busy_each": tally.busy_each, "cpu_each": tally.cpu_each}
+            "setup": ready - started, "busy_each": tally.busy_each, "cpu_each": tally.cpu_each,
+            "headers": wire.headers_sent, "copies": dict(wire.copies)}
     gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
@@ -207,6 +254,15 @@ def serve_rank(
     return outputs, _stats(config, count, rows, tally.iteration_ms, gathered)
 
 
+def hop_key(plan: Plan, m: int, rows: int) -> tuple[str, int]:
+    """What fixes the shapes of micro-batch ``m``'s tensors on every hop (the wire sends a hop's
+    header once per key): its ``rows`` when the plan has no data-dependent tensor size
+    (plan.json ``unknown_size_tensors`` 0), else the micro-batch itself (the same feeds every
+    iteration)."""
+    static = plan.extra.get("unknown_size_tensors") == 0
+    return ("rows", rows) if static else ("microbatch", m)
+
+
 def _open(
     config: RankConfig, rank: int, feeds: Mapping[str, np.ndarray] | None,
 ) -> tuple[ort.InferenceSession, torch.device, list[Env]]:
@@ -215,13 +271,19 @@ def _open(
     k, r = config.lay.place(rank)
     device = config.lay.devices[k][r]
     try:
-        session = ort.InferenceSession(str(config.plan_dir / config.plan.stages[k].file),
-                                       sess_options=session_options(config.threads),
-                                       providers=providers_for(device))
         comm = torch.device("cpu")
         if config.backend == "nccl":
             comm = torch.device("cuda", int(local_device(device).partition(":")[2] or 0))
             torch.cuda.set_device(comm)
+        providers = providers_for(device)
+        if config.hop == "device" and comm.type == "cuda":  # onnxruntime on torch's stream
+            first = providers[0]
+            options = dict(first[1]) if isinstance(first, tuple) else {}
+            options["user_compute_stream"] = str(torch.cuda.current_stream(comm).cuda_stream)
+            providers[0] = (provider_name(first), options)
+        session = open_session(str(config.plan_dir / config.plan.stages[k].file),
+                               session_options(config.threads), providers,
+                               f"{config.plan.stages[k].file} on {device}")
         fixed = microbatch.batch_axes(config.plan)
         batches = (microbatch.split(dict(feeds), config.microbatches, fixed)
                    if feeds is not None else [])
@@ -231,32 +293,35 @@ def _open(
 
 
 def _iterate(
-    config: RankConfig, rank: int, session: ort.InferenceSession, wire: Wire,
-    batches: list[Env], count: int, tally: _Tally,
+    config: RankConfig, rank: int, session: ort.InferenceSession, wire: Wire | DeviceHop,
+    batches: list[Any], keys: list[tuple[str, int]], tally: _Tally,
 ) -> dict[int, Env]:
     """One iteration of the rank: its micro-batches in, through the stage, on to the next
     stage; rank 0 also feeds stage 0's other replicas and returns the last stage's outputs by
     micro-batch (others: the outputs they kept, none unless they are rank 0)."""
-    lay = config.lay
+    lay, count = config.lay, len(keys)
     k, r = lay.place(rank)
     stage, last = config.plan.stages[k], k + 1 == lay.stages
     pending: list[Any] = []
-    results: dict[int, Env] = {}
+    results: dict[int, Any] = {}
     if rank == 0:
         for m in range(count):
             if lay.rank_of(0, m) != 0:
-                wire.send(lay.rank_of(0, m), m, lay.recv_names[0], batches[m], pending)
+                wire.send(lay.rank_of(0, m), m, lay.recv_names[0], batches[m], pending,
+                          keys[m])
     for m in range(r, count, lay.replicas[k]):
         if rank == 0:
             env = {n: batches[m][n] for n in lay.recv_names[0]}
         else:
             src = 0 if k == 0 else lay.rank_of(k - 1, m)
-            env = wire.recv(src, m, lay.recv_names[k])
+            env = wire.recv(src, m, lay.recv_names[k], keys[m])
         if config.hook is not None:
             config.hook(rank, "compute")
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            values = session.run(stage.outputs, {n: env[n] for n in stage.inputs})
+            feeds = {n: env[n] for n in stage.inputs}
+            values = (wire.run(stage.outputs, feeds) if isinstance(wire, DeviceHop)
+                      else session.run(stage.outputs, feeds))
         except Exception as exc:  # onnxruntime raises its own types
             raise RankFailure("compute", one_line(exc)) from exc
         tally.busy += time.perf_counter() - t0
@@ -266,12 +331,15 @@ def _iterate(
         if dst == rank:
             results[m] = {n: env[n] for n in lay.send_names[k]}
         else:
-            wire.send(dst, m, lay.send_names[k], env, pending)
+            wire.send(dst, m, lay.send_names[k], env, pending, keys[m])
     if rank == 0:
         for m in range(count):
             if m not in results:
-                results[m] = wire.recv(lay.rank_of(lay.stages - 1, m), m, lay.send_names[-1])
+                results[m] = wire.recv(lay.rank_of(lay.stages - 1, m), m, lay.send_names[-1],
+                                       keys[m])
     wire.wait(pending)
+    if isinstance(wire, DeviceHop):
+        return {m: wire.to_host(env) for m, env in results.items()}
     return results
 
 
@@ -289,4 +357,6 @@ def _stats(config: RankConfig, count: int, rows: int, iteration_ms: list[float],
         cpu_each_ms={g["rank"]: g["cpu_each"] for g in gathered},
         comm_ms={g["rank"]: g["comm"] * 1000.0 for g in gathered},
         wall_ms={g["rank"]: g["wall"] * 1000.0 for g in gathered},
+        headers={g["rank"]: g["headers"] for g in gathered},
+        copies={g["rank"]: g["copies"] for g in gathered},
     )

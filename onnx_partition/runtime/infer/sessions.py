@@ -12,7 +12,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from onnx_partition.errors import PartitionError, one_line
-from onnx_partition.graph.ort import Provider, providers_for, session_options
+from onnx_partition.graph.ort import Provider, open_session, providers_for, session_options
 from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.plan.folder import verify
 
@@ -97,9 +97,10 @@ def load_stages(
             device = devices[replica % len(devices)]
             chosen = list(providers) if providers is not None else providers_for(device)
             try:
-                session = ort.InferenceSession(
-                    str(path), sess_options=session_options(threads_per_stage), providers=chosen
-                )
+                session = open_session(str(path), session_options(threads_per_stage), chosen,
+                                       f"{stage.file} on {device}")
+            except PartitionError:  # the provider it got is not the one asked for
+                raise
             except Exception as exc:  # onnxruntime raises its own exception types
                 first = one_line(exc)
                 raise PartitionError(f"cannot load {stage.file} on {device}: {first}") from None

@@ -42,7 +42,11 @@ from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
-from onnx_partition.runtime.dist.launcher import check_world_size, torchrun_env
+from onnx_partition.runtime.dist.launcher import (
+    check_placement,
+    check_world_size,
+    torchrun_env,
+)
 from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
@@ -362,6 +366,7 @@ def train_rank(
     plan = check_request(folder, nproc=env.world_size, steps=steps, microbatches=count,
                          batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
                          engine="ours")
+    check_placement(env, [d for stage in layout(plan).devices for d in stage], layout(plan).name)
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
     config = TrainConfig(steps=steps, microbatches=count, schedule=schedule,
                          optimizer=optimizer, lr=lr, check_steps=checks, verbose=True)
