@@ -5,6 +5,7 @@ own loss, a batch factory with a Python loss, and every refusal of bad data befo
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support.data import OwnLoss, byte_rows, factory_batches, twice_the_output
+from support.data import (
+    OwnLoss,
+    byte_rows,
+    factory_batches,
+    recorded_batches,
+    twice_the_output,
+)
 
 from onnx_partition import export
 from onnx_partition.cli import main
@@ -172,6 +179,21 @@ def test_own_loss_from_npz_then_factory_with_python_loss(own_plan: Path, tmp_pat
     assert doubled.mismatches == [] and doubled.loss_kind == "custom"
     assert doubled.data == "batches from the data factory"
     assert doubled.loss[0] == pytest.approx(2 * stats.loss[0], rel=1e-6)
+
+
+def test_only_the_first_and_last_stage_read_data(exported: Callable[..., Path],
+                                                 tmp_path: Path) -> None:
+    """3 stages: the factory is called in 2 ranks (stage 0 and stage 2) and the parent
+    (``--loss auto`` peeks at the first batch), never in the middle stage."""
+    partition(exported("gpt"), 3, tmp_path / "plan3", mode="train", batch_size=2)
+    ids, labels = byte_rows(8, SEQ)
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    factory = functools.partial(recorded_batches, calls, {"input_ids": ids, "labels": labels},
+                                4)
+    stats = train_plan(tmp_path / "plan3", steps=1, microbatches=2, batch_size=2, data=factory)
+    assert stats.loss_kind == "cross_entropy" and len(stats.ranks) == 3
+    assert len([p for p in calls.iterdir() if p.name != str(os.getpid())]) == 2
 
 
 # ---------------------------------------------------------------- bad input
