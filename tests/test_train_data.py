@@ -250,6 +250,25 @@ def test_bad_paths_and_options_refused(gpt_plan: Path, tmp_path: Path,
     assert sorted(p.name for p in gpt_plan.iterdir()) == before
 
 
+def test_auto_loss_and_targets_from_the_data(gpt_plan: Path) -> None:
+    """auto: integer labels -> cross-entropy; float targets -> mse; a target may be named as
+    the output instead of ``labels``."""
+    plan = read_plan(gpt_plan)
+    ids, labels = byte_rows(8, SEQ)
+    floats = np.zeros((8, SEQ, 128), np.float32)
+    for arrays, want in (({"labels": labels}, ("cross_entropy", ["labels"])),
+                         ({"logits": labels}, ("cross_entropy", ["logits"])),
+                         ({"labels": floats}, ("mse", ["labels"])),
+                         ({"logits": floats}, ("mse", ["logits"]))):
+        info = check_data(plan, ArraySource({"input_ids": ids, **arrays}), per_step=4, steps=2,
+                          shuffle=None, loss="auto")
+        assert (info.loss, info.targets, info.rows) == (*want, 8)
+    with pytest.raises(PartitionError, match=r"'labels' has shape \[8, 16\]; the target of "
+                                             r"'logits' wants \[rows, 16, 128\]"):
+        check_data(plan, ArraySource({"input_ids": ids, "labels": labels.astype(np.float32)}),
+                   per_step=4, steps=2, shuffle=None, loss="auto")
+
+
 def test_nan_refused_only_in_the_rows_the_run_reads(own_plan: Path, tmp_path: Path,
                                                     capfd: pytest.CaptureFixture[str]) -> None:
     x = np.zeros((40, 4), np.float32)
