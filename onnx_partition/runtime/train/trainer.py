@@ -2,11 +2,11 @@
 
 :func:`train_plan` checks the request before any process starts (a plan that cannot be trained,
 an altered stage file or program, a process count that is not the plan's replicas: a
-:class:`PartitionError`), builds the stage modules in every rank
-(:func:`onnx_partition.runtime.train.modules.stage_modules`), makes synthetic batches from the
-recipe's
-task (every rank draws the same batch from the same seed; stage 0 keeps the inputs, the last
-stage the targets), runs :func:`onnx_partition.runtime.train.rank.train_stages` in each rank and
+:class:`PartitionError`; bad ``--data`` too, :func:`prepare_data`), builds the stage modules in
+every rank (:func:`onnx_partition.runtime.train.modules.stage_modules`), takes every step's
+batch from the data (:mod:`onnx_partition.runtime.train.data`: stage 0 reads the inputs, the
+last stage the targets) or draws it from the seed (synthetic, the same in every rank), runs
+:func:`onnx_partition.runtime.train.rank.train_stages` in each rank and
 returns :class:`TrainStats`: loss and time per step, per-stage forward and backward times
 measured, and the simulator's iteration time for the same plan and schedule, both from the
 plan's predicted costs and from the measured stage times.
@@ -446,8 +446,9 @@ def train_rank(
     :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`; the entry is
     :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
     :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
-    ``check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
-    rank's stage and replica when it fails."""
+    ``check``'s comparison), the other ranks None. ``data``, ``shuffle``, ``loss`` and
+    ``loss_fn`` as :func:`train_plan` (every rank checks the data). Raises
+    :class:`StageFailed` naming this rank's stage and replica when it fails."""
     from onnx_partition.runtime.train.modules import require_trainable
 
     env = torchrun_env()
