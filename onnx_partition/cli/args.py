@@ -19,7 +19,7 @@ from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
-from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
+from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
 
 __all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "input_shapes_of",
            "rank_parser"]
@@ -291,7 +291,19 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                    help="the pipeline schedule every rank executes (the simulator's)")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of dropout and of the synthetic batches (without --data)")
+    p.add_argument("--data", type=Path, metavar="FILE",
+                   help="train on a .npz (or a folder of .npy, memory-mapped) with arrays named "
+                        "as the model's inputs plus 'labels' (or one per output, named as it); "
+                        "step k takes the next batch-size x microbatches rows in order; "
+                        "without it, synthetic batches")
+    p.add_argument("--shuffle", type=int, metavar="SEED",
+                   help="permute --data's rows once per epoch, reproducibly from SEED")
+    p.add_argument("--loss", default="auto", choices=LOSSES,
+                   help="cross_entropy (first output vs labels, ignore -100), mse, output (the "
+                        "model's first output is its loss), auto: output for a scalar output, "
+                        "cross_entropy for integer labels, else mse")
     p.add_argument("--check", action="store_true",
                    help="dropout off; parameters after step 1 (and 3) must equal "
                         "single-process training (exit 1 otherwise)")

@@ -81,7 +81,8 @@ def _train(args: argparse.Namespace) -> int:
     stats = train_rank(args.plan, steps=args.steps, microbatches=args.microbatches,
                        batch_size=args.batch_size, schedule=args.schedule,
                        optimizer=args.optimizer, lr=args.lr, check=args.check, seed=args.seed,
-                       backend=args.backend)
+                       backend=args.backend, data=args.data, shuffle=args.shuffle,
+                       loss=args.loss)
     if stats is None:
         return 0
     print(format_train(stats))

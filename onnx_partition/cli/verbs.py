@@ -343,6 +343,7 @@ def _train(args: argparse.Namespace) -> int:
                        schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
                        check=args.check, save=args.save, record=args.record,
                        engine=args.engine, seed=args.seed,
+                       data=args.data, shuffle=args.shuffle, loss=args.loss,
                        verbose=True)
     print(format_train(stats))
     return EXIT_FAILED if stats.mismatches else 0

@@ -1,13 +1,15 @@
 """The training runtime's named choices, importable without torch: the command line's parser
-lists them (``train --optimizer/--engine``; schedules are
+lists them (``train --optimizer/--engine/--loss``; schedules are
 :data:`onnx_partition.pipeline.schedules.TRAIN_NAMES`) before anything runs, and the runtime
 checks a request against the same tuples."""
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "OPTIMIZERS"]
+__all__ = ["ENGINES", "LOSSES", "OPTIMIZERS"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
 #: ours (any plan); torch (``torch.distributed.pipelining``), refused for now.
 ENGINES = ("ours", "torch")
+#: Losses by CLI name (:mod:`onnx_partition.runtime.train.loss`).
+LOSSES = ("auto", "cross_entropy", "mse", "output")

@@ -12,7 +12,9 @@ model input read late travels hop by hop.
 * ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
   the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
   leaves that require grad; run the stage module; send the relay set on (last stage: the loss
-  of the model outputs against the targets, divided by the micro-batch count ``M``). The
+  of the model outputs against the targets, times the micro-batch's weight: ``1/M``, or its
+  share of the step's counted tokens for cross-entropy; see
+  :mod:`onnx_partition.runtime.train.loss`). The
   inputs and outputs stay stashed, with their autograd graph, until ``kB m``.
 * ``kB m``: receive the gradients of the floating tensors sent on (last stage: none, the loss
   is the root), ``torch.autograd.backward`` them (a relayed tensor is its own leaf, so its
@@ -24,7 +26,7 @@ Sends are posted before the rank next blocks (with its next receive, in one batc
 waits only for what the simulator's action waits for, so an order the simulator runs without
 deadlock runs here too.
 
-**Gradient sums.** A micro-batch's loss is its mean divided by ``M``, so summing gradients over
+**Gradient sums.** A micro-batch's loss is its mean times its weight, so summing gradients over
 micro-batches and replicas gives the gradient of the mean over the whole batch, as single-
 process training with gradient accumulation does. Replicas of a stage then all-reduce (sum)
 their gradients in their own group; a tied parameter (``StageModule.tied``) is left out of that
@@ -54,13 +56,15 @@ from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
+from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.reference import make_optimizer
 
 __all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
            "microbatch", "step_line", "tied_groups", "train_stages"]
 
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
-Batches = Callable[[int], tuple[Tensors, Tensors]]  # step -> (model inputs, targets), whole batch
+# step -> (model inputs, targets), the whole batch of the step
+Batches = Callable[[int], tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]
 
 
 class StageLike(Protocol):
@@ -85,6 +89,7 @@ class TrainConfig:
     verbose: bool = False  # rank 0 prints a line per step
     threads: int = 1  # torch intra-op threads per rank (0: torch's default)
     hook: RankHook | None = None  # called as hook(rank, "forward") after each forward
+    seed: int = 0  # torch's RNG (dropout) starts from seed and rank
 
 
 @dataclass
@@ -147,12 +152,13 @@ class _Rank:
 class _Step:
     """One step's state on this rank: its batch, the stashed micro-batches and the sums."""
 
-    inputs: Tensors
-    targets: Tensors
+    inputs: Mapping[str, torch.Tensor]
+    targets: Mapping[str, torch.Tensor]
     stash: dict[int, _Stash] = field(default_factory=dict)
     fwd: float = 0.0  # seconds of forward compute (with the loss)
     bwd: float = 0.0  # seconds of backward compute
     loss_sum: float = 0.0
+    weights: list[float] = field(default_factory=list)  # last stage: each micro-batch's share
 
 
 def train_stages(
@@ -177,6 +183,7 @@ def train_stages(
         torch.set_num_threads(config.threads)
     lay = layout(plan)
     k, replica = lay.place(rank)
+    torch.manual_seed(config.seed * 1_000_003 + rank)
     module = stages[k].module.to(device).train()
     actions = schedules.build(config.schedule, lay.replicas, config.microbatches)[(k, replica)]
 
@@ -195,6 +202,8 @@ def train_stages(
     for step in range(config.steps):
         began = time.perf_counter()
         st = _Step(*(batches(step) if k == 0 or me.last else ({}, {})))
+        if me.last:
+            st.weights = microbatch_weights(loss_fn, st.targets, config.microbatches)
         optimizer.zero_grad(set_to_none=True)
         for action in actions:
             result.actions.append(str(action))
@@ -250,8 +259,9 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
         env.update(zip(me.stage.outputs, outs, strict=True))
         if me.last:
             got = {n: env[n] for n in me.model_outputs}
-            want = {n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
-            loss = me.loss_fn(got, want) / count
+            want = ({n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
+                    if st.targets else {})
+            loss = me.loss_fn(got, want) * st.weights[m]
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
     st.fwd += _now(device) - t0

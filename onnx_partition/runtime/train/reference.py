@@ -1,8 +1,9 @@
 """The reference: the whole program trained in one process, micro-batch by micro-batch.
 
 A step over ``microbatches`` micro-batches of a batch of B rows accumulates the gradient of
-``loss_m * rows_m / B`` over the micro-batches (``loss_m`` a mean over micro-batch m's rows), so
-it equals one step on the mean loss over all B rows, while batch norm sees each micro-batch
+``loss_m * w_m`` over the micro-batches (``loss_m`` a mean over micro-batch m's rows, ``w_m`` its
+share of the rows, or of the counted tokens for cross-entropy), so it equals one step on the mean
+loss over all B rows, while batch norm sees each micro-batch
 alone, exactly as the pipeline does. Micro-batches are split as the runtime splits feeds
 (:func:`split_rows`: near-equal, numpy ``linspace`` edges).
 """
@@ -18,6 +19,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.choices import OPTIMIZERS
+from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
@@ -55,11 +57,14 @@ def reference_train(
     microbatches: int = 1,
     task: TrainTask | None = None,
     deterministic: bool = True,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
     into ``microbatches``; return the parameters after training by name (the stage modules'
-    names). ``task`` defaults to :func:`task_for`'s loss."""
+    names). ``task`` defaults to :func:`task_for`'s loss; micro-batches are weighted as the
+    pipeline weights them (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`).
+    ``losses``, when given, gets each step's loss (over the whole batch) appended."""
     if not batches:
         raise PartitionError("reference_train needs at least one batch")
     plan = read_plan(plan_dir)
@@ -71,10 +76,15 @@ def reference_train(
         inputs, targets = batches[step % len(batches)]
         rows = int(next(iter(inputs.values())).shape[0])
         opt.zero_grad()
-        for lo, hi in split_rows(rows, microbatches):
+        weights = microbatch_weights(task.loss_fn, targets, microbatches)
+        total = 0.0
+        for (lo, hi), weight in zip(split_rows(rows, microbatches), weights, strict=True):
             outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
             loss = task.loss_fn(dict(zip(names, outputs)),
-                                {k: v[lo:hi] for k, v in targets.items()})
-            (loss * ((hi - lo) / rows)).backward()
+                                {k: v[lo:hi] for k, v in targets.items()}) * weight
+            loss.backward()
+            total += float(loss.detach())
         opt.step()
+        if losses is not None:
+            losses.append(total)
     return {name: p.detach().clone() for name, p in module.named_parameters()}

@@ -1,11 +1,12 @@
-"""What a plan is trained on: synthetic batches from its input specs and the recipe's loss.
+"""What a plan is trained on without ``--data``: synthetic batches from its input specs, and the
+loss (:mod:`onnx_partition.runtime.train.loss`).
 
-Language models (an integer input with a vocabulary bound ``high`` and an output whose last dim
-is that vocabulary) are trained with cross-entropy against random next tokens; every other model
-with mean squared error against random normal targets, summed over its outputs. Both losses are
-means over the rows given, so a step over micro-batches equals one over their concatenation when
-each micro-batch's loss is weighted by its share of the rows
-(:mod:`onnx_partition.runtime.train.reference`).
+``--loss auto`` without data: ``output`` for a scalar first output; cross-entropy for a language
+model (an integer input with a vocabulary bound ``high`` and a first output whose last dim is that
+vocabulary), against random next tokens; every other model mean squared error against random
+normal targets, summed over its floating outputs. Every loss is a mean over the rows (tokens)
+given, and a step weights its micro-batches so that it equals one over their concatenation
+(:func:`onnx_partition.runtime.train.loss.microbatch_weights`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import IOSpec, Plan, read_plan
+from onnx_partition.runtime.train.loss import Loss, LossFn, make_loss, resolve_loss
 
-__all__ = ["TrainTask", "task_for"]
+__all__ = ["TrainTask", "synthetic_kind", "task_for"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -31,49 +32,52 @@ class TrainTask:
     """``loss_fn(outputs by name, targets by name)`` -> scalar loss, mean over the rows given;
     ``make_batch(rows, generator)`` -> (model inputs by name, targets by name), synthetic."""
 
-    loss_fn: Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], torch.Tensor]
+    loss_fn: Loss
     make_batch: Callable[[int, torch.Generator], tuple[Tensors, Tensors]]
-    kind: str = "mse"  # "cross_entropy" or "mse"
+    kind: str = "mse"  # cross_entropy, mse, output or custom
 
 
-def task_for(plan_dir: str | Path) -> TrainTask:
-    """The plan's loss and synthetic batches (see the module docstring)."""
+def synthetic_kind(plan: Plan) -> str:
+    """What ``--loss auto`` means without data (see the module docstring)."""
+    first = plan.outputs[0]
+    if len(first.shape) == 0:
+        return "output"
+    vocab = max((s.high for s in plan.inputs if s.high and _is_integer(s.dtype)), default=None)
+    if vocab is not None and len(first.shape) >= 2 and first.shape[-1] == vocab:
+        return "cross_entropy"
+    return "mse"
+
+
+def task_for(plan_dir: str | Path, loss: str = "auto", loss_fn: LossFn | None = None,
+             kind: str | None = None) -> TrainTask:
+    """The plan's loss (``loss``: a name of :data:`~onnx_partition.runtime.train.loss.LOSSES`,
+    or ``loss_fn``; ``kind``: the loss already resolved against the data) and its synthetic
+    batches."""
     plan = read_plan(plan_dir)
     fixed = plan.input_shapes
-    vocab = max((s.high for s in plan.inputs if s.high and _is_integer(s.dtype)), default=None)
-    logits = [o for o in plan.outputs
-              if vocab is not None and len(o.shape) >= 2 and o.shape[-1] == vocab]
-    if logits:
-        names = [o.name for o in logits]
-        assert vocab is not None
+    names = [o.name for o in plan.outputs]
+    chosen = kind or (synthetic_kind(plan) if loss == "auto" else resolve_loss(loss, [0], None))
+    task_loss = Loss("custom", loss_fn) if loss_fn is not None else make_loss(chosen, names)
+    first = plan.outputs[0]
 
-        def cross_entropy(outputs: Mapping[str, torch.Tensor],
-                          targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            return sum((F.cross_entropy(outputs[n].reshape(-1, outputs[n].shape[-1]).float(),
-                                        targets[n].reshape(-1)) for n in names),
-                       torch.zeros(()))
+    if chosen == "cross_entropy":
+        classes = _shape(first, 1, fixed)[-1]
 
         def lm_batch(rows: int, generator: torch.Generator) -> tuple[Tensors, Tensors]:
             inputs = _inputs(plan, fixed, rows, generator)
-            shapes = {o.name: _shape(o, rows, fixed)[:-1] for o in logits}
-            return inputs, {n: torch.randint(0, vocab, shapes[n], generator=generator)
-                            for n in names}
+            shape = _shape(first, rows, fixed)[:-1]
+            return inputs, {first.name: torch.randint(0, classes, shape, generator=generator)}
 
-        return TrainTask(cross_entropy, lm_batch, kind="cross_entropy")
+        return TrainTask(task_loss, lm_batch, kind=task_loss.kind)
 
-    floats = [o for o in plan.outputs if not _is_integer(o.dtype)]
-
-    def mse(outputs: Mapping[str, torch.Tensor],
-            targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return sum((F.mse_loss(outputs[o.name].float(), targets[o.name]) for o in floats),
-                   torch.zeros(()))
+    floats = [] if chosen == "output" else [o for o in plan.outputs if not _is_integer(o.dtype)]
 
     def mse_batch(rows: int, generator: torch.Generator) -> tuple[Tensors, Tensors]:
         inputs = _inputs(plan, fixed, rows, generator)
         return inputs, {o.name: torch.randn(_shape(o, rows, fixed), generator=generator)
                         for o in floats}
 
-    return TrainTask(mse, mse_batch, kind="mse")
+    return TrainTask(task_loss, mse_batch, kind=task_loss.kind)
 
 
 def _is_integer(dtype: str) -> bool:

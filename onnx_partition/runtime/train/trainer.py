@@ -2,11 +2,11 @@
 
 :func:`train_plan` checks the request before any process starts (a plan that cannot be trained,
 an altered stage file or program, a process count that is not the plan's replicas: a
-:class:`PartitionError`), builds the stage modules in every rank
-(:func:`onnx_partition.runtime.train.modules.stage_modules`), makes synthetic batches from the
-recipe's
-task (every rank draws the same batch from the same seed; stage 0 keeps the inputs, the last
-stage the targets), runs :func:`onnx_partition.runtime.train.rank.train_stages` in each rank and
+:class:`PartitionError`; bad ``--data`` too, :func:`prepare_data`), builds the stage modules in
+every rank (:func:`onnx_partition.runtime.train.modules.stage_modules`), takes every step's
+batch from the data (:mod:`onnx_partition.runtime.train.data`: stage 0 reads the inputs, the
+last stage the targets) or draws it from the seed (synthetic, the same in every rank), runs
+:func:`onnx_partition.runtime.train.rank.train_stages` in each rank and
 returns :class:`TrainStats`: loss and time per step, per-stage forward and backward times
 measured, and the simulator's iteration time for the same plan and schedule, both from the
 plan's predicted costs and from the measured stage times.
@@ -27,9 +27,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,16 @@ from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
 from onnx_partition.runtime.train.comm import Tensors
+from onnx_partition.runtime.train.data import (
+    ArrayBatches,
+    ArraySource,
+    FactoryBatches,
+    check_data,
+)
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
+from onnx_partition.runtime.train.loss import LOSSES
+from onnx_partition.runtime.train.loss import LossFn as UserLoss
+from onnx_partition.runtime.train.paths import check_output_path
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,
@@ -64,6 +74,8 @@ from onnx_partition.runtime.train.rank import (
 __all__ = ["TrainStats", "format_train", "train_plan", "train_rank", "train_stages"]
 
 CHECK_STEPS = (1, 3)
+# --data: a .npz or a folder of .npy, a mapping of arrays, or a factory of batches per rank
+DataArg = str | os.PathLike[str] | Mapping[str, Any] | Callable[[], Iterable[Any]]
 
 
 @dataclass
@@ -85,6 +97,8 @@ class TrainStats:
     mismatches: list[str] = field(default_factory=list)  # --check: "stage k parameter p: ..."
     checked_steps: tuple[int, ...] = ()
     saved: Path | None = None
+    data: str = "synthetic batches"  # what the run trained on
+    loss_kind: str = ""  # the loss (auto resolved)
 
     @property
     def measured_ms(self) -> float:
@@ -103,8 +117,26 @@ def synthetic_batch(make_batch: Callable[[int, torch.Generator], tuple[Tensors, 
     return make_batch(rows, torch.Generator().manual_seed(seed * 1_000_003 + step))
 
 
-def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
-             ) -> tuple[Sequence[StageLike], LossFn, Plan, Batches]:
+@dataclass(frozen=True)
+class DataPlan:
+    """What a run trains on (picklable: it travels to every rank): ``batches`` (None:
+    synthetic), the loss by name or ``loss_fn``, and ``kind``, the loss resolved."""
+
+    batches: ArrayBatches | FactoryBatches | None = None
+    loss: str = "auto"
+    loss_fn: UserLoss | None = None
+    kind: str | None = None
+    described: str = "synthetic batches"
+
+    def fresh(self) -> Batches | None:
+        """The batches from step 0 again (for the reference)."""
+        if isinstance(self.batches, FactoryBatches):
+            return FactoryBatches(self.batches.factory, self.batches.inputs)
+        return self.batches
+
+
+def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
+             spec: DataPlan = DataPlan()) -> tuple[Sequence[StageLike], LossFn, Plan, Batches]:
     """What every rank builds for ``plan_dir``
     (a :data:`~onnx_partition.runtime.train.launch.Build`)."""
     from onnx_partition.runtime.train.modules import require_trainable, stage_modules
@@ -112,9 +144,44 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
 
     plan = require_trainable(plan_dir)
     stages = stage_modules(plan_dir, deterministic=deterministic)
-    task = task_for(Path(plan_dir))
-    return stages, task.loss_fn, plan, functools.partial(synthetic_batch, task.make_batch, rows,
-                                                         seed)
+    task = task_for(Path(plan_dir), spec.loss, spec.loss_fn, spec.kind)
+    batches = spec.fresh() or functools.partial(synthetic_batch, task.make_batch, rows, seed)
+    return stages, task.loss_fn, plan, batches
+
+
+def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
+                 shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int
+                 ) -> DataPlan:
+    """Check the data against the plan and the loss (before any process starts) and say what
+    the run trains on: a PartitionError for data it cannot train on
+    (:func:`~onnx_partition.runtime.train.data.check_data`)."""
+    from onnx_partition.runtime.train.loss import resolve_loss
+    from onnx_partition.runtime.train.task import synthetic_kind
+
+    if loss not in LOSSES:
+        raise PartitionError(f"unknown loss {loss!r}; choose {', '.join(LOSSES)}")
+    if shuffle is not None and data is None:
+        raise PartitionError("--shuffle orders the rows of --data; there is no --data")
+    inputs = [s.name for s in plan.inputs]
+    if data is None:
+        kind = "custom" if loss_fn else synthetic_kind(plan) if loss == "auto" else loss
+        return DataPlan(None, loss, loss_fn, kind, f"synthetic batches (seed {seed})")
+    if callable(data) and not isinstance(data, Mapping):
+        factory = FactoryBatches(data, inputs)
+        kind = "custom" if loss_fn else loss
+        if loss == "auto" and not loss_fn:  # the first batch's labels decide
+            _, targets = FactoryBatches(data, inputs)(0)
+            labels = targets.get("labels", targets.get(plan.outputs[0].name))
+            integer = None if labels is None else not labels.is_floating_point()
+            kind = resolve_loss("auto", plan.outputs[0].shape, integer)
+        return DataPlan(factory, loss, loss_fn, kind, "batches from the data factory")
+    source = ArraySource(data)
+    info = check_data(plan, source, per_step=per_step, steps=steps, shuffle=shuffle, loss=loss,
+                      custom=loss_fn is not None)
+    batches = ArrayBatches(source, inputs, info.targets, info.rows, per_step, shuffle)
+    order = "in order" if shuffle is None else f"shuffled with seed {shuffle}"
+    return DataPlan(batches, loss, loss_fn, info.loss,
+                    f"{source.describe()} ({info.rows} rows, {order})")
 
 
 def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches: int,
@@ -148,11 +215,14 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     return plan
 
 
-def check_save(plan_dir: Path, out: Path) -> None:
+def check_save(plan_dir: Path, out: Path, plan: Plan | None = None) -> None:
     """Refuse before training what ``save_trained`` would refuse after it (the rules of
-    :func:`onnx_partition.graph.emit.write_plan_folder`)."""
+    :func:`onnx_partition.graph.emit.write_plan_folder`), and a folder inside the plan's or
+    over its model (:func:`~onnx_partition.runtime.train.paths.check_output_path`)."""
     if out.resolve() == plan_dir.resolve():
         raise PartitionError(f"--save writes a new plan folder, not over {plan_dir}")
+    if plan is not None:
+        check_output_path(plan_dir, plan, out, "--save")
     if out.exists() and not out.is_dir():
         raise PartitionError(f"--save {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not is_earlier_plan(out):
@@ -208,6 +278,10 @@ def train_plan(
     verbose: bool = False,
     backend: str | None = None,
     timeout_s: float = 120.0,
+    data: DataArg | None = None,
+    shuffle: int | None = None,
+    loss: str = "auto",
+    loss_fn: UserLoss | None = None,
 ) -> TrainStats:
     """Train the plan in ``plan_dir`` with one local process per stage replica.
 
@@ -216,7 +290,14 @@ def train_plan(
     count). ``check``: dropout off, and the parameters after step 1 (and 3) compared with
     single-process training
     (:attr:`TrainStats.mismatches`). ``save``: a new plan folder with the trained weights.
-    Raises PartitionError for a bad request (before any process starts) and
+    ``data``: a ``.npz`` or a folder of ``.npy``, a mapping of arrays, or a factory called in
+    each rank that reads data returning an iterable of whole-step batches (every such rank must
+    yield the same batches; :mod:`onnx_partition.runtime.train.data`); None: synthetic batches
+    from ``seed``. ``shuffle``: permute the rows once per epoch from this seed. ``loss``: one
+    of ``auto``, ``cross_entropy``, ``mse``, ``output``, or ``loss_fn(outputs, targets) ->
+    scalar`` (a mean over the rows given, picklable; :mod:`onnx_partition.runtime.train.loss`).
+    ``seed`` also seeds dropout. Raises PartitionError for a bad request (before any process
+    starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
     folder = Path(plan_dir).resolve()
@@ -228,18 +309,25 @@ def train_plan(
     plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
                          schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
     if save is not None:
-        check_save(folder, Path(save))
+        check_save(folder, Path(save), plan)
     if record is not None:
         check_record(Path(record))
+    spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
+                        loss=loss, loss_fn=loss_fn, seed=seed)
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
     config = TrainConfig(steps=steps, microbatches=count, schedule=schedule, optimizer=optimizer,
                          lr=lr, check_steps=checks, keep_state=save is not None,
-                         verbose=verbose)
-    build = functools.partial(plan_job, str(folder), rows * count, seed, check)
+                         verbose=verbose, seed=seed)
+    if verbose:
+        print(f"training on {spec.described}; loss {spec.kind}"
+              f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
     stats = summarize(plan, ranks, config, rows * count, engine)
+    stats.data, stats.loss_kind = spec.described, spec.kind or ""
     if checks:
-        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
+        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
+                                                  spec)
         stats.checked_steps = checks
     if record is not None:
         write_record(Path(record), stats, rows, "cuda" if torch.cuda.is_available() and
@@ -280,19 +368,22 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
 
 
 def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: TrainConfig,
-                           rows: int, seed: int) -> list[str]:
+                           rows: int, seed: int, spec: DataPlan = DataPlan()) -> list[str]:
     """One line per parameter (stage, replica, name) that differs from single-process training
     after a checked step: ``allclose(rtol=1e-4, atol=1e-6)`` after step 1, ``rtol=1e-3``
     after later steps (optimizer state compounds rounding)."""
     from onnx_partition.runtime.train.reference import reference_train
     from onnx_partition.runtime.train.task import task_for
 
-    task = task_for(folder)
+    task = task_for(folder, spec.loss, spec.loss_fn, spec.kind)
     problems: list[str] = []
+    source = spec.fresh()
+    every = [source(s) if source is not None else
+             synthetic_batch(task.make_batch, rows, seed, s)
+             for s in range(max(config.check_steps, default=0))]
     for step in config.check_steps:
-        batches = [synthetic_batch(task.make_batch, rows, seed, s) for s in range(step)]
-        want = reference_train(folder, batches, optimizer=config.optimizer, lr=config.lr,
-                               steps=step, microbatches=config.microbatches)
+        want = reference_train(folder, every[:step], optimizer=config.optimizer, lr=config.lr,
+                               steps=step, microbatches=config.microbatches, task=task)
         rtol = 1e-4 if step == 1 else 1e-3
         for r in ranks:
             for name, got in r.states[step].items():
@@ -314,6 +405,7 @@ def format_train(stats: TrainStats) -> str:
         f"{len(stats.ranks)} ranks ({stats.engine} engine, {stats.schedule}), batch {stats.rows} "
         f"= {stats.microbatches} micro-batches x {stats.rows // stats.microbatches} rows: "
         f"{stats.samples_per_s:.1f} samples/s, {stats.measured_ms:.2f} ms per step",
+        f"  trained on {stats.data}; loss {stats.loss_kind}",
         f"  loss per step: {' '.join(f'{v:.4f}' for v in stats.loss)}",
         "  stage  forward ms  backward ms  (per micro-batch on one replica, measured)",
     ]
@@ -348,14 +440,19 @@ def train_rank(
     check: bool = False,
     seed: int = 0,
     backend: str | None = None,
+    data: DataArg | None = None,
+    shuffle: int | None = None,
+    loss: str = "auto",
+    loss_fn: UserLoss | None = None,
 ) -> TrainStats | None:
     """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment, read by
     :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`; the entry is
     :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
     :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
-    ``check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
-    rank's stage and replica when it fails."""
+    ``check``'s comparison), the other ranks None. ``data``, ``shuffle``, ``loss`` and
+    ``loss_fn`` as :func:`train_plan` (every rank checks the data). Raises
+    :class:`StageFailed` naming this rank's stage and replica when it fails."""
     from onnx_partition.runtime.train.modules import require_trainable
 
     env = torchrun_env()
@@ -367,10 +464,13 @@ def train_rank(
                          batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
                          engine="ours")
     check_placement(env, [d for stage in layout(plan).devices for d in stage], layout(plan).name)
+    spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
+                        loss=loss, loss_fn=loss_fn, seed=seed)
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
     config = TrainConfig(steps=steps, microbatches=count, schedule=schedule,
-                         optimizer=optimizer, lr=lr, check_steps=checks, verbose=True)
-    build = functools.partial(plan_job, str(folder), rows * count, seed, check)
+                         optimizer=optimizer, lr=lr, check_steps=checks, verbose=True,
+                         seed=seed)
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec)
     try:
         ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), backend),
                               env=env)
@@ -381,7 +481,9 @@ def train_rank(
     if ranks is None:
         return None
     stats = summarize(plan, ranks, config, rows * count, "ours")
+    stats.data, stats.loss_kind = spec.described, spec.kind or ""
     if checks:
-        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
+        stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
+                                                  spec)
         stats.checked_steps = checks
     return stats
