@@ -5,9 +5,11 @@ checks a request against the same tuples."""
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "OPTIMIZERS"]
+__all__ = ["ENGINES", "OPTIMIZERS", "PRECISIONS"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
 #: ours (any plan); torch (``torch.distributed.pipelining``), refused for now.
 ENGINES = ("ours", "torch")
+#: Training precisions (``train --precision``): fp32, or bfloat16 autocast over fp32 weights.
+PRECISIONS = ("fp32", "bf16")
