@@ -295,6 +295,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--check", action="store_true",
                    help="dropout off; parameters after step 1 (and 3) must equal "
                         "single-process training (exit 1 otherwise)")
+    _train_optim_args(p)
     if rank:
         _backend_arg(p)
         return
@@ -307,7 +308,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="ours (any plan); torch (torch.distributed.pipelining) is refused "
                         "for now, see docs/design.md")
-    _train_optim_args(p)
+    _json_arg(p)
 
 
 def _train_optim_args(p: argparse.ArgumentParser) -> None:
@@ -344,7 +345,6 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", type=Path, metavar="FILE",
                    help="append one JSON object per step (step, loss, lr, grad_norm, "
                         "samples_per_s, tokens_per_s)")
-    _json_arg(p)
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:

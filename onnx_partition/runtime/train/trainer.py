@@ -299,35 +299,21 @@ def train_plan(
         check_save(folder, Path(save))
     if record is not None:
         check_record(Path(record))
-    check_options(optimizer=optimizer, weight_decay=weight_decay, momentum=momentum,
-                  betas=betas, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
-                  clip_grad_norm=clip_grad_norm, precision=precision,
-                  checkpoint_every=checkpoint_every, eval_every=eval_every)
-    if eval_data is not None:
-        eval_source(Path(eval_data))
-    ckpt = resume_request(folder, plan, rows=rows * count, steps=steps, resume=resume,
-                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
-    if log is not None and Path(log).exists() and not Path(log).is_file():
-        raise PartitionError(f"--log {log}: exists and is not a file")
-    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
-    config = TrainConfig(steps=steps, microbatches=count, schedule=schedule, optimizer=optimizer,
-                         lr=lr, check_steps=checks, keep_state=save is not None,
-                         verbose=verbose, hook=hook, weight_decay=weight_decay,
-                         momentum=momentum, betas=(float(betas[0]), float(betas[1])),
-                         warmup_steps=warmup_steps, lr_schedule=lr_schedule,
-                         clip_grad_norm=clip_grad_norm, precision=precision,
-                         start_step=ckpt.start, resume_from=ckpt.resume_from,
-                         checkpoint_dir=ckpt.directory, checkpoint_every=ckpt.every,
-                         checkpoint_manifest=ckpt.manifest, eval_every=eval_every,
-                         log=None if log is None else str(Path(log).resolve()),
-                         progress=progress)
+    config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
+                          schedule=schedule, optimizer=optimizer, lr=lr, check=check,
+                          keep_state=save is not None, verbose=verbose, hook=hook,
+                          weight_decay=weight_decay, momentum=momentum, betas=betas,
+                          warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                          clip_grad_norm=clip_grad_norm, precision=precision,
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                          resume=resume, eval_every=eval_every, eval_data=eval_data, log=log,
+                          progress=progress)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
     stats = summarize(plan, ranks, config, rows * count, engine)
-    stats.checkpoint = None if ckpt.directory is None else Path(ckpt.directory)
-    if checks:
+    if config.check_steps:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed)
-        stats.checked_steps = checks
+        stats.checked_steps = config.check_steps
     if record is not None:
         write_record(Path(record), stats, rows, "cuda" if torch.cuda.is_available() and
                      any(d.startswith("cuda") for s in plan.stages for d in s.devices) else "cpu")
@@ -338,6 +324,43 @@ def train_plan(
                   for k in range(len(plan.stages))]
         stats.saved = save_trained(folder, states, Path(save))
     return stats
+
+
+def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, rows: int,
+                 schedule: str, optimizer: str, lr: float, check: bool, keep_state: bool,
+                 verbose: bool, hook: RankHook | None = None, weight_decay: float | None = None,
+                 momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 warmup_steps: int = 0, lr_schedule: str = "constant",
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
+                 checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
+                 resume: str | os.PathLike[str] | None = None, eval_every: int = 0,
+                 eval_data: str | os.PathLike[str] | None = None,
+                 log: str | os.PathLike[str] | None = None, progress: bool = False
+                 ) -> TrainConfig:
+    """Every rank's :class:`TrainConfig` for the options of :func:`train_plan` (``rows``: per
+    step), checked before any process starts (a PartitionError)."""
+    check_options(optimizer=optimizer, weight_decay=weight_decay, momentum=momentum,
+                  betas=betas, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                  clip_grad_norm=clip_grad_norm, precision=precision,
+                  checkpoint_every=checkpoint_every, eval_every=eval_every)
+    if eval_data is not None:
+        eval_source(Path(eval_data))
+    ckpt = resume_request(folder, plan, rows=rows, steps=steps, resume=resume,
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    if log is not None and Path(log).exists() and not Path(log).is_file():
+        raise PartitionError(f"--log {log}: exists and is not a file")
+    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
+    return TrainConfig(steps=steps, microbatches=microbatches, schedule=schedule,
+                       optimizer=optimizer, lr=lr, check_steps=checks, keep_state=keep_state,
+                       verbose=verbose, hook=hook, weight_decay=weight_decay,
+                       momentum=momentum, betas=(float(betas[0]), float(betas[1])),
+                       warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                       clip_grad_norm=clip_grad_norm, precision=precision,
+                       start_step=ckpt.start, resume_from=ckpt.resume_from,
+                       checkpoint_dir=ckpt.directory, checkpoint_every=ckpt.every,
+                       checkpoint_manifest=ckpt.manifest, eval_every=eval_every,
+                       log=None if log is None else str(Path(log).resolve()),
+                       progress=progress)
 
 
 def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows: int,
@@ -365,7 +388,9 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                       step_ms=rank0.step_ms, forward_ms=fwd, backward_ms=bwd,
                       simulated_ms=simulated.iteration_ms, calibrated_ms=calibrated.iteration_ms,
                       start_step=config.start_step, eval_loss=rank0.eval_loss,
-                      grad_norm=rank0.grad_norm, lr=rank0.lr)
+                      grad_norm=rank0.grad_norm, lr=rank0.lr,
+                      checkpoint=None if config.checkpoint_dir is None
+                      else Path(config.checkpoint_dir))
 
 
 def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: TrainConfig,
@@ -529,14 +554,16 @@ def train_rank(
     check: bool = False,
     seed: int = 0,
     backend: str | None = None,
+    **options: Any,
 ) -> TrainStats | None:
     """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment, read by
     :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`; the entry is
     :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
     :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
-    ``check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
-    rank's stage and replica when it fails."""
+    ``check``'s comparison), the other ranks None; ``options`` are :func:`train_plan`'s
+    optimisation, checkpoint, evaluation and log keywords (:func:`train_config`). Raises
+    :class:`StageFailed` naming this rank's stage and replica when it fails."""
     from onnx_partition.runtime.train.modules import require_trainable
 
     env = torchrun_env()
@@ -547,10 +574,12 @@ def train_rank(
     plan = check_request(folder, nproc=env.world_size, steps=steps, microbatches=count,
                          batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
                          engine="ours")
-    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
-    config = TrainConfig(steps=steps, microbatches=count, schedule=schedule,
-                         optimizer=optimizer, lr=lr, check_steps=checks, verbose=True)
-    build = functools.partial(plan_job, str(folder), rows * count, seed, check)
+    config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
+                          schedule=schedule, optimizer=optimizer, lr=lr, check=check,
+                          keep_state=False, verbose=True, **options)
+    checks = config.check_steps
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check,
+                              config.eval_every > 0)
     try:
         ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), backend),
                               env=env)
