@@ -167,3 +167,22 @@ def test_log_eval_and_json(gpt_plan: Path, tmp_path: Path,
     assert len(evals) == 2  # after step 2 and after the last
     assert body["final_eval_loss"] == pytest.approx(evals[-1])
     assert body["best_eval_loss"] == pytest.approx(min(evals))
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is SGD's"),
+    (["--betas", "0.5", "0.9"], "--betas are AdamW's"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--resume", "nowhere"], "no such folder"),
+    (["--eval-data", "val.npz"], "--eval-data val.npz: reading data files is not supported"),
+])
+def test_bad_options_are_one_line_before_any_process(
+        gpt_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(gpt_plan), "--steps", "2", *options]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
