@@ -18,8 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["SILENT", "Bars", "Reporter", "Silent", "iterate", "progress_callback", "shown",
-           "timed"]
+__all__ = ["SILENT", "Bars", "Reporter", "Silent", "iterate", "loss_bar", "progress_callback",
+           "shown", "timed"]
 
 T = TypeVar("T")
 
@@ -45,6 +45,21 @@ def progress_callback(label: str, *, enabled: bool = True) -> Callable[[int, int
             state["bar"] = _bar(label, total, enabled, unit="step")
         bar = state["bar"]
         bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def loss_bar(label: str, total: int, *, start: int = 0,
+             enabled: bool = True) -> Callable[[int, float], None]:
+    """A ``update(done, loss)`` callback driving a bar of ``total`` steps (from ``start``: a
+    resumed run) that shows the last loss beside the rate and ETA; closed at ``total``."""
+    bar = _bar(label, total, enabled, unit="step", initial=start)
+
+    def update(done: int, loss: float) -> None:
+        bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()

@@ -65,11 +65,17 @@ def test_two_ranks_under_torchrun_give_the_whole_models_outputs(tmp_path):
 def test_two_training_ranks_under_torchrun_match_single_process_training(exported, tmp_path):
     plan = tmp_path / "plan"
     partition(exported("gpt"), 2, plan, batch_size=2, mode="train")
+    log = tmp_path / "train.jsonl"
     done = _torchrun("-m", "onnx_partition.train.runtime", str(plan), "--steps", "2",
-                     "--microbatches", "2", "--batch-size", "2", "--check")
+                     "--microbatches", "2", "--batch-size", "2", "--check", "--optimizer",
+                     "adamw", "--lr-schedule", "cosine", "--clip-grad-norm", "0.05",
+                     "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--checkpoint-every", "2")
     assert done.returncode == 0, done.stderr
     assert "2 ranks (ours engine, 1f1b), batch 4 = 2 micro-batches x 2 rows" in done.stdout
     assert "check against single-process training after step 1: OK" in done.stdout
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "ckpt" / "step-00000002" / "manifest.json").is_file()
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

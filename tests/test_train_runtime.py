@@ -122,8 +122,11 @@ def build(stages: int, replicas: list[int], rows: int, raising: bool = False):
     return pieces, mse, hand_plan(pieces, replicas), functools.partial(batch, rows=rows)
 
 
-def reference(steps: int, microbatches: int, optimizer: str, lr: float) -> dict[str, torch.Tensor]:
-    """The whole model, one process, gradients accumulated over the micro-batches."""
+def reference(steps: int, microbatches: int, optimizer: str, lr: float,
+              clip: float | None = None, norms: list[float] | None = None
+              ) -> dict[str, torch.Tensor]:
+    """The whole model, one process, gradients accumulated over the micro-batches; ``clip``:
+    ``clip_grad_norm_`` (its norms appended to ``norms``)."""
     torch.manual_seed(0)
     whole = Whole()
     opt = make_optimizer(optimizer, list(whole.parameters()), lr)
@@ -133,6 +136,10 @@ def reference(steps: int, microbatches: int, optimizer: str, lr: float) -> dict[
         for m in range(microbatches):
             got = whole(**microbatch(inputs, m, microbatches))
             (mse({"y": got[0]}, microbatch(targets, m, microbatches)) / microbatches).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
     return {n: p.detach() for n, p in whole.named_parameters()}
 
@@ -179,6 +186,23 @@ def test_unequal_replicas_equal_single_process_adamw():
     for res in results:
         assert res.actions == [str(a) for a in want[(res.stage, res.replica)]] * 3
         assert res.peak_inflight == sim.peak_inflight[(res.stage, res.replica)]
+
+
+def test_clipping_counts_tied_parameters_once_and_replicas_once():
+    """Stage 0 on 2 replicas and stage 1 share ``w``: the whole model's gradient norm over the
+    3 ranks equals clip_grad_norm_'s in one process, and so do the clipped SGD steps."""
+    config = TrainConfig(steps=2, microbatches=4, optimizer="sgd", lr=0.1, check_steps=(1, 2),
+                         clip_grad_norm=0.05)
+    results = train(2, [2, 1], config)
+    norms: list[float] = []
+    for step in config.check_steps:
+        want = reference(step, 4, "sgd", 0.1, clip=0.05, norms=norms if step == 2 else None)
+        for res in results:
+            for name, got in res.states[step].items():
+                torch.testing.assert_close(got, want[name], rtol=1e-4, atol=1e-6)
+    assert min(norms) > 0.05  # every step clipped
+    for res in results:
+        assert res.grad_norm == pytest.approx(norms, rel=1e-5)
 
 
 def test_a_raising_stage_ends_the_job_naming_it():

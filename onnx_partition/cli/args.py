@@ -307,6 +307,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--check", action="store_true",
                    help="dropout off; parameters after step 1 (and 3) must equal "
                         "single-process training (exit 1 otherwise)")
+    _train_optim_args(p)
     if rank:
         _backend_arg(p)
         return
@@ -319,6 +320,44 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="ours (any plan); torch (torch.distributed.pipelining) is refused "
                         "for now, see docs/design.md")
+    _json_arg(p)
+
+
+def _train_optim_args(p: argparse.ArgumentParser) -> None:
+    """``train``'s optimisation, checkpoint, evaluation and log options (issue 21, items 3-5)."""
+    from onnx_partition.runtime.train.choices import PRECISIONS
+    from onnx_partition.runtime.train.lr_schedule import LR_SCHEDULES
+
+    p.add_argument("--weight-decay", type=float,
+                   help="weight decay (default: torch.optim's, SGD 0, AdamW 0.01)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
+                   help="AdamW betas")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="linear learning-rate warm-up from 0 over K steps")
+    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                   help="learning rate after the warm-up, over --steps in all (as "
+                        "transformers' schedulers)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="clip the whole model's gradient to norm X (as clip_grad_norm_)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16: bfloat16 autocast with fp32 master weights (CPU too)")
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                   help="write checkpoints (every rank's parameters, optimizer and RNG state) "
+                        "into DIR")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="checkpoint after every K steps (and after the last)")
+    p.add_argument("--resume", type=Path, metavar="DIR",
+                   help="continue from DIR's latest complete checkpoint up to --steps in all, "
+                        "checkpointing on into DIR")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="print a validation loss after every K steps (and after the last)")
+    p.add_argument("--eval-data", type=Path, metavar="FILE",
+                   help="validation data (default: synthetic batches of another seed)")
+    p.add_argument("--log", "--log-file", dest="log", type=Path, metavar="FILE",
+                   help="append one JSON object per step (step, loss, lr, grad_norm, "
+                        "samples_per_s, tokens_per_s); under torchrun spell it --log-file "
+                        "(torchrun's parser takes --log for its --log-dir)")
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:

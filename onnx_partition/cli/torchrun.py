@@ -81,8 +81,14 @@ def _train(args: argparse.Namespace) -> int:
     stats = train_rank(args.plan, steps=args.steps, microbatches=args.microbatches,
                        batch_size=args.batch_size, schedule=args.schedule,
                        optimizer=args.optimizer, lr=args.lr, check=args.check, seed=args.seed,
-                       backend=args.backend, data=args.data, shuffle=args.shuffle,
-                       loss=args.loss)
+                       backend=args.backend, weight_decay=args.weight_decay,
+                       momentum=args.momentum, betas=tuple(args.betas),
+                       warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+                       clip_grad_norm=args.clip_grad_norm, precision=args.precision,
+                       checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       eval_every=args.eval_every, eval_data=args.eval_data, log=args.log,
+                       data=args.data, shuffle=args.shuffle, loss=args.loss)
     if stats is None:
         return 0
     print(format_train(stats))

@@ -336,7 +336,8 @@ def _check(
 
 
 def _train(args: argparse.Namespace) -> int:
-    from onnx_partition.runtime.train.trainer import format_train, train_plan
+    from onnx_partition.pipeline.predict import dumps
+    from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
 
     stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
                        microbatches=args.microbatches, batch_size=args.batch_size,
@@ -344,8 +345,15 @@ def _train(args: argparse.Namespace) -> int:
                        check=args.check, save=args.save, record=args.record,
                        engine=args.engine, seed=args.seed,
                        data=args.data, shuffle=args.shuffle, loss=args.loss,
-                       verbose=True)
-    print(format_train(stats))
+                       verbose=not args.json, weight_decay=args.weight_decay,
+                       momentum=args.momentum, betas=tuple(args.betas),
+                       warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+                       clip_grad_norm=args.clip_grad_norm, precision=args.precision,
+                       checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       eval_every=args.eval_every, eval_data=args.eval_data, log=args.log,
+                       progress=not args.json)
+    print(dumps(train_json(stats)) if args.json else format_train(stats))
     return EXIT_FAILED if stats.mismatches else 0
 
 

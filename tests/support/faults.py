@@ -18,18 +18,24 @@ from dataclasses import dataclass
 __all__ = ["CrashAt", "ExitAt", "StopAt"]
 
 
+_REACHED: dict[tuple[int, str], int] = {}  # per process: (rank, point) -> times reached
+
+
 @dataclass(frozen=True)
 class ExitAt:
     """Rank ``rank`` exits at once with ``code`` (``os._exit``: no clean-up, no report) the
-    first time it reaches ``point``."""
+    ``nth`` time it reaches ``point`` (the first, by default)."""
 
     rank: int
     point: str
     code: int = 1
+    nth: int = 1
 
     def __call__(self, rank: int, point: str) -> None:
         if (rank, point) == (self.rank, self.point):
-            os._exit(self.code)
+            _REACHED[rank, point] = _REACHED.get((rank, point), 0) + 1
+            if _REACHED[rank, point] >= self.nth:
+                os._exit(self.code)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ checks a request against the same tuples."""
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "LOSSES", "OPTIMIZERS"]
+__all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
@@ -13,3 +13,5 @@ OPTIMIZERS = ("sgd", "adamw")
 ENGINES = ("ours", "torch")
 #: Losses by CLI name (:mod:`onnx_partition.runtime.train.loss`).
 LOSSES = ("auto", "cross_entropy", "mse", "output")
+#: Training precisions (``train --precision``): fp32, or bfloat16 autocast over fp32 weights.
+PRECISIONS = ("fp32", "bf16")

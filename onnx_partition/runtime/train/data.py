@@ -53,7 +53,8 @@ class ArraySource:
     """Named arrays from a ``.npz``, a folder of ``.npy`` (memory-mapped) or a mapping; opened
     lazily and picklable (a path travels as a path)."""
 
-    def __init__(self, source: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+    def __init__(self, source: str | os.PathLike[str] | Mapping[str, Any],
+                 flag: str = "--data") -> None:
         self.path: Path | None = None
         self.given: dict[str, np.ndarray] | None = None
         if isinstance(source, Mapping):
@@ -61,9 +62,9 @@ class ArraySource:
         else:
             self.path = Path(source)
             if not self.path.exists():
-                raise PartitionError(f"--data {self.path}: no such file or folder")
+                raise PartitionError(f"{flag} {self.path}: no such file or folder")
             if not (self.path.is_dir() or self.path.suffix == ".npz"):
-                raise PartitionError(f"--data {self.path}: expected a .npz file or a folder of "
+                raise PartitionError(f"{flag} {self.path}: expected a .npz file or a folder of "
                                      ".npy files")
         self._cache: dict[str, np.ndarray] = {}
 
@@ -242,11 +243,11 @@ class DataInfo:
 
 
 def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
-               shuffle: int | None, loss: str, custom: bool = False, start: int = 0
-               ) -> DataInfo:
+               shuffle: int | None, loss: str, custom: bool = False, start: int = 0,
+               flag: str = "--data") -> DataInfo:
     """Refuse data the run cannot train on (see the module docstring); the loss ``auto``
     stands for and the targets read."""
-    where = f"--data {source.describe()}"
+    where = f"{flag} {source.describe()}"
     headers = source.headers()
     fixed = plan.input_shapes
     for spec in plan.inputs:

@@ -6,7 +6,8 @@ result is a failed run, exit code 1).
 
 What each rank trains comes from a ``build`` callable (module-level, or a
 ``functools.partial`` of one, so it pickles to the children): ``build()`` returns the stage
-list, the loss function, the plan and the batch function. Rank 0 gathers every rank's
+list, the loss function, the plan and the batch function (and, optionally, fifth, the
+validation batch function). Rank 0 gathers every rank's
 :class:`~onnx_partition.runtime.train.rank.RankResult` and returns them in rank order.
 """
 
@@ -43,7 +44,8 @@ from onnx_partition.runtime.train.rank import (
 
 __all__ = ["TRAIN_PRELOAD", "Build", "launch_training", "rank_device", "run_rank", "torchrun_rank"]
 
-Build = Callable[[], tuple[Sequence[StageLike], LossFn, Plan, Batches]]
+Build = Callable[[], tuple[Sequence[StageLike], LossFn, Plan, Batches]
+                 | tuple[Sequence[StageLike], LossFn, Plan, Batches, Batches | None]]
 # torch.optim imports torch._dynamo on first use: seconds per rank unless preloaded
 TRAIN_PRELOAD = [*PRELOAD, "torch._dynamo", "torch.optim", "onnx_partition.runtime.train.rank"]
 
@@ -63,12 +65,15 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
              timeout_s: float, store: dist.Store | None) -> list[RankResult] | None:
     """One rank from process-group set-up to the gathered results (rank 0) or None."""
     try:
-        stages, loss_fn, plan, batches = build()
+        built = build()
+        stages, loss_fn, plan, batches = built[0], built[1], built[2], built[3]
+        evals = built[4] if len(built) == 5 else None
         device = rank_device(plan, rank, backend)
     except Exception as exc:
         raise RankFailure("setup", f"cannot start: {exc}") from exc
     join_group(backend, rank, world, timeout_s, store)
-    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device)
+    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device,
+                          eval_batches=evals)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(result, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()

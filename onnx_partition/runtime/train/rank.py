@@ -39,9 +39,12 @@ after each forward action: the tests kill a rank mid-step through it.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -57,7 +60,8 @@ from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.loss import microbatch_weights
-from onnx_partition.runtime.train.reference import make_optimizer
+from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
 __all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
            "microbatch", "step_line", "tied_groups", "train_stages"]
@@ -90,6 +94,25 @@ class TrainConfig:
     threads: int = 1  # torch intra-op threads per rank (0: torch's default)
     hook: RankHook | None = None  # called as hook(rank, "forward") after each forward
     seed: int = 0  # torch's RNG (dropout) starts from seed and rank
+    # optimisation (make_optimizer; lr_schedule.lr_factor over ``steps`` in all)
+    weight_decay: float | None = None  # None: torch.optim's default
+    momentum: float = 0.0  # sgd
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    clip_grad_norm: float | None = None  # by the whole model's gradient norm
+    precision: str = "fp32"  # or "bf16": autocast, fp32 master weights
+    # checkpoints (onnx_partition.runtime.train.checkpoint)
+    start_step: int = 0  # resumed: steps already done
+    resume_from: str | None = None  # the checkpoint folder to load
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_manifest: str = ""  # JSON of the manifest's fixed part (plan, rows per step)
+    # evaluation and logs (rank 0)
+    eval_every: int = 0
+    eval_batches: int = 1  # batches per evaluation
+    log: str | None = None  # append one JSON object per step
+    progress: bool = False  # a progress bar on a terminal
 
 
 @dataclass
@@ -108,6 +131,9 @@ class RankResult:
     table: list[list[float]] = field(default_factory=list)  # rank 0: per step, per rank [fwd, bwd]
     states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> params
     state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
+    grad_norm: list[float] = field(default_factory=list)  # per step, the whole model's
+    lr: list[float] = field(default_factory=list)  # per step
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)  # rank 0: (step, loss)
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -142,6 +168,7 @@ class _Rank:
     count: int  # micro-batches per step
     model_inputs: set[str]
     model_outputs: list[str]
+    bf16: bool = False  # autocast the stage module to bfloat16
 
     @property
     def last(self) -> bool:
@@ -170,14 +197,15 @@ def train_stages(
     *,
     rank: int,
     device: torch.device | None = None,
+    eval_batches: Batches | None = None,
 ) -> RankResult:
     """Train this rank's stage (``stages[k]`` for the stage ``k`` that ``rank`` serves) in
     the already initialised default process group; every rank calls it with the same
     ``stages`` list (all stages: the tied groups are read from it), ``plan`` and
     ``config``. ``batches(step)`` gives the whole batch (``microbatches`` x rows per
     micro-batch) of step ``step`` (0-based); only stage 0 (inputs) and the last stage
-    (targets) call it. Raises ``RankFailure("compute", ...)`` when the stage module or the loss
-    raises."""
+    (targets) call it; ``eval_batches(i)`` likewise the validation batches (``config.eval_every``).
+    Raises ``RankFailure("compute", ...)`` when the stage module or the loss raises."""
     device = device or torch.device("cpu")
     if config.threads > 0:
         torch.set_num_threads(config.threads)
@@ -192,14 +220,21 @@ def train_stages(
     my_tied = _tied_groups_here(lay, stages, k)
     tied_names = {n for _, names in my_tied for n in names}
     params = dict(module.named_parameters())
-    optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr)
+    optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr,
+                               weight_decay=config.weight_decay, momentum=config.momentum,
+                               betas=config.betas)
+    if config.resume_from is not None:
+        _load_checkpoint(Path(config.resume_from), rank, module, optimizer, device)
+    owned = _owned_for_norm(stages, k, replica, params)
     wire = TensorWire(device, lay.name)
     dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
-               {s.name for s in plan.inputs}, [s.name for s in plan.outputs])
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs],
+               config.precision == "bf16")
+    bar = _progress(config) if rank == 0 else None
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
-    for step in range(config.steps):
+    for step in range(config.start_step, config.steps):
         began = time.perf_counter()
         st = _Step(*(batches(step) if k == 0 or me.last else ({}, {})))
         if me.last:
@@ -216,13 +251,160 @@ def train_stages(
                 _backward(me, st, action)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
+        norm = _clip(params, owned, config.clip_grad_norm, device)
+        lr = config.lr * lr_factor(config.lr_schedule, step, config.warmup_steps, config.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
+        result.grad_norm.append(norm)
+        result.lr.append(lr)
         _record_step(me, st, result, step, began, verbose=config.verbose)
         if step + 1 in config.check_steps:
             result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
+        if config.eval_every and eval_batches is not None and (
+                (step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            _evaluate(me, eval_batches, config, result, step + 1)
+        if rank == 0:
+            _log_step(config, result, st, step)
+            if bar is not None:
+                bar(step + 1, result.loss[-1])
+        if config.checkpoint_dir and config.checkpoint_every and (
+                (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
+            _checkpoint(config, lay, rank, step + 1, module, optimizer, device)
     if config.keep_state and replica == 0:
         result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
     return result
+
+
+def _owned_for_norm(stages: Sequence[StageLike], k: int, replica: int,
+                    params: Mapping[str, torch.nn.Parameter]) -> list[str]:
+    """The parameters whose gradient this rank counts in the whole model's norm: replica 0's,
+    a tied parameter only on the first stage holding it (after the gradient sums every
+    replica and every holder has the same gradient)."""
+    if replica != 0:
+        return []
+    tied = stages[k].tied
+    return [n for n in sorted(params) if n not in tied or min(tied[n]) == k]
+
+
+def _clip(params: Mapping[str, torch.nn.Parameter], owned: Sequence[str], max_norm: float | None,
+          device: torch.device) -> float:
+    """The whole model's gradient norm (squared norms all-reduced over every rank) and, with
+    ``max_norm``, the gradients scaled as ``torch.nn.utils.clip_grad_norm_`` scales them."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for n in owned:
+        grad = params[n].grad
+        if grad is not None:
+            sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq)
+    norm = float(sq.sqrt())
+    if max_norm is not None:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for p in params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def _load_checkpoint(folder: Path, rank: int, module: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """This rank's parameters, optimizer state and RNG state from a checkpoint folder."""
+    from onnx_partition.runtime.train.checkpoint import rank_file
+
+    saved = torch.load(rank_file(folder, rank), map_location=device, weights_only=False)
+    module.load_state_dict(saved["module"])
+    optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
+    if device.type == "cuda" and saved.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(saved["cuda_rng"], device)
+
+
+def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it)."""
+    from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
+
+    def save(path: Path) -> None:
+        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda"
+                    else None}, path)
+
+    manifest = None
+    if rank == 0:
+        fixed = json.loads(config.checkpoint_manifest or "{}")
+        rows = int(fixed.get("rows_per_step", 0))
+        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "steps": config.steps,
+                    "data_position": {"step": step, "rows": step * rows}, **fixed,
+                    "ranks": [{"rank": q, "stage": lay.place(q)[0], "replica": lay.place(q)[1],
+                               "file": f"rank-{q:05d}.pt"} for q in range(lay.world_size)]}
+    hook = config.hook
+    write_checkpoint(Path(config.checkpoint_dir or "."), step, rank, save, dist.barrier, manifest,
+                     None if hook is None else lambda: hook(rank, "checkpoint"))
+
+
+def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResult,
+              step: int) -> None:
+    """A forward-only pass over ``config.eval_batches`` validation batches (dropout off), each
+    rank serving its micro-batches in order; rank 0 learns the mean loss (and prints it)."""
+    lay, k = me.lay, me.k
+    me.module.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for i in range(config.eval_batches):
+                st = _Step(*(batches(i) if k == 0 or me.last else ({}, {})))
+                for m in range(me.count):
+                    if lay.rank_of(k, m) == result.rank:
+                        _forward(me, st, Action(k, Kind.F, m))
+                st.stash.clear()
+                total += st.loss_sum
+        me.wire.wait()
+    finally:
+        me.module.train()
+    summed = torch.tensor([total], dtype=torch.float64, device=me.device)
+    dist.all_reduce(summed)
+    loss = float(summed.cpu()[0]) / config.eval_batches
+    if result.rank == 0:
+        result.eval_loss.append((step, loss))
+        if config.verbose:
+            print(f"eval after step {step}: validation loss {loss:.4f}", flush=True)
+
+
+def _log_step(config: TrainConfig, result: RankResult, st: _Step, step: int) -> None:
+    """Append the step's JSON object to ``config.log`` (rank 0)."""
+    if config.log is None:
+        return
+    ms = result.step_ms[-1]
+    rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
+    body: dict[str, Any] = {"step": step + 1, "loss": result.loss[-1], "lr": result.lr[-1],
+                            "grad_norm": result.grad_norm[-1],
+                            "samples_per_s": rows / ms * 1000.0 if ms > 0 else 0.0}
+    tokens = _tokens(st.inputs)
+    if tokens:
+        body["tokens_per_s"] = tokens / ms * 1000.0 if ms > 0 else 0.0
+    if result.eval_loss and result.eval_loss[-1][0] == step + 1:
+        body["eval_loss"] = result.eval_loss[-1][1]
+    with open(config.log, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(body) + "\n")
+
+
+def _tokens(inputs: Mapping[str, torch.Tensor]) -> int:
+    """Tokens in a batch of a model with a sequence axis (an integer input of rank >= 2, rows x
+    positions), else 0."""
+    for value in inputs.values():
+        if value.dim() >= 2 and not value.is_floating_point() and value.dtype != torch.bool:
+            return math.prod(value.shape[:2])
+    return 0
+
+
+def _progress(config: TrainConfig) -> Callable[[int, float], None] | None:
+    """Rank 0's bar (steps done, loss, ETA; on a terminal only)."""
+    if not config.progress:
+        return None
+    from onnx_partition.progress import loss_bar
+
+    return loss_bar("train", config.steps, start=config.start_step)
 
 
 def _tied_groups_here(lay: Layout, stages: Sequence[StageLike],
@@ -253,9 +435,12 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
             env[n] = leaves[n] = env[n].detach().requires_grad_()
     t0 = _now(device)
     try:
-        outs = me.module(*[env[n] for n in me.stage.inputs])
+        with autocast(device, me.bf16):
+            outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
+        if me.bf16:  # hops and the loss in fp32 (the wire has no bfloat16; lossless upcast)
+            outs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outs)
         env.update(zip(me.stage.outputs, outs, strict=True))
         if me.last:
             got = {n: env[n] for n in me.model_outputs}

@@ -10,6 +10,7 @@ alone, exactly as the pipeline does. Micro-batches are split as the runtime spli
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,23 +21,35 @@ from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.choices import OPTIMIZERS
 from onnx_partition.runtime.train.loss import microbatch_weights
+from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "reference_train", "split_rows"]
+__all__ = ["OPTIMIZERS", "autocast", "make_optimizer", "reference_train", "split_rows"]
 
 Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float
-                   ) -> torch.optim.Optimizer:
-    """``sgd``: plain SGD; ``adamw``: AdamW with torch's defaults (betas 0.9/0.999, eps 1e-8,
-    weight decay 0.01)."""
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *,
+                   weight_decay: float | None = None, momentum: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """``sgd``: SGD (``momentum``, weight decay default 0); ``adamw``: AdamW (``betas``, eps
+    1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum,
+                               weight_decay=0.0 if weight_decay is None else weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, betas=betas,
+                                 weight_decay=0.01 if weight_decay is None else weight_decay)
     raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[object]:
+    """bfloat16 autocast on ``device`` (CPU too) when ``bf16``, else nothing; the weights stay
+    fp32 (the optimizer's master copy)."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def split_rows(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -58,32 +71,53 @@ def reference_train(
     task: TrainTask | None = None,
     deterministic: bool = True,
     losses: list[float] | None = None,
+    weight_decay: float | None = None,
+    momentum: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    warmup_steps: int = 0,
+    lr_schedule: str = "constant",
+    total_steps: int | None = None,
+    clip_grad_norm: float | None = None,
+    precision: str = "fp32",
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
     into ``microbatches``; return the parameters after training by name (the stage modules'
     names). ``task`` defaults to :func:`task_for`'s loss; micro-batches are weighted as the
     pipeline weights them (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`).
-    ``losses``, when given, gets each step's loss (over the whole batch) appended."""
+    ``losses``, when given, gets each step's loss (over the whole batch) appended. The
+    optimisation options are :class:`~onnx_partition.runtime.train.rank.TrainConfig`'s (the
+    schedule spans ``total_steps``, default ``steps``; clipping by
+    ``torch.nn.utils.clip_grad_norm_``)."""
     if not batches:
         raise PartitionError("reference_train needs at least one batch")
     plan = read_plan(plan_dir)
     module = whole_module(plan_dir, deterministic=deterministic)
     task = task or task_for(plan_dir)
-    opt = make_optimizer(optimizer, module.parameters(), lr)
+    opt = make_optimizer(optimizer, module.parameters(), lr, weight_decay=weight_decay,
+                         momentum=momentum, betas=betas)
     names = [o.name for o in plan.outputs]
-    for step in range(len(batches) if steps is None else steps):
+    count = len(batches) if steps is None else steps
+    span = total_steps or count  # steps the lr schedule spans
+    cpu = torch.device("cpu")
+    for step in range(count):
         inputs, targets = batches[step % len(batches)]
         rows = int(next(iter(inputs.values())).shape[0])
         opt.zero_grad()
         weights = microbatch_weights(task.loss_fn, targets, microbatches)
         total = 0.0
         for (lo, hi), weight in zip(split_rows(rows, microbatches), weights, strict=True):
-            outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
+            with autocast(cpu, precision == "bf16"):
+                outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
+            outputs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outputs)
             loss = task.loss_fn(dict(zip(names, outputs)),
                                 {k: v[lo:hi] for k, v in targets.items()}) * weight
             loss.backward()
             total += float(loss.detach())
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_factor(lr_schedule, step, warmup_steps, span)
         opt.step()
         if losses is not None:
             losses.append(total)

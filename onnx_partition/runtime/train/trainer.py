@@ -28,7 +28,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
+from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import (
     check_placement,
     check_world_size,
@@ -71,11 +72,14 @@ from onnx_partition.runtime.train.rank import (
     train_stages,
 )
 
-__all__ = ["TrainStats", "format_train", "train_plan", "train_rank", "train_stages"]
+__all__ = ["EVAL_SEED", "TrainStats", "format_train", "train_json", "train_plan", "train_rank",
+           "train_stages"]
 
 CHECK_STEPS = (1, 3)
 # --data: a .npz or a folder of .npy, a mapping of arrays, or a factory of batches per rank
 DataArg = str | os.PathLike[str] | Mapping[str, Any] | Callable[[], Iterable[Any]]
+#: Synthetic validation batches are drawn with ``seed + EVAL_SEED`` (never a training batch's).
+EVAL_SEED = 7919
 
 
 @dataclass
@@ -99,6 +103,11 @@ class TrainStats:
     saved: Path | None = None
     data: str = "synthetic batches"  # what the run trained on
     loss_kind: str = ""  # the loss (auto resolved)
+    start_step: int = 0  # resumed: the checkpoint's step
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    grad_norm: list[float] = field(default_factory=list)  # per step, before clipping
+    lr: list[float] = field(default_factory=list)  # per step
+    checkpoint: Path | None = None  # where checkpoints went
 
     @property
     def measured_ms(self) -> float:
@@ -127,6 +136,11 @@ class DataPlan:
     loss_fn: UserLoss | None = None
     kind: str | None = None
     described: str = "synthetic batches"
+    evals: ArrayBatches | None = None  # --eval-data, by the same order contract
+
+    def eval_batches(self) -> Batches | None:
+        """Validation batches from ``--eval-data`` (None: synthetic ones of another seed)."""
+        return self.evals
 
     def fresh(self) -> Batches | None:
         """The batches from step 0 again (for the reference)."""
@@ -136,9 +150,12 @@ class DataPlan:
 
 
 def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
-             spec: DataPlan = DataPlan()) -> tuple[Sequence[StageLike], LossFn, Plan, Batches]:
+             spec: DataPlan = DataPlan(), evaluate: bool = False
+             ) -> tuple[Sequence[StageLike], LossFn, Plan, Batches, Batches | None]:
     """What every rank builds for ``plan_dir``
-    (a :data:`~onnx_partition.runtime.train.launch.Build`)."""
+    (a :data:`~onnx_partition.runtime.train.launch.Build`); validation batches (``evaluate``)
+    come from ``--eval-data`` (``spec.evals``), else are synthetic ones of another seed
+    (:data:`EVAL_SEED`)."""
     from onnx_partition.runtime.train.modules import require_trainable, stage_modules
     from onnx_partition.runtime.train.task import task_for
 
@@ -146,15 +163,35 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
     stages = stage_modules(plan_dir, deterministic=deterministic)
     task = task_for(Path(plan_dir), spec.loss, spec.loss_fn, spec.kind)
     batches = spec.fresh() or functools.partial(synthetic_batch, task.make_batch, rows, seed)
-    return stages, task.loss_fn, plan, batches
+    evals = None
+    if evaluate:
+        evals = spec.eval_batches() or functools.partial(
+            synthetic_batch, task.make_batch, rows, seed + EVAL_SEED)
+    return stages, task.loss_fn, plan, batches, evals
 
 
 def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
-                 shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int
-                 ) -> DataPlan:
-    """Check the data against the plan and the loss (before any process starts) and say what
-    the run trains on: a PartitionError for data it cannot train on
+                 shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int,
+                 eval_data: str | os.PathLike[str] | None = None) -> DataPlan:
+    """Check the data (and ``eval_data``, validation batches by the same order contract)
+    against the plan and the loss (before any process starts) and say what the run trains
+    on: a PartitionError for data it cannot train on
     (:func:`~onnx_partition.runtime.train.data.check_data`)."""
+    spec = _training_data(plan, data, per_step=per_step, steps=steps, shuffle=shuffle,
+                          loss=loss, loss_fn=loss_fn, seed=seed)
+    if eval_data is None:
+        return spec
+    source = ArraySource(eval_data, "--eval-data")
+    info = check_data(plan, source, per_step=per_step, steps=1, shuffle=None,
+                      loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data")
+    evals = ArrayBatches(source, [s.name for s in plan.inputs], info.targets, info.rows,
+                         per_step, None)
+    return replace(spec, evals=evals)
+
+
+def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
+                   shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int
+                   ) -> DataPlan:
     from onnx_partition.runtime.train.loss import resolve_loss
     from onnx_partition.runtime.train.task import synthetic_kind
 
@@ -182,6 +219,38 @@ def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
     order = "in order" if shuffle is None else f"shuffled with seed {shuffle}"
     return DataPlan(batches, loss, loss_fn, info.loss,
                     f"{source.describe()} ({info.rows} rows, {order})")
+
+
+def check_options(*, optimizer: str, weight_decay: float | None, momentum: float,
+                  betas: tuple[float, float], warmup_steps: int, lr_schedule: str,
+                  clip_grad_norm: float | None, precision: str, checkpoint_every: int,
+                  eval_every: int) -> None:
+    """The optimisation, checkpoint and evaluation options, or a one-line PartitionError."""
+    from onnx_partition.runtime.train.choices import PRECISIONS
+    from onnx_partition.runtime.train.lr_schedule import LR_SCHEDULES
+
+    if weight_decay is not None and not weight_decay >= 0:
+        raise PartitionError(f"--weight-decay must be >= 0, got {weight_decay}")
+    if momentum != 0.0 and optimizer != "sgd":
+        raise PartitionError("--momentum is SGD's; AdamW takes --betas")
+    if not 0.0 <= momentum < 1.0:
+        raise PartitionError(f"--momentum must be in [0, 1), got {momentum}")
+    if betas != (0.9, 0.999) and optimizer != "adamw":
+        raise PartitionError("--betas are AdamW's; SGD takes --momentum")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise PartitionError(f"--betas must be two numbers in [0, 1), got {list(betas)}")
+    if warmup_steps < 0:
+        raise PartitionError(f"--warmup-steps must be >= 0, got {warmup_steps}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise PartitionError(f"unknown --lr-schedule {lr_schedule!r}; choose "
+                             f"{', '.join(LR_SCHEDULES)}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise PartitionError(f"--clip-grad-norm must be positive, got {clip_grad_norm}")
+    if precision not in PRECISIONS:
+        raise PartitionError(f"unknown --precision {precision!r}; choose {', '.join(PRECISIONS)}")
+    for name, value in (("--checkpoint-every", checkpoint_every), ("--eval-every", eval_every)):
+        if value < 0:
+            raise PartitionError(f"{name} must be >= 0, got {value}")
 
 
 def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches: int,
@@ -282,6 +351,21 @@ def train_plan(
     shuffle: int | None = None,
     loss: str = "auto",
     loss_fn: UserLoss | None = None,
+    weight_decay: float | None = None,
+    momentum: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    warmup_steps: int = 0,
+    lr_schedule: str = "constant",
+    clip_grad_norm: float | None = None,
+    precision: str = "fp32",
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    resume: str | os.PathLike[str] | None = None,
+    eval_every: int = 0,
+    eval_data: str | os.PathLike[str] | None = None,
+    log: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    hook: RankHook | None = None,
 ) -> TrainStats:
     """Train the plan in ``plan_dir`` with one local process per stage replica.
 
@@ -296,8 +380,13 @@ def train_plan(
     from ``seed``. ``shuffle``: permute the rows once per epoch from this seed. ``loss``: one
     of ``auto``, ``cross_entropy``, ``mse``, ``output``, or ``loss_fn(outputs, targets) ->
     scalar`` (a mean over the rows given, picklable; :mod:`onnx_partition.runtime.train.loss`).
-    ``seed`` also seeds dropout. Raises PartitionError for a bad request (before any process
-    starts) and
+    ``seed`` also seeds dropout.
+    Optimisation (``weight_decay`` ... ``precision``), checkpoints (``checkpoint_dir`` every
+    ``checkpoint_every`` steps; ``resume`` from a checkpoint folder's latest complete
+    checkpoint up to ``steps`` in all, writing on there), evaluation (``eval_every`` on
+    ``eval_data``, else synthetic batches of another seed) and the per-step JSON ``log`` are
+    the command line's options; ``hook`` the ranks' fault seam.
+    Raises PartitionError for a bad request (before any process starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
     folder = Path(plan_dir).resolve()
@@ -313,22 +402,27 @@ def train_plan(
     if record is not None:
         check_record(Path(record))
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed)
-    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
-    config = TrainConfig(steps=steps, microbatches=count, schedule=schedule, optimizer=optimizer,
-                         lr=lr, check_steps=checks, keep_state=save is not None,
-                         verbose=verbose, seed=seed)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+    config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
+                          schedule=schedule, optimizer=optimizer, lr=lr, check=check,
+                          keep_state=save is not None, verbose=verbose, hook=hook, seed=seed,
+                          weight_decay=weight_decay, momentum=momentum, betas=betas,
+                          warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                          clip_grad_norm=clip_grad_norm, precision=precision,
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                          resume=resume, eval_every=eval_every, log=log, progress=progress)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
               f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
-    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec)
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
+                              eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
     stats = summarize(plan, ranks, config, rows * count, engine)
     stats.data, stats.loss_kind = spec.described, spec.kind or ""
-    if checks:
+    if config.check_steps:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
                                                   spec)
-        stats.checked_steps = checks
+        stats.checked_steps = config.check_steps
     if record is not None:
         write_record(Path(record), stats, rows, "cuda" if torch.cuda.is_available() and
                      any(d.startswith("cuda") for s in plan.stages for d in s.devices) else "cpu")
@@ -341,10 +435,45 @@ def train_plan(
     return stats
 
 
+def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, rows: int,
+                 schedule: str, optimizer: str, lr: float, check: bool, keep_state: bool,
+                 verbose: bool, hook: RankHook | None = None, seed: int = 0,
+                 weight_decay: float | None = None,
+                 momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 warmup_steps: int = 0, lr_schedule: str = "constant",
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
+                 checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int = 0,
+                 resume: str | os.PathLike[str] | None = None, eval_every: int = 0,
+                 log: str | os.PathLike[str] | None = None, progress: bool = False
+                 ) -> TrainConfig:
+    """Every rank's :class:`TrainConfig` for the options of :func:`train_plan` (``rows``: per
+    step), checked before any process starts (a PartitionError)."""
+    check_options(optimizer=optimizer, weight_decay=weight_decay, momentum=momentum,
+                  betas=betas, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                  clip_grad_norm=clip_grad_norm, precision=precision,
+                  checkpoint_every=checkpoint_every, eval_every=eval_every)
+    ckpt = resume_request(folder, plan, rows=rows, steps=steps, resume=resume,
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    if log is not None and Path(log).exists() and not Path(log).is_file():
+        raise PartitionError(f"--log {log}: exists and is not a file")
+    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
+    return TrainConfig(steps=steps, microbatches=microbatches, schedule=schedule,
+                       optimizer=optimizer, lr=lr, check_steps=checks, keep_state=keep_state,
+                       verbose=verbose, hook=hook, seed=seed, weight_decay=weight_decay,
+                       momentum=momentum, betas=(float(betas[0]), float(betas[1])),
+                       warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                       clip_grad_norm=clip_grad_norm, precision=precision,
+                       start_step=ckpt.start, resume_from=ckpt.resume_from,
+                       checkpoint_dir=ckpt.directory, checkpoint_every=ckpt.every,
+                       checkpoint_manifest=ckpt.manifest, eval_every=eval_every,
+                       log=None if log is None else str(Path(log).resolve()),
+                       progress=progress)
+
+
 def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows: int,
               engine: str) -> TrainStats:
     """Per-stage times (steady steps, per micro-batch on one replica) and both simulations."""
-    steady = slice(1, None) if config.steps > 1 else slice(None)
+    steady = slice(1, None) if config.steps - config.start_step > 1 else slice(None)
     count = config.microbatches
     stages = len(plan.stages)
     fwd, bwd = [0.0] * stages, [0.0] * stages
@@ -364,7 +493,11 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=config.schedule, engine=engine, loss=rank0.loss,
                       step_ms=rank0.step_ms, forward_ms=fwd, backward_ms=bwd,
-                      simulated_ms=simulated.iteration_ms, calibrated_ms=calibrated.iteration_ms)
+                      simulated_ms=simulated.iteration_ms, calibrated_ms=calibrated.iteration_ms,
+                      start_step=config.start_step, eval_loss=rank0.eval_loss,
+                      grad_norm=rank0.grad_norm, lr=rank0.lr,
+                      checkpoint=None if config.checkpoint_dir is None
+                      else Path(config.checkpoint_dir))
 
 
 def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: TrainConfig,
@@ -383,7 +516,12 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: Tr
              for s in range(max(config.check_steps, default=0))]
     for step in config.check_steps:
         want = reference_train(folder, every[:step], optimizer=config.optimizer, lr=config.lr,
-                               steps=step, microbatches=config.microbatches, task=task)
+                               steps=step, microbatches=config.microbatches, task=task,
+                               weight_decay=config.weight_decay, momentum=config.momentum,
+                               betas=config.betas, warmup_steps=config.warmup_steps,
+                               lr_schedule=config.lr_schedule, total_steps=config.steps,
+                               clip_grad_norm=config.clip_grad_norm,
+                               precision=config.precision)
         rtol = 1e-4 if step == 1 else 1e-3
         for r in ranks:
             for name, got in r.states[step].items():
@@ -420,9 +558,96 @@ def format_train(stats: TrainStats) -> str:
         steps = " and ".join(map(str, stats.checked_steps))
         lines.append(f"check against single-process training after step {steps}: {verdict}")
         lines += [f"  {m}" for m in stats.mismatches[:10]]
+    if stats.eval_loss:
+        best = min(v for _, v in stats.eval_loss)
+        lines.append(f"  validation loss: final {stats.eval_loss[-1][1]:.4f} (after step "
+                     f"{stats.eval_loss[-1][0]}), best {best:.4f}")
+    if stats.start_step:
+        lines.append(f"  resumed from the checkpoint after step {stats.start_step}")
+    if stats.checkpoint is not None:
+        lines.append(f"checkpoints in {stats.checkpoint}")
     if stats.saved is not None:
         lines.append(f"saved the trained plan to {stats.saved}")
     return "\n".join(lines)
+
+
+def train_json(stats: TrainStats) -> dict[str, Any]:
+    """What ``train --json`` prints: ``measured``, ``predicted`` (the simulator on the plan's
+    costs) and their ``ratio`` under ``run --json``'s names (``iteration_ms``,
+    ``samples_per_s``), the loss per step and the final and best validation loss."""
+    def rate(ms: float) -> float:
+        return round(stats.rows / ms * 1000.0, 3) if ms > 0 else 0.0
+
+    def div(a: float, b: float) -> float | None:
+        return float(f"{a / b:.4g}") if b else None
+
+    measured = {"iteration_ms": round(stats.measured_ms, 6),
+                "samples_per_s": rate(stats.measured_ms)}
+    predicted = {"iteration_ms": round(stats.simulated_ms, 6),
+                 "samples_per_s": rate(stats.simulated_ms)}
+    evals = [v for _, v in stats.eval_loss]
+    return {"format": TRAIN_FORMAT, "engine": stats.engine, "schedule": stats.schedule,
+            "ranks": len(stats.ranks), "microbatches": stats.microbatches, "rows": stats.rows,
+            "start_step": stats.start_step, "steps": stats.start_step + len(stats.loss),
+            "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+            "final_eval_loss": evals[-1] if evals else None,
+            "best_eval_loss": min(evals) if evals else None,
+            "measured": measured, "predicted": predicted,
+            "ratio": {k: div(measured[k], predicted[k]) for k in measured},
+            "check": None if not stats.checked_steps else not stats.mismatches,
+            "saved": None if stats.saved is None else str(stats.saved),
+            "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint)}
+
+
+TRAIN_FORMAT = "onnx-partition-train/1"
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """Where checkpoints go and what a resumed run starts from."""
+
+    directory: str | None = None
+    every: int = 0
+    start: int = 0  # steps already done
+    resume_from: str | None = None  # the checkpoint folder to load
+    manifest: str = ""  # JSON: the manifest's fixed part
+
+
+def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
+                   resume: str | os.PathLike[str] | None,
+                   checkpoint_dir: str | os.PathLike[str] | None,
+                   checkpoint_every: int) -> CheckpointRequest:
+    """Check ``--checkpoint-dir/--checkpoint-every/--resume`` against the plan (a checkpoint of
+    another plan, or of another batch, is refused) before any process starts."""
+    from onnx_partition.runtime.train.checkpoint import (
+        check_checkpoint_dir,
+        latest_checkpoint,
+        plan_fingerprint,
+    )
+
+    start, resume_from, every = 0, None, checkpoint_every
+    target = None if checkpoint_dir is None else Path(checkpoint_dir)
+    if resume is not None:
+        found, manifest = latest_checkpoint(Path(resume), plan)
+        start, resume_from = int(manifest["step"]), str(found.resolve())
+        if manifest.get("rows_per_step") != rows:
+            raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
+                                 f" rows per step, this run takes {rows}")
+        if start >= steps:
+            raise PartitionError(f"--resume {found}: already at step {start}; --steps {steps} "
+                                 "(steps in all) leaves nothing to train")
+        target = target or Path(resume)
+        every = every or int(manifest.get("checkpoint_every", 0))
+    if target is not None:
+        check_checkpoint_dir(target, folder, (folder / plan.model) if plan.model else None)
+        if not every:
+            raise PartitionError("--checkpoint-dir needs --checkpoint-every K")
+    elif checkpoint_every:
+        raise PartitionError("--checkpoint-every needs --checkpoint-dir DIR")
+    fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
+             "checkpoint_every": every}
+    return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
+                             resume_from, json.dumps(fixed))
 
 
 # ---------------------------------------------------------------- one rank under torchrun
@@ -444,6 +669,7 @@ def train_rank(
     shuffle: int | None = None,
     loss: str = "auto",
     loss_fn: UserLoss | None = None,
+    **options: Any,
 ) -> TrainStats | None:
     """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment, read by
@@ -451,7 +677,9 @@ def train_rank(
     :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
     :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
     ``check``'s comparison), the other ranks None. ``data``, ``shuffle``, ``loss`` and
-    ``loss_fn`` as :func:`train_plan` (every rank checks the data). Raises
+    ``loss_fn`` as :func:`train_plan` (every rank checks the data); ``options`` are
+    :func:`train_plan`'s optimisation, checkpoint, evaluation and log keywords
+    (:func:`train_config`). Raises
     :class:`StageFailed` naming this rank's stage and replica when it fails."""
     from onnx_partition.runtime.train.modules import require_trainable
 
@@ -464,13 +692,15 @@ def train_rank(
                          batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
                          engine="ours")
     check_placement(env, [d for stage in layout(plan).devices for d in stage], layout(plan).name)
+    eval_data = options.pop("eval_data", None)
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed)
-    checks = tuple(s for s in CHECK_STEPS if s <= steps) if check else ()
-    config = TrainConfig(steps=steps, microbatches=count, schedule=schedule,
-                         optimizer=optimizer, lr=lr, check_steps=checks, verbose=True,
-                         seed=seed)
-    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+    config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
+                          schedule=schedule, optimizer=optimizer, lr=lr, check=check,
+                          keep_state=False, verbose=True, seed=seed, **options)
+    checks = config.check_steps
+    build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
+                              config.eval_every > 0)
     try:
         ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), backend),
                               env=env)

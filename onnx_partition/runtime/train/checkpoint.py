@@ -1,0 +1,152 @@
+"""Training checkpoints: every rank's parameters, optimizer state and RNG state, the step and the
+data position, published whole or not at all.
+
+Layout of ``--checkpoint-dir DIR``::
+
+    DIR/step-00000010/manifest.json      format, step, data position, the plan's fingerprint,
+                                         one entry (rank, stage, replica, file, sha256) per rank
+    DIR/step-00000010/rank-00000.pt      torch.save of {"module", "optimizer", "rng"}
+    DIR/.partial-step-00000020/          a checkpoint being written (ignored on resume)
+
+Writing (:func:`write_checkpoint`, every rank together): rank 0 clears a stale partial folder,
+every rank writes its own file into it (each file atomically), then, after a barrier, rank 0
+writes the manifest and renames the folder to ``step-N`` (one ``os.replace``: atomic on one
+file system). A run killed at any point before the rename leaves only a partial folder, so the
+previous checkpoint stays the latest complete one. With several machines DIR must be one shared
+folder.
+
+Why not ``torch.distributed.checkpoint``: its unit is one state dict sharded over ranks that hold
+pieces of the same tensors (FSDP/DTensor); here every rank holds whole, distinct modules
+(a stage replica) and an optimizer over them, so one plain file per rank is the natural shard,
+needs no resharding planner, and keeps publish-by-rename atomicity, which DCP's own writers do
+not give (a killed DCP save leaves a folder that looks complete but for ``.metadata``).
+
+A checkpoint is tied to the plan it was written for (:func:`plan_fingerprint`: the stage cut,
+the stage files' and program's sha256 and the replica counts); :func:`latest_checkpoint`
+refuses one of another plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import atomic_path, atomic_write, sha256_file
+from onnx_partition.plan import Plan
+
+__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_dir", "latest_checkpoint", "plan_fingerprint",
+           "rank_file", "write_checkpoint"]
+
+CHECKPOINT_FORMAT = "onnx-partition-checkpoint/1"
+_STEP = re.compile(r"^step-(\d{8})$")
+
+
+def plan_fingerprint(plan: Plan) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the stage cut (each stage's inputs, outputs
+    and file sha256), the program's sha256 and the replica counts."""
+    return {"stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs),
+                        "sha256": s.sha256} for s in plan.stages],
+            "program_sha256": plan.program_sha256,
+            "replicas": [s.replicas for s in plan.stages]}
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    """Rank ``rank``'s file in a checkpoint folder."""
+    return folder / f"rank-{rank:05d}.pt"
+
+
+def check_checkpoint_dir(out: Path, plan_dir: Path, model: Path | None = None) -> None:
+    """``--checkpoint-dir`` must not be inside the plan folder nor a file (the model)."""
+    resolved, plan_root = out.resolve(), plan_dir.resolve()
+    if resolved == plan_root or plan_root in resolved.parents:
+        raise PartitionError(f"--checkpoint-dir {out}: inside the plan folder {plan_dir}; "
+                             "choose a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise PartitionError(f"--checkpoint-dir {out}: exists and is not a folder")
+    if model is not None and resolved == model.resolve():
+        raise PartitionError(f"--checkpoint-dir {out}: that is the model")
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir()
+                   if not (_STEP.match(p.name) or p.name.startswith(".partial-step-"))]
+        if foreign:
+            raise PartitionError(f"--checkpoint-dir {out}: holds files that are not checkpoints "
+                                 f"({', '.join(sorted(foreign)[:3])}); choose another folder")
+
+
+def latest_checkpoint(root: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
+    """The latest complete checkpoint under ``root`` (folder, manifest); a PartitionError when
+    there is none or it was written for another plan."""
+    if not root.is_dir():
+        raise PartitionError(f"--resume {root}: no such folder")
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP.match(p.name)) and (p / "manifest.json").is_file())
+    if not steps:
+        raise PartitionError(f"--resume {root}: no complete checkpoint in it")
+    folder = steps[-1][1]
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise PartitionError(f"--resume {folder}: unreadable manifest ({exc})") from exc
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise PartitionError(f"--resume {folder}: not a checkpoint ({CHECKPOINT_FORMAT})")
+    want, got = plan_fingerprint(plan), manifest.get("plan", {})
+    for key, what in (("replicas", "replica counts"), ("program_sha256", "program"),
+                      ("stages", "stage cut")):
+        if got.get(key) != want[key]:
+            raise PartitionError(f"--resume {folder}: written for another plan (its {what} "
+                                 "differ from this plan's)")
+    for entry in manifest.get("ranks", []):
+        if not rank_file(folder, entry["rank"]).is_file():
+            raise PartitionError(f"--resume {folder}: rank {entry['rank']}'s file is missing")
+    return folder, manifest
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    rank: int,
+    save: Callable[[Path], None],
+    barrier: Callable[[], None],
+    manifest: Mapping[str, Any] | None,
+    hook: Callable[[], None] | None = None,
+) -> None:
+    """Every rank calls this after step ``step``: ``save(path)`` writes this rank's file;
+    ``barrier`` is a collective over all ranks; rank 0 passes the manifest body (the other
+    ranks None) and publishes. ``hook`` runs after this rank's file is written (the fault
+    seam's ``"checkpoint"`` point)."""
+    partial = root / f".partial-step-{step:08d}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    barrier()
+    with atomic_path(rank_file(partial, rank)) as staged:
+        save(staged)
+    if hook is not None:
+        hook()
+    barrier()
+    if rank == 0:
+        assert manifest is not None
+        body = dict(manifest)
+        body["ranks"] = [dict(e, sha256=sha256_file(rank_file(partial, e["rank"])))
+                         for e in body["ranks"]]
+        atomic_write(partial / "manifest.json", json.dumps(body, indent=1) + "\n")
+        final = step_folder(root, step)
+        if final.exists():  # a rerun over the same step: move the old one out of the way first
+            old = root / f".old-step-{step:08d}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+    barrier()

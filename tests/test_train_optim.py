@@ -1,0 +1,188 @@
+"""Issue 21, items 3-5 on the gpt tiny recipe over real gloo groups: AdamW with warm-up, a cosine
+schedule and gradient clipping (and bf16) equal to single-process training; a checkpointed run
+killed after step K of 2K and resumed equals 2K steps straight; a kill while a checkpoint is
+written leaves the previous one whole; a checkpoint of another plan is refused; the per-step log,
+validation loss and ``train --json``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from support.faults import ExitAt
+
+from onnx_partition.cli import main
+from onnx_partition.errors import PartitionError
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime import StageFailed
+from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
+from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.reference import reference_train
+from onnx_partition.runtime.train.task import task_for
+from onnx_partition.runtime.train.trainer import synthetic_batch, train_plan
+
+OPTIM = dict(optimizer="adamw", lr=0.01, warmup_steps=1, lr_schedule="cosine",
+             clip_grad_norm=0.05, weight_decay=0.1, betas=(0.8, 0.99))
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt tiny exported with its program, partitioned in train mode into 2 stages."""
+    root = tmp_path_factory.mktemp("train-optim")
+    assert main(["export", "gpt", "--size", "tiny", "-o", str(root / "gpt.onnx")]) == 0
+    assert main(["partition", str(root / "gpt.onnx"), "--stages", "2", "--mode", "train",
+                 "--batch-size", "2", "-o", str(root / "plan")]) == 0
+    return root / "plan"
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_factor_equals_transformers(kind: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    make = {"constant": transformers.get_constant_schedule_with_warmup,
+            "linear": transformers.get_linear_schedule_with_warmup,
+            "cosine": transformers.get_cosine_schedule_with_warmup}[kind]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    kwargs = {} if kind == "constant" else {"num_training_steps": 10}
+    sched = make(opt, num_warmup_steps=3, **kwargs)
+    for step in range(10):
+        assert lr_factor(kind, step, 3, 10) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12)
+        opt.step()
+        sched.step()
+
+
+def test_bf16_sgd_momentum_clipping_equal_single_process(gpt_plan: Path) -> None:
+    """bf16 autocast in the stages equals bf16 autocast over the whole model (--check's
+    tolerances), and is really on: the parameters differ from fp32 training's."""
+    options = dict(optimizer="sgd", lr=0.1, momentum=0.9, clip_grad_norm=0.5,
+                   lr_schedule="linear")
+    stats = train_plan(gpt_plan, steps=2, microbatches=2, batch_size=2, check=True,
+                       precision="bf16", **options)  # type: ignore[arg-type]
+    assert stats.mismatches == [] and stats.checked_steps == (1,), stats.mismatches
+    assert stats.grad_norm[0] > 0.5  # clipped
+    task = task_for(gpt_plan)
+    batches = [synthetic_batch(task.make_batch, 4, 0, 0)]
+    got = {n: v for r in stats.ranks for n, v in r.states[1].items()}
+    gap = {}
+    for precision in ("fp32", "bf16"):
+        want = reference_train(gpt_plan, batches, microbatches=2, total_steps=2,
+                               precision=precision, **options)  # type: ignore[arg-type]
+        gap[precision] = max(float((got[n] - want[n]).abs().max()) for n in got)
+    assert gap["bf16"] < gap["fp32"], gap
+
+
+def _params(folder: Path, ranks: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(rank_file(folder, r), weights_only=False)["module"] for r in range(ranks)]
+
+
+def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> None:
+    """4 steps straight (AdamW, warm-up, cosine, clipping: equal to single-process training
+    under the same options, clip_grad_norm_ there; the clip is far below the gradient norm, so
+    every step is clipped) vs 4 steps killed during step 3 (after the checkpoint of step 2)
+    and resumed with --steps 4: the same parameters, bit for bit."""
+    common = dict(steps=4, microbatches=2, batch_size=2, checkpoint_every=2, **OPTIM)
+    straight = tmp_path / "straight"
+    stats = train_plan(gpt_plan, checkpoint_dir=straight, check=True,
+                       **common)  # type: ignore[arg-type]
+    assert stats.mismatches == [] and stats.checked_steps == (1, 3), stats.mismatches
+    assert all(n > 0.05 for n in stats.grad_norm)
+    assert stats.lr == pytest.approx([0.01 * lr_factor("cosine", s, 1, 4) for s in range(4)])
+    broken = tmp_path / "broken"
+    with pytest.raises(StageFailed, match="exited with code 1"):
+        train_plan(gpt_plan, checkpoint_dir=broken, hook=ExitAt(0, "forward", nth=5),
+                   **common)  # type: ignore[arg-type]
+    plan = read_plan(gpt_plan)
+    assert latest_checkpoint(broken, plan)[1]["step"] == 2
+    resumed = train_plan(gpt_plan, resume=broken, **common)  # type: ignore[arg-type]
+    assert resumed.start_step == 2 and len(resumed.loss) == 2
+    assert resumed.loss == pytest.approx(stats.loss[2:], rel=1e-6)
+    assert resumed.lr == pytest.approx(stats.lr[2:])
+    want, got = _params(straight / "step-00000004", 2), _params(broken / "step-00000004", 2)
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_kill_while_writing_leaves_the_previous_checkpoint(gpt_plan: Path,
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    with pytest.raises(StageFailed):
+        train_plan(gpt_plan, steps=3, microbatches=2, batch_size=2, checkpoint_dir=out,
+                   checkpoint_every=1, hook=ExitAt(0, "checkpoint", nth=2))
+    folder, manifest = latest_checkpoint(out, read_plan(gpt_plan))
+    assert folder.name == "step-00000001" and manifest["step"] == 1
+    assert manifest["data_position"] == {"step": 1, "rows": 4}
+    assert not (out / "step-00000002").exists()
+    for entry in manifest["ranks"]:
+        assert set(torch.load(rank_file(folder, entry["rank"]), weights_only=False)) >= {
+            "module", "optimizer", "rng"}
+
+
+def test_a_checkpoint_of_another_plan_is_refused(gpt_plan: Path, tmp_path: Path,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, checkpoint_dir=out,
+               checkpoint_every=1)
+    other = tmp_path / "plan"
+    shutil.copytree(gpt_plan, other)
+    body = json.loads((other / "plan.json").read_text())
+    body["program"] = str((gpt_plan / body["program"]).resolve())
+    body["model"] = str((gpt_plan / body["model"]).resolve())
+    body["stages"][0].update(replicas=2, devices=["cpu", "cpu"])
+    (other / "plan.json").write_text(json.dumps(body))
+    with pytest.raises(PartitionError, match=r"another plan \(its replica counts"):
+        train_plan(other, steps=2, microbatches=2, batch_size=2, resume=out)
+    code = main(["train", str(other), "--steps", "2", "--microbatches", "2", "--batch-size",
+                 "2", "--resume", str(out)])
+    assert code == 2
+    assert "written for another plan" in capfd.readouterr().err
+    with pytest.raises(PartitionError, match="inside the plan folder"):
+        train_plan(gpt_plan, steps=1, checkpoint_dir=gpt_plan / "ck", checkpoint_every=1)
+    with pytest.raises(PartitionError, match="already at step 1"):
+        train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, resume=out)
+
+
+def test_log_eval_and_json(gpt_plan: Path, tmp_path: Path,
+                           capfd: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "train.jsonl"
+    code = main(["train", str(gpt_plan), "--steps", "3", "--microbatches", "2", "--batch-size",
+                 "2", "--optimizer", "sgd", "--momentum", "0.9", "--eval-every", "2", "--log",
+                 str(log), "--json"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    body = json.loads(out)
+    assert set(body["measured"]) == set(body["predicted"]) == {"iteration_ms", "samples_per_s"}
+    assert body["ratio"]["iteration_ms"] == pytest.approx(
+        body["measured"]["iteration_ms"] / body["predicted"]["iteration_ms"], rel=1e-3)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["loss"] for line in lines] == pytest.approx(body["loss"])
+    for line in lines:
+        assert line["lr"] == 0.01 and line["grad_norm"] > 0 and line["samples_per_s"] > 0
+        assert line["tokens_per_s"] > line["samples_per_s"]  # gpt: rows x positions
+    evals = [line["eval_loss"] for line in lines if "eval_loss" in line]
+    assert len(evals) == 2  # after step 2 and after the last
+    assert body["final_eval_loss"] == pytest.approx(evals[-1])
+    assert body["best_eval_loss"] == pytest.approx(min(evals))
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is SGD's"),
+    (["--betas", "0.5", "0.9"], "--betas are AdamW's"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--resume", "nowhere"], "no such folder"),
+    (["--eval-data", "val.npz"], "--eval-data val.npz: no such file or folder"),
+])
+def test_bad_options_are_one_line_before_any_process(
+        gpt_plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(gpt_plan), "--steps", "2", *options]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
