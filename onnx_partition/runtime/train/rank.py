@@ -354,6 +354,8 @@ def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResu
         with torch.no_grad():
             for i in range(config.eval_batches):
                 st = _Step(*(batches(i) if k == 0 or me.last else ({}, {})))
+                if me.last:
+                    st.weights = microbatch_weights(me.loss_fn, st.targets, config.microbatches)
                 for m in range(me.count):
                     if lay.rank_of(k, m) == result.rank:
                         _forward(me, st, Action(k, Kind.F, m))
