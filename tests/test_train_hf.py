@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from support.training import assert_stages_equal_whole, train_checked
+from support.training import assert_stages_equal_whole, assert_stages_run_on_meta, train_checked
 
 from onnx_partition import export
 from onnx_partition.partition import partition
@@ -72,6 +72,8 @@ def test_hf_stage_modules_equal_whole(
     plan = partition(hf_model(name), stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
     assert_stages_equal_whole(tmp_path / "plan")
+    if stages == 3:
+        assert_stages_run_on_meta(tmp_path / "plan")
     if name == "gpt2":  # lm_head is wte: one parameter, held by the first and last stages
         tied = stage_modules(tmp_path / "plan")[0].tied
         assert tied == {"model.transformer.wte.weight": (0, len(plan.stages) - 1)}

@@ -18,7 +18,10 @@ relay, tied weights"):
   and ``lm_head``) take the first name in the program's signature in every stage and in
   :func:`whole_module`, and are reported in :attr:`StageModule.tied`;
 * the program's buffer mutations (batch norm's running statistics) are copied into the stage's
-  buffers at the end of the forward that computes them.
+  buffers at the end of the forward that computes them;
+* a node that creates a tensor on a fixed device (the exporter writes ``device=cpu`` into
+  ``arange``, ``full``, ``zeros``...) takes instead the device of the module's empty,
+  non-persistent buffer ``_device_anchor``, so ``module.to(device)`` moves everything it makes.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ __all__ = ["StageModule", "load_program", "require_trainable", "stage_modules", 
 #: Ops that draw dropout masks, with the position of their ``train`` flag or probability.
 _DROPOUT_FLAG = {torch.ops.aten.native_dropout.default: 2, torch.ops.aten.dropout.default: 2}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+#: The empty buffer whose device the tensor-creating nodes of a stage module follow.
+DEVICE_ANCHOR = "_device_anchor"
 
 
 @dataclass
@@ -297,6 +302,16 @@ class _Program:
                          else graph.call_function(_to_int, (placeholder,)))
         attrs: dict[str, torch.fx.Node] = {}
         members = {n.name for n in nodes}
+        device: list[torch.fx.Node] = []  # the anchor's device, read once when first needed
+
+        def copy_of(node: torch.fx.Node) -> torch.fx.Node:
+            fixed = isinstance(node.kwargs.get("device"), torch.device)
+            if fixed and not device:
+                device.append(graph.call_function(_device_of, (graph.get_attr(DEVICE_ANCHOR),)))
+            copy = graph.node_copy(node, lambda a: env[a])
+            if fixed:
+                copy.kwargs = {**copy.kwargs, "device": device[0]}
+            return copy
 
         def read(arg: torch.fx.Node) -> torch.fx.Node:
             if arg in env:
@@ -313,7 +328,7 @@ class _Program:
             if arg.name in self.static:  # made from weights and constants alone: recompute
                 for source in arg.all_input_nodes:
                     read(source)
-                env[arg] = graph.node_copy(arg, lambda a: env[a])
+                env[arg] = copy_of(arg)
                 return env[arg]
             raise PartitionError(f"a stage needs {arg.name!r}, which it neither computes nor "
                                  "receives: partition the model again")
@@ -321,7 +336,7 @@ class _Program:
         for node in nodes:
             for arg in node.all_input_nodes:
                 read(arg)
-            copy = graph.node_copy(node, lambda a: env[a])
+            copy = copy_of(node)
             if deterministic:
                 _no_dropout(copy)
             if copy.target == torch.ops.aten.view.default:
@@ -369,12 +384,24 @@ class _Program:
                 owner.register_buffer(leaf, copy, persistent=kind == "buffer")
                 if kind == "constant":
                     constants.append(target)
+        if any(n.op == "get_attr" and n.target == DEVICE_ANCHOR for n in graph.nodes):
+            root.register_buffer(DEVICE_ANCHOR, _anchor_on(self.tensor), persistent=False)
+            constants.append(DEVICE_ANCHOR)
         module = torch.fx.GraphModule(root, graph)
         for target in constants:  # GraphModule registers every copied tensor as persistent
             *path, leaf = target.split(".")
             owner = module.get_submodule(".".join(path)) if path else module
             owner._non_persistent_buffers_set.add(leaf)
         return module
+
+
+def _device_of(anchor: torch.Tensor) -> torch.device:
+    return anchor.device
+
+
+def _anchor_on(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The empty anchor, on the device of the program's weights (cpu when it has none)."""
+    return torch.empty(0, device=next(iter(tensors.values())).device if tensors else "cpu")
 
 
 def _storage_key(value: torch.Tensor) -> object:
