@@ -19,8 +19,9 @@ model input read late travels hop by hop.
   gradient passes straight through and adds to this stage's own use of it), and send the
   leaves' gradients back (zeros for a tensor this stage did not use).
 
-Sends are posted before the rank next blocks (with its next receive, in one batch: see
-:mod:`onnx_partition.runtime.train.comm`) and awaited at the end of the step; receives block: a rank
+Sends are posted when their action ends (with the next action's receive, in one batch, when it
+receives from the same peer: see :mod:`onnx_partition.runtime.train.comm`) and awaited at the
+end of the step; receives block: a rank
 waits only for what the simulator's action waits for, so an order the simulator runs without
 deadlock runs here too.
 
@@ -196,15 +197,18 @@ def train_stages(
         began = time.perf_counter()
         st = _Step(*(batches(step) if k == 0 or me.last else ({}, {})))
         optimizer.zero_grad(set_to_none=True)
-        for action in actions:
+        for i, action in enumerate(actions):
             result.actions.append(str(action))
             if action.kind is Kind.F:
                 _forward(me, st, action)
+            else:
+                _backward(me, st, action)
+            # the action's sends leave now, or with the next action's receive from their peer
+            wire.flush(_source(me, actions[i + 1]) if i + 1 < len(actions) else None)
+            if action.kind is Kind.F:
                 result.peak_inflight = max(result.peak_inflight, len(st.stash))
                 if config.hook is not None:
                     config.hook(rank, "forward")
-            else:
-                _backward(me, st, action)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
         optimizer.step()
@@ -324,6 +328,13 @@ def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]
     rate = rows / ms * 1000.0 if ms > 0 else 0.0
     return (f"step {step + 1}: loss {loss:.4f}, {rate:.1f} samples/s ({ms:.2f} ms); busy ms per "
             f"stage: {' '.join(f'{b:.2f}' for b in busy)}")
+
+
+def _source(me: _Rank, action: Action) -> int | None:
+    """The rank ``action`` first receives from (None: it receives nothing)."""
+    if action.kind is Kind.F:
+        return me.lay.rank_of(me.k - 1, action.microbatch) if me.k > 0 else None
+    return None if me.last else me.lay.rank_of(me.k + 1, action.microbatch)
 
 
 def _ranks(lay: Layout, stage: int) -> list[int]:
