@@ -26,26 +26,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.runtime.dist.wire import decode_header, encode_header, header_size
+from onnx_partition.runtime.dist.wire import (
+    decode_torch_header,
+    encode_codes,
+    header_size,
+    torch_dtype_code,
+)
 
-__all__ = ["TensorWire", "Tensors", "numpy_dtype"]
+__all__ = ["TensorWire", "Tensors"]
 
 Tensors = dict[str, torch.Tensor]
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    """The numpy dtype of a torch dtype (those the wire protocol carries)."""
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _shape_only(t: torch.Tensor) -> np.ndarray:
-    """A zero-strided numpy array with ``t``'s dtype and shape (for the header; no copy)."""
-    return np.broadcast_to(np.zeros((), numpy_dtype(t.dtype)), tuple(t.shape))
 
 
 class TensorWire:
@@ -64,7 +58,8 @@ class TensorWire:
         the shapes (:meth:`recv_like`)."""
         values = [tensors[n].detach().to(self.device).contiguous() for n in names]
         if header:
-            head = encode_header(m, names, [_shape_only(v) for v in values])
+            head = encode_codes(m, names, [(torch_dtype_code(v.dtype, n), tuple(v.shape))
+                                           for n, v in zip(names, values)])
             self.outbox.append((torch.from_numpy(head).to(self.device), dst))
         self.outbox.extend((v, dst) for v in values if v.numel())
 
@@ -91,8 +86,9 @@ class TensorWire:
         head = torch.empty(header_size(len(names)), dtype=torch.int64, device=self.device)
         self._recv(head, src)
         out: Tensors = {}
-        for n, (dtype, shape) in zip(names, decode_header(head.cpu().numpy(), m, len(names))):
-            value = torch.from_numpy(np.empty(0, dtype)).new_empty(shape, device=self.device)
+        for n, (dtype, shape) in zip(names, decode_torch_header(head.cpu().numpy(), m,
+                                                                len(names))):
+            value = torch.empty(shape, dtype=dtype, device=self.device)
             if value.numel():
                 self._recv(value, src)
             out[n] = value
