@@ -68,10 +68,12 @@ class StageLike(Protocol):
     """What the engine needs of a stage (``onnx_partition.runtime.train.modules.StageModule``)."""
 
     index: int
-    module: torch.nn.Module
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     tied: dict[str, tuple[int, ...]]
+
+    @property
+    def module(self) -> torch.nn.Module: ...  # read only: a stage may build it on first read
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class _Rank:
     count: int  # micro-batches per step
     model_inputs: set[str]
     model_outputs: list[str]
+    clock: _Clock
 
     @property
     def last(self) -> bool:
@@ -151,9 +154,9 @@ class _Step:
     inputs: Tensors
     targets: Tensors
     stash: dict[int, _Stash] = field(default_factory=dict)
-    fwd: float = 0.0  # seconds of forward compute (with the loss)
+    fwd: float = 0.0  # seconds of forward compute (with the loss), read at the step's end
     bwd: float = 0.0  # seconds of backward compute
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0  # on the device until the step ends (no host sync)
 
 
 def train_stages(
@@ -188,9 +191,13 @@ def train_stages(
     params = dict(module.named_parameters())
     optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr)
     wire = TensorWire(device, lay.name)
-    dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
+    # a collective before the first point-to-point batch (NCCL wants one, on this rank's GPU)
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index or 0])
+    else:
+        dist.barrier()
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
-               {s.name for s in plan.inputs}, [s.name for s in plan.outputs])
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs], _Clock(device))
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
     for step in range(config.steps):
@@ -246,7 +253,7 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     for n in list(env):
         if env[n].is_floating_point() and n not in me.model_inputs:
             env[n] = leaves[n] = env[n].detach().requires_grad_()
-    t0 = _now(device)
+    t0 = me.clock.start()
     try:
         outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
@@ -258,9 +265,9 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
             loss = me.loss_fn(got, want) / count
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-    st.fwd += _now(device) - t0
+    me.clock.stop(0, t0)
     if me.last:
-        st.loss_sum += float(loss.detach())
+        st.loss_sum = st.loss_sum + loss.detach()
         st.stash[m] = _Stash(leaves, {"": loss})
     else:
         sent = {n: env[n] for n in lay.send_names[k]}
@@ -281,13 +288,13 @@ def _backward(me: _Rank, st: _Step, action: Action) -> None:
         got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
         pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
         roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-    t0 = _now(me.device)
+    t0 = me.clock.start()
     try:
         if roots:
             torch.autograd.backward(roots, grads)
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-    st.bwd += _now(me.device) - t0
+    me.clock.stop(1, t0)
     if k > 0:
         names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
         back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
@@ -299,8 +306,10 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
     """Add the step's figures to ``result``. One small all-reduce per step: rank 0 learns the
     loss and every rank's times (and prints the step line when ``verbose``)."""
     lay, rank = me.lay, result.rank
+    st.fwd, st.bwd = me.clock.read()
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
-    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, st.loss_sum], dtype=torch.float64)
+    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, float(st.loss_sum)],
+                             dtype=torch.float64)
     wired = row.to(me.device)
     dist.all_reduce(wired)
     table = wired.cpu()
@@ -386,7 +395,38 @@ def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         p.grad = piece.view_as(p).clone()
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class _Clock:
+    """Forward (0) and backward (1) compute time of a step. CPU: ``perf_counter`` around each
+    action. CUDA: a pair of events per action, read once at the step's end (one wait for the
+    last event, not a whole-device synchronize around every action)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = [0.0, 0.0]
+        self.events: list[tuple[int, Any, Any]] = []  # (kind, start, end), CUDA
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, kind: int, began: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((kind, began, end))
+        else:
+            self.seconds[kind] += time.perf_counter() - began
+
+    def read(self) -> tuple[float, float]:
+        """The step's (forward, backward) seconds; starts the next step at zero."""
+        if self.events:
+            self.events[-1][2].synchronize()
+            for kind, began, end in self.events:
+                self.seconds[kind] += began.elapsed_time(end) / 1000.0
+            self.events.clear()
+        fwd, bwd = self.seconds
+        self.seconds = [0.0, 0.0]
+        return fwd, bwd

@@ -103,11 +103,11 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool
              ) -> tuple[Sequence[StageLike], LossFn, Plan, Batches]:
     """What every rank builds for ``plan_dir``
     (a :data:`~onnx_partition.runtime.train.launch.Build`)."""
-    from onnx_partition.runtime.train.modules import require_trainable, stage_modules
+    from onnx_partition.runtime.train.modules import lazy_stages, require_trainable
     from onnx_partition.runtime.train.task import task_for
 
     plan = require_trainable(plan_dir)
-    stages = stage_modules(plan_dir, deterministic=deterministic)
+    stages = lazy_stages(plan_dir, deterministic=deterministic)  # a rank builds its own only
     task = task_for(Path(plan_dir))
     return stages, task.loss_fn, plan, functools.partial(synthetic_batch, task.make_batch, rows,
                                                          seed)
