@@ -105,6 +105,7 @@ class RankResult:
     loss: list[float]  # rank 0 only: the whole batch's loss, per step
     table: list[list[float]] = field(default_factory=list)  # rank 0: per step, per rank [fwd, bwd]
     states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> params
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # check: step 1's, summed
     state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
 
 
@@ -177,6 +178,9 @@ def train_stages(
     (targets) call it. Raises ``RankFailure("compute", ...)`` when the stage module or the loss
     raises."""
     device = device or torch.device("cpu")
+    if config.check_steps and device.type == "cuda":  # --check: full float32 (no TF32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     lay = layout(plan)
@@ -218,6 +222,9 @@ def train_stages(
                     config.hook(rank, "forward")
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
+        if step == 0 and config.check_steps:
+            result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
+                            if p.grad is not None}
         optimizer.step()
         _record_step(me, st, result, step, began, verbose=config.verbose)
         if step + 1 in config.check_steps:

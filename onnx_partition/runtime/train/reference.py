@@ -16,12 +16,20 @@ import torch
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
-from onnx_partition.plan import read_plan
+from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.train.choices import OPTIMIZERS
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
-__all__ = ["OPTIMIZERS", "make_optimizer", "reference_train", "split_rows"]
+__all__ = ["OPTIMIZERS", "ORDER_ULPS", "ROUNDING_ULPS", "check_tolerance", "make_optimizer",
+           "mismatch", "reference_gradients", "reference_train", "split_rows"]
+
+#: ``--check``'s tolerance, relative to a tensor's largest element: :data:`ROUNDING_ULPS` ulps of
+#: the tensor's dtype (its final rounding) plus :data:`ORDER_ULPS` ulps of the accumulator
+#: (float32, float64 for float64 tensors: summation order over micro-batches, replicas, stages
+#: and kernels). A wrong gradient (a lost micro-batch, a wrong route) is off by a large fraction.
+ROUNDING_ULPS = 8
+ORDER_ULPS = 64
 
 Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
@@ -35,6 +43,29 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of ``--check`` for tensors of ``dtype`` (float32: 8.6e-6, bfloat16:
+    0.063, float16: 0.0078, float64: 1.6e-14)."""
+    accumulator = torch.float64 if dtype == torch.float64 else torch.float32
+    return ROUNDING_ULPS * torch.finfo(dtype).eps + ORDER_ULPS * torch.finfo(accumulator).eps
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float | None:
+    """The largest difference of ``got`` from ``want`` relative to ``want``'s largest element
+    (at least ``floor``: the model's largest, for a tensor whose true value is zero and whose
+    computed one is rounding, as a key bias's gradient under softmax) when it exceeds
+    :func:`check_tolerance` of ``got``'s dtype; None when within it. Relative to the tensor's
+    scale, not elementwise: a near-zero element carries the rounding of the sums it came
+    from."""
+    ref = want.to(torch.float64)
+    diff = float((got.to(torch.float64) - ref).abs().max()) if got.numel() else 0.0
+    scale = max(float(ref.abs().max()) if ref.numel() else 0.0, floor)
+    tol = check_tolerance(got.dtype if got.is_floating_point() else torch.float64)
+    if diff <= tol * scale or diff == 0.0:
+        return None
+    return diff / scale if scale > 0 else float("inf")
 
 
 def split_rows(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -66,15 +97,31 @@ def reference_train(
     module = whole_module(plan_dir, deterministic=deterministic)
     task = task or task_for(plan_dir)
     opt = make_optimizer(optimizer, module.parameters(), lr)
-    names = [o.name for o in plan.outputs]
     for step in range(len(batches) if steps is None else steps):
-        inputs, targets = batches[step % len(batches)]
-        rows = int(next(iter(inputs.values())).shape[0])
         opt.zero_grad()
-        for lo, hi in split_rows(rows, microbatches):
-            outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
-            loss = task.loss_fn(dict(zip(names, outputs)),
-                                {k: v[lo:hi] for k, v in targets.items()})
-            (loss * ((hi - lo) / rows)).backward()
+        _accumulate(module, plan, task, batches[step % len(batches)], microbatches)
         opt.step()
     return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int = 1,
+                        task: TrainTask | None = None) -> dict[str, torch.Tensor]:
+    """The gradients of :func:`reference_train`'s first step (before the optimizer), by name
+    (None-gradient parameters left out): what ``--check`` compares first."""
+    plan = read_plan(plan_dir)
+    module = whole_module(plan_dir, deterministic=True)
+    _accumulate(module, plan, task or task_for(plan_dir), batch, microbatches)
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters()
+            if p.grad is not None}
+
+
+def _accumulate(module: torch.nn.Module, plan: Plan, task: TrainTask, batch: Batch,
+                microbatches: int) -> None:
+    """One step's gradient, accumulated micro-batch by micro-batch."""
+    inputs, targets = batch
+    names = [o.name for o in plan.outputs]
+    rows = int(next(iter(inputs.values())).shape[0])
+    for lo, hi in split_rows(rows, microbatches):
+        outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
+        loss = task.loss_fn(dict(zip(names, outputs)), {k: v[lo:hi] for k, v in targets.items()})
+        (loss * ((hi - lo) / rows)).backward()
