@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from onnx_partition.cost.analytic import DeviceSpec, OpInfo, backward_ms, forward_ms, op_class
-from onnx_partition.cost.devices import GPU_EFFICIENCY, GPU_LAUNCH_MS, device_for, gpu
+from onnx_partition.cost.devices import GPU_EFFICIENCY, GPU_LAUNCH_MS, device_for, gpu, gpu_key
 from onnx_partition.errors import PartitionError
 
 GPT_OPS = Path(__file__).parent / "data" / "gpt_realistic_ops_b8.json.gz"
@@ -211,3 +211,23 @@ def test_cluster_file_names_the_gpu(tmp_path):
     path.write_text(json.dumps({"kind": "cpu", "gpu": "h100"}))
     with pytest.raises(PartitionError, match="--device-kind cuda"):
         load_cluster(path)
+
+
+@pytest.mark.parametrize(("cuda_name", "key"), [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("Tesla V100-SXM2-32GB", "v100"),
+    ("NVIDIA L4", "l4"),
+    ("NVIDIA L40S", None),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_gpu_key_names_the_spec_of_the_gpu_cuda_reports(cuda_name: str, key: str | None) -> None:
+    """tools/gpu_*_check.py plan with the spec of the GPU they run on
+    (``torch.cuda.get_device_name``); a GPU without one is None, never a wrong spec."""
+    assert gpu_key(cuda_name) == key
+    if key is not None:
+        assert gpu(f"{key}:fp32").name == f"{key}:fp32"

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from support.training import assert_stages_equal_whole, train_checked
+from support.training import assert_stages_equal_whole, assert_stages_run_on_meta, train_checked
 
 from onnx_partition import export
 from onnx_partition.partition import partition
-from onnx_partition.runtime.train.modules import stage_modules
+from onnx_partition.runtime.train.modules import lazy_stages, stage_modules
 
 VOCAB = 100
 
@@ -72,9 +72,16 @@ def test_hf_stage_modules_equal_whole(
     plan = partition(hf_model(name), stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
     assert_stages_equal_whole(tmp_path / "plan")
+    if stages == 3:
+        assert_stages_run_on_meta(tmp_path / "plan")
     if name == "gpt2":  # lm_head is wte: one parameter, held by the first and last stages
         tied = stage_modules(tmp_path / "plan")[0].tied
         assert tied == {"model.transformer.wte.weight": (0, len(plan.stages) - 1)}
+        # a training rank's stages: every stage's ties known, only the module read is built
+        lazy = lazy_stages(tmp_path / "plan")
+        assert [s.tied for s in lazy] == [s.tied for s in stage_modules(tmp_path / "plan")]
+        assert lazy[-1].module is lazy[-1].module
+        assert [s.built is not None for s in lazy] == [False] * (stages - 1) + [True]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])

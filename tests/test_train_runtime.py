@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.clock import ForwardClock, read_clock
 from support.faults import ExitAt
 from torch import nn
 
@@ -219,3 +220,19 @@ def test_a_rank_killed_mid_step_ends_the_job():
         train(2, [2, 1], TrainConfig(steps=2, microbatches=4, hook=ExitAt(1, "forward")))
     assert time.perf_counter() - began < 30
 
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_forward_sends_leave_when_their_forward_ends(schedule, tmp_path):
+    """Stage 0's forwards are slowed (0.4 s after each): stage 1 must finish its first forward
+    before stage 0 finishes its second, so micro-batch 0's activations left when its forward
+    ended, not with stage 0's next receive (its first backward, after every forward in GPipe;
+    the queued sends measured 6.5 -> 13.0 ms late before)."""
+    clock = tmp_path / "clock"
+    config = TrainConfig(steps=1, microbatches=4, schedule=schedule, lr=0.1, check_steps=(1,),
+                         hook=ForwardClock(str(clock), slow=0, delay_s=0.4))
+    results = train(2, [1, 1], config)
+    assert_trained_like_reference(results, config, rtol=1e-4)
+    ends = read_clock(clock)
+    assert len(ends[0]) == len(ends[1]) == 4
+    assert ends[1][0] < ends[0][1], (ends[1][0] - ends[0][0], ends[0][1] - ends[0][0])

@@ -3,7 +3,8 @@
 Every recipe (and Hugging Face GPT-2, BERT and a Llama-style decoder, in test_train_hf.py) is
 exported through onnx_partition.export, partitioned in train mode into 2 and 3 stages, and its
 stage modules chained in one process (tensors relayed by name) must give the whole module's
-outputs and, summed over the stages holding a copy, its parameter gradients.
+outputs and, summed over the stages holding a copy, its parameter gradients; moved to the
+``meta`` device, the stage modules run there (the GPU's case: nothing pinned to the cpu).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from support.training import assert_stages_equal_whole
+from support.training import assert_stages_equal_whole, assert_stages_run_on_meta
 
 from onnx_partition import models
 from onnx_partition.graph.fxtag import fx_node_name
@@ -39,3 +40,5 @@ def test_recipe_stage_modules_equal_whole(
         tags = [fx_node_name(n) for n in onnx.load(str(model), load_external_data=False).graph.node]
         assert tags and all(t in names for t in tags)
     assert_stages_equal_whole(tmp_path / "plan")
+    if stages == 3:  # on any device: nothing the stages make stays on the export's cpu
+        assert_stages_run_on_meta(tmp_path / "plan")

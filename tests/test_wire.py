@@ -21,15 +21,20 @@ from hypothesis.extra import numpy as hnp
 from onnx_partition.errors import PartitionError
 from onnx_partition.runtime.dist.wire import (
     ALIGN,
+    CODES,
     DTYPES,
     MAX_DIMS,
     SMALL_BYTES,
+    TORCH_DTYPES,
     Wire,
     decode_header,
+    decode_torch_header,
     dtype_code,
+    encode_codes,
     encode_header,
     header_size,
     pack,
+    torch_dtype_code,
     unpack,
 )
 
@@ -105,7 +110,7 @@ def test_bad_headers_raise() -> None:
     with pytest.raises(RuntimeError, match="expected micro-batch 7 with 1 tensors, got 7 with 2"):
         decode_header(head, 7, 1)
     corrupt = head.copy()
-    corrupt[2] = len(DTYPES)  # an unknown dtype code
+    corrupt[2] = len(CODES)  # an unknown dtype code
     with pytest.raises(IndexError):
         decode_header(corrupt, 7, 2)
     with pytest.raises(PartitionError, match=r"tensor 'deep' has 9 dims; at most 8"):
@@ -219,3 +224,78 @@ def test_two_gloo_ranks_exchange_every_dtype_and_shape(tmp_path: Path) -> None:
             if proc.is_alive():
                 proc.kill()
     assert answers == {0: "ok", 1: "receiving from stage 0 (rank 0)"}
+
+
+# ------------------------------------------------------- the training wire: every torch dtype
+
+
+def _torch_cases() -> dict[str, torch.Tensor]:
+    """One (2, 3) tensor of every torch dtype the wire carries (bfloat16, float8 included)."""
+    cases = {}
+    for dtype in TORCH_DTYPES:
+        if dtype is not None:
+            value = torch.arange(6, dtype=torch.float32).reshape(2, 3) - 2
+            cases[str(dtype).removeprefix("torch.")] = value.to(dtype)
+    return cases
+
+
+def _torch_rank(rank: int, store_path: str, results: Any) -> None:
+    """Rank 0 sends every dtype with a header, then again without one (``recv_like``);
+    rank 1 checks both bit for bit."""
+    try:
+        import torch.distributed as dist
+
+        from onnx_partition.runtime.train.comm import TensorWire
+
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=10))
+        wire = TensorWire(torch.device("cpu"))
+        cases = _torch_cases()
+        names = sorted(cases)
+        if rank == 0:
+            wire.send(1, 3, names, cases)
+            wire.send(1, 3, names, cases, header=False)
+            wire.flush()
+            wire.wait()
+            results.put((rank, "ok"))
+            return
+        for got in (wire.recv(0, 3, names), wire.recv_like(0, names, cases)):
+            for name, want in cases.items():
+                assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+                assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+        results.put((rank, "ok"))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_training_wire_carries_every_torch_dtype(tmp_path: Path) -> None:
+    assert {"bfloat16", "float16", "float32", "bool", "float8_e4m3fn"} <= set(_torch_cases())
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_torch_rank, args=(r, str(tmp_path / "store"), results))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        answers = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert answers == {0: "ok", 1: "ok"}
+
+
+def test_torch_dtype_codes_follow_the_numpy_ones() -> None:
+    """The numpy codes are unchanged; bfloat16 has its own; an unknown dtype is one line."""
+    assert [str(d).removeprefix("torch.") for d in TORCH_DTYPES[:len(DTYPES)]] == list(DTYPES)
+    assert torch_dtype_code(torch.bfloat16, "t") == len(DTYPES)
+    specs = decode_torch_header(encode_codes(1, ["b"], [(len(DTYPES), (2,))]), 1, 1)
+    assert specs == [(torch.bfloat16, (2,))]
+    with pytest.raises(RuntimeError, match="a bfloat16 tensor for a numpy receiver"):
+        decode_header(encode_codes(1, ["b"], [(len(DTYPES), (2,))]), 1, 1)
+    with pytest.raises(PartitionError, match=r"'q' of dtype torch\.qint8 cannot be sent"):
+        torch_dtype_code(torch.qint8, "q")

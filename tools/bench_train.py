@@ -3,6 +3,7 @@ and measured iteration time against the simulator's, on this machine (CPU, gloo)
 
     python tools/bench_train.py [--model gpt] [--size small] [--stages 2] [--batch-size 2]
         [--microbatches 8] [--steps 6] [--repeats 2] [--whole-threads 1 2] [--workdir DIR]
+        [--schedule 1f1b|gpipe]
 
 Exports the recipe with its program, profiles it (one thread, ``--batch-size`` rows: one
 micro-batch), partitions it in train mode with those costs twice (our DP and the ``uniform``
@@ -82,6 +83,7 @@ def main() -> int:
     parser.add_argument("--whole-threads", type=int, nargs="+", default=[1],
                         help="torch threads of the whole-model runs (default 1)")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -100,7 +102,7 @@ def main() -> int:
                   mode="train", microbatches=m, solver=solver, force=True)
     print(f"prepared in {time.perf_counter() - began:.0f} s: {args.model} {args.size}, "
           f"{args.stages} stages, batch {b * m} = {m} micro-batches x {b} rows, "
-          f"{args.steps} steps (first left out), SGD")
+          f"{args.steps} steps (first left out), SGD, {args.schedule}")
     for solver, plan_dir in plans.items():
         ops = [len(s.nodes) for s in read_plan(plan_dir).stages]
         print(f"  {solver} split: {ops} ONNX nodes per stage")
@@ -116,7 +118,7 @@ def main() -> int:
     for _ in range(args.repeats):
         for solver in runs:  # taking turns: a slow spell of the machine hits both
             runs[solver].append(train_plan(plans[solver], steps=args.steps, microbatches=m,
-                                           batch_size=b))
+                                           batch_size=b, schedule=args.schedule))
     for solver, label in (("dp", "our plan (DP)"), ("uniform", "(b) uniform split")):
         stats = min(runs[solver], key=lambda st: st.measured_ms)
         lines.append(row(f"{label}, {len(stats.ranks)} processes", b * m, stats.measured_ms,

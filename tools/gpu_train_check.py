@@ -3,18 +3,20 @@
     python tools/gpu_train_check.py [--recipe gpt] [--size small] [--stages 2] [--batch-size 8]
         [--microbatches 8] [--steps 6]
 
-Exports the recipe with its program, partitions it in train mode into ``--stages`` stages
-placed on ``cuda:0..S-1`` (NCCL needs a GPU per rank), trains it with ``--check`` (parameters
-after steps 1 and 3 against single-process training on the CPU), then again without the check
-for the figures: samples/s, measured against simulated iteration time, per-stage forward and
-backward times. Also the whole program on ``cuda:0`` in one process. Exits 0 with a message
+Exports the recipe with its program and partitions it in train mode into ``--stages`` stages
+on a one-machine cluster of this GPU (``cuda:0..S-1``; NCCL needs a GPU per rank), priced with
+the analytic model of the GPU it runs on (:func:`onnx_partition.cost.devices.gpu_key` of
+``torch.cuda.get_device_name``, float32 matrix products at fp32: torch's default, and the
+check's). Trains it with ``--check`` (TF32 off: gradients after the first backward, then the
+parameters, against single-process training on the CPU, within the precision's tolerance),
+then again without the check for the figures; also the whole program on ``cuda:0`` in one
+process. Prints a markdown table docs/benchmarks.md can take as is. Exits 0 with a message
 where CUDA or enough GPUs are missing (CI, CPU machines).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,13 +24,33 @@ from pathlib import Path
 import torch
 
 from onnx_partition import models
+from onnx_partition.cost.cluster import Cluster
+from onnx_partition.cost.devices import DEFAULT_GPU, GPUS, gpu, gpu_key
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.rank import microbatch
 from onnx_partition.runtime.train.reference import make_optimizer
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import format_train, synthetic_batch, train_plan
+from onnx_partition.runtime.train.trainer import (
+    TrainStats,
+    format_train,
+    synthetic_batch,
+    train_plan,
+)
+
+HEADER = ("| GPU | model | stages | check | samples/s | measured ms/step | simulated ms (plan) "
+          "| measured/simulated | whole model, 1 GPU, samples/s |\n"
+          "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+
+
+def table_row(gpu_name: str, model: str, stages: int, checked: TrainStats, stats: TrainStats,
+              whole_rate: float) -> str:
+    """One row under :data:`HEADER`."""
+    verdict = "OK" if not checked.mismatches else f"MISMATCH ({len(checked.mismatches)})"
+    return (f"| {gpu_name} | {model} | {stages} | {verdict} | {stats.samples_per_s:.1f} | "
+            f"{stats.measured_ms:.2f} | {stats.simulated_ms:.2f} | "
+            f"{stats.measured_ms / stats.simulated_ms:.2f} | {whole_rate:.1f} |")
 
 
 def whole_ms(plan_dir: Path, rows: int, count: int, steps: int) -> float:
@@ -78,20 +100,26 @@ def main() -> int:
         work = Path(tmp)
         onnx_file = models.export(args.recipe, work / "model.onnx", size=args.size)
         plan_dir = work / "plan"
-        partition(onnx_file, args.stages, plan_dir, batch_size=b, mode="train",
-                  microbatches=m)
-        body = json.loads((plan_dir / "plan.json").read_text())
-        for k, stage in enumerate(body["stages"]):
-            stage.update(replicas=1, devices=[f"cuda:{k}"])
-        (plan_dir / "plan.json").write_text(json.dumps(body, indent=1))
+        name = torch.cuda.get_device_name(0)
+        key = gpu_key(name)
+        if key is None:
+            print(f"no spec of {name} in cost/devices.py (known: {', '.join(GPUS)}); "
+                  f"planning with {DEFAULT_GPU}'s")
+        key = key or DEFAULT_GPU
+        cluster = Cluster(machines=1, devices_per_machine=args.stages, kind="cuda", gpu=key)
+        plan = partition(onnx_file, args.stages, plan_dir, batch_size=b, mode="train",
+                         microbatches=m, cluster=cluster, device=gpu(f"{key}:fp32"))
+        print(f"{name}: planned as {key}:fp32, devices "
+              f"{[d for s in plan.stages for d in s.devices]}")
         checked = train_plan(plan_dir, steps=3, microbatches=m, batch_size=b, check=True,
                              optimizer="adamw", lr=1e-3)
         print(format_train(checked))
         stats = train_plan(plan_dir, steps=args.steps, microbatches=m, batch_size=b)
         print(format_train(stats))
         ms = whole_ms(plan_dir, b, m, args.steps)
-        print(f"whole program on cuda:0, one process: {b * m / ms * 1000.0:.1f} samples/s "
-              f"({ms:.2f} ms per step); pipeline over NCCL: {stats.samples_per_s:.1f} samples/s")
+        print(HEADER)
+        print(table_row(name, f"{args.recipe} {args.size}, batch {b} x {m}", args.stages,
+                        checked, stats, b * m / ms * 1000.0))
         return 1 if checked.mismatches else 0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -44,7 +45,7 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.errors import PartitionError
 
 __all__ = ["DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS", "MATH_MODES", "GpuSpec",
-           "device_for", "gpu", "measured_cpu"]
+           "device_for", "gpu", "gpu_key", "measured_cpu"]
 
 #: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
 #: dense (MatMul, Gemm, Conv): large cuBLAS GEMMs reach 70-80% of tensor-core peak (NVIDIA,
@@ -160,6 +161,19 @@ def measured_cpu() -> DeviceSpec:
     add = max(timed("Add", [4 << 20], 3) - overhead, 1e-6)
     return DeviceSpec("cpu:measured", peak_gflops=2 * 256**3 / matmul / 1e6,
                       mem_gbps=3 * 4 * (4 << 20) / add / 1e6, launch_overhead_ms=overhead)
+
+
+def gpu_key(device_name: str) -> str | None:
+    """The :data:`GPUS` key of a GPU as CUDA names it (``torch.cuda.get_device_name``:
+    ``NVIDIA H200``, ``NVIDIA A100-SXM4-40GB``, ``Tesla V100-SXM2-32GB``...); None for a GPU
+    without a spec here. An A100 without its memory in the name is taken as the 80 GB one."""
+    text = device_name.upper().replace(" ", "-")
+    for family in ("H200", "H100", "V100", "L4"):
+        if re.search(rf"(^|[^A-Z0-9]){family}([^0-9]|$)", text):
+            return family.lower()
+    if re.search(r"(^|[^A-Z0-9])A100([^0-9]|$)", text):
+        return "a100-40gb" if "40GB" in text else "a100-80gb"
+    return None
 
 
 def device_for(kind: str, gpu_name: str | None = None) -> DeviceSpec:

@@ -13,7 +13,8 @@ from onnx_partition.runtime.train.modules import StageModule, stage_modules, who
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import train_plan
 
-__all__ = ["assert_stages_equal_whole", "chain_stages", "train_checked"]
+__all__ = ["assert_stages_equal_whole", "assert_stages_run_on_meta", "chain_stages",
+           "train_checked"]
 
 
 def chain_stages(stages: list[StageModule],
@@ -69,3 +70,19 @@ def train_checked(model: Path, plan: Path, stages: int, **options: str) -> None:
     partition(model, stages, plan, batch_size=2, mode="train", **options)
     stats = train_plan(plan, steps=2, microbatches=2, batch_size=2, check=True)
     assert stats.mismatches == [], stats.mismatches
+
+
+def assert_stages_run_on_meta(plan_dir: Path) -> None:
+    """Every stage module moved to the ``meta`` device runs on meta inputs and makes only meta
+    tensors (no node keeps the device the program was exported on); a symbolic size crossing
+    a cut stays a host integer."""
+    plan = read_plan(plan_dir)
+    inputs, _ = task_for(plan_dir).make_batch(2, torch.Generator().manual_seed(0))
+    env = {n: v.to("meta") for n, v in inputs.items()}
+    for stage in stage_modules(plan_dir):
+        outputs = stage.module.to("meta")(*[env[n] for n in stage.inputs])
+        env.update(zip(stage.outputs, outputs, strict=True))
+    for spec in plan.outputs:
+        assert env[spec.name].device.type == "meta", spec.name
+    for name, value in env.items():
+        assert value.device.type == "meta" or value.dim() == 0, name

@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
 
-__all__ = ["ALIGN", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "Env", "Spec", "Wire", "as_bytes",
-           "decode_header", "dtype_code", "encode_header", "header_size", "pack",
-           "unpack"]
+__all__ = ["ALIGN", "CODES", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "TORCH_DTYPES", "TORCH_ONLY", "Env", "Spec", "Wire",
+           "as_bytes", "decode_header", "decode_torch_header", "dtype_code", "encode_codes",
+           "encode_header", "header_size", "pack", "torch_dtype_code", "unpack"]
 
 Env = dict[str, np.ndarray]
 
@@ -48,6 +48,13 @@ SMALL_BYTES = 64 << 10
 ALIGN = 16
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "uint16",
           "uint32", "uint64", "bool", "complex64", "complex128")
+#: Codes after ``DTYPES``: torch dtypes numpy lacks (the training wire carries torch tensors).
+TORCH_ONLY = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+              "float8_e5m2fnuz")
+CODES = DTYPES + TORCH_ONLY  # every dtype name, at its code
+#: Every code's torch dtype (None where this torch lacks it); ``torch.<name>``.
+TORCH_DTYPES: tuple[torch.dtype | None, ...] = tuple(
+    getattr(torch, name, None) for name in CODES)
 
 
 def dtype_code(dtype: np.dtype[Any], name: str) -> int:
@@ -58,21 +65,38 @@ def dtype_code(dtype: np.dtype[Any], name: str) -> int:
                              f"(supported: {', '.join(DTYPES)})") from None
 
 
+def torch_dtype_code(dtype: torch.dtype, name: str) -> int:
+    """The wire code of a torch dtype (a one-line PartitionError for one it cannot carry)."""
+    try:
+        return TORCH_DTYPES.index(dtype)
+    except ValueError:
+        carried = ", ".join(str(d).removeprefix("torch.") for d in TORCH_DTYPES if d is not None)
+        raise PartitionError(f"tensor {name!r} of dtype {dtype} cannot be sent between ranks "
+                             f"(supported: {carried})") from None
+
+
 def header_size(count: int) -> int:
     return 2 + count * (2 + MAX_DIMS)
 
 
 def encode_header(m: int, names: Sequence[str], arrays: Sequence[np.ndarray]) -> np.ndarray:
     """``[m, n, (code, ndim, dims...) * n]`` as int64."""
-    head = np.zeros(header_size(len(arrays)), np.int64)
-    head[0], head[1] = m, len(arrays)
-    for i, (name, a) in enumerate(zip(names, arrays)):
-        if a.ndim > MAX_DIMS:
-            raise PartitionError(f"tensor {name!r} has {a.ndim} dims; at most {MAX_DIMS} can be "
-                                 f"sent between ranks")
+    return encode_codes(m, names, [(dtype_code(a.dtype, n), tuple(a.shape))
+                                   for n, a in zip(names, arrays)])
+
+
+def encode_codes(m: int, names: Sequence[str],
+                 specs: Sequence[tuple[int, tuple[int, ...]]]) -> np.ndarray:
+    """:func:`encode_header` from (dtype code, shape) per tensor."""
+    head = np.zeros(header_size(len(specs)), np.int64)
+    head[0], head[1] = m, len(specs)
+    for i, (name, (code, shape)) in enumerate(zip(names, specs)):
+        if len(shape) > MAX_DIMS:
+            raise PartitionError(f"tensor {name!r} has {len(shape)} dims; at most {MAX_DIMS} "
+                                 f"can be sent between ranks")
         base = 2 + i * (2 + MAX_DIMS)
-        head[base], head[base + 1] = dtype_code(a.dtype, name), a.ndim
-        head[base + 2:base + 2 + a.ndim] = a.shape
+        head[base], head[base + 1] = code, len(shape)
+        head[base + 2:base + 2 + len(shape)] = shape
     return head
 
 
@@ -81,6 +105,27 @@ Spec = tuple[np.dtype[Any], tuple[int, ...]]  # dtype, shape
 
 def decode_header(head: np.ndarray, m: int, count: int) -> list[Spec]:
     """(dtype, shape) per tensor; checks the micro-batch index and count."""
+    specs = _decode(head, m, count)
+    for code, _ in specs:
+        if code >= len(DTYPES):
+            raise RuntimeError(f"protocol error: a {CODES[code]} tensor for a numpy receiver")
+    return [(np.dtype(DTYPES[code]), shape) for code, shape in specs]
+
+
+def decode_torch_header(head: np.ndarray, m: int,
+                        count: int) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """:func:`decode_header` with torch dtypes (every code, bfloat16 too)."""
+    out = []
+    for code, shape in _decode(head, m, count):
+        dtype = TORCH_DTYPES[code]
+        if dtype is None:
+            raise RuntimeError(f"protocol error: dtype {CODES[code]} is not in "
+                               f"this torch {torch.__version__}")
+        out.append((dtype, shape))
+    return out
+
+
+def _decode(head: np.ndarray, m: int, count: int) -> list[tuple[int, tuple[int, ...]]]:
     if int(head[0]) != m or int(head[1]) != count:
         raise RuntimeError(f"protocol error: expected micro-batch {m} with {count} tensors, got "
                            f"{int(head[0])} with {int(head[1])}")
@@ -88,8 +133,8 @@ def decode_header(head: np.ndarray, m: int, count: int) -> list[Spec]:
     for i in range(count):
         base = 2 + i * (2 + MAX_DIMS)
         ndim = int(head[base + 1])
-        specs.append((np.dtype(DTYPES[int(head[base])]),
-                      tuple(int(d) for d in head[base + 2:base + 2 + ndim])))
+        CODES[int(head[base])]  # noqa: B018 (an unknown code raises IndexError)
+        specs.append((int(head[base]), tuple(int(d) for d in head[base + 2:base + 2 + ndim])))
     return specs
 
 

@@ -6,14 +6,19 @@ message less per backward hop, 77 -> 50 ms per step of gpt tiny on two loaded co
 each non-empty tensor as its own message, straight from and into torch tensors on the
 communication device (no host round trip on NCCL).
 Receives block, in the order the sender sent (both sides walk the same schedule), and the
-header's micro-batch number catches any disorder.
+header's micro-batch number catches any disorder; a message's tensors are received in one
+batch (after its header), so no batch waits for a batch its peer posts later.
 
-Sends are queued, and posted together with the rank's next receive in one
-``batch_isend_irecv`` (or at :meth:`TensorWire.wait`, the end of the step): a send is thus
-posted before the rank blocks, as the schedule needs, and a send and a receive between the
-same two ranks in opposite directions (1F1B's steady state: activation forward, gradient back)
-form one group, which NCCL needs (two separately issued ones serialize on the pair's stream and
-deadlock; Megatron's ``send_forward_recv_backward`` batches them likewise).
+Sends leave when the action that made them ends (:meth:`TensorWire.flush`, called by the
+rank after each action), so a peer never waits for this rank's next receive. One exception: when
+the next action's first receive is from the peer the queued sends go to (1F1B's steady state:
+activation forward, then that stage's gradient back), they are held and posted with that
+receive in one ``batch_isend_irecv``, as Megatron's ``send_forward_recv_backward``: NCCL
+serialises a send and a receive between the same two ranks issued separately, and two ranks
+doing so in opposite directions deadlock. Sends are awaited at :meth:`TensorWire.wait`, the end
+of the step. Measured on gloo (gpt small, 2 stages, GPipe): before, queued sends left with the
+next receive, so stage 0's activations left only when its backward began and the pipeline ran
+serially both ways.
 """
 
 from __future__ import annotations
@@ -22,26 +27,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.runtime.dist.wire import decode_header, encode_header, header_size
+from onnx_partition.runtime.dist.wire import (
+    decode_torch_header,
+    encode_codes,
+    header_size,
+    torch_dtype_code,
+)
 
-__all__ = ["TensorWire", "Tensors", "numpy_dtype"]
+__all__ = ["TensorWire", "Tensors"]
 
 Tensors = dict[str, torch.Tensor]
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    """The numpy dtype of a torch dtype (those the wire protocol carries)."""
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _shape_only(t: torch.Tensor) -> np.ndarray:
-    """A zero-strided numpy array with ``t``'s dtype and shape (for the header; no copy)."""
-    return np.broadcast_to(np.zeros((), numpy_dtype(t.dtype)), tuple(t.shape))
 
 
 class TensorWire:
@@ -60,37 +59,39 @@ class TensorWire:
         the shapes (:meth:`recv_like`)."""
         values = [tensors[n].detach().to(self.device).contiguous() for n in names]
         if header:
-            head = encode_header(m, names, [_shape_only(v) for v in values])
+            head = encode_codes(m, names, [(torch_dtype_code(v.dtype, n), tuple(v.shape))
+                                           for n, v in zip(names, values)])
             self.outbox.append((torch.from_numpy(head).to(self.device), dst))
         self.outbox.extend((v, dst) for v in values if v.numel())
+
+    def flush(self, hold_for: int | None = None) -> None:
+        """Post the queued sends now, unless they all go to ``hold_for`` (the peer the next
+        action receives from first): then they go out with that receive, in one batch."""
+        if self.outbox and not all(dst == hold_for for _, dst in self.outbox):
+            self._post([], 0)
 
     def recv_like(self, src: int, names: Sequence[str],
                   like: Mapping[str, torch.Tensor]) -> Tensors:
         """Receive tensors shaped as ``like[names]`` without a header (gradients: the
         receiver sent the tensors they belong to)."""
-        out: Tensors = {}
-        for n in names:
-            out[n] = torch.empty_like(like[n], device=self.device,
-                                      memory_format=torch.contiguous_format)
-            if out[n].numel():
-                self._recv(out[n], src)
+        out = {n: torch.empty_like(like[n], device=self.device,
+                                   memory_format=torch.contiguous_format) for n in names}
+        self._recv([t for t in out.values() if t.numel()], src)  # held sends leave, too
         return out
 
     def recv(self, src: int, m: int, names: Sequence[str]) -> Tensors:
         head = torch.empty(header_size(len(names)), dtype=torch.int64, device=self.device)
-        self._recv(head, src)
-        out: Tensors = {}
-        for n, (dtype, shape) in zip(names, decode_header(head.cpu().numpy(), m, len(names))):
-            value = torch.from_numpy(np.empty(0, dtype)).new_empty(shape, device=self.device)
-            if value.numel():
-                self._recv(value, src)
-            out[n] = value
+        self._recv([head], src)
+        specs = decode_torch_header(head.cpu().numpy(), m, len(names))
+        out = {n: torch.empty(shape, dtype=dtype, device=self.device)
+               for n, (dtype, shape) in zip(names, specs)}
+        self._recv([t for t in out.values() if t.numel()], src)
         return out
 
     def wait(self) -> None:
         """Post the queued sends and wait for every send to complete."""
         began = time.perf_counter()
-        self._post(None)
+        self._post([], 0)
         for work, dst, _ in self.pending:
             try:
                 work.wait()
@@ -99,24 +100,26 @@ class TensorWire:
         self.pending.clear()
         self.comm_s += time.perf_counter() - began
 
-    def _post(self, receive: tuple[torch.Tensor, int] | None) -> Any:
-        """Post the queued sends and ``receive`` (tensor, source) as one batch; the receive's
-        work, if any."""
+    def _post(self, receives: Sequence[torch.Tensor], src: int) -> list[Any]:
+        """Post the queued sends and the ``receives`` from ``src`` as one batch (all of a
+        message's tensors at once: under NCCL a batch that waits for a peer's later batch
+        could deadlock); the receives' works."""
         ops = [dist.P2POp(dist.isend, t, dst) for t, dst in self.outbox]
-        if receive is not None:
-            ops.append(dist.P2POp(dist.irecv, receive[0], receive[1]))
+        ops += [dist.P2POp(dist.irecv, t, src) for t in receives]
         if not ops:
-            return None
+            return []
         works = dist.batch_isend_irecv(ops)
         for work, (t, dst) in zip(works, self.outbox):
             self.pending.append((work, dst, t))  # the tensor kept alive until sent
         self.outbox.clear()
-        return works[-1] if receive is not None else None
+        return works[len(works) - len(receives):]
 
-    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+    def _recv(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Receive ``tensors`` from ``src`` (with the held sends, in one batch)."""
         began = time.perf_counter()
         try:
-            self._post((tensor, src)).wait()
+            for work in self._post(tensors, src):
+                work.wait()
         except Exception as exc:  # torch raises DistBackendError / RuntimeError
             raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
         self.comm_s += time.perf_counter() - began

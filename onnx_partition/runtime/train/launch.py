@@ -75,7 +75,10 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device,
                           eval_batches=evals)
     gathered: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(result, gathered if rank == 0 else None, dst=0)
+    # the results (saved states among them) travel over gloo: gather_object over NCCL would
+    # copy every pickle to a GPU and back
+    group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    dist.gather_object(result, gathered if rank == 0 else None, dst=0, group=group)
     dist.destroy_process_group()
     return gathered if rank == 0 else None
 

@@ -18,7 +18,10 @@ relay, tied weights"):
   and ``lm_head``) take the first name in the program's signature in every stage and in
   :func:`whole_module`, and are reported in :attr:`StageModule.tied`;
 * the program's buffer mutations (batch norm's running statistics) are copied into the stage's
-  buffers at the end of the forward that computes them.
+  buffers at the end of the forward that computes them;
+* a node that creates a tensor on a fixed device (the exporter writes ``device=cpu`` into
+  ``arange``, ``full``, ``zeros``...) takes instead the device of the module's empty,
+  non-persistent buffer ``_device_anchor``, so ``module.to(device)`` moves everything it makes.
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.fxtag import fx_node_name
 from onnx_partition.plan import Plan, read_plan
 
-__all__ = ["StageModule", "load_program", "require_trainable", "stage_modules", "whole_module"]
+__all__ = ["LazyStage", "StageModule", "lazy_stages", "load_program", "require_trainable",
+           "stage_modules", "whole_module"]
 
 #: Ops that draw dropout masks, with the position of their ``train`` flag or probability.
 _DROPOUT_FLAG = {torch.ops.aten.native_dropout.default: 2, torch.ops.aten.dropout.default: 2}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+#: The empty buffer whose device the tensor-creating nodes of a stage module follow.
+DEVICE_ANCHOR = "_device_anchor"
 
 
 @dataclass
@@ -101,27 +107,69 @@ def stage_modules(
     """One module per stage, built from plan.json and the program it names (checked by sha256).
     ``deterministic=True`` turns dropout off (for ``--check``). ``only``: build just these
     stages (a rank builds its own; ``tied`` still counts every stage)."""
-    plan_dir = Path(plan_dir)
-    plan = require_trainable(plan_dir)
-    program = _Program(load_program(plan_dir, plan), plan)
-    stage_of = program.assign([_stage_fx_nodes(plan_dir, plan, k) for k in range(len(plan.stages))])
-    graphs = [program.graph_of(nodes=[n for n in program.order if stage_of.get(n.name) == k],
-                               inputs=s.inputs, outputs=s.outputs, deterministic=deterministic)
-              for k, s in enumerate(plan.stages)]
-    holders: dict[str, list[int]] = {}
-    for k, (_, attrs) in enumerate(graphs):
-        for name in attrs:
-            if program.kind_of(name) == "parameter":
-                holders.setdefault(name, []).append(k)
-    tied = {name: tuple(ks) for name, ks in holders.items() if len(ks) > 1}
-    wanted = range(len(plan.stages)) if only is None else sorted(set(only))
+    cut = _Cut(plan_dir, deterministic)
+    wanted = range(cut.count) if only is None else sorted(set(only))
     for k in wanted:
-        if not 0 <= k < len(plan.stages):
-            raise PartitionError(f"stage {k} is not in the plan's 0..{len(plan.stages) - 1}")
-    return [StageModule(index=k, module=program.module(*graphs[k]),
-                        inputs=tuple(plan.stages[k].inputs), outputs=tuple(plan.stages[k].outputs),
-                        tied={n: ks for n, ks in tied.items() if k in ks})
-            for k in wanted]
+        if not 0 <= k < cut.count:
+            raise PartitionError(f"stage {k} is not in the plan's 0..{cut.count - 1}")
+    return [cut.stage(k) for k in wanted]
+
+
+def lazy_stages(plan_dir: str | Path, *, deterministic: bool = False) -> list[LazyStage]:
+    """Every stage's names and ties at once, each module built (its weights copied) only when
+    first read: a training rank builds only the stage it serves."""
+    cut = _Cut(plan_dir, deterministic)
+    return [LazyStage(k, tuple(s.inputs), tuple(s.outputs), cut.tied_of(k), cut)
+            for k, s in enumerate(cut.plan.stages)]
+
+
+@dataclass
+class LazyStage:
+    """A :class:`StageModule` whose ``module`` is built on first access."""
+
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    tied: dict[str, tuple[int, ...]]
+    cut: _Cut = field(repr=False)
+    built: torch.nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        if self.built is None:
+            self.built = self.cut.stage(self.index).module
+        return self.built
+
+
+class _Cut:
+    """A plan's stage graphs and ties (cheap), from which stage modules are built."""
+
+    def __init__(self, plan_dir: str | Path, deterministic: bool) -> None:
+        plan_dir = Path(plan_dir)
+        self.plan = plan = require_trainable(plan_dir)
+        self.count = len(plan.stages)
+        self.program = program = _Program(load_program(plan_dir, plan), plan)
+        stage_of = program.assign([_stage_fx_nodes(plan_dir, plan, k)
+                                   for k in range(self.count)])
+        self.graphs = [program.graph_of(
+            nodes=[n for n in program.order if stage_of.get(n.name) == k],
+            inputs=s.inputs, outputs=s.outputs, deterministic=deterministic)
+            for k, s in enumerate(plan.stages)]
+        holders: dict[str, list[int]] = {}
+        for k, (_, attrs) in enumerate(self.graphs):
+            for name in attrs:
+                if program.kind_of(name) == "parameter":
+                    holders.setdefault(name, []).append(k)
+        self.tied = {name: tuple(ks) for name, ks in holders.items() if len(ks) > 1}
+
+    def tied_of(self, k: int) -> dict[str, tuple[int, ...]]:
+        return {n: ks for n, ks in self.tied.items() if k in ks}
+
+    def stage(self, k: int) -> StageModule:
+        s = self.plan.stages[k]
+        return StageModule(index=k, module=self.program.module(*self.graphs[k]),
+                           inputs=tuple(s.inputs), outputs=tuple(s.outputs),
+                           tied=self.tied_of(k))
 
 
 def whole_module(plan_dir: str | Path, *, deterministic: bool = False) -> torch.nn.Module:
@@ -297,6 +345,16 @@ class _Program:
                          else graph.call_function(_to_int, (placeholder,)))
         attrs: dict[str, torch.fx.Node] = {}
         members = {n.name for n in nodes}
+        device: list[torch.fx.Node] = []  # the anchor's device, read once when first needed
+
+        def copy_of(node: torch.fx.Node) -> torch.fx.Node:
+            fixed = isinstance(node.kwargs.get("device"), torch.device)
+            if fixed and not device:
+                device.append(graph.call_function(_device_of, (graph.get_attr(DEVICE_ANCHOR),)))
+            copy = graph.node_copy(node, lambda a: env[a])
+            if fixed:
+                copy.kwargs = {**copy.kwargs, "device": device[0]}
+            return copy
 
         def read(arg: torch.fx.Node) -> torch.fx.Node:
             if arg in env:
@@ -313,7 +371,7 @@ class _Program:
             if arg.name in self.static:  # made from weights and constants alone: recompute
                 for source in arg.all_input_nodes:
                     read(source)
-                env[arg] = graph.node_copy(arg, lambda a: env[a])
+                env[arg] = copy_of(arg)
                 return env[arg]
             raise PartitionError(f"a stage needs {arg.name!r}, which it neither computes nor "
                                  "receives: partition the model again")
@@ -321,7 +379,7 @@ class _Program:
         for node in nodes:
             for arg in node.all_input_nodes:
                 read(arg)
-            copy = graph.node_copy(node, lambda a: env[a])
+            copy = copy_of(node)
             if deterministic:
                 _no_dropout(copy)
             if copy.target == torch.ops.aten.view.default:
@@ -369,12 +427,24 @@ class _Program:
                 owner.register_buffer(leaf, copy, persistent=kind == "buffer")
                 if kind == "constant":
                     constants.append(target)
+        if any(n.op == "get_attr" and n.target == DEVICE_ANCHOR for n in graph.nodes):
+            root.register_buffer(DEVICE_ANCHOR, _anchor_on(self.tensor), persistent=False)
+            constants.append(DEVICE_ANCHOR)
         module = torch.fx.GraphModule(root, graph)
         for target in constants:  # GraphModule registers every copied tensor as persistent
             *path, leaf = target.split(".")
             owner = module.get_submodule(".".join(path)) if path else module
             owner._non_persistent_buffers_set.add(leaf)
         return module
+
+
+def _device_of(anchor: torch.Tensor) -> torch.device:
+    return anchor.device
+
+
+def _anchor_on(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The empty anchor, on the device of the program's weights (cpu when it has none)."""
+    return torch.empty(0, device=next(iter(tensors.values())).device if tensors else "cpu")
 
 
 def _storage_key(value: torch.Tensor) -> object:

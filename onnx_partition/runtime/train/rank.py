@@ -21,8 +21,9 @@ model input read late travels hop by hop.
   gradient passes straight through and adds to this stage's own use of it), and send the
   leaves' gradients back (zeros for a tensor this stage did not use).
 
-Sends are posted before the rank next blocks (with its next receive, in one batch: see
-:mod:`onnx_partition.runtime.train.comm`) and awaited at the end of the step; receives block: a rank
+Sends are posted when their action ends (with the next action's receive, in one batch, when it
+receives from the same peer: see :mod:`onnx_partition.runtime.train.comm`) and awaited at the
+end of the step; receives block: a rank
 waits only for what the simulator's action waits for, so an order the simulator runs without
 deadlock runs here too.
 
@@ -75,10 +76,12 @@ class StageLike(Protocol):
     """What the engine needs of a stage (``onnx_partition.runtime.train.modules.StageModule``)."""
 
     index: int
-    module: torch.nn.Module
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     tied: dict[str, tuple[int, ...]]
+
+    @property
+    def module(self) -> torch.nn.Module: ...  # read only: a stage may build it on first read
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class RankResult:
     loss: list[float]  # rank 0 only: the whole batch's loss, per step
     table: list[list[float]] = field(default_factory=list)  # rank 0: per step, per rank [fwd, bwd]
     states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # step -> params
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # check: step 1's, summed
     state: dict[str, torch.Tensor] | None = None  # keep_state: the module's final state_dict
     grad_norm: list[float] = field(default_factory=list)  # per step, the whole model's
     lr: list[float] = field(default_factory=list)  # per step
@@ -168,6 +172,7 @@ class _Rank:
     count: int  # micro-batches per step
     model_inputs: set[str]
     model_outputs: list[str]
+    clock: _Clock
     bf16: bool = False  # autocast the stage module to bfloat16
 
     @property
@@ -182,9 +187,9 @@ class _Step:
     inputs: Mapping[str, torch.Tensor]
     targets: Mapping[str, torch.Tensor]
     stash: dict[int, _Stash] = field(default_factory=dict)
-    fwd: float = 0.0  # seconds of forward compute (with the loss)
+    fwd: float = 0.0  # seconds of forward compute (with the loss), read at the step's end
     bwd: float = 0.0  # seconds of backward compute
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0  # on the device until the step ends (no host sync)
     weights: list[float] = field(default_factory=list)  # last stage: each micro-batch's share
 
 
@@ -207,6 +212,9 @@ def train_stages(
     (targets) call it; ``eval_batches(i)`` likewise the validation batches (``config.eval_every``).
     Raises ``RankFailure("compute", ...)`` when the stage module or the loss raises."""
     device = device or torch.device("cpu")
+    if config.check_steps and device.type == "cuda":  # --check: full float32 (no TF32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     lay = layout(plan)
@@ -227,9 +235,13 @@ def train_stages(
         _load_checkpoint(Path(config.resume_from), rank, module, optimizer, device)
     owned = _owned_for_norm(stages, k, replica, params)
     wire = TensorWire(device, lay.name)
-    dist.barrier()  # a collective before the first point-to-point batch (NCCL wants one)
+    # a collective before the first point-to-point batch (NCCL wants one, on this rank's GPU)
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index or 0])
+    else:
+        dist.barrier()
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
-               {s.name for s in plan.inputs}, [s.name for s in plan.outputs],
+               {s.name for s in plan.inputs}, [s.name for s in plan.outputs], _Clock(device),
                config.precision == "bf16")
     bar = _progress(config) if rank == 0 else None
 
@@ -240,17 +252,23 @@ def train_stages(
         if me.last:
             st.weights = microbatch_weights(loss_fn, st.targets, config.microbatches)
         optimizer.zero_grad(set_to_none=True)
-        for action in actions:
+        for i, action in enumerate(actions):
             result.actions.append(str(action))
             if action.kind is Kind.F:
                 _forward(me, st, action)
+            else:
+                _backward(me, st, action)
+            # the action's sends leave now, or with the next action's receive from their peer
+            wire.flush(_source(me, actions[i + 1]) if i + 1 < len(actions) else None)
+            if action.kind is Kind.F:
                 result.peak_inflight = max(result.peak_inflight, len(st.stash))
                 if config.hook is not None:
                     config.hook(rank, "forward")
-            else:
-                _backward(me, st, action)
         wire.wait()  # before any collective: a peer in it may wait for a queued send
         _sum_gradients(params, tied_names, stage_group, my_tied)
+        if step == 0 and config.check_steps:
+            result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
+                            if p.grad is not None}
         norm = _clip(params, owned, config.clip_grad_norm, device)
         lr = config.lr * lr_factor(config.lr_schedule, step, config.warmup_steps, config.steps)
         for group in optimizer.param_groups:
@@ -360,7 +378,7 @@ def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResu
                     if lay.rank_of(k, m) == result.rank:
                         _forward(me, st, Action(k, Kind.F, m))
                 st.stash.clear()
-                total += st.loss_sum
+                total += float(st.loss_sum)
         me.wire.wait()
     finally:
         me.module.train()
@@ -435,7 +453,7 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     for n in list(env):
         if env[n].is_floating_point() and n not in me.model_inputs:
             env[n] = leaves[n] = env[n].detach().requires_grad_()
-    t0 = _now(device)
+    t0 = me.clock.start()
     try:
         with autocast(device, me.bf16):
             outs = me.module(*[env[n] for n in me.stage.inputs])
@@ -451,9 +469,9 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
             loss = me.loss_fn(got, want) * st.weights[m]
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-    st.fwd += _now(device) - t0
+    me.clock.stop(0, t0)
     if me.last:
-        st.loss_sum += float(loss.detach())
+        st.loss_sum = st.loss_sum + loss.detach()
         st.stash[m] = _Stash(leaves, {"": loss})
     else:
         sent = {n: env[n] for n in lay.send_names[k]}
@@ -474,13 +492,13 @@ def _backward(me: _Rank, st: _Step, action: Action) -> None:
         got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
         pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
         roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-    t0 = _now(me.device)
+    t0 = me.clock.start()
     try:
         if roots:
             torch.autograd.backward(roots, grads)
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
-    st.bwd += _now(me.device) - t0
+    me.clock.stop(1, t0)
     if k > 0:
         names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
         back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
@@ -492,8 +510,10 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
     """Add the step's figures to ``result``. One small all-reduce per step: rank 0 learns the
     loss and every rank's times (and prints the step line when ``verbose``)."""
     lay, rank = me.lay, result.rank
+    st.fwd, st.bwd = me.clock.read()
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
-    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, st.loss_sum], dtype=torch.float64)
+    row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, float(st.loss_sum)],
+                             dtype=torch.float64)
     wired = row.to(me.device)
     dist.all_reduce(wired)
     table = wired.cpu()
@@ -521,6 +541,13 @@ def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]
     rate = rows / ms * 1000.0 if ms > 0 else 0.0
     return (f"step {step + 1}: loss {loss:.4f}, {rate:.1f} samples/s ({ms:.2f} ms); busy ms per "
             f"stage: {' '.join(f'{b:.2f}' for b in busy)}")
+
+
+def _source(me: _Rank, action: Action) -> int | None:
+    """The rank ``action`` first receives from (None: it receives nothing)."""
+    if action.kind is Kind.F:
+        return me.lay.rank_of(me.k - 1, action.microbatch) if me.k > 0 else None
+    return None if me.last else me.lay.rank_of(me.k + 1, action.microbatch)
 
 
 def _ranks(lay: Layout, stage: int) -> list[int]:
@@ -572,7 +599,38 @@ def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         p.grad = piece.view_as(p).clone()
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class _Clock:
+    """Forward (0) and backward (1) compute time of a step. CPU: ``perf_counter`` around each
+    action. CUDA: a pair of events per action, read once at the step's end (one wait for the
+    last event, not a whole-device synchronize around every action)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = [0.0, 0.0]
+        self.events: list[tuple[int, Any, Any]] = []  # (kind, start, end), CUDA
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, kind: int, began: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((kind, began, end))
+        else:
+            self.seconds[kind] += time.perf_counter() - began
+
+    def read(self) -> tuple[float, float]:
+        """The step's (forward, backward) seconds; starts the next step at zero."""
+        if self.events:
+            self.events[-1][2].synchronize()
+            for kind, began, end in self.events:
+                self.seconds[kind] += began.elapsed_time(end) / 1000.0
+            self.events.clear()
+        fwd, bwd = self.seconds
+        self.seconds = [0.0, 0.0]
+        return fwd, bwd

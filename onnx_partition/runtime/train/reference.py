@@ -18,14 +18,22 @@ import torch
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
-from onnx_partition.plan import read_plan
+from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.train.choices import OPTIMIZERS
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
-__all__ = ["OPTIMIZERS", "autocast", "make_optimizer", "reference_train", "split_rows"]
+__all__ = ["OPTIMIZERS", "ORDER_ULPS", "ROUNDING_ULPS", "autocast", "check_tolerance",
+           "make_optimizer", "mismatch", "reference_gradients", "reference_train", "split_rows"]
+
+#: ``--check``'s tolerance, relative to a tensor's largest element: :data:`ROUNDING_ULPS` ulps of
+#: the tensor's dtype (its final rounding) plus :data:`ORDER_ULPS` ulps of the accumulator
+#: (float32, float64 for float64 tensors: summation order over micro-batches, replicas, stages
+#: and kernels). A wrong gradient (a lost micro-batch, a wrong route) is off by a large fraction.
+ROUNDING_ULPS = 8
+ORDER_ULPS = 64
 
 Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
@@ -50,6 +58,29 @@ def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMana
     if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of ``--check`` for tensors of ``dtype`` (float32: 8.6e-6, bfloat16:
+    0.063, float16: 0.0078, float64: 1.6e-14)."""
+    accumulator = torch.float64 if dtype == torch.float64 else torch.float32
+    return ROUNDING_ULPS * torch.finfo(dtype).eps + ORDER_ULPS * torch.finfo(accumulator).eps
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float | None:
+    """The largest difference of ``got`` from ``want`` relative to ``want``'s largest element
+    (at least ``floor``: the model's largest, for a tensor whose true value is zero and whose
+    computed one is rounding, as a key bias's gradient under softmax) when it exceeds
+    :func:`check_tolerance` of ``got``'s dtype; None when within it. Relative to the tensor's
+    scale, not elementwise: a near-zero element carries the rounding of the sums it came
+    from."""
+    ref = want.to(torch.float64)
+    diff = float((got.to(torch.float64) - ref).abs().max()) if got.numel() else 0.0
+    scale = max(float(ref.abs().max()) if ref.numel() else 0.0, floor)
+    tol = check_tolerance(got.dtype if got.is_floating_point() else torch.float64)
+    if diff <= tol * scale or diff == 0.0:
+        return None
+    return diff / scale if scale > 0 else float("inf")
 
 
 def split_rows(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -96,24 +127,12 @@ def reference_train(
     task = task or task_for(plan_dir)
     opt = make_optimizer(optimizer, module.parameters(), lr, weight_decay=weight_decay,
                          momentum=momentum, betas=betas)
-    names = [o.name for o in plan.outputs]
     count = len(batches) if steps is None else steps
     span = total_steps or count  # steps the lr schedule spans
-    cpu = torch.device("cpu")
     for step in range(count):
-        inputs, targets = batches[step % len(batches)]
-        rows = int(next(iter(inputs.values())).shape[0])
         opt.zero_grad()
-        weights = microbatch_weights(task.loss_fn, targets, microbatches)
-        total = 0.0
-        for (lo, hi), weight in zip(split_rows(rows, microbatches), weights, strict=True):
-            with autocast(cpu, precision == "bf16"):
-                outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
-            outputs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outputs)
-            loss = task.loss_fn(dict(zip(names, outputs)),
-                                {k: v[lo:hi] for k, v in targets.items()}) * weight
-            loss.backward()
-            total += float(loss.detach())
+        total = _accumulate(module, plan, task, batches[step % len(batches)], microbatches,
+                            precision)
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)
         for group in opt.param_groups:
@@ -122,3 +141,37 @@ def reference_train(
         if losses is not None:
             losses.append(total)
     return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int = 1,
+                        task: TrainTask | None = None, precision: str = "fp32"
+                        ) -> dict[str, torch.Tensor]:
+    """The gradients of :func:`reference_train`'s first step (before clipping and the
+    optimizer), by name (None-gradient parameters left out): what ``--check`` compares first."""
+    plan = read_plan(plan_dir)
+    module = whole_module(plan_dir, deterministic=True)
+    _accumulate(module, plan, task or task_for(plan_dir), batch, microbatches, precision)
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters()
+            if p.grad is not None}
+
+
+def _accumulate(module: torch.nn.Module, plan: Plan, task: TrainTask, batch: Batch,
+                microbatches: int, precision: str = "fp32") -> float:
+    """One step's gradient, accumulated micro-batch by micro-batch, each weighted as the
+    pipeline weights it (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`); the
+    step's loss."""
+    inputs, targets = batch
+    names = [o.name for o in plan.outputs]
+    rows = int(next(iter(inputs.values())).shape[0])
+    weights = microbatch_weights(task.loss_fn, targets, microbatches)
+    cpu = torch.device("cpu")
+    total = 0.0
+    for (lo, hi), weight in zip(split_rows(rows, microbatches), weights, strict=True):
+        with autocast(cpu, precision == "bf16"):
+            outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
+        outputs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outputs)
+        loss = task.loss_fn(dict(zip(names, outputs)),
+                            {k: v[lo:hi] for k, v in targets.items()}) * weight
+        loss.backward()
+        total += float(loss.detach())
+    return total
