@@ -207,7 +207,8 @@ def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
     """--bandwidth/--latency are the link inside a machine, --inter-* the one between; a
     near-dead network between two machines keeps the plan on the first."""
     argv = ["partition", chain, "-o", tmp_path / "out", "--batch-size", "2", "--devices", "2",
-            "--machines", "2", "--mode", "train", "--bandwidth", "100", "--latency", "0",
+            "--machines", "2", "--mode", "train", "--no-program", "--bandwidth", "100",
+            "--latency", "0",
             "--inter-bandwidth", "0.000001", "--inter-latency", "1"]
     assert main([str(a) for a in argv]) == 0
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())

@@ -105,7 +105,7 @@ def test_block_of_uses_module_scopes_and_paths():
     assert dag_view.block_of("plain", []) == dag_view.TOP
 
 
-@pytest.mark.parametrize("engine", ["graphviz dot", "built-in layered layout"])
+@pytest.mark.parametrize("engine", ["graphviz dot", "built-in column layout"])
 def test_large_graphs_are_drawn_condensed(tmp_path, chain, monkeypatch, engine):
     if engine == "graphviz dot" and not dag_view.graphviz_available():
         pytest.skip("graphviz (package and dot) not installed")
