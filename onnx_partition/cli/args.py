@@ -452,8 +452,9 @@ _DESCRIPTIONS = {
                 "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
     "report": "Read a plan folder (and the model beside it, for the operator graph) and write "
               "one self-contained HTML page: PLAN.report.html beside the folder, or -o.",
-    "demo": "Export a recipe, partition it and run it with --check, in a temporary folder "
-            "(or --workdir, which keeps the model and the plan folder).",
+    "demo": "Export a recipe, partition it and run it with --check; writes the model and "
+            "the plan folder in a temporary folder, removed at the end, or in --workdir, "
+            "which keeps them.",
 }
 
 _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
