@@ -300,14 +300,15 @@ def _run(args: argparse.Namespace) -> int:
           f"{planned[0] or '?'} rows)", file=out)
     options = {"warmup": args.warmup, "iterations": args.iterations,
                "threads_per_stage": args.threads_per_stage}
+    bar = not args.json and log.isEnabledFor(logging.INFO)
     if args.nproc is not None:
         runtime, measured, outputs = measure_distributed(
             args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device,
-            timeout_s=args.timeout, **options)
+            timeout_s=args.timeout, show_progress=bar, **options)
     else:
         runtime, measured, outputs = measure_threads(
-            args.plan, plan, feeds, shape, providers=_providers(args),
-            show_progress=not args.json and log.isEnabledFor(logging.INFO), **options)
+            args.plan, plan, feeds, shape, providers=_providers(args), show_progress=bar,
+            **options)
     body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
     code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
     if args.check:
