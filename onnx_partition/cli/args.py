@@ -335,8 +335,11 @@ def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
         p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--threads-per-stage", type=int, default=1,
                    help="onnxruntime intra-op threads per stage replica")
+    procs: argparse.ArgumentParser | argparse._ArgumentGroup = p if rank else \
+        p.add_argument_group("processes (--nproc): one per stage replica, over "
+                             "torch.distributed; rank 0 draws every rank's progress")
     if not rank:
-        p.add_argument("--nproc", type=int,
+        procs.add_argument("--nproc", type=int,
                        help="run one process per stage replica over torch.distributed (gloo on "
                             "CPU, NCCL on GPUs) instead of threads; must equal the plan's "
                             "replicas in total (torchrun's --nproc-per-node is per machine)")
@@ -349,7 +352,7 @@ def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
         p.add_argument("--check", action="store_true",
                        help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--timeout", type=float, default=60.0,
+    procs.add_argument("--timeout", type=float, default=60.0,
                    help=f"{'' if rank else 'with --nproc: '}seconds a rank may block on one "
                         "operation or stay silent before the run fails naming it")
     if rank:
