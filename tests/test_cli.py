@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -207,7 +208,8 @@ def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
     """--bandwidth/--latency are the link inside a machine, --inter-* the one between; a
     near-dead network between two machines keeps the plan on the first."""
     argv = ["partition", chain, "-o", tmp_path / "out", "--batch-size", "2", "--devices", "2",
-            "--machines", "2", "--mode", "train", "--bandwidth", "100", "--latency", "0",
+            "--machines", "2", "--mode", "train", "--no-program", "--bandwidth", "100",
+            "--latency", "0",
             "--inter-bandwidth", "0.000001", "--inter-latency", "1"]
     assert main([str(a) for a in argv]) == 0
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
@@ -227,3 +229,110 @@ def test_one_line_takes_the_first_line_and_never_fails_on_an_empty_message():
     assert one_line(ValueError("first\nsecond")) == "first"
     assert one_line(ValueError("")) == "ValueError('')"
     assert one_line(RuntimeError("[enforce fail at op.cc:12] bad shape")) == "bad shape"
+
+
+# -------------------------------------------------------------------- errors that say what to do
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["partition", "m.onnx", "--num-stages", "3", "-o", "p"], "did you mean --stages?"),
+    (["partition", "m.onnx", "--batchsize", "3", "-o", "p"], "did you mean --batch-size?"),
+    (["partition", "m.onnx", "--stages=3", "--micro-batches=4", "-o", "p"],
+     "unknown option --micro-batches; did you mean --microbatches?"),
+    (["run", "plan", "--iteratons", "3"], "did you mean --iterations?"),
+    (["simulate", "plan", "--shedule", "gpipe"], "did you mean --schedule?"),
+    (["partition", "m.onnx", "--mode", "training", "-o", "p"],
+     "--mode 'training' is not one of infer, train; did you mean train?"),
+    (["partition", "m.onnx", "--order", "bfs", "-o", "p"],
+     "--order 'bfs' is not one of auto, topo, dfs, minlive, cluster"),
+    (["partiton", "m.onnx"], "'partiton' is not one of export, profile, partition"),
+    (["partition", "m.onnx"], "required: -o/--output"),
+])
+def test_argument_errors_are_one_line_with_the_nearest(capsys, argv, said):
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""  # nothing printed before (or beside) the error
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], lines
+    assert "usage:" not in captured.err
+
+
+def test_training_an_inference_plan_says_partition_with_mode_train(capsys, tmp_path, chain):
+    assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "-o",
+                 str(tmp_path / "p"), "-q"]) == 0
+    capsys.readouterr()
+    line = fails(capsys, ["train", tmp_path / "p"], "is an inference plan (--mode infer)")
+    assert "partition the model again with --mode train" in line
+
+
+def test_train_mode_needs_the_program_unless_a_plan_only_is_asked(capsys, tmp_path, chain):
+    out = tmp_path / "p"
+    line = fails(capsys, ["partition", chain, "-s", "2", "--batch-size", "2", "--mode", "train",
+                          "-o", out], "has no exported program m.pt2 beside it")
+    assert "--no-program" in line and "onnx-partition export" in line
+    assert not out.exists()  # said at once, nothing written
+    assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "--mode", "train",
+                 "--no-program", "-o", str(out), "-q"]) == 0
+    assert json.loads((out / "plan.json").read_text())["mode"] == "train"
+
+
+def test_gpu_implies_cuda(capsys, tmp_path, chain):
+    out = tmp_path / "p"
+    assert main(["partition", str(chain), "--devices", "2", "--batch-size", "2",
+                 "--gpu", "a100-80gb", "-o", str(out), "-q"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["cluster"]["kind"] == "cuda" and plan["cluster"]["gpu"] == "a100-80gb"
+    assert all(d.startswith("cuda:") for s in plan["stages"] for d in s["devices"])
+    fails(capsys, ["partition", chain, "--devices", "2", "--batch-size", "2", "--gpu", "h100",
+                   "--device-kind", "cpu", "-o", tmp_path / "q"],
+          "cannot go with --device-kind cpu")
+
+
+def test_a_wrong_process_count_is_said_before_anything_is_printed(capsys, tmp_path, chain):
+    assert main(["partition", str(chain), "-s", "2", "--batch-size", "2", "-o",
+                 str(tmp_path / "p"), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "p"), "--nproc", "5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        "error: the plan has 2 stage replicas (1 + 1); got 5 processes"]
+
+
+# ------------------------------------------------------------------------ help that is true
+
+
+def _help(capsys, verb: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([verb, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("verb", ["export", "profile", "partition", "run", "train", "simulate",
+                                  "report", "demo"])
+def test_every_verb_says_what_it_reads_and_writes(capsys, verb):
+    text = _help(capsys, verb)
+    assert re.search(r"\b(Read|Build|Export)", text) and re.search(r"\b[Ww]rites?\b", text)
+    # one default per option, shown once
+    for item in re.split(r"\s(?=-{1,2}[a-z])", text):
+        assert len(re.findall(r"\bdefault\b", item)) <= 1, item
+
+
+def test_help_groups_options_by_what_they_apply_to(capsys):
+    text = _help(capsys, "partition")
+    every = text.index("every plan (--stages and cluster plans alike)")
+    plain = text.index("plain pipelines (--stages without a cluster)")
+    cluster = text.index("cluster plans (stages x data-parallel replicas)")
+    for option in ("--mode", "--microbatches", "--gpu", "--device-kind"):
+        assert every < text.index(f"{option} ", every) < plain, option
+    assert plain < text.index("--order ", plain) < cluster
+    assert "implies --device-kind cuda" in text and "--no-program" in text
+    assert "(default gpt) (default: gpt)" not in _help(capsys, "demo")
+
+
+def test_train_help_says_where_data_and_loss_come_from(capsys):
+    text = _help(capsys, "train")
+    assert "synthetic batches" in text and "synthetic loss" in text
+    assert "cross-entropy" in text and "mean squared error" in text
+    assert "default: one per stage replica" in text

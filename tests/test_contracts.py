@@ -239,7 +239,8 @@ def test_the_format_strings():
 
 @pytest.mark.parametrize("options", [
     ["-s", "2"],
-    ["--devices", "2", "--machines", "2", "--mode", "train", "--microbatches", "4"],
+    ["--devices", "2", "--machines", "2", "--mode", "train", "--no-program", "--microbatches",
+     "4"],
 ], ids=["pipeline", "hybrid"])
 def test_a_written_plan_reads_back_to_the_same_bytes(tmp_path, options):
     model = save(CHAIN, tmp_path / "m.onnx")

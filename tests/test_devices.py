@@ -189,8 +189,10 @@ def test_partition_names_the_device_model_and_checks_costs_kind(capsys, tmp_path
     assert main([*cuda, "--strict-costs", "-o", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: costs file") and "--strict-costs" in err[0]
-    assert main([*base, "--gpu", "h100", "-o", str(tmp_path / "e")]) == 2
-    assert "--gpu needs --device-kind cuda" in capsys.readouterr().err
+    assert main([*base, "--gpu", "h100", "-o", str(tmp_path / "e")]) == 0  # implies cuda
+    assert json.loads((tmp_path / "e" / "plan.json").read_text())["cluster"]["kind"] == "cuda"
+    assert main([*base, "--gpu", "h100", "--device-kind", "cpu", "-o", str(tmp_path / "f")]) == 2
+    assert "cannot go with --device-kind cpu" in capsys.readouterr().err
 
 
 def test_cluster_file_names_the_gpu(tmp_path):

@@ -105,7 +105,7 @@ def test_block_of_uses_module_scopes_and_paths():
     assert dag_view.block_of("plain", []) == dag_view.TOP
 
 
-@pytest.mark.parametrize("engine", ["graphviz dot", "built-in layered layout"])
+@pytest.mark.parametrize("engine", ["graphviz dot", "built-in column layout"])
 def test_large_graphs_are_drawn_condensed(tmp_path, chain, monkeypatch, engine):
     if engine == "graphviz dot" and not dag_view.graphviz_available():
         pytest.skip("graphviz (package and dot) not installed")
@@ -150,3 +150,26 @@ def test_the_browser_check_sees_errors(hybrid, tmp_path):
     page = write_report(hybrid).read_text()
     broken.write_text(page.replace("</main>", '<img src="missing.png" alt=""></main>'))
     assert any("missing.png" in e for e in probe(broken)["errors"])
+
+
+def test_headline_in_samples_and_tokens_per_second(tmp_path, chain):
+    import dataclasses
+
+    from onnx_partition.plan import read_plan
+
+    out = tmp_path / "plan"
+    partition(chain, 1, out, batch_size=3)
+    plan = read_plan(out)
+    rate = 1000.0 / 7  # micro-batches/s
+    cards = [v for v, _ in report.throughput_cards(plan, rate)]
+    assert cards == ["429 samples/s", "143 micro-batches/s"]  # a float input: no tokens
+    assert report.tokens_per_sample(plan) is None
+    plan.inputs[0] = dataclasses.replace(plan.inputs[0], dtype="int64", shape=["batch", 16])
+    assert report.tokens_per_sample(plan) == 4  # the length partitioned for (3 x 4)
+    assert [v for v, _ in report.throughput_cards(plan, rate)] == [
+        "429 samples/s", "1,710 tokens/s", "143 micro-batches/s"]
+    page = write_report(out).read_text()
+    header = page.split("<header>", 1)[1].split("</header>", 1)[0]
+    assert "1 stage ·" in header and "1 stages" not in page
+    cards_html = page.split('<div class="cards">', 1)[1]
+    assert cards_html.index("samples/s") < cards_html.index("micro-batches/s")

@@ -319,3 +319,23 @@ def test_missing_onnxruntime_says_which_extra(plan_dir):
     err = done.stderr
     assert err.startswith("error: onnxruntime is not installed") and "[gpu]" in err
     assert err.count("\n") == 1
+
+
+def test_each_rank_of_run_nproc_reports_through_rank_0s_bar(tmp_path, plan_dir):
+    """Rank 0 shows every rank's finished iterations: 2 ranks x 3 iterations, ending at 6."""
+    import pickle
+
+    from support.progress import FileProgress
+
+    from onnx_partition.runtime.infer.rank import RankBar
+
+    seen = FileProgress(tmp_path / "progress.txt")
+    feeds = {"x": np.ones((4, 4), np.float32)}
+    run_distributed(plan_dir, feeds, microbatches=2, iterations=3, progress=seen)
+    calls = seen.calls()
+    assert calls[-1] == (6, 6) and all(total == 6 for _, total in calls)
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and len(calls) == 4  # rank 0's 3 iterations, then the end
+    bar = pickle.loads(pickle.dumps(RankBar(enabled=False)))
+    bar(1, 2)  # a bar made in the process that calls it (here: none drawn, not a terminal)
+    bar(2, 2)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -21,8 +23,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
 
-__all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "input_shapes_of",
-           "rank_parser"]
+__all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "device_kind_of",
+           "input_shapes_of", "nearest", "rank_parser"]
 
 log = logging.getLogger("onnx_partition")
 
@@ -31,7 +33,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
                  ) -> argparse.ArgumentParser:
     """The command line; ``commands`` maps each verb to the function that runs it
     (``args.func``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onnx-partition", formatter_class=_Help,
         description="Cut an ONNX model into pipeline stages and run them as a pipeline.",
     )
@@ -43,7 +45,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
                                   help="what to do (each verb has its own --help)",
                                   parser_class=_verb_parser(common))
     for name, summary, add_args in _VERBS:
-        p = verbs.add_parser(name, help=summary)
+        p = verbs.add_parser(name, help=summary, description=_DESCRIPTIONS[name])
         add_args(p)
         p.set_defaults(func=commands[name])
     return parser
@@ -58,7 +60,7 @@ def rank_parser(verb: str) -> argparse.ArgumentParser:
     """The options of one rank of ``verb`` (run or train) under ``torchrun``
     (:mod:`onnx_partition.cli.torchrun`): the verb's own, less those of a whole run started
     here (--nproc and the like), plus --backend."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=f"python -m {RANK_ENTRIES[verb]}", formatter_class=_Help,
         description=f"One rank of `onnx-partition {verb}` across processes or machines: start "
                     "one per stage replica with torchrun.")
@@ -81,13 +83,18 @@ def input_shapes_of(args: argparse.Namespace) -> dict[str, list[int]]:
     return dict(values.input_shape(item) for item in args.input_shape)
 
 
+def device_kind_of(args: argparse.Namespace) -> str:
+    """``--device-kind``, where ``--gpu NAME`` alone implies cuda (default cpu)."""
+    return str(args.device_kind or ("cuda" if args.gpu else "cpu"))
+
+
 def cluster_of(args: argparse.Namespace) -> Cluster | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
         return dataclasses.replace(cluster, gpu=args.gpu) if args.gpu else cluster
-    if args.gpu and args.device_kind != "cuda":
-        raise PartitionError("--gpu needs --device-kind cuda")
+    if args.gpu and args.device_kind == "cpu":
+        raise PartitionError("--gpu prices a GPU; it cannot go with --device-kind cpu")
     inter = args.inter_bandwidth is not None or args.inter_latency is not None
     if args.devices is None:
         if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
@@ -107,7 +114,7 @@ def cluster_of(args: argparse.Namespace) -> Cluster | None:
              f"({memory * 1e9:,.0f} bytes) per device")
     default = Cluster()
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
-                   kind=args.device_kind, gpu=args.gpu,
+                   kind=device_kind_of(args), gpu=args.gpu,
                    intra=Link(args.bandwidth, args.latency),
                    inter=Link(
                        default.inter.bandwidth_gbps if args.inter_bandwidth is None
@@ -120,18 +127,75 @@ def cluster_of(args: argparse.Namespace) -> Cluster | None:
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in its help, except the uninformative ones (None, False, [])."""
+    """Every option's default in its help, once: not for the uninformative ones (None, False,
+    []) nor where the help already says its default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, []) or "%(default)" in (action.help or ""):
+        text = action.help or ""
+        if action.default in (None, False, []) or "default" in text:
             return action.help
         return super()._get_help_string(action)
 
 
-def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
-    """Verb parsers that show defaults and take -q/-v after the verb too."""
+def nearest(word: str, options: list[str]) -> str | None:
+    """The option closest to a misspelled ``word`` (``--num-stages`` -> ``--stages``), if
+    any is close."""
+    name = word.split("=", 1)[0]
+    found = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    if not found and name.startswith("--"):  # --batchsize -> --batch-size
+        bare = {o.replace("-", ""): o for o in options}
+        found = [bare[k] for k in difflib.get_close_matches(name.replace("-", ""), bare, n=1,
+                                                              cutoff=0.6)]
+    return found[0] if found else None
 
-    class VerbParser(argparse.ArgumentParser):
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line (a PartitionError: ``error: ...``, exit code 2, nothing
+    else printed): a misspelled option names the nearest, a bad choice lists the choices."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise PartitionError(f"{self.prog.removeprefix('onnx-partition ')}: {message} "
+                             f"(see {self.prog} --help)")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(c) for c in action.choices]
+            flag = "/".join(action.option_strings) or action.dest
+            near = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise argparse.ArgumentError(
+                None, f"{flag} {value!r} is not one of {', '.join(choices)}{hint}")
+
+    def parse_args(  # type: ignore[override]
+        self, args: typing.Any = None, namespace: typing.Any = None,
+    ) -> argparse.Namespace:
+        """As argparse's, but arguments a verb does not take are named by that verb's parser
+        (argparse would report them from the command's, with no suggestion)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verb = getattr(parsed, "verb", None)
+            sub = next((a for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction)), None)
+            target = sub.choices.get(verb) if sub is not None and verb else None
+            (target if isinstance(target, _Parser) else self).unknown(extras)
+        return parsed
+
+    def unknown(self, extras: list[str]) -> typing.NoReturn:
+        """The error of arguments this parser does not take, naming the nearest option."""
+        options = [o for a in self._actions for o in a.option_strings]
+        flags = [e for e in extras if e.startswith("-")]
+        if not flags:
+            self.error(f"unexpected argument{'s' * (len(extras) != 1)} {' '.join(extras)}")
+        near = nearest(flags[0], options)
+        hint = f"; did you mean {near}?" if near else ""
+        self.error(f"unknown option {flags[0].split('=', 1)[0]}{hint}")
+
+
+def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """Verb parsers that show defaults, take -q/-v after the verb too and report argument
+    errors in one line."""
+
+    class VerbParser(_Parser):
         def __init__(self, *args: object, **kwargs: object) -> None:
             kwargs.setdefault("formatter_class", _Help)
             kwargs.setdefault("parents", [common])
@@ -152,7 +216,7 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                         "must divide the stage count")
 
 
-def _json_arg(p: argparse.ArgumentParser) -> None:
+def _json_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout instead of text (plan.json's field "
                         "names)")
@@ -165,7 +229,7 @@ def _verbosity_args(p: argparse.ArgumentParser, default: object) -> None:
                    help="also print debug lines")
 
 
-def _shape_args(p: argparse.ArgumentParser) -> None:
+def _shape_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
                    help="fix an input's shape (repeatable)")
     p.add_argument("--batch-size", type=int,
@@ -189,32 +253,57 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 
 
 def _partition_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="the ONNX model to cut")
-    p.add_argument("--stages", "-s", type=int,
-                   help="number of pipeline stages (with a cluster: fix the depth, else chosen)")
-    p.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
-    p.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
-    _shape_args(p)
-    p.add_argument("--bandwidth", type=float, default=10.0,
-                   help="link bandwidth between stages in GB/s, and between the devices of a "
-                        "machine with --devices (0 = free)")
-    p.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
-    p.add_argument("--order", default="auto", choices=("auto", "topo", "dfs", "minlive", "cluster"),
-                   help="how to sequence the DAG before the DP (auto: try all, keep the best)")
-    p.add_argument("--solver", default="dp", choices=("dp", "ilp", "uniform", "parameters", "time"),
-                   help="dp, ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), "
-                        "or a baseline: uniform (equal operator counts), parameters (equal "
-                        "weights), time (equal compute, no communication)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    model = p.add_argument_group("the model and its costs")
+    model.add_argument("model", type=Path, help="the ONNX model to cut")
+    model.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    _shape_args(model)
+    model.add_argument("--no-program", action="store_true",
+                       help="with --mode train: plan a model that has no exported program "
+                            "(MODEL.pt2) beside it; `train` cannot run such a plan")
+    plan = p.add_argument_group("every plan (--stages and cluster plans alike)")
+    plan.add_argument("--stages", "-s", type=int,
+                      help="number of pipeline stages (with a cluster: fix the depth, else "
+                           "chosen)")
+    plan.add_argument("--mode", default="infer", choices=("infer", "train"),
+                      help="infer: forward only; train: forward, backward, all-reduce, 1F1B "
+                           "memory (needs the model's program MODEL.pt2, see --no-program)")
+    plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    plan.add_argument("--bandwidth", type=float, default=10.0,
+                      help="link bandwidth between stages in GB/s, and between the devices of "
+                           "a machine with --devices (0 = free)")
+    plan.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
+    plan.add_argument("--device-kind", choices=("cpu", "cuda"),
+                      help="the devices the plan is for (cuda: stage files placed on cuda:N; "
+                           "default cpu, cuda with --gpu)")
+    plan.add_argument("--gpu", help="GPU of the analytic costs, implies --device-kind cuda: "
+                      "v100, a100-40gb, a100-80gb, h100 (the default), h200, l4; "
+                      "NAME:fp32|tf32|bf16|fp16 sets the math of fp32 graphs")
+    plan.add_argument("--strict-costs", action="store_true",
+                      help="refuse a costs file measured on another device kind than the "
+                           "plan's")
+    search = p.add_argument_group("plain pipelines (--stages without a cluster)")
+    search.add_argument("--order", default="auto",
+                        choices=("auto", "topo", "dfs", "minlive", "cluster"),
+                        help="how to sequence the DAG before the DP (auto: try all, keep the "
+                             "best)")
+    search.add_argument("--solver", default="dp",
+                        choices=("dp", "ilp", "uniform", "parameters", "time"),
+                        help="dp, ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), or a "
+                             "baseline: uniform (equal operator counts), parameters (equal "
+                             "weights), time (equal compute, no communication)")
+    search.add_argument("--time-limit", type=float, default=60.0,
+                        help="ILP time limit in seconds")
     _cluster_args(p)
-    p.add_argument("--force", action="store_true",
-                   help="replace an output folder that is not an earlier plan")
-    _json_arg(p)
+    out = p.add_argument_group("output")
+    out.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
+    out.add_argument("--force", action="store_true",
+                     help="replace an output folder that is not an earlier plan")
+    _json_arg(out)
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """``partition``'s cluster options."""
-    g = p.add_argument_group("hybrid parallelism (stages x data-parallel replicas)")
+    g = p.add_argument_group("cluster plans (stages x data-parallel replicas)")
     g.add_argument("--devices", "--nproc-per-node", type=int,
                    help="devices per machine (as torchrun's --nproc-per-node): plan replicas "
                         "per stage")
@@ -223,20 +312,13 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory",
                    help="memory per device: 80GB, 16G, 16gb, 16GiB, 512MiB; a bare number is "
                         "GB (default: unlimited)")
-    g.add_argument("--device-kind", default="cpu", choices=("cpu", "cuda"),
-                   help="the devices the plan is for (cuda: stage files placed on cuda:N)")
-    g.add_argument("--gpu", help="GPU of the analytic costs: v100, a100-40gb, a100-80gb, h100 "
-                   "(default), h200, l4; NAME:fp32|tf32|bf16|fp16 sets the math of fp32 graphs")
-    g.add_argument("--strict-costs", action="store_true",
-                   help="refuse a costs file measured on another device kind than the cluster's")
     g.add_argument("--inter-bandwidth", type=float,
                    help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
     g.add_argument("--inter-latency", type=float,
                    help="link latency between machines in ms (default 0.05)")
-    g.add_argument("--cluster", type=Path, help="cluster.json (overrides the options above)")
-    g.add_argument("--mode", default="infer", choices=("infer", "train"),
-                   help="infer: forward only; train: forward, backward, all-reduce, 1F1B memory")
-    g.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    g.add_argument("--cluster", type=Path,
+                   help="cluster.json (overrides --devices, --machines and the link and "
+                        "memory options)")
 
 
 def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
@@ -253,8 +335,11 @@ def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
         p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--threads-per-stage", type=int, default=1,
                    help="onnxruntime intra-op threads per stage replica")
+    procs: argparse.ArgumentParser | argparse._ArgumentGroup = p if rank else \
+        p.add_argument_group("processes (--nproc): one per stage replica, over "
+                             "torch.distributed; rank 0 draws every rank's progress")
     if not rank:
-        p.add_argument("--nproc", type=int,
+        procs.add_argument("--nproc", type=int,
                        help="run one process per stage replica over torch.distributed (gloo on "
                             "CPU, NCCL on GPUs) instead of threads; must equal the plan's "
                             "replicas in total (torchrun's --nproc-per-node is per machine)")
@@ -267,7 +352,7 @@ def _run_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
         p.add_argument("--check", action="store_true",
                        help="compare outputs with the whole model run in one session")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--timeout", type=float, default=60.0,
+    procs.add_argument("--timeout", type=float, default=60.0,
                    help=f"{'' if rank else 'with --nproc: '}seconds a rank may block on one "
                         "operation or stay silent before the run fails naming it")
     if rank:
@@ -311,7 +396,9 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     if rank:
         _backend_arg(p)
         return
-    p.add_argument("--nproc", type=int, help="processes; must equal the plan's stage replicas")
+    p.add_argument("--nproc", type=int,
+                   help="processes (default: one per stage replica of the plan); must equal "
+                        "the plan's stage replicas in total")
     p.add_argument("--save", type=Path, metavar="OUT",
                    help="write the trained weights as a new plan folder that `run` serves")
     p.add_argument("--record", type=Path, metavar="FILE",
@@ -387,12 +474,43 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt", help="recipe name (default gpt)")
+    p.add_argument("--model", default="gpt",
+                   help="recipe: resnet, inception, unet, gpt, bert, encdec")
     p.add_argument("--size", default="tiny", help="tiny | small | realistic")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages")
     p.add_argument("--batch-size", type=int, default=8, help="batch to partition and run")
     p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
 
+
+_DESCRIPTIONS = {
+    "export": "Build a model recipe from code (random weights, nothing downloaded) and write "
+              "OUTPUT (ONNX) and, beside it, its training program (OUTPUT with suffix .pt2), "
+              "which `partition --mode train` and `train` need.",
+    "profile": "Read an ONNX model, time every operator on a device with onnxruntime, and "
+               "write the per-node times to OUTPUT (costs.json, for partition --costs).",
+    "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
+                 "--mode train the model's program MODEL.pt2 beside it) and write a plan "
+                 "folder: one ONNX file per stage, plan.json and a manifest. Prints the "
+                 "stage table.",
+    "run": "Read a plan folder and run it as a pipeline (threads, or one process per stage "
+           "replica with --nproc) on random inputs or --input files; prints measured against "
+           "predicted figures (--json: one JSON object). Writes nothing.",
+    "train": "Read a train-mode plan folder (partition --mode train) and the model's program "
+             "(MODEL.pt2) and train it, one process per stage replica, on --data (a .npz or a "
+             "folder of .npy: the model's inputs plus labels) with --loss (auto: the model's own "
+             "scalar output, cross-entropy for integer labels, else mean squared error); "
+             "without --data, on synthetic batches (random inputs from the plan's input specs, "
+             "--seed) with a synthetic loss. Prints a line per step (--json: one JSON object); "
+             "writes checkpoints with --checkpoint-dir, a per-step log with --log, the trained "
+             "weights as a new plan folder with --save, measured stage times with --record.",
+    "simulate": "Read a plan folder and simulate its schedule: prints the iteration time, "
+                "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
+    "report": "Read a plan folder (and the model beside it, for the operator graph) and write "
+              "one self-contained HTML page: PLAN.report.html beside the folder, or -o.",
+    "demo": "Export a recipe, partition it and run it with --check; writes the model and "
+            "the plan folder in a temporary folder, removed at the end, or in --workdir, "
+            "which keeps them.",
+}
 
 _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
     ("export", "export a model recipe from models/ to ONNX", _export_args),

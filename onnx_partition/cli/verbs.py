@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onnx_partition import __version__, values
-from onnx_partition.cli.args import build_parser, chunks_of, cluster_of, input_shapes_of
+from onnx_partition.cli.args import (
+    build_parser,
+    chunks_of,
+    cluster_of,
+    device_kind_of,
+    input_shapes_of,
+)
 from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
@@ -191,14 +197,21 @@ def _partition(args: argparse.Namespace) -> int:
         raise PartitionError(f"--stages must be at least 1, got {args.stages}")
     if args.microbatches < 1:
         raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
-    stop_bar = _ilp_bar(args)
+    program = Path(args.model).with_suffix(".pt2")
+    if args.mode == "train" and not args.no_program and not program.is_file():
+        raise PartitionError(
+            f"--mode train: {args.model} has no exported program {program.name} beside it, "
+            "which `train` needs: export the model with `onnx-partition export` or "
+            "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
     cluster = cluster_of(args)
+    stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
         costs=args.costs,
-        device=None if cluster or args.costs else device_for(args.device_kind, args.gpu),
+        device=None if cluster or args.costs else device_for(device_kind_of(args),
+                                                                    args.gpu),
         strict_costs=args.strict_costs,
         input_shapes=input_shapes_of(args),
         batch_size=args.batch_size,
@@ -265,11 +278,15 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     plan = read_plan(args.plan)
+    if args.iterations < 1 or args.warmup < 0:
+        raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
+    if args.nproc is not None:  # before anything is printed
+        from onnx_partition.runtime.dist.launcher import check_world_size
+
+        check_world_size([s.replicas for s in plan.stages], args.nproc)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)
     feeds = run_feeds(plan, args.input, rows=shape.rows, seed=args.seed)
     shape = shape_of_feeds(shape, feeds, batch_axes(plan))
-    if args.iterations < 1 or args.warmup < 0:
-        raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     out = sys.stderr if args.json else sys.stdout
     note = idle_replicas_note(plan, shape.microbatches)
     if note:
@@ -283,14 +300,15 @@ def _run(args: argparse.Namespace) -> int:
           f"{planned[0] or '?'} rows)", file=out)
     options = {"warmup": args.warmup, "iterations": args.iterations,
                "threads_per_stage": args.threads_per_stage}
+    bar = not args.json and log.isEnabledFor(logging.INFO)
     if args.nproc is not None:
         runtime, measured, outputs = measure_distributed(
             args.plan, plan, feeds, shape, nproc=args.nproc, device=args.device,
-            timeout_s=args.timeout, **options)
+            timeout_s=args.timeout, show_progress=bar, **options)
     else:
         runtime, measured, outputs = measure_threads(
-            args.plan, plan, feeds, shape, providers=_providers(args),
-            show_progress=not args.json and log.isEnabledFor(logging.INFO), **options)
+            args.plan, plan, feeds, shape, providers=_providers(args), show_progress=bar,
+            **options)
     body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
     code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
     if args.check:
@@ -339,6 +357,11 @@ def _train(args: argparse.Namespace) -> int:
     from onnx_partition.pipeline.predict import dumps
     from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
 
+    mode = read_plan(args.plan).mode
+    if mode != "train":
+        raise PartitionError(
+            f"{args.plan} is an inference plan (--mode {mode}): partition the model again "
+            f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
     stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
                        microbatches=args.microbatches, batch_size=args.batch_size,
                        schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,

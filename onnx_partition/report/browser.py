@@ -3,7 +3,9 @@
 A copy of the page gets a script that records console errors and uncaught errors from the first
 moment, then, after layout, checks each ``<svg>``: a ``<title>``; for charts (a label containing
 "chart" or a bar chart) an axis title with a unit in brackets; every text inside the drawing
-(client rectangles); no number in scientific notation anywhere in the page's text.
+(client rectangles) and where it is drawn; whether the drawing runs past its section; no
+number in scientific notation anywhere in the page's text; and the page's scroll width against
+the window's.
 ``--dump-dom`` returns the verdict as JSON. Used by the tests and ``tools/report_screenshots.py``.
 """
 
@@ -28,7 +30,9 @@ window.addEventListener("error", e => window.__errors.push(
 
 _PROBE_END = """<script>
 window.addEventListener("load", () => {
-  const out = {errors: window.__errors, svgs: [], scientific: []};
+  const out = {errors: window.__errors, svgs: [], scientific: [],
+               page: {scroll_width: document.documentElement.scrollWidth,
+                      inner_width: window.innerWidth}};
   const text = document.body.innerText;
   out.scientific = text.match(/\\d(\\.\\d+)?e[+-]\\d+/g) || [];
   for (const svg of document.querySelectorAll("main svg")) {
@@ -37,15 +41,19 @@ window.addEventListener("load", () => {
     const box = svg.getBoundingClientRect();
     const texts = [...svg.querySelectorAll("text")].map(t => t.textContent);
     const outside = [];
+    const placed = [];
+    const parent = svg.parentElement.getBoundingClientRect();
     for (const t of svg.querySelectorAll("text")) {
+      const r = t.getBoundingClientRect();
+      placed.push({text: t.textContent, x: r.left, y: r.top});
       const b = t.getBoundingClientRect();
       if (b.width && (b.left < box.left - 1 || b.top < box.top - 1
                       || b.right > box.right + 1 || b.bottom > box.bottom + 1)) {
         outside.push(t.textContent);
       }
     }
-    out.svgs.push({label, title: title ? title.textContent : "", texts, outside,
-                   width: svg.getBoundingClientRect().width});
+    out.svgs.push({label, title: title ? title.textContent : "", texts, outside, placed,
+                   width: box.width, overflow: box.right > parent.right + 1});
   }
   const pre = document.createElement("pre");
   pre.id = "probe-result";

@@ -25,7 +25,7 @@ from onnx_partition.report.svg import (
 from onnx_partition.values import fmt_bytes, sig3
 
 __all__ = ["MAX_DAG_NODES", "batch_line", "default_report_path", "measured_section", "plan_table",
-           "report_html", "write_report"]
+           "report_html", "throughput_cards", "tokens_per_sample", "write_report"]
 
 
 def _mb(nbytes: float) -> str:
@@ -51,20 +51,21 @@ def plan_table(plan: Plan) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     total = plan.predicted
+    rate = float(total.get("throughput_per_s", inf))
+    rates = ", ".join(v for v, _ in throughput_cards(plan, rate)) if rate < inf \
+        else "inf micro-batches/s"
     if "iteration_ms" in total:
         lines.append(
             f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: "
             f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
-            f"{total['microbatches']} micro-batches per "
+            f"{_count(int(total['microbatches']), 'micro-batch')} per "
             f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
-            f"{total['bubble_fraction'] * 100:.1f}%, {total.get('throughput_per_s', inf):.1f} "
-            f"micro-batches/s"
+            f"{total['bubble_fraction'] * 100:.1f}%, {rates}"
         )
     elif total:
         lines.append(
             f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
-            f"{total.get('bottleneck_ms', 0):.3f} ms, predicted "
-            f"{total.get('throughput_per_s', inf):.1f} micro-batches/s "
+            f"{total.get('bottleneck_ms', 0):.3f} ms, predicted {rates} "
             f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
         )
     lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
@@ -81,7 +82,7 @@ def batch_line(plan: Plan, micro_batch: int | None = None,
     m = microbatches or plan.microbatches
     size = micro_batch or plan.rows_per_microbatch
     what = f"micro-batch size {size}" if size else "micro-batch size B"
-    total = f" = {size * m:,} samples per iteration" if size else ""
+    total = f" = {size * m:,} sample{'s' * (size * m != 1)} per iteration" if size else ""
     replicas = sorted({s.replicas for s in plan.stages})
     if len(replicas) == 1 and m % replicas[0] == 0:
         d = replicas[0]
@@ -90,11 +91,14 @@ def batch_line(plan: Plan, micro_batch: int | None = None,
     else:
         share = ("; a stage with d data-parallel replicas gives each M/d of them (replicas per "
                  f"stage: {', '.join(str(s.replicas) for s in plan.stages)})")
-    return f"global batch = {what} x {m} micro-batches{total}{share}"
+    return f"global batch = {what} x {_count(m, 'micro-batch')}{total}{share}"
 
 
 def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    """``1 stage``, ``2 stages``, ``3 micro-batches``."""
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}{'es' if word.endswith(('ch', 'sh', 's', 'x')) else 's'}"
 
 
 def default_report_path(plan_dir: Path) -> Path:
@@ -128,6 +132,7 @@ tr.hot td{background:#fff4e5}
 .card{max-width:300px}
 .card b{display:block;font-size:18px}.card span{color:#555;font-size:12px}
 .note{color:#555;font-size:13px;margin:6px 0 0}
+main svg{max-width:100%;height:auto}
 """
 #: The DAG is drawn operator by operator up to this many operators, condensed above.
 MAX_DAG_NODES = 300
@@ -206,10 +211,10 @@ def _header(plan: Plan) -> str:
     elif source != "?":
         source = f"profile file {source}"
     if measured:
-        source += f" ({measured} operators measured)"
+        source += f" ({_count(int(measured), 'operator')} measured)"
     rows = [("devices", where), ("costs", source),
-            ("plan", f"{plan.mode} · {len(plan.stages)} stages · ordering {plan.ordering} · "
-                     f"solver {plan.solver}"),
+            ("plan", f"{plan.mode} · {_count(len(plan.stages), 'stage')} · "
+                     f"ordering {plan.ordering} · solver {plan.solver}"),
             ("onnx-partition", plan.version or "?")]
     return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
 
@@ -246,7 +251,7 @@ def measured_section(plan: Plan, run: dict[str, Any], name: str = "run.json") ->
                     + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("measured", "predicted", "measured / predicted"))
     note = (f"{esc(name)}: {esc(str(run.get('runtime', '?')))} runtime, "
-            f"{shape.microbatches} micro-batches x {shape.batch_size} rows, "
+            f"{_count(shape.microbatches, 'micro-batch')} x {_count(shape.batch_size, 'row')}, "
             f"{measured.get('iterations', '?')} timed iterations. Predicted: the plan's "
             "forward-only simulation of the same micro-batches.")
     return _section("Measured run against the simulation",
@@ -258,13 +263,45 @@ def _section(title: str, content: str) -> str:
     return f"<section><h2>{esc(title)}</h2>{content}</section>"
 
 
+def tokens_per_sample(plan: Plan) -> int | None:
+    """Tokens in one sample of a model with a sequence axis: the dims after the batch axis of
+    its integer (token id) input, as partitioned; None for other models or an unknown length."""
+    fixed = plan.input_shapes
+    for spec in plan.inputs:
+        if not spec.dtype.startswith(("int", "uint")) or len(spec.shape) != 2:
+            continue
+        length = fixed[spec.name][1] if len(fixed.get(spec.name, [])) == 2 else spec.shape[1]
+        if isinstance(length, int) and length > 0:
+            return length
+    return None
+
+
+def throughput_cards(plan: Plan, microbatches_per_s: float) -> list[tuple[str, str]]:
+    """The headline figures a user thinks in: samples/s and, for a model with a sequence
+    axis, tokens/s, then micro-batches/s (what the pipeline moves)."""
+    cards = []
+    rows = plan.rows_per_microbatch
+    if rows:
+        samples = microbatches_per_s * rows
+        cards.append((f"{sig3(samples)} samples/s",
+                      f"simulated throughput: micro-batches/s x {_count(rows, 'sample')} per "
+                      "micro-batch"))
+        tokens = tokens_per_sample(plan)
+        if tokens:
+            cards.append((f"{sig3(samples * tokens)} tokens/s",
+                          f"samples/s x {_count(tokens, 'token')} per sample (the "
+                          "sequence length partitioned for)"))
+    cards.append((f"{sig3(microbatches_per_s)} micro-batches/s",
+                  "micro-batches per iteration ÷ iteration time"))
+    return cards
+
+
 def _summary(plan: Plan, result: SimResult) -> str:
     num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
     cards = [
-        (fmt_ms(result.iteration_ms), f"simulated iteration: {num_mb} micro-batches through "
-                                      f"the pipeline, {schedule_name(result)} schedule"),
-        (f"{sig3(result.throughput_per_s)} micro-batches/s",
-         "simulated throughput: micro-batches per iteration ÷ iteration time"),
+        *throughput_cards(plan, result.throughput_per_s),
+        (fmt_ms(result.iteration_ms), f"simulated iteration: {_count(num_mb, 'micro-batch')} "
+                                      f"through the pipeline, {schedule_name(result)} schedule"),
         (f"{result.bubble_fraction * 100:.1f}%", "bubble: idle share of the devices' time in "
                                                   "the simulated iteration"),
     ]
@@ -373,8 +410,9 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
     consts = (f" {free} constant node{'s' * (free != 1)} (copied into the stages that need "
               "them) not drawn." if free else "")
     return (layered_dag(nodes, sorted(edges), legend_items=legend_items)
-            + html_note(f"{len(index)} operators in topological layers, top to bottom; red edges "
-                    f"cross a stage boundary.{consts} Hover a node for its key."))
+            + html_note(f"{_count(len(index), 'operator')} in topological layers, top to "
+                        f"bottom; red edges cross a stage boundary.{consts} Hover a node for "
+                        "its key."))
 
 
 def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
@@ -382,7 +420,8 @@ def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
 
     groups, flows = condense(graph, stage_of)
     svg, engine = draw(groups, flows)
-    return svg + html_note(f"{count} operators condensed to {len(groups)} boxes, one per stage and "
-                       "repeated block (the exporter's module scopes), operator counts in "
-                       "brackets; edges carry the bytes of one micro-batch, red ones cross a "
-                       f"stage boundary. Drawn with {engine}.")
+    return svg + html_note(
+        f"{_count(count, 'operator')} condensed to {_count(len(groups), 'box')}: each stage "
+        "(left to right in pipeline order) cut into runs of one repeated block (the exporter's "
+        "module scopes, shared prefix left out), operator counts in brackets; edges carry the "
+        f"bytes of one micro-batch, red ones cross a stage boundary. Drawn with {engine}.")

@@ -16,8 +16,8 @@ import networkx as nx
 from onnx_partition.values import sig3
 
 __all__ = ["ALLREDUCE", "BACKWARD", "COMM", "FONT", "FORWARD", "HATCH", "HATCH_ID", "Bar",
-           "DagNode", "Segment", "esc", "fmt_ms", "fmt_num", "gantt", "hbar_chart",
-           "layered_dag", "legend", "nice_ticks", "stage_colour", "text_on",
+           "ColumnBox", "DagNode", "Segment", "esc", "fmt_ms", "fmt_num", "gantt", "hbar_chart",
+           "layered_dag", "legend", "nice_ticks", "stage_colour", "stage_columns", "text_on",
            "text_width"]
 
 FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
@@ -354,3 +354,81 @@ def _fit(text: str, width: float, size: float) -> str:
         return text
     keep = max(int(width / (0.62 * size)) - 1, 1)
     return text[:keep] + "…"
+
+
+@dataclass(frozen=True)
+class ColumnBox:
+    stage: int
+    label: str
+    ops: int
+    title: str
+
+
+def stage_columns(
+    boxes: Sequence[ColumnBox],
+    edges: Sequence[tuple[int, int, bool, str]],
+    *,
+    max_width: float = 1300,
+    shorten: Callable[[str, int], str] | None = None,
+) -> str:
+    """The condensed operator graph: one column per stage, left to right in stage order, each
+    stage's boxes top to bottom in the order given; ``edges`` are ``(u, v, crosses a stage,
+    title)``. Labels are shortened to fit their column by ``shorten(label, characters)``
+    (default: cut from the left); the drawing never gets
+    wider than ``max_width`` (and the page scales it down further when the window is
+    narrower)."""
+    stages = sorted({b.stage for b in boxes})
+    column = {s: i for i, s in enumerate(stages)}
+    gap, margin, box_h, gap_y, top = 28.0, 10.0, 24.0, 14.0, 26.0
+    cut = shorten or _left_cut
+    longest = max((text_width(f"{b.label} ({b.ops})", 10) + 16 for b in boxes), default=80.0)
+    col_w = max(min(longest, 240.0, (max_width - 2 * margin) / max(len(stages), 1) - gap), 40.0)
+    row: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    for i, b in enumerate(boxes):
+        row[i] = counts.get(b.stage, 0)
+        counts[b.stage] = row[i] + 1
+    pos = {i: (margin + column[b.stage] * (col_w + gap), top + row[i] * (box_h + gap_y))
+           for i, b in enumerate(boxes)}
+    width = margin * 2 + len(stages) * (col_w + gap) - gap
+    height = top + max(counts.values(), default=0) * (box_h + gap_y) + 4
+    parts = []
+    for s in stages:
+        x = margin + column[s] * (col_w + gap)
+        parts.append(_text(x + col_w / 2, 16, f"stage {s}", anchor="middle", fill="#333",
+                           weight="600"))
+    parts.append('<g fill="none" stroke-linejoin="round">')
+    for u, v, cross, title in sorted(edges, key=lambda e: e[2]):
+        (x1, y1), (x2, y2) = pos[u], pos[v]
+        stroke = 'stroke="#c0392b" stroke-width="1.6"' if cross else \
+            'stroke="#8a96a3" stroke-width="1" stroke-opacity="0.8"'
+        if cross:  # right side of the producer to the left side of the consumer
+            sx, sy, ex, ey = x1 + col_w, y1 + box_h / 2, x2, y2 + box_h / 2
+            mid = (ex - sx) / 2
+            path = f"M{sx:.1f},{sy:.1f} C{sx + mid:.1f},{sy:.1f} {ex - mid:.1f},{ey:.1f} " \
+                   f"{ex:.1f},{ey:.1f}"
+        elif row[v] == row[u] + 1:  # the next box down
+            path = f"M{x1 + col_w / 2:.1f},{y1 + box_h:.1f} V{y2:.1f}"
+        else:  # further down: a bow inside the column's right margin
+            bx = x1 + col_w + min(gap / 2 - 2, 4 + 3 * (row[v] - row[u]))
+            path = (f"M{x1 + col_w:.1f},{y1 + box_h / 2:.1f} C{bx:.1f},{y1 + box_h / 2:.1f} "
+                    f"{bx:.1f},{y2 + box_h / 2:.1f} {x2 + col_w:.1f},{y2 + box_h / 2:.1f}")
+        parts.append(f'<path d="{path}" {stroke}><title>{esc(title)}</title></path>')
+    parts.append("</g>")
+    for i, b in enumerate(boxes):
+        x, y = pos[i]
+        colour = stage_colour(b.stage)
+        parts.append(_rect(x, y, col_w, box_h, colour, b.title,
+                           'rx="4" stroke="#333" stroke-width="0.5"'))
+        count = f" ({b.ops})"
+        room = int((col_w - 8) / (0.62 * 10)) - len(count)
+        label = (cut(b.label, room) + count) if room >= 3 else _fit(b.label, col_w - 6, 10)
+        parts.append(_text(x + col_w / 2, y + box_h / 2 + 4, label, anchor="middle", size=10,
+                           fill=text_on(colour)))
+    svg = _svg(width, height, parts, "operator graph")
+    return svg.replace('style="', 'style="max-width:100%;height:auto;', 1)
+
+
+def _left_cut(text: str, limit: int) -> str:
+    """``text`` cut from the left with an ellipsis to at most ``limit`` characters."""
+    return text if len(text) <= limit else "…" + text[len(text) - max(limit - 1, 1):]

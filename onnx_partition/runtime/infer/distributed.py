@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,7 @@ def run_distributed(
     device: str | None = None,
     hook: RankHook | None = None,
     hop: str = "host",
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[np.ndarray], DistStats]:
     """Run the plan with one local process per stage replica; the outputs (last iteration's,
     a list in the order of ``output_names``, default the plan's outputs, as onnxruntime's
@@ -99,6 +100,9 @@ def run_distributed(
     ``hop``: ``host`` (numpy through host memory, the default) or ``device`` (torch tensors
     from the wire through onnxruntime's IOBinding, :mod:`~onnx_partition.runtime.infer.hop`;
     on CUDA with ``backend="nccl"``; not yet confirmed on a GPU).
+    ``progress`` (picklable, such as :class:`~onnx_partition.runtime.infer.rank.RankBar`) is
+    called in rank 0 as ``progress(done, total)`` with the iterations every rank has finished,
+    out of ``iterations x processes``.
     """
     folder = Path(plan_dir).resolve()
     plan, lay, chosen = _check_run(folder, nproc, backend, device, hop)
@@ -114,7 +118,8 @@ def run_distributed(
         raise PartitionError(f"need at least one iteration, got {iterations}")
     inputs = {n: np.asarray(feeds[n]) for n in lay.recv_names[0]}
     args = [(str(folder), chosen, inputs if rank == 0 else None, microbatches, iterations,
-             threads_per_stage, timeout_s, device, hook, hop) for rank in range(lay.world_size)]
+             threads_per_stage, timeout_s, device, hook, hop, progress)
+            for rank in range(lay.world_size)]
     began = time.perf_counter()
     results = launch_ranks(_spawned, args, lay.name, master_addr=master_addr,
                            master_port=master_port, timeout_s=timeout_s,
@@ -153,10 +158,11 @@ def _spawned(
     device: str | None,
     hook: RankHook | None,
     hop: str,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Env, DistStats] | None:
     """One rank of :func:`run_distributed` (a :func:`launch_ranks` target)."""
     folder = Path(plan_dir)
     plan = read_plan(folder)
     config = RankConfig(folder, plan, on_device(layout(plan), device), backend, microbatches,
-                        iterations, threads, timeout_s, hook, hop)
+                        iterations, threads, timeout_s, hook, hop, progress)
     return serve_rank(config, rank, feeds, store)

@@ -77,15 +77,18 @@ def measure_distributed(
     plan_dir: str | os.PathLike[str], plan: Plan, feeds: dict[str, np.ndarray],
     shape: RunShape, *, nproc: int | None, warmup: int, iterations: int,
     threads_per_stage: int = 1, device: str | None = None, timeout_s: float = 60.0,
+    show_progress: bool = False,
 ) -> Result:
     """Run with a process per replica (:func:`~onnx_partition.runtime.distributed.
-    run_distributed`); the first ``warmup`` iterations are left out of the figures."""
+    run_distributed`); the first ``warmup`` iterations are left out of the figures.
+    ``show_progress``: rank 0 draws a bar over every rank's iterations on a terminal."""
     from onnx_partition.runtime.infer.distributed import run_distributed
+    from onnx_partition.runtime.infer.rank import RankBar
 
     outputs, stats = run_distributed(
         plan_dir, feeds, nproc=nproc, microbatches=shape.microbatches,
         iterations=warmup + iterations, threads_per_stage=threads_per_stage, device=device,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, progress=RankBar() if show_progress else None,
     )
     busy, cpu = {}, {}
     for rank, (k, r, _) in enumerate(stats.placement):

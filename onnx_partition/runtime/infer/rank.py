@@ -40,7 +40,7 @@ before each micro-batch's compute: the tests' faults (a rank that exits or stops
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -67,8 +67,8 @@ from onnx_partition.runtime.dist.launcher import RankFailure, join_group
 from onnx_partition.runtime.dist.wire import Env, Wire
 from onnx_partition.runtime.infer.hop import HOPS, DeviceHop
 
-__all__ = ["DistStats", "RankConfig", "check_feeds", "check_hop", "choose_backend", "format_stats",
-           "hop_key", "on_device", "serve_rank"]
+__all__ = ["PROGRESS_KEY", "DistStats", "RankBar", "RankConfig", "check_feeds", "check_hop",
+           "choose_backend", "format_stats", "hop_key", "on_device", "serve_rank"]
 
 
 def on_device(lay: Layout, device: str | None) -> Layout:
@@ -184,6 +184,29 @@ class RankConfig:
     timeout_s: float  # process-group set-up and every operation
     hook: RankHook | None = None  # called as hook(rank, "compute") before each micro-batch
     hop: str = "host"  # "host" (Wire, numpy) or "device" (DeviceHop, torch tensors)
+    # rank 0 calls progress(done, total) with every rank's finished iterations (RankBar)
+    progress: Callable[[int, int], None] | None = None
+
+
+class RankBar:
+    """The progress of a ``run --nproc``, drawn by rank 0 (:func:`onnx_partition.progress.
+    progress_callback`: on a terminal, unless ``enabled`` is false): every rank adds its
+    finished iterations to a counter in the run's store, rank 0 shows the sum over all ranks.
+    Picklable, so it travels to the rank processes; the bar is made in rank 0."""
+
+    def __init__(self, label: str = "run (all ranks)", *, enabled: bool = True) -> None:
+        self.label, self.enabled = label, enabled
+        self._bar: Callable[[int, int], None] | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from onnx_partition.progress import progress_callback
+
+            self._bar = progress_callback(self.label, enabled=self.enabled)
+        self._bar(done, total)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"label": self.label, "enabled": self.enabled, "_bar": None}
 
 
 @dataclass
@@ -232,12 +255,14 @@ def serve_rank(
         wire = Wire(comm, lay.name)
     tally = _Tally()
     results: dict[int, Env] = {}
+    report = _reporter(config, rank, store, iterations * lay.world_size)
     for _ in range(iterations):
         began, busy_before, cpu_before = time.perf_counter(), tally.busy, tally.cpu
         results = _iterate(config, rank, session, wire, batches, keys, tally)
         tally.iteration_ms.append((time.perf_counter() - began) * 1000.0)
         tally.busy_each.append((tally.busy - busy_before) * 1000.0)
         tally.cpu_each.append((tally.cpu - cpu_before) * 1000.0)
+        report(1)
     done = time.perf_counter()
 
     mine = {"rank": rank, "busy": tally.busy, "comm": wire.comm_s, "wall": done - ready,
@@ -246,6 +271,7 @@ def serve_rank(
     gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
+    report(0)  # rank 0, after the gather: every rank has finished and counted
     if rank != 0:
         return None
     fixed = microbatch.batch_axes(config.plan)
@@ -261,6 +287,27 @@ def hop_key(plan: Plan, m: int, rows: int) -> tuple[str, int]:
     iteration)."""
     static = plan.extra.get("unknown_size_tensors") == 0
     return ("rows", rows) if static else ("microbatch", m)
+
+
+#: The store's counter of iterations finished, over all ranks of a run.
+PROGRESS_KEY = "onnx-partition/iterations-done"
+
+
+def _reporter(config: RankConfig, rank: int, store: dist.Store | None,
+              total: int) -> Callable[[int], None]:
+    """``report(n)``: add ``n`` finished iterations to the run's counter (every rank) and, in
+    rank 0, show the counter on ``config.progress``. A no-op without a bar or a store
+    (torchrun's ``env://`` store is not handed to the ranks)."""
+    progress = config.progress
+    if progress is None or store is None:
+        return lambda n: None
+
+    def report(n: int) -> None:
+        done = int(store.add(PROGRESS_KEY, n))
+        if rank == 0:
+            progress(min(done, total), total)
+
+    return report
 
 
 def _open(
