@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.cli import one_error, parser_that_never_runs_a_verb, verb_parsers
 from support.graphs import CHAIN, save
@@ -17,13 +17,14 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.values import OptionType, Rule
 
 
-def numeric_options() -> list[tuple[str, str, Rule]]:
-    """(verb, flag, rule) of every numeric option of every verb."""
+def numeric_options() -> list[tuple[str, str, Rule, int]]:
+    """(verb, flag, rule, values it takes) of every numeric option of every verb."""
     found = []
     for verb, verb_parser in verb_parsers(parser_that_never_runs_a_verb()).items():
         for action in verb_parser._actions:
             if isinstance(action.type, OptionType):
-                found.append((verb, action.type.flag, action.type.rule))
+                count = action.nargs if isinstance(action.nargs, int) else 1
+                found.append((verb, action.type.flag, action.type.rule, count))
     return found
 
 
@@ -31,7 +32,7 @@ OPTIONS = numeric_options()
 
 
 def test_every_numeric_option_is_covered():
-    flags = {flag for _, flag, _ in OPTIONS}
+    flags = {flag for _, flag, _, _ in OPTIONS}
     assert {"--bandwidth", "--latency", "--batch-size", "--microbatches", "--stages",
             "--inter-bandwidth", "--devices", "--machines", "--timeout", "--chunks"} <= flags
 
@@ -60,10 +61,16 @@ def bad_value(draw: st.DrawFn, rule: Rule) -> str:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_bad_numbers_anywhere_on_the_command_line(capsys, data):
-    verb, flag, rule = data.draw(st.sampled_from(OPTIONS))
+    verb, flag, rule, count = data.draw(st.sampled_from(OPTIONS))
     text = data.draw(bad_value(rule))
+    # an option of several values (--betas B1 B2) gets the bad one first, then good ones
+    fine = 0 if rule.low <= 0 <= rule.high and not rule.low_open else rule.high
+    good = [str(rule.kind(fine))] * (count - 1)
+    argv = [verb, f"{flag}={text}"] if count == 1 else [verb, flag, f"{text}", *good]
+    if count > 1:
+        assume(not text.startswith("-"))  # argparse reads "-x" there as an option
     parser = parser_that_never_runs_a_verb()  # main's parser and checks, with no verb to run
-    code = guarded(lambda: parser.parse_args([verb, f"{flag}={text}"]).func(None))
+    code = guarded(lambda: parser.parse_args(argv).func(None))
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
