@@ -117,8 +117,9 @@ def export(
           atomic_path(path) as staged):
         was_training = module.training
         target: torch.nn.Module = module
-        if kwargs or _needs_flat_view(module, args):
-            target = _FlatOutputs(module, args, dict(kwargs or {}))
+        out = _probe(module, args, kwargs or {})
+        if kwargs or not _is_flat(out):
+            target = _FlatOutputs(module, args, dict(kwargs or {}), out)
             input_names = list(input_names) if input_names is not None else target.input_names
             output_names = (list(output_names) if output_names is not None
                             else target.output_names)
@@ -216,22 +217,26 @@ def _unaliased(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _needs_flat_view(module: torch.nn.Module, args: tuple[Any, ...]) -> bool:
-    """Whether the module's output (probed once in eval mode, without gradients) is anything
-    but a tensor or a flat tuple of tensors."""
+def _probe(module: torch.nn.Module, args: tuple[Any, ...],
+           kwargs: Mapping[str, torch.Tensor]) -> Any:
+    """The module's output on the example inputs: one eval-mode forward without gradients
+    (no batch-norm update, no dropout draw)."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad(), quiet():
-            out = module(*args)
+            return module(*args, **kwargs)
     except Exception as exc:
         raise PartitionError(f"cannot run {type(module).__name__} on the example inputs: "
                              f"{_cause(exc)}") from None
     finally:
         module.train(was_training)
-    if isinstance(out, torch.Tensor):
-        return False
-    return not (isinstance(out, tuple | list) and all(isinstance(o, torch.Tensor) for o in out))
+
+
+def _is_flat(out: Any) -> bool:
+    """A tensor or a flat tuple of tensors: exported as it is."""
+    return isinstance(out, torch.Tensor) or (
+        isinstance(out, tuple | list) and all(isinstance(o, torch.Tensor) for o in out))
 
 
 def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -256,7 +261,7 @@ class _FlatOutputs(torch.nn.Module):
     inner: torch.nn.Module
 
     def __init__(self, module: torch.nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, torch.Tensor]) -> None:
+                 kwargs: dict[str, torch.Tensor], out: Any) -> None:
         super().__init__()
         self.__dict__["inner"] = module
         self._modules = module._modules
@@ -270,13 +275,6 @@ class _FlatOutputs(torch.nn.Module):
             params = []
         self.input_names = [params[i] if i < len(params) else f"input_{i}"
                             for i in range(len(args))] + self.keys
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad(), quiet():
-                out = module(*args, **kwargs)
-        finally:
-            module.train(was_training)
         leaves = _flatten("", out)
         for name, leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
