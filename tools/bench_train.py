@@ -87,7 +87,7 @@ def _torch_rank(rank: int, port: int, name: str, size: str, cut: str, rows: int,
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    module = models.build(name, size, batch_size=rows).module.train()
+    module = models.build(name, size, batch_size=rows).module.train().requires_grad_(True)
     ids = models.build(name, size, batch_size=rows).inputs["input_ids"]
     pipe = pipeline(module, mb_args=(ids,), split_spec={cut: SplitPoint.BEGINNING})
     stage = pipe.build_stage(rank, torch.device("cpu"))
