@@ -32,3 +32,22 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], P
         return cache[name, size]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``hf_exported(name, labels=False)``: a tiny Hugging Face model (``support.hf``: gpt2,
+    bert, llama, vit) exported as it is, once per test session; ``labels=True``: with labels
+    as an input, the model's own loss its first output."""
+    from support.hf import export_hf
+
+    root = tmp_path_factory.mktemp("hf")
+    cache: dict[tuple[str, bool], Path] = {}
+
+    def get(name: str, labels: bool = False) -> Path:
+        if (name, labels) not in cache:
+            suffix = "-labels" if labels else ""
+            cache[name, labels] = export_hf(name, root / f"{name}{suffix}.onnx", labels=labels)
+        return cache[name, labels]
+
+    return get

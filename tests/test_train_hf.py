@@ -1,82 +1,97 @@
-"""Hugging Face GPT-2 (tied embeddings), BERT and a Llama-style decoder, built from tiny configs
-with random weights (no downloads), exported through onnx_partition.export: stage modules of
-2- and 3-stage train plans chained equal the whole program, forward and gradients."""
+"""Hugging Face GPT-2 (tied embeddings), BERT, Llama and ViT, built from tiny configs with
+random weights (no downloads) and exported as they are (``ModelOutput``, cache on) through
+onnx_partition.export: stage modules of 2- and 3-stage train plans chained equal the whole
+program, forward and gradients, and training over gloo equals one process; with ``labels`` as
+an input, the model's own loss (its first output) trains the same way."""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
-import transformers
-from support.training import assert_stages_equal_whole, assert_stages_run_on_meta, train_checked
+from support.hf import HF_MODELS, build_hf, hf_example
+from support.training import (
+    assert_stages_equal_whole,
+    assert_stages_run_on_meta,
+    own_loss_job,
+    own_loss_task,
+    train_checked,
+)
 
 from onnx_partition import export
+from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
-from onnx_partition.runtime.train.modules import lazy_stages, stage_modules
+from onnx_partition.runtime.train.launch import launch_training
+from onnx_partition.runtime.train.modules import lazy_stages, stage_modules, whole_module
+from onnx_partition.runtime.train.rank import TrainConfig
+from onnx_partition.runtime.train.reference import reference_train
+from onnx_partition.runtime.train.trainer import synthetic_batch
 
-VOCAB = 100
-
-
-def _build(name: str) -> torch.nn.Module:
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    small = {"vocab_size": VOCAB, "max_position_embeddings": 16}
-    if name == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=VOCAB,
-            bos_token_id=0, eos_token_id=0))
-    if name == "bert":
-        return transformers.BertForMaskedLM(transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-            **small))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, **small))
+HF = Callable[..., Path]
 
 
-class Logits(torch.nn.Module):
-    """``input_ids -> logits`` of a Hugging Face language model (no cache, plain tuple)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, return_dict=False)[0]
+def _io(model: Path) -> tuple[list[str], list[str]]:
+    proto = onnx.load(str(model), load_external_data=False)
+    return [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("hf")
-    cache: dict[str, Path] = {}
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_model_outputs_flattened_to_named_tensors(name: str, hf_exported: HF) -> None:
+    inputs = "pixel_values" if name == "vit" else "input_ids"
+    assert _io(hf_exported(name)) == ([inputs], ["logits"])
+    if name in ("gpt2", "vit"):
+        assert _io(hf_exported(name, labels=True)) == ([inputs, "labels"], ["loss", "logits"])
 
-    def get(name: str) -> Path:
-        if name not in cache:
-            model = _build(name)
-            model.config.use_cache = False
-            ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
-            cache[name] = export(Logits(model), (ids,), root / f"{name}.onnx",
-                                 input_names=["input_ids"], output_names=["logits"])
-        return cache[name]
 
-    return get
+def test_cache_turned_off_with_one_note(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    model = build_hf("gpt2")
+    assert model.config.use_cache
+    args, _ = hf_example("gpt2")
+    export(model, args, tmp_path / "g.onnx")
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "use_cache=False" in err, err
+    assert model.config.use_cache  # restored
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if bool(x.sum() > 0) else -x
+
+
+class CacheOut(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        return {"y": x * 2, "cache": object()}
+
+
+@pytest.mark.parametrize("module, says", [
+    (DataDependent(), "cannot export DataDependent: "),
+    (CacheOut(), "output 'cache' of CacheOut is a object, not a tensor"),
+])
+def test_export_errors_are_one_line(module: torch.nn.Module, says: str, tmp_path: Path) -> None:
+    with pytest.raises(PartitionError) as info:
+        export(module, (torch.randn(2, 3),), tmp_path / "m.onnx")
+    text = str(info.value)
+    assert says in text and "\n" not in text and not re.search(r"\x1b", text), text
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
-def test_hf_stage_modules_equal_whole(
-    name: str, stages: int, hf_model: Callable[[str], Path], tmp_path: Path
-) -> None:
-    plan = partition(hf_model(name), stages, tmp_path / "plan", mode="train", batch_size=2,
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_stage_modules_equal_whole(name: str, stages: int, hf_exported: HF,
+                                      tmp_path: Path) -> None:
+    plan = partition(hf_exported(name), stages, tmp_path / "plan", mode="train", batch_size=2,
                      ordering="topo")
     assert_stages_equal_whole(tmp_path / "plan")
     if stages == 3:
         assert_stages_run_on_meta(tmp_path / "plan")
     if name == "gpt2":  # lm_head is wte: one parameter, held by the first and last stages
         tied = stage_modules(tmp_path / "plan")[0].tied
-        assert tied == {"model.transformer.wte.weight": (0, len(plan.stages) - 1)}
+        assert tied == {"transformer.wte.weight": (0, len(plan.stages) - 1)}
         # a training rank's stages: every stage's ties known, only the module read is built
         lazy = lazy_stages(tmp_path / "plan")
         assert [s.tied for s in lazy] == [s.tied for s in stage_modules(tmp_path / "plan")]
@@ -84,10 +99,50 @@ def test_hf_stage_modules_equal_whole(
         assert [s.built is not None for s in lazy] == [False] * (stages - 1) + [True]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
-def test_hf_trains_over_gloo_like_one_process(
-    name: str, hf_model: Callable[[str], Path], tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_trains_over_gloo_like_one_process(name: str, hf_exported: HF,
+                                              tmp_path: Path) -> None:
     """2 stages, 2 ranks, 2 SGD steps: every rank's parameters (GPT-2's tied ``wte`` summed
     across its first and last stage) equal single-process training."""
-    train_checked(hf_model(name), tmp_path / "plan", 2, ordering="topo")
+    train_checked(hf_exported(name), tmp_path / "plan", 2, ordering="topo")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_own_loss_stages_equal_whole(name: str, hf_exported: HF, tmp_path: Path) -> None:
+    """With labels an input, the first output is the model's scalar loss: the whole module and
+    the chained stages compute it equal (and its gradients), and it is the loss a Hugging Face
+    model computes itself."""
+    plan_dir = tmp_path / "plan"
+    partition(hf_exported(name, labels=True), 3, plan_dir, mode="train", batch_size=2,
+              ordering="topo")
+    task = own_loss_task(plan_dir)
+    assert_stages_equal_whole(plan_dir, task=task)
+    inputs, _ = task.make_batch(2, torch.Generator().manual_seed(1))
+    model = build_hf(name).eval()  # dropout off, as deterministic stages have it
+    feeds = {k: inputs[k] for k in ("input_ids", "pixel_values", "labels") if k in inputs}
+    want = model(**feeds).loss
+    got = whole_module(plan_dir, deterministic=True)(*feeds.values())[0]
+    assert got.shape == () and torch.allclose(got, want, rtol=1e-5), (got, want)
+
+
+def test_own_loss_trains_over_gloo_like_one_process(hf_exported: HF, tmp_path: Path) -> None:
+    """GPT-2 given labels, 2 stages on gloo, 2 SGD steps of 2 micro-batches on its own loss
+    (each micro-batch weighted 1/M): every rank's parameters equal single-process training."""
+    plan_dir = tmp_path / "plan"
+    plan = partition(hf_exported("gpt2", labels=True), 2, plan_dir, mode="train", batch_size=2,
+                     ordering="topo")
+    rows, seed = 4, 0
+    job = functools.partial(own_loss_job, str(plan_dir), rows, seed, True)
+    config = TrainConfig(steps=2, microbatches=2, lr=0.05, check_steps=(2,))
+    results = launch_training(plan, job, config, timeout_s=60)
+    task = own_loss_task(plan_dir)
+    batches = [synthetic_batch(task.make_batch, rows, seed, s) for s in range(2)]
+    want = reference_train(plan_dir, batches, lr=0.05, microbatches=2, task=task)
+    first = whole_module(plan_dir, deterministic=True)
+    for result in results:
+        for name, got in result.states[2].items():
+            torch.testing.assert_close(got, want[name], rtol=1e-4, atol=1e-6)
+            assert not torch.equal(got, dict(first.named_parameters())[name]), name  # trained
+    inputs = batches[0][0]  # step 1's loss: the mean of the micro-batches' own losses
+    own = [first(*[inputs[s.name][lo:hi] for s in plan.inputs])[0] for lo, hi in ((0, 2), (2, 4))]
+    assert results[0].loss[0] == pytest.approx(float(sum(own).detach()) / 2, rel=1e-5)

@@ -14,18 +14,28 @@ plans taking turns, the fastest run shown), and the whole program in one process
 step is left out of every figure. Columns: samples/s; measured ms per step; the simulator's
 ms per step from the plan's profiled costs and from the stage times measured in the run
 (``measured / simulated`` is the target: within 15%).
-torch.distributed.pipelining (on our split, or its ``split_into_equal_size``) is reported with
-the reason it does not run (see ``onnx_partition/runtime/train/torch_engine.py``).
+Row (c) is torch.distributed.pipelining's own front end on the same recipe module, batch and
+steps: ``pipeline()`` with a ``SplitPoint.BEGINNING`` at the transformer block where our DP
+plan's stage 1 begins (the block holding stage 1's first parameters), one gloo process per
+stage, one torch thread each, ``Schedule1F1B`` over the same micro-batches, cross-entropy, SGD;
+the last column of every pipelined row is ours / torch pipelining in samples/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import socket
 import tempfile
 import time
 from pathlib import Path
 
+import onnx
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from onnx_partition import models
 from onnx_partition.cost.profile import profile_to_file
@@ -35,7 +45,6 @@ from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.rank import microbatch
 from onnx_partition.runtime.train.reference import make_optimizer
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.torch_engine import torch_engine_refusal
 from onnx_partition.runtime.train.trainer import TrainStats, synthetic_batch, train_plan
 
 
@@ -61,13 +70,76 @@ def whole_steps(plan_dir: Path, rows: int, count: int, steps: int, threads: int)
     return times
 
 
-def row(name: str, rows: int, ms: float, stats: TrainStats | None) -> str:
+def block_cut(plan_dir: Path) -> str:
+    """The module FQN (``blocks.K``) where stage 1 of a 2-stage plan begins: the lowest block
+    index among stage 1's parameters (initializers of its stage file)."""
+    plan = read_plan(plan_dir)
+    model = onnx.load(str(plan_dir / plan.stages[1].file), load_external_data=False)
+    found = [int(m.group(1)) for i in model.graph.initializer
+             if (m := re.match(r"blocks\.(\d+)\.", i.name))]
+    return f"blocks.{min(found)}"
+
+
+def _torch_rank(rank: int, port: int, name: str, size: str, cut: str, rows: int, count: int,
+                steps: int, out: str) -> None:
+    """One stage of torch pipelining's front end (see the module docstring)."""
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    module = models.build(name, size, batch_size=rows).module.train().requires_grad_(True)
+    ids = models.build(name, size, batch_size=rows).inputs["input_ids"]
+    pipe = pipeline(module, mb_args=(ids,), split_spec={cut: SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    vocab = module.head.out_features
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    schedule = Schedule1F1B(stage, n_microbatches=count, loss_fn=loss_fn)
+    opt = make_optimizer("sgd", stage.submod.parameters(), 0.01)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (rows * count, ids.shape[1]), generator=generator)
+        y = torch.randint(0, vocab, (rows * count, ids.shape[1]), generator=generator)
+        dist.barrier()
+        began = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+        dist.barrier()
+        times.append((time.perf_counter() - began) * 1000.0)
+    if rank == 0:
+        Path(out).write_text(" ".join(f"{t:.3f}" for t in times))
+    dist.destroy_process_group()
+
+
+def torch_pipelining_steps(name: str, size: str, cut: str, rows: int, count: int,
+                           steps: int) -> list[float]:
+    """ms per step of torch pipelining's front end, 2 processes (rank 0's clock)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times")
+        mp.spawn(_torch_rank, args=(port, name, size, cut, rows, count, steps, out), nprocs=2)
+        return [float(t) for t in Path(out).read_text().split()]
+
+
+def row(name: str, rows: int, ms: float, stats: TrainStats | None,
+        torch_ms: float | None = None) -> str:
     rate = rows / ms * 1000.0
+    ratio = f"{torch_ms / ms:.2f}" if torch_ms else "-"
     if stats is None:
-        return f"| {name} | {rate:.1f} | {ms:.1f} | - | - | - | - |"
+        return f"| {name} | {rate:.1f} | {ms:.1f} | - | - | - | - | - |"
     return (f"| {name} | {rate:.1f} | {ms:.1f} | {stats.simulated_ms:.1f} | "
             f"{ms / stats.simulated_ms:.2f} | {stats.calibrated_ms:.1f} | "
-            f"{ms / stats.calibrated_ms:.2f} |")
+            f"{ms / stats.calibrated_ms:.2f} | {ratio} |")
 
 
 def main() -> int:
@@ -108,29 +180,39 @@ def main() -> int:
         print(f"  {solver} split: {ops} ONNX nodes per stage")
 
     lines = ["| configuration | samples/s | measured ms/step | simulated ms (plan costs) | "
-             "measured/simulated | simulated ms (measured stage times) | measured/simulated |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "measured/simulated | simulated ms (measured stage times) | measured/simulated | "
+             "ours / torch pipelining (samples/s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for threads in args.whole_threads:
         ms = whole_steps(plans["dp"], b, m, args.steps, threads)[1:]
         lines.append(row(f"(a) whole model, 1 process, {threads} thread(s)", b * m,
                          sum(ms) / len(ms), None))
     runs: dict[str, list[TrainStats]] = {"dp": [], "uniform": []}
+    cut = block_cut(plans["dp"]) if args.stages == 2 else None
+    torch_runs: list[float] = []
     for _ in range(args.repeats):
         for solver in runs:  # taking turns: a slow spell of the machine hits both
             runs[solver].append(train_plan(plans[solver], steps=args.steps, microbatches=m,
                                            batch_size=b, schedule=args.schedule))
+        if cut is not None:
+            ms = torch_pipelining_steps(args.model, args.size, cut, b, m, args.steps)[1:]
+            torch_runs.append(sum(ms) / len(ms))
+    torch_ms = min(torch_runs) if torch_runs else None
     for solver, label in (("dp", "our plan (DP)"), ("uniform", "(b) uniform split")):
         stats = min(runs[solver], key=lambda st: st.measured_ms)
         lines.append(row(f"{label}, {len(stats.ranks)} processes", b * m, stats.measured_ms,
-                         stats))
+                         stats, torch_ms))
         print(f"  {label}: ms per step of each run "
               f"{[round(st.measured_ms, 1) for st in runs[solver]]}; best run's per-stage "
               f"forward ms {[round(x, 2) for x in stats.forward_ms]}, "
               f"backward ms {[round(x, 2) for x in stats.backward_ms]}")
-    reason = torch_engine_refusal(read_plan(plans["dp"]))
-    lines.append(f"| (c) torch.distributed.pipelining, our split | n/a: {reason} |||||| ")
-    lines.append("| (d) torch pipelining's split_into_equal_size | n/a: needs a traceable "
-                 "module for its own splitter and the same engine as (c) |||||| ")
+    if torch_ms is not None:
+        lines.append(row(f"(c) torch pipelining pipeline(), SplitPoint at {cut}, 2 processes",
+                         b * m, torch_ms, None))
+        print(f"  torch pipelining: ms per step of each run {[round(t, 1) for t in torch_runs]}")
+    else:
+        lines.append("| (c) torch pipelining | n/a: the bench cuts at one SplitPoint (2 stages) "
+                     "|||||||")
     print("\n".join(lines))
     return 0
 

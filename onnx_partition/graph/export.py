@@ -9,18 +9,28 @@ the eval-mode model: each ``Dropout`` loses its ``training_mode`` input (inferen
 batch norm is already exported as an inference ``BatchNormalization`` over the running statistics.
 ``optimize=False`` keeps every initializer equal to one parameter or buffer, named after it, and
 every FX node's ONNX nodes apart (the optimizer fuses Conv with BatchNorm under one tag).
-See docs/design.md, "Training: FX mapping, relay, tied weights". (The module is not named
+See docs/design.md, "Training: FX mapping, relay, tied weights".
+
+Hugging Face models are exported as they are: a module whose output is a mapping (a
+``ModelOutput``), a nested tuple or holds ``None`` is exported through a view of it that returns
+the flat tuple of its tensors, named by their keys (``loss``, ``logits``; ``hidden_states.0`` in
+nested ones), with the original parameter names; keyword inputs (``labels``) are named after
+their keys. A model whose ``config.use_cache`` is on is exported with it off (one note on
+stderr): a key/value cache is neither a trainable output nor a tensor. (The module is not named
 ``export``: a submodule of that name would shadow the function ``onnx_partition.export``.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
+import re
+import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +93,7 @@ def export(
     dynamic_batch: bool = True,
     opset: int | None = None,
     external_data: bool | None = None,
+    kwargs: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Export ``module`` called on ``args`` to the ONNX file ``path`` and its train-mode program
     to ``path.with_suffix(".pt2")``; weights go to ``<path>.data`` above 100 MB.
@@ -92,7 +103,9 @@ def export(
     written into a temporary folder beside ``path`` under their final names, then moved with
     `os.replace` (data file first, program last). ``external_data`` forces weights out of (True)
     or into (False) the ONNX file. Raises :class:`PartitionError` when the module
-    does not export.
+    does not export. ``kwargs``: keyword tensor inputs after ``args`` (``labels`` of a Hugging
+    Face model, which then returns its own loss first); a model returning a mapping or nested
+    outputs is exported with its outputs flattened to named tensors (module docstring).
     """
     path = Path(path)
     if path.suffix == PROGRAM_SUFFIX:
@@ -100,12 +113,22 @@ def export(
     args = tuple(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     # the program is published last: inner blocks exit first (the ONNX file's .data, then it)
-    with atomic_path(program_path(path)) as staged_program, atomic_path(path) as staged:
+    with (_no_cache(module), atomic_path(program_path(path)) as staged_program,
+          atomic_path(path) as staged):
         was_training = module.training
+        target: torch.nn.Module = module
+        out = _probe(module, args, kwargs or {})
+        if kwargs or not _is_flat(out):
+            target = _FlatOutputs(module, args, dict(kwargs or {}), out)
+            input_names = list(input_names) if input_names is not None else target.input_names
+            output_names = (list(output_names) if output_names is not None
+                            else target.output_names)
+            args = (*args, *(kwargs or {}).values())
+        args = _unaliased(args)
         module.train()
         try:
             with quiet():
-                program = _export_program(module, args, input_names, output_names,
+                program = _export_program(target, args, input_names, output_names,
                                           dynamic_batch=dynamic_batch, opset=opset)
                 _serve_in_eval_mode(program.model)
                 if external_data is None:
@@ -131,8 +154,10 @@ def _export_program(
     opset: int | None,
 ) -> Any:
     batch = torch.export.Dim(BATCH)
-    dynamic = (tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() >= 1 else None
+    dynamic: Any = (tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() >= 1 else None
                      for a in args) if dynamic_batch else None)
+    if dynamic is not None and isinstance(module, _FlatOutputs):
+        dynamic = (dynamic,)  # the shapes of its one ``*values`` parameter
     try:
         return torch.onnx.export(
             module, args, None,
@@ -142,8 +167,125 @@ def _export_program(
             verbose=False,
         )
     except Exception as exc:  # the exporters raise many types; report one line
-        first = one_line(exc)
-        raise PartitionError(f"cannot export {type(module).__name__}: {first}") from None
+        name = type(getattr(module, "inner", module)).__name__
+        raise PartitionError(f"cannot export {name}: {_cause(exc)}") from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost cause of an exporter's error as one line without terminal colour codes
+    (the exporter's own message only says which of its steps failed)."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ or exc.__context__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        exc = inner
+    return _ANSI.sub("", one_line(exc))
+
+
+@contextlib.contextmanager
+def _no_cache(module: torch.nn.Module) -> Iterator[None]:
+    """``config.use_cache`` off while exporting (a Hugging Face model's key/value cache is no
+    tensor output), with a one-line note; restored afterwards."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    print(f"note: exporting {type(module).__name__} with use_cache=False (a key/value cache is "
+          "not a trainable output)", file=sys.stderr)
+    config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = True  # type: ignore[union-attr]
+
+
+def _unaliased(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with a tensor given twice (``labels=ids``) copied: the tracer takes one tensor
+    object for one input, so both inputs would read the first."""
+    seen: set[int] = set()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.clone() if id(a) in seen else a
+            seen.add(id(a))
+        out.append(a)
+    return tuple(out)
+
+
+def _probe(module: torch.nn.Module, args: tuple[Any, ...],
+           kwargs: Mapping[str, torch.Tensor]) -> Any:
+    """The module's output on the example inputs: one eval-mode forward without gradients
+    (no batch-norm update, no dropout draw)."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), quiet():
+            return module(*args, **kwargs)
+    except Exception as exc:
+        raise PartitionError(f"cannot run {type(module).__name__} on the example inputs: "
+                             f"{_cause(exc)}") from None
+    finally:
+        module.train(was_training)
+
+
+def _is_flat(out: Any) -> bool:
+    """A tensor or a flat tuple of tensors: exported as it is."""
+    return isinstance(out, torch.Tensor) or (
+        isinstance(out, tuple | list) and all(isinstance(o, torch.Tensor) for o in out))
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """(name, leaf) of every tensor in ``value``: mapping keys and tuple positions joined with
+    dots, ``None`` left out; any other leaf kept for :class:`_FlatOutputs` to refuse."""
+    def join(key: object) -> str:
+        return f"{prefix}.{key}" if prefix else str(key)
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        return [item for key, v in value.items() for item in _flatten(join(key), v)]
+    if isinstance(value, tuple | list):
+        return [item for i, v in enumerate(value) for item in _flatten(join(i), v)]
+    return [(prefix or "output", value)]
+
+
+class _FlatOutputs(torch.nn.Module):
+    """``module`` seen as ``forward(*args, *kwargs values) -> flat tuple of tensors``. It shares
+    the module's submodules, parameters and buffers (not a child), so the exported names are
+    the module's own."""
+
+    inner: torch.nn.Module
+
+    def __init__(self, module: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, torch.Tensor], out: Any) -> None:
+        super().__init__()
+        self.__dict__["inner"] = module
+        self._modules = module._modules
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self.keys = list(kwargs)
+        try:
+            params = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            params = []
+        self.input_names = [params[i] if i < len(params) else f"input_{i}"
+                            for i in range(len(args))] + self.keys
+        leaves = _flatten("", out)
+        for name, leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise PartitionError(f"output {name!r} of {type(module).__name__} is a "
+                                     f"{type(leaf).__name__}, not a tensor: return tensors only")
+        self.output_names = [name for name, _ in leaves]
+
+    def forward(self, *values: Any) -> tuple[torch.Tensor, ...]:
+        split = len(values) - len(self.keys)
+        out = self.inner(*values[:split], **dict(zip(self.keys, values[split:], strict=True)))
+        return tuple(leaf for _, leaf in _flatten("", out))
 
 
 def _serve_in_eval_mode(model: ir.Model) -> None:

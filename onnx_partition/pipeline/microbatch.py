@@ -42,7 +42,10 @@ def row_ranges(rows: int, chunks: int) -> list[tuple[int, int]]:
 
 def rows_of(batch: Mapping[str, T], m: int, count: int) -> dict[str, T]:
     """Micro-batch ``m`` of ``count`` of a batch whose tensors (numpy arrays or torch tensors)
-    all have their rows on axis 0, cut by :func:`row_ranges`."""
+    all have their rows on axis 0, cut by :func:`row_ranges`; no tensors (the targets of a
+    model computing its own loss), none."""
+    if not batch:
+        return {}
     rows = {len(t) for t in batch.values()}  # type: ignore[arg-type]
     if len(rows) > 1:
         raise ValueError(f"tensors disagree on the batch dim: {sorted(rows)}")

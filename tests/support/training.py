@@ -3,6 +3,9 @@ against the whole module, and a plan trained with ``--check``."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,11 +13,44 @@ import torch
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import StageModule, stage_modules, whole_module
-from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import train_plan
+from onnx_partition.runtime.train.task import TrainTask, task_for
+from onnx_partition.runtime.train.trainer import plan_job, synthetic_batch, train_plan
 
-__all__ = ["assert_stages_equal_whole", "assert_stages_run_on_meta", "chain_stages",
-           "train_checked"]
+Tensors = dict[str, torch.Tensor]
+
+__all__ = ["OutputLoss", "assert_stages_equal_whole", "assert_stages_run_on_meta", "chain_stages",
+           "own_loss_job", "own_loss_task", "train_checked"]
+
+
+@dataclass(frozen=True)
+class OutputLoss:
+    """The loss a model computes itself: its output ``name`` (a scalar), targets unused. A
+    dataclass of this module, so it pickles to the ranks by reference."""
+
+    name: str
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor],
+                 targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return outputs[self.name]
+
+
+def own_loss_task(plan_dir: Path) -> TrainTask:
+    """The plan's synthetic batches, trained on the model's first output (its own loss)."""
+    make = task_for(plan_dir).make_batch
+
+    def inputs_only(rows: int, generator: torch.Generator) -> tuple[Tensors, Tensors]:
+        return make(rows, generator)[0], {}  # the labels are an input
+
+    return TrainTask(OutputLoss(read_plan(plan_dir).outputs[0].name), inputs_only,
+                     kind="output")
+
+
+def own_loss_job(plan_dir: str, rows: int, seed: int, deterministic: bool):  # type: ignore[no-untyped-def]
+    """:func:`plan_job` with the model's own loss (a launch ``Build``)."""
+    stages, _, plan, _, _ = plan_job(plan_dir, rows, seed, deterministic)
+    task = own_loss_task(Path(plan_dir))
+    return (stages, task.loss_fn, plan,
+            functools.partial(synthetic_batch, task.make_batch, rows, seed), None)
 
 
 def chain_stages(stages: list[StageModule],
@@ -28,11 +64,12 @@ def chain_stages(stages: list[StageModule],
     return env
 
 
-def assert_stages_equal_whole(plan_dir: Path, rows: int = 3, seed: int = 0) -> None:
-    """Chained stages == whole module: outputs, loss, and every parameter's gradient (the sum
-    over the stages holding a copy of a tied parameter)."""
+def assert_stages_equal_whole(plan_dir: Path, rows: int = 3, seed: int = 0,
+                              task: TrainTask | None = None) -> None:
+    """Chained stages == whole module: outputs, loss (``task``'s, default the plan's), and
+    every parameter's gradient (the sum over the stages holding a copy of a tied parameter)."""
     plan = read_plan(plan_dir)
-    task = task_for(plan_dir)
+    task = task or task_for(plan_dir)
     inputs, targets = task.make_batch(rows, torch.Generator().manual_seed(seed))
     whole = whole_module(plan_dir, deterministic=True)
     stages = stage_modules(plan_dir, deterministic=True)

@@ -8,7 +8,7 @@ relay, tied weights"):
 * an FX node tagged on stage k's ONNX nodes runs in stage k;
 * an untagged ``getitem`` runs where the tuple it reads is made; any other untagged FX node runs
   in the first stage among its users' (in reverse program order; one without users runs with
-  the latest stage it reads from);
+  the latest stage it reads from, or nowhere if no output or side effect needs it);
 * stage k's inputs and outputs are plan.json's, by name: a model input is the program's user
   input at the same position, a model output its user output at the same position, and any
   other cut tensor the FX node of that name (the exporter names ONNX values after FX nodes);
@@ -320,11 +320,26 @@ class _Program:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             if users:
                 stage_of[node.name] = min(users)
+        live = self.live()
         for node in self.order:  # no user in any stage: with the latest stage it reads from
-            if node.name not in stage_of:
+            if node.name not in stage_of and node.name in live:
                 reads = [stage_of[a.name] for a in node.all_input_nodes if a.name in stage_of]
                 stage_of[node.name] = max(reads, default=0)
         return stage_of
+
+    def live(self) -> set[str]:
+        """Call nodes an output, a buffer update or a side effect needs: the others (shape
+        checks whose results nobody reads, on a second input such as ``labels``) run nowhere
+        when untagged, as a stage may not receive what they read."""
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        stack = [*output.all_input_nodes, *(n for n in self.order if n.is_impure())]
+        live: set[str] = set()
+        while stack:
+            node = stack.pop()
+            if node.name not in live:
+                live.add(node.name)
+                stack.extend(node.all_input_nodes)
+        return live
 
     def graph_of(
         self,
