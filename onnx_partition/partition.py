@@ -189,8 +189,10 @@ def partition(
              "total_bytes": int(sum(saved))} if saved is not None
             else {"source": "outputs", "note": "no program beside the model: every operator "
                   "output counted, as stored"})
-        if costs is None or not any("backward_ms" in v for v in costs.nodes.values()):
-            plan.extra["activations"]["backward"] = "estimated"
+        plan.extra["costs"]["backward"] = (
+            "measured" if costs is not None and any("backward_ms" in v
+                                                    for v in costs.nodes.values())
+            else "estimated")
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
@@ -259,14 +261,18 @@ def priced_by(plan: Plan) -> str:
     model = plan.device_model
     if model is None:
         return "priced by: unknown (plan.json has no device_model)"
+    estimated = (
+        "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
+        if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
+        else "")
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
-        return f"priced by: costs file {model.get('file')} (measured on {where})"
+        return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
     default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
         f"{DEFAULT_GPU}:tf32") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
-            f"{model.get('mem_gbps', 0):.4g} GB/s")
+            f"{model.get('mem_gbps', 0):.4g} GB/s{estimated}")
 
 
 def plan_stages(

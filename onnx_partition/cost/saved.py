@@ -185,21 +185,31 @@ def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, 
         program = torch.export.load(str(program))
     shapes = [graph.input_shapes[name] for name in graph.inputs]
     counted = saved_bytes(program, shapes, fake=fake)
+    homes = unit_homes(graph, program)
+    out = [0.0] * len(graph.nodes)
+    for name, nbytes in counted.per_node.items():
+        if name in homes:
+            out[homes[name]] += nbytes
+    return out
+
+
+def unit_homes(graph: OpGraph, program: ExportedProgram) -> dict[str, int]:
+    """FX call node name -> the OpGraph index carrying its costs: a tagged unit's first ONNX
+    node (graph order), an untagged node's by the rule of the module docstring. Empty when the
+    ONNX graph carries no FX tags."""
     protos = graph.protos()
     first: dict[str, int] = {}
     for g in graph.compute_nodes:
         unit = fx_unit(protos[graph.nodes[g].key])
         if unit is not None:
             first.setdefault(unit, g)
-    out = [0.0] * len(graph.nodes)
     if not first:
-        return out
+        return {}
     nodes = {n.name: n for n in program.graph.nodes}
     order = [n.name for n in program.graph.nodes]
     position = {name: i for i, name in enumerate(order)}
-    for name, nbytes in counted.per_node.items():
-        out[_home(name, first, nodes, order, position)] += nbytes
-    return out
+    return {n.name: _home(n.name, first, nodes, order, position)
+            for n in program.graph.nodes if n.op == "call_function"}
 
 
 def _home(name: str, first: Mapping[str, int], nodes: Mapping[str, Any],

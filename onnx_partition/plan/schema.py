@@ -308,7 +308,9 @@ class CostsSchema(BaseModel):
     format: Annotated[str, Field(pattern=_version_of(COSTS_FORMAT))] = COSTS_FORMAT
     unit: Literal["ms"] = "ms"
     device: str | None = None  # cpu, cuda:N
-    source: str | None = None  # "profile"
+    source: str | None = None  # "profile", "profile --mode train"
+    mode: Literal["infer", "train"] | None = None  # train: torch eager forward and backward
+    executor: str | None = None  # train: "torch <version> eager"
     onnxruntime: str | None = None
     fingerprint: str | None = None  # sha256:<hex> of the graph's structure
     input_shapes: dict[str, list[Any]] | None = None  # checked by cost.costs_file
