@@ -161,6 +161,11 @@ def partition(
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
+    if checked is not None and costs is not None and costs.body.get("mode") == "train" \
+            and mode != "train":
+        checked.notes.append(f"warning: costs file {costs.path} was measured for training "
+                             f"({costs.body.get('executor') or 'torch eager'}); this inference "
+                             "plan runs in onnxruntime: profile without --mode train")
     if costs is None and device is None:
         device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
     node_costs = annotate(graph, device=device, costs=costs)

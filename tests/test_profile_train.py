@@ -96,6 +96,14 @@ def test_a_train_costs_file_of_another_batch_is_warned(mlp: Path, costs: Path,
     assert any("measured at batch size 4, this plan is for 8" in n for n in notes)
 
 
+def test_a_train_costs_file_pricing_an_inference_plan_is_warned(
+        mlp: Path, costs: Path, tmp_path: Path) -> None:
+    plan = partition(mlp, 2, tmp_path / "plan", costs=costs, check=False)
+    assert any("measured for training" in n for n in plan.extra["costs"]["check"]["notes"])
+    assert "optimizer" not in plan.extra and all(
+        s.predicted and s.predicted.forward_ms is None for s in plan.stages)
+
+
 def test_profile_train_without_a_program_is_a_one_line_error(
         mlp: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     alone = tmp_path / "alone.onnx"
