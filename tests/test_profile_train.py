@@ -76,6 +76,15 @@ def test_a_train_costs_file_prices_a_train_plan(mlp: Path, costs: Path,
     assert sum(b for _, b in per_stage) == pytest.approx(
         body["settings"]["whole_backward_ms"], rel=1e-3, abs=1e-5)
     assert "backward estimated" not in priced_by(plan)
+    assert plan.extra["schedule"] == "1f1b" and plan.extra["optimizer"] == "adam"
+    for stage in plan.stages:
+        p = stage.predicted
+        assert p is not None and p.inflight is not None
+        assert p.compute_ms == pytest.approx((p.forward_ms or 0) + (p.backward_ms or 0),
+                                             abs=1e-5)
+        assert p.memory_bytes == ((p.weights_bytes or 0) + (p.grad_bytes or 0)
+                                  + (p.optimizer_bytes or 0) + p.inflight
+                                  * (p.activation_bytes or 0) + (p.buffer_bytes or 0))
     analytic = partition(mlp, 2, tmp_path / "plan2", batch_size=4, mode="train", check=False)
     assert analytic.extra["costs"]["backward"] == "estimated"
     assert "backward estimated" in priced_by(analytic)
