@@ -334,6 +334,10 @@ def plan_stages(
                             "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
                             "seconds": round(result.wall_s, 3)}
     times = problem.stage_times(local_stage, num_stages)
+    if train:  # simulate/report replay the split and the sends the plan was balanced on
+        extra["simulator_costs"] = {"send_ms": [
+            b / problem.bandwidth_bytes_per_ms + problem.latency_ms
+            for b in (problem.cross_bytes(local_stage, num_stages) if num_stages > 1 else [])]}
     compute = [0.0] * num_stages
     for i, k in enumerate(local_stage):
         compute[k] += problem.compute_ms[i]
@@ -506,6 +510,10 @@ def _describe(
         split = [(float(sum(node_costs.forward_ms[i] for i in cut.nodes)),
                   float(sum(node_costs.backward_ms[i] for i in cut.nodes))) for cut in cuts]
     held = peak_inflight("1f1b", replicas, microbatches) if train else [1] * num_stages
+    if train and split is not None and "send_ms" in extra.get("simulator_costs", {}) \
+            and "forward_ms" not in extra["simulator_costs"]:
+        extra["simulator_costs"].update(forward_ms=[f for f, _ in split],
+                                        backward_ms=[b for _, b in split])
     stages = []
     for k, cut in enumerate(cuts):
         parts: dict[str, Any] = {}
