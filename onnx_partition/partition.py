@@ -31,17 +31,27 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.from_plan import comm_factor, stage_comm
-from onnx_partition.pipeline.memory import StageBytes, memory_per_device
+from onnx_partition.pipeline.memory import (
+    StageBytes,
+    memory_parts,
+    memory_per_device,
+    peak_inflight,
+)
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.scoring import RunSpec, node_arrays
+from onnx_partition.solve.scoring import RunSpec, node_arrays, stage_totals
 from onnx_partition.solve.search import best_split
 
-__all__ = ["BASELINES", "SOLVERS", "dag_problem", "device_model", "partition", "plan_on_cluster",
-           "plan_stages", "priced_by", "unit_problem"]
+__all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
+           "partition", "plan_on_cluster", "plan_stages", "priced_by", "saved_activations",
+           "unit_problem"]
+
+#: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
+#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, 1F1B.
+TRAIN_ASSUMPTIONS = {"optimizer": "adam", "precision": "fp32", "schedule": "1f1b"}
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
@@ -91,6 +101,25 @@ def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list
     return [float(sum(values[i] for i in m)) for m in members]
 
 
+def saved_activations(graph: OpGraph, model: Path) -> list[float] | None:
+    """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
+    under FakeTensorMode at the graph's input shapes), when the model's program ``.pt2`` lies
+    beside it; None otherwise (the memory model then counts every output)."""
+    program = model.with_suffix(".pt2")
+    if not program.is_file():
+        return None
+    from onnx_partition.cost.saved import saved_bytes_per_node  # torch: train plans only
+
+    try:
+        return saved_bytes_per_node(graph, program)
+    except PartitionError:
+        raise
+    except Exception as exc:  # a program torch cannot run at these shapes
+        raise PartitionError(f"could not count the activations of program {program}: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                             ) from None
+
+
 def partition(
     model: str | os.PathLike[str],
     num_stages: int | None,
@@ -132,24 +161,43 @@ def partition(
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
+    if checked is not None and costs is not None and costs.body.get("mode") == "train" \
+            and mode != "train":
+        checked.notes.append(f"warning: costs file {costs.path} was measured for training "
+                             f"({costs.body.get('executor') or 'torch eager'}); this inference "
+                             "plan runs in onnxruntime: profile without --mode train")
     if costs is None and device is None:
         device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
     node_costs = annotate(graph, device=device, costs=costs)
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
     priced = device_model(device, costs, cluster, strict=strict_costs)
+    saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
-                                 mode=mode, reporter=reporter)
+                                 mode=mode, microbatches=microbatches, activation_bytes=saved,
+                                 reporter=reporter)
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
-                                     mode=mode, microbatches=microbatches, reporter=reporter)
+                                     mode=mode, microbatches=microbatches,
+                                     activation_bytes=saved, reporter=reporter)
+    if mode == "train":
+        plan.extra.update(TRAIN_ASSUMPTIONS)
+        plan.extra["activations"] = (
+            {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
+             "total_bytes": int(sum(saved))} if saved is not None
+            else {"source": "outputs", "note": "no program beside the model: every operator "
+                  "output counted, as stored"})
+        plan.extra["costs"]["backward"] = (
+            "measured" if costs is not None and any("backward_ms" in v
+                                                    for v in costs.nodes.values())
+            else "estimated")
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
@@ -218,14 +266,18 @@ def priced_by(plan: Plan) -> str:
     model = plan.device_model
     if model is None:
         return "priced by: unknown (plan.json has no device_model)"
+    estimated = (
+        "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
+        if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
+        else "")
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
-        return f"priced by: costs file {model.get('file')} (measured on {where})"
+        return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
     default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
         f"{DEFAULT_GPU}:tf32") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
-            f"{model.get('mem_gbps', 0):.4g} GB/s")
+            f"{model.get('mem_gbps', 0):.4g} GB/s{estimated}")
 
 
 def plan_stages(
@@ -238,12 +290,19 @@ def plan_stages(
     solver: str = "dp",
     time_limit_s: float = 60.0,
     mode: str = "infer",
+    microbatches: int = 8,
+    activation_bytes: Sequence[float] | None = None,
     reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages (``mode`` is recorded: a plain pipeline is balanced on
-    forward times in both modes)."""
-    problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
+    from there, and describe the stages. Inference is balanced on forward times, training on
+    forward + backward (what a train step runs); a train plan's memory is the 1F1B peak of
+    ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
+    saved for backward), else every output."""
+    train = mode == "train"
+    balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
+                if train else node_costs.forward_ms)
+    problem, nodes, members = unit_problem(graph, balanced, link)
     _check_stages(num_stages, problem.num_nodes)
     if solver not in SOLVERS:
         raise PartitionError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -275,6 +334,10 @@ def plan_stages(
                             "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
                             "seconds": round(result.wall_s, 3)}
     times = problem.stage_times(local_stage, num_stages)
+    if train:  # simulate/report replay the split and the sends the plan was balanced on
+        extra["simulator_costs"] = {"send_ms": [
+            b / problem.bandwidth_bytes_per_ms + problem.latency_ms
+            for b in (problem.cross_bytes(local_stage, num_stages) if num_stages > 1 else [])]}
     compute = [0.0] * num_stages
     for i, k in enumerate(local_stage):
         compute[k] += problem.compute_ms[i]
@@ -288,7 +351,8 @@ def plan_stages(
     return _describe(graph, node_costs, nodes, expand(local_stage, members, len(nodes)),
                      compute, comm, replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
                      memory=None, ordering=ordering, solver=solver, mode=mode,
-                     predicted=predicted, extra=extra)
+                     predicted=predicted, extra=extra, microbatches=microbatches,
+                     activation_bytes=activation_bytes)
 
 
 def plan_on_cluster(
@@ -299,9 +363,12 @@ def plan_on_cluster(
     num_stages: int | None = None,
     mode: str = "infer",
     microbatches: int = 8,
+    activation_bytes: Sequence[float] | None = None,
     reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
-    """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP."""
+    """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
+    (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
+    :func:`plan_stages`)."""
     from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
 
     link = cluster.intra
@@ -315,6 +382,8 @@ def plan_on_cluster(
         problem, _per_unit([node_costs.backward_ms[g] for g in nodes], members),
         _per_unit([float(graph.nodes[g].param_bytes) for g in nodes], members),
         [graph.nodes[nodes[m[0]]].key for m in members],
+        _per_unit([activation_bytes[g] for g in nodes], members)
+        if activation_bytes is not None and mode == "train" else None,
     )
     run = RunSpec(cluster, train=mode == "train", microbatches=microbatches,
                   max_stages=max(16, num_stages or 0))
@@ -352,12 +421,18 @@ def plan_on_cluster(
             "send_ms": list(best.costs.send_ms),
         },
     }
+    totals = stage_totals(problem, arrays, best.stage_of, best.num_stages)
+    cross = [0.0, *totals.cross_bytes, 0.0]
+    sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
+                        cross[k], cross[k + 1]) for k in range(best.num_stages)]
     return _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
                      compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
                      ordering=best.source.partition(":")[2] if best.source.startswith("dp:")
                      else "topo", solver=f"hybrid-{best.source.partition(':')[0]}", mode=mode,
-                     predicted=predicted, extra=extra)
+                     predicted=predicted, extra=extra, microbatches=microbatches,
+                     sizes=sizes, split=[(s.forward_ms, s.backward_ms)
+                                         for s in best.costs.stages])
 
 
 def _record_program(plan: Plan, model: Path, out: Path) -> None:
@@ -403,20 +478,50 @@ def _describe(
     mode: str,
     predicted: dict[str, Any],
     extra: dict[str, Any],
+    microbatches: int = 8,
+    activation_bytes: Sequence[float] | None = None,
+    sizes: Sequence[StageBytes] | None = None,
+    split: Sequence[tuple[float, float]] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
-    """The Plan and stage cuts of an assignment of the solvers' nodes to stages."""
+    """The Plan and stage cuts of an assignment of the solvers' nodes to stages. Train plans
+    get the memory model's parts per stage (``sizes``, or from the cut: ``activation_bytes``
+    per OpGraph node where given) and the forward/backward ``split`` of ``compute``."""
     num_stages = len(replicas)
+    train = mode == "train"
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
-    if memory is None:  # a plain pipeline: the one memory model, one micro-batch at a time
+    if sizes is None:  # a plain pipeline: the one memory model
         def nbytes(names: Sequence[str]) -> float:
             return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
 
+        def acts(cut: StageCut) -> float:
+            if train and activation_bytes is not None:
+                return float(sum(activation_bytes[i] for i in cut.nodes))
+            return nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs])
+
         sizes = [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
-                            nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs]),
-                            nbytes(cut.inputs)) for cut in cuts]
-        memory = memory_per_device(sizes, replicas, 1, schedule="infer")
+                            acts(cut), nbytes(cut.inputs),
+                            nbytes(cut.outputs) if train and k < num_stages - 1 else 0.0)
+                 for k, cut in enumerate(cuts)]
+    if memory is None:
+        # inference: one micro-batch at a time; training: the 1F1B peak of the micro-batches
+        memory = (memory_per_device(sizes, replicas, microbatches, schedule="1f1b") if train
+                  else memory_per_device(sizes, replicas, 1, schedule="infer"))
+    if train and split is None:
+        split = [(float(sum(node_costs.forward_ms[i] for i in cut.nodes)),
+                  float(sum(node_costs.backward_ms[i] for i in cut.nodes))) for cut in cuts]
+    held = peak_inflight("1f1b", replicas, microbatches) if train else [1] * num_stages
+    if train and split is not None and "send_ms" in extra.get("simulator_costs", {}) \
+            and "forward_ms" not in extra["simulator_costs"]:
+        extra["simulator_costs"].update(forward_ms=[f for f, _ in split],
+                                        backward_ms=[b for _, b in split])
     stages = []
     for k, cut in enumerate(cuts):
+        parts: dict[str, Any] = {}
+        if train:
+            assert split is not None
+            parts = dict(memory_parts(sizes[k], held[k], train=True))
+            parts.pop("memory_bytes")
+            parts.update(forward_ms=round(split[k][0], 6), backward_ms=round(split[k][1], 6))
         stages.append(Stage(
             index=k,
             file=f"stage_{k}.onnx",
@@ -430,6 +535,7 @@ def _describe(
                 compute_ms=round(compute[k], 6),
                 comm_ms=round(comm[k], 6),
                 memory_bytes=int(memory[k]),
+                **parts,
             ),
         ))
     inputs, outputs = io_specs(graph)

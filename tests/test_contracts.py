@@ -137,6 +137,31 @@ def old_plan() -> dict[str, Any]:
     }
 
 
+def test_a_plan_at_1_reads_and_is_written_back_at_2():
+    plan = Plan.from_json(old_plan())
+    assert plan.stages[0].predicted is not None
+    assert plan.stages[0].predicted.activation_bytes is None
+    body = plan.to_json()
+    assert body["format"] == PLAN_FORMAT
+    assert body["stages"][0]["predicted"] == {"compute_ms": 1.5, "comm_ms": 0.0,
+                                              "memory_bytes": 64}
+
+
+def test_a_train_plan_at_2_carries_the_memory_parts():
+    body = old_plan()
+    body["format"], body["mode"] = PLAN_FORMAT, "train"
+    body.update(optimizer="adam", precision="fp32", schedule="1f1b")
+    body["stages"][0]["predicted"].update(
+        forward_ms=0.5, backward_ms=1.0, weights_bytes=8, grad_bytes=8, optimizer_bytes=16,
+        activation_bytes=8, inflight=2, buffer_bytes=8)
+    plan = Plan.from_json(body)
+    assert plan.to_json()["stages"][0]["predicted"] == body["stages"][0]["predicted"]
+    assert plan.extra["schedule"] == "1f1b"
+    body["stages"][0]["predicted"]["saved_bytes"] = 1
+    with pytest.raises(PartitionError, match="saved_bytes"):
+        Plan.from_json(body)
+
+
 def test_an_old_plan_reads_with_the_documented_defaults():
     plan = Plan.from_json(old_plan())
     assert [s.replicas for s in plan.stages] == [1, 1]
@@ -227,7 +252,7 @@ def test_the_stage_costs_file_is_declared(tmp_path):
 
 
 def test_the_format_strings():
-    assert PLAN_FORMAT == "onnx-partition/plan@1" and CLUSTER_FORMAT.endswith("cluster@1")
+    assert PLAN_FORMAT == "onnx-partition/plan@2" and CLUSTER_FORMAT.endswith("cluster@1")
     assert RUN_FORMAT == "onnx-partition/run@1"
     assert STAGE_COSTS_FORMAT == "onnx-partition/stage-costs@1"
     with pytest.raises(PartitionError, match="format: String should match pattern"):

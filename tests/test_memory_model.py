@@ -133,3 +133,21 @@ def test_partition_table_and_simulate_state_the_same_memory(tmp_path, mode):
     result, _ = simulate_plan(plan)
     stated = [s.predicted.memory_bytes for s in plan.stages if s.predicted]
     assert stated == [int(m) for m in per_stage(result.peak_memory_bytes, len(plan.stages))]
+
+
+def test_memory_parts_add_up_to_the_one_formula() -> None:
+    from onnx_partition.pipeline.memory import StageBytes, memory_parts, memory_per_device
+
+    stages = [StageBytes(100.0, 40.0, 0.0, 8.0), StageBytes(60.0, 30.0, 8.0, 0.0)]
+    peaks = memory_per_device(stages, [1, 1], 4, schedule="1f1b")
+    parts = [memory_parts(s, h, train=True) for s, h in zip(stages, [2, 1], strict=True)]
+    assert [p["memory_bytes"] for p in parts] == [int(m) for m in peaks] == [488, 278]
+    first = parts[0]
+    assert (first["weights_bytes"], first["grad_bytes"], first["optimizer_bytes"],
+            first["activation_bytes"], first["inflight"], first["buffer_bytes"]) == (
+        100, 100, 200, 40, 2, 8)
+    assert parts[1]["buffer_bytes"] == 8  # one micro-batch in flight: its received input
+    for p in parts:
+        assert p["memory_bytes"] == (p["weights_bytes"] + p["grad_bytes"] + p["optimizer_bytes"]
+                                     + p["inflight"] * p["activation_bytes"]
+                                     + p["buffer_bytes"])

@@ -248,7 +248,11 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     _shape_args(p)
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
-    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="onnxruntime intra-op threads (train: torch threads, as each rank)")
+    p.add_argument("--mode", choices=("infer", "train"), default="infer",
+                   help="infer: each node's forward in onnxruntime; train: each torch op's "
+                        "forward and backward in torch eager, from the program MODEL.pt2")
     p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
 
 

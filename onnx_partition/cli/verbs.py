@@ -160,6 +160,19 @@ def _profile(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.threads < 1:
         raise PartitionError("--repeats and --threads must be at least 1")
     started = time.perf_counter()
+    if getattr(args, "mode", "infer") == "train":
+        from onnx_partition.cost.profile.train import profile_train_to_file
+
+        trained = profile_train_to_file(
+            args.model, args.output, device=args.device, batch_size=args.batch_size,
+            input_shapes=input_shapes_of(args), repeats=args.repeats, threads=args.threads,
+            progress=_progress_bar("profiling"))
+        _say(f"wrote {args.output}: {len(trained.forward_ms)} nodes on {trained.device} "
+             f"({trained.executor}), whole program forward {trained.whole_forward_ms:.3f} ms + "
+             f"backward {trained.whole_backward_ms:.3f} ms, {trained.unique_signatures} "
+             f"distinct ops measured, {trained.reused} reused, in "
+             f"{time.perf_counter() - started:.1f} s")
+        return 0
     result = profile_to_file(
         args.model, args.output, device=args.device, batch_size=args.batch_size,
         input_shapes=input_shapes_of(args), repeats=args.repeats,

@@ -1,7 +1,9 @@
 """Per-node costs: :mod:`.annotate` (costs.json or the analytic model, per node),
 :mod:`.analytic` (the roofline), :mod:`.devices` (GPU datasheets, the measured CPU),
 :mod:`.cluster` (devices, links, cluster.json), :mod:`.costs_file` (a costs file's provenance
-checks) and :mod:`.profile` (measuring on the device). Names are used from those modules.
+checks), :mod:`.saved` (bytes autograd saves for backward, per FX unit) and :mod:`.profile`
+(measuring on the device; :mod:`.profile.train`: torch eager forward and backward). Names are
+used from those modules.
 """
 
-__all__ = ["analytic", "annotate", "cluster", "costs_file", "devices", "profile"]
+__all__ = ["analytic", "annotate", "cluster", "costs_file", "devices", "profile", "saved"]

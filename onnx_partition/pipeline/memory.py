@@ -17,7 +17,9 @@ micro-batches from the actions it plays and prices them with :func:`device_bytes
     stash  = A + R                        (per micro-batch: the stage's own activations and
                                            the activations it received, both kept for backward)
 
-``W`` parameter bytes, ``A`` bytes of the outputs of the stage's operators, ``R`` bytes the
+``W`` parameter bytes, ``A`` the stage's activation bytes per micro-batch (train plans of a
+model with a program: the bytes autograd saves for backward, :mod:`onnx_partition.cost.saved`;
+otherwise the bytes of its operators' outputs), ``R`` bytes the
 stage receives per micro-batch (every tensor crossing its input boundary, relay model), ``G``
 bytes it sends per micro-batch (the gradients of those come back). ``held`` is the number of
 micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
@@ -59,8 +61,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
-           "held_in_front", "memory_per_device", "one_f_one_b_warmups", "peak_inflight",
-           "ring_allreduce_ms", "stash_bytes", "static_bytes"]
+           "held_in_front", "memory_parts", "memory_per_device", "one_f_one_b_warmups",
+           "peak_inflight", "ring_allreduce_ms", "stash_bytes", "static_bytes"]
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 CLOSED_FORMS = ("1f1b", "gpipe", "infer")
@@ -175,3 +177,21 @@ def memory_per_device(
     return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor),
                                stash_bytes(s), h))
             for s, h in zip(stages, held, strict=True)]
+
+
+def memory_parts(stage: StageBytes, held: int, *, train: bool,
+                 optimizer_factor: float = 4.0) -> dict[str, int]:
+    """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
+    weights, their gradients, the optimizer's state (``optimizer_factor - 2`` copies: Adam's
+    two moments at the default 4), activations per micro-batch, micro-batches in flight, and
+    the buffers (received inputs of those in flight, one gradient receive buffer); and
+    ``memory_bytes``, their sum, the one formula's peak."""
+    static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor)
+    weights = stage.params
+    grads = weights if train else 0.0
+    optimizer = static - stage.sent - weights - grads if train else 0.0
+    buffers = (stage.sent if train else 0.0) + held * stage.received
+    return {"weights_bytes": int(weights), "grad_bytes": int(grads),
+            "optimizer_bytes": int(optimizer), "activation_bytes": int(stage.activations),
+            "inflight": int(held), "buffer_bytes": int(buffers),
+            "memory_bytes": int(device_bytes(static, stash_bytes(stage), held))}

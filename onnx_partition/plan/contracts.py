@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "PLAN_FORMAT", "RUN_FORMAT", "STAGE_COSTS_FORMAT",
            "ClusterFields", "IOSpec", "Link", "PlanFields", "Predicted", "Stage"]
 
-PLAN_FORMAT = "onnx-partition/plan@1"  # plan.json (partition)
+PLAN_FORMAT = "onnx-partition/plan@2"  # plan.json (partition); @1 files still read
 CLUSTER_FORMAT = "onnx-partition/cluster@1"  # cluster.json (partition --cluster)
 COSTS_FORMAT = "onnx-partition/costs@1"  # costs.json (profile)
 RUN_FORMAT = "onnx-partition/run@1"  # run --json, read back by report --measured
@@ -33,11 +33,24 @@ STAGE_COSTS_FORMAT = "onnx-partition/stage-costs@1"  # train --record FILE
 
 @dataclass
 class Predicted:
-    """A stage's predicted times and memory per device."""
+    """A stage's predicted times and memory per device. Train plans (plan@2) add the parts:
+    ``forward_ms + backward_ms = compute_ms``, and ``memory_bytes = weights_bytes + grad_bytes
+    + optimizer_bytes + inflight * activation_bytes + buffer_bytes`` (``activation_bytes``: what
+    autograd saves per micro-batch; ``inflight``: micro-batches held under the schedule;
+    ``buffer_bytes``: received inputs of those and one gradient receive buffer). Absent (None)
+    in inference plans and plan@1 files."""
 
     compute_ms: float
     comm_ms: float
     memory_bytes: int
+    forward_ms: float | None = None
+    backward_ms: float | None = None
+    weights_bytes: int | None = None
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    activation_bytes: int | None = None
+    inflight: int | None = None
+    buffer_bytes: int | None = None
 
 
 @dataclass

@@ -51,6 +51,7 @@ from onnx_partition.plan.contracts import (
     IOSpec,
     Link,
     PlanFields,
+    Predicted,
     Stage,
 )
 from onnx_partition.values import (
@@ -154,6 +155,15 @@ class PredictedSchema(BaseModel):
     compute_ms: Ms
     comm_ms: Ms
     memory_bytes: Count
+    # ---- plan@2, train plans: the parts (contracts.Predicted)
+    forward_ms: Ms | None = default_of(Predicted, "forward_ms")
+    backward_ms: Ms | None = default_of(Predicted, "backward_ms")
+    weights_bytes: Count | None = default_of(Predicted, "weights_bytes")
+    grad_bytes: Count | None = default_of(Predicted, "grad_bytes")
+    optimizer_bytes: Count | None = default_of(Predicted, "optimizer_bytes")
+    activation_bytes: Count | None = default_of(Predicted, "activation_bytes")
+    inflight: Count | None = default_of(Predicted, "inflight")
+    buffer_bytes: Count | None = default_of(Predicted, "buffer_bytes")
 
 
 class StageSchema(BaseModel):
@@ -225,6 +235,11 @@ class PlanSchema(BaseModel):
     partition_s: Seconds | None = None
     manifest: dict[RelPath, FileEntry] | None = None
     trained_from: str | None = None  # train --save: the plan folder trained
+    # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
+    optimizer: str | None = None  # "adam": weights + gradients + two moments
+    precision: str | None = None  # "fp32"
+    schedule: str | None = None  # "1f1b"
+    activations: Anything | None = None  # source of activation_bytes, whole-program total
     # ---- pipeline plans
     link: LinkSchema | None = None
     candidates: dict[str, Anything] | None = None  # per ordering: DP and refined bottleneck
@@ -293,7 +308,9 @@ class CostsSchema(BaseModel):
     format: Annotated[str, Field(pattern=_version_of(COSTS_FORMAT))] = COSTS_FORMAT
     unit: Literal["ms"] = "ms"
     device: str | None = None  # cpu, cuda:N
-    source: str | None = None  # "profile"
+    source: str | None = None  # "profile", "profile --mode train"
+    mode: Literal["infer", "train"] | None = None  # train: torch eager forward and backward
+    executor: str | None = None  # train: "torch <version> eager"
     onnxruntime: str | None = None
     fingerprint: str | None = None  # sha256:<hex> of the graph's structure
     input_shapes: dict[str, list[Any]] | None = None  # checked by cost.costs_file

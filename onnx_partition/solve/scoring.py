@@ -88,12 +88,21 @@ class HybridPlan:
 
 
 def node_arrays(problem: DagProblem, backward_ms: Sequence[float],
-                param_bytes: Sequence[float], names: Sequence[str] = ()) -> NodeArrays:
-    """Per-node activation bytes (its output tensors) alongside the given arrays."""
-    acts = [0.0] * problem.num_nodes
-    for t, prod in enumerate(problem.producer):
-        if prod >= 0:
-            acts[prod] += problem.nbytes[t]
+                param_bytes: Sequence[float], names: Sequence[str] = (),
+                activation_bytes: Sequence[float] | None = None) -> NodeArrays:
+    """Per-node activation bytes alongside the given arrays: ``activation_bytes`` when given
+    (a train plan's bytes saved for backward, :mod:`onnx_partition.cost.saved`), else the
+    bytes of the node's output tensors."""
+    if activation_bytes is not None:
+        if len(activation_bytes) != problem.num_nodes:
+            raise ValueError(f"{len(activation_bytes)} activation sizes for "
+                             f"{problem.num_nodes} nodes")
+        acts = [float(a) for a in activation_bytes]
+    else:
+        acts = [0.0] * problem.num_nodes
+        for t, prod in enumerate(problem.producer):
+            if prod >= 0:
+                acts[prod] += problem.nbytes[t]
     return NodeArrays(list(backward_ms), list(param_bytes), acts, list(names))
 
 

@@ -39,7 +39,8 @@ Modules, by role: :mod:`.signatures` (operator signatures), :mod:`.sigmodel` (th
 model), :mod:`.cpu` (CPU event timing), :mod:`.cuda` (CUDA timing), :mod:`.measure` (which of
 them runs, and the whole-model time), :mod:`.calibrate` (the signature cost model), :mod:`.cache`
 (the on-disk cache), :mod:`.harness` (the measuring context and its settings) and :mod:`.api`
-(the entry points re-exported here).
+(the entry points re-exported here). ``profile --mode train`` is :mod:`.train`: each torch op's
+forward and backward in torch eager on the exported program (imported on its own: torch).
 """
 
 from __future__ import annotations

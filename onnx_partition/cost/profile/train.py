@@ -1,0 +1,379 @@
+"""``profile --mode train``: each FX unit's forward and backward time in torch eager, the
+executor that trains the plan, written as a train costs file.
+
+A train plan is trained by torch eager on the exported program (``model.pt2`` beside the ONNX
+file, :func:`onnx_partition.export`), not by onnxruntime, and its backward differs per operator
+(softmax, layer norm, embedding, attention) from any one factor of the forward. So:
+
+1. **One run** of the program at the micro-batch shape (the ONNX graph's input shapes) on the
+   device records every FX node's inputs (random values; integer inputs in ``[0, 2)``, valid as
+   indices).
+2. **Units.** Each ``call_function`` node is a unit (a ``getitem`` belongs to the op whose tuple
+   it reads, as the partitioner's units do: :func:`onnx_partition.graph.fxtag.fx_unit`).
+   Units are grouped by *signature* (target, every argument's shape, dtype, strides and whether
+   it needs a gradient, the non-tensor arguments): one unit per signature is measured, so a
+   transformer's repeated layers cost one layer's profiling.
+3. **Timing.** Forward: the op on leaf copies of its inputs (gradients on where the run had
+   them), autograd recording; backward: ``torch.autograd.grad`` of its outputs with ones, each
+   the shortest of ``repeats`` runs after ``warmup`` (CUDA: synchronised), less what timing
+   one op alone adds (a one-element add's forward and backward; at least 5% of the time is
+   kept). Units with nothing to differentiate have backward 0.
+4. **Calibration.** The whole program's forward and its backward (from a loss that is the sum
+   of its outputs) are timed apart, medians of ``repeats``; the units' forward times are scaled
+   to sum to the whole forward and their backward times to the whole backward, which takes in
+   what one op alone cannot show (allocation, autograd's bookkeeping, cache effects).
+
+Measured with ``threads`` torch threads (``torch.set_num_threads``): what each training rank
+uses. The costs file is keyed by ONNX node: a unit's times on its first ONNX node (in graph
+order), the unit's other nodes 0, untagged FX nodes on the node that runs them (as
+:mod:`onnx_partition.cost.saved` places their bytes); it records the executor
+(``torch <version> eager``), ``mode: train`` and the provenance every costs file has
+(fingerprint, input shapes, batch size, device: :mod:`onnx_partition.cost.costs_file`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from onnx_partition.cost.annotate import write_costs
+from onnx_partition.cost.costs_file import provenance
+from onnx_partition.cost.saved import program_inputs, unit_homes
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.values import device_index
+
+if TYPE_CHECKING:
+    import torch
+    from torch.export import ExportedProgram
+
+__all__ = ["TrainProfile", "executor", "profile_train", "profile_train_to_file"]
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class TrainProfile:
+    """Calibrated per-node times (ONNX node key -> ms, every compute node) and how they were
+    got."""
+
+    forward_ms: dict[str, float]
+    backward_ms: dict[str, float]
+    whole_forward_ms: float
+    whole_backward_ms: float
+    raw_forward_ms: float  # sums of the units' times before calibration
+    raw_backward_ms: float
+    device: str
+    executor: str
+    unique_signatures: int
+    reused: int
+    settings: dict[str, object] = field(default_factory=dict)
+    provenance: dict[str, object] = field(default_factory=dict)
+
+
+def executor() -> str:
+    """What runs a train plan: ``torch <version> eager``."""
+    import torch
+
+    return f"torch {torch.__version__} eager"
+
+
+def profile_train(
+    graph: OpGraph,
+    program: str | Path | ExportedProgram,
+    *,
+    device: str = "cpu",
+    repeats: int = 10,
+    warmup: int = 2,
+    threads: int = 1,
+    progress: Progress | None = None,
+) -> TrainProfile:
+    """Measure every FX unit of ``program`` in torch eager on ``device`` at ``graph``'s input
+    shapes (the module docstring)."""
+    import torch
+
+    if repeats < 1 or warmup < 0 or threads < 1:
+        raise PartitionError(f"need repeats >= 1, warmup >= 0, threads >= 1; got {repeats}, "
+                             f"{warmup}, {threads}")
+    index = device_index(device)
+    if index is not None and not torch.cuda.is_available():
+        raise PartitionError(f"device {device!r}: this torch has no CUDA device")
+    target = torch.device("cpu" if index is None else f"cuda:{index}")
+    if not isinstance(program, torch.export.ExportedProgram):
+        program = torch.export.load(str(program))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timer = _Timer(target, repeats, warmup)
+        inputs, values = _record(program, graph, target)
+        units, unique, reused = _time_units(program, values, timer, progress)
+        import operator as _op
+
+        floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0), {},
+                         timer)
+        whole_fwd, whole_bwd = _time_whole(program, inputs, target, timer)
+    finally:
+        torch.set_num_threads(before)
+    # what timing one op alone adds (a one-element add's forward and backward), off each unit
+    units = {n: (max(f - floor[0], 0.05 * f), max(b - floor[1], 0.05 * b) if b > 0 else 0.0)
+             for n, (f, b) in units.items()}
+    raw_fwd = sum(f for f, _ in units.values())
+    raw_bwd = sum(b for _, b in units.values())
+    fscale = whole_fwd / raw_fwd if raw_fwd > 0 else 1.0
+    bscale = whole_bwd / raw_bwd if raw_bwd > 0 else 1.0
+    homes = unit_homes(graph, program)
+    keys = [graph.nodes[g].key for g in graph.compute_nodes]
+    fwd = dict.fromkeys(keys, 0.0)
+    bwd = dict.fromkeys(keys, 0.0)
+    for name, (f, b) in units.items():
+        home = graph.nodes[homes[name]].key if name in homes else None
+        if home is None:
+            continue
+        fwd[home] += f * fscale
+        bwd[home] += b * bscale
+    name = "cpu" if index is None else f"cuda:{index}"
+    settings: dict[str, object] = {
+        "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
+        "whole_forward_ms": whole_fwd, "whole_backward_ms": whole_bwd,
+        "forward_scale": fscale, "backward_scale": bscale,
+        "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
+        "calibration": "shortest unit time scaled so forward and backward each sum to the "
+                       "median whole-program forward and backward"}
+    return TrainProfile({k: round(v, 6) for k, v in fwd.items()},
+                        {k: round(v, 6) for k, v in bwd.items()}, whole_fwd, whole_bwd,
+                        raw_fwd, raw_bwd, name, executor(), unique, reused, settings,
+                        provenance(graph, name))
+
+
+def profile_train_to_file(
+    model: str | Path,
+    output: str | Path,
+    *,
+    device: str = "cpu",
+    batch_size: int | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    repeats: int = 10,
+    warmup: int = 2,
+    threads: int = 1,
+    progress: Progress | None = None,
+) -> TrainProfile:
+    """:func:`profile_train` of the program beside ``model`` (``model.pt2``), written to
+    ``output`` (atomically, never over the model)."""
+    model = Path(model)
+    program = model.with_suffix(".pt2")
+    if not program.is_file():
+        raise PartitionError(f"--mode train profiles the program {program}, which is missing: "
+                             "export the model with `onnx-partition export` or "
+                             "onnx_partition.export (they write it beside the ONNX file)")
+    if Path(output).resolve() in (model.resolve(), program.resolve()):
+        raise PartitionError(f"-o {output} would overwrite the model")
+    graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
+    result = profile_train(graph, program, device=device, repeats=repeats, warmup=warmup,
+                           threads=threads, progress=progress)
+    nodes = {k: {"forward_ms": result.forward_ms[k], "backward_ms": result.backward_ms[k]}
+             for k in result.forward_ms}
+    write_costs(Path(output), nodes, device=result.device, source="profile --mode train",
+                mode="train", executor=result.executor,
+                whole_model_ms=round(result.whole_forward_ms + result.whole_backward_ms, 6),
+                raw_sum_ms=round(result.raw_forward_ms + result.raw_backward_ms, 6),
+                unique_signatures=result.unique_signatures, reused=result.reused,
+                settings=result.settings, **result.provenance)
+    return result
+
+
+class _Timer:
+    """Shortest (or median) wall time of a callable on one device, synchronised on CUDA."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        import torch
+
+        self.sync: Callable[[], None] = ((lambda: torch.cuda.synchronize(device))
+                                         if device.type == "cuda" else (lambda: None))
+        self.repeats, self.warmup = repeats, warmup
+
+    def times(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> list[float]:
+        """ms of ``run(prepare())`` per repeat (``prepare`` untimed)."""
+        out = []
+        for i in range(self.warmup + self.repeats):
+            state = prepare()
+            self.sync()
+            start = time.perf_counter()
+            run(state)
+            self.sync()
+            if i >= self.warmup:
+                out.append((time.perf_counter() - start) * 1e3)
+        return out
+
+
+def _program_args(program: ExportedProgram, inputs: Sequence[torch.Tensor],
+                  device: torch.device) -> list[Any]:
+    """The graph module's arguments: weights (parameters as leaves needing gradients) and the
+    user inputs, in signature order."""
+    from torch.export.graph_signature import InputKind
+
+    user = iter(inputs)
+    args: list[Any] = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            args.append(next(user))
+            continue
+        target = str(spec.target)
+        persistent = spec.kind == InputKind.PARAMETER or (
+            spec.kind == InputKind.BUFFER and spec.persistent is not False)
+        value = program.state_dict[target] if persistent else program.constants[target]
+        copy = value.detach().to(device)
+        if spec.kind == InputKind.PARAMETER and copy.is_floating_point():
+            copy.requires_grad_(True)
+        args.append(copy)
+    return args
+
+
+def _record(program: ExportedProgram, graph: OpGraph, device: torch.device
+            ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Random user inputs and every node's value from one run of the program."""
+    import torch
+    import torch.fx
+
+    shapes = [graph.input_shapes[n] for n in graph.inputs]
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(shape, generator=generator).to(dtype).to(device)
+              if dtype.is_floating_point else
+              torch.randint(0, 2, shape, generator=generator).to(dtype).to(device)
+              for shape, dtype in program_inputs(program, shapes)]
+    values: dict[str, Any] = {}
+
+    class Recording(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n.name] = result
+            return result
+
+    Recording(program.graph_module).run(*_program_args(program, inputs, device))
+    return inputs, values
+
+
+def _signature(node: torch.fx.Node, args: Any, kwargs: Any) -> str:
+    import torch
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), str(value.dtype), tuple(value.stride()),
+                    value.requires_grad)
+        if isinstance(value, list | tuple):
+            return tuple(describe(v) for v in value)
+        return repr(value)
+
+    return repr((str(node.target), describe(args), describe(kwargs)))
+
+
+def _time_units(program: ExportedProgram, values: dict[str, Any], timer: _Timer,
+                progress: Progress | None) -> tuple[dict[str, tuple[float, float]], int, int]:
+    """(forward ms, backward ms) per unit (FX call node, getitems folded into their op), the
+    signatures measured and the units that reused another's measurement."""
+    import operator
+
+    import torch
+    import torch.fx
+
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"
+             and n.target is not operator.getitem]
+    measured: dict[str, tuple[float, float]] = {}
+    out: dict[str, tuple[float, float]] = {}
+    reused = 0
+    for i, node in enumerate(nodes):
+        args = torch.fx.node.map_arg(node.args, lambda a: values[a.name])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: values[a.name])
+        key = _signature(node, args, kwargs)
+        if key in measured:
+            reused += 1
+        else:
+            measured[key] = _time_op(node.target, args, kwargs, timer)
+        out[node.name] = measured[key]
+        if progress is not None:
+            progress(i + 1, len(nodes))
+    return out, len(measured), reused
+
+
+def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float, float]:
+    """Shortest forward and backward ms of one op on leaf copies of its inputs."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def leaves() -> tuple[Any, Any, list[torch.Tensor]]:
+        grads: list[torch.Tensor] = []
+
+        def copy(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            leaf = value.detach()
+            if value.requires_grad:
+                leaf.requires_grad_(True)
+                grads.append(leaf)
+            return leaf
+
+        return tree_map(copy, args), tree_map(copy, kwargs), grads
+
+    def forward(state: tuple[Any, Any, list[torch.Tensor]]) -> Any:
+        with torch.enable_grad():
+            return target(*state[0], **state[1])
+
+    try:
+        fwd = min(timer.times(leaves, forward))
+    except Exception:  # an op that cannot run alone (in place on a view): left to calibration
+        return 0.0, 0.0
+
+    def prepared() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        state = leaves()
+        result = forward(state)
+        outputs = [t for t in tree_flatten(result)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        return outputs, state[2]
+
+    outputs, wrt = prepared()
+    if not outputs or not wrt:
+        return fwd, 0.0
+
+    def backward(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        outs, inputs = state
+        torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
+                            allow_unused=True)
+
+    try:
+        bwd = min(timer.times(prepared, backward))
+    except Exception:  # no backward alone: left to calibration
+        bwd = 0.0
+    return fwd, bwd
+
+
+def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
+                device: torch.device, timer: _Timer) -> tuple[float, float]:
+    """Median ms of the whole program's forward and of its backward (loss: sum of outputs)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    args = _program_args(program, inputs, device)
+    module = program.graph_module
+
+    def forward(_: Any) -> Any:
+        with torch.enable_grad():
+            return module(*args)
+
+    forward_times = timer.times(lambda: None, forward)
+
+    def prepared() -> torch.Tensor:
+        result = forward(None)
+        outs = [t for t in tree_flatten(result)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs:
+            raise PartitionError("the program's outputs need no gradient: nothing to train")
+        return sum((o.float().sum() for o in outs), torch.zeros((), device=device))
+
+    backward_times = timer.times(prepared, lambda loss: loss.backward())
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a.grad = None
+    return median(forward_times), median(backward_times)

@@ -1,0 +1,234 @@
+"""Activation memory as autograd keeps it: the bytes each FX unit saves for backward.
+
+A training step holds, per micro-batch in flight, exactly the tensors autograd saved for the
+backward pass (a linear's input, GELU's input, layer norm's mean and rstd, a dropout mask), not
+every operator output: views and tensors no backward reads are freed as the forward goes on.
+So the exported program (``model.pt2``, written beside the ONNX file by
+:func:`onnx_partition.export`) is run once, node by node, inside
+``torch.autograd.graph.saved_tensors_hooks``: every tensor packed for backward is counted by its
+*storage* (:class:`torch.multiprocessing.reductions.StorageWeakRef`, so two views of one buffer
+count once, and a tensor saved by two ops counts once, at the first), and the storage's bytes
+go to the FX node running when it was first saved. Parameters, buffers and constants are left
+out (the memory model counts the weights apart).
+
+The run is made under :class:`torch._subclasses.fake_tensor.FakeTensorMode` by default: fake
+tensors carry shape, dtype and storage size but no data, so GPT-2 medium at 1024 tokens (or a
+7B model's layer) is counted without the memory it describes. ``fake=False`` runs on real
+tensors (the tests check both count the same bytes).
+
+:func:`saved_bytes_per_node` maps the units onto the ONNX graph the solvers see: a unit's bytes
+on its first ONNX node (in graph order), the unit's other nodes 0, the way a train costs file
+keys a unit's times. An FX node without ONNX nodes (untagged) gives its bytes to the first
+tagged node it feeds (else the last tagged node before it), as
+:mod:`onnx_partition.runtime.train.modules` runs it there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph
+from onnx_partition.graph.fxtag import fx_unit
+
+if TYPE_CHECKING:
+    import torch
+    from torch.export import ExportedProgram
+
+__all__ = [
+    "SavedBytes",
+    "program_inputs",
+    "saved_by_module",
+    "saved_bytes",
+    "saved_bytes_per_node",
+]
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes saved for backward per FX node (program order; nodes saving nothing left out),
+    their total (each storage once) and the bytes of the parameters the run left out."""
+
+    per_node: dict[str, int]
+    total: int
+    weights: int
+
+
+def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
+    """(per-node bytes, the running node holder, the pack hook, seen storages)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    per_node: dict[str, int] = {}
+    current = [""]
+    seen: set[Any] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = StorageWeakRef(storage)
+        if key not in seen:
+            seen.add(key)
+            per_node[current[0]] = per_node.get(current[0], 0) + int(storage.nbytes())
+        return tensor
+
+    return per_node, current, pack, seen
+
+
+def saved_by_module(module: torch.nn.Module, *args: torch.Tensor) -> int:
+    """Bytes ``module(*args)`` saves for backward (unique storages, its parameters and buffers
+    left out): the reference count the tests and the whole-program check compare with."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    per_node, _, pack, seen = _counter()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        seen.add(StorageWeakRef(tensor.untyped_storage()))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return sum(per_node.values())
+
+
+def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
+                   ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each user input of ``program`` at the given shapes (dtypes are the
+    program's)."""
+    from torch.export.graph_signature import InputKind
+
+    nodes = {n.name: n for n in program.graph.nodes}
+    user = [nodes[s.arg.name] for s in program.graph_signature.input_specs
+            if s.kind == InputKind.USER_INPUT]
+    if len(user) != len(shapes):
+        raise PartitionError(f"the program has {len(user)} inputs, {len(shapes)} shapes given: "
+                             "was the program exported with this model?")
+    out = []
+    for node, shape in zip(user, shapes, strict=True):
+        val = node.meta.get("val")
+        dtype = getattr(val, "dtype", None)
+        if dtype is None:
+            raise PartitionError(f"the program's input {node.name} is not a tensor")
+        out.append((tuple(int(d) for d in shape), dtype))
+    return out
+
+
+def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
+                fake: bool = True, seed: int = 0) -> SavedBytes:
+    """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
+    (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
+    training. ``fake=True`` (default) computes it under ``FakeTensorMode``: no memory, any
+    shape."""
+    import torch
+    import torch.fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export.graph_signature import InputKind
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    sig = program.graph_signature
+    specs = program_inputs(program, shapes)
+    per_node, current, pack, seen = _counter()
+
+    def weight(spec: Any) -> torch.Tensor:
+        target = str(spec.target)
+        if spec.kind == InputKind.PARAMETER:
+            return program.state_dict[target]
+        if spec.kind == InputKind.BUFFER and spec.persistent is not False:
+            return program.state_dict[target]
+        return program.constants[target]
+
+    class Counting(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            current[0] = n.name
+            return super().run_node(n)
+
+    generator = torch.Generator().manual_seed(seed)
+    real_inputs = [torch.randint(0, 2, shape, generator=generator).to(dtype)
+                   if not (dtype.is_floating_point or dtype.is_complex)
+                   else torch.randn(shape, generator=generator).to(dtype)
+                   for shape, dtype in specs]
+    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else None
+    args: list[Any] = []
+    weights = 0
+    user = iter(real_inputs)
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            value = next(user)
+            args.append(mode.from_tensor(value) if mode is not None else value)
+            continue
+        value = weight(spec)
+        trainable = spec.kind == InputKind.PARAMETER and value.is_floating_point()
+        copy = mode.from_tensor(value) if mode is not None else value.detach()
+        if trainable:
+            copy = copy.detach().requires_grad_(True)
+            weights += int(value.untyped_storage().nbytes())
+        seen.add(StorageWeakRef(copy.untyped_storage()))
+        args.append(copy)
+    interpreter = Counting(program.graph_module)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if mode is not None:
+            with mode:
+                interpreter.run(*args)
+        else:
+            interpreter.run(*args)
+    order = [n.name for n in program.graph.nodes if n.name in per_node]
+    return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
+
+
+def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
+                         fake: bool = True) -> list[float]:
+    """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
+    each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch)."""
+    import torch
+    import torch.fx
+
+    if not isinstance(program, torch.export.ExportedProgram):
+        program = torch.export.load(str(program))
+    shapes = [graph.input_shapes[name] for name in graph.inputs]
+    counted = saved_bytes(program, shapes, fake=fake)
+    homes = unit_homes(graph, program)
+    out = [0.0] * len(graph.nodes)
+    for name, nbytes in counted.per_node.items():
+        if name in homes:
+            out[homes[name]] += nbytes
+    return out
+
+
+def unit_homes(graph: OpGraph, program: ExportedProgram) -> dict[str, int]:
+    """FX call node name -> the OpGraph index carrying its costs: a tagged unit's first ONNX
+    node (graph order), an untagged node's by the rule of the module docstring. Empty when the
+    ONNX graph carries no FX tags."""
+    protos = graph.protos()
+    first: dict[str, int] = {}
+    for g in graph.compute_nodes:
+        unit = fx_unit(protos[graph.nodes[g].key])
+        if unit is not None:
+            first.setdefault(unit, g)
+    if not first:
+        return {}
+    nodes = {n.name: n for n in program.graph.nodes}
+    order = [n.name for n in program.graph.nodes]
+    position = {name: i for i, name in enumerate(order)}
+    return {n.name: _home(n.name, first, nodes, order, position)
+            for n in program.graph.nodes if n.op == "call_function"}
+
+
+def _home(name: str, first: Mapping[str, int], nodes: Mapping[str, Any],
+          order: Sequence[str], position: Mapping[str, int]) -> int:
+    """OpGraph index that carries FX node ``name``'s bytes (module docstring)."""
+    if name in first:
+        return first[name]
+    frontier, visited = [nodes[name]], {name}
+    while frontier:  # breadth first through users, nearest tagged user wins
+        following = []
+        for node in frontier:
+            for user in sorted(node.users, key=lambda u: position[u.name]):
+                if user.name in first:
+                    return first[user.name]
+                if user.name not in visited:
+                    visited.add(user.name)
+                    following.append(user)
+        frontier = following
+    for earlier in reversed(order[:position[name]]):
+        if earlier in first:
+            return first[earlier]
+    return min(first.values())

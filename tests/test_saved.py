@@ -1,0 +1,124 @@
+"""Activation memory as autograd keeps it (cost/saved.py): bytes saved for backward per FX unit,
+by hand on a small block, equal under FakeTensorMode and on real tensors, and a 2-stage train
+plan's per-stage ``activation_bytes`` summing to what the whole program saves in a real run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from onnx_partition import export, models
+from onnx_partition.cost.saved import saved_by_module, saved_bytes, saved_bytes_per_node
+from onnx_partition.graph import load
+from onnx_partition.partition import partition
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.task import task_for
+
+ROWS, WIDTH, HIDDEN = 4, 8, 16
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, HIDDEN)
+        self.act = torch.nn.GELU()
+        self.ln = torch.nn.LayerNorm(HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.act(self.lin(x)))
+
+
+@pytest.fixture(scope="module")
+def block(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    return export(Block(), (torch.randn(ROWS, WIDTH),),
+                  tmp_path_factory.mktemp("block") / "block.onnx")
+
+
+# by hand: linear saves its input x (its weight is a parameter: not counted), GELU its input
+# (linear's output), layer norm its input (GELU's output) and its mean and rstd (one per row)
+HAND = {"linear": ROWS * WIDTH * 4, "gelu": ROWS * HIDDEN * 4,
+        "layer_norm": ROWS * HIDDEN * 4 + 2 * ROWS * 4}
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_saved_bytes_per_unit_equal_a_hand_count(block: Path, fake: bool) -> None:
+    program = torch.export.load(str(block.with_suffix(".pt2")))
+    counted = saved_bytes(program, [(ROWS, WIDTH)], fake=fake)
+    assert counted.per_node == HAND
+    assert counted.total == sum(HAND.values())
+    assert counted.weights == (WIDTH * HIDDEN + 3 * HIDDEN) * 4
+    # the eager module, counted the same way, saves the same bytes
+    assert saved_by_module(Block(), torch.randn(ROWS, WIDTH)) == sum(HAND.values())
+
+
+def test_each_unit_lands_on_its_first_onnx_node(block: Path) -> None:
+    graph = load(block, batch_size=ROWS)
+    per_node = saved_bytes_per_node(graph, block.with_suffix(".pt2"))
+    assert {graph.nodes[i].key: b for i, b in enumerate(per_node) if b} == {
+        f"node_{k}": float(v) for k, v in HAND.items()}
+
+
+def test_fake_and_real_runs_count_the_same_bytes_on_gpt2() -> None:
+    torch.manual_seed(0)
+    model = _gpt2()
+    program = torch.export.export(_Logits(model), (torch.zeros(2, 8, dtype=torch.long),),
+                                  strict=False)
+    fake = saved_bytes(program, [(2, 8)], fake=True)
+    real = saved_bytes(program, [(2, 8)], fake=False)
+    assert fake.per_node == real.per_node and fake.total > 0
+
+
+def _gpt2() -> torch.nn.Module:
+    transformers.logging.set_verbosity_error()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100, bos_token_id=0,
+        eos_token_id=0))
+    model.config.use_cache = False
+    return model
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, return_dict=False)[0]
+
+
+def _measured(plan_dir: Path, rows: int) -> int:
+    """What the whole program saves for backward in a real run of one micro-batch."""
+    plan = read_plan(plan_dir)
+    inputs, _ = task_for(plan_dir).make_batch(rows, torch.Generator().manual_seed(0))
+    return saved_by_module(whole_module(plan_dir), *[inputs[s.name] for s in plan.inputs])
+
+
+def _two_stage_sum(model: Path, plan_dir: Path, rows: int) -> tuple[int, int]:
+    plan = partition(model, 2, plan_dir, batch_size=rows, mode="train", check=False)
+    assert plan.extra["activations"]["source"] == "saved-tensors"
+    parts = [s.predicted.activation_bytes for s in plan.stages if s.predicted]
+    assert len(parts) == 2 and all(p is not None for p in parts)
+    return sum(p or 0 for p in parts), _measured(plan_dir, rows)
+
+
+@pytest.mark.parametrize("name", models.RECIPES)
+def test_two_stage_activation_bytes_sum_to_the_measured_whole(
+        name: str, tmp_path: Path, exported: Callable[[str, str], Path]) -> None:
+    model = exported(name, "tiny")  # the session's export (its program beside it)
+    modelled, measured = _two_stage_sum(model, tmp_path / "plan", 2)
+    assert measured > 0
+    assert abs(modelled - measured) <= 0.05 * measured, (modelled, measured)
+
+
+def test_two_stage_activation_bytes_of_hf_gpt2(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = export(_Logits(_gpt2()), (ids,), tmp_path / "gpt2.onnx")
+    modelled, measured = _two_stage_sum(model, tmp_path / "plan", 2)
+    assert abs(modelled - measured) <= 0.05 * measured, (modelled, measured)
