@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "PLAN_FORMAT", "RUN_FORMAT", "STAGE_COSTS_FORMAT",
+           "TRAIN_FORMAT",
            "ClusterFields", "IOSpec", "Link", "PlanFields", "Predicted", "Stage"]
 
 PLAN_FORMAT = "onnx-partition/plan@2"  # plan.json (partition); @1 files still read
@@ -26,6 +27,7 @@ CLUSTER_FORMAT = "onnx-partition/cluster@1"  # cluster.json (partition --cluster
 COSTS_FORMAT = "onnx-partition/costs@1"  # costs.json (profile)
 RUN_FORMAT = "onnx-partition/run@1"  # run --json, read back by report --measured
 STAGE_COSTS_FORMAT = "onnx-partition/stage-costs@1"  # train --record FILE
+TRAIN_FORMAT = "onnx-partition/train@1"  # train --json (written, not read back)
 
 
 # --------------------------------------------------------------------------- plan.json

@@ -41,7 +41,7 @@ from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
-from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT
+from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT, TRAIN_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import (
@@ -622,8 +622,6 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
             "saved": None if stats.saved is None else str(stats.saved),
             "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint)}
 
-
-TRAIN_FORMAT = "onnx-partition-train/1"
 
 
 @dataclass(frozen=True)
