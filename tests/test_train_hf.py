@@ -146,3 +146,16 @@ def test_own_loss_trains_over_gloo_like_one_process(hf_exported: HF, tmp_path: P
     inputs = batches[0][0]  # step 1's loss: the mean of the micro-batches' own losses
     own = [first(*[inputs[s.name][lo:hi] for s in plan.inputs])[0] for lo, hi in ((0, 2), (2, 4))]
     assert results[0].loss[0] == pytest.approx(float(sum(own).detach()) / 2, rel=1e-5)
+
+
+def test_run_check_of_a_model_computing_its_own_loss(hf_exported: HF, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``run --check`` of GPT-2 given labels: its scalar loss has no batch axis, so the pipeline
+    returns the first micro-batch's; the whole model is run per micro-batch too and the check
+    passes (it compared the whole batch's loss before: 1.2e-2, a false MISMATCH)."""
+    from onnx_partition.cli import main
+
+    partition(hf_exported("gpt2", labels=True), 2, tmp_path / "plan", batch_size=2)
+    assert main(["run", str(tmp_path / "plan"), "--check", "--iterations", "1",
+                 "--microbatches", "4"]) == 0
+    assert "(OK)" in capsys.readouterr().out

@@ -323,7 +323,8 @@ def _run(args: argparse.Namespace) -> int:
             args.plan, plan, feeds, shape, providers=_providers(args), show_progress=bar,
             **options)
     body = run_json(plan, shape, runtime, measured, warmup=args.warmup)
-    code = _check(args.plan, plan, feeds, outputs, out) if args.check else 0
+    code = (_check(args.plan, plan, feeds, outputs, out, shape.microbatches) if args.check
+            else 0)
     if args.check:
         body["check"] = "ok" if code == 0 else "mismatch"
     if args.json:
@@ -354,12 +355,13 @@ def timing_line(samples_ms: Sequence[float]) -> str:
 
 def _check(
     plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
-    out: Any = None,
+    out: Any = None, microbatches: int = 1,
 ) -> int:
     """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
     from onnx_partition.runtime.infer.check import compare, whole_model_outputs
 
-    worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds))
+    worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds,
+                                                 microbatches=microbatches))
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
     print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
           file=out or sys.stdout)

@@ -70,9 +70,13 @@ def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dic
 
 
 def whole_model_outputs(
-    plan_dir: str | Path, plan: Plan, feeds: Mapping[str, np.ndarray], *, threads: int = 1
+    plan_dir: str | Path, plan: Plan, feeds: Mapping[str, np.ndarray], *, threads: int = 1,
+    microbatches: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Outputs of the original model (``plan.model``, relative to the plan folder)."""
+    """Outputs of the original model (``plan.model``, relative to the plan folder). A model
+    with an output that has no batch axis (a loss a model computes itself over its batch)
+    runs as the pipeline ran: on each of ``microbatches`` micro-batches, merged as the pipeline
+    merges (such an output from the first), so the check compares like with like."""
     model = (Path(plan_dir) / plan.model).resolve()
     if not model.is_file():
         raise PartitionError(f"the plan's model {model} is missing; cannot check outputs")
@@ -84,7 +88,10 @@ def whole_model_outputs(
     fixed = {s.shape[0] for s in plan.inputs if s.shape}
     rows = microbatch.batch_size(feeds, axes)
     parts = [dict(feeds)]
-    if len(fixed) == 1 and all(isinstance(d, int) and d > 0 for d in fixed):
+    unbatched = any(axes.get(o.name, 0) is None for o in plan.outputs)
+    if unbatched and microbatches > 1:
+        parts = microbatch.split(dict(feeds), microbatches, axes)
+    elif len(fixed) == 1 and all(isinstance(d, int) and d > 0 for d in fixed):
         size = int(fixed.pop())
         if rows != size and rows % size == 0:
             parts = microbatch.split(dict(feeds), rows // size, axes)
