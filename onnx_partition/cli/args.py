@@ -16,6 +16,7 @@ import logging
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
@@ -24,7 +25,7 @@ from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
 
 __all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "device_kind_of",
-           "input_shapes_of", "nearest", "rank_parser"]
+           "input_shapes_of", "nearest", "rank_parser", "train_options"]
 
 log = logging.getLogger("onnx_partition")
 
@@ -526,3 +527,17 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
     ("report", "write a self-contained HTML report of a plan", _report_args),
     ("demo", "export a recipe, partition it, run it, check it", _demo_args),
 )
+
+
+def train_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options ``train`` and its torchrun entry share, as keywords of ``train_plan`` and
+    ``train_rank`` (one reader, so the two cannot drift)."""
+    return dict(
+        steps=args.steps, microbatches=args.microbatches, batch_size=args.batch_size,
+        schedule=args.schedule, optimizer=args.optimizer, lr=args.lr, check=args.check,
+        seed=args.seed, data=args.data, shuffle=args.shuffle, loss=args.loss,
+        weight_decay=args.weight_decay, momentum=args.momentum, betas=tuple(args.betas),
+        warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+        clip_grad_norm=args.clip_grad_norm, precision=args.precision,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, eval_every=args.eval_every, eval_data=args.eval_data, log=args.log)

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 
 from onnx_partition import values
-from onnx_partition.cli.args import rank_parser
+from onnx_partition.cli.args import rank_parser, train_options
 from onnx_partition.cli.verbs import EXIT_FAILED, guarded
 
 __all__ = ["infer_main", "train_main"]
@@ -78,17 +78,7 @@ def _train(args: argparse.Namespace) -> int:
     """Train as this rank; rank 0 prints the summary."""
     from onnx_partition.runtime.train.trainer import format_train, train_rank
 
-    stats = train_rank(args.plan, steps=args.steps, microbatches=args.microbatches,
-                       batch_size=args.batch_size, schedule=args.schedule,
-                       optimizer=args.optimizer, lr=args.lr, check=args.check, seed=args.seed,
-                       backend=args.backend, weight_decay=args.weight_decay,
-                       momentum=args.momentum, betas=tuple(args.betas),
-                       warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
-                       clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-                       checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       eval_every=args.eval_every, eval_data=args.eval_data, log=args.log,
-                       data=args.data, shuffle=args.shuffle, loss=args.loss)
+    stats = train_rank(args.plan, backend=args.backend, **train_options(args))
     if stats is None:
         return 0
     print(format_train(stats))

@@ -26,6 +26,7 @@ from onnx_partition.cli.args import (
     cluster_of,
     device_kind_of,
     input_shapes_of,
+    train_options,
 )
 from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
@@ -377,20 +378,9 @@ def _train(args: argparse.Namespace) -> int:
         raise PartitionError(
             f"{args.plan} is an inference plan (--mode {mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
-    stats = train_plan(args.plan, nproc=args.nproc, steps=args.steps,
-                       microbatches=args.microbatches, batch_size=args.batch_size,
-                       schedule=args.schedule, optimizer=args.optimizer, lr=args.lr,
-                       check=args.check, save=args.save, record=args.record,
-                       engine=args.engine, seed=args.seed,
-                       data=args.data, shuffle=args.shuffle, loss=args.loss,
-                       verbose=not args.json, weight_decay=args.weight_decay,
-                       momentum=args.momentum, betas=tuple(args.betas),
-                       warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
-                       clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-                       checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       eval_every=args.eval_every, eval_data=args.eval_data, log=args.log,
-                       progress=not args.json)
+    stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
+                       engine=args.engine, verbose=not args.json, progress=not args.json,
+                       **train_options(args))
     print(dumps(train_json(stats)) if args.json else format_train(stats))
     return EXIT_FAILED if stats.mismatches else 0
 

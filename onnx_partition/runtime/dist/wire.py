@@ -39,7 +39,7 @@ from onnx_partition.errors import PartitionError, one_line
 
 __all__ = ["ALIGN", "CODES", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "TORCH_DTYPES", "TORCH_ONLY", "Env", "Spec", "Wire",
            "as_bytes", "decode_header", "decode_torch_header", "dtype_code", "encode_codes",
-           "encode_header", "header_size", "pack", "torch_dtype_code", "unpack"]
+           "encode_header", "header_size", "pack", "torch_dtype_code", "unpack", "wait_sends"]
 
 Env = dict[str, np.ndarray]
 
@@ -252,14 +252,7 @@ class Wire:
 
     def wait(self, pending: list[Any]) -> None:
         began = time.perf_counter()
-        for work, dst, *_ in pending:
-            try:
-                work.wait()
-            except Exception as exc:  # torch raises DistBackendError / RuntimeError
-                raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        pending.clear()
+        wait_sends(pending, self.peer, self.device)
         self.comm_s += time.perf_counter() - began
 
     def _isend(self, array: np.ndarray, dst: int, pending: list[Any]) -> None:
@@ -281,3 +274,16 @@ class Wire:
             host.copy_(wire)
             self.copies["to_host"] += 1
         self.comm_s += time.perf_counter() - began
+
+
+def wait_sends(pending: list[Any], peer: Callable[[int], str], device: torch.device) -> None:
+    """Wait for every queued send ``(work, dst, ...)`` of ``pending`` (and, on CUDA, for the
+    device), then empty it; a failed send is a one-line error naming its peer (``peer(dst)``)."""
+    for work, dst, *_ in pending:
+        try:
+            work.wait()
+        except Exception as exc:  # torch raises DistBackendError / RuntimeError
+            raise RuntimeError(f"sending to {peer(dst)}: {one_line(exc)}") from exc
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    pending.clear()

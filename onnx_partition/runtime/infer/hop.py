@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.runtime.dist.wire import Spec, decode_header, encode_header, header_size
+from onnx_partition.runtime.dist.wire import (
+    Spec,
+    decode_header,
+    encode_header,
+    header_size,
+    wait_sends,
+)
 
 __all__ = ["HOPS", "DeviceHop", "TensorEnv"]
 
@@ -151,10 +157,5 @@ class DeviceHop:
 
     def wait(self, pending: list[Any]) -> None:
         began = time.perf_counter()
-        for work, dst, *_ in pending:
-            try:
-                work.wait()
-            except Exception as exc:  # torch raises DistBackendError / RuntimeError
-                raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
-        pending.clear()
+        wait_sends(pending, self.peer, torch.device("cpu"))  # the stream orders device work
         self.comm_s += time.perf_counter() - began
