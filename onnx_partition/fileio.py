@@ -50,14 +50,11 @@ def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> str:
 
 def sync_folder(folder: str | os.PathLike[str]) -> None:
     """fsync a folder, so the renames and new names in it are on disk."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _sync_file(folder)
 
 
-def _sync_file(path: Path) -> None:
+def _sync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file or folder by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -390,13 +390,9 @@ def train_plan(
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
     folder = Path(plan_dir).resolve()
-    from onnx_partition.runtime.train.modules import require_trainable
-
-    plan0 = require_trainable(folder)
-    count = microbatches or plan0.microbatches
-    rows = batch_size or plan0.rows_per_microbatch or 1
-    plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
-                         schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
+    plan, count, rows = _request(folder, nproc=nproc, steps=steps, microbatches=microbatches,
+                                 batch_size=batch_size, schedule=schedule, optimizer=optimizer,
+                                 lr=lr, engine=engine)
     if save is not None:
         check_save(folder, Path(save), plan)
     if record is not None:
@@ -433,6 +429,22 @@ def train_plan(
                   for k in range(len(plan.stages))]
         stats.saved = save_trained(folder, states, Path(save))
     return stats
+
+
+def _request(folder: Path, *, nproc: int | None, steps: int, microbatches: int | None,
+             batch_size: int | None, schedule: str, optimizer: str, lr: float, engine: str
+             ) -> tuple[Plan, int, int]:
+    """The plan checked for this request (:func:`check_request`), its micro-batches per step
+    and rows per micro-batch (the plan's own unless given): what :func:`train_plan` and
+    :func:`train_rank` both start from."""
+    from onnx_partition.runtime.train.modules import require_trainable
+
+    plan0 = require_trainable(folder)
+    count = microbatches or plan0.microbatches
+    rows = batch_size or plan0.rows_per_microbatch or 1
+    plan = check_request(folder, nproc=nproc, steps=steps, microbatches=count, batch_size=rows,
+                         schedule=schedule, optimizer=optimizer, lr=lr, engine=engine)
+    return plan, count, rows
 
 
 def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, rows: int,
@@ -703,17 +715,13 @@ def train_rank(
     :func:`train_plan`'s optimisation, checkpoint, evaluation and log keywords
     (:func:`train_config`). Raises
     :class:`StageFailed` naming this rank's stage and replica when it fails."""
-    from onnx_partition.runtime.train.modules import require_trainable
-
     env = torchrun_env()
     folder = Path(plan_dir).resolve()
-    plan0 = require_trainable(folder)
-    count = microbatches or plan0.microbatches
-    rows = batch_size or plan0.rows_per_microbatch or 1
-    plan = check_request(folder, nproc=env.world_size, steps=steps, microbatches=count,
-                         batch_size=rows, schedule=schedule, optimizer=optimizer, lr=lr,
-                         engine="ours")
-    check_placement(env, [d for stage in layout(plan).devices for d in stage], layout(plan).name)
+    plan, count, rows = _request(folder, nproc=env.world_size, steps=steps,
+                                 microbatches=microbatches, batch_size=batch_size,
+                                 schedule=schedule, optimizer=optimizer, lr=lr, engine="ours")
+    lay = layout(plan)
+    check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     eval_data = options.pop("eval_data", None)
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
                         loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
@@ -724,12 +732,11 @@ def train_rank(
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               config.eval_every > 0)
     try:
-        ranks = torchrun_rank(build, config, backend=choose_backend(layout(plan), backend),
-                              env=env)
+        ranks = torchrun_rank(build, config, backend=choose_backend(lay, backend), env=env)
     except PartitionError:
         raise
     except Exception as exc:  # this rank's failure: name it (the entry exits 1)
-        raise StageFailed(f"{layout(plan).name(env.rank)} failed: {one_line(exc)}") from exc
+        raise StageFailed(f"{lay.name(env.rank)} failed: {one_line(exc)}") from exc
     if ranks is None:
         return None
     stats = summarize(plan, ranks, config, rows * count, "ours")
