@@ -198,6 +198,8 @@ def partition(
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
             else "estimated")
+    else:
+        plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:

@@ -52,7 +52,8 @@ def test_registry_builds_the_old_interleaved_lists(stages, chunks, reps, m):
 
 
 def test_registry_names_and_refusals():
-    assert schedules.NAMES == ("gpipe", "1f1b", "interleaved", "infer")
+    assert schedules.NAMES == ("gpipe", "1f1b", "zb-h1", "interleaved", "infer")
+    assert schedules.TRAIN_NAMES == ("gpipe", "1f1b", "zb-h1")
     assert set(schedules.TRAIN_NAMES) <= set(schedules.NAMES)
     with pytest.raises(ScheduleError, match="unknown schedule 'zigzag'"):
         schedules.build("zigzag", [1], 1)
@@ -66,7 +67,7 @@ def test_every_caller_uses_the_registry():
     import re
 
     root = pathlib.Path(__file__).resolve().parents[1] / "onnx_partition"
-    builders = re.compile(r"\b(gpipe|one_f_one_b|interleaved|inference)\(")
+    builders = re.compile(r"\b(gpipe|one_f_one_b|zb_h1|interleaved|inference)\(")
     found = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.name != "schedules.py" and builders.search(p.read_text())]
     assert found == []

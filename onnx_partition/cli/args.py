@@ -205,10 +205,16 @@ def _verb_parser(common: argparse.ArgumentParser) -> type[argparse.ArgumentParse
     return VerbParser
 
 
+def _schedule_help(names: tuple[str, ...]) -> str:
+    """The registry's description of each of ``names``, for a --schedule help."""
+    return "; ".join(f"{n}: {schedules.REGISTRY[n].description}" for n in names)
+
+
 def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=schedules.NAMES,
-                   help="default: 1f1b for training plans, infer otherwise; interleaved: "
-                        "interleaved 1F1B, the stages as --chunks model chunks per device")
+                   help="default: the one the plan was planned for (plan.json's schedule; "
+                        "older plans: 1f1b for training, infer otherwise). "
+                        + _schedule_help(schedules.NAMES))
     p.add_argument("--microbatches", type=int, help="micro-batches (default: the plan's)")
     p.add_argument("--no-verify", action="store_true",
                    help="check the plan folder's file sizes only, not their sha256")
@@ -273,6 +279,14 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                       help="infer: forward only; train: forward, backward, all-reduce, 1F1B "
                            "memory (needs the model's program MODEL.pt2, see --no-program)")
     plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
+    plan.add_argument("--schedule", choices=("auto", *schedules.PLANNED_NAMES),
+                      help="--mode train: the pipeline schedule to plan for (default auto: "
+                           "plan for each and keep the fastest simulated plan). "
+                           + _schedule_help(schedules.PLANNED_NAMES))
+    plan.add_argument("--recompute", default="auto", choices=("auto", "none", "all"),
+                      help="--mode train: which stages keep only their inputs and recompute "
+                           "their forward in backward (auto: those that would not fit the "
+                           "device memory otherwise)")
     plan.add_argument("--bandwidth", type=float, default=10.0,
                       help="link bandwidth between stages in GB/s, and between the devices of "
                            "a machine with --devices (0 = free)")
@@ -377,8 +391,10 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=schedules.TRAIN_NAMES,
-                   help="the pipeline schedule every rank executes (the simulator's)")
+    p.add_argument("--schedule", choices=schedules.TRAIN_NAMES,
+                   help="the pipeline schedule every rank executes (the simulator's; default: "
+                        "the plan's, see plan.json's schedule, else 1f1b). "
+                        + _schedule_help(schedules.TRAIN_NAMES))
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0,
@@ -529,12 +545,25 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
 )
 
 
+def train_schedule(plan_dir: Path) -> str:
+    """``train``'s default schedule: the plan's (plan.json's ``schedule``) when the training
+    runtime runs it, else 1f1b (also when the plan cannot be read: train then says why)."""
+    from onnx_partition.plan import read_plan
+
+    try:
+        named = read_plan(plan_dir).extra.get("schedule")
+    except (PartitionError, OSError, ValueError):
+        return "1f1b"
+    return named if named in schedules.TRAIN_NAMES else "1f1b"
+
+
 def train_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options ``train`` and its torchrun entry share, as keywords of ``train_plan`` and
     ``train_rank`` (one reader, so the two cannot drift)."""
     return dict(
         steps=args.steps, microbatches=args.microbatches, batch_size=args.batch_size,
-        schedule=args.schedule, optimizer=args.optimizer, lr=args.lr, check=args.check,
+        schedule=args.schedule or train_schedule(args.plan), optimizer=args.optimizer,
+        lr=args.lr, check=args.check,
         seed=args.seed, data=args.data, shuffle=args.shuffle, loss=args.loss,
         weight_decay=args.weight_decay, momentum=args.momentum, betas=tuple(args.betas),
         warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.schedules import (
+    NAMES,
     Action,
     Device,
     Kind,
@@ -89,7 +90,11 @@ MAX_GRID_STEPS = 48
 
 
 def default_schedule(plan: Plan) -> str:
-    """``1f1b`` for training plans, ``infer`` otherwise (what the planner simulated)."""
+    """The schedule the plan was planned for (plan.json's ``schedule``); without one (older
+    plans), ``1f1b`` for training plans, ``infer`` otherwise (what the planner simulated)."""
+    named = plan.extra.get("schedule")
+    if isinstance(named, str) and named.lower() in NAMES:
+        return named.lower()
     return "1f1b" if plan.mode == "train" else "infer"
 
 
@@ -228,7 +233,7 @@ def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) ->
 
 def schedule_name(result: SimResult) -> str:
     """``infer`` for a forward-only result, else ``train`` (the timeline tells)."""
-    return "train" if any(a.kind is Kind.B for _, a, _, _ in result.timeline) else "infer"
+    return "train" if any(a.kind is not Kind.F for _, a, _, _ in result.timeline) else "infer"
 
 
 def format_simulation(plan: Plan, result: SimResult) -> str:

@@ -39,6 +39,8 @@ a window of ``min(W_s + 1, M)`` consecutive micro-batches, of which at most
 device of stage ``s``::
 
     held = ceil(min(W_s + 1, M) / d_s)    (1F1B; no replicas: min(p - s, M), Narayanan 2021)
+         = ceil(min(W_0 + 1, M) / d_s)    (ZB-H1: a micro-batch is held from F to its W, which
+                                           stage s defers by W_0 - W_s; no replicas: min(p, M))
          = ceil(M / d_s)                  (GPipe: every micro-batch of the replica)
          = 1                              (inference: the micro-batch being computed)
 
@@ -65,7 +67,7 @@ __all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
            "peak_inflight", "ring_allreduce_ms", "stash_bytes", "static_bytes"]
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
-CLOSED_FORMS = ("1f1b", "gpipe", "infer")
+CLOSED_FORMS = ("1f1b", "zb-h1", "gpipe", "infer")
 
 Num = TypeVar("Num", float, "np.ndarray")  # numpy imported by the vectorised callers only
 
@@ -124,15 +126,17 @@ def held_in_front(replicas: np.ndarray, next_replicas: np.ndarray, next_warmup: 
 
 def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
     """Micro-batches whose activations the fullest replica of each stage holds at once (see
-    the module docstring): ``1f1b``, ``gpipe`` or ``infer``."""
+    the module docstring): ``1f1b``, ``zb-h1``, ``gpipe`` or ``infer``."""
     m = microbatches
     if schedule == "infer":
         return [1 if m > 0 else 0] * len(replicas)
     if schedule == "gpipe":
         return [-(-m // d) for d in replicas]
-    if schedule != "1f1b":
+    if schedule not in ("1f1b", "zb-h1"):
         raise ValueError(f"no closed form for schedule {schedule!r}; use one of {CLOSED_FORMS}")
     warm = one_f_one_b_warmups(replicas, m)
+    if schedule == "zb-h1":
+        warm = [warm[0] if warm else 0] * len(warm)
     return [-(-min(w + 1, m) // d) for w, d in zip(warm, replicas, strict=True)]
 
 

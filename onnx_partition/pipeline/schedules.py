@@ -9,12 +9,21 @@ an action such as ``1F0`` is (stage 1, forward, micro-batch 0). Builders:
 * :func:`interleaved` -- interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): each
   of ``p`` devices holds ``v`` model chunks (stages ``d, d + p, ...``), shrinking the bubble
   by ``v``.
+* :func:`zb_h1` -- ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's
+  order with each backward split into an input-gradient pass ``I`` (what the stage below
+  waits for) and a weight-gradient pass ``W``, stage ``s`` deferring ``s`` of its W passes to
+  fill the bubble, so no device holds more micro-batches than 1F1B's first stage.
 * :func:`inference` -- forwards only.
 
-**The registry.** :data:`NAMES` lists every schedule by name and :func:`build` makes one from
-its name: the one map from a name to a builder, used by the simulator's callers
+**Actions.** ``F`` forward, ``B`` the whole backward, ``I`` its input-gradient half and ``W``
+its weight-gradient half (``I`` then ``W`` is ``B``). A micro-batch's backward on a stage is
+either one ``B`` or an ``I`` and a ``W``, on the device of its ``F``.
+
+**The registry.** :data:`REGISTRY` maps every schedule name to its :class:`ScheduleSpec`
+(builder, the modes it serves, a description); :data:`NAMES` lists them and :func:`build`
+makes one from its name: the one map from a name to a builder, used by the simulator's callers
 (:mod:`.from_plan`), the planner's scorer, the training runtime (:data:`TRAIN_NAMES`, the
-ones it runs) and the command line's choices.
+ones it runs) and every verb's ``--schedule`` choices.
 
 A stage with ``d`` replicas sends micro-batch ``m`` to replica ``m % d``; each replica runs
 the subsequence of the stage's action list that belongs to its micro-batches. A device is
@@ -26,7 +35,8 @@ actions of stages ``s`` with ``s % p == d`` (``p`` = number of stages unless int
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -37,6 +47,8 @@ from onnx_partition.pipeline.memory import one_f_one_b_warmups
 __all__ = [
     "DEFAULT_CHUNKS",
     "NAMES",
+    "PLANNED_NAMES",
+    "REGISTRY",
     "TRAIN_NAMES",
     "Action",
     "ActionKey",
@@ -44,6 +56,8 @@ __all__ = [
     "Kind",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
+    "action_key",
     "build",
     "checked_name",
     "gpipe",
@@ -53,12 +67,9 @@ __all__ = [
     "pipeline_width",
     "render",
     "validate",
+    "zb_h1",
 ]
 
-#: Every schedule :func:`build` knows, in the order the command line lists them.
-NAMES = ("gpipe", "1f1b", "interleaved", "infer")
-#: The schedules the training runtime runs (one stage per device).
-TRAIN_NAMES = ("1f1b", "gpipe")
 #: Model chunks per device of the interleaved schedule unless told.
 DEFAULT_CHUNKS = 2
 
@@ -68,11 +79,15 @@ class ScheduleError(PartitionError, ValueError):
 
 
 class Kind(Enum):
+    """F forward; B whole backward; I input-gradient backward; W weight-gradient backward."""
+
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 (the paper's letter)
+    W = "W"
 
 
-_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)")
+_ACTION_RE = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
 @dataclass(frozen=True)
@@ -88,16 +103,27 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``Action.parse("1B3") == Action(1, Kind.B, 3)``."""
+        """Inverse of ``str``: ``Action.parse("1I3") == Action(1, Kind.I, 3)``."""
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '1F0')")
+            raise ValueError(f"not an action: {text!r} (expected e.g. '1F0', '1B0', '1I0', "
+                             "'1W0')")
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
 Device = tuple[int, int]  # (first stage hosted, replica)
 Schedule = dict[Device, list[Action]]
-ActionKey = tuple[int, bool, int]  # (stage, is_backward, microbatch): a cheaply hashed Action
+#: (stage, part, microbatch), a cheaply hashed Action: part 0 forward, 1 the input gradient
+#: (``B`` or ``I``: what the stage below waits for), 2 the weight gradient (``W``).
+ActionKey = tuple[int, int, int]
+
+_PART = {Kind.F: 0, Kind.B: 1, Kind.I: 1, Kind.W: 2}
+
+
+def action_key(a: Action) -> ActionKey:
+    """``a``'s :data:`ActionKey`: a ``B`` and an ``I`` share one (both deliver the input
+    gradient the stage below waits for)."""
+    return (a.stage, _PART[a.kind], a.microbatch)
 
 # ------------------------------------------------------------------- builders
 
@@ -177,6 +203,49 @@ def one_f_one_b(
     return _distribute(orders, counts)
 
 
+def zb_h1(
+    num_stages: int, num_microbatches: int, replicas: Sequence[int] | None = None
+) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1).
+
+    Each backward is split into ``I`` (the input gradient, sent to the stage below at once)
+    and ``W`` (the weight gradient, needed only by the optimizer step). Stage ``s`` runs
+    1F1B's order (:func:`one_f_one_b`: ``W_s`` warm-up forwards, then one forward and one
+    ``I``, then the remaining ``I``) and runs the ``W`` of a micro-batch once ``D_s = W_0 -
+    W_s`` later ``I`` passes are done (``s`` for one replica per stage: 0 on the first stage,
+    ``p - 1`` on the last); the deferred ``W`` passes run in the cool-down, where 1F1B's
+    stages wait. A stage holds a micro-batch from its ``F`` to its ``W``, so each holds at
+    most ``min(W_0 + 1, M)`` micro-batches (spread over its replicas): 1F1B's first stage's
+    peak (``min(p, M)`` without replicas). With ``F = I = W`` the bubble is ``(p - 1)(F + I -
+    W)`` (the paper's figure 3), a third of 1F1B's.
+    """
+    counts = _replica_counts(num_stages, replicas)
+    _check_microbatches(num_microbatches)
+    m = num_microbatches
+    warmups = one_f_one_b_warmups(counts, m)
+    orders: list[list[tuple[Kind, int]]] = []
+    for warmup in warmups:
+        defer = warmups[0] - warmup
+        order = [(Kind.F, mb) for mb in range(warmup)]
+        pending: deque[int] = deque()
+
+        def grad(mb: int, order: list[tuple[Kind, int]] = order,
+                 pending: deque[int] = pending, defer: int = defer) -> None:
+            order.append((Kind.I, mb))
+            pending.append(mb)
+            if len(pending) > defer:
+                order.append((Kind.W, pending.popleft()))
+
+        for mb in range(warmup, m):
+            order.append((Kind.F, mb))
+            grad(mb - warmup)
+        for mb in range(m - warmup, m):
+            grad(mb)
+        order += [(Kind.W, mb) for mb in pending]
+        orders.append(order)
+    return _distribute(orders, counts)
+
+
 def interleaved(
     num_stages: int, num_microbatches: int, chunks: int, replicas: Sequence[int] | None = None
 ) -> Schedule:
@@ -235,11 +304,55 @@ def interleaved(
     return schedule
 
 
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule of the registry: ``builder(replicas, microbatches, chunks)``, the modes
+    it serves (``train``, ``infer``), whether the planner considers it (``partition
+    --schedule auto``), whether the training runtime runs it, and a one-line description."""
+
+    builder: Callable[[Sequence[int], int, int | None], Schedule]
+    modes: tuple[str, ...]
+    description: str
+    planned: bool = False
+    runtime: bool = False
+
+
+REGISTRY: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(
+        lambda r, m, c: gpipe(len(r), m, r), ("train",),
+        "GPipe: all forwards, then all backwards (every micro-batch stashed)",
+        planned=False, runtime=True),
+    "1f1b": ScheduleSpec(
+        lambda r, m, c: one_f_one_b(len(r), m, r), ("train",),
+        "1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward",
+        planned=True, runtime=True),
+    "zb-h1": ScheduleSpec(
+        lambda r, m, c: zb_h1(len(r), m, r), ("train",),
+        "ZB-H1 zero bubble: 1F1B with backward split into input and weight gradients, "
+        "weight gradients deferred into the bubble, at 1F1B's peak memory",
+        planned=True, runtime=True),
+    "interleaved": ScheduleSpec(
+        lambda r, m, c: interleaved(len(r), m, DEFAULT_CHUNKS if c is None else c, r),
+        ("train",), "interleaved 1F1B: the stages as --chunks model chunks per device "
+        "(a what-if layout)"),
+    "infer": ScheduleSpec(
+        lambda r, m, c: inference(len(r), m, r), ("infer",),
+        "forwards only, micro-batches streamed in order", planned=True),
+}
+
+#: Every schedule :func:`build` knows, in the order the command line lists them.
+NAMES = tuple(REGISTRY)
+#: The schedules the training runtime runs (one stage per device).
+TRAIN_NAMES = tuple(n for n, spec in REGISTRY.items() if spec.runtime)
+#: The train schedules ``partition --schedule auto`` chooses among.
+PLANNED_NAMES = tuple(n for n, spec in REGISTRY.items() if spec.planned and "train" in spec.modes)
+
+
 def checked_name(name: str, chunks: int | None = None) -> str:
     """``name`` as :data:`NAMES` spells it (case ignored); :class:`ScheduleError` for an
     unknown name or for ``chunks`` given to a schedule other than ``interleaved``."""
     key = name.lower()
-    if key not in NAMES:
+    if key not in REGISTRY:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
     if chunks is not None and key != "interleaved":
         raise ScheduleError(f"model chunks per device apply only to the interleaved "
@@ -254,15 +367,7 @@ def build(name: str, replicas: Sequence[int], microbatches: int, *,
     ``interleaved`` only (default :data:`DEFAULT_CHUNKS`). Raises :class:`ScheduleError` for
     an unknown name, chunks given to another schedule, or what the builder refuses."""
     key = checked_name(name, chunks)
-    counts = list(replicas)
-    if key == "gpipe":
-        return gpipe(len(counts), microbatches, counts)
-    if key == "1f1b":
-        return one_f_one_b(len(counts), microbatches, counts)
-    if key == "interleaved":
-        return interleaved(len(counts), microbatches,
-                           DEFAULT_CHUNKS if chunks is None else chunks, counts)
-    return inference(len(counts), microbatches, counts)
+    return REGISTRY[key].builder(list(replicas), microbatches, chunks)
 
 # ----------------------------------------------------------------- validation
 
@@ -285,11 +390,12 @@ def validate(
     replicas: Sequence[int] | None = None,
 ) -> None:
     """Raise :class:`ScheduleError` unless every (stage, kind, micro-batch) appears exactly
-    once, on a replica of a device hosting that stage, with a micro-batch's F and B on the same
-    device. Device ``(d, r)`` hosts stages ``s`` with ``s % p == d``, where ``p`` is the number
-    of distinct first stages (``num_stages`` unless interleaved, see :func:`interleaved`).
-    With ``replicas``, the devices must be exactly ``(s % p, 0..replicas[s]-1)``, and the
-    stages sharing a device must have equal replica counts."""
+    once, on a replica of a device hosting that stage, with a micro-batch's backward (one B,
+    or one I and one W) on the device of its F. Device ``(d, r)`` hosts stages ``s`` with
+    ``s % p == d``, where ``p`` is the number of distinct first stages (``num_stages``
+    unless interleaved, see :func:`interleaved`). With ``replicas``, the devices must be
+    exactly ``(s % p, 0..replicas[s]-1)``, and the stages sharing a device must have equal
+    replica counts."""
     problems: list[str] = []
     p = pipeline_width(schedule, num_stages)
     if replicas is not None:
@@ -302,15 +408,15 @@ def validate(
             if len(set(shared)) > 1:
                 problems.append(f"stages {list(range(d, num_stages, p))} share device {d} but "
                                 f"have replica counts {shared}")
-    seen: dict[ActionKey, Device] = {}
+    seen: dict[tuple[int, Kind, int], Device] = {}
     for device, actions in schedule.items():
         for a in actions:
-            key = (a.stage, a.kind is Kind.B, a.microbatch)
+            key = (a.stage, a.kind, a.microbatch)
             home = a.stage % p if 0 <= a.stage < num_stages else a.stage  # its device
             if home != device[0]:
                 hosts = "stage" if p == num_stages else "first stage"
                 problems.append(f"{a} is on device {device} of {hosts} {device[0]}")
-            elif a.kind is Kind.B and not train:
+            elif a.kind is not Kind.F and not train:
                 problems.append(f"{a} is a backward in an inference schedule")
             elif not 0 <= a.microbatch < num_microbatches or not 0 <= a.stage < num_stages:
                 problems.append(
@@ -322,13 +428,25 @@ def validate(
                 seen[key] = device
     for s in range(num_stages):
         for mb in range(num_microbatches):
-            fwd, bwd = seen.get((s, False, mb)), seen.get((s, True, mb))
+            fwd = seen.get((s, Kind.F, mb))
             if fwd is None:
                 problems.append(f"{s}F{mb} is missing")
-            if train and bwd is None:
-                problems.append(f"{s}B{mb} is missing")
-            if train and fwd is not None and bwd is not None and fwd != bwd:
-                problems.append(f"{s}F{mb} on {fwd} but {s}B{mb} on {bwd}")
+            if not train:
+                continue
+            parts = {k: seen[(s, k, mb)] for k in (Kind.B, Kind.I, Kind.W) if (s, k, mb) in seen}
+            if Kind.B in parts and len(parts) > 1:
+                halves = "/".join(f"{s}{k.value}{mb}" for k in parts if k is not Kind.B)
+                problems.append(f"{s}B{mb} and {halves} both given (a backward is one B, or "
+                                "an I and a W)")
+            elif not parts:
+                problems.append(f"{s}B{mb} is missing (or {s}I{mb} and {s}W{mb})")
+            elif Kind.B not in parts and len(parts) == 1:
+                have = next(iter(parts))
+                lacks = Kind.W if have is Kind.I else Kind.I
+                problems.append(f"{s}{have.value}{mb} without {s}{lacks.value}{mb}")
+            for k, dev in parts.items():
+                if fwd is not None and dev != fwd:
+                    problems.append(f"{s}F{mb} on {fwd} but {s}{k.value}{mb} on {dev}")
     if problems:
         more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ScheduleError("invalid schedule: " + "; ".join(problems[:10]) + more)

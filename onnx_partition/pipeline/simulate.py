@@ -24,6 +24,7 @@ from onnx_partition.pipeline.schedules import (
     Kind,
     Schedule,
     ScheduleError,
+    action_key,
     pipeline_width,
     render,
     validate,
@@ -44,7 +45,13 @@ def backward_factor(dense: bool | None = None) -> float:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Costs of one stage; times are per micro-batch on ONE replica."""
+    """Costs of one stage; times are per micro-batch on ONE replica.
+
+    ``backward_input_ms`` and ``backward_weight_ms`` are the two halves of ``backward_ms``
+    that zero-bubble schedules run as separate ``I`` and ``W`` actions; where not given the
+    backward splits in half (:meth:`split`). ``recompute``: the stage keeps only its
+    ``input_bytes`` per micro-batch in flight and runs its forward again at the start of its
+    backward (``B`` or ``I``), holding one micro-batch's activations then (until ``W``)."""
 
     forward_ms: float
     backward_ms: float
@@ -52,6 +59,33 @@ class StageCosts:
     allreduce_ms: float = 0.0  # gradient all-reduce once per iteration (train), per replica group
     activation_bytes: float = 0.0  # stashed per in-flight micro-batch
     static_bytes: float = 0.0  # parameters + grads + optimizer state, per replica
+    backward_input_ms: float | None = None
+    backward_weight_ms: float | None = None
+    recompute: bool = False
+    input_bytes: float = 0.0  # received per micro-batch: what a recomputing stage keeps
+
+    def split(self) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
+        of ``backward_ms``), else half of ``backward_ms`` each (a dense operator's two
+        gradients, :func:`backward_factor`)."""
+        i, w = self.backward_input_ms, self.backward_weight_ms
+        if i is None and w is None:
+            return self.backward_ms / 2.0, self.backward_ms / 2.0
+        if i is None:
+            return max(self.backward_ms - float(w or 0.0), 0.0), float(w or 0.0)
+        if w is None:
+            return i, max(self.backward_ms - i, 0.0)
+        return i, w
+
+    def duration(self, kind: Kind) -> float:
+        """The time of one action of ``kind`` (recomputation adds a forward to B and I)."""
+        if kind is Kind.F:
+            return self.forward_ms
+        again = self.forward_ms if self.recompute else 0.0
+        if kind is Kind.B:
+            return self.backward_ms + again
+        i, w = self.split()
+        return i + again if kind is Kind.I else w
 
 
 @dataclass(frozen=True)
@@ -92,11 +126,15 @@ class SimResult:
 
 
 def _dependencies(a: Action, last: int) -> list[tuple[ActionKey, int]]:
-    """(action, boundary whose send time applies or -1) that ``a`` waits for."""
+    """(action, boundary whose send time applies or -1) that ``a`` waits for: a forward the
+    one of the stage above; a backward (``B`` or ``I``) its forward and the input gradient
+    of the stage below (its ``B`` or ``I``); a ``W`` its own ``I``."""
     s, mb = a.stage, a.microbatch
     if a.kind is Kind.F:
-        return [((s - 1, False, mb), s - 1)] if s else []
-    return [((s, False, mb), -1), ((s + 1, True, mb), s)] if s < last else [((s, False, mb), -1)]
+        return [((s - 1, 0, mb), s - 1)] if s else []
+    if a.kind is Kind.W:
+        return [((s, 1, mb), -1)]
+    return [((s, 0, mb), -1), ((s + 1, 1, mb), s)] if s < last else [((s, 0, mb), -1)]
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
@@ -104,7 +142,9 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
 
     Each device runs its actions in list order; an action starts once the device is free
     and its dependencies are done: ``sF m`` (s > 0) needs ``(s-1)F m`` + ``send_ms[s-1]``;
-    ``sB m`` needs ``sF m`` and, below the last stage, ``(s+1)B m`` + ``send_ms[s]``.
+    ``sB m`` (or ``sI m``) needs ``sF m`` and, below the last stage, ``(s+1)B m`` (or
+    ``(s+1)I m``) + ``send_ms[s]``; ``sW m`` needs ``sI m``. A micro-batch's activations are
+    held from its ``F`` to its ``B`` or ``W``.
     Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
     gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
     their last backward and, when a device hosts several stages (interleaved), after the
@@ -146,7 +186,7 @@ def _checked_shape(schedule: Schedule, costs: PipelineCosts) -> tuple[int, bool]
         )
     all_actions = [a for acts in schedule.values() for a in acts]
     num_mb = max((a.microbatch for a in all_actions), default=-1) + 1
-    train = any(a.kind is Kind.B for a in all_actions)
+    train = any(a.kind is not Kind.F for a in all_actions)
     validate(schedule, num_stages, num_mb, train, replicas=[s.replicas for s in costs.stages])
     return num_mb, train
 
@@ -156,7 +196,8 @@ class _Engine:
 
     def __init__(self, schedule: Schedule, costs: PipelineCosts, *, shared: bool) -> None:
         self.schedule, self.costs = schedule, costs
-        self.shared = shared  # some device hosts several stages
+        # bytes counted action by action: a device hosting several stages, or recomputation
+        self.shared = shared or any(s.recompute for s in costs.stages)
         self.last = len(costs.stages) - 1
         self.end: dict[ActionKey, float] = {}
         self.pos = dict.fromkeys(schedule, 0)
@@ -202,19 +243,37 @@ class _Engine:
             default=0.0,
         )
         stage = self.costs.stages[a.stage]
-        forward = a.kind is Kind.F
-        duration = stage.forward_ms if forward else stage.backward_ms
+        duration = stage.duration(a.kind)
         start = max(self.free[dev], ready)
-        key = (a.stage, not forward, a.microbatch)
+        key = action_key(a)
         self.end[key] = self.free[dev] = start + duration
         self.busy[dev] += duration
         self.timeline.append((dev, a, start, start + duration))
-        self.inflight[dev] += 1 if forward else -1
+        if a.kind is not Kind.I:  # an I keeps the micro-batch's activations for its W
+            self.inflight[dev] += 1 if a.kind is Kind.F else -1
         self.peak[dev] = max(self.peak[dev], self.inflight[dev])
         if self.shared:
-            self.stashed[dev] += stage.activation_bytes if forward else -stage.activation_bytes
-            self.peak_stashed[dev] = max(self.peak_stashed[dev], self.stashed[dev])
+            held, during = _held_bytes(stage, a.kind)
+            self.peak_stashed[dev] = max(self.peak_stashed[dev], self.stashed[dev] + during)
+            self.stashed[dev] += held
         return key
+
+
+def _held_bytes(stage: StageCosts, kind: Kind) -> tuple[float, float]:
+    """(change of the bytes a device holds once ``kind`` ends, extra bytes while it runs) for
+    one action of ``stage``: a forward stashes the micro-batch (only its inputs when the
+    stage recomputes); ``B`` and ``W`` free it; a recomputing stage's ``B`` holds its
+    activations again while it runs and its ``I`` holds them until the ``W``."""
+    full = stage.activation_bytes
+    kept = min(stage.input_bytes, full) if stage.recompute else full
+    again = full - kept  # rebuilt by recomputation
+    if kind is Kind.F:  # the whole forward's activations exist while it runs
+        return kept, full
+    if kind is Kind.B:
+        return -kept, again
+    if kind is Kind.I:
+        return again, again
+    return -full, 0.0
 
 
 def _allreduce(
@@ -258,7 +317,8 @@ def _deadlock_message(
     for dev, i in sorted(stuck.items()):
         a = schedule[dev][i]
         missing = ", ".join(
-            str(Action(d[0], Kind.B if d[1] else Kind.F, d[2]))
+            str(Action(d[0], (Kind.F, Kind.B if a.kind is Kind.B else Kind.I, Kind.W)[d[1]],
+                       d[2]))
             for d, _ in _dependencies(a, last)
             if d not in end
         )

@@ -69,6 +69,9 @@ class Stage:
     predicted: Predicted | None = None
     constants: list[str] = field(default_factory=list)  # free nodes copied into this stage
     sha256: str = ""
+    # train plans: the stage keeps only its inputs and recomputes its forward in backward
+    # (written only where true; absent: false)
+    recompute: bool | None = None
 
 
 @dataclass

@@ -180,6 +180,7 @@ class StageSchema(BaseModel):
     predicted: PredictedSchema | None = default_of(Stage, "predicted")
     constants: list[str] = _factory(Stage, "constants")
     sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = default_of(Stage, "sha256")
+    recompute: bool | None = default_of(Stage, "recompute")  # train: keeps only its inputs
 
 
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
@@ -238,7 +239,7 @@ class PlanSchema(BaseModel):
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
     optimizer: str | None = None  # "adam": weights + gradients + two moments
     precision: str | None = None  # "fp32"
-    schedule: str | None = None  # "1f1b"
+    schedule: str | None = None  # planned for: "1f1b", "zb-h1" (train), "infer"
     activations: Anything | None = None  # source of activation_bytes, whole-program total
     # ---- pipeline plans
     link: LinkSchema | None = None

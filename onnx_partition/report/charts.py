@@ -95,7 +95,8 @@ def gantt_chart(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
     bars = []
     for dev, action, t0, t1 in result.timeline:
         forward = action.kind is Kind.F
-        what = "forward" if forward else "backward"
+        what = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input-gradient backward",
+                Kind.W: "weight-gradient backward"}[action.kind]
         bars.append(Bar(row_of[dev], t0, t1, stage_colour(action.stage),
                         str(action.microbatch),
                         f"{action}: stage {action.stage} {what} of micro-batch "
@@ -106,7 +107,7 @@ def gantt_chart(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
                             f"stage {stage} gradient all-reduce, {sig3(t0)}–{fmt_ms(t1)}",
                             faint=True))
     items = [("forward: solid, in the stage's colour", FORWARD)]
-    if any(a.kind is Kind.B for _, a, _, _ in result.timeline):
+    if any(a.kind is not Kind.F for _, a, _, _ in result.timeline):
         items.append(("backward: hatched", f"hatch:{BACKWARD}"))
     if result.allreduce:
         items.append(("gradient all-reduce", "outline"))

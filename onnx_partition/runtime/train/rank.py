@@ -256,7 +256,7 @@ def train_stages(
             result.actions.append(str(action))
             if action.kind is Kind.F:
                 _forward(me, st, action)
-            else:
+            elif action.kind is not Kind.W:  # for now an I runs the whole backward, W nothing
                 _backward(me, st, action)
             # the action's sends leave now, or with the next action's receive from their peer
             wire.flush(_source(me, actions[i + 1]) if i + 1 < len(actions) else None)
@@ -547,7 +547,7 @@ def _source(me: _Rank, action: Action) -> int | None:
     """The rank ``action`` first receives from (None: it receives nothing)."""
     if action.kind is Kind.F:
         return me.lay.rank_of(me.k - 1, action.microbatch) if me.k > 0 else None
-    return None if me.last else me.lay.rank_of(me.k + 1, action.microbatch)
+    return None if me.last or action.kind is Kind.W else me.lay.rank_of(me.k + 1, action.microbatch)
 
 
 def _ranks(lay: Layout, stage: int) -> list[int]:
