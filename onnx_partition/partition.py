@@ -10,6 +10,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +33,27 @@ from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.from_plan import comm_factor, stage_comm
 from onnx_partition.pipeline.memory import (
+    RECOMPUTE_MODES,
     StageBytes,
     memory_parts,
     memory_per_device,
     peak_inflight,
+    rebuilt_held,
 )
+from onnx_partition.pipeline.schedules import PLANNED_NAMES, build
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.scoring import RunSpec, node_arrays, stage_totals
+from onnx_partition.solve.scoring import (
+    HybridPlan,
+    NodeArrays,
+    RunSpec,
+    node_arrays,
+    stage_totals,
+)
 from onnx_partition.solve.search import best_split
 
 __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
@@ -50,8 +61,11 @@ __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_m
            "unit_problem"]
 
 #: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
-#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, 1F1B.
+#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, and a schedule
+#: (1F1B here; ``schedule`` becomes the one the plan was planned for).
 TRAIN_ASSUMPTIONS = {"optimizer": "adam", "precision": "fp32", "schedule": "1f1b"}
+#: ``partition --schedule``: plan for each planned train schedule, keep the fastest.
+AUTO = "auto"
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).
@@ -120,6 +134,26 @@ def saved_activations(graph: OpGraph, model: Path) -> list[float] | None:
                              ) from None
 
 
+def grad_input_ms(graph: OpGraph, node_costs: NodeCosts,
+                  costs: CostsFile | None) -> list[float]:
+    """Each node's input-gradient share of its backward time (what zero-bubble schedules run
+    as ``I``; the rest is ``W``): the costs file's ``backward_input_ms`` over its
+    ``backward_input_ms + backward_weight_ms`` where it measured them (``profile --mode
+    train``), else the analytic split: a node with no weights has no weight gradient (all
+    ``I``), one with weights computes the two gradients alike (half each, the dense rule of
+    :func:`~onnx_partition.pipeline.simulate.backward_factor`)."""
+    given = costs.nodes if costs is not None else {}
+    out = []
+    for node, bwd in zip(graph.nodes, node_costs.backward_ms, strict=True):
+        entry = given.get(node.key, {})
+        grad_in, grad_w = entry.get("backward_input_ms"), entry.get("backward_weight_ms")
+        if grad_in is not None and grad_w is not None and grad_in + grad_w > 0:
+            out.append(bwd * grad_in / (grad_in + grad_w))
+        else:
+            out.append(bwd if node.param_bytes == 0 else bwd / 2.0)
+    return out
+
+
 def partition(
     model: str | os.PathLike[str],
     num_stages: int | None,
@@ -139,6 +173,8 @@ def partition(
     force: bool = False,
     check: bool = True,
     strict_costs: bool = False,
+    schedule: str = AUTO,
+    recompute: str = "auto",
     reporter: Reporter = SILENT,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
@@ -154,11 +190,22 @@ def partition(
     A costs file measured on another device kind than the cluster's is noted in plan.json's
     ``device_model.warning`` (an error with ``strict_costs``). The long steps (planning,
     writing stage files) report to ``reporter`` (the command line's bars; default: nothing).
+    A train plan is planned for ``schedule`` (one of
+    :data:`~onnx_partition.pipeline.schedules.PLANNED_NAMES`, or ``auto``: each, keeping the
+    fastest simulated plan), its stages recomputing per ``recompute`` (``auto``: a stage that
+    fits the device memory only so; ``none``; ``all``); both are ignored in inference.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
+    if schedule != AUTO and schedule not in PLANNED_NAMES:
+        raise PartitionError(f"cannot plan for schedule {schedule!r}; choose "
+                             f"{', '.join((AUTO, *PLANNED_NAMES))}")
+    if recompute not in RECOMPUTE_MODES:
+        raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                             f"got {recompute!r}")
+    schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if checked is not None and costs is not None and costs.body.get("mode") == "train" \
@@ -179,16 +226,20 @@ def partition(
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
                                  mode=mode, microbatches=microbatches, activation_bytes=saved,
-                                 reporter=reporter)
+                                 reporter=reporter, schedules=schedules, recompute=recompute,
+                                 grad_input=grad_input_ms(graph, node_costs, costs))
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
                                  "the cluster options or use --solver dp")
         plan, cuts = plan_on_cluster(graph, node_costs, cluster, num_stages=num_stages,
                                      mode=mode, microbatches=microbatches,
-                                     activation_bytes=saved, reporter=reporter)
+                                     activation_bytes=saved, reporter=reporter,
+                                     schedules=schedules, recompute=recompute,
+                                     grad_input=grad_input_ms(graph, node_costs, costs))
     if mode == "train":
-        plan.extra.update(TRAIN_ASSUMPTIONS)
+        chosen = plan.extra.pop("schedule")
+        plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
              "total_bytes": int(sum(saved))} if saved is not None
@@ -295,12 +346,18 @@ def plan_stages(
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
     reporter: Reporter = SILENT,
+    schedules: Sequence[str] = ("1f1b",),
+    recompute: str = "none",
+    grad_input: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages. Inference is balanced on forward times, training on
-    forward + backward (what a train step runs); a train plan's memory is the 1F1B peak of
-    ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
-    saved for backward), else every output."""
+    from there, and describe the stages. A train plan is for the fastest simulated of
+    ``schedules`` on that split (``grad_input``: each node's input-gradient ms), every stage
+    recomputing if ``recompute`` is ``all`` (no memory limit: ``auto`` recomputes none).
+    Inference is balanced on forward times, training on forward + backward (what a train step
+    runs); a train plan's memory is its schedule's peak of ``microbatches``, its activations
+    ``activation_bytes`` per OpGraph node where given (bytes saved for backward), else every
+    output."""
     train = mode == "train"
     balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
                 if train else node_costs.forward_ms)
@@ -354,7 +411,8 @@ def plan_stages(
                      compute, comm, replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
                      memory=None, ordering=ordering, solver=solver, mode=mode,
                      predicted=predicted, extra=extra, microbatches=microbatches,
-                     activation_bytes=activation_bytes)
+                     activation_bytes=activation_bytes, schedules=schedules,
+                     recomputed=[recompute == "all"] * num_stages, grad_input=grad_input)
 
 
 def plan_on_cluster(
@@ -367,12 +425,15 @@ def plan_on_cluster(
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
     reporter: Reporter = SILENT,
+    schedules: Sequence[str] = ("1f1b",),
+    recompute: str = "none",
+    grad_input: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
-    :func:`plan_stages`)."""
-    from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
-
+    :func:`plan_stages`); in training planned for each of ``schedules`` (the fastest kept,
+    the first on a tie), stages recomputing per ``recompute`` (chosen per stage where memory
+    is checked, :func:`~onnx_partition.solve.scoring.totals_costs`)."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -387,10 +448,13 @@ def plan_on_cluster(
         _per_unit([activation_bytes[g] for g in nodes], members)
         if activation_bytes is not None and mode == "train" else None,
     )
-    run = RunSpec(cluster, train=mode == "train", microbatches=microbatches,
-                  max_stages=max(16, num_stages or 0))
-    best, per_ordering = plan_cluster(problem, arrays, run, num_stages=num_stages,
-                                      reporter=reporter)
+    if grad_input is not None and mode == "train":
+        arrays = replace(arrays, backward_input_ms=_per_unit([grad_input[g] for g in nodes],
+                                                             members))
+    best, per_ordering, run = _plan_per_schedule(
+        problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
+        schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
+        train=mode == "train", reporter=reporter)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
@@ -423,6 +487,9 @@ def plan_on_cluster(
             "send_ms": list(best.costs.send_ms),
         },
     }
+    recomputed = [s.recompute for s in best.costs.stages]
+    if any(recomputed):
+        extra["simulator_costs"]["input_bytes"] = [s.input_bytes for s in best.costs.stages]
     totals = stage_totals(problem, arrays, best.stage_of, best.num_stages)
     cross = [0.0, *totals.cross_bytes, 0.0]
     sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
@@ -430,11 +497,62 @@ def plan_on_cluster(
     return _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
                      compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
-                     ordering=best.source.partition(":")[2] if best.source.startswith("dp:")
-                     else "topo", solver=f"hybrid-{best.source.partition(':')[0]}", mode=mode,
+                     ordering=best.source.partition(":")[2] if best.source.startswith("dp")
+                     else "topo",
+                     solver=f"hybrid-{best.source.partition(':')[0].removesuffix('+rc')}",
+                     mode=mode,
                      predicted=predicted, extra=extra, microbatches=microbatches,
                      sizes=sizes, split=[(s.forward_ms, s.backward_ms)
-                                         for s in best.costs.stages])
+                                         for s in best.costs.stages],
+                     schedules=(run.schedule,), recomputed=recomputed,
+                     grad_input_split=[s.split()[0] for s in best.costs.stages])
+
+
+def _plan_per_schedule(
+    problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
+    microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
+    reporter: Reporter,
+) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
+    """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
+    simulated plan (the first schedule on a tie), its families and run. When none fits, the
+    first schedule's error."""
+    from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
+
+    found: list[tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]] = []
+    failed: PartitionError | None = None
+    for name in schedules:
+        run = RunSpec(cluster, train=train, microbatches=microbatches,
+                      max_stages=max(16, num_stages or 0),
+                      train_schedule=name if train else "1f1b",
+                      recompute=recompute if train else "none")
+        try:
+            best, families = plan_cluster(problem, arrays, run, num_stages=num_stages,
+                                          reporter=reporter)
+        except PartitionError as exc:
+            failed = failed or exc
+            continue
+        found.append((best, families, run))
+    if not found:
+        assert failed is not None
+        raise failed
+    return min(found, key=lambda f: f[0].sim.iteration_ms)
+
+
+def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, float]],
+                      grad_input: Sequence[float] | None, recompute: Sequence[bool],
+                      replicas: Sequence[int], send_ms: Sequence[float] | None,
+                      microbatches: int) -> str:
+    """The schedule of ``schedules`` whose simulation of these stage costs is fastest (the
+    first on a tie; one given: that one)."""
+    if len(schedules) == 1:
+        return schedules[0]
+    stages = [StageCosts(f, b, r, backward_input_ms=grad_input[k] if grad_input else None,
+                         recompute=rc)
+              for k, ((f, b), r, rc) in enumerate(zip(split, replicas, recompute, strict=True))]
+    costs = PipelineCosts(stages, list(send_ms or [0.0] * (len(stages) - 1)))
+    times = [simulate(build(name, replicas, microbatches), costs).iteration_ms
+             for name in schedules]
+    return schedules[times.index(min(times))]
 
 
 def _record_program(plan: Plan, model: Path, out: Path) -> None:
@@ -484,10 +602,17 @@ def _describe(
     activation_bytes: Sequence[float] | None = None,
     sizes: Sequence[StageBytes] | None = None,
     split: Sequence[tuple[float, float]] | None = None,
+    schedules: Sequence[str] = ("1f1b",),
+    recomputed: Sequence[bool] | None = None,
+    grad_input: Sequence[float] | None = None,
+    grad_input_split: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """The Plan and stage cuts of an assignment of the solvers' nodes to stages. Train plans
     get the memory model's parts per stage (``sizes``, or from the cut: ``activation_bytes``
-    per OpGraph node where given) and the forward/backward ``split`` of ``compute``."""
+    per OpGraph node where given), the forward/backward ``split`` of ``compute`` (the input
+    gradient's share: ``grad_input_split`` per stage, or ``grad_input`` per OpGraph node), the
+    stages that recompute (``recomputed``) and the schedule: the one of ``schedules`` whose
+    simulation of these costs is fastest (the first on a tie)."""
     num_stages = len(replicas)
     train = mode == "train"
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
@@ -504,24 +629,40 @@ def _describe(
                             acts(cut), nbytes(cut.inputs),
                             nbytes(cut.outputs) if train and k < num_stages - 1 else 0.0)
                  for k, cut in enumerate(cuts)]
-    if memory is None:
-        # inference: one micro-batch at a time; training: the 1F1B peak of the micro-batches
-        memory = (memory_per_device(sizes, replicas, microbatches, schedule="1f1b") if train
-                  else memory_per_device(sizes, replicas, 1, schedule="infer"))
+    flags = list(recomputed) if train and recomputed is not None else [False] * num_stages
     if train and split is None:
         split = [(float(sum(node_costs.forward_ms[i] for i in cut.nodes)),
                   float(sum(node_costs.backward_ms[i] for i in cut.nodes))) for cut in cuts]
-    held = peak_inflight("1f1b", replicas, microbatches) if train else [1] * num_stages
+    if train and grad_input_split is None and grad_input is not None:
+        grad_input_split = [float(sum(grad_input[i] for i in cut.nodes)) for cut in cuts]
+    schedule = "infer"
+    if train:
+        assert split is not None
+        schedule = _fastest_schedule(schedules, split, grad_input_split, flags, replicas,
+                                     extra.get("simulator_costs", {}).get("send_ms"),
+                                     microbatches)
+    if memory is None:
+        # inference: one micro-batch at a time; training: the schedule's peak of the
+        # micro-batches
+        memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
+                                    recompute=flags) if train
+                  else memory_per_device(sizes, replicas, 1, schedule="infer"))
+    held = peak_inflight(schedule, replicas, microbatches) if train else [1] * num_stages
+    rebuilt = rebuilt_held(schedule, replicas, microbatches) if train else held
     if train and split is not None and "send_ms" in extra.get("simulator_costs", {}) \
             and "forward_ms" not in extra["simulator_costs"]:
         extra["simulator_costs"].update(forward_ms=[f for f, _ in split],
                                         backward_ms=[b for _, b in split])
+    if train and schedule == "zb-h1" and grad_input_split is not None:
+        extra["simulator_costs"]["backward_input_ms"] = list(grad_input_split)
+    extra["schedule"] = schedule
     stages = []
     for k, cut in enumerate(cuts):
         parts: dict[str, Any] = {}
         if train:
             assert split is not None
-            parts = dict(memory_parts(sizes[k], held[k], train=True))
+            parts = dict(memory_parts(sizes[k], held[k], train=True,
+                                      rebuilt=rebuilt[k] if flags[k] else None))
             parts.pop("memory_bytes")
             parts.update(forward_ms=round(split[k][0], 6), backward_ms=round(split[k][1], 6))
         stages.append(Stage(
@@ -533,6 +674,7 @@ def _describe(
             replicas=replicas[k],
             devices=list(devices[k]),
             constants=[graph.nodes[i].key for i in cut.constants],
+            recompute=True if flags[k] else None,
             predicted=Predicted(
                 compute_ms=round(compute[k], 6),
                 comm_ms=round(comm[k], 6),

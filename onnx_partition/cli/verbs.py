@@ -211,6 +211,8 @@ def _partition(args: argparse.Namespace) -> int:
         raise PartitionError(f"--stages must be at least 1, got {args.stages}")
     if args.microbatches < 1:
         raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
+    if args.schedule is not None and args.mode != "train":
+        raise PartitionError("--schedule plans a training schedule: it needs --mode train")
     program = Path(args.model).with_suffix(".pt2")
     if args.mode == "train" and not args.no_program and not program.is_file():
         raise PartitionError(
@@ -237,6 +239,8 @@ def _partition(args: argparse.Namespace) -> int:
         solver=args.solver,
         time_limit_s=args.time_limit,
         force=args.force,
+        schedule=args.schedule or "auto",
+        recompute=args.recompute,
         reporter=_bars(),
     )
     stop_bar()

@@ -124,6 +124,8 @@ def load_costs(costs: CostsLike) -> CostsFile:
     nodes = {
         key: {"forward_ms": entry.forward_ms}
         | ({"backward_ms": entry.backward_ms} if entry.backward_ms is not None else {})
+        | {k: v for k in ("backward_input_ms", "backward_weight_ms")
+           if (v := getattr(entry, k)) is not None}
         for key, entry in spec.nodes.items()
     }
     return CostsFile(os.fspath(costs), body, nodes)

@@ -32,7 +32,11 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
 
 The planner keeps the exact split; a plan may carry it as ``simulator_costs`` (all keys
 optional, one entry per stage, ``send_ms`` one per boundary): ``{"forward_ms": [...],
-"backward_ms": [...], "send_ms": [...], "activation_bytes": [...], "static_bytes": [...]}``.
+"backward_ms": [...], "send_ms": [...], "activation_bytes": [...], "static_bytes": [...],
+"backward_input_ms": [...], "input_bytes": [...]}`` (the last two: the input-gradient part of
+each backward, which zero-bubble schedules run apart, half of it where absent; the bytes a
+recomputing stage keeps per micro-batch). A stage whose ``recompute`` is true recomputes its
+forward in the simulation.
 Given them, the rebuild is the planner's own costs. Without them, a hybrid plan's simulated
 iteration equals ``predicted.iteration_ms`` when backward really is 2 x forward in every
 stage (or the split does not matter, e.g. one stage); otherwise it differs a little.
@@ -163,9 +167,13 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     allreduce = [0.0] * p
     if raw_allreduce is not None and len(raw_allreduce) == p:
         allreduce = [float(x) for x in raw_allreduce]
+    grad_in = _given(plan, "backward_input_ms", p)
+    kept = _given(plan, "input_bytes", p) or [0.0] * p
     stages = [
         StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),
-                   allreduce[k] if train else 0.0, acts[k], static[k])
+                   allreduce[k] if train else 0.0, acts[k], static[k],
+                   backward_input_ms=grad_in[k] if grad_in is not None else None,
+                   recompute=bool(s.recompute) and train, input_bytes=kept[k])
         for k, s in enumerate(plan.stages)
     ]
     return PipelineCosts(stages, send)

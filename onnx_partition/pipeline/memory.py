@@ -48,6 +48,18 @@ The simulator counts the same number from the actions it runs; the property test
 both agree for every stage. :func:`held_in_front` is the same closed form over arrays (a stage
 of each replica count in front of each suffix), which the hybrid DP's tables use.
 
+**Recomputation** (activation checkpointing at stage granularity, Chen et al. 2016; chosen
+per stage as AdaPipe and Mist do): a recomputing stage keeps only what it received, ``R``,
+per micro-batch in flight, and runs its forward again at the start of its backward, so it
+holds one micro-batch's activations ``A`` at a time::
+
+    memory = static + A + held * R        (recompute; time: one more forward per backward)
+
+Under ZB-H1 a recomputing stage holds the rebuilt activations from its ``I`` to its ``W``, so
+up to ``1 + D_s`` of them (``D_s = W_0 - W_s`` deferred W passes): ``static + min(1 + D_s,
+held) * A + held * R``. :func:`recompute_choice` is the planner's per-stage option: a stage
+recomputes (``auto``) only when it does not fit otherwise and does with it.
+
 **Ring all-reduce** of ``W`` gradient bytes over ``r`` replicas (Patarasuk and Yuan, JPDC
 2009; PipeDream's replicated-stage model): ``2 (r - 1) / r * W / bandwidth + 2 (r - 1) *
 latency`` (reduce-scatter then all-gather, ``r - 1`` steps each).
@@ -62,9 +74,27 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["CLOSED_FORMS", "Num", "StageBytes", "boundary_step", "device_bytes",
-           "held_in_front", "memory_parts", "memory_per_device", "one_f_one_b_warmups",
-           "peak_inflight", "ring_allreduce_ms", "stash_bytes", "static_bytes"]
+__all__ = [
+    "CLOSED_FORMS",
+    "RECOMPUTE_MODES",
+    "Num",
+    "StageBytes",
+    "boundary_step",
+    "device_bytes",
+    "held_in_front",
+    "memory_parts",
+    "memory_per_device",
+    "one_f_one_b_warmups",
+    "peak_inflight",
+    "rebuilt_held",
+    "recompute_choice",
+    "ring_allreduce_ms",
+    "stash_bytes",
+    "static_bytes",
+]
+
+#: ``partition --recompute``: per stage where needed (auto), never, every stage.
+RECOMPUTE_MODES = ("auto", "none", "all")
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 CLOSED_FORMS = ("1f1b", "zb-h1", "gpipe", "infer")
@@ -159,9 +189,22 @@ def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float) -> 
     return stage.params
 
 
-def stash_bytes(stage: StageBytes) -> float:
-    """Bytes held per micro-batch in flight: own activations plus received inputs."""
-    return stage.activations + stage.received
+def stash_bytes(stage: StageBytes, recompute: bool = False) -> float:
+    """Bytes held per micro-batch in flight: own activations plus received inputs (only the
+    received inputs when the stage recomputes)."""
+    return stage.received if recompute else stage.activations + stage.received
+
+
+def rebuilt_held(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Micro-batches whose activations a recomputing stage holds rebuilt at once: one, but
+    under ZB-H1 those between an ``I`` and its deferred ``W`` too (``1 + W_0 - W_s``, at most
+    the micro-batches it holds; over ``d`` replicas, ``ceil`` of that over ``d``)."""
+    held = peak_inflight(schedule, replicas, microbatches)
+    if schedule != "zb-h1":
+        return [min(1, h) for h in held]
+    warm = one_f_one_b_warmups(replicas, microbatches)
+    return [min(-(-(1 + warm[0] - w) // d), h)
+            for w, h, d in zip(warm, held, replicas, strict=True)]
 
 
 def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
@@ -171,31 +214,60 @@ def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
 
 def memory_per_device(
     stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
-    schedule: str, optimizer_factor: float = 4.0,
+    schedule: str, optimizer_factor: float = 4.0, recompute: Sequence[bool] | None = None,
 ) -> list[float]:
     """Peak bytes on the fullest device of each stage of a plan with these replica counts,
-    under ``schedule`` (``1f1b``, ``gpipe`` or ``infer``): the figure the planner checks
-    against the device memory, ``partition`` prints and plan.json stores."""
+    under ``schedule`` (``1f1b``, ``zb-h1``, ``gpipe`` or ``infer``), the stages flagged in
+    ``recompute`` keeping only their inputs: the figure the planner checks against the device
+    memory, ``partition`` prints and plan.json stores."""
     train = schedule != "infer"
     held = peak_inflight(schedule, replicas, microbatches)
+    flags = list(recompute) if recompute is not None and train else [False] * len(stages)
+    rebuilt = rebuilt_held(schedule, replicas, microbatches) if any(flags) else held
     return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor),
-                               stash_bytes(s), h))
-            for s, h in zip(stages, held, strict=True)]
+                               stash_bytes(s, rc), h) + (b * s.activations if rc else 0.0))
+            for s, h, rc, b in zip(stages, held, flags, rebuilt, strict=True)]
+
+
+def recompute_choice(
+    stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
+    schedule: str, memory_bytes: float, mode: str = "auto", optimizer_factor: float = 4.0,
+) -> list[bool]:
+    """Which stages recompute: none, all, or (``auto``) each stage that is over
+    ``memory_bytes`` keeping its activations and within it keeping only its inputs (memory
+    down, one more forward per backward). Inference never recomputes."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    if schedule == "infer" or mode == "none":
+        return [False] * len(stages)
+    if mode == "all":
+        return [True] * len(stages)
+    kept = memory_per_device(stages, replicas, microbatches, schedule=schedule,
+                             optimizer_factor=optimizer_factor)
+    rebuilt = memory_per_device(stages, replicas, microbatches, schedule=schedule,
+                                optimizer_factor=optimizer_factor,
+                                recompute=[True] * len(stages))
+    return [k > memory_bytes >= r for k, r in zip(kept, rebuilt, strict=True)]
 
 
 def memory_parts(stage: StageBytes, held: int, *, train: bool,
-                 optimizer_factor: float = 4.0) -> dict[str, int]:
+                 optimizer_factor: float = 4.0, rebuilt: int | None = None) -> dict[str, int]:
     """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
     weights, their gradients, the optimizer's state (``optimizer_factor - 2`` copies: Adam's
     two moments at the default 4), activations per micro-batch, micro-batches in flight, and
     the buffers (received inputs of those in flight, one gradient receive buffer); and
-    ``memory_bytes``, their sum, the one formula's peak."""
+    ``memory_bytes``, their sum, the one formula's peak. A recomputing stage (``rebuilt``:
+    the micro-batches whose activations it holds rebuilt at once, :func:`rebuilt_held`)
+    counts those as ``inflight``; its buffers still hold the inputs of all ``held``."""
     static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor)
     weights = stage.params
     grads = weights if train else 0.0
     optimizer = static - stage.sent - weights - grads if train else 0.0
     buffers = (stage.sent if train else 0.0) + held * stage.received
+    acts = held if rebuilt is None else rebuilt
     return {"weights_bytes": int(weights), "grad_bytes": int(grads),
             "optimizer_bytes": int(optimizer), "activation_bytes": int(stage.activations),
-            "inflight": int(held), "buffer_bytes": int(buffers),
-            "memory_bytes": int(device_bytes(static, stash_bytes(stage), held))}
+            "inflight": int(acts), "buffer_bytes": int(buffers),
+            "memory_bytes": int(device_bytes(static, stash_bytes(stage, rebuilt is not None),
+                                             held) + acts * stage.activations * (
+                                                 rebuilt is not None))}

@@ -299,6 +299,8 @@ class NodeCostSchema(BaseModel):
     model_config = _CONFIG
     forward_ms: Ms
     backward_ms: Ms | None = None
+    backward_input_ms: Ms | None = None  # profile --mode train: the input-gradient pass
+    backward_weight_ms: Ms | None = None  # ... and the weight-gradient pass
 
 
 class CostsSchema(BaseModel):

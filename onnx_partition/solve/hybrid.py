@@ -91,6 +91,7 @@ class HybridConfig:
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
     budgets: Sequence[int] = ()  # also propose plans on at most this many devices
     precision: float = 1e-3  # relative precision of the bisection on the bottleneck period
+    recompute: bool = False  # train: every stage keeps only its inputs (recompute_stage)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,17 @@ class HybridStage:
     allreduce_ms: float
     memory_bytes: float  # per device
     period_ms: float
+    recompute: bool = False  # planned keeping only its inputs (HybridConfig.recompute)
+
+
+def recompute_stage(compute: np.ndarray, forward: np.ndarray, static: np.ndarray,
+                    acts: np.ndarray, received: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stage costs (``compute``, ``static``, ``stash`` over (start, end)) when the stage keeps
+    only its inputs and recomputes its forward in backward: one more forward, one micro-batch's
+    activations held once, only the received inputs per micro-batch in flight (the memory
+    model's recomputation, :func:`~onnx_partition.pipeline.memory.memory_per_device`)."""
+    return compute + forward, static + acts, np.asarray(received, dtype=float)
 
 
 def replica_choices(devices: int) -> list[int]:
@@ -140,6 +152,10 @@ class _Tables:
         self.static = (config.optimizer_factor * self.params + self.sent if config.train
                        else self.params)
         self.stash = self.acts + self.received
+        if config.recompute and config.train:
+            self.compute, self.static, self.stash = recompute_stage(
+                self.compute, span(costs.forward_ms) / config.speed, self.static, self.acts,
+                self.received)
         # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             room = config.memory_bytes - self.static
@@ -201,7 +217,8 @@ class _Tables:
                             float(self.sent[s.start, s.end])) for s in stages]
         memory = memory_per_device(sizes, [s.replicas for s in stages], self.c.microbatches,
                                    schedule="1f1b" if self.c.train else "infer",
-                                   optimizer_factor=self.c.optimizer_factor)
+                                   optimizer_factor=self.c.optimizer_factor,
+                                   recompute=[self.c.recompute] * len(stages))
         return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
 
     def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:

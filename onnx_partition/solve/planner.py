@@ -153,7 +153,7 @@ def dp_candidates(
     seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
                         cut_bytes(problem, order)[np.asarray(bounds)], labels)
-    proposals = [p for p in plan_hybrid(seq, config)
+    proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
     # the closed form prices every link as the DP does: rank within each machine count only
@@ -165,8 +165,35 @@ def dp_candidates(
         if per_machines[machines] <= SIMULATED:
             kept.append(proposal)
     return [Proposal(assign(order, [bounds[s.start] for s in proposal] + [len(order)]),
-                     [s.replicas for s in proposal], f"dp:{ordering}")
+                     [s.replicas for s in proposal],
+                     f"dp{RECOMPUTED if proposal[0].recompute else ''}:{ordering}")
             for proposal in kept]
+
+
+#: The source tag of the hybrid DP's plans priced with recomputation (``dp+rc:ORDERING``).
+RECOMPUTED = "+rc"
+
+
+def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec
+              ) -> list[list[HybridStage]]:
+    """The hybrid DP's plans, and where ``run.recompute`` allows it and memory binds, the
+    plans of the same DP with every stage recomputing (which stages really recompute is then
+    chosen per stage where memory is checked, :func:`~.scoring.totals_costs`): ``all``
+    only those, ``auto`` both (a plan is kept only if one of its stages must recompute)."""
+    if not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes):
+        return plan_hybrid(seq, config)
+    plans: list[list[HybridStage]] = []
+    failed: PartitionError | None = None
+    for recompute in ((True,) if run.recompute == "all" else (False, True)):
+        try:
+            found = plan_hybrid(seq, replace(config, recompute=recompute))
+        except PartitionError as exc:  # nothing fits this way: the other may
+            failed = failed or exc
+            continue
+        plans += [[replace(s, recompute=recompute) for s in p] for p in found]
+    if not plans and failed is not None:
+        raise failed
+    return plans
 
 
 def grid_candidates(
@@ -308,14 +335,18 @@ class _Tournament:
             costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
                                            proposal.replicas, run)
             self.bounds[key] = None
+            if RECOMPUTED in proposal.source and run.recompute == "auto" and not any(
+                    s.recompute for s in costs.stages):
+                continue  # fits without recomputing: the plain DP's plans cover it
             if max(memory) <= run.cluster.memory_bytes:
-                bound = lower_bound_ms(costs, run.microbatches, run.train)
+                bound = lower_bound_ms(costs, run.microbatches, run.train,
+                                       split=run.schedule == "zb-h1")
                 self.bounds[key] = bound
                 pool.append((bound, proposal, costs, memory))
         pool.sort(key=lambda e: e[0])
         for played_n, (bound, proposal, costs, memory) in enumerate(pool, 1):
             self.reporter.step("planning: simulating proposals", played_n, len(pool))
-            family = (proposal.source.split(":")[1] if proposal.source.startswith("dp:")
+            family = (proposal.source.split(":")[1] if proposal.source.startswith("dp")
                       else "grid")
             if self.best is not None and bound >= self.best.sim.iteration_ms:
                 self.families.setdefault(family, {"lower_bound_ms": bound})
@@ -417,7 +448,8 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
         ranked = []
         for replicas in _replica_moves(plan.replicas, run.cluster.devices):
             costs, memory = totals_costs(totals, replicas, run)
-            bound = lower_bound_ms(costs, run.microbatches, run.train)
+            bound = lower_bound_ms(costs, run.microbatches, run.train,
+                                       split=run.schedule == "zb-h1")
             if bound < plan.sim.iteration_ms and max(memory) <= run.cluster.memory_bytes:
                 ranked.append((bound, replicas, costs, memory))
         ranked.sort(key=lambda e: e[0])

@@ -24,11 +24,12 @@ from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
+    recompute_choice,
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.solve.problem import DagProblem
 
@@ -45,12 +46,17 @@ class NodeArrays:
     param_bytes: Sequence[float]
     activation_bytes: Sequence[float]  # bytes of the node's outputs, stashed per micro-batch
     names: Sequence[str] = ()  # node keys, for messages
+    #: the input-gradient part of backward_ms (zero-bubble schedules); empty: half of it
+    backward_input_ms: Sequence[float] = ()
 
     @functools.cached_property
     def columns(self) -> np.ndarray:
-        """backward_ms, param_bytes, activation_bytes as rows of one float array."""
-        return np.asarray([self.backward_ms, self.param_bytes, self.activation_bytes],
-                          dtype=float).reshape(3, -1)
+        """backward_ms, param_bytes, activation_bytes (and backward_input_ms where given) as
+        rows of one float array."""
+        rows = [self.backward_ms, self.param_bytes, self.activation_bytes]
+        if len(self.backward_input_ms):
+            rows.append(self.backward_input_ms)
+        return np.asarray(rows, dtype=float).reshape(len(rows), -1)
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,14 @@ class RunSpec:
     microbatches: int = 8
     optimizer_factor: float = 4.0
     max_stages: int = 16
+    train_schedule: str = "1f1b"  # a planned schedule (schedules.PLANNED_NAMES)
+    recompute: str = "none"  # which stages recompute (pipeline.memory.RECOMPUTE_MODES)
 
     @property
     def schedule(self) -> str:
-        """The schedule plans are scored with: ``1f1b`` in training, ``infer`` otherwise."""
-        return "1f1b" if self.train else "infer"
+        """The schedule plans are scored with: ``train_schedule`` in training, ``infer``
+        otherwise."""
+        return self.train_schedule if self.train else "infer"
 
 
 @dataclass
@@ -143,6 +152,7 @@ class StageTotals:
     param_bytes: np.ndarray
     activation_bytes: np.ndarray
     cross_bytes: list[float]  # per interior boundary
+    backward_input_ms: np.ndarray | None = None
 
 
 def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
@@ -153,13 +163,18 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
         return np.bincount(stages_np, values, minlength=num_stages)
 
     cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
-    return StageTotals(per_stage(problem.compute_array), per_stage(arrays.columns[0]),
-                       per_stage(arrays.columns[1]), per_stage(arrays.columns[2]), cross)
+    columns = arrays.columns
+    return StageTotals(per_stage(problem.compute_array), per_stage(columns[0]),
+                       per_stage(columns[1]), per_stage(columns[2]), cross,
+                       per_stage(columns[3]) if len(columns) > 3 else None)
 
 
 def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
                  ) -> tuple[PipelineCosts, list[float]]:
-    """Simulator costs of stages with these totals on ``replicas``, and memory per device."""
+    """Simulator costs of stages with these totals on ``replicas``, and memory per device;
+    the stages that recompute are :func:`~onnx_partition.pipeline.memory.recompute_choice`'s
+    for ``run.recompute`` (where memory is checked: over the device memory without, within
+    it with)."""
     cluster, num_stages = run.cluster, len(replicas)
     groups, links = _links(cluster, replicas, run.microbatches)
     send = [b / link.bytes_per_ms + link.latency_ms
@@ -167,17 +182,23 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     cross = [0.0, *totals.cross_bytes, 0.0]  # bytes received at stage k's input boundary
     sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
                         cross[k], cross[k + 1]) for k in range(num_stages)]
+    flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
+                             memory_bytes=cluster.memory_bytes, mode=run.recompute,
+                             optimizer_factor=run.optimizer_factor)
     stages = []
     for k, r in enumerate(replicas):
         allreduce = (ring_allreduce_ms(sizes[k].params, r, groups[k].bytes_per_ms,
                                        groups[k].latency_ms) if run.train else 0.0)
         backward = float(totals.backward_ms[k]) / cluster.speed if run.train else 0.0
+        grad_in = (float(totals.backward_input_ms[k]) / cluster.speed
+                   if run.train and totals.backward_input_ms is not None else None)
         stages.append(StageCosts(
             float(totals.forward_ms[k]) / cluster.speed, backward, r, allreduce,
             stash_bytes(sizes[k]),
-            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
+            backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
-                               optimizer_factor=run.optimizer_factor)
+                               optimizer_factor=run.optimizer_factor, recompute=flags)
     return PipelineCosts(stages, send), memory
 
 
@@ -205,12 +226,15 @@ def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineC
                       sim, costs, memory, source)
 
 
-def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool) -> float:
+def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool, *,
+                   split: bool = False) -> float:
     """A bound no schedule of these costs beats, so a proposal whose bound is no better than a
     simulated plan need not be simulated (branch and bound). Replica 0 of stage ``k`` starts
     after micro-batch 0 has come forward through stages ``0..k-1``, then computes its
     ``ceil(M / r)`` micro-batches, after which its last one still has to travel on: back to
-    stage 0 (training, in parallel with the stage's all-reduce) or on to the last stage."""
+    stage 0 (training, in parallel with the stage's all-reduce) or on to the last stage:
+    through the input-gradient passes only when the schedule splits the backward
+    (zero bubble)."""
     stages, send = costs.stages, costs.send_ms
     p = len(stages)
     bound, ahead = 0.0, 0.0  # ahead: when micro-batch 0 can reach stage k at the earliest
@@ -220,10 +244,13 @@ def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool) -> floa
     behind = 0.0  # backward from stage k - 1 to stage 0
     for k, stage in enumerate(stages):
         per_mb = stage.forward_ms + (stage.backward_ms if train else 0.0)
+        if train and stage.recompute:
+            per_mb += stage.forward_ms
         work = -(-microbatches // stage.replicas) * per_mb
         after = max(stage.allreduce_ms, behind) if train else tail_fwd[k]
         bound = max(bound, ahead + work + after)
         if k < p - 1:
             ahead += stage.forward_ms + send[k]
-            behind += send[k] + stage.backward_ms
+            behind += send[k] + (stage.duration(Kind.I) if split else
+                                 stage.duration(Kind.B))
     return bound
