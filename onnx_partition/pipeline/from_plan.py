@@ -49,6 +49,7 @@ throughput can exceed its ``predicted.throughput_per_s``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from onnx_partition.errors import PartitionError
@@ -82,6 +83,7 @@ __all__ = [
     "hosted_stages",
     "interleaving_note",
     "plan_costs",
+    "recompute_note",
     "schedule_name",
     "schedule_of",
     "send_times",
@@ -198,7 +200,7 @@ def simulate_plan(
         raise PartitionError(f"need at least one micro-batch, got {m}")
     costs = plan_costs(plan, train=name != "infer")
     sched = build(name, [s.replicas for s in costs.stages], m, chunks=chunks)
-    return simulate(sched, costs), costs
+    return dataclasses.replace(simulate(sched, costs), schedule=name), costs
 
 
 def schedule_of(result: SimResult) -> Schedule:
@@ -228,6 +230,16 @@ def interleaving_note(plan: Plan, result: SimResult) -> str | None:
             "...); plan.json's device list is for one stage per device")
 
 
+def recompute_note(plan: Plan) -> str | None:
+    """One line naming the stages that recompute their forward in backward, or None."""
+    recomputing = [s.index for s in plan.stages if s.recompute]
+    if not recomputing or plan.mode != "train":
+        return None
+    named = ", ".join(map(str, recomputing))
+    return (f"stage{'s' * (len(recomputing) > 1)} {named} recompute their forward in backward "
+            "(keeping only their inputs per micro-batch in flight)")
+
+
 def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) -> str:
     """``stage s replica r`` plus the device id from plan.json when it names one; with
     several hosted ``stages`` (interleaved) ``device d replica r (stages ...)``."""
@@ -240,7 +252,10 @@ def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) ->
 
 
 def schedule_name(result: SimResult) -> str:
-    """``infer`` for a forward-only result, else ``train`` (the timeline tells)."""
+    """The result's schedule by name where known (:func:`simulate_plan` records it), else
+    ``infer`` for a forward-only result, ``train`` otherwise (the timeline tells)."""
+    if result.schedule:
+        return result.schedule
     return "train" if any(a.kind is not Kind.F for _, a, _, _ in result.timeline) else "infer"
 
 
@@ -254,6 +269,9 @@ def format_simulation(plan: Plan, result: SimResult) -> str:
         f"bubble {result.bubble_fraction * 100:.1f}%",
     ]
     note = interleaving_note(plan, result)
+    if note:
+        lines.append(note)
+    note = recompute_note(plan)
     if note:
         lines.append(note)
     hosted = hosted_stages(plan, result)

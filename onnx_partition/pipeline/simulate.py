@@ -121,6 +121,7 @@ class SimResult:
     peak_memory_bytes: dict[Device, float]
     timeline: list[tuple[Device, Action, float, float]]
     allreduce: dict[int, tuple[float, float]]
+    schedule: str = ""  # the schedule's name, where the caller knows it (from_plan does)
 
 # ----------------------------------------------------------------- simulation
 

@@ -3,7 +3,12 @@ simulated schedule as a Gantt chart."""
 
 from __future__ import annotations
 
-from onnx_partition.pipeline.from_plan import hosted_stages, interleaving_note, schedule_name
+from onnx_partition.pipeline.from_plan import (
+    hosted_stages,
+    interleaving_note,
+    recompute_note,
+    schedule_name,
+)
 from onnx_partition.pipeline.schedules import Kind, pipeline_width
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import Plan
@@ -117,6 +122,8 @@ def gantt_chart(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
     sends = ", ".join(sig3(s) for s in costs.send_ms) or "none"
     what_if = interleaving_note(plan, result)
     extra = f" {esc(what_if[0].upper() + what_if[1:])}." if what_if else ""
+    recomputing = recompute_note(plan)
+    extra += f" {esc(recomputing[0].upper() + recomputing[1:])}." if recomputing else ""
     return (chart + f'<p class="note">{esc(schedule_name(result))} schedule rebuilt from '
             f"plan.json; numbers on bars are micro-batches. Send time per boundary (ms): "
             f"{esc(sends)}. Bubble {result.bubble_fraction * 100:.1f}%.{extra}</p>")

@@ -1,0 +1,163 @@
+"""Recomputation per stage: the memory model by hand and against the simulator, the per-stage
+choice, the planner choosing it only when memory needs it, and plans that record and replay it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from support.graphs import CHAIN, save
+from support.problems import chain
+
+from onnx_partition.cost.annotate import write_costs
+from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.errors import PartitionError
+from onnx_partition.partition import partition
+from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.memory import (
+    StageBytes,
+    memory_parts,
+    memory_per_device,
+    recompute_choice,
+    stash_bytes,
+    static_bytes,
+)
+from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+from onnx_partition.plan import read_plan
+from onnx_partition.solve.planner import plan_cluster
+from onnx_partition.solve.scoring import RunSpec
+
+# two stages: weights 10 B, activations 100 B per micro-batch, 5 B received, 3 B sent back
+STAGES = [StageBytes(10.0, 100.0, 0.0, 5.0), StageBytes(10.0, 100.0, 5.0, 0.0)]
+
+
+def test_memory_with_recompute_by_hand() -> None:
+    """1F1B, 2 stages, 4 micro-batches: stage 0 holds 2, stage 1 one. Adam: 4 x 10 + sent.
+    Keeping activations: 45 + 2 x 100 = 245 and 40 + 1 x 105 = 145. Recomputing: one
+    micro-batch's activations plus the inputs of those held: 45 + 100 + 2 x 0 = 145 and
+    40 + 100 + 1 x 5 = 145."""
+    assert memory_per_device(STAGES, [1, 1], 4, schedule="1f1b") == [245.0, 145.0]
+    assert memory_per_device(STAGES, [1, 1], 4, schedule="1f1b",
+                             recompute=[True, True]) == [145.0, 145.0]
+    # ZB-H1: both hold 2; stage 1 defers one W, so holds two rebuilt micro-batches
+    assert memory_per_device(STAGES, [1, 1], 4, schedule="zb-h1") == [245.0, 250.0]
+    assert memory_per_device(STAGES, [1, 1], 4, schedule="zb-h1",
+                             recompute=[True, True]) == [145.0, 250.0]
+    parts = memory_parts(STAGES[0], 2, train=True, rebuilt=1)
+    assert parts["inflight"] == 1 and parts["buffer_bytes"] == 5
+    assert parts["memory_bytes"] == 145 == (parts["weights_bytes"] + parts["grad_bytes"]
+                                            + parts["optimizer_bytes"] + parts["buffer_bytes"]
+                                            + parts["inflight"] * parts["activation_bytes"])
+    # inference never recomputes
+    assert memory_per_device(STAGES, [1, 1], 1, schedule="infer",
+                             recompute=[True, True]) == [110.0, 115.0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("replicas", [[1], [1, 1, 1], [2, 1], [1, 2, 2], [3, 2, 1]])
+def test_closed_form_equals_the_simulator(schedule: str, replicas: list[int]) -> None:
+    p = len(replicas)
+    sizes = [StageBytes(10.0 * (k + 1), 1000.0 + 7 * k, 50.0 * k + 3,
+                        50.0 * (k + 1) if k < p - 1 else 0.0) for k in range(p)]
+    for m, flags in itertools.product((1, 3, 8), itertools.product((False, True), repeat=p)):
+        costs = PipelineCosts(
+            [StageCosts(1.0, 2.0, d, 0.0, stash_bytes(s), static_bytes(s, train=True,
+                                                                       optimizer_factor=4.0),
+                        recompute=rc, input_bytes=s.received)
+             for s, d, rc in zip(sizes, replicas, flags, strict=True)], [0.1] * (p - 1))
+        sim = simulate(build(schedule, replicas, m), costs)
+        got = [max(sim.peak_memory_bytes[(k, r)] for r in range(d))
+               for k, d in enumerate(replicas)]
+        assert got == pytest.approx(memory_per_device(sizes, replicas, m, schedule=schedule,
+                                                      recompute=list(flags)))
+
+
+def test_recomputing_costs_one_forward_per_backward() -> None:
+    """One stage, forward 1, backward 2, 3 micro-batches: 9 ms; recomputing: 3 x (1 + 3)."""
+    plain = PipelineCosts([StageCosts(1.0, 2.0)], [])
+    again = PipelineCosts([StageCosts(1.0, 2.0, recompute=True)], [])
+    assert simulate(build("1f1b", [1], 3), plain).iteration_ms == 9.0
+    assert simulate(build("1f1b", [1], 3), again).iteration_ms == 12.0
+    assert simulate(build("zb-h1", [1], 3), again).iteration_ms == 12.0  # I gets the forward
+
+
+def test_recompute_choice_only_where_needed() -> None:
+    choose = dict(schedule="1f1b", memory_bytes=200.0)
+    assert recompute_choice(STAGES, [1, 1], 4, mode="auto", **choose) == [True, False]
+    assert recompute_choice(STAGES, [1, 1], 4, mode="none", **choose) == [False, False]
+    assert recompute_choice(STAGES, [1, 1], 4, mode="all", **choose) == [True, True]
+    assert recompute_choice(STAGES, [1, 1], 4, mode="auto", schedule="1f1b",
+                            memory_bytes=math.inf) == [False, False]
+    # over even when recomputing: left as is (the plan is refused)
+    assert recompute_choice(STAGES, [1, 1], 4, mode="auto", schedule="1f1b",
+                            memory_bytes=100.0) == [False, False]
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        recompute_choice(STAGES, [1, 1], 4, mode="some", **choose)
+
+
+def _run(gb: float, recompute: str, schedule: str = "1f1b") -> RunSpec:
+    return RunSpec(Cluster(1, 2, memory_gb=gb, kind="cuda", intra=Link(1000.0, 0.0)),
+                   train=True, microbatches=8, recompute=recompute, train_schedule=schedule)
+
+
+def test_planner_recomputes_only_when_memory_needs_it() -> None:
+    """Four 1 ms nodes, 1 GB activations each, two devices. At 4 GB and more the best plan is
+    two data-parallel replicas holding one micro-batch each: no recomputation (auto equals
+    none). At 3 GB nothing fits keeping activations; with recomputation the pipeline 2 | 2
+    fits, its first stage (holding two micro-batches) recomputing, within 3 GB simulated."""
+    problem, arrays = chain([1.0] * 4, nbytes=1e9)
+    for gb in (4.0, 20.0):
+        none, _ = plan_cluster(problem, arrays, _run(gb, "none"))
+        auto, _ = plan_cluster(problem, arrays, _run(gb, "auto"))
+        assert (auto.stage_of, auto.replicas) == (none.stage_of, none.replicas) == (
+            [0, 0, 0, 0], [2])
+        assert auto.sim.iteration_ms == none.sim.iteration_ms
+        assert not any(s.recompute for s in auto.costs.stages)
+    with pytest.raises(PartitionError, match="no plan fits in 3 GB"):
+        plan_cluster(problem, arrays, _run(3.0, "none"))
+    plan, _ = plan_cluster(problem, arrays, _run(3.0, "auto"))
+    assert (plan.stage_of, plan.replicas) == ([0, 0, 1, 1], [1, 1])
+    assert [s.recompute for s in plan.costs.stages] == [True, False]
+    assert max(plan.sim.peak_memory_bytes.values()) <= 3e9
+    assert plan.memory_bytes == pytest.approx([3e9, 3e9])
+    every, _ = plan_cluster(problem, arrays, _run(3.0, "all"))
+    assert [s.recompute for s in every.costs.stages] == [True, True]
+    assert every.sim.iteration_ms > plan.sim.iteration_ms
+
+
+def test_plans_record_schedule_and_recompute(tmp_path: Path) -> None:
+    """plan.json names the schedule it was planned for (infer plans: infer) and the stages
+    that recompute; simulate honours both, and plans otherwise keep their split."""
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    infer = partition(model, 2, tmp_path / "infer", batch_size=4)
+    assert infer.extra["schedule"] == "infer"
+    assert not any("recompute" in s for s in read_plan(tmp_path / "infer").to_json()["stages"])
+    # measured costs: 1 ms forward, 2 ms backward of which 1 ms input gradient, per node
+    costs = tmp_path / "costs.json"
+    write_costs(costs, {k: {"forward_ms": 1.0, "backward_ms": 2.0, "backward_input_ms": 1.0,
+                            "backward_weight_ms": 1.0} for k in "abdefy"}, mode="train")
+    one = partition(model, 3, tmp_path / "one", batch_size=4, mode="train", schedule="1f1b",
+                    costs=costs)
+    auto = partition(model, 3, tmp_path / "auto", batch_size=4, mode="train", costs=costs)
+    assert one.extra["schedule"] == "1f1b" and auto.extra["schedule"] == "zb-h1"
+    assert [s.nodes for s in one.stages] == [s.nodes for s in auto.stages]
+    assert auto.extra["simulator_costs"]["backward_input_ms"] == [
+        s.predicted.backward_ms / 2 for s in auto.stages]
+    assert simulate_plan(read_plan(tmp_path / "auto"))[0].schedule == "zb-h1"
+    zb, _ = simulate_plan(read_plan(tmp_path / "auto"))
+    plain, _ = simulate_plan(read_plan(tmp_path / "auto"), schedule="1f1b")
+    assert zb.iteration_ms <= plain.iteration_ms
+    every = partition(model, 3, tmp_path / "all", batch_size=4, mode="train", schedule="1f1b",
+                      recompute="all", costs=costs)
+    assert [s.recompute for s in read_plan(tmp_path / "all").stages] == [True] * 3
+    assert [s.nodes for s in every.stages] == [s.nodes for s in one.stages]
+    again, _ = simulate_plan(read_plan(tmp_path / "all"))
+    kept, _ = simulate_plan(read_plan(tmp_path / "one"))
+    assert again.iteration_ms > kept.iteration_ms
+    assert all(a.predicted.memory_bytes <= b.predicted.memory_bytes
+               for a, b in zip(every.stages, one.stages, strict=True))
+    with pytest.raises(PartitionError, match="cannot plan for schedule 'gpipe'"):
+        partition(model, 3, tmp_path / "x", batch_size=4, mode="train", schedule="gpipe")
