@@ -17,7 +17,12 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
    them), autograd recording; backward: ``torch.autograd.grad`` of its outputs with ones, each
    the shortest of ``repeats`` runs after ``warmup`` (CUDA: synchronised), less what timing
    one op alone adds (a one-element add's forward and backward; at least 5% of the time is
-   kept). Units with nothing to differentiate have backward 0.
+   kept). Units with nothing to differentiate have backward 0. A unit that reads both weights
+   (the program's parameters) and activations also has its backward timed as two passes,
+   ``torch.autograd.grad`` with respect to the activations alone (the input gradient, what a
+   zero-bubble schedule's ``I`` runs) and to the weights alone (``W``); its backward is split
+   in their proportion (``backward_input_ms + backward_weight_ms = backward_ms``); a unit
+   reading no weights is all input gradient, one reading only weights all weight gradient.
 4. **Calibration.** The whole program's forward and its backward (from a loss that is the sum
    of its outputs) are timed apart, medians of ``repeats``; the units' forward times are scaled
    to sum to the whole forward and their backward times to the whole backward, which takes in
@@ -63,6 +68,7 @@ class TrainProfile:
 
     forward_ms: dict[str, float]
     backward_ms: dict[str, float]
+    backward_input_ms: dict[str, float]  # the input-gradient part of backward_ms
     whole_forward_ms: float
     whole_backward_ms: float
     raw_forward_ms: float  # sums of the units' times before calibration
@@ -110,17 +116,18 @@ def profile_train(
     try:
         timer = _Timer(target, repeats, warmup)
         inputs, values = _record(program, graph, target)
-        units, unique, reused = _time_units(program, values, timer, progress)
+        measured, unique, reused = _time_units(program, values, timer, progress)
         import operator as _op
 
         floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0), {},
-                         timer)
+                         timer)[:2]
         whole_fwd, whole_bwd = _time_whole(program, inputs, target, timer)
     finally:
         torch.set_num_threads(before)
     # what timing one op alone adds (a one-element add's forward and backward), off each unit
+    shares = {n: share for n, (_, _, share) in measured.items()}
     units = {n: (max(f - floor[0], 0.05 * f), max(b - floor[1], 0.05 * b) if b > 0 else 0.0)
-             for n, (f, b) in units.items()}
+             for n, (f, b, _) in measured.items()}
     raw_fwd = sum(f for f, _ in units.values())
     raw_bwd = sum(b for _, b in units.values())
     fscale = whole_fwd / raw_fwd if raw_fwd > 0 else 1.0
@@ -129,12 +136,14 @@ def profile_train(
     keys = [graph.nodes[g].key for g in graph.compute_nodes]
     fwd = dict.fromkeys(keys, 0.0)
     bwd = dict.fromkeys(keys, 0.0)
+    grad_in = dict.fromkeys(keys, 0.0)
     for name, (f, b) in units.items():
         home = graph.nodes[homes[name]].key if name in homes else None
         if home is None:
             continue
         fwd[home] += f * fscale
         bwd[home] += b * bscale
+        grad_in[home] += b * bscale * shares[name]
     name = "cpu" if index is None else f"cuda:{index}"
     settings: dict[str, object] = {
         "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
@@ -144,7 +153,9 @@ def profile_train(
         "calibration": "shortest unit time scaled so forward and backward each sum to the "
                        "median whole-program forward and backward"}
     return TrainProfile({k: round(v, 6) for k, v in fwd.items()},
-                        {k: round(v, 6) for k, v in bwd.items()}, whole_fwd, whole_bwd,
+                        {k: round(v, 6) for k, v in bwd.items()},
+                        {k: round(min(v, bwd[k]), 6) for k, v in grad_in.items()},
+                        whole_fwd, whole_bwd,
                         raw_fwd, raw_bwd, name, executor(), unique, reused, settings,
                         provenance(graph, name))
 
@@ -174,7 +185,10 @@ def profile_train_to_file(
     graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
     result = profile_train(graph, program, device=device, repeats=repeats, warmup=warmup,
                            threads=threads, progress=progress)
-    nodes = {k: {"forward_ms": result.forward_ms[k], "backward_ms": result.backward_ms[k]}
+    nodes = {k: {"forward_ms": result.forward_ms[k], "backward_ms": result.backward_ms[k],
+                 "backward_input_ms": result.backward_input_ms[k],
+                 "backward_weight_ms": round(result.backward_ms[k]
+                                             - result.backward_input_ms[k], 6)}
              for k in result.forward_ms}
     write_costs(Path(output), nodes, device=result.device, source="profile --mode train",
                 mode="train", executor=result.executor,
@@ -271,35 +285,46 @@ def _signature(node: torch.fx.Node, args: Any, kwargs: Any) -> str:
 
 
 def _time_units(program: ExportedProgram, values: dict[str, Any], timer: _Timer,
-                progress: Progress | None) -> tuple[dict[str, tuple[float, float]], int, int]:
-    """(forward ms, backward ms) per unit (FX call node, getitems folded into their op), the
-    signatures measured and the units that reused another's measurement."""
+                progress: Progress | None
+                ) -> tuple[dict[str, tuple[float, float, float]], int, int]:
+    """(forward ms, backward ms, the input gradient's share of the backward) per unit (FX call
+    node, getitems folded into their op), the signatures measured and the units that reused
+    another's measurement."""
     import operator
 
     import torch
     import torch.fx
+    from torch.export.graph_signature import InputKind
 
     nodes = [n for n in program.graph.nodes if n.op == "call_function"
              and n.target is not operator.getitem]
-    measured: dict[str, tuple[float, float]] = {}
-    out: dict[str, tuple[float, float]] = {}
+    params = {spec.arg.name for spec in program.graph_signature.input_specs
+              if spec.kind == InputKind.PARAMETER and hasattr(spec.arg, "name")}
+    weights = frozenset(id(values[n]) for n in params if n in values)
+    measured: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, tuple[float, float, float]] = {}
     reused = 0
     for i, node in enumerate(nodes):
         args = torch.fx.node.map_arg(node.args, lambda a: values[a.name])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: values[a.name])
-        key = _signature(node, args, kwargs)
+        reads = [a.name in params for a in node.all_input_nodes]
+        key = _signature(node, args, kwargs) + repr(reads)
         if key in measured:
             reused += 1
         else:
-            measured[key] = _time_op(node.target, args, kwargs, timer)
+            measured[key] = _time_op(node.target, args, kwargs, timer, weights)
         out[node.name] = measured[key]
         if progress is not None:
             progress(i + 1, len(nodes))
     return out, len(measured), reused
 
 
-def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float, float]:
-    """Shortest forward and backward ms of one op on leaf copies of its inputs."""
+def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer,
+             weights: frozenset[int] = frozenset()) -> tuple[float, float, float]:
+    """Shortest forward and backward ms of one op on leaf copies of its inputs, and the share
+    of the backward that is the input gradient (the arguments whose ``id`` is not in
+    ``weights``): 1 without weights, 0 with only weights, else the two passes' times timed
+    apart in proportion."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_map
 
@@ -313,9 +338,14 @@ def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float,
             if value.requires_grad:
                 leaf.requires_grad_(True)
                 grads.append(leaf)
+                if id(value) in weights:
+                    marked.add(id(leaf))
             return leaf
 
+        marked.clear()
         return tree_map(copy, args), tree_map(copy, kwargs), grads
+
+    marked: set[int] = set()
 
     def forward(state: tuple[Any, Any, list[torch.Tensor]]) -> Any:
         with torch.enable_grad():
@@ -324,7 +354,7 @@ def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float,
     try:
         fwd = min(timer.times(leaves, forward))
     except Exception:  # an op that cannot run alone (in place on a view): left to calibration
-        return 0.0, 0.0
+        return 0.0, 0.0, 1.0
 
     def prepared() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         state = leaves()
@@ -335,18 +365,27 @@ def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float,
 
     outputs, wrt = prepared()
     if not outputs or not wrt:
-        return fwd, 0.0
+        return fwd, 0.0, 1.0
+    is_weight = [id(t) in marked for t in wrt]
 
-    def backward(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    def backward(state: tuple[list[torch.Tensor], list[torch.Tensor]], part: bool | None = None
+                 ) -> None:
         outs, inputs = state
+        if part is not None:  # only the weights' (True) or only the activations' gradients
+            inputs = [t for t, w in zip(inputs, is_weight, strict=True) if w == part]
         torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
                             allow_unused=True)
 
     try:
         bwd = min(timer.times(prepared, backward))
+        share = 0.0 if all(is_weight) else 1.0
+        if any(is_weight) and not all(is_weight):
+            grad_in = min(timer.times(prepared, lambda s: backward(s, False)))
+            grad_w = min(timer.times(prepared, lambda s: backward(s, True)))
+            share = grad_in / (grad_in + grad_w) if grad_in + grad_w > 0 else 0.5
     except Exception:  # no backward alone: left to calibration
-        bwd = 0.0
-    return fwd, bwd
+        bwd, share = 0.0, 1.0
+    return fwd, bwd, share
 
 
 def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
