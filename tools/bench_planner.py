@@ -151,6 +151,10 @@ def main() -> int:
     parser.add_argument("--pipedream-states", type=int, default=MAX_STATES)
     parser.add_argument("--big-nodes", type=int, default=5000)
     parser.add_argument("--cache", type=Path, default=None, help="keep exports here")
+    parser.add_argument("--zero-bubble", action="store_true",
+                        help="also the zero-bubble and recomputation table (f), training only")
+    parser.add_argument("--memory-share", type=float, default=0.6,
+                        help="(f): device memory as this share of one device's need")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
@@ -286,6 +290,83 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
             print(f"(d) our planning time on {big.num_nodes} nodes ({source} {args.size} "
                   f"tiled), 64 devices, {mode}: {took:.2f} s (target < 1 s); plan "
                   f"{shape(plan)}")
+    print()
+    if args.zero_bubble and "train" in args.modes:
+        zero_bubble_table(args, setting, loaded)
+
+
+def best_train_plan(problem: DagProblem, arrays: NodeArrays, devices: int, setting: Setting,
+                    memory_gb: float, schedule: str, recompute: str) -> HybridPlan | None:
+    """Our planner's training plan for ``schedule`` on ``devices`` of ``memory_gb``, or None
+    when nothing fits."""
+    cluster = cluster_for(devices, setting)
+    cluster = Cluster(cluster.machines, cluster.devices_per_machine, memory_gb=memory_gb,
+                      kind="cuda", intra=setting.intra, inter=setting.inter)
+    run = RunSpec(cluster, train=True, microbatches=MICROBATCHES, train_schedule=schedule,
+                  recompute=recompute)
+    try:
+        return plan_cluster(problem, arrays, run)[0]
+    except PartitionError:
+        return None
+
+
+def zero_bubble_table(args: argparse.Namespace, setting: Setting,
+                      loaded: dict[str, tuple[DagProblem, NodeArrays]]) -> None:
+    """(f) Issue 23's targets, training: ZB-H1 against the best 1F1B plan at the same memory
+    limit (the planner run per schedule, ``RunSpec.train_schedule``), and at a device memory
+    of ``--memory-share`` of one device's need (the whole model on one device under 1F1B)
+    the best 1F1B plan without recomputation and with it (``recompute="auto"``), the latter's
+    simulated peak checked against the limit."""
+    from onnx_partition.pipeline.memory import StageBytes, memory_per_device
+
+    print(f"(f) zero bubble and recomputation, training: ZB-H1 / best 1F1B plan at "
+          f"{setting.memory_gb:g} GB (simulated throughput ratio, > 1: ZB-H1 faster); at "
+          f"{args.memory_share:.0%} of one device's need: 1F1B without and with recomputation "
+          "(auto), the plan's recomputing stages and its simulated peak / limit\n")
+    print("| recipe | D | 1F1B mb/s | ZB-H1 / 1F1B | ZB-H1 plan | limit | no recompute | "
+          "recompute mb/s | recompute / none | recomputing | peak / limit |")
+    print("| --- " * 11 + "|")
+    gains, rescued, over = [], 0, 0
+    for name in args.recipes:
+        problem, arrays = loaded[name]
+        one = StageBytes(float(sum(arrays.param_bytes)), float(sum(arrays.activation_bytes)))
+        need = memory_per_device([one], [1], MICROBATCHES, schedule="1f1b")[0]
+        for devices in args.devices:
+            def best(memory_gb: float, schedule: str, recompute: str,
+                     at: tuple[DagProblem, NodeArrays, int] = (problem, arrays, devices)
+                     ) -> HybridPlan | None:
+                return best_train_plan(*at, setting, memory_gb, schedule, recompute)
+
+            base, zb = (best(setting.memory_gb, s, "none") for s in ("1f1b", "zb-h1"))
+            gain = (base.sim.iteration_ms / zb.sim.iteration_ms) if base and zb else None
+            if gain is not None:
+                gains.append(gain)
+            limit = args.memory_share * need / 1e9
+            plain, saved = best(limit, "1f1b", "none"), best(limit, "1f1b", "auto")
+            rescued += plain is None and saved is not None
+            peak = max(saved.sim.peak_memory_bytes.values()) / (limit * 1e9) if saved else None
+            over += peak is not None and peak > 1 + 1e-9
+            flags = ([k for k, s in enumerate(saved.costs.stages) if s.recompute]
+                     if saved else [])
+            print(f"| {name} | {devices} | "
+                  f"{base.sim.throughput_per_s:.1f} | " if base else f"| {name} | {devices} | "
+                  "OOM | ", end="")
+            print(f"{gain:.3f}x | {shape(zb)} | " if gain is not None and zb else "- | - | ",
+                  end="")
+            print(f"{limit:.3g} GB | "
+                  + (f"{plain.sim.throughput_per_s:.1f} mb/s" if plain else "no plan") + " | "
+                  + (f"{saved.sim.throughput_per_s:.1f} | "
+                     + (f"{plain.sim.iteration_ms / saved.sim.iteration_ms:.3f}x"
+                        if plain else "new plan")
+                     + f" | {shape(saved)} stages {flags} | {peak:.3f} |"
+                     if saved and peak is not None else "no plan | - | - | - |"),
+                  flush=True)
+    print()
+    if gains:
+        print(f"(f) ZB-H1 / 1F1B: geometric mean {geomean(gains):.3f}x, max {max(gains):.3f}x "
+              f"over {len(gains)} rows; at {args.memory_share:.0%} of one device's need, "
+              f"plans found only with recomputation: {rescued}; over the limit in the "
+              f"simulator: {over} (target 0)")
     print()
 
 
