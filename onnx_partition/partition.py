@@ -516,18 +516,26 @@ def _plan_per_schedule(
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
     first schedule's error."""
-    from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
+    from onnx_partition.solve.planner import (  # a cluster's planner only
+        HYBRID_ORDERINGS,
+        Proposal,
+        plan_cluster,
+        proposals_for,
+    )
 
     found: list[tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]] = []
     failed: PartitionError | None = None
+    proposals: list[Proposal] | None = None  # the same for every schedule: made once
     for name in schedules:
         run = RunSpec(cluster, train=train, microbatches=microbatches,
                       max_stages=max(16, num_stages or 0),
                       train_schedule=name if train else "1f1b",
                       recompute=recompute if train else "none")
         try:
+            if proposals is None and len(schedules) > 1:
+                proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)
             best, families = plan_cluster(problem, arrays, run, num_stages=num_stages,
-                                          reporter=reporter)
+                                          reporter=reporter, proposals=proposals)
         except PartitionError as exc:
             failed = failed or exc
             continue

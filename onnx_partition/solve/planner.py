@@ -386,6 +386,7 @@ class _Tournament:
 def plan_cluster(
     problem: DagProblem, arrays: NodeArrays, run: RunSpec, *, num_stages: int | None = None,
     orderings: Sequence[str] = HYBRID_ORDERINGS, reporter: Reporter = SILENT,
+    proposals: Sequence[Proposal] | None = None,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan over every ordering's DP proposals and the balanced grids,
     and per family either its best simulated ``iteration_ms`` or, when none of its proposals
@@ -394,15 +395,21 @@ def plan_cluster(
     Proposals are played in the simulator in the order of :func:`lower_bound_ms`, skipping
     any that cannot beat the best so far: the answer is that of simulating them all.
     ``num_stages`` fixes the pipeline depth; otherwise the planner chooses it. Each proposal
-    weighed is reported to ``reporter``.
+    weighed is reported to ``reporter``. ``proposals``: :func:`proposals_for`'s, when the
+    caller has them (they do not depend on the training schedule, so planning for several
+    schedules makes them once).
     """
     started = time.perf_counter()
     tournament = _Tournament(problem, arrays, run, reporter=reporter)
-    played = tournament.play(proposals_for(problem, arrays, run, num_stages, orderings))
+    if proposals is None:
+        proposals = proposals_for(problem, arrays, run, num_stages, orderings)
+    played = tournament.play(list(proposals))
     tournament.play_polished_grids(played)
     best = tournament.best
     if best is None:
-        raise PartitionError(f"no {num_stages}-stage plan fits the cluster's memory")
+        depth = f"{num_stages}-stage " if num_stages else ""
+        under = f" under {run.schedule}" if run.train and run.schedule != "1f1b" else ""
+        raise PartitionError(f"no {depth}plan fits the cluster's memory{under}")
     # Polish the winner and the best plan of every other machine count too: one device at a
     # time cannot climb from a plan on 8 machines to a better one on 2, so more devices could
     # otherwise end in a slower plan than fewer.
