@@ -22,6 +22,7 @@ from onnx_partition.cli.args import build_parser, rank_parser
 from onnx_partition.cli.torchrun import infer_main, train_main
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.partition import partition
+from onnx_partition.plan import read_plan
 from onnx_partition.runtime.dist.launcher import (
     TorchrunEnv,
     check_world_size,
@@ -72,7 +73,8 @@ def test_two_training_ranks_under_torchrun_match_single_process_training(exporte
                      "--log-file", str(log), "--checkpoint-dir", str(tmp_path / "ckpt"),
                      "--checkpoint-every", "2")
     assert done.returncode == 0, done.stderr
-    assert "2 ranks (ours engine, 1f1b), batch 4 = 2 micro-batches x 2 rows" in done.stdout
+    planned = read_plan(plan).extra["schedule"]  # train's default: the plan's schedule
+    assert f"2 ranks (ours engine, {planned}), batch 4 = 2 micro-batches x 2 rows" in done.stdout
     assert "check against single-process training after step 1: OK" in done.stdout
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
     assert (tmp_path / "ckpt" / "step-00000002" / "manifest.json").is_file()
