@@ -124,3 +124,28 @@ def test_registry_serves_every_verb() -> None:
     assert set(schedules.PLANNED_NAMES) == {"1f1b", "zb-h1"}
     for p, m in itertools.product((1, 2, 3), (1, 4)):
         validate(schedules.build("zb-h1", [1] * p, m), p, m, True)
+
+
+def test_lower_bound_holds_for_split_backwards_and_recomputation() -> None:
+    """The planner's branch-and-bound bound (``scoring.lower_bound_ms``) never exceeds the
+    simulated iteration: ZB-H1 (its deferred W passes overlap the gradient's way back) and
+    1F1B, stages recomputing or not, random costs and replicas."""
+    import random
+
+    from onnx_partition.solve.scoring import lower_bound_ms
+
+    rng = random.Random(0)
+    for _ in range(300):
+        p, m = rng.randint(1, 5), rng.randint(1, 10)
+        replicas = [rng.choice([1, 1, 2, 3]) for _ in range(p)]
+        stages = []
+        for d in replicas:
+            backward = rng.uniform(0.1, 5.0)
+            stages.append(StageCosts(rng.uniform(0.1, 3.0), backward, d,
+                                     rng.choice([0.0, rng.uniform(0.0, 5.0)]),
+                                     backward_input_ms=rng.uniform(0.0, backward),
+                                     recompute=rng.random() < 0.3))
+        costs = PipelineCosts(stages, [rng.uniform(0.0, 2.0) for _ in range(p - 1)])
+        for name, split in (("1f1b", False), ("zb-h1", True)):
+            sim = simulate(schedules.build(name, replicas, m), costs)
+            assert lower_bound_ms(costs, m, True, split=split) <= sim.iteration_ms + 1e-9

@@ -232,9 +232,9 @@ def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool, *,
     simulated plan need not be simulated (branch and bound). Replica 0 of stage ``k`` starts
     after micro-batch 0 has come forward through stages ``0..k-1``, then computes its
     ``ceil(M / r)`` micro-batches, after which its last one still has to travel on: back to
-    stage 0 (training, in parallel with the stage's all-reduce) or on to the last stage:
-    through the input-gradient passes only when the schedule splits the backward
-    (zero bubble)."""
+    stage 0 (training, in parallel with the stage's all-reduce; when the schedule splits the
+    backward, ``split``, zero bubble, its deferred weight passes may overlap that way back, so
+    only the all-reduce counts) or on to the last stage."""
     stages, send = costs.stages, costs.send_ms
     p = len(stages)
     bound, ahead = 0.0, 0.0  # ahead: when micro-batch 0 can reach stage k at the earliest
@@ -247,10 +247,11 @@ def lower_bound_ms(costs: PipelineCosts, microbatches: int, train: bool, *,
         if train and stage.recompute:
             per_mb += stage.forward_ms
         work = -(-microbatches // stage.replicas) * per_mb
-        after = max(stage.allreduce_ms, behind) if train else tail_fwd[k]
+        # split backward: a stage's deferred weight passes may overlap the gradient's way back
+        after = (stage.allreduce_ms if split else max(stage.allreduce_ms, behind)) if train \
+            else tail_fwd[k]
         bound = max(bound, ahead + work + after)
         if k < p - 1:
             ahead += stage.forward_ms + send[k]
-            behind += send[k] + (stage.duration(Kind.I) if split else
-                                 stage.duration(Kind.B))
+            behind += send[k] + stage.duration(Kind.B)
     return bound
