@@ -4,13 +4,16 @@ choice, the planner choosing it only when memory needs it, and plans that record
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
 import pytest
+from support.cli import one_error
 from support.graphs import CHAIN, save
 from support.problems import chain
 
+from onnx_partition.cli import main
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
@@ -161,3 +164,26 @@ def test_plans_record_schedule_and_recompute(tmp_path: Path) -> None:
                for a, b in zip(every.stages, one.stages, strict=True))
     with pytest.raises(PartitionError, match="cannot plan for schedule 'gpipe'"):
         partition(model, 3, tmp_path / "x", batch_size=4, mode="train", schedule="gpipe")
+
+
+def test_command_line_schedule_and_recompute(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """partition --schedule/--recompute reach the plan; simulate defaults to its schedule;
+    --schedule without --mode train is a one-line error."""
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    one_error(capsys, ["partition", str(model), "--stages", "2", "--batch-size", "4",
+                       "--schedule", "zb-h1", "-o", str(tmp_path / "x")],
+              "--schedule plans a training schedule: it needs --mode train")
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--stages", "2", "--batch-size", "4", "--mode",
+                 "train", "--no-program", "--schedule", "zb-h1", "--recompute", "all",
+                 "-o", str(out), "-q"]) == 0
+    plan = read_plan(out)
+    assert plan.extra["schedule"] == "zb-h1" and [s.recompute for s in plan.stages] == [True] * 2
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "zb-h1"
+    assert main(["simulate", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "simulated zb-h1 iteration" in text and "stages 0, 1 recompute" in text
