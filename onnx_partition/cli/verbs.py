@@ -23,12 +23,10 @@ from onnx_partition import __version__, values
 from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
-    cluster_of,
-    device_kind_of,
+    devices_of,
     input_shapes_of,
     train_options,
 )
-from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
@@ -203,8 +201,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.cost.devices import device_for
-    from onnx_partition.partition import partition, priced_by
+    from onnx_partition.partition import devices_line, partition, priced_by
     from onnx_partition.report.page import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -217,20 +214,20 @@ def _partition(args: argparse.Namespace) -> int:
             f"--mode train: {args.model} has no exported program {program.name} beside it, "
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
-    cluster = cluster_of(args)
+    devices = devices_of(args)
     stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
         costs=args.costs,
-        device=None if cluster or args.costs else device_for(device_kind_of(args),
-                                                                    args.gpu),
+        device=devices.device,
+        sources=devices.sources,
         strict_costs=args.strict_costs,
         input_shapes=input_shapes_of(args),
         batch_size=args.batch_size,
-        link=Link(args.bandwidth, args.latency),
-        cluster=cluster,
+        link=devices.link,
+        cluster=devices.cluster,
         mode=args.mode,
         microbatches=args.microbatches,
         ordering=args.order,
@@ -251,6 +248,7 @@ def _partition(args: argparse.Namespace) -> int:
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
     print(priced_by(plan))
+    print(devices_line(plan))
     warning = (plan.device_model or {}).get("warning")
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
