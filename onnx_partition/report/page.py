@@ -183,13 +183,12 @@ def write_report(
 def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts, *,
                 schedule: str | None = None, microbatches: int | None = None) -> str:
     """The report page as a string (see :func:`write_report`). Its figures are also in the
-    page as data: ``<script type="application/json" id="figures">`` holds what ``simulate
+    page as data (no script runs): ``<pre hidden id="figures">`` holds what ``simulate
     --json`` prints for the same ``schedule`` and ``microbatches`` (:func:`report_figures`)."""
     name = Path(plan.model).name or "model"
     figures = dumps(simulate_json(plan, result, schedule=schedule, microbatches=microbatches))
     body = [
-        f'<script type="application/json" id="{FIGURES_ID}">'
-        f'{figures.replace("<", chr(92) + "u003c")}</script>',
+        f'<pre hidden id="{FIGURES_ID}">{esc(figures)}</pre>',
         f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
         _summary(plan, result),
         _section("Stages", _stage_table(plan)),
@@ -206,10 +205,11 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
 
 def report_figures(page: str) -> dict[str, Any]:
     """The figures a report page holds as data (see :func:`report_html`)."""
+    import html
     import json
 
     start = page.index(f'id="{FIGURES_ID}">') + len(f'id="{FIGURES_ID}">')
-    body: dict[str, Any] = json.loads(page[start:page.index("</script>", start)])
+    body: dict[str, Any] = json.loads(html.unescape(page[start:page.index("</pre>", start)]))
     return body
 
 
