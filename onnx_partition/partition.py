@@ -50,9 +50,10 @@ __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_m
            "priced_by",
            "saved_activations", "unit_problem"]
 
-#: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
-#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, 1F1B.
-TRAIN_ASSUMPTIONS = {"optimizer": "adam", "precision": "fp32", "schedule": "1f1b"}
+#: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
+#: them and warns when told otherwise): AdamW (weights, gradients, two moments:
+#: ``optimizer_factor`` 4), fp32, 1F1B.
+TRAIN_ASSUMPTIONS = {"optimizer": "adamw", "precision": "fp32", "schedule": "1f1b"}
 
 #: Baseline splits (one device per stage), for comparison: Megatron's and DeepSpeed's "uniform",
 #: DeepSpeed's "parameters", torchgpipe's time balance (no communication).

@@ -174,3 +174,28 @@ def test_named_gpu_brings_memory_and_link(exported, tmp_path: Path,
     assert "link between stages: 450 GB/s, 0.005 ms (datasheet: NVLink 4 of the H200" in text
     assert read_plan(tmp_path / "d").extra["link"] == {"bandwidth_gbps": 450.0,
                                                         "latency_ms": 0.005}
+
+
+def test_train_defaults_to_what_the_plan_was_priced_for() -> None:
+    """``train`` takes the plan's recorded optimizer, precision and schedule unless told, and
+    says in one line when told otherwise; a plan that records none keeps the old defaults."""
+    from support.cli import parser_that_never_runs_a_verb, verb_parsers
+
+    from onnx_partition.cli.args import TRAIN_FALLBACKS, plan_defaults, train_options
+    from onnx_partition.partition import TRAIN_ASSUMPTIONS
+
+    train = verb_parsers(parser_that_never_runs_a_verb())["train"]
+    parser = train
+    args = parser.parse_args(["plan"])
+    assert plan_defaults(args, TRAIN_ASSUMPTIONS) is None
+    assert (args.optimizer, args.precision, args.schedule) == ("adamw", "fp32", "1f1b")
+    args = parser.parse_args(["plan", "--optimizer", "sgd", "--schedule", "gpipe"])
+    warning = plan_defaults(args, {"optimizer": "adam", "precision": "fp32",
+                                   "schedule": "1f1b"})  # an early plan@2's spelling
+    assert warning == ("warning: training with --optimizer sgd, --schedule gpipe; the plan was "
+                       "priced for optimizer adamw, schedule 1f1b (plan.json): its predicted "
+                       "time and memory assume those")
+    assert (args.optimizer, args.precision, args.schedule) == ("sgd", "fp32", "gpipe")
+    args = parser.parse_args(["plan"])
+    assert plan_defaults(args, {}) is None
+    assert {k: train_options(args)[k] for k in TRAIN_FALLBACKS} == TRAIN_FALLBACKS

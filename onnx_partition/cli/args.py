@@ -27,9 +27,9 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
 
-__all__ = ["RANK_ENTRIES", "Devices", "build_parser", "chunks_of", "cluster_of",
-           "device_kind_of", "devices_of",
-           "input_shapes_of", "nearest", "rank_parser", "train_options"]
+__all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
+           "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
+           "plan_defaults", "rank_parser", "train_options"]
 
 log = logging.getLogger("onnx_partition")
 
@@ -496,9 +496,12 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=schedules.TRAIN_NAMES,
-                   help="the pipeline schedule every rank executes (the simulator's)")
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
+    p.add_argument("--schedule", choices=schedules.TRAIN_NAMES,
+                   help="the pipeline schedule every rank executes (the simulator's; default: "
+                        "the plan's, plan.json schedule, else 1f1b)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="optimizer (default: the one the plan's memory was priced for, "
+                        "plan.json optimizer, else sgd)")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of dropout and of the synthetic batches (without --data)")
@@ -551,8 +554,9 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
                         "transformers' schedulers)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip the whole model's gradient to norm X (as clip_grad_norm_)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: bfloat16 autocast with fp32 master weights (CPU too)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="bf16: bfloat16 autocast with fp32 master weights (CPU too; default: "
+                        "the plan's, plan.json precision, else fp32)")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="write checkpoints (every rank's parameters, optimizer and RNG state) "
                         "into DIR")
@@ -648,9 +652,41 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
 )
 
 
+#: What ``train`` runs when neither an option nor the plan says (plans before plan@2).
+TRAIN_FALLBACKS = {"optimizer": "sgd", "precision": "fp32", "schedule": "1f1b"}
+#: plan.json's names of what a plan assumed -> train's choices (plan@2's first plans: "adam").
+_TRAIN_NAMES = {"adam": "adamw"}
+
+
+def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str | None:
+    """Fill ``train``'s --optimizer, --precision and --schedule not given with what the plan
+    was priced for (plan.json ``optimizer``, ``precision``, ``schedule``: ``recorded``, the
+    plan's extra keys), else :data:`TRAIN_FALLBACKS`; returns one warning line when an option
+    asks for something else than the plan assumed (its time and memory figures do not hold)."""
+    differ = []
+    for key, fallback in TRAIN_FALLBACKS.items():
+        planned = recorded.get(key)
+        planned = _TRAIN_NAMES.get(planned, planned) if isinstance(planned, str) else None
+        given = getattr(args, key, None)
+        if given is None:
+            setattr(args, key, planned or fallback)
+        elif planned and given != planned:
+            differ.append((key, given, planned))
+    if not differ:
+        return None
+    told = ", ".join(f"--{k} {g}" for k, g, _ in differ)
+    assumed = ", ".join(f"{k} {p}" for k, _, p in differ)
+    return (f"warning: training with {told}; the plan was priced for {assumed} (plan.json): "
+            "its predicted time and memory assume those")
+
+
 def train_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options ``train`` and its torchrun entry share, as keywords of ``train_plan`` and
-    ``train_rank`` (one reader, so the two cannot drift)."""
+    ``train_rank`` (one reader, so the two cannot drift); --optimizer, --precision and
+    --schedule as :func:`plan_defaults` filled them (else :data:`TRAIN_FALLBACKS`)."""
+    for key, fallback in TRAIN_FALLBACKS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, fallback)
     return dict(
         steps=args.steps, microbatches=args.microbatches, batch_size=args.batch_size,
         schedule=args.schedule, optimizer=args.optimizer, lr=args.lr, check=args.check,

@@ -25,6 +25,7 @@ from onnx_partition.cli.args import (
     chunks_of,
     devices_of,
     input_shapes_of,
+    plan_defaults,
     train_options,
 )
 from onnx_partition.errors import PartitionError
@@ -371,11 +372,14 @@ def _train(args: argparse.Namespace) -> int:
     from onnx_partition.pipeline.predict import dumps
     from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
 
-    mode = read_plan(args.plan).mode
-    if mode != "train":
+    plan = read_plan(args.plan)
+    if plan.mode != "train":
         raise PartitionError(
-            f"{args.plan} is an inference plan (--mode {mode}): partition the model again "
+            f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
+    warning = plan_defaults(args, plan.extra)
+    if warning:
+        print(warning, file=sys.stderr)
     stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
                        engine=args.engine, verbose=not args.json, progress=not args.json,
                        **train_options(args))
