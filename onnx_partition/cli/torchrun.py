@@ -78,14 +78,13 @@ def _infer(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     """Train as this rank; rank 0 prints the summary."""
     from onnx_partition.plan import read_plan
-    from onnx_partition.runtime.dist.launcher import torchrun_env
     from onnx_partition.runtime.train.trainer import format_train, train_rank
 
     warning = plan_defaults(args, read_plan(args.plan).extra)
-    if warning and torchrun_env().rank == 0:
-        print(warning, file=sys.stderr)
     stats = train_rank(args.plan, backend=args.backend, **train_options(args))
     if stats is None:
         return 0
     print(format_train(stats))
+    if warning:  # after the figures it explains
+        print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0

@@ -377,13 +377,13 @@ def _train(args: argparse.Namespace) -> int:
         raise PartitionError(
             f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
-    warning = plan_defaults(args, plan.extra)
-    if warning:
-        print(warning, file=sys.stderr)
+    warning = plan_defaults(args, plan.extra)  # said after the figures it explains
     stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
                        engine=args.engine, verbose=not args.json, progress=not args.json,
                        **train_options(args))
     print(dumps(train_json(stats)) if args.json else format_train(stats))
+    if warning:
+        print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0
 
 
