@@ -70,6 +70,9 @@ def test_one_plan_one_figure(exported, tmp_path: Path, capsys: pytest.CaptureFix
             s.predicted.forward_ms + s.predicted.backward_ms, abs=2e-6) for s in plan.stages)
         assert sim["stages"][0]["busy_ms"] == pytest.approx(
             4 * plan.stages[0].predicted.compute_ms, rel=1e-5)
+        # train prices the step it runs by the same simulation (the plan's defaults)
+        trained = _json(capsys, ["train", plan_dir, "--steps", "1", "--json"])
+        assert trained["predicted"]["iteration_ms"] == plan.predicted["iteration_ms"]
     # the text outputs print the same iteration
     text = _text(capsys, [*base, "--force"])
     assert f"iteration of {plan.predicted['iteration_ms']:.3f} ms (simulated" in text
@@ -134,6 +137,12 @@ def test_pinned_and_cached_cpu_in_the_summary(exported, tmp_path: Path,
     assert plan.device_model is not None and plan.device_model["peak_tflops"] == 0.05
     text = _text(capsys, _partition(model, "--stages", "2", "-o", tmp_path / "q"))
     assert "(measured " in text and f"cached in {cache_home() / CPU_SPEED_FILE}" in text
+    first = read_plan(tmp_path / "q")
+    again = _text(capsys, _partition(model, "--stages", "2", "-o", tmp_path / "q", "--force"))
+    assert again.splitlines()[:4] == text.splitlines()[:4]  # the cached speed: the same plan
+    second = read_plan(tmp_path / "q")
+    assert second.predicted == first.predicted
+    assert [s.nodes for s in second.stages] == [s.nodes for s in first.stages]
     one_error(capsys, _partition(model, "--stages", "2", "--gpu", "h100", "--cpu-tflops", "1",
                        "-o", tmp_path / "x"), "--cpu-tflops/--cpu-gbps price CPUs")
     one_error(capsys, _partition(model, "--stages", "2", "--cpu-tflops", "0", "-o",
