@@ -281,8 +281,9 @@ def priced_by(plan: Plan) -> str:
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
+    named = (model.get("sources") or {}).get("gpu", "default") != "default"
     default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
-        f"{DEFAULT_GPU}:tf32") else ""
+        f"{DEFAULT_GPU}:tf32") and not named else ""
     source = f" ({model['figures_from']})" if model.get("figures_from") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "

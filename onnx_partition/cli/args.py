@@ -125,6 +125,9 @@ def devices_of(args: argparse.Namespace) -> Devices:
         link = cluster.intra
     kind = cluster.kind if cluster is not None else device_kind_of(args)
     gpu_name = cluster.gpu if cluster is not None else args.gpu
+    if kind == "cuda":
+        sources["gpu"] = (f"--gpu {args.gpu}" if args.gpu else
+                          f"cluster.json {args.cluster}" if gpu_name else "default")
     device = None
     if getattr(args, "cpu_tflops", None) is not None or getattr(args, "cpu_gbps", None):
         if kind != "cpu" or args.costs:

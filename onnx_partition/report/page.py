@@ -10,6 +10,7 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
+from onnx_partition.partition import devices_line, priced_by
 from onnx_partition.pipeline.from_plan import default_schedule, schedule_name, simulate_plan
 from onnx_partition.pipeline.predict import dumps, simulate_json
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
@@ -237,7 +238,9 @@ def _header(plan: Plan) -> str:
         source = f"profile file {source}"
     if measured:
         source += f" ({_count(int(measured), 'operator')} measured)"
-    rows = [("devices", where), ("costs", source),
+    rows = [("devices", where), ("memory and links", devices_line(plan).removeprefix("devices: ")),
+            ("costs", source),
+            ("priced by", priced_by(plan).removeprefix("priced by: ")),
             ("plan", f"{plan.mode} · {_count(len(plan.stages), 'stage')} · "
                      f"ordering {plan.ordering} · solver {plan.solver}"),
             ("onnx-partition", plan.version or "?")]
