@@ -31,7 +31,7 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
-from onnx_partition.pipeline.from_plan import comm_factor, stage_comm
+from onnx_partition.pipeline.from_plan import comm_factor, simulate_plan, stage_comm
 from onnx_partition.pipeline.memory import (
     RECOMPUTE_MODES,
     StageBytes,
@@ -57,13 +57,14 @@ from onnx_partition.solve.scoring import (
 from onnx_partition.solve.search import best_split
 
 __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
-           "partition", "plan_on_cluster", "plan_stages", "priced_by", "saved_activations",
-           "unit_problem"]
+           "devices_line", "partition", "plan_on_cluster", "plan_stages", "priced_as_run",
+           "priced_by",
+           "saved_activations", "unit_problem"]
 
-#: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
-#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, and a schedule
-#: (1F1B here; ``schedule`` becomes the one the plan was planned for).
-TRAIN_ASSUMPTIONS = {"optimizer": "adam", "precision": "fp32", "schedule": "1f1b"}
+#: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
+#: them and warns when told otherwise): AdamW (weights, gradients, two moments:
+#: ``optimizer_factor`` 4), fp32, 1F1B.
+TRAIN_ASSUMPTIONS = {"optimizer": "adamw", "precision": "fp32", "schedule": "1f1b"}
 #: ``partition --schedule``: plan for each planned train schedule, keep the fastest.
 AUTO = "auto"
 
@@ -175,6 +176,7 @@ def partition(
     strict_costs: bool = False,
     schedule: str = AUTO,
     recompute: str = "auto",
+    sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
@@ -194,6 +196,9 @@ def partition(
     :data:`~onnx_partition.pipeline.schedules.PLANNED_NAMES`, or ``auto``: each, keeping the
     fastest simulated plan), its stages recomputing per ``recompute`` (``auto``: a stage that
     fits the device memory only so; ``none``; ``all``); both are ignored in inference.
+    ``sources``: where the device memory and links came from (``memory``, ``link``,
+    ``inter_link``: datasheet, cluster.json, option or default), kept in plan.json's
+    ``device_model.sources`` for the summary (:func:`devices_line`).
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
@@ -252,10 +257,11 @@ def partition(
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
-    plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
+    plan.predicted["microbatches"] = microbatches  # run's and simulate's default
+    priced_as_run(plan)
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
-    plan.device_model = priced
+    plan.device_model = {**priced, **({"sources": dict(sources)} if sources else {})}
     plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check, reporter=reporter)
@@ -301,7 +307,8 @@ def device_model(device: DeviceSpec | None, costs: CostsLike | None,
         assert device is not None
         return {"source": "analytic", "name": device.name, "kind": device.kind,
                 "peak_tflops": device.peak_gflops / 1e3, "mem_gbps": device.mem_gbps,
-                "launch_overhead_ms": device.launch_overhead_ms}
+                "launch_overhead_ms": device.launch_overhead_ms,
+                **({"figures_from": device.source} if device.source else {})}
     costs = load_costs(costs)
     measured, path = costs.device, costs.path
     body: dict[str, Any] = {"source": "costs", "file": path, "measured_on": measured}
@@ -326,11 +333,26 @@ def priced_by(plan: Plan) -> str:
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
+    named = (model.get("sources") or {}).get("gpu", "default") != "default"
     default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
-        f"{DEFAULT_GPU}:tf32") else ""
+        f"{DEFAULT_GPU}:tf32") and not named else ""
+    source = f" ({model['figures_from']})" if model.get("figures_from") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
-            f"{model.get('mem_gbps', 0):.4g} GB/s{estimated}")
+            f"{model.get('mem_gbps', 0):.4g} GB/s{source}{estimated}")
+
+
+def devices_line(plan: Plan) -> str:
+    """One line: the device memory and links the plan assumed, and where each came from."""
+    sources = (plan.device_model or {}).get("sources") or {}
+    if not sources:
+        link = plan.extra.get("link") or {}
+        return (f"link between stages: {link.get('bandwidth_gbps', '?')} GB/s, "
+                f"{link.get('latency_ms', '?')} ms" if link else "devices: as plan.json says")
+    if "memory" not in sources:
+        return f"link between stages: {sources.get('link', '?')}"
+    return (f"devices: memory {sources['memory']}; link within a machine "
+            f"{sources.get('link', '?')}; between machines {sources.get('inter_link', '?')}")
 
 
 def plan_stages(
@@ -561,6 +583,23 @@ def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, flo
     times = [simulate(build(name, replicas, microbatches), costs).iteration_ms
              for name in schedules]
     return schedules[times.index(min(times))]
+
+
+def priced_as_run(plan: Plan) -> None:
+    """Put the plan's own simulation into ``plan.predicted``: ``iteration_ms``,
+    ``throughput_per_s`` (micro-batches per second of that iteration) and ``bubble_fraction``
+    of :attr:`Plan.microbatches` under the plan's schedule (1F1B forward + backward for a train
+    plan, forward streaming otherwise), replayed from the plan as written
+    (:func:`~onnx_partition.pipeline.from_plan.simulate_plan`, what ``simulate``, ``report`` and
+    ``run`` replay), so every command states one figure for one quantity. ``bottleneck_ms``
+    stays: the slowest stage with its sends charged to it, what a plain plan was cut on."""
+    result, _ = simulate_plan(plan)
+    iteration = result.iteration_ms
+    plan.predicted.pop("throughput_per_s", None)
+    plan.predicted["iteration_ms"] = round(iteration, 6)
+    if iteration > 0:  # JSON has no Infinity
+        plan.predicted["throughput_per_s"] = round(plan.microbatches / iteration * 1000.0, 3)
+    plan.predicted["bubble_fraction"] = round(result.bubble_fraction, 4)
 
 
 def _record_program(plan: Plan, model: Path, out: Path) -> None:

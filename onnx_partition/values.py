@@ -120,6 +120,8 @@ OPTIONS: dict[str, Rule] = {
     "inter_bandwidth": _RATE,
     "latency": _LATENCY,
     "inter_latency": _LATENCY,
+    "cpu_tflops": Rule(float, 0.0, 1e6, "TFLOP/s", low_open=True),
+    "cpu_gbps": Rule(float, 0.0, MAX_GBPS, "GB/s", low_open=True),
     "time_limit": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
     "timeout": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
     "devices": Rule(int, 1, MAX_DEVICES, "devices"),

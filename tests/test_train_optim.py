@@ -171,7 +171,7 @@ def test_log_eval_and_json(gpt_plan: Path, tmp_path: Path,
 
 @pytest.mark.parametrize("options, message", [
     (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is SGD's"),
-    (["--betas", "0.5", "0.9"], "--betas are AdamW's"),
+    (["--optimizer", "sgd", "--betas", "0.5", "0.9"], "--betas are AdamW's"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be positive"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),

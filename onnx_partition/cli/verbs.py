@@ -23,12 +23,11 @@ from onnx_partition import __version__, values
 from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
-    cluster_of,
-    device_kind_of,
+    devices_of,
     input_shapes_of,
+    plan_defaults,
     train_options,
 )
-from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
@@ -203,8 +202,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.cost.devices import device_for
-    from onnx_partition.partition import partition, priced_by
+    from onnx_partition.partition import devices_line, partition, priced_by
     from onnx_partition.report.page import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -219,20 +217,20 @@ def _partition(args: argparse.Namespace) -> int:
             f"--mode train: {args.model} has no exported program {program.name} beside it, "
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
-    cluster = cluster_of(args)
+    devices = devices_of(args)
     stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
         costs=args.costs,
-        device=None if cluster or args.costs else device_for(device_kind_of(args),
-                                                                    args.gpu),
+        device=devices.device,
+        sources=devices.sources,
         strict_costs=args.strict_costs,
         input_shapes=input_shapes_of(args),
         batch_size=args.batch_size,
-        link=Link(args.bandwidth, args.latency),
-        cluster=cluster,
+        link=devices.link,
+        cluster=devices.cluster,
         mode=args.mode,
         microbatches=args.microbatches,
         ordering=args.order,
@@ -255,6 +253,7 @@ def _partition(args: argparse.Namespace) -> int:
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
     print(priced_by(plan))
+    print(devices_line(plan))
     warning = (plan.device_model or {}).get("warning")
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -377,15 +376,18 @@ def _train(args: argparse.Namespace) -> int:
     from onnx_partition.pipeline.predict import dumps
     from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
 
-    mode = read_plan(args.plan).mode
-    if mode != "train":
+    plan = read_plan(args.plan)
+    if plan.mode != "train":
         raise PartitionError(
-            f"{args.plan} is an inference plan (--mode {mode}): partition the model again "
+            f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
+    warning = plan_defaults(args, plan.extra)  # said after the figures it explains
     stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
                        engine=args.engine, verbose=not args.json, progress=not args.json,
                        **train_options(args))
     print(dumps(train_json(stats)) if args.json else format_train(stats))
+    if warning:
+        print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0
 
 

@@ -48,6 +48,7 @@ class DeviceSpec:
     efficiency: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
     memory_gb: float = math.inf
     kind: str = "cpu"
+    source: str = field(default="", compare=False)  # where the figures came from (summary)
 
     def __post_init__(self) -> None:
         if not (self.peak_gflops > 0 and self.mem_gbps > 0 and self.launch_overhead_ms >= 0):

@@ -237,7 +237,7 @@ class PlanSchema(BaseModel):
     manifest: dict[RelPath, FileEntry] | None = None
     trained_from: str | None = None  # train --save: the plan folder trained
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
-    optimizer: str | None = None  # "adam": weights + gradients + two moments
+    optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments
     precision: str | None = None  # "fp32"
     schedule: str | None = None  # planned for: "1f1b", "zb-h1" (train), "infer"
     activations: Anything | None = None  # source of activation_bytes, whole-program total
