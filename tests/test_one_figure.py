@@ -56,7 +56,8 @@ def test_one_plan_one_figure(exported, tmp_path: Path, capsys: pytest.CaptureFix
     page = report_figures((tmp_path / "r.html").read_text())
     # partition --json, simulate --json and the report state the same figures, exactly
     assert _shared(part) == _shared(sim) == _shared(page)
-    assert part["schedule"] == ("1f1b" if plan.mode == "train" else "infer")
+    assert part["schedule"] == plan.extra["schedule"] == sim["schedule"]
+    assert part["schedule"] in (("1f1b", "zb-h1") if plan.mode == "train" else ("infer",))
     # ... which are plan.json's: the iteration it was priced by, its memory per stage
     for key in ("iteration_ms", "throughput_per_s", "bubble_fraction", "microbatches"):
         assert plan.predicted[key] == part[key], key
