@@ -41,12 +41,14 @@ from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
+from onnx_partition.solve.exact import EXACT_BUDGET_S, exact_split
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import RunSpec, node_arrays, stage_totals
 from onnx_partition.solve.search import best_split
 
 __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
-           "partition", "plan_on_cluster", "plan_stages", "priced_by", "saved_activations",
+           "partition", "plan_on_cluster", "plan_stages", "priced_by", "proof_line",
+           "saved_activations",
            "unit_problem"]
 
 #: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
@@ -136,6 +138,7 @@ def partition(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     force: bool = False,
     check: bool = True,
     strict_costs: bool = False,
@@ -154,11 +157,17 @@ def partition(
     A costs file measured on another device kind than the cluster's is noted in plan.json's
     ``device_model.warning`` (an error with ``strict_costs``). The long steps (planning,
     writing stage files) report to ``reporter`` (the command line's bars; default: nothing).
+    A pipeline cut by ``solver="dp"`` is then proven optimal or bettered by CP-SAT within
+    ``exact_budget_s`` deterministic seconds (:func:`~onnx_partition.solve.exact.exact_split`;
+    0 turns it off); plan.json's ``exact`` says what is proven.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
         raise PartitionError(f"mode must be infer or train, got {mode!r}")
+    if not 0 <= exact_budget_s < math.inf:
+        raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
+                             f"{exact_budget_s:g}")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if checked is not None and costs is not None and costs.body.get("mode") == "train" \
@@ -178,7 +187,8 @@ def partition(
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
-                                 mode=mode, microbatches=microbatches, activation_bytes=saved,
+                                 exact_budget_s=exact_budget_s, mode=mode,
+                                 microbatches=microbatches, activation_bytes=saved,
                                  reporter=reporter)
     else:
         if solver != "dp":
@@ -280,6 +290,36 @@ def priced_by(plan: Plan) -> str:
             f"{model.get('mem_gbps', 0):.4g} GB/s{estimated}")
 
 
+#: Why an exact pass stopped short of a proof, for the summary.
+_SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer)",
+          "off": "exact search off (--exact-budget 0)",
+          "size": "graph too large for the default exact search (--solver ilp to run it)"}
+
+
+def proof_line(plan: Plan) -> str | None:
+    """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); None for other plans."""
+    exact, ilp = plan.extra.get("exact"), plan.extra.get("ilp")
+    if isinstance(exact, dict):
+        how = {"single": "one stage", "bound": "it meets the lower bound",
+               "chain": "the DAG is a chain, cut exactly by the DP",
+               "cp-sat": f"CP-SAT, {exact.get('seconds', 0):.2f} s"}
+        better = exact.get("dp_ms", 0) - exact.get("bottleneck_ms", 0)
+        gained = (f"; {better / exact['dp_ms'] * 100:.2f}% faster than the DP's cut"
+                  if better > 0 else "")
+        if exact.get("proven_optimal"):
+            return f"plan quality: proven optimal ({how.get(exact.get('by', ''), '?')}){gained}"
+        return (f"plan quality: within {exact.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{exact.get('lower_bound_ms', 0):.6g} ms); "
+                f"{_SHORT.get(exact.get('by', ''), 'not proven')}{gained}")
+    if isinstance(ilp, dict) and "optimal" in ilp:
+        if ilp["optimal"]:
+            return f"plan quality: proven optimal (CP-SAT, {ilp.get('seconds', 0):.2f} s)"
+        return (f"plan quality: within {ilp.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{ilp.get('lower_bound_ms', 0):.6g} ms); the time limit ran out")
+    return None
+
+
 def plan_stages(
     graph: OpGraph,
     node_costs: NodeCosts,
@@ -289,16 +329,18 @@ def plan_stages(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     mode: str = "infer",
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
     reporter: Reporter = SILENT,
 ) -> tuple[Plan, list[StageCut]]:
-    """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages. Inference is balanced on forward times, training on
-    forward + backward (what a train step runs); a train plan's memory is the 1F1B peak of
-    ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
-    saved for backward), else every output."""
+    """Sequence the graph (every ordering for ``auto``), cut by DP, then prove the cut optimal
+    or better it by CP-SAT (``exact_budget_s`` deterministic seconds, or the full ILP for
+    ``time_limit_s`` with ``solver="ilp"``), and describe the stages. Inference is balanced on
+    forward times, training on forward + backward (what a train step runs); a train plan's
+    memory is the 1F1B peak of ``microbatches``, its activations ``activation_bytes`` per
+    OpGraph node where given (bytes saved for backward), else every output."""
     train = mode == "train"
     balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
                 if train else node_costs.forward_ms)
@@ -333,6 +375,10 @@ def plan_stages(
             extra["ilp"] = {"optimal": result.optimal, "bottleneck_ms": result.bottleneck_ms,
                             "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
                             "seconds": round(result.wall_s, 3)}
+    elif solver == "dp":  # exact where it is cheap: the DP's cut proven, or bettered
+        proof = exact_split(problem, num_stages, local_stage, budget_s=exact_budget_s)
+        local_stage = proof.stage_of
+        extra["exact"] = proof.to_json(exact_budget_s)
     times = problem.stage_times(local_stage, num_stages)
     if train:  # simulate/report replay the split and the sends the plan was balanced on
         extra["simulator_costs"] = {"send_ms": [
