@@ -308,7 +308,10 @@ def proof_line(plan: Plan) -> str | None:
         gained = (f"; {better / exact['dp_ms'] * 100:.2f}% faster than the DP's cut"
                   if better > 0 else "")
         if exact.get("proven_optimal"):
-            return f"plan quality: proven optimal ({how.get(exact.get('by', ''), '?')}){gained}"
+            rounding = (f", to {exact['gap'] * 100:.4f}% (the integer model's rounding)"
+                        if exact.get("gap", 0) > 0 else "")
+            return (f"plan quality: proven optimal ({how.get(exact.get('by', ''), '?')}"
+                    f"{rounding}){gained}")
         return (f"plan quality: within {exact.get('gap', 0) * 100:.2f}% of optimal (lower bound "
                 f"{exact.get('lower_bound_ms', 0):.6g} ms); "
                 f"{_SHORT.get(exact.get('by', ''), 'not proven')}{gained}")

@@ -121,6 +121,7 @@ OPTIONS: dict[str, Rule] = {
     "latency": _LATENCY,
     "inter_latency": _LATENCY,
     "time_limit": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
+    "exact_budget": Rule(float, 0.0, MAX_SECONDS, "s"),  # 0 = off
     "timeout": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
     "devices": Rule(int, 1, MAX_DEVICES, "devices"),
     "machines": Rule(int, 1, MAX_DEVICES, "machines"),

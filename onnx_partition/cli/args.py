@@ -301,7 +301,7 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
     search.add_argument("--exact-budget", type=float, default=1.0, metavar="SECONDS",
                         help="with --solver dp: prove the cut optimal or better it by CP-SAT "
                              "within SECONDS of deterministic time (one worker: the same plan "
-                             "at any load; graphs up to 1,000 operators; 0 = off)")
+                             "at any load; graphs up to 600 operators; 0 = off)")
     _cluster_args(p)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")

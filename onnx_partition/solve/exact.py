@@ -33,9 +33,10 @@ __all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "Proof", "exact_split", "one_order",
 #: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
 EXACT_BUDGET_S = 1.0
 #: ... and the largest problem (units) it is tried on. On the recipes (tiny, small, realistic;
-#: 27-560 units; S = 2, 4, 8) one deterministic second proves 26 of 36 optima and improves 14
-#: plans by up to 1.4%, at 0.01-2.4 s wall on 2 loaded cores; see docs/benchmarks.md.
-EXACT_NODES = 1000
+#: 27-560 units; S = 2, 4, 8) one deterministic second proves 26 of 36 optima and betters 14
+#: cuts by up to 1.4%, at 0.01-2.4 s wall on 2 loaded cores; at 1,112 units (GPT realistic,
+#: S = 8) it does not even load the DP's cut in a second. See docs/benchmarks.md.
+EXACT_NODES = 600
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
 # integer costs may rank two plans of nearly equal float cost the other way.
 _BETTER = 1e-9
@@ -47,11 +48,12 @@ class Proof:
 
     ``proven`` means no plan is faster: one stage has one plan (``by == "single"``), the
     bottleneck meets the trivial bound (``"bound"``), the DAG is a chain (``"chain"``), or
-    CP-SAT proved it (``"cp-sat"``, optimal within ``2 * rounding_ms`` of the float costs).
-    Otherwise ``gap`` is ``(bottleneck - lower_bound) / bottleneck``, with the best bound
-    known (CP-SAT's when it ran, else the trivial one), and ``by`` says why the search stopped
-    short: ``"budget"`` (it ran out), ``"off"`` (budget 0) or ``"size"``
-    (more units than ``max_nodes``). ``dp_ms`` is the bottleneck of the plan given.
+    CP-SAT proved it (``"cp-sat"``: optimal for its integer-scaled costs, so for the float
+    costs within the rounding, which ``gap`` then measures: ``rounding_ms`` per term summed,
+    about 1e-5 of the bottleneck). ``gap`` is ``(bottleneck - lower_bound) / bottleneck`` with
+    the best bound known (CP-SAT's when it ran, else the trivial one); unproven, ``by`` says
+    why the search stopped short: ``"budget"`` (it ran out), ``"off"`` (budget 0) or
+    ``"size"`` (more units than ``max_nodes``). ``dp_ms`` is the bottleneck of the plan given.
     """
 
     stage_of: list[int]
@@ -143,5 +145,4 @@ def exact_split(
     lower = min(best_ms, max(found.lower_bound_ms, trivial))
     gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
     return Proof(best, best_ms, lower, found.optimal, "cp-sat" if found.optimal else "budget",
-                 0.0 if found.optimal else gap, dp_ms, time.perf_counter() - started,
-                 found.rounding_ms)
+                 gap, dp_ms, time.perf_counter() - started, found.rounding_ms)
