@@ -32,10 +32,10 @@ __all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "Proof", "exact_split", "one_order",
 
 #: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
 EXACT_BUDGET_S = 1.0
-#: ... and the largest problem (units) it is tried on. On the recipes (tiny, small, realistic;
-#: 27-560 units; S = 2, 4, 8) one deterministic second proves 26 of 36 optima and betters 14
-#: cuts by up to 1.4%, at 0.01-2.4 s wall on 2 loaded cores; at 1,112 units (GPT realistic,
-#: S = 8) it does not even load the DP's cut in a second. See docs/benchmarks.md.
+#: ... and the largest problem (units) it is tried on. On the recipes (tiny and small, 27-560
+#: nodes, S = 2, 4, 8) the pass proves 27 of 36 cuts optimal and betters 16 by up to 1.4%, one
+#: deterministic second taking 0.01-2.4 s of wall time unloaded; at 1,112 nodes (GPT
+#: realistic, S = 8) CP-SAT does not even load the DP's cut in it. See docs/benchmarks.md.
 EXACT_NODES = 600
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
 # integer costs may rank two plans of nearly equal float cost the other way.
@@ -100,13 +100,14 @@ def exact_split(
     default exact pass of ``partition``.
 
     Proven at once when one stage leaves one plan, the bottleneck meets
-    :func:`trivial_bound_ms`, or the DAG is a chain (:func:`one_order`) and ``stage_of`` is no
-    slower than the exact DP over it. Otherwise, on problems of at most ``max_nodes`` nodes, CP-SAT
-    (:func:`solve_ilp`) searches from ``stage_of`` with one worker for ``budget_s``
-    deterministic seconds (work counted, not time elapsed: the same problem gives the same
-    plan at any load; a wall limit of ``10 * budget_s + 10`` s only guards against the
-    pathological). Its plan is kept only when strictly faster in the float cost model, so the
-    answer is never worse than ``stage_of``. ``budget_s <= 0`` turns the search off.
+    :func:`trivial_bound_ms`, or the DAG is a chain (:func:`one_order`: the exact DP over its
+    one order cuts it, and its cut replaces ``stage_of`` if strictly faster). Otherwise, on
+    problems of at most ``max_nodes`` nodes, CP-SAT (:func:`solve_ilp`) searches from
+    ``stage_of`` with one worker for ``budget_s`` deterministic seconds (work counted, not time
+    elapsed: the same problem gives the same plan at any load; a wall limit of
+    ``10 * budget_s + 10`` s only guards against the pathological). Its plan is kept only when
+    strictly faster in the float cost model, so the answer is never worse than ``stage_of``.
+    ``budget_s <= 0`` turns the search off.
     """
     started = time.perf_counter()
     plan = [int(s) for s in stage_of]
@@ -122,12 +123,12 @@ def exact_split(
     trivial = trivial_bound_ms(problem, num_stages)
     if dp_ms <= trivial * (1 + _BETTER):
         return Proof(plan, dp_ms, min(dp_ms, trivial), True, "bound", 0.0, dp_ms)
-    if one_order(problem):
-        chain_ms = problem.bottleneck_ms(split_order(problem, topological_order(problem),
-                                                     num_stages), num_stages)
-        if dp_ms <= chain_ms * (1 + _BETTER):
-            return Proof(plan, dp_ms, dp_ms, True, "chain", 0.0, dp_ms,
-                         time.perf_counter() - started)
+    if one_order(problem):  # the DP over the one order is exact: keep the better cut
+        cut = split_order(problem, topological_order(problem), num_stages)
+        cut_ms = problem.bottleneck_ms(cut, num_stages)
+        best, best_ms = (cut, cut_ms) if cut_ms < dp_ms * (1 - _BETTER) else (plan, dp_ms)
+        return Proof(best, best_ms, best_ms, True, "chain", 0.0, dp_ms,
+                     time.perf_counter() - started)
     if budget_s <= 0:
         return unproven(trivial, "off")
     if problem.num_nodes > max_nodes:
