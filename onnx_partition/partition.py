@@ -46,6 +46,7 @@ from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
+from onnx_partition.solve.exact import EXACT_BUDGET_S, exact_split
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import (
     HybridPlan,
@@ -58,8 +59,7 @@ from onnx_partition.solve.search import best_split
 
 __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
            "devices_line", "partition", "plan_on_cluster", "plan_stages", "priced_as_run",
-           "priced_by",
-           "saved_activations", "unit_problem"]
+           "priced_by", "proof_line", "saved_activations", "unit_problem"]
 
 #: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
 #: them and warns when told otherwise): AdamW (weights, gradients, two moments:
@@ -171,6 +171,7 @@ def partition(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     force: bool = False,
     check: bool = True,
     strict_costs: bool = False,
@@ -199,6 +200,9 @@ def partition(
     ``sources``: where the device memory and links came from (``memory``, ``link``,
     ``inter_link``: datasheet, cluster.json, option or default), kept in plan.json's
     ``device_model.sources`` for the summary (:func:`devices_line`).
+    A pipeline cut by ``solver="dp"`` is then proven optimal or bettered by CP-SAT within
+    ``exact_budget_s`` deterministic seconds (:func:`~onnx_partition.solve.exact.exact_split`;
+    0 turns it off); plan.json's ``exact`` says what is proven.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
@@ -211,6 +215,9 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
+    if not 0 <= exact_budget_s < math.inf:
+        raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
+                             f"{exact_budget_s:g}")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if checked is not None and costs is not None and costs.body.get("mode") == "train" \
@@ -230,6 +237,7 @@ def partition(
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
+                                 exact_budget_s=exact_budget_s,
                                  mode=mode, microbatches=microbatches, activation_bytes=saved,
                                  reporter=reporter, schedules=schedules, recompute=recompute,
                                  grad_input=grad_input_ms(graph, node_costs, costs))
@@ -355,6 +363,39 @@ def devices_line(plan: Plan) -> str:
             f"{sources.get('link', '?')}; between machines {sources.get('inter_link', '?')}")
 
 
+#: Why an exact pass stopped short of a proof, for the summary.
+_SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer)",
+          "off": "exact search off (--exact-budget 0)",
+          "size": "graph too large for the default exact search (--solver ilp to run it)"}
+
+
+def proof_line(plan: Plan) -> str | None:
+    """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); None for other plans."""
+    exact, ilp = plan.extra.get("exact"), plan.extra.get("ilp")
+    if isinstance(exact, dict):
+        how = {"single": "one stage", "bound": "it meets the lower bound",
+               "chain": "the DAG is a chain, cut exactly by the DP",
+               "cp-sat": f"CP-SAT, {exact.get('seconds', 0):.2f} s"}
+        better = exact.get("dp_ms", 0) - exact.get("bottleneck_ms", 0)
+        gained = (f"; {better / exact['dp_ms'] * 100:.2f}% faster than the DP's cut"
+                  if better > 0 else "")
+        if exact.get("proven_optimal"):
+            rounding = (f", to {exact['gap'] * 100:.4f}% (the integer model's rounding)"
+                        if exact.get("gap", 0) > 0 else "")
+            return (f"plan quality: proven optimal ({how.get(exact.get('by', ''), '?')}"
+                    f"{rounding}){gained}")
+        return (f"plan quality: within {exact.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{exact.get('lower_bound_ms', 0):.6g} ms); "
+                f"{_SHORT.get(exact.get('by', ''), 'not proven')}{gained}")
+    if isinstance(ilp, dict) and "optimal" in ilp:
+        if ilp["optimal"]:
+            return f"plan quality: proven optimal (CP-SAT, {ilp.get('seconds', 0):.2f} s)"
+        return (f"plan quality: within {ilp.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{ilp.get('lower_bound_ms', 0):.6g} ms); the time limit ran out")
+    return None
+
+
 def plan_stages(
     graph: OpGraph,
     node_costs: NodeCosts,
@@ -364,6 +405,7 @@ def plan_stages(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     mode: str = "infer",
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
@@ -372,14 +414,15 @@ def plan_stages(
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
-    """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages. A train plan is for the fastest simulated of
-    ``schedules`` on that split (``grad_input``: each node's input-gradient ms), every stage
-    recomputing if ``recompute`` is ``all`` (no memory limit: ``auto`` recomputes none).
-    Inference is balanced on forward times, training on forward + backward (what a train step
-    runs); a train plan's memory is its schedule's peak of ``microbatches``, its activations
-    ``activation_bytes`` per OpGraph node where given (bytes saved for backward), else every
-    output."""
+    """Sequence the graph (every ordering for ``auto``), cut by DP, then prove the cut optimal
+    or better it by CP-SAT (``exact_budget_s`` deterministic seconds, or the full ILP for
+    ``time_limit_s`` with ``solver="ilp"``), and describe the stages. A train plan is for the
+    fastest simulated of ``schedules`` on that split (``grad_input``: each node's
+    input-gradient ms), every stage recomputing if ``recompute`` is ``all`` (no memory limit:
+    ``auto`` recomputes none). Inference is balanced on forward times, training on forward +
+    backward (what a train step runs); a train plan's memory is its schedule's peak of
+    ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
+    saved for backward), else every output."""
     train = mode == "train"
     balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
                 if train else node_costs.forward_ms)
@@ -414,6 +457,10 @@ def plan_stages(
             extra["ilp"] = {"optimal": result.optimal, "bottleneck_ms": result.bottleneck_ms,
                             "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
                             "seconds": round(result.wall_s, 3)}
+    elif solver == "dp":  # exact where it is cheap: the DP's cut proven, or bettered
+        proof = exact_split(problem, num_stages, local_stage, budget_s=exact_budget_s)
+        local_stage = proof.stage_of
+        extra["exact"] = proof.to_json(exact_budget_s)
     times = problem.stage_times(local_stage, num_stages)
     if train:  # simulate/report replay the split and the sends the plan was balanced on
         extra["simulator_costs"] = {"send_ms": [

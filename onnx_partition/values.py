@@ -123,6 +123,7 @@ OPTIONS: dict[str, Rule] = {
     "cpu_tflops": Rule(float, 0.0, 1e6, "TFLOP/s", low_open=True),
     "cpu_gbps": Rule(float, 0.0, MAX_GBPS, "GB/s", low_open=True),
     "time_limit": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
+    "exact_budget": Rule(float, 0.0, MAX_SECONDS, "s"),  # 0 = off
     "timeout": Rule(float, 0.0, MAX_SECONDS, "s", low_open=True),
     "devices": Rule(int, 1, MAX_DEVICES, "devices"),
     "machines": Rule(int, 1, MAX_DEVICES, "machines"),

@@ -434,6 +434,10 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                              "weights), time (equal compute, no communication)")
     search.add_argument("--time-limit", type=float, default=60.0,
                         help="ILP time limit in seconds")
+    search.add_argument("--exact-budget", type=float, default=1.0, metavar="SECONDS",
+                        help="with --solver dp: prove the cut optimal or better it by CP-SAT "
+                             "within SECONDS of deterministic time (one worker: the same plan "
+                             "at any load; graphs up to 600 operators; 0 = off)")
     _cluster_args(p)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")

@@ -202,7 +202,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.partition import devices_line, partition, priced_by
+    from onnx_partition.partition import devices_line, partition, priced_by, proof_line
     from onnx_partition.report.page import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -236,6 +236,7 @@ def _partition(args: argparse.Namespace) -> int:
         ordering=args.order,
         solver=args.solver,
         time_limit_s=args.time_limit,
+        exact_budget_s=args.exact_budget,
         force=args.force,
         schedule=args.schedule or "auto",
         recompute=args.recompute,
@@ -254,6 +255,9 @@ def _partition(args: argparse.Namespace) -> int:
     print(batch_line(plan, args.batch_size))
     print(priced_by(plan))
     print(devices_line(plan))
+    quality = proof_line(plan)
+    if quality:
+        print(quality)
     warning = (plan.device_model or {}).get("warning")
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

@@ -245,6 +245,7 @@ class PlanSchema(BaseModel):
     link: LinkSchema | None = None
     candidates: dict[str, Anything] | None = None  # per ordering: DP and refined bottleneck
     ilp: Anything | None = None  # optimal, bound, gap; or the error and the fallback
+    exact: Anything | None = None  # --solver dp: proven_optimal, by, lower_bound_ms, gap, ...
     # ---- hybrid plans
     cluster: Anything | None = None  # the cluster planned for (Cluster.to_json)
     orderings: dict[str, Anything] | None = None
