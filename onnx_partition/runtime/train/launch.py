@@ -72,8 +72,11 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     except Exception as exc:
         raise RankFailure("setup", f"cannot start: {exc}") from exc
     join_group(backend, rank, world, timeout_s, store)
-    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device,
-                          eval_batches=evals)
+    train = train_stages
+    if config.engine == "torch":
+        from onnx_partition.runtime.train.torch_engine import train_stages_torch as train
+    result = train(stages, loss_fn, plan, batches, config, rank=rank, device=device,
+                   eval_batches=evals)
     gathered: list[Any] = [None] * world if rank == 0 else []
     # the results (saved states among them) travel over gloo: gather_object over NCCL would
     # copy every pickle to a GPU and back

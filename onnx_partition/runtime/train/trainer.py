@@ -277,10 +277,6 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
         raise PartitionError(f"the learning rate must be positive, got {lr}")
     if engine not in ENGINES:
         raise PartitionError(f"unknown engine {engine!r}; choose {', '.join(ENGINES)}")
-    if engine == "torch":
-        from onnx_partition.runtime.train.torch_engine import torch_engine_refusal
-
-        raise PartitionError(f"--engine torch: {torch_engine_refusal(plan)}")
     return plan
 
 
@@ -407,6 +403,11 @@ def train_plan(
                           clip_grad_norm=clip_grad_norm, precision=precision,
                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                           resume=resume, eval_every=eval_every, log=log, progress=progress)
+    if engine == "torch":  # torch.distributed.pipelining: uniform plans, our loss and optimizer
+        from onnx_partition.runtime.train.torch_engine import check_torch_engine
+
+        config = replace(config, engine=engine)
+        check_torch_engine(plan, config)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
               f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
