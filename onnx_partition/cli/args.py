@@ -410,8 +410,9 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                    help="write the measured per-stage forward/backward ms (plan.json's "
                         "simulator_costs form) to FILE")
     p.add_argument("--engine", default="ours", choices=ENGINES,
-                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
-                        "for now, see docs/design.md")
+                   help="ours (any plan); torch: torch.distributed.pipelining's "
+                        "PipelineStage and Schedule1F1B/ScheduleGPipe on our stage modules "
+                        "(plans with equal replicas per stage; see docs/design.md)")
     _json_arg(p)
 
 

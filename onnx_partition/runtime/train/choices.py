@@ -9,7 +9,7 @@ __all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
-#: ours (any plan); torch (``torch.distributed.pipelining``), refused for now.
+#: ours (any plan); torch (``torch.distributed.pipelining``, uniform plans: ``torch_engine``).
 ENGINES = ("ours", "torch")
 #: Losses by CLI name (:mod:`onnx_partition.runtime.train.loss`).
 LOSSES = ("auto", "cross_entropy", "mse", "output")
