@@ -22,7 +22,7 @@ from onnx_partition import __version__, values
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
-from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
+from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS, TORCH_SCHEDULES
 
 __all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "device_kind_of",
            "input_shapes_of", "nearest", "rank_parser", "train_options"]
@@ -377,8 +377,11 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", default="1f1b", choices=schedules.TRAIN_NAMES,
-                   help="the pipeline schedule every rank executes (the simulator's)")
+    p.add_argument("--schedule", default="1f1b",
+                   choices=[*schedules.TRAIN_NAMES, *([] if rank else TORCH_SCHEDULES)],
+                   help="the pipeline schedule every rank executes (the simulator's); "
+                        "interleaved-zb: torch's ScheduleInterleavedZeroBubble, --engine torch "
+                        "only, two stages per process")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0,

@@ -45,7 +45,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+)
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import Layout, layout
@@ -58,20 +63,20 @@ from onnx_partition.runtime.train.rank import (
     RankResult,
     StageLike,
     TrainConfig,
+    _all_reduce_grads,
     _clip,
-    _group_for,
     _owned_for_norm,
-    _sum_gradients,
-    _tied_groups_here,
     microbatch,
     step_line,
+    tied_groups,
 )
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
 __all__ = ["SCHEDULES", "check_torch_engine", "train_stages_torch"]
 
 #: Our schedule names -> torch pipelining's schedule classes.
-SCHEDULES: dict[str, Any] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+SCHEDULES: dict[str, Any] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                             "interleaved-zb": ScheduleInterleavedZeroBubble}
 
 # one tensor's static metadata: shape, dtype, requires_grad
 Meta = tuple[tuple[int, ...], torch.dtype, bool]
@@ -93,6 +98,18 @@ def check_torch_engine(plan: Plan, config: TrainConfig) -> None:
     if config.microbatches < counts[0]:
         raise PartitionError(f"--engine torch: each of the {counts[0]} replicas needs a "
                              f"micro-batch; got {config.microbatches} micro-batches")
+    if config.schedule == "interleaved-zb":
+        if lay.stages % 2:
+            raise PartitionError(f"--schedule interleaved-zb holds two stages per rank (stage "
+                                 f"i on rank i % (stages / 2)); this plan has {lay.stages}")
+        positions = lay.stages // 2
+        for j in range(counts[0]):
+            n = len(range(j, config.microbatches, counts[0]))
+            rounds = max(1, n // positions)
+            if n % rounds:
+                raise PartitionError(
+                    f"--schedule interleaved-zb: each pipeline's micro-batches ({n}) must be a "
+                    f"multiple of its rounds ({rounds}; torch's zero-bubble rule)")
     unsupported = [flag for flag, on in (
         ("--checkpoint-dir", config.checkpoint_dir is not None),
         ("--resume", config.resume_from is not None),
@@ -126,7 +143,8 @@ class _Hop(torch.nn.Module):
 
 
 class _TimedStage(PipelineStage):
-    """A ``PipelineStage`` that adds up its forward and backward compute seconds."""
+    """A ``PipelineStage`` that adds up its forward and backward (input and weight) compute
+    seconds."""
 
     seconds: list[float]
 
@@ -141,6 +159,13 @@ class _TimedStage(PipelineStage):
         began = time.perf_counter()
         try:
             return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.seconds[1] += time.perf_counter() - began
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()  # zero bubble: the weights' half of the backward
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
         finally:
             self.seconds[1] += time.perf_counter() - began
 
@@ -194,11 +219,42 @@ def _example(meta: Meta, device: torch.device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device).requires_grad_(grad)
 
 
-def _free_others(stages: Sequence[StageLike], k: int) -> None:
+def _free_others(stages: Sequence[StageLike], keep: Sequence[int]) -> None:
     """Drop the modules of the other stages built for :func:`hop_metas` (lazy stages)."""
     for stage in stages:
-        if stage.index != k and hasattr(stage, "built"):
+        if stage.index not in keep and hasattr(stage, "built"):
             stage.built = None
+
+
+def world_size(lay: Layout, schedule: str) -> int:
+    """Processes of a run: one per stage replica, or one per two (``interleaved-zb``)."""
+    return lay.world_size // _local_count(schedule)
+
+
+def _local_count(schedule: str) -> int:
+    """Stages per rank: 2 for the interleaved schedule, else 1."""
+    return 2 if schedule == "interleaved-zb" else 1
+
+
+@dataclass
+class _Place:
+    """Where a rank sits: pipeline position ``pos`` of replica ``replica``, ``P`` positions per
+    pipeline, ``R`` replicas; it holds stages ``pos``, ``pos + P``, ... (``stage i`` on
+    position ``i % P``, pipelining's rule) and rank ``pos * R + replica`` (for one stage per
+    rank: our layout's rank)."""
+
+    pos: int
+    replica: int
+    positions: int
+    replicas: int
+    stages: int
+
+    @property
+    def local(self) -> list[int]:
+        return list(range(self.pos, self.stages, self.positions))
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return (stage % self.positions) * self.replicas + replica
 
 
 def train_stages_torch(
@@ -211,115 +267,182 @@ def train_stages_torch(
     rank: int,
     device: torch.device | None = None,
     eval_batches: Batches | None = None,
-) -> RankResult:
+) -> list[RankResult]:
     """:func:`~onnx_partition.runtime.train.rank.train_stages` on torch pipelining (the module
-    docstring): the same arguments and result (no per-action list, no evaluation)."""
+    docstring): the same arguments; one result per stage this rank holds (no per-action list,
+    no evaluation)."""
     del eval_batches  # refused by check_torch_engine
     device = device or torch.device("cpu")
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     lay = layout(plan)
-    k, replica = lay.place(rank)
-    last = k == lay.stages - 1
+    replicas = lay.replicas[0]
+    per_rank = _local_count(config.schedule)
+    at = _Place(rank // replicas, rank % replicas, lay.stages // per_rank, replicas, lay.stages)
+    local = at.local
+    first, last = local[0] == 0, local[-1] == lay.stages - 1
     count = config.microbatches
-    mine = [m for m in range(count) if lay.rank_of(k, m) == rank]
+    mine = [m for m in range(count) if m % replicas == at.replica]
     model_inputs = {s.name for s in plan.inputs}
     model_outputs = tuple(s.name for s in plan.outputs)
-    first_batch = batches(0) if k == 0 or last else None
+    first_batch = batches(0) if first or last else None
     # rank 0 chains every stage once (before the seed: its dropout draws are not the run's)
     shared: list[Any] = [None]
     if rank == 0:
         assert first_batch is not None
         example = {n: v.to(device) for n, v in microbatch(first_batch[0], 0, count).items()}
         shared[0] = hop_metas(stages, lay, example, model_inputs, model_outputs)
-        _free_others(stages, k)
+        _free_others(stages, local)
     dist.broadcast_object_list(shared, src=0)
-    receives, sends = shared[0][k]
     torch.manual_seed(config.seed * 1_000_003 + rank)
 
     # every rank creates every group in the same order: pipelines, stage replicas, tied sets
     pipe_group = None
-    for j in range(lay.replicas[0]):
-        group = dist.new_group(ranks=[lay.first[s] + j for s in range(lay.stages)])
-        if j == replica:
+    for j in range(replicas):
+        group = dist.new_group(ranks=[p * replicas + j for p in range(at.positions)])
+        if j == at.replica:
             pipe_group = group
-    stage_group = _group_for(lay, range(lay.stages), k)
-    my_tied = _tied_groups_here(lay, stages, k)
-    tied_names = {n for _, names in my_tied for n in names}
+    stage_groups: dict[int, Any] = {}
+    for k in range(lay.stages):
+        if replicas > 1:
+            group = dist.new_group(ranks=[at.rank_of(k, j) for j in range(replicas)])
+            if k in local:
+                stage_groups[k] = group
+    tied = _tied_here(stages, at)
 
-    hop = _Hop(stages[k], lay.recv_names[k], lay.send_names[k] if not last else model_outputs,
-               config.precision == "bf16").to(device).train()
-    module = hop.stage
-    params = dict(module.named_parameters())
-    optimizer = make_optimizer(config.optimizer, list(params.values()), config.lr,
+    bf16 = config.precision == "bf16"
+    hops = {k: _Hop(stages[k], lay.recv_names[k],
+                    lay.send_names[k] if k < lay.stages - 1 else model_outputs,
+                    bf16).to(device).train() for k in local}
+    params = {k: dict(hops[k].stage.named_parameters()) for k in local}
+    flat = {f"{k}/{n}": p for k in local for n, p in params[k].items()}
+    optimizer = make_optimizer(config.optimizer, list(flat.values()), config.lr,
                                weight_decay=config.weight_decay, momentum=config.momentum,
                                betas=config.betas)
-    owned = _owned_for_norm(stages, k, replica, params)
-    stage = _TimedStage(hop, k, lay.stages, device,
-                        input_args=tuple(_example(m, device) for m in receives),
-                        output_args=tuple(_example(m, device) for m in sends),
-                        group=pipe_group)
-    stage.seconds = [0.0, 0.0]
+    owned = [f"{k}/{n}" for k in local for n in _owned_for_norm(stages, k, at.replica, params[k])]
+    timed = {}
+    for k in local:
+        receives, sends = shared[0][k]
+        timed[k] = _TimedStage(hops[k], k, lay.stages, device,
+                               input_args=tuple(_example(m, device) for m in receives),
+                               output_args=tuple(_example(m, device) for m in sends),
+                               group=pipe_group)
+        timed[k].seconds = [0.0, 0.0]
     loss = _Loss(loss_fn, model_outputs, count, device, {}, [])
-    schedule = SCHEDULES[config.schedule](stage, n_microbatches=len(mine), loss_fn=loss,
-                                          scale_grads=False)
+    kind = SCHEDULES[config.schedule]
+    held = [timed[k] for k in local]
+    schedule = kind(held if per_rank > 1 else held[0], n_microbatches=len(mine),
+                    loss_fn=loss, scale_grads=False)
     index = torch.tensor(mine)
     dist.barrier()
 
-    result = RankResult(rank, k, replica, [], 0, [], [], [], [])
+    results = {k: RankResult(rank, k, at.replica, [], 0, [], [], [], []) for k in local}
     for step in range(config.start_step, config.steps):
         began = time.perf_counter()
-        if k == 0 or last:
+        inputs: Mapping[str, torch.Tensor] = {}
+        if first or last:
             inputs, targets = first_batch if step == 0 and first_batch else batches(step)
-        else:
-            inputs, targets = {}, {}
         if last:
             loss.targets = targets
             loss.weights = microbatch_weights(loss_fn, targets, count)
         args = (tuple(torch.cat([microbatch({n: inputs[n]}, m, count)[n] for m in mine]).to(device)
-                      for n in lay.recv_names[0]) if k == 0 else ())
+                      for n in lay.recv_names[0]) if first else ())
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         schedule.step(*args, target=index if last else None, losses=losses if last else None,
                       return_outputs=False)
         total = sum((float(v.detach()) for v in losses), 0.0)
-        _sum_gradients(params, tied_names, stage_group, my_tied)
+        for k in local:
+            if k in stage_groups:
+                _all_reduce_grads([p for n, p in sorted(params[k].items())
+                                   if n not in stages[k].tied], stage_groups[k])
+        _sum_tied(params, tied)
         if step == 0 and config.check_steps:
-            result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
-                            if p.grad is not None}
-        norm = _clip(params, owned, config.clip_grad_norm, device)
+            for k in local:
+                results[k].grads = {n: p.grad.detach().cpu().clone()
+                                    for n, p in params[k].items() if p.grad is not None}
+        norm = _clip(flat, owned, config.clip_grad_norm, device)
         lr = config.lr * lr_factor(config.lr_schedule, step, config.warmup_steps, config.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        result.grad_norm.append(norm)
-        result.lr.append(lr)
         rows = count * (len(args[0]) // len(mine)) if args else 0
-        _record(lay, result, stage.seconds, total, began, step, rows, config.verbose, device)
-        stage.seconds[:] = [0.0, 0.0]
-        if step + 1 in config.check_steps:
-            result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
-    if config.keep_state and replica == 0:
-        result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
-    return result
+        _record(lay, at, results, {k: timed[k].seconds for k in local}, total, began, step,
+                rows, config.verbose, device)
+        for k in local:
+            results[k].grad_norm.append(norm)
+            results[k].lr.append(lr)
+            timed[k].seconds[:] = [0.0, 0.0]
+            if step + 1 in config.check_steps:
+                results[k].states[step + 1] = {n: p.detach().cpu().clone()
+                                               for n, p in params[k].items()}
+    if config.keep_state and at.replica == 0:
+        for k in local:
+            results[k].state = {n: v.detach().cpu().clone()
+                                for n, v in hops[k].stage.state_dict().items()}
+    return [results[k] for k in local]
 
 
-def _record(lay: Layout, result: RankResult, seconds: Sequence[float], loss: float,
-            began: float, step: int, rows: int, verbose: bool, device: torch.device) -> None:
-    """The step's figures (one small all-reduce: rank 0 learns the loss and every rank's
-    forward and backward ms), as our engine records them."""
-    rank = result.rank
+def _tied_here(stages: Sequence[StageLike], at: _Place) -> list[tuple[Any, list[tuple[int, str]]]]:
+    """Create every tied set's group (on every rank, in one order; none when one rank holds
+    all of it); those this rank takes part in, each with its (local stage, parameter) copies."""
+    mine = []
+    for stage_set in tied_groups(stages):
+        ranks = sorted({at.rank_of(s, j) for s in stage_set for j in range(at.replicas)})
+        group = dist.new_group(ranks=ranks) if len(ranks) > 1 else None
+        here = [k for k in stage_set if k in at.local]
+        if here:
+            copies = sorted((k, n) for k in here for n, s in stages[k].tied.items()
+                            if tuple(sorted(s)) == stage_set)
+            mine.append((group, copies))
+    return mine
+
+
+def _sum_tied(params: Mapping[int, Mapping[str, torch.nn.Parameter]],
+              tied: Sequence[tuple[Any, list[tuple[int, str]]]]) -> None:
+    """Every copy of a tied parameter gets the sum over all its copies: this rank's copies
+    added first, then one flat all-reduce over the ranks holding it (each rank counted once)."""
+    for group, copies in tied:
+        names = sorted({n for _, n in copies})
+        local = []
+        for name in names:
+            grads = [params[k][n].grad for k, n in copies if n == name]
+            base = params[next(k for k, n in copies if n == name)][name]
+            total = torch.zeros_like(base)
+            for g in grads:
+                if g is not None:
+                    total = total + g
+            local.append(total)
+        flat = torch.cat([g.reshape(-1) for g in local])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        for name, piece in zip(names, flat.split([g.numel() for g in local]), strict=True):
+            for k, n in copies:
+                if n == name:
+                    params[k][n].grad = piece.view_as(params[k][n]).clone()
+
+
+def _record(lay: Layout, at: _Place, results: Mapping[int, RankResult],
+            seconds: Mapping[int, Sequence[float]], loss: float, began: float, step: int,
+            rows: int, verbose: bool, device: torch.device) -> None:
+    """The step's figures (one small all-reduce: rank 0 learns the loss and every stage
+    replica's forward and backward ms, in our layout's rank order), as our engine records
+    them."""
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
-    row[rank] = torch.tensor([seconds[0] * 1000.0, seconds[1] * 1000.0, loss],
-                             dtype=torch.float64)
+    for k, (fwd, bwd) in seconds.items():
+        row[lay.first[k] + at.replica] = torch.tensor([fwd * 1000.0, bwd * 1000.0, 0.0],
+                                                      dtype=torch.float64)
+    row[lay.first[at.local[-1]] + at.replica, 2] = loss
     wired = row.to(device)
     dist.all_reduce(wired)
     table = wired.cpu()
     ms = (time.perf_counter() - began) * 1000.0
-    result.step_ms.append(ms)
-    result.forward_ms.append(seconds[0] * 1000.0)
-    result.backward_ms.append(seconds[1] * 1000.0)
-    if rank == 0:
+    for k, result in results.items():
+        result.step_ms.append(ms)
+        result.forward_ms.append(seconds[k][0] * 1000.0)
+        result.backward_ms.append(seconds[k][1] * 1000.0)
+    if results and next(iter(results.values())).rank == 0:
+        result = results[0]
         result.loss.append(float(table[:, 2].sum()))
         result.table.append([float(v) for v in table[:, :2].reshape(-1)])
         if verbose:

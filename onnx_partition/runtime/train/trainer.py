@@ -268,7 +268,11 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
                         ("row per micro-batch", batch_size)):
         if value < 1:
             raise PartitionError(f"need at least one {what}, got {value}")
-    if schedule not in schedules.TRAIN_NAMES:
+    from onnx_partition.runtime.train.choices import TORCH_SCHEDULES
+
+    if schedule in TORCH_SCHEDULES and engine != "torch":
+        raise PartitionError(f"schedule {schedule!r} is torch pipelining's: add --engine torch")
+    if schedule not in (*schedules.TRAIN_NAMES, *TORCH_SCHEDULES):
         raise PartitionError(f"unknown schedule {schedule!r}; choose "
                              f"{', '.join(schedules.TRAIN_NAMES)}")
     if optimizer not in OPTIMIZERS:
@@ -414,7 +418,11 @@ def train_plan(
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
-    stats = summarize(plan, ranks, config, rows * count, engine)
+    # the simulator has no interleaved schedule: 1F1B's iteration stands in for it
+    simulated = (config if config.schedule in schedules.TRAIN_NAMES
+                 else replace(config, schedule="1f1b"))
+    stats = summarize(plan, ranks, simulated, rows * count, engine)
+    stats.schedule = config.schedule
     stats.data, stats.loss_kind = spec.described, spec.kind or ""
     if config.check_steps:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
