@@ -4,7 +4,7 @@ The same stage modules as our engine (:mod:`onnx_partition.runtime.train.modules
 so that it takes the hop it receives and returns the hop it sends, as positional tuples in the
 layout's order (:attr:`~onnx_partition.pipeline.layout.Layout.recv_names` /
 ``send_names``: relayed tensors included; the last stage returns the model outputs), run by a
-``PipelineStage`` under ``Schedule1F1B`` or ``ScheduleGPipe``.
+``PipelineStage`` under ``Schedule1F1B``, ``ScheduleGPipe`` or ``ScheduleInterleavedZeroBubble``.
 
 **Uniform plans only.** Pipelining maps stage ``i`` of a schedule to rank ``i % group size`` of
 one process group, so each replica ``j`` of the plan is one pipeline group (the ranks
@@ -29,11 +29,14 @@ our engine does. After the schedule's step: the gradient sums over each stage's 
 tied groups, the whole model's norm and clipping, the learning-rate schedule and the optimizer
 step are :mod:`onnx_partition.runtime.train.rank`'s own functions.
 
+**Interleaved zero bubble** (``--schedule interleaved-zb``: ``ScheduleInterleavedZeroBubble``)
+holds two stages per rank: a pipeline has ``P = stages / 2`` positions, stage ``i`` on position
+``i % P``, so a run takes half the processes (rank ``pos * R + replica``; with one stage per
+rank this is our layout's rank). A tied parameter's copies on one rank are added there first,
+then all-reduced over the ranks holding it; each rank returns one result per stage it holds.
+
 Not supported here (refused before any process starts): unequal replica counts, fewer
 micro-batches than replicas, checkpoints and resume, evaluation, ``--log`` and the fault hook.
-``ScheduleInterleavedZeroBubble`` needs several stages per rank (``stage i`` on rank ``i % P``
-with ``P`` < stages): our launcher starts one process per stage replica, so it is not offered
-(docs/design.md).
 """
 
 from __future__ import annotations
