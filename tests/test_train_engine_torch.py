@@ -88,8 +88,9 @@ def test_refusals_before_any_process(gpt_plan: Path, tmp_path: Path,
     assert "each of the 2 replicas needs a micro-batch" in capfd.readouterr().err
     assert main(["train", str(gpt_plan), "--schedule", "interleaved-zb"]) == 2
     assert "add --engine torch" in capfd.readouterr().err
-    assert main(["train", str(unequal), "--engine", "torch", "--schedule", "gpipe"]) == 2
-    capfd.readouterr()
+    assert main(["train", str(gpt_plan), "--engine", "torch", "--schedule", "interleaved-zb",
+                 "--nproc", "2"]) == 2
+    assert "need 1 processes; got 2" in capfd.readouterr().err
     assert time.perf_counter() - began < 10  # no process was started
 
 

@@ -262,7 +262,12 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     plan = require_trainable(plan_dir)
     verify_plan_folder(plan_dir, plan)
     lay = layout(plan)
-    if nproc is not None:
+    if nproc is not None and schedule == "interleaved-zb" and engine == "torch":
+        if nproc * 2 != lay.world_size:  # two stages per process
+            raise PartitionError(f"--schedule interleaved-zb holds two stages per process: the "
+                                 f"plan's {lay.world_size} stage replicas need "
+                                 f"{lay.world_size / 2:g} processes; got {nproc}")
+    elif nproc is not None:
         check_world_size(lay.replicas, nproc)
     for what, value in (("step", steps), ("micro-batch", microbatches),
                         ("row per micro-batch", batch_size)):
