@@ -75,7 +75,7 @@ from onnx_partition.runtime.train.rank import (
 )
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
-__all__ = ["SCHEDULES", "check_torch_engine", "train_stages_torch"]
+__all__ = ["SCHEDULES", "check_torch_engine", "hop_metas", "train_stages_torch", "world_size"]
 
 #: Our schedule names -> torch pipelining's schedule classes.
 SCHEDULES: dict[str, Any] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
