@@ -11,9 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
+import onnx_partition
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
+from onnx_partition.pipeline.layout import layout
+from onnx_partition.runtime.train.modules import stage_modules
+from onnx_partition.runtime.train.torch_engine import hop_metas
 from onnx_partition.runtime.train.trainer import train_plan
 
 
@@ -107,3 +112,34 @@ def test_interleaved_zero_bubble_two_stages_per_rank(exported: Callable[[str, st
     assert stats.mismatches == []
     assert sorted((r.rank, r.stage) for r in stats.ranks) == [(0, 0), (0, 2), (1, 1), (1, 3)]
     assert all(b > 0 for b in stats.backward_ms)
+
+
+class _LateInput(torch.nn.Module):
+    """Four layers on ``x``; ``y``, a floating model input, read only at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * y + (y > 0).float()
+
+
+def test_both_ends_of_a_hop_agree_on_gradients(tmp_path: Path) -> None:
+    """The cause of the earlier deadlock: a floating model input relayed to a later stage. Its
+    hop metadata says no gradient on both ends, activations say one, sizes (integers) none."""
+    model = tmp_path / "late.onnx"
+    onnx_partition.export(_LateInput(), (torch.randn(2, 8), torch.randn(2, 8)), model)
+    plan_dir = tmp_path / "plan"
+    plan = partition(model, 2, plan_dir, mode="train", batch_size=2, force=True)
+    lay = layout(plan)
+    assert lay.recv_names[1][-1] == "y"  # relayed through the hop
+    stages = stage_modules(plan_dir)
+    feeds = {"x": torch.randn(2, 8), "y": torch.randn(2, 8)}
+    metas = hop_metas(stages, lay, feeds, {"x", "y"}, [s.name for s in plan.outputs])
+    sent, received = metas[0][1], metas[1][0]
+    assert sent == received
+    flags = dict(zip(lay.recv_names[1], (grad for _, _, grad in received), strict=True))
+    assert flags["y"] is False and all(v for n, v in flags.items() if n != "y")
