@@ -25,7 +25,7 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
-from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
+from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS, TORCH_SCHEDULES
 
 __all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
            "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
@@ -517,10 +517,13 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", choices=schedules.TRAIN_NAMES,
+    p.add_argument("--schedule",
+                   choices=[*schedules.TRAIN_NAMES, *([] if rank else TORCH_SCHEDULES)],
                    help="the pipeline schedule every rank executes (the simulator's; default: "
                         "the plan's, see plan.json's schedule, else 1f1b). "
-                        + _schedule_help(schedules.TRAIN_NAMES))
+                        + _schedule_help(schedules.TRAIN_NAMES)
+                        + "; interleaved-zb: torch's ScheduleInterleavedZeroBubble, --engine "
+                          "torch only, two stages per process")
     p.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="optimizer (default: the one the plan's memory was priced for, "
                         "plan.json optimizer, else sgd)")
@@ -554,8 +557,9 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                    help="write the measured per-stage forward/backward ms (plan.json's "
                         "simulator_costs form) to FILE")
     p.add_argument("--engine", default="ours", choices=ENGINES,
-                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
-                        "for now, see docs/design.md")
+                   help="ours (any plan); torch: torch.distributed.pipelining's "
+                        "PipelineStage and Schedule1F1B/ScheduleGPipe on our stage modules "
+                        "(plans with equal replicas per stage; see docs/design.md)")
     _json_arg(p)
 
 
@@ -676,6 +680,8 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
 
 #: What ``train`` runs when neither an option nor the plan says (plans before plan@2).
 TRAIN_FALLBACKS = {"optimizer": "sgd", "precision": "fp32", "schedule": "1f1b"}
+#: The plan schedules that --engine torch runs as planned (torch pipelining's own classes).
+_TORCH_RUNS = ("1f1b", "gpipe")
 #: plan.json's names of what a plan assumed -> train's choices (plan@2's first plans: "adam").
 _TRAIN_NAMES = {"adam": "adamw"}
 
@@ -692,6 +698,10 @@ def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str 
         if key == "schedule" and planned not in schedules.TRAIN_NAMES:
             planned = None  # an inference plan's "infer": train says what is wrong
         given = getattr(args, key, None)
+        if (given is None and key == "schedule" and planned not in (None, *_TORCH_RUNS)
+                and getattr(args, "engine", None) == "torch"):
+            given = fallback  # torch pipelining has no such schedule: 1F1B, said below
+            setattr(args, key, given)
         if given is None:
             setattr(args, key, planned or fallback)
         elif planned and given != planned:

@@ -116,6 +116,7 @@ class TrainConfig:
     eval_batches: int = 1  # batches per evaluation
     log: str | None = None  # append one JSON object per step
     progress: bool = False  # a progress bar on a terminal
+    engine: str = "ours"  # or "torch": torch.distributed.pipelining (train.torch_engine)
 
 
 @dataclass

@@ -262,13 +262,22 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     plan = require_trainable(plan_dir)
     verify_plan_folder(plan_dir, plan)
     lay = layout(plan)
-    if nproc is not None:
+    if nproc is not None and schedule == "interleaved-zb" and engine == "torch":
+        if nproc * 2 != lay.world_size:  # two stages per process
+            raise PartitionError(f"--schedule interleaved-zb holds two stages per process: the "
+                                 f"plan's {lay.world_size} stage replicas need "
+                                 f"{lay.world_size / 2:g} processes; got {nproc}")
+    elif nproc is not None:
         check_world_size(lay.replicas, nproc)
     for what, value in (("step", steps), ("micro-batch", microbatches),
                         ("row per micro-batch", batch_size)):
         if value < 1:
             raise PartitionError(f"need at least one {what}, got {value}")
-    if schedule not in schedules.TRAIN_NAMES:
+    from onnx_partition.runtime.train.choices import TORCH_SCHEDULES
+
+    if schedule in TORCH_SCHEDULES and engine != "torch":
+        raise PartitionError(f"schedule {schedule!r} is torch pipelining's: add --engine torch")
+    if schedule not in (*schedules.TRAIN_NAMES, *TORCH_SCHEDULES):
         raise PartitionError(f"unknown schedule {schedule!r}; choose "
                              f"{', '.join(schedules.TRAIN_NAMES)}")
     if optimizer not in OPTIMIZERS:
@@ -277,10 +286,6 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
         raise PartitionError(f"the learning rate must be positive, got {lr}")
     if engine not in ENGINES:
         raise PartitionError(f"unknown engine {engine!r}; choose {', '.join(ENGINES)}")
-    if engine == "torch":
-        from onnx_partition.runtime.train.torch_engine import torch_engine_refusal
-
-        raise PartitionError(f"--engine torch: {torch_engine_refusal(plan)}")
     return plan
 
 
@@ -407,13 +412,22 @@ def train_plan(
                           clip_grad_norm=clip_grad_norm, precision=precision,
                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                           resume=resume, eval_every=eval_every, log=log, progress=progress)
+    if engine == "torch":  # torch.distributed.pipelining: uniform plans, our loss and optimizer
+        from onnx_partition.runtime.train.torch_engine import check_torch_engine
+
+        config = replace(config, engine=engine)
+        check_torch_engine(plan, config)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
               f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
-    stats = summarize(plan, ranks, config, rows * count, engine)
+    # the simulator has no interleaved schedule: 1F1B's iteration stands in for it
+    simulated = (config if config.schedule in schedules.TRAIN_NAMES
+                 else replace(config, schedule="1f1b"))
+    stats = summarize(plan, ranks, simulated, rows * count, engine)
+    stats.schedule = config.schedule
     stats.data, stats.loss_kind = spec.described, spec.kind or ""
     if config.check_steps:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
