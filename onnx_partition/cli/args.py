@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition import __version__, values
-from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
+from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
@@ -89,10 +89,32 @@ def device_kind_of(args: argparse.Namespace) -> str:
     return str(args.device_kind or ("cuda" if args.gpu else "cpu"))
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster | None:
+def costs_of(args: argparse.Namespace) -> tuple[Path | None, dict[str, Path]]:
+    """``--costs FILE`` (at most one) and ``--costs KIND=FILE`` (a fleet's, per GPU kind)."""
+    plain: list[Path] = []
+    keyed: dict[str, Path] = {}
+    for item in args.costs or []:
+        kind, sep, path = str(item).partition("=")
+        if sep and kind and "/" not in kind and not Path(item).exists():
+            if kind.lower() in keyed:
+                raise PartitionError(f"--costs {kind}=...: given twice")
+            keyed[kind.lower()] = Path(path)
+        else:
+            plain.append(Path(item))
+    if len(plain) > 1:
+        raise PartitionError("--costs FILE: one file (a fleet's kinds: --costs KIND=FILE each)")
+    return (plain[0] if plain else None), keyed
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster | Fleet | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
+        if isinstance(cluster, Fleet):
+            if args.gpu:
+                raise PartitionError("--gpu prices one kind of GPU; a fleet's groups name "
+                                     "theirs (cluster.json groups[].gpu)")
+            return cluster
         return dataclasses.replace(cluster, gpu=args.gpu) if args.gpu else cluster
     if args.gpu and args.device_kind == "cpu":
         raise PartitionError("--gpu prices a GPU; it cannot go with --device-kind cpu")
@@ -260,7 +282,10 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 def _partition_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("the model and its costs")
     model.add_argument("model", type=Path, help="the ONNX model to cut")
-    model.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    model.add_argument("--costs", action="append", metavar="[KIND=]FILE",
+                       help="costs.json (contract format); else analytic. A fleet (cluster.json "
+                            "with groups) takes one per GPU kind: --costs a100-80gb=A.json "
+                            "--costs v100=V.json (kinds without one: their roofline)")
     _shape_args(model)
     model.add_argument("--no-program", action="store_true",
                        help="with --mode train: plan a model that has no exported program "

@@ -24,6 +24,7 @@ from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
     cluster_of,
+    costs_of,
     device_kind_of,
     input_shapes_of,
     train_options,
@@ -218,14 +219,16 @@ def _partition(args: argparse.Namespace) -> int:
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
     cluster = cluster_of(args)
+    costs, kind_costs = costs_of(args)
     stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
-        costs=args.costs,
-        device=None if cluster or args.costs else device_for(device_kind_of(args),
-                                                                    args.gpu),
+        costs=costs,
+        kind_costs=kind_costs,
+        device=None if cluster or costs else device_for(device_kind_of(args),
+                                                               args.gpu),
         strict_costs=args.strict_costs,
         input_shapes=input_shapes_of(args),
         batch_size=args.batch_size,

@@ -165,6 +165,8 @@ class Fleet(FleetFields):
     two machines. A plan puts each stage's replicas on one group
     (:mod:`onnx_partition.solve.fleet`)."""
 
+    groups: tuple[GpuGroup, ...] = ()
+
     def __post_init__(self) -> None:
         if not self.groups:
             raise PartitionError("a fleet needs at least one group")

@@ -1,0 +1,423 @@
+"""Planning on a mixed fleet: stages and replicas on groups of different GPUs.
+
+A :class:`~onnx_partition.cost.cluster.Fleet` holds groups of one GPU kind each. A plan puts
+every stage's replicas on one group, and each group hosts one contiguous run of stages (the
+pipeline visits the groups in some *ordering*, possibly skipping some): the device-group
+assignment of HetPipe (Park et al., ATC'20: one virtual worker per group of like GPUs) and the
+stage-to-device-type search of Metis (Um et al., ATC'24: "Metis: Fast Automatic Distributed
+Training on Heterogeneous GPUs", which orders device groups along the pipeline and balances
+stages by each type's speed and memory). Each stage is priced by its own group's costs (its
+GPU's roofline, or the costs file measured on that kind), so a fast kind gets longer stages.
+
+**The DP** (:func:`fleet_dp`), per ordering ``o`` of the groups, over a sequence of ``n``
+positions (narrow-point blocks) with per-group costs, minimises the bottleneck period (the
+hybrid DP's objective, :mod:`.hybrid`, PipeDream's replicated-stage model)::
+
+    A[t, i, u] = min over j > i, r (u + r <= D_t) of
+                   max(P_t(i, j, r, in(u), intra), A[t, j, u + r])   next stage on group o_t
+                   max(P_t(i, j, r, in(u), inter), N[t + 1, j])      next stage on a later group
+    N[t, j]    = min over t' >= t of A[t', j, 0]                     (groups may be skipped)
+
+``A[t, i, u]``: the least bottleneck of the suffix ``[i, n)`` whose first stage is on group
+``o_t`` with ``u`` of its ``D_t`` devices taken by earlier stages; ``A[t, n, u] = 0``. A stage's
+period ``P = (F_t + B_t + comm) / r + allreduce_t(r) / M`` with ``F_t``, ``B_t`` its group's
+times, ``comm`` its boundaries' transfers at their links (the inter-machine link where the
+pipeline enters or leaves a group, ``in(0)``; the group's own link inside it) and the ring
+all-reduce on the group's link; a stage whose memory per device (the one memory model with
+``held`` micro-batches in flight: 1 in inference; in training ``ceil(M / r)``, GPipe's bound,
+never below 1F1B's, or 1 for an optimistic pass checked afterwards) exceeds its group's memory
+is out. Exact for that objective over every split of the sequence, replica counts from
+:func:`~.hybrid.replica_choices` and group assignment along the ordering (``tests/test_fleet.py``
+checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j`` loop in numpy.
+
+**The choice** (:func:`plan_fleet`): every ordering's DP plan, and each group alone planned by
+the one-kind planner (:func:`~.planner.plan_cluster`, so "only the fastest group" is among the
+candidates), are simulated on the fleet (:func:`fleet_costs`: each stage's times on its kind,
+each transfer and all-reduce on the link it crosses once placed) and the fastest wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnx_partition.cost.cluster import Cluster, Fleet, Link
+from onnx_partition.errors import PartitionError
+from onnx_partition.pipeline.layout import replica_of
+from onnx_partition.pipeline.memory import (
+    StageBytes,
+    memory_per_device,
+    ring_allreduce_ms,
+    stash_bytes,
+    static_bytes,
+)
+from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+from onnx_partition.solve.hybrid import replica_choices
+from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
+from onnx_partition.solve.order.topo import assign, cut_bytes
+from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
+from onnx_partition.solve.search import sequence_for
+
+__all__ = ["FLEET_POSITIONS", "FleetPlan", "FleetSequence", "KindCosts", "fleet_costs",
+           "fleet_dp", "group_orderings", "plan_fleet", "score_fleet", "stage_period"]
+
+#: The fleet DP's positions: the sequence's narrow-point blocks merged down to this many.
+FLEET_POSITIONS = 96
+#: Every ordering of up to this many groups is tried; more: file order, fastest and slowest
+#: first.
+ALL_ORDERINGS = 4
+
+
+@dataclass(frozen=True)
+class KindCosts:
+    """Per node (the solvers' nodes), one GPU kind's forward and backward times."""
+
+    forward_ms: Sequence[float]
+    backward_ms: Sequence[float]
+
+
+@dataclass
+class FleetPlan(HybridPlan):
+    """A scored fleet plan: a :class:`~.scoring.HybridPlan` whose stage ``k`` runs on group
+    ``groups[k]`` (GPU ``gpus[k]``)."""
+
+    groups: list[int] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FleetSequence:
+    """A sequence of ``n`` positions with per-group times (plain arrays): the DP's input."""
+
+    forward_ms: Sequence[Sequence[float]]  # [group][position]
+    backward_ms: Sequence[Sequence[float]]
+    param_bytes: Sequence[float]
+    activation_bytes: Sequence[float]
+    cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0
+
+    @property
+    def n(self) -> int:
+        return len(self.param_bytes)
+
+
+def _send_ms(nbytes: float, link: Link | None) -> float:
+    return 0.0 if link is None or nbytes == 0 else nbytes / link.bytes_per_ms + link.latency_ms
+
+
+def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: int, j: int,
+                 r: int, link_in: Link | None, link_out: Link | None,
+                 held: Callable[[int], int] | None = None) -> float:
+    """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
+    ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
+    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. The scalar
+    statement of what :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
+    g = fleet.groups[group]
+    compute = float(sum(seq.forward_ms[group][i:j]))
+    comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
+    if run.train:
+        compute += float(sum(seq.backward_ms[group][i:j]))
+        comm *= 2.0
+    params = float(sum(seq.param_bytes[i:j]))
+    link = g.cluster(fleet.inter).link(r)
+    allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
+                 if run.train else 0.0)
+    size = StageBytes(params, float(sum(seq.activation_bytes[i:j])), float(seq.cut_bytes[i]),
+                      float(seq.cut_bytes[j]) if run.train else 0.0)
+    count = held(r) if held is not None else _held_safe(run)(r)
+    memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
+              + count * stash_bytes(size))
+    if memory > g.memory * 1e9:
+        return math.inf
+    return (compute + comm) / r + allreduce / run.microbatches
+
+
+def _held_safe(run: RunSpec) -> Callable[[int], int]:
+    """Micro-batches in flight per device that no schedule exceeds: 1 in inference,
+    ``ceil(M / r)`` (GPipe's) in training."""
+    m = run.microbatches
+    return (lambda r: -(-m // r)) if run.train else (lambda r: 1)
+
+
+def _span(values: Sequence[float]) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+    return np.asarray(prefix[None, :] - prefix[:, None])  # [i, j] = sum over [i, j)
+
+
+def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
+             held: Callable[[int], int] | None = None
+             ) -> tuple[float, list[tuple[int, int, int, int]]]:
+    """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
+    in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
+    ``(start, end, group, replicas)``; ``(inf, [])`` when nothing fits in memory. See the
+    module docstring for the recurrence."""
+    n, m = seq.n, run.microbatches
+    held = held or _held_safe(run)
+    cut = np.asarray(seq.cut_bytes, dtype=float)
+    params, acts = _span(seq.param_bytes), _span(seq.activation_bytes)
+    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    factor = 2.0 if run.train else 1.0
+
+    def side(link: Link) -> np.ndarray:  # cost of a boundary at this link, ends free
+        ms = np.where(cut > 0, cut / link.bytes_per_ms + link.latency_ms, 0.0)
+        ms[0] = ms[n] = 0.0
+        return np.asarray(ms)
+
+    k = len(ordering)
+    inf = math.inf
+    # A[t][i, u]; choice[t][i, u] = (j, r, next-on-same-group)
+    A = [np.full((n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
+    choice: list[dict[tuple[int, int], tuple[int, int, bool]]] = [{} for _ in ordering]
+    N = np.full((k + 1, n + 1), inf)
+    N[:, n] = 0.0
+    for t in range(k):
+        A[t][n, :] = 0.0
+    spans = {g: _span(seq.forward_ms[g]) + (_span(seq.backward_ms[g]) if run.train else 0.0)
+             for g in set(ordering)}
+    js = np.arange(n + 1)
+    for i in range(n - 1, -1, -1):
+        for t in range(k - 1, -1, -1):
+            g = ordering[t]
+            group = fleet.groups[g]
+            own = group.cluster(fleet.inter)
+            compute = spans[g][i]
+            sides = {"intra": side(group.intra), "inter": side(fleet.inter)}
+            stash = acts[i] + cut[i]  # the one memory model: static + held * stash
+            static = run.optimizer_factor * params[i] + cut if run.train else params[i]
+            for u in range(group.devices):
+                link_in = "inter" if u == 0 else "intra"
+                enter = sides[link_in][i]
+                best, arg = inf, None
+                for r in replica_choices(group.devices):
+                    if u + r > group.devices:
+                        break
+                    memory = static + held(r) * stash
+                    link = own.link(r)
+                    allreduce = (ring_allreduce_ms(params[i], r, link.bytes_per_ms,
+                                                   link.latency_ms) / m if run.train else 0.0)
+                    fits = valid[i] & (memory <= group.memory * 1e9)
+                    for same in (True, False):
+                        leave = sides["intra" if same else "inter"]
+                        period = (compute + factor * (enter + leave)) / r + allreduce
+                        rest = (A[t][:, u + r] if u + r <= group.devices else
+                                np.full(n + 1, inf)) if same else N[t + 1]
+                        rest = np.where(js == n, 0.0, rest)
+                        value = np.where(fits, np.maximum(period, rest), inf)
+                        if same:  # the last stage is taken once, on the "later group" branch
+                            value[n] = inf
+                        j = int(np.argmin(value))
+                        if value[j] < best:
+                            best, arg = float(value[j]), (j, r, same)
+                A[t][i, u] = best
+                if arg is not None:
+                    choice[t][i, u] = arg
+            N[t, i] = min(A[t][i, 0], N[t + 1, i])
+    if not math.isfinite(N[0, 0]):
+        return inf, []
+    stages: list[tuple[int, int, int, int]] = []
+    i, t, u = 0, 0, 0
+    while i < n:
+        if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
+            while A[t][i, 0] > N[t, i]:
+                t += 1
+        j, r, same = choice[t][i, u]
+        stages.append((i, j, ordering[t], r))
+        i, u = j, u + r
+        if not same:
+            t, u = t + 1, 0
+    return float(N[0, 0]), stages
+
+
+def group_orderings(fleet: Fleet, speed: Sequence[float]) -> list[tuple[int, ...]]:
+    """The orderings of the groups along the pipeline to try: all of them up to
+    :data:`ALL_ORDERINGS` groups; beyond, file order and by ``speed`` (work per ms) both
+    ways."""
+    groups = range(len(fleet.groups))
+    if len(fleet.groups) <= ALL_ORDERINGS:
+        return list(itertools.permutations(groups))
+    fast = tuple(sorted(groups, key=lambda g: -speed[g]))
+    return list(dict.fromkeys([tuple(groups), fast, fast[::-1]]))
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def _placed(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
+            ) -> list[list[int]]:
+    """Device indices within its group of every stage: each group's stages placed in pipeline
+    order by :meth:`Cluster.place`."""
+    placed: list[list[int]] = [[] for _ in replicas]
+    for g, cluster in enumerate(fleet.clusters):
+        ks = [k for k, h in enumerate(groups) if h == g]
+        if ks:
+            for k, where in zip(ks, cluster.place([replicas[k] for k in ks])):
+                placed[k] = where
+    return placed
+
+
+def fleet_costs(totals_fwd: Sequence[float], totals_bwd: Sequence[float],
+                sizes: Sequence[StageBytes], cross_bytes: Sequence[float], fleet: Fleet,
+                groups: Sequence[int], replicas: Sequence[int], run: RunSpec
+                ) -> tuple[PipelineCosts, list[float], list[list[str]]]:
+    """Simulator costs of stages with these per-stage times (each on its own group's kind)
+    and sizes on ``replicas`` devices of ``groups``: each all-reduce on its group's slowest
+    link among the stage's devices; each transfer on the group's link when both stages sit on
+    one of its machines (micro-batch ``m`` from replica ``m % r_k`` to ``m % r_(k+1)``), else
+    the fleet's ``inter`` link. Also the memory per device and the device ids."""
+    placed = _placed(fleet, groups, replicas)
+    clusters = fleet.clusters
+    offset = fleet.machine_offset
+
+    def machine(k: int, replica: int) -> int:
+        g = groups[k]
+        return offset[g] + clusters[g].machine_of(placed[k][replica])
+
+    send = []
+    for k, b in enumerate(cross_bytes):
+        crosses = any(machine(k, replica_of(mb, replicas[k]))
+                      != machine(k + 1, replica_of(mb, replicas[k + 1]))
+                      for mb in range(min(run.microbatches, math.lcm(replicas[k],
+                                                                      replicas[k + 1]))))
+        link = fleet.inter if crosses else fleet.groups[groups[k]].intra
+        send.append(b / link.bytes_per_ms + link.latency_ms)
+    stages = []
+    for k, r in enumerate(replicas):
+        link = clusters[groups[k]].group_link(placed[k])
+        allreduce = (ring_allreduce_ms(sizes[k].params, r, link.bytes_per_ms, link.latency_ms)
+                     if run.train else 0.0)
+        stages.append(StageCosts(
+            float(totals_fwd[k]), float(totals_bwd[k]) if run.train else 0.0, r, allreduce,
+            stash_bytes(sizes[k]),
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
+    memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
+                               optimizer_factor=run.optimizer_factor)
+    devices = [[fleet.device_name(groups[k], d) for d in placed[k]] for k in range(len(replicas))]
+    return PipelineCosts(stages, send), memory, devices
+
+
+def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+                fleet: Fleet, run: RunSpec, stage_of: Sequence[int], replicas: Sequence[int],
+                groups: Sequence[int], source: str) -> FleetPlan | None:
+    """Simulate an assignment on the fleet (None when a stage overflows its group's memory or
+    its group's devices): the one yardstick of every candidate and baseline."""
+    s = len(replicas)
+    for g in range(len(fleet.groups)):
+        if sum(r for r, h in zip(replicas, groups) if h == g) > fleet.groups[g].devices:
+            return None
+    at = np.asarray(stage_of, dtype=np.int64)
+
+    def per_stage(values: Sequence[float]) -> np.ndarray:
+        return np.bincount(at, np.asarray(values, dtype=float), minlength=s)
+
+    fwd = {gpu: per_stage(c.forward_ms) for gpu, c in kinds.items()}
+    bwd = {gpu: per_stage(c.backward_ms) for gpu, c in kinds.items()}
+    gpus = [fleet.groups[g].gpu for g in groups]
+    params, acts = per_stage(arrays.columns[1]), per_stage(arrays.columns[2])
+    cross = problem.cross_bytes(stage_of, s) if s > 1 else []
+    edge = [0.0, *cross, 0.0]
+    sizes = [StageBytes(float(params[k]), float(acts[k]), edge[k],
+                        edge[k + 1] if run.train else 0.0) for k in range(s)]
+    costs, memory, devices = fleet_costs(
+        [fwd[gpus[k]][k] for k in range(s)], [bwd[gpus[k]][k] for k in range(s)], sizes,
+        cross, fleet, groups, replicas, run)
+    if any(mem > fleet.groups[g].memory * 1e9 for mem, g in zip(memory, groups)):
+        return None
+    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
+    return FleetPlan(list(stage_of), list(replicas), devices, sim, costs, memory, source,
+                     groups=list(groups), gpus=gpus)
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def _sequence(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+              fleet: Fleet, order: Sequence[int]) -> tuple[FleetSequence, Blocks]:
+    """``order``'s narrow-point blocks, merged down to :data:`FLEET_POSITIONS`, as the DP's
+    sequence (times per group)."""
+    blocks = cluster_blocks(problem, order, problem.compute_ms, max(1, min(fleet.devices, 16)))
+    bounds = blocks.bounds
+    if len(bounds) - 1 > FLEET_POSITIONS:
+        prefix = np.concatenate([[0.0], np.cumsum([problem.compute_ms[v] for v in order])])
+        target = prefix[-1] / FLEET_POSITIONS
+        kept = [0]
+        for b in bounds[1:-1]:
+            if prefix[b] - prefix[kept[-1]] >= target:
+                kept.append(b)
+        blocks = Blocks(list(order), [*kept, len(order)])
+    gpus = [g.gpu for g in fleet.groups]
+    seq = FleetSequence([blocks.sums(kinds[k].forward_ms) for k in gpus],
+                        [blocks.sums(kinds[k].backward_ms) for k in gpus],
+                        blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
+                        list(cut_bytes(problem, order)[np.asarray(blocks.bounds)]))
+    return seq, blocks
+
+
+def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
+                 ) -> tuple[DagProblem, NodeArrays]:
+    """The problem and node arrays priced on one kind (for the one-kind planner)."""
+    return (problem.reweighted(costs.forward_ms, problem.nbytes),
+            NodeArrays(list(costs.backward_ms), arrays.param_bytes, arrays.activation_bytes,
+                       arrays.names))
+
+
+def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+               fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs",),
+               alone: bool = True) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
+    """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
+    family its best ``iteration_ms``. ``kinds`` prices every node on each group's GPU;
+    ``alone``: also plan each group by itself with the one-kind planner."""
+    from onnx_partition.solve.planner import plan_cluster
+
+    work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
+            for gpu, c in kinds.items()}
+    speed = [1.0 / max(work[g.gpu], 1e-12) for g in fleet.groups]
+    candidates: list[FleetPlan] = []
+    families: dict[str, dict[str, float]] = {}
+
+    def weigh(plan: FleetPlan | None, family: str) -> None:
+        if plan is not None:
+            candidates.append(plan)
+            done = families.get(family, {}).get("iteration_ms", math.inf)
+            families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
+
+    helds = [None, (lambda r: 1)] if run.train else [None]
+    for name in dict.fromkeys(orderings):
+        order = sequence_for(problem, name)
+        seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
+        for ordering in group_orderings(fleet, speed):
+            for held in helds:
+                _, stages = fleet_dp(seq, fleet, run, ordering, held)
+                if not stages:
+                    continue
+                stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
+                weigh(score_fleet(problem, arrays, kinds, fleet, run, stage_of,
+                                  [s[3] for s in stages], [s[2] for s in stages],
+                                  f"fleet:{name}"), f"fleet:{name}")
+    if alone:
+        for g, group in enumerate(fleet.groups):
+            sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
+            sub_run = RunSpec(group.cluster(fleet.inter), train=run.train,
+                              microbatches=run.microbatches,
+                              optimizer_factor=run.optimizer_factor, max_stages=run.max_stages)
+            try:
+                alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
+            except PartitionError:
+                continue
+            weigh(score_fleet(problem, arrays, kinds, fleet, run, alone_plan.stage_of,
+                              alone_plan.replicas, [g] * alone_plan.num_stages,
+                              f"alone:{group.gpu}"), f"alone:{group.gpu}")
+    if not candidates:
+        raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
+                             "any group's devices")
+    best = min(candidates, key=lambda p: p.sim.iteration_ms)
+    return best, families
+
+
+def as_cluster(fleet: Fleet, group: int) -> Cluster:
+    """Group ``group`` of ``fleet`` as a cluster of one kind."""
+    return fleet.groups[group].cluster(fleet.inter)
