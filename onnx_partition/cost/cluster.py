@@ -35,6 +35,7 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.plan.contracts import (
     CLUSTER_FORMAT,
+    FLEET_FORMAT,
     ClusterFields,
     FleetFields,
     GroupFields,
@@ -214,7 +215,7 @@ class Fleet(FleetFields):
     def to_json(self) -> dict[str, Any]:
         """cluster.json's form, every group's memory resolved."""
         groups = [{**asdict(g), "memory_gb": g.memory} for g in self.groups]
-        return {"format": FORMAT, "groups": groups, "kind": self.kind,
+        return {"format": FLEET_FORMAT, "groups": groups, "kind": self.kind,
                 "inter": asdict(self.inter)}
 
 

@@ -18,13 +18,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "PLAN_FORMAT", "RUN_FORMAT", "STAGE_COSTS_FORMAT",
+__all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "FLEET_FORMAT", "PLAN_FORMAT", "RUN_FORMAT",
+           "STAGE_COSTS_FORMAT",
            "TRAIN_FORMAT",
            "ClusterFields", "FleetFields", "GroupFields", "IOSpec", "Link", "PlanFields",
            "Predicted", "Stage"]
 
 PLAN_FORMAT = "onnx-partition/plan@2"  # plan.json (partition); @1 files still read
-CLUSTER_FORMAT = "onnx-partition/cluster@2"  # cluster.json (partition --cluster); @1 still read
+CLUSTER_FORMAT = "onnx-partition/cluster@1"  # cluster.json (partition --cluster)
+FLEET_FORMAT = "onnx-partition/cluster@2"  # cluster.json with groups (a mixed fleet)
 COSTS_FORMAT = "onnx-partition/costs@1"  # costs.json (profile)
 RUN_FORMAT = "onnx-partition/run@1"  # run --json, read back by report --measured
 STAGE_COSTS_FORMAT = "onnx-partition/stage-costs@1"  # train --record FILE

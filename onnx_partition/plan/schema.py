@@ -44,6 +44,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan.contracts import (
     CLUSTER_FORMAT,
     COSTS_FORMAT,
+    FLEET_FORMAT,
     PLAN_FORMAT,
     RUN_FORMAT,
     STAGE_COSTS_FORMAT,
@@ -320,7 +321,7 @@ class FleetSchema(BaseModel):
     file order."""
 
     model_config = _CONFIG
-    format: Annotated[str, Field(pattern=r"^onnx-partition/cluster@2$")] = CLUSTER_FORMAT
+    format: Annotated[str, Field(pattern=r"^onnx-partition/cluster@2$")] = FLEET_FORMAT
     groups: Annotated[list[GroupSchema], Field(min_length=1)]
     kind: Literal["cuda"] = "cuda"
     inter: LinkSchema = Field(default_factory=lambda: LinkSchema(
@@ -553,9 +554,9 @@ def validate_cluster(body: Any, where: str = "cluster.json") -> ClusterSchema | 
             raise PartitionError(f"{where}: 'groups' describes each kind of GPU; drop the "
                                  f"top-level {', '.join(repr(k) for k in both)} (give them "
                                  "per group)")
-        if body.get("format", CLUSTER_FORMAT) != CLUSTER_FORMAT:
+        if body.get("format", FLEET_FORMAT) != FLEET_FORMAT:
             raise PartitionError(f"{where}: 'groups' (a mixed fleet) needs \"format\": "
-                                 f"\"{CLUSTER_FORMAT}\", got {body.get('format')!r}")
+                                 f"\"{FLEET_FORMAT}\", got {body.get('format')!r}")
         fleet: FleetSchema = validate(FleetSchema, body, where)
         return fleet
     result: ClusterSchema = validate(ClusterSchema, body, where)

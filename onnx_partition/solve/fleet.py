@@ -64,8 +64,10 @@ from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 from onnx_partition.solve.search import sequence_for
 
-__all__ = ["FLEET_POSITIONS", "FleetPlan", "FleetSequence", "KindCosts", "fleet_costs",
-           "fleet_dp", "group_orderings", "plan_fleet", "score_fleet", "stage_period"]
+__all__ = ["FLEET_POSITIONS", "FleetPlan", "FleetSequence", "KindCosts", "as_slowest",
+           "fastest_alone", "fleet_costs", "fleet_dp", "group_orderings", "kind_problem",
+           "place_on_groups", "plan_fleet", "score_fleet", "slowest_cluster", "slowest_costs",
+           "stage_period"]
 
 #: The fleet DP's positions: the sequence's narrow-point blocks merged down to this many.
 FLEET_POSITIONS = 96
@@ -84,10 +86,9 @@ class KindCosts:
 
 @dataclass
 class FleetPlan(HybridPlan):
-    """A scored fleet plan: a :class:`~.scoring.HybridPlan` whose stage ``k`` runs on group
-    ``groups[k]`` (GPU ``gpus[k]``)."""
+    """A scored fleet plan: a :class:`~.scoring.HybridPlan` whose stage ``k`` runs on GPU kind
+    ``gpus[k]`` (``a+b``: replicas on two kinds, only in the "as slowest" baseline's plan)."""
 
-    groups: list[int] = field(default_factory=list)
     gpus: list[str] = field(default_factory=list)
 
 
@@ -247,89 +248,102 @@ def group_orderings(fleet: Fleet, speed: Sequence[float]) -> list[tuple[int, ...
 # --------------------------------------------------------------------------- scoring
 
 
-def _placed(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
-            ) -> list[list[int]]:
-    """Device indices within its group of every stage: each group's stages placed in pipeline
-    order by :meth:`Cluster.place`."""
+def _starts(fleet: Fleet) -> list[int]:
+    """The fleet index of each group's first device (devices numbered in file order)."""
+    return list(itertools.accumulate((g.devices for g in fleet.groups), initial=0))
+
+
+def place_on_groups(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
+                    ) -> list[list[int]]:
+    """Fleet device indices (file order) of every stage, stage ``k`` on group ``groups[k]``:
+    each group's stages placed in pipeline order by :meth:`Cluster.place`."""
+    starts = _starts(fleet)
     placed: list[list[int]] = [[] for _ in replicas]
     for g, cluster in enumerate(fleet.clusters):
         ks = [k for k, h in enumerate(groups) if h == g]
         if ks:
             for k, where in zip(ks, cluster.place([replicas[k] for k in ks])):
-                placed[k] = where
+                placed[k] = [starts[g] + d for d in where]
     return placed
 
 
-def fleet_costs(totals_fwd: Sequence[float], totals_bwd: Sequence[float],
-                sizes: Sequence[StageBytes], cross_bytes: Sequence[float], fleet: Fleet,
-                groups: Sequence[int], replicas: Sequence[int], run: RunSpec
-                ) -> tuple[PipelineCosts, list[float], list[list[str]]]:
-    """Simulator costs of stages with these per-stage times (each on its own group's kind)
-    and sizes on ``replicas`` devices of ``groups``: each all-reduce on its group's slowest
-    link among the stage's devices; each transfer on the group's link when both stages sit on
-    one of its machines (micro-batch ``m`` from replica ``m % r_k`` to ``m % r_(k+1)``), else
-    the fleet's ``inter`` link. Also the memory per device and the device ids."""
-    placed = _placed(fleet, groups, replicas)
-    clusters = fleet.clusters
-    offset = fleet.machine_offset
+def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
+                per_kind_bwd: Mapping[str, Sequence[float]], sizes: Sequence[StageBytes],
+                cross_bytes: Sequence[float], fleet: Fleet, placed: Sequence[Sequence[int]],
+                run: RunSpec) -> tuple[PipelineCosts, list[float], list[list[str]], list[str],
+                                       list[float]]:
+    """Simulator costs of stages with these per-kind times and sizes placed on fleet devices
+    ``placed`` (file order): a stage runs at its slowest replica's kind (replicas take
+    micro-batches in turn); each all-reduce on its group's link when one machine holds the
+    stage, else on ``inter``; each transfer (micro-batch ``m`` from replica ``m % r_k`` to
+    ``m % r_(k+1)``) on the group's link when it stays on one machine, else on ``inter``.
+    Also each stage's memory per device, device ids, GPU kinds (``a+b`` for a stage on two)
+    and memory limit in bytes."""
+    starts = _starts(fleet)
 
-    def machine(k: int, replica: int) -> int:
-        g = groups[k]
-        return offset[g] + clusters[g].machine_of(placed[k][replica])
+    def group(d: int) -> int:
+        return max(g for g in range(len(fleet.groups)) if starts[g] <= d)
 
+    def machine(d: int) -> int:
+        g = group(d)
+        return fleet.machine_offset[g] + (d - starts[g]) // fleet.groups[g].devices_per_machine
+
+    stage_groups = [sorted({group(d) for d in where}) for where in placed]
+    kinds = [list(dict.fromkeys(fleet.groups[g].gpu for g in gs)) for gs in stage_groups]
+    replicas = [len(where) for where in placed]
     send = []
     for k, b in enumerate(cross_bytes):
-        crosses = any(machine(k, replica_of(mb, replicas[k]))
-                      != machine(k + 1, replica_of(mb, replicas[k + 1]))
-                      for mb in range(min(run.microbatches, math.lcm(replicas[k],
-                                                                      replicas[k + 1]))))
-        link = fleet.inter if crosses else fleet.groups[groups[k]].intra
+        here, there = placed[k], placed[k + 1]
+        crosses = any(machine(here[replica_of(mb, len(here))])
+                      != machine(there[replica_of(mb, len(there))])
+                      for mb in range(min(run.microbatches, math.lcm(len(here), len(there)))))
+        link = fleet.inter if crosses else fleet.groups[group(here[0])].intra
         send.append(b / link.bytes_per_ms + link.latency_ms)
     stages = []
-    for k, r in enumerate(replicas):
-        link = clusters[groups[k]].group_link(placed[k])
-        allreduce = (ring_allreduce_ms(sizes[k].params, r, link.bytes_per_ms, link.latency_ms)
-                     if run.train else 0.0)
+    for k, where in enumerate(placed):
+        one = len({machine(d) for d in where}) == 1
+        link = fleet.groups[stage_groups[k][0]].intra if one else fleet.inter
+        allreduce = (ring_allreduce_ms(sizes[k].params, len(where), link.bytes_per_ms,
+                                       link.latency_ms) if run.train else 0.0)
         stages.append(StageCosts(
-            float(totals_fwd[k]), float(totals_bwd[k]) if run.train else 0.0, r, allreduce,
-            stash_bytes(sizes[k]),
+            max(float(per_kind_fwd[g][k]) for g in kinds[k]),
+            max(float(per_kind_bwd[g][k]) for g in kinds[k]) if run.train else 0.0,
+            len(where), allreduce, stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor)
-    devices = [[fleet.device_name(groups[k], d) for d in placed[k]] for k in range(len(replicas))]
-    return PipelineCosts(stages, send), memory, devices
+    devices = [[fleet.device_name(group(d), d - starts[group(d)]) for d in where]
+               for where in placed]
+    limits = [min(fleet.groups[g].memory for g in gs) * 1e9 for gs in stage_groups]
+    return PipelineCosts(stages, send), memory, devices, ["+".join(k) for k in kinds], limits
 
 
 def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
-                fleet: Fleet, run: RunSpec, stage_of: Sequence[int], replicas: Sequence[int],
-                groups: Sequence[int], source: str) -> FleetPlan | None:
-    """Simulate an assignment on the fleet (None when a stage overflows its group's memory or
-    its group's devices): the one yardstick of every candidate and baseline."""
-    s = len(replicas)
-    for g in range(len(fleet.groups)):
-        if sum(r for r, h in zip(replicas, groups) if h == g) > fleet.groups[g].devices:
-            return None
+                fleet: Fleet, run: RunSpec, stage_of: Sequence[int],
+                placed: Sequence[Sequence[int]], source: str) -> FleetPlan | None:
+    """Simulate an assignment whose stage ``k`` runs on fleet devices ``placed[k]`` (None when
+    a stage overflows its devices' memory): the one yardstick of every candidate and
+    baseline."""
+    s = len(placed)
     at = np.asarray(stage_of, dtype=np.int64)
 
     def per_stage(values: Sequence[float]) -> np.ndarray:
         return np.bincount(at, np.asarray(values, dtype=float), minlength=s)
 
-    fwd = {gpu: per_stage(c.forward_ms) for gpu, c in kinds.items()}
-    bwd = {gpu: per_stage(c.backward_ms) for gpu, c in kinds.items()}
-    gpus = [fleet.groups[g].gpu for g in groups]
+    fwd = {gpu: per_stage(c.forward_ms).tolist() for gpu, c in kinds.items()}
+    bwd = {gpu: per_stage(c.backward_ms).tolist() for gpu, c in kinds.items()}
     params, acts = per_stage(arrays.columns[1]), per_stage(arrays.columns[2])
     cross = problem.cross_bytes(stage_of, s) if s > 1 else []
     edge = [0.0, *cross, 0.0]
     sizes = [StageBytes(float(params[k]), float(acts[k]), edge[k],
                         edge[k + 1] if run.train else 0.0) for k in range(s)]
-    costs, memory, devices = fleet_costs(
-        [fwd[gpus[k]][k] for k in range(s)], [bwd[gpus[k]][k] for k in range(s)], sizes,
-        cross, fleet, groups, replicas, run)
-    if any(mem > fleet.groups[g].memory * 1e9 for mem, g in zip(memory, groups)):
+    costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
+                                                       run)
+    if any(mem > limit for mem, limit in zip(memory, limits)):
         return None
+    replicas = [len(where) for where in placed]
     sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
-    return FleetPlan(list(stage_of), list(replicas), devices, sim, costs, memory, source,
-                     groups=list(groups), gpus=gpus)
+    return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus)
 
 
 # --------------------------------------------------------------------------- the planner
@@ -367,10 +381,13 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs",),
-               alone: bool = True) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
+               alone: bool = True, slowest: bool = True
+               ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
     family its best ``iteration_ms``. ``kinds`` prices every node on each group's GPU;
-    ``alone``: also plan each group by itself with the one-kind planner."""
+    ``alone``: also plan each group by itself with the one-kind planner (the baseline "only
+    the fastest group" among them); ``slowest``: also the one-kind plan of every device as the
+    slowest kind (:func:`as_slowest`) where each of its stages sits on one group."""
     from onnx_partition.solve.planner import plan_cluster
 
     work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
@@ -395,8 +412,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 if not stages:
                     continue
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
-                weigh(score_fleet(problem, arrays, kinds, fleet, run, stage_of,
-                                  [s[3] for s in stages], [s[2] for s in stages],
+                placed = place_on_groups(fleet, [s[2] for s in stages], [s[3] for s in stages])
+                weigh(score_fleet(problem, arrays, kinds, fleet, run, stage_of, placed,
                                   f"fleet:{name}"), f"fleet:{name}")
     if alone:
         for g, group in enumerate(fleet.groups):
@@ -408,9 +425,20 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
             except PartitionError:
                 continue
-            weigh(score_fleet(problem, arrays, kinds, fleet, run, alone_plan.stage_of,
-                              alone_plan.replicas, [g] * alone_plan.num_stages,
+            placed = place_on_groups(fleet, [g] * alone_plan.num_stages, alone_plan.replicas)
+            weigh(score_fleet(problem, arrays, kinds, fleet, run, alone_plan.stage_of, placed,
                               f"alone:{group.gpu}"), f"alone:{group.gpu}")
+    if slowest:
+        try:
+            uniform = as_slowest(problem, arrays, kinds, fleet, run)
+        except PartitionError:
+            uniform = None
+        if uniform is not None and uniform[1].devices <= fleet.devices:
+            # the same devices in file order: never slower than there (each of its stages
+            # at its own devices' kinds, links no slower, memory no smaller)
+            weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
+                              uniform[1].place(uniform[0].replicas), "as-slowest"),
+                  "as-slowest")
     if not candidates:
         raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
                              "any group's devices")
@@ -418,6 +446,61 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     return best, families
 
 
-def as_cluster(fleet: Fleet, group: int) -> Cluster:
-    """Group ``group`` of ``fleet`` as a cluster of one kind."""
-    return fleet.groups[group].cluster(fleet.inter)
+# --------------------------------------------------------------------------- baselines
+
+
+def slowest_costs(kinds: Mapping[str, KindCosts]) -> KindCosts:
+    """Every node at its slowest kind's times (node by node: the slowest GPU where one GPU is
+    slower at everything, as a V100 beside an A100)."""
+    table = list(kinds.values())
+    return KindCosts([max(c.forward_ms[v] for c in table) for v in
+                      range(len(table[0].forward_ms))],
+                     [max(c.backward_ms[v] for c in table) for v in
+                      range(len(table[0].backward_ms))])
+
+
+def slowest_cluster(fleet: Fleet) -> Cluster:
+    """Every device of ``fleet`` as the slowest kind in one cluster: the fleet's machines
+    (``devices_per_machine`` the smallest group's; all of them when the groups agree), the
+    least memory, the slowest machine link, the fleet's ``inter`` link."""
+    per = min(g.devices_per_machine for g in fleet.groups)
+    slow = min((g.intra for g in fleet.groups),
+               key=lambda link: (link.bytes_per_ms, -link.latency_ms))
+    worst = Link(slow.bandwidth_gbps, max(g.intra.latency_ms for g in fleet.groups))
+    return Cluster(machines=fleet.devices // per, devices_per_machine=per,
+                   memory_gb=min(g.memory for g in fleet.groups), kind="cuda",
+                   intra=worst, inter=fleet.inter)
+
+
+def as_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+               fleet: Fleet, run: RunSpec) -> tuple[HybridPlan, Cluster]:
+    """Baseline: the one-kind planner's plan with every device treated as the slowest kind
+    (:func:`slowest_costs` on :func:`slowest_cluster`), as a cluster@1 of the slowest GPU
+    would be planned; its ``sim`` is that plan's time there."""
+    from onnx_partition.solve.planner import plan_cluster
+
+    cluster = slowest_cluster(fleet)
+    sub_problem, sub_arrays = kind_problem(problem, arrays, slowest_costs(kinds))
+    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
+        cluster, train=run.train, microbatches=run.microbatches,
+        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    return plan, cluster
+
+
+def fastest_alone(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+                  fleet: Fleet, run: RunSpec) -> HybridPlan:
+    """Baseline: the one-kind planner on the fastest group alone (least work per device
+    times its devices, i.e. the group of most compute)."""
+    from onnx_partition.solve.planner import plan_cluster
+
+    def work(g: int) -> float:
+        c = kinds[fleet.groups[g].gpu]
+        total = sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0)
+        return float(total) / fleet.groups[g].devices
+
+    g = min(range(len(fleet.groups)), key=work)
+    sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[fleet.groups[g].gpu])
+    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
+        fleet.groups[g].cluster(fleet.inter), train=run.train, microbatches=run.microbatches,
+        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    return plan
