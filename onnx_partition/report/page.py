@@ -190,6 +190,15 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
             "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
 
 
+def _fleet_group(plan: Plan, group: dict[str, Any]) -> str:
+    """A fleet's group and the stages it runs: ``1 machine × 4 v100 (32 GB each, stages 1)``."""
+    runs = [str(s.index) for s in plan.stages if group["gpu"] in (s.gpu or "").split("+")]
+    machines = int(group["machines"])
+    return (f"{machines} machine{'s' * (machines != 1)} × {group['devices_per_machine']} "
+            f"{group['gpu']} ({fmt_bytes(float(group['memory_gb']) * 1e9)} each, stages "
+            f"{', '.join(runs) or 'none'})")
+
+
 def _header(plan: Plan) -> str:
     """The facts a reader needs first: devices (kind, count, memory), where the costs came
     from, what was planned and by which version."""
@@ -200,10 +209,7 @@ def _header(plan: Plan) -> str:
     where = f"{devices} × {kind}"
     if cluster.get("groups"):  # a mixed fleet (cluster@2): each GPU kind and what it runs
         where = f"{devices} used of a fleet: " + ", ".join(
-            f"{g['machines']} machine{'s' * (g['machines'] != 1)} × {g['devices_per_machine']}"
-            f" {g['gpu']} ({fmt_bytes(float(g['memory_gb']) * 1e9)} each, stages "
-            f"{', '.join(str(s.index) for s in plan.stages if s.gpu == g['gpu']) or 'none'})"
-            for g in cluster["groups"])
+            _fleet_group(plan, g) for g in cluster["groups"])
     elif cluster:
         machines = int(cluster.get("machines", 1))
         per = int(cluster.get("devices_per_machine", devices))

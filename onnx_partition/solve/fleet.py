@@ -384,10 +384,12 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                alone: bool = True, slowest: bool = True
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
-    family its best ``iteration_ms``. ``kinds`` prices every node on each group's GPU;
-    ``alone``: also plan each group by itself with the one-kind planner (the baseline "only
-    the fastest group" among them); ``slowest``: also the one-kind plan of every device as the
-    slowest kind (:func:`as_slowest`) where each of its stages sits on one group."""
+    family its best ``iteration_ms`` on the fleet (``as-slowest`` also ``planned_ms``, its
+    iteration on the all-slowest cluster it was planned for). ``kinds`` prices every node on
+    each group's GPU; ``alone``: also plan each group by itself with the one-kind planner (the
+    baseline "only the fastest group" among them); ``slowest``: also the one-kind plan of
+    every device as the slowest kind (:func:`as_slowest`), placed on the fleet's devices in
+    file order (there a stage may hold replicas of two kinds, priced at the slower)."""
     from onnx_partition.solve.planner import plan_cluster
 
     work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
@@ -439,6 +441,9 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
                               uniform[1].place(uniform[0].replicas), "as-slowest"),
                   "as-slowest")
+            # and what the one-kind planner predicted for it there (the baseline's figure)
+            families.setdefault("as-slowest", {})["planned_ms"] = round(
+                uniform[0].sim.iteration_ms, 6)
     if not candidates:
         raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
                              "any group's devices")
