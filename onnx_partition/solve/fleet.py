@@ -380,7 +380,7 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
 
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
-               fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs",),
+               fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs", "topo"),
                alone: bool = True, slowest: bool = True
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
@@ -405,8 +405,10 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
-    for name in dict.fromkeys(orderings):
-        order = sequence_for(problem, name)
+    sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
+    for name in orderings:
+        sequences.setdefault(tuple(sequence_for(problem, name)), name)
+    for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
             for held in helds:
