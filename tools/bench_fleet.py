@@ -70,7 +70,8 @@ def recipe(name: str, size: str, cache: Path, fleet: Fleet
 
 def shape(plan: FleetPlan) -> str:
     """``4xa100-80gb > 4xv100``: each stage's replicas and kind, in pipeline order."""
-    return " > ".join(f"{r}x{g.split(':')[0]}" for r, g in zip(plan.replicas, plan.gpus))
+    return " > ".join(f"{r}x" + "+".join(k.split(":")[0] for k in g.split("+"))
+                      for r, g in zip(plan.replicas, plan.gpus))
 
 
 def main(argv: list[str] | None = None) -> int:
