@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cli import one_error
 from support.graphs import CHAIN, save
-from support.problems import dags
+from support.problems import chain, dags
 
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
@@ -28,7 +28,10 @@ from onnx_partition.solve.fleet import (
     as_slowest,
     fastest_alone,
     fleet_dp,
+    place_on_groups,
     plan_fleet,
+    polish_fleet,
+    score_fleet,
     stage_period,
 )
 from onnx_partition.solve.hybrid import replica_choices
@@ -225,6 +228,25 @@ def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, r
     assert best.sim.iteration_ms == min(f["iteration_ms"] for f in families.values()) or \
         best.sim.iteration_ms == pytest.approx(min(f["iteration_ms"]
                                                    for f in families.values()), abs=1e-6)
+
+
+def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+    problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
+    kinds = {"a100-80gb": KindCosts(list(problem.compute_ms), list(arrays.backward_ms)),
+             "v100": KindCosts([3 * c for c in problem.compute_ms],
+                               [3 * b for b in arrays.backward_ms])}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 3), GpuGroup("v100", 1, 2)),
+                  inter=Link(1.0, 0.01))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=6)
+    start = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
+                        place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
+    assert start is not None
+    polished = polish_fleet(problem, arrays, kinds, fleet, run, start, [0, 1])
+    assert polished.sim.iteration_ms < start.sim.iteration_ms
+    assert polished.replicas[0] <= 3 and polished.replicas[1] <= 2
+    assert polished.gpus == ["a100-80gb", "v100"]
+    assert all(d.startswith("m0/") for d in polished.devices[0])
+    assert all(d.startswith("m1/") for d in polished.devices[1])
 
 
 # --------------------------------------------------------------------------- end to end

@@ -30,10 +30,13 @@ is out. Exact for that objective over every split of the sequence, replica count
 :func:`~.hybrid.replica_choices` and group assignment along the ordering (``tests/test_fleet.py``
 checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j`` loop in numpy.
 
-**The choice** (:func:`plan_fleet`): every ordering's DP plan, and each group alone planned by
-the one-kind planner (:func:`~.planner.plan_cluster`, so "only the fastest group" is among the
-candidates), are simulated on the fleet (:func:`fleet_costs`: each stage's times on its kind,
-each transfer and all-reduce on the link it crosses once placed) and the fastest wins.
+**The choice** (:func:`plan_fleet`): every ordering's DP plan (the best one's replica counts
+then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-kind planner
+(:func:`~.planner.plan_cluster`, so "only the fastest group" is among the candidates), and
+the one-kind plan of every device as the slowest kind (:func:`as_slowest`) are simulated on
+the fleet (:func:`fleet_costs`: each stage's times on its kind, each transfer and all-reduce
+on the link it crosses once placed) and the fastest wins; the last makes it never slower than
+that baseline (the same schedule, no action longer, no link slower).
 """
 
 from __future__ import annotations
@@ -66,11 +69,13 @@ from onnx_partition.solve.search import sequence_for
 
 __all__ = ["FLEET_POSITIONS", "FleetPlan", "FleetSequence", "KindCosts", "as_slowest",
            "fastest_alone", "fleet_costs", "fleet_dp", "group_orderings", "kind_problem",
-           "place_on_groups", "plan_fleet", "score_fleet", "slowest_cluster", "slowest_costs",
-           "stage_period"]
+           "place_on_groups", "plan_fleet", "polish_fleet", "score_fleet", "slowest_cluster",
+           "slowest_costs", "stage_period"]
 
 #: The fleet DP's positions: the sequence's narrow-point blocks merged down to this many.
 FLEET_POSITIONS = 96
+#: Simulations the replica polish of the best DP plan may spend.
+POLISH_SIMULATIONS = 24
 #: Every ordering of up to this many groups is tried; more: file order, fastest and slowest
 #: first.
 ALL_ORDERINGS = 4
@@ -405,6 +410,7 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
+    dp_plans: list[tuple[FleetPlan, list[int]]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
         sequences.setdefault(tuple(sequence_for(problem, name)), name)
@@ -416,9 +422,17 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 if not stages:
                     continue
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
-                placed = place_on_groups(fleet, [s[2] for s in stages], [s[3] for s in stages])
-                weigh(score_fleet(problem, arrays, kinds, fleet, run, stage_of, placed,
-                                  f"fleet:{name}"), f"fleet:{name}")
+                groups = [s[2] for s in stages]
+                scored = score_fleet(problem, arrays, kinds, fleet, run, stage_of,
+                                     place_on_groups(fleet, groups, [s[3] for s in stages]),
+                                     f"fleet:{name}")
+                weigh(scored, f"fleet:{name}")
+                if scored is not None:
+                    dp_plans.append((scored, groups))
+    # the best DP plan's replica counts, hill-climbed on the simulated iteration itself
+    if dp_plans:
+        plan, groups = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
+        weigh(polish_fleet(problem, arrays, kinds, fleet, run, plan, groups), plan.source)
     if alone:
         for g, group in enumerate(fleet.groups):
             sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
@@ -451,6 +465,45 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                              "any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
+
+
+def polish_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+                 fleet: Fleet, run: RunSpec, plan: FleetPlan, groups: Sequence[int],
+                 budget: int = POLISH_SIMULATIONS) -> FleetPlan:
+    """Hill-climb a fleet plan's replica counts on the simulated iteration (as
+    :func:`~.planner.polish_replicas` does on one kind): one device added from its group's
+    spare ones, taken away, or moved to another stage of the same group; the first faster
+    neighbour taken, at most ``budget`` simulations. Stage cuts and groups stay."""
+    spent, improved = 0, True
+    while improved and spent < budget:
+        improved = False
+        for replicas in _group_moves(fleet, groups, plan.replicas):
+            if spent >= budget:
+                break
+            spent += 1
+            trial = score_fleet(problem, arrays, kinds, fleet, run, plan.stage_of,
+                                place_on_groups(fleet, groups, replicas), plan.source)
+            if trial is not None and trial.sim.iteration_ms < plan.sim.iteration_ms * (
+                    1 - 1e-9):
+                plan, improved = trial, True
+                break
+    return plan
+
+
+def _group_moves(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
+                 ) -> list[list[int]]:
+    """Replica counts one device away, each stage keeping to its group's devices."""
+    spare = {g: fleet.groups[g].devices - sum(r for r, h in zip(replicas, groups) if h == g)
+             for g in set(groups)}
+    moves = []
+    for x, rx in enumerate(replicas):
+        if spare[groups[x]] > 0:
+            moves.append([r + (k == x) for k, r in enumerate(replicas)])
+        if rx > 1:
+            moves += [[r - (k == x) + (k == y) for k, r in enumerate(replicas)]
+                      for y in range(len(replicas)) if y != x and groups[y] == groups[x]]
+            moves.append([r - (k == x) for k, r in enumerate(replicas)])
+    return moves
 
 
 # --------------------------------------------------------------------------- baselines
