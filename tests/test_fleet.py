@@ -101,6 +101,24 @@ def test_a_bad_fleet_file_is_one_line_and_exit_2(tmp_path, capsys, change, text)
     assert not (tmp_path / "out").exists()
 
 
+def test_the_readme_fleet_example_reads(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index('`{"format": "onnx-partition/cluster@2"') + 1
+    example = readme[start:readme.index("}]}`", start) + 3].replace("\n", " ")
+    fleet = load_cluster(write(tmp_path, json.loads(example)))
+    assert isinstance(fleet, Fleet) and fleet.kinds == ["a100-80gb", "v100"]
+
+
+def test_a_fleet_takes_no_fixed_depth(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "2",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "a fleet's planner chooses it: drop --stages")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--gpu", "h100",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "--gpu prices one kind of GPU; a fleet's groups name theirs")
+
+
 def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
     with pytest.raises(PartitionError, match="drop the top-level 'gpu', 'machines'"):
         load_cluster(write(tmp_path, {"kind": "cuda", "gpu": "h100", "machines": 2,
