@@ -176,16 +176,17 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
 
     k = len(ordering)
     inf = math.inf
-    # A[t][i, u]; choice[t][i, u] = (j, r, next-on-same-group)
+    # A[t][i, u]; the choice reaching it: next boundary j, replicas r, next stage on group t
     A = [np.full((n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
-    choice: list[dict[tuple[int, int], tuple[int, int, bool]]] = [{} for _ in ordering]
+    ch_j = [np.zeros((n + 1, fleet.groups[g].devices + 1), dtype=np.int64) for g in ordering]
+    ch_r = [np.zeros_like(c) for c in ch_j]
+    ch_same = [np.zeros(c.shape, dtype=bool) for c in ch_j]
     N = np.full((k + 1, n + 1), inf)
     N[:, n] = 0.0
     for t in range(k):
         A[t][n, :] = 0.0
     spans = {g: _span(seq.forward_ms[g]) + (_span(seq.backward_ms[g]) if run.train else 0.0)
              for g in set(ordering)}
-    js = np.arange(n + 1)
     for i in range(n - 1, -1, -1):
         for t in range(k - 1, -1, -1):
             g = ordering[t]
@@ -195,33 +196,31 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             sides = {"intra": side(group.intra), "inter": side(fleet.inter)}
             stash = acts[i] + cut[i]  # the one memory model: static + held * stash
             static = run.optimizer_factor * params[i] + cut if run.train else params[i]
-            for u in range(group.devices):
-                link_in = "inter" if u == 0 else "intra"
-                enter = sides[link_in][i]
-                best, arg = inf, None
-                for r in replica_choices(group.devices):
-                    if u + r > group.devices:
-                        break
-                    memory = static + held(r) * stash
-                    link = own.link(r)
-                    allreduce = (ring_allreduce_ms(params[i], r, link.bytes_per_ms,
-                                                   link.latency_ms) / m if run.train else 0.0)
-                    fits = valid[i] & (memory <= group.memory * 1e9)
-                    for same in (True, False):
-                        leave = sides["intra" if same else "inter"]
-                        period = (compute + factor * (enter + leave)) / r + allreduce
-                        rest = (A[t][:, u + r] if u + r <= group.devices else
-                                np.full(n + 1, inf)) if same else N[t + 1]
-                        rest = np.where(js == n, 0.0, rest)
-                        value = np.where(fits, np.maximum(period, rest), inf)
-                        if same:  # the last stage is taken once, on the "later group" branch
-                            value[n] = inf
-                        j = int(np.argmin(value))
-                        if value[j] < best:
-                            best, arg = float(value[j]), (j, r, same)
-                A[t][i, u] = best
-                if arg is not None:
-                    choice[t][i, u] = arg
+            d = group.devices
+            best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
+            for r in replica_choices(d):
+                us = np.arange(d - r + 1)  # devices already used, u + r <= d
+                memory = static + held(r) * stash
+                link = own.link(r)
+                allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,
+                                                         link.latency_ms) / m if run.train
+                                       else np.zeros(n + 1), (n + 1, 1))
+                fits = (valid[i] & (memory <= group.memory * 1e9))[:, None]
+                for same in (True, False):
+                    leave = sides["intra" if same else "inter"]
+                    enter = np.where(us == 0, sides["inter"][i], sides["intra"][i])
+                    period = (compute[:, None] + factor * (enter[None, :] + leave[:, None])) / r
+                    rest = A[t][:, us + r] if same else np.repeat(N[t + 1][:, None], len(us), 1)
+                    value = np.where(fits, np.maximum(period + allreduce, rest), inf)
+                    if same:  # the last stage is taken once, on the "later group" branch
+                        value[n, :] = inf
+                    j = np.argmin(value, axis=0)
+                    reach = value[j, np.arange(len(us))]
+                    better = reach < best[us]
+                    at = us[better]
+                    best[at] = reach[better]
+                    ch_j[t][i, at], ch_r[t][i, at], ch_same[t][i, at] = j[better], r, same
+            A[t][i, :d] = best
             N[t, i] = min(A[t][i, 0], N[t + 1, i])
     if not math.isfinite(N[0, 0]):
         return inf, []
@@ -231,7 +230,7 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
         if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
             while A[t][i, 0] > N[t, i]:
                 t += 1
-        j, r, same = choice[t][i, u]
+        j, r, same = int(ch_j[t][i, u]), int(ch_r[t][i, u]), bool(ch_same[t][i, u])
         stages.append((i, j, ordering[t], r))
         i, u = j, u + r
         if not same:
