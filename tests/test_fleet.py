@@ -20,7 +20,7 @@ from support.problems import chain, dags
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
 from onnx_partition.errors import PartitionError
-from onnx_partition.plan import read_plan
+from onnx_partition.plan import Plan, plan_text, read_plan
 from onnx_partition.plan.contracts import FLEET_FORMAT
 from onnx_partition.solve.fleet import (
     FleetSequence,
@@ -285,8 +285,10 @@ def test_partition_on_a_fleet_writes_each_stage_gpu_and_simulate_replays_it(tmp_
            "a100-80gb:tf32; v100 by the analytic roofline of v100:fp32" in printed
     plan = read_plan(out)
     assert all(s.gpu in ("a100-80gb", "v100", "a100-80gb+v100") for s in plan.stages)
-    raw = json.loads((out / "plan.json").read_text())
+    text = (out / "plan.json").read_text()
+    raw = json.loads(text)
     assert [s["gpu"] for s in raw["stages"]] == [s.gpu for s in plan.stages]
+    assert plan_text(Plan.from_json(raw).to_json()) == text  # reads back to the same bytes
     assert raw["cluster"]["groups"][1]["memory_gb"] == 32.0  # the V100's datasheet memory
     for stage in plan.stages:  # each device named on the machines of its kind
         machines = {d.split("/")[0] for d in stage.devices}
