@@ -188,7 +188,7 @@ def partition(
     priced = device_model(device, costs, cluster, strict=strict_costs)
     kinds = None
     if files is not None:
-        kinds, priced = price_kinds(graph, files)
+        kinds, priced = price_kinds(graph, files, strict=strict_costs)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:

@@ -323,3 +323,9 @@ def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
     one_error(capsys, ["partition", str(model), "--batch-size", "2", "--devices", "2",
                        "-o", str(tmp_path / "p2"), "--costs", f"v100={costs}"],
               "--costs KIND=FILE prices the GPU kinds of a fleet")
+    cpu = write(tmp_path, {**json.loads(costs.read_text()), "device": "cpu"}, "cpu.json")
+    assert main([*base, "--force", "--costs", f"v100={cpu}"]) == 0
+    assert (f"warning: costs file {cpu} for v100 was measured on cpu, not a GPU"
+            in capsys.readouterr().err)
+    one_error(capsys, [*base, "--force", "--costs", f"v100={cpu}", "--strict-costs"],
+              "measured on cpu, not a GPU: its times may not fit it (--strict-costs)")

@@ -40,12 +40,14 @@ def costs_by_kind(fleet: Fleet, costs: CostsLike | None,
     return {k: load_costs(keyed[k]) if k in keyed else None for k in kinds}
 
 
-def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None]
-                ) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
+def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None], *,
+                strict: bool = False) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
     """Per kind, the per-node costs (its file checked against ``graph`` and rescaled to its
-    shapes, or its GPU's roofline) and plan.json's ``device_model`` entry for it."""
+    shapes, or its GPU's roofline) and plan.json's ``device_model`` (a ``warning`` where a
+    file was measured on no GPU; :class:`PartitionError` then if ``strict``)."""
     priced: dict[str, NodeCosts] = {}
     models: dict[str, Any] = {}
+    warnings = []
     for kind, file in files.items():
         if file is None:
             spec = gpu(kind)
@@ -58,4 +60,10 @@ def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None]
         priced[kind] = rescale(annotate(graph, device=gpu(kind), costs=file), graph,
                                list(file.nodes), checked.scale)
         models[kind] = {"source": "costs", "file": file.path, "measured_on": file.device}
-    return priced, {"source": "kinds", "kinds": models}
+        if file.device is not None and file.device.split(":")[0] != "cuda":
+            warnings.append(f"costs file {file.path} for {kind} was measured on {file.device}, "
+                            "not a GPU: its times may not fit it")
+    if warnings and strict:
+        raise PartitionError(warnings[0] + " (--strict-costs)")
+    body = {"source": "kinds", "kinds": models}
+    return priced, body | ({"warning": "; ".join(warnings)} if warnings else {})
