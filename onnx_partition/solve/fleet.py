@@ -450,9 +450,10 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             uniform = as_slowest(problem, arrays, kinds, fleet, run)
         except PartitionError:
             uniform = None
-        if uniform is not None and uniform[1].devices <= fleet.devices:
+        if uniform is not None:
             # the same devices in file order: never slower than there (each of its stages
-            # at its own devices' kinds, links no slower, memory no smaller)
+            # at its own devices' kinds, memory no smaller, links no slower: the same
+            # machines, or each device its own machine and no machine link below inter)
             weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
                               uniform[1].place(uniform[0].replicas), "as-slowest"),
                   "as-slowest")
@@ -519,14 +520,17 @@ def slowest_costs(kinds: Mapping[str, KindCosts]) -> KindCosts:
 
 
 def slowest_cluster(fleet: Fleet) -> Cluster:
-    """Every device of ``fleet`` as the slowest kind in one cluster: the fleet's machines
-    (``devices_per_machine`` the smallest group's; all of them when the groups agree), the
-    least memory, the slowest machine link, the fleet's ``inter`` link."""
-    per = min(g.devices_per_machine for g in fleet.groups)
+    """Every device of ``fleet`` as the slowest kind in one cluster: the least memory, the
+    slowest machine link, the fleet's ``inter`` link, and the fleet's machines when every group
+    has as many devices per machine (else each device a machine of its own: what cluster@1
+    can state without claiming a link the fleet lacks)."""
+    per = {g.devices_per_machine for g in fleet.groups}
     slow = min((g.intra for g in fleet.groups),
                key=lambda link: (link.bytes_per_ms, -link.latency_ms))
     worst = Link(slow.bandwidth_gbps, max(g.intra.latency_ms for g in fleet.groups))
-    return Cluster(machines=fleet.devices // per, devices_per_machine=per,
+    shape = ((sum(g.machines for g in fleet.groups), per.pop()) if len(per) == 1
+             else (fleet.devices, 1))
+    return Cluster(machines=shape[0], devices_per_machine=shape[1],
                    memory_gb=min(g.memory for g in fleet.groups), kind="cuda",
                    intra=worst, inter=fleet.inter)
 
