@@ -297,6 +297,10 @@ def test_partition_on_a_fleet_writes_each_stage_gpu_and_simulate_replays_it(tmp_
     assert main(["simulate", str(out)]) == 0
     shown = capsys.readouterr().out
     assert f"({plan.stages[0].devices[0]}, {plan.stages[0].gpu})" in shown
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "used of a fleet: 1 machine × 2 a100-80gb (80 GB each, stages " in page
+    assert "Each GPU kind&#x27;s memory: a100-80gb 80 GB, v100 32 GB" in page
 
 
 def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
