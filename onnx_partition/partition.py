@@ -17,7 +17,7 @@ from typing import Any
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
-from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.cluster import Cluster, Fleet, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
     batch_size_of,
@@ -165,7 +165,7 @@ def partition(
     batch_size: int | None = None,
     device: DeviceSpec | None = None,
     link: Link | None = None,
-    cluster: Cluster | None = None,
+    cluster: Cluster | Fleet | None = None,
     mode: str = "infer",
     microbatches: int = 8,
     ordering: str = "auto",
@@ -179,6 +179,7 @@ def partition(
     recompute: str = "auto",
     sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
+    kind_costs: Mapping[str, CostsLike] | None = None,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -203,6 +204,9 @@ def partition(
     A pipeline cut by ``solver="dp"`` is then proven optimal or bettered by CP-SAT within
     ``exact_budget_s`` deterministic seconds (:func:`~onnx_partition.solve.exact.exact_split`;
     0 turns it off); plan.json's ``exact`` says what is proven.
+    A :class:`~onnx_partition.cost.cluster.Fleet` (mixed GPU kinds) prices each group on its
+    own GPU, or by its costs file in ``kind_costs`` (keyed by the group's ``gpu``), and plans
+    with :func:`~onnx_partition.solve.fleet.plan_fleet`.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
@@ -218,6 +222,16 @@ def partition(
     if not 0 <= exact_budget_s < math.inf:
         raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
                              f"{exact_budget_s:g}")
+    files = None
+    if isinstance(cluster, Fleet):  # each kind priced on its own (cost.kinds)
+        from onnx_partition.cost.kinds import costs_by_kind, price_kinds
+
+        files = costs_by_kind(cluster, costs, kind_costs)
+        costs = files[cluster.kinds[0]]
+        device = None if costs is not None else device_for("cuda", cluster.kinds[0])
+    elif kind_costs:
+        raise PartitionError("--costs KIND=FILE prices the GPU kinds of a fleet (cluster.json "
+                             "with groups); give a plain --costs FILE")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if checked is not None and costs is not None and costs.body.get("mode") == "train" \
@@ -231,6 +245,9 @@ def partition(
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
     priced = device_model(device, costs, cluster, strict=strict_costs)
+    kinds = None
+    if files is not None:
+        kinds, priced = price_kinds(graph, files, strict=strict_costs)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -249,7 +266,8 @@ def partition(
                                      mode=mode, microbatches=microbatches,
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
-                                     grad_input=grad_input_ms(graph, node_costs, costs))
+                                     grad_input=grad_input_ms(graph, node_costs, costs),
+                                     kinds=kinds)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
@@ -306,7 +324,7 @@ def _load_for_costs(
 
 
 def device_model(device: DeviceSpec | None, costs: CostsLike | None,
-                 cluster: Cluster | None, *, strict: bool = False) -> dict[str, Any]:
+                 cluster: Cluster | Fleet | None, *, strict: bool = False) -> dict[str, Any]:
     """plan.json's ``device_model``: what priced the plan. Analytic: the spec's name, peaks
     and launch overhead; a costs file (read, or its path): its path and the device it was
     measured on, with a ``warning`` when that is not the cluster's kind
@@ -338,6 +356,11 @@ def priced_by(plan: Plan) -> str:
         "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
         if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
         else "")
+    if model.get("source") == "kinds":  # a fleet: each GPU kind by its own model
+        return "priced by: each GPU kind on its own: " + "; ".join(
+            f"{kind} by costs file {m.get('file')}" if m.get("source") == "costs" else
+            f"{kind} by the analytic roofline of {m.get('name')}"
+            for kind, m in (model.get("kinds") or {}).items()) + estimated
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
@@ -487,7 +510,7 @@ def plan_stages(
 def plan_on_cluster(
     graph: OpGraph,
     node_costs: NodeCosts,
-    cluster: Cluster,
+    cluster: Cluster | Fleet,
     *,
     num_stages: int | None = None,
     mode: str = "infer",
@@ -497,12 +520,16 @@ def plan_on_cluster(
     schedules: Sequence[str] = ("1f1b",),
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
+    kinds: Mapping[str, NodeCosts] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
     :func:`plan_stages`); in training planned for each of ``schedules`` (the fastest kept,
     the first on a tie), stages recomputing per ``recompute`` (chosen per stage where memory
-    is checked, :func:`~onnx_partition.solve.scoring.totals_costs`)."""
+    is checked, :func:`~onnx_partition.solve.scoring.totals_costs`). A fleet's plan
+    (``kinds``: per GPU kind, every node's costs) comes from
+    :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
+    stage's ``gpu``."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -517,13 +544,30 @@ def plan_on_cluster(
         _per_unit([activation_bytes[g] for g in nodes], members)
         if activation_bytes is not None and mode == "train" else None,
     )
-    if grad_input is not None and mode == "train":
-        arrays = replace(arrays, backward_input_ms=_per_unit([grad_input[g] for g in nodes],
-                                                             members))
-    best, per_ordering, run = _plan_per_schedule(
-        problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
-        schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
-        train=mode == "train", reporter=reporter)
+    gpus: list[str] | None = None
+    best: HybridPlan
+    if isinstance(cluster, Fleet):
+        from onnx_partition.solve.fleet import KindCosts, plan_fleet
+
+        if num_stages is not None:
+            raise PartitionError("--stages fixes the depth on a cluster of one kind; a "
+                                 "fleet's planner chooses it: drop --stages")
+        assert kinds is not None
+        run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
+                      max_stages=max(16, num_stages or 0))
+        best, per_ordering = plan_fleet(problem, arrays, {
+            gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
+                           _per_unit([c.backward_ms[g] for g in nodes], members))
+            for gpu, c in kinds.items()}, cluster, run)
+        gpus = best.gpus
+    else:
+        if grad_input is not None and mode == "train":
+            arrays = replace(arrays, backward_input_ms=_per_unit(
+                [grad_input[g] for g in nodes], members))
+        best, per_ordering, run = _plan_per_schedule(
+            problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
+            schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
+            train=mode == "train", reporter=reporter)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
@@ -563,7 +607,7 @@ def plan_on_cluster(
     cross = [0.0, *totals.cross_bytes, 0.0]
     sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
                         cross[k], cross[k + 1]) for k in range(best.num_stages)]
-    return _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
+    plan, cuts = _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
                      compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
                      ordering=best.source.partition(":")[2] if best.source.startswith("dp")
@@ -575,6 +619,10 @@ def plan_on_cluster(
                                          for s in best.costs.stages],
                      schedules=(run.schedule,), recomputed=recomputed,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])
+    for stage, gpu in zip(plan.stages, gpus or []):
+        stage.gpu = gpu
+    return plan, cuts
+
 
 
 def _plan_per_schedule(

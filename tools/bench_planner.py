@@ -155,12 +155,20 @@ def main() -> int:
                         help="also the zero-bubble and recomputation table (f), training only")
     parser.add_argument("--memory-share", type=float, default=0.6,
                         help="(f): device memory as this share of one device's need")
+    parser.add_argument("--fleet", action="store_true",
+                        help="also the mixed fleet's table (tools/bench_fleet.py: 4 A100 + "
+                             "4 V100, the fleet planner against its baselines)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
         for name in args.settings:
             run_setting(args, SETTINGS[name], cache)
+        if args.fleet:  # tools/ is the script's folder, so on sys.path
+            from bench_fleet import main as fleet_main
+
+            fleet_main(["--size", args.size, "--recipes", *args.recipes, "--modes",
+                        *args.modes, "--cache", str(cache)])
     return 0
 
 

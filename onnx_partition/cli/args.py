@@ -22,7 +22,7 @@ from typing import Any
 
 from onnx_partition import __version__, values
 from onnx_partition.cost.analytic import DeviceSpec
-from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
+from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS, TORCH_SCHEDULES
@@ -99,13 +99,30 @@ class Devices:
     pipeline), the link between stages, the analytic device (None with --costs) and where each
     default came from (``sources``: memory, link, inter_link, for the summary and plan.json)."""
 
-    cluster: Cluster | None
+    cluster: Cluster | Fleet | None
     link: Link
     device: DeviceSpec | None
     sources: dict[str, str]
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster | None:
+def costs_of(args: argparse.Namespace) -> tuple[Path | None, dict[str, Path]]:
+    """``--costs FILE`` (at most one) and ``--costs KIND=FILE`` (a fleet's, per GPU kind)."""
+    plain: list[Path] = []
+    keyed: dict[str, Path] = {}
+    for item in args.costs or []:
+        kind, sep, path = str(item).partition("=")
+        if sep and kind and "/" not in kind and not Path(item).exists():
+            if kind.lower() in keyed:
+                raise PartitionError(f"--costs {kind}=...: given twice")
+            keyed[kind.lower()] = Path(path)
+        else:
+            plain.append(Path(item))
+    if len(plain) > 1:
+        raise PartitionError("--costs FILE: one file (a fleet's kinds: --costs KIND=FILE each)")
+    return (plain[0] if plain else None), keyed
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster | Fleet | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
     return devices_of(args).cluster
 
@@ -136,7 +153,7 @@ def devices_of(args: argparse.Namespace) -> Devices:
         if args.cpu_tflops is None:
             raise PartitionError("--cpu-gbps needs --cpu-tflops (the pinned CPU's peak)")
         device = pinned_cpu(args.cpu_tflops, args.cpu_gbps)
-    elif not args.costs:
+    elif not args.costs and not isinstance(cluster, Fleet):  # a fleet: each kind its own
         device = device_for(kind, gpu_name)
     return Devices(cluster, link, device, sources)
 
@@ -172,12 +189,23 @@ def _link_text(link: Link) -> str:
     return f"{link.bandwidth_gbps:g} GB/s, {link.latency_ms:g} ms"
 
 
-def _cluster_and_sources(args: argparse.Namespace) -> tuple[Cluster | None, dict[str, str]]:
+def _cluster_and_sources(
+    args: argparse.Namespace,
+) -> tuple[Cluster | Fleet | None, dict[str, str]]:
     from onnx_partition.cost.devices import gpu_spec
 
     sources: dict[str, str] = {}
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
+        if isinstance(cluster, Fleet):  # each group names its GPU, memory and link
+            if args.gpu:
+                raise PartitionError("--gpu prices one kind of GPU; a fleet's groups name "
+                                     "theirs (cluster.json groups[].gpu)")
+            here = f"cluster.json {args.cluster}"
+            sources["memory"] = f"per group ({here}; a group without memory_gb: its datasheet)"
+            sources["link"] = f"per group ({here})"
+            sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
+            return cluster, sources
         if args.gpu:
             cluster = dataclasses.replace(cluster, gpu=args.gpu)
         given = set(json.loads(Path(args.cluster).read_text(encoding="utf-8")))
@@ -380,7 +408,10 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 def _partition_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("the model and its costs")
     model.add_argument("model", type=Path, help="the ONNX model to cut")
-    model.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    model.add_argument("--costs", action="append", metavar="[KIND=]FILE",
+                       help="costs.json (contract format); else analytic. A fleet (cluster.json "
+                            "with groups) takes one per GPU kind: --costs a100-80gb=A.json "
+                            "--costs v100=V.json (kinds without one: their roofline)")
     _shape_args(model)
     model.add_argument("--no-program", action="store_true",
                        help="with --mode train: plan a model that has no exported program "

@@ -23,6 +23,7 @@ from onnx_partition import __version__, values
 from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
+    costs_of,
     devices_of,
     input_shapes_of,
     plan_defaults,
@@ -218,12 +219,14 @@ def _partition(args: argparse.Namespace) -> int:
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
     devices = devices_of(args)
+    costs, kind_costs = costs_of(args)
     stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
-        costs=args.costs,
+        costs=costs,
+        kind_costs=kind_costs,
         device=devices.device,
         sources=devices.sources,
         strict_costs=args.strict_costs,

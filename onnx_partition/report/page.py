@@ -41,9 +41,11 @@ def _mb(nbytes: float) -> str:
 
 def plan_table(plan: Plan) -> str:
     """One row per stage: operators, predicted compute and communication, memory, cut tensors."""
-    header = ("stage", "ops", "copied consts", "compute ms", "comm ms", "total ms", "memory MB",
-              "in", "out", "replicas", "devices")
-    rows = [header]
+    header: tuple[str, ...] = ("stage", "ops", "copied consts", "compute ms", "comm ms",
+                               "total ms", "memory MB", "in", "out", "replicas", "devices")
+    fleet = any(stage.gpu for stage in plan.stages)  # a mixed fleet: which kind runs what
+    header += ("gpu",) * fleet
+    rows: list[tuple[str, ...]] = [header]
     for stage in plan.stages:
         pred = stage.predicted
         compute = pred.compute_ms if pred else 0.0
@@ -53,7 +55,7 @@ def plan_table(plan: Plan) -> str:
             f"{compute:.3f}", f"{comm:.3f}", f"{compute + comm:.3f}",
             _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
             str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
-        ))
+        ) + (str(stage.gpu or ""),) * fleet)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -214,6 +216,15 @@ def report_figures(page: str) -> dict[str, Any]:
     return body
 
 
+def _fleet_group(plan: Plan, group: dict[str, Any]) -> str:
+    """A fleet's group and the stages it runs: ``1 machine × 4 v100 (32 GB each, stages 1)``."""
+    runs = [str(s.index) for s in plan.stages if group["gpu"] in (s.gpu or "").split("+")]
+    machines = int(group["machines"])
+    return (f"{machines} machine{'s' * (machines != 1)} × {group['devices_per_machine']} "
+            f"{group['gpu']} ({fmt_bytes(float(group['memory_gb']) * 1e9)} each, stages "
+            f"{', '.join(runs) or 'none'})")
+
+
 def _header(plan: Plan) -> str:
     """The facts a reader needs first: devices (kind, count, memory), where the costs came
     from, what was planned and by which version."""
@@ -222,7 +233,10 @@ def _header(plan: Plan) -> str:
     kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
     kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
     where = f"{devices} × {kind}"
-    if cluster:
+    if cluster.get("groups"):  # a mixed fleet (cluster@2): each GPU kind and what it runs
+        where = f"{devices} used of a fleet: " + ", ".join(
+            _fleet_group(plan, g) for g in cluster["groups"])
+    elif cluster:
         machines = int(cluster.get("machines", 1))
         per = int(cluster.get("devices_per_machine", devices))
         where += (f" used of {machines} machine{'s' * (machines != 1)} × {per} "
@@ -374,7 +388,8 @@ def _stage_table(plan: Plan) -> str:
             f"<td>{sig3(compute + comm)}</td>",
             f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
             f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
-            f'<td class="l wrap">{esc(", ".join(s.devices))}</td>',
+            f'<td class="l wrap">{esc((f"{s.gpu}: " if s.gpu else "") + ", ".join(s.devices))}'
+            "</td>",
         ]
         rows.append(f'<tr{" class=hot" if k == hot else ""}>' + "".join(cells) + "</tr>")
     header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'
