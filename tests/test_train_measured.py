@@ -1,0 +1,99 @@
+"""Measured against predicted in training (issue 20 item 4): ``train --json``'s ``measured``,
+``predicted`` and ``ratio`` for the step and per stage (forward, backward ms; activation bytes
+counted by the saved-tensor hook in the run; the device peak on CUDA only), the text output
+ending with the same table, and the plan's predictions scaled to the run's rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from onnx_partition.cli import main
+from onnx_partition.partition import partition
+from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.trainer import predicted_stages
+
+ROWS = 2
+KEYS = {"stage", "forward_ms", "backward_ms", "activation_bytes", "memory_bytes"}
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory: pytest.TempPathFactory,
+             exported: Callable[[str, str], Path]) -> Path:
+    """gpt tiny, 2 train stages priced at ``ROWS`` rows (activation bytes by saved tensors)."""
+    out = tmp_path_factory.mktemp("measured") / "plan"
+    plan = partition(exported("gpt", "tiny"), 2, out, batch_size=ROWS, mode="train",
+                     check=False)
+    assert plan.extra["activations"]["source"] == "saved-tensors"
+    return out
+
+
+def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["train", str(gpt_plan), "--nproc", "2", "--steps", "2", "--microbatches", "4",
+                 "--batch-size", str(ROWS), "--json"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    body = json.loads(out)
+    measured, predicted, ratio = body["measured"], body["predicted"], body["ratio"]
+    plan = read_plan(gpt_plan)
+    assert predicted["scaled_from_batch_size"] is None  # the run's rows are the plan's
+    for part in (measured, predicted, ratio):
+        assert {"iteration_ms", "samples_per_s", "stages"} <= set(part)
+        assert [s["stage"] for s in part["stages"]] == [0, 1]
+        assert all(set(s) == KEYS for s in part["stages"])
+    _, costs = simulate_plan(plan, schedule="1f1b", microbatches=4)
+    for k, stage in enumerate(plan.stages):
+        got, want, r = measured["stages"][k], predicted["stages"][k], ratio["stages"][k]
+        assert stage.predicted is not None
+        # the plan's figures, as the simulator reads them
+        assert want["forward_ms"] == pytest.approx(costs.stages[k].forward_ms, abs=1e-6)
+        assert want["backward_ms"] == pytest.approx(costs.stages[k].backward_ms, abs=1e-6)
+        assert want["memory_bytes"] == stage.predicted.memory_bytes
+        # priced by the same method (saved tensors, unique storages): the same bytes exactly
+        assert got["activation_bytes"] == want["activation_bytes"] == \
+            stage.predicted.activation_bytes > 0
+        assert r["activation_bytes"] == 1.0
+        assert got["forward_ms"] > 0 and got["backward_ms"] > 0
+        assert r["forward_ms"] == pytest.approx(got["forward_ms"] / want["forward_ms"],
+                                                rel=1e-3)
+        assert got["memory_bytes"] is None and r["memory_bytes"] is None  # CPU: no peak kept
+    assert ratio["iteration_ms"] == pytest.approx(
+        measured["iteration_ms"] / predicted["iteration_ms"], rel=1e-3)
+
+    code = main(["train", str(gpt_plan), "--nproc", "2", "--steps", "1", "--microbatches", "2",
+                 "--batch-size", str(ROWS)])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    table = out.rstrip().splitlines()[-9:]  # the summary ends with the table
+    assert table[0].startswith("measured against predicted")
+    assert table[1].split() == ["quantity", "measured", "predicted", "ratio"]
+    assert [" ".join(line.split()[:-3]) for line in table[2:]] == [
+        "iteration ms", "stage 0 forward ms", "stage 0 backward ms", "stage 0 activation MB",
+        "stage 1 forward ms", "stage 1 backward ms", "stage 1 activation MB"]
+    for line, k in ((table[5], 0), (table[8], 1)):
+        activation = plan.stages[k].predicted.activation_bytes  # type: ignore[union-attr]
+        assert line.split()[-3:] == [f"{activation / 1e6:.4g}"] * 2 + ["1.00"]
+
+
+def test_predictions_scale_with_the_rows(gpt_plan: Path) -> None:
+    """At twice the plan's rows: times, activations and receive buffers double; weights,
+    gradients and optimizer state do not."""
+    plan = read_plan(gpt_plan)
+    _, costs = simulate_plan(plan, schedule="1f1b", microbatches=4)
+    same, double = predicted_stages(plan, costs), predicted_stages(plan, costs, 2.0)
+    for stage, one, two in zip(plan.stages, same, double, strict=True):
+        pred = stage.predicted
+        assert pred is not None and pred.activation_bytes and pred.inflight
+        assert one.memory_bytes == pred.memory_bytes
+        assert one.activation_bytes == pred.activation_bytes
+        assert two.activation_bytes == 2 * pred.activation_bytes
+        assert two.forward_ms == pytest.approx(2 * one.forward_ms)
+        assert two.backward_ms == pytest.approx(2 * one.backward_ms)
+        fixed = (pred.weights_bytes or 0) + (pred.grad_bytes or 0) + (pred.optimizer_bytes or 0)
+        assert two.memory_bytes == fixed + 2 * (pred.inflight * pred.activation_bytes
+                                                + (pred.buffer_bytes or 0))
