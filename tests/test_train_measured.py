@@ -19,6 +19,7 @@ from onnx_partition.runtime.train.trainer import predicted_stages
 
 ROWS = 2
 KEYS = {"stage", "forward_ms", "backward_ms", "activation_bytes", "memory_bytes"}
+CPU_KEYS = {"forward_cpu_ms", "backward_cpu_ms"}  # measured (and their ratio) on CPU
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,10 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
     measured, predicted, ratio = body["measured"], body["predicted"], body["ratio"]
     plan = read_plan(gpt_plan)
     assert predicted["scaled_from_batch_size"] is None  # the run's rows are the plan's
-    for part in (measured, predicted, ratio):
+    for part, keys in ((measured, KEYS | CPU_KEYS), (predicted, KEYS), (ratio, KEYS | CPU_KEYS)):
         assert {"iteration_ms", "samples_per_s", "stages"} <= set(part)
         assert [s["stage"] for s in part["stages"]] == [0, 1]
-        assert all(set(s) == KEYS for s in part["stages"])
+        assert all(set(s) == keys for s in part["stages"])
     _, costs = simulate_plan(plan, schedule="1f1b", microbatches=4)
     for k, stage in enumerate(plan.stages):
         got, want, r = measured["stages"][k], predicted["stages"][k], ratio["stages"][k]
@@ -59,6 +60,9 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
             stage.predicted.activation_bytes > 0
         assert r["activation_bytes"] == 1.0
         assert got["forward_ms"] > 0 and got["backward_ms"] > 0
+        assert got["forward_cpu_ms"] > 0 and got["backward_cpu_ms"] > 0
+        assert r["backward_cpu_ms"] == pytest.approx(
+            got["backward_cpu_ms"] / want["backward_ms"], rel=1e-3)
         assert r["forward_ms"] == pytest.approx(got["forward_ms"] / want["forward_ms"],
                                                 rel=1e-3)
         assert got["memory_bytes"] is None and r["memory_bytes"] is None  # CPU: no peak kept
@@ -69,13 +73,13 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
                  "--batch-size", str(ROWS)])
     out = capfd.readouterr().out
     assert code == 0, out
-    table = out.rstrip().splitlines()[-9:]  # the summary ends with the table
+    table = out.rstrip().splitlines()[-13:]  # the summary ends with the table
     assert table[0].startswith("measured against predicted")
     assert table[1].split() == ["quantity", "measured", "predicted", "ratio"]
     assert [" ".join(line.split()[:-3]) for line in table[2:]] == [
-        "iteration ms", "stage 0 forward ms", "stage 0 backward ms", "stage 0 activation MB",
-        "stage 1 forward ms", "stage 1 backward ms", "stage 1 activation MB"]
-    for line, k in ((table[5], 0), (table[8], 1)):
+        "iteration ms", *[f"stage {k} {q}" for k in (0, 1) for q in (
+            "forward ms", "forward CPU ms", "backward ms", "backward CPU ms", "activation MB")]]
+    for line, k in ((table[7], 0), (table[12], 1)):
         activation = plan.stages[k].predicted.activation_bytes  # type: ignore[union-attr]
         assert line.split()[-3:] == [f"{activation / 1e6:.4g}"] * 2 + ["1.00"]
 

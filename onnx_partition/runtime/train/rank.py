@@ -142,6 +142,10 @@ class RankResult:
     # bytes the stage module saved for backward, per micro-batch of the run's first step
     # (the saved-tensor hook: unique storages, parameters and buffers left out)
     activation_bytes: list[int] = field(default_factory=list)
+    # CPU: per step, the thread's CPU time in forward and backward compute (one torch thread
+    # computes in the calling thread): what a busy machine's other processes do not stretch
+    forward_cpu_ms: list[float] = field(default_factory=list)
+    backward_cpu_ms: list[float] = field(default_factory=list)
     memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
 
 
@@ -525,6 +529,10 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
     loss and every rank's times (and prints the step line when ``verbose``)."""
     lay, rank = me.lay, result.rank
     st.fwd, st.bwd = me.clock.read()
+    if not me.clock.cuda:
+        fwd_cpu, bwd_cpu = me.clock.read_cpu()
+        result.forward_cpu_ms.append(fwd_cpu * 1000.0)
+        result.backward_cpu_ms.append(bwd_cpu * 1000.0)
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
     row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, float(st.loss_sum)],
                              dtype=torch.float64)
@@ -654,12 +662,14 @@ def _counting(counter: SavedCounter | None) -> Any:
 
 class _Clock:
     """Forward (0) and backward (1) compute time of a step. CPU: ``perf_counter`` around each
-    action. CUDA: a pair of events per action, read once at the step's end (one wait for the
-    last event, not a whole-device synchronize around every action)."""
+    action, and the thread's CPU time (``thread_time``) beside it. CUDA: a pair of events per
+    action, read once at the step's end (one wait for the last event, not a whole-device
+    synchronize around every action)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = [0.0, 0.0]
+        self.cpu_seconds = [0.0, 0.0]
         self.events: list[tuple[int, Any, Any]] = []  # (kind, start, end), CUDA
 
     def start(self) -> Any:
@@ -667,7 +677,7 @@ class _Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.perf_counter(), time.thread_time()
 
     def stop(self, kind: int, began: Any) -> None:
         if self.cuda:
@@ -675,7 +685,8 @@ class _Clock:
             end.record()
             self.events.append((kind, began, end))
         else:
-            self.seconds[kind] += time.perf_counter() - began
+            self.seconds[kind] += time.perf_counter() - began[0]
+            self.cpu_seconds[kind] += time.thread_time() - began[1]
 
     def read(self) -> tuple[float, float]:
         """The step's (forward, backward) seconds; starts the next step at zero."""
@@ -686,4 +697,10 @@ class _Clock:
             self.events.clear()
         fwd, bwd = self.seconds
         self.seconds = [0.0, 0.0]
+        return fwd, bwd
+
+    def read_cpu(self) -> tuple[float, float]:
+        """The step's (forward, backward) CPU seconds of this thread (CPU only)."""
+        fwd, bwd = self.cpu_seconds
+        self.cpu_seconds = [0.0, 0.0]
         return fwd, bwd

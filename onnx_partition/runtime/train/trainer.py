@@ -113,6 +113,9 @@ class TrainStats:
     # hook over the first step), the device's peak (CUDA: max_memory_allocated; None on CPU)
     activation_bytes: list[int | None] = field(default_factory=list)
     memory_bytes: list[int | None] = field(default_factory=list)
+    # per stage on CPU: the ranks' thread CPU time in forward and backward (as forward_ms)
+    forward_cpu_ms: list[float] = field(default_factory=list)
+    backward_cpu_ms: list[float] = field(default_factory=list)
     # per stage, the plan's prediction for the same quantities (the simulator's costs, at this
     # run's rows per micro-batch: scaled linearly from the plan's when they differ)
     predicted_stages: list[StagePrediction] = field(default_factory=list)
@@ -531,11 +534,17 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
     count = config.microbatches
     stages = len(plan.stages)
     fwd, bwd = [0.0] * stages, [0.0] * stages
+    fwd_cpu, bwd_cpu = [0.0] * stages, [0.0] * stages
+    on_cpu = all(r.forward_cpu_ms for r in ranks)
     for r in ranks:
         f, b = r.forward_ms[steady], r.backward_ms[steady]
         # a replica's total over its micro-batches; all replicas together ran all ``count``
         fwd[r.stage] += sum(f) / len(f) / count
         bwd[r.stage] += sum(b) / len(b) / count
+        if on_cpu:
+            fc, bc = r.forward_cpu_ms[steady], r.backward_cpu_ms[steady]
+            fwd_cpu[r.stage] += sum(fc) / len(fc) / count
+            bwd_cpu[r.stage] += sum(bc) / len(bc) / count
     simulated, costs = simulate_plan(plan, schedule=config.schedule, microbatches=count)
     planned = plan.rows_per_microbatch
     scale = rows / count / planned if planned else 1.0
@@ -559,6 +568,8 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                       simulated_ms=simulated.iteration_ms * scale,
                       calibrated_ms=calibrated.iteration_ms,
                       activation_bytes=acts, memory_bytes=peaks,
+                      forward_cpu_ms=fwd_cpu if on_cpu else [],
+                      backward_cpu_ms=bwd_cpu if on_cpu else [],
                       predicted_stages=predicted_stages(plan, costs, scale),
                       scaled_from_batch_size=planned if scale != 1.0 else None,
                       start_step=config.start_step, eval_loss=rank0.eval_loss,
@@ -639,7 +650,10 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
     ``forward_ms`` and ``backward_ms`` (per micro-batch on one replica), ``activation_bytes``
     (saved for backward per micro-batch: the run's saved-tensor hook against plan.json's) and
     ``memory_bytes`` (the device's peak: CUDA's ``max_memory_allocated`` against the memory
-    model's; None on CPU, where no allocator keeps a peak)."""
+    model's; None on CPU, where no allocator keeps a peak). On CPU ``measured`` adds
+    ``forward_cpu_ms`` and ``backward_cpu_ms`` per stage (the rank's thread CPU time in the same
+    compute, which other processes on a busy machine do not stretch; None on CUDA) and
+    ``ratio`` sets them against the predicted ``forward_ms`` and ``backward_ms``."""
     def rate(ms: float) -> float:
         return round(stats.rows / ms * 1000.0, 3) if ms > 0 else 0.0
 
@@ -647,10 +661,13 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
     count = len(stats.forward_ms)
     acts = stats.activation_bytes or [None] * count
     peaks = stats.memory_bytes or [None] * count
+    fwd_cpu: list[float | None] = [round(v, 6) for v in stats.forward_cpu_ms] or [None] * count
+    bwd_cpu: list[float | None] = [round(v, 6) for v in stats.backward_cpu_ms] or [None] * count
     measured: dict[str, Any] = {
         "iteration_ms": round(stats.measured_ms, 6), "samples_per_s": rate(stats.measured_ms),
         "stages": [{"stage": k, "forward_ms": round(stats.forward_ms[k], 6),
                     "backward_ms": round(stats.backward_ms[k], 6),
+                    "forward_cpu_ms": fwd_cpu[k], "backward_cpu_ms": bwd_cpu[k],
                     "activation_bytes": acts[k], "memory_bytes": peaks[k]}
                    for k in range(count)]}
     predicted: dict[str, Any] = {
@@ -664,7 +681,9 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
     ratio: dict[str, Any] = {
         "iteration_ms": _ratio(measured["iteration_ms"], predicted["iteration_ms"]),
         "samples_per_s": _ratio(measured["samples_per_s"], predicted["samples_per_s"]),
-        "stages": [{"stage": m["stage"], **{key: _ratio(m[key], p[key]) for key in keys}}
+        "stages": [{"stage": m["stage"], **{key: _ratio(m[key], p[key]) for key in keys},
+                    "forward_cpu_ms": _ratio(m["forward_cpu_ms"], p["forward_ms"]),
+                    "backward_cpu_ms": _ratio(m["backward_cpu_ms"], p["backward_ms"])}
                    for m, p in zip(measured["stages"], predicted["stages"])]}
     return {"measured": measured, "predicted": predicted, "ratio": ratio}
 
@@ -684,18 +703,23 @@ def comparison_table(stats: TrainStats) -> list[str]:
 
     rows = [("iteration ms", measured["iteration_ms"], predicted["iteration_ms"],
              ratio["iteration_ms"], "ms")]
-    names = (("forward_ms", "forward ms", "ms"), ("backward_ms", "backward ms", "ms"),
-             ("activation_bytes", "activation MB", "MB"), ("memory_bytes", "peak memory MB", "MB"))
+    names = (("forward_ms", "forward ms", "ms", "forward_ms"),
+             ("forward_cpu_ms", "forward CPU ms", "ms", "forward_ms"),
+             ("backward_ms", "backward ms", "ms", "backward_ms"),
+             ("backward_cpu_ms", "backward CPU ms", "ms", "backward_ms"),
+             ("activation_bytes", "activation MB", "MB", "activation_bytes"),
+             ("memory_bytes", "peak memory MB", "MB", "memory_bytes"))
     for m, p, r in zip(measured["stages"], predicted["stages"], ratio["stages"]):
-        for key, label, unit in names:
-            if key == "memory_bytes" and m[key] is None:
-                continue  # CPU: no peak measured
-            rows.append((f"stage {m['stage']} {label}", m[key], p[key], r[key], unit))
+        for key, label, unit, against in names:
+            if m[key] is None and key != "activation_bytes":
+                continue  # CPU: no peak kept; CUDA: no thread CPU time
+            rows.append((f"stage {m['stage']} {label}", m[key], p[against], r[key], unit))
     scaled = predicted["scaled_from_batch_size"]
     note = (f"; predicted scaled linearly from the plan's {scaled} rows per micro-batch"
             if scaled else "")
-    lines = [f"measured against predicted (stage figures per micro-batch on one replica; "
-             f"activation: bytes saved for backward{note})",
+    lines = [f"measured against predicted (stage figures per micro-batch on one replica; CPU ms: "
+             f"the rank's thread CPU time, against the predicted wall time; activation: bytes "
+             f"saved for backward{note})",
              f"  {'quantity':<26}{'measured':>12}{'predicted':>12}{'ratio':>8}"]
     lines += [f"  {name:<26}{cell(m, unit):>12}{cell(p, unit):>12}{cell(r, 'x'):>8}"
               for name, m, p, r, unit in rows]
