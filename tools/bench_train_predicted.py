@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def hf_model(name: str) -> torch.nn.Module:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    shape = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+    shape: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
              "intermediate_size": 512}
     if name == "hf-gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
