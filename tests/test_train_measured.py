@@ -16,6 +16,9 @@ from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.modules import stage_modules
+from onnx_partition.runtime.train.rank import SavedCounter
+from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import predicted_stages, train_json, train_plan
 
 ROWS = 2
@@ -83,6 +86,48 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
     for line, k in ((table[7], 0), (table[12], 1)):
         activation = plan.stages[k].predicted.activation_bytes  # type: ignore[union-attr]
         assert line.split()[-3:] == [f"{activation / 1e6:.4g}"] * 2 + ["1.00"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_each_stage_saves_what_the_plan_priced(name: str, tmp_path: Path,
+                                               exported: Callable[[str, str], Path]) -> None:
+    """The run's counter (``SavedCounter``) on each stage module of a 2-stage plan, fed as a
+    rank feeds it (received floats are fresh leaves that need grad), counts the plan's
+    ``activation_bytes`` exactly, plus the received tensors this stage saves that an earlier
+    stage saved too (the whole program holds one storage, counted where first saved; each
+    rank holds its own, which the memory model counts in ``buffer_bytes``): gpt (embedding,
+    attention, layer norm) and resnet (batch norm, whose running statistics each stage reads
+    through a copy that backward saves; a ReLU output can be saved on both sides of the cut)."""
+    out = tmp_path / "plan"
+    plan = partition(exported(name, "tiny"), 2, out, batch_size=ROWS, mode="train",
+                     check=False)
+    inputs, _ = task_for(out).make_batch(ROWS, torch.Generator().manual_seed(0))
+    env = {n: v.clone() for n, v in inputs.items()}
+    earlier: list[SavedCounter] = []
+    shared = []
+    for stage, planned in zip(stage_modules(out), plan.stages, strict=True):
+        module = stage.module.train()
+        feeds = {n: env[n] if n in inputs or not env[n].is_floating_point()
+                 else env[n].detach().clone().requires_grad_() for n in stage.inputs}
+        counter = SavedCounter(module)
+        counter.start()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            outs = module(*[feeds[n] for n in stage.inputs])
+        twice = sum(int(feeds[n].untyped_storage().nbytes()) for n in stage.inputs
+                    if feeds[n] is not env[n] and _ref(feeds[n]) in counter.seen
+                    and any(_ref(env[n]) in c.seen for c in earlier))
+        shared.append(twice)
+        env.update(zip(stage.outputs, outs, strict=True))
+        earlier.append(counter)
+        assert planned.predicted is not None
+        assert counter.per_microbatch == [planned.predicted.activation_bytes + twice]
+    assert shared[0] == 0 and (name != "gpt" or shared == [0, 0])
+
+
+def _ref(tensor: torch.Tensor) -> object:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def test_predictions_scale_with_the_rows(gpt_plan: Path) -> None:

@@ -635,19 +635,19 @@ class SavedCounter:
         self._ref = StorageWeakRef
         self._weights = {StorageWeakRef(t.untyped_storage())
                          for t in [*module.parameters(), *module.buffers()]}
-        self._seen: set[Any] = set()
+        self.seen: set[Any] = set()  # the forward's storages (StorageWeakRef), weights too
         self.active = True
         self.per_microbatch: list[int] = []
 
     def start(self) -> None:
-        self._seen = set(self._weights)
+        self.seen = set(self._weights)
         self.per_microbatch.append(0)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = self._ref(storage)
-        if key not in self._seen:
-            self._seen.add(key)
+        if key not in self.seen:
+            self.seen.add(key)
             self.per_microbatch[-1] += int(storage.nbytes())
         return tensor
 
