@@ -40,6 +40,7 @@ after each forward action: the tests kill a rank mid-step through it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -64,7 +65,7 @@ from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
-__all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+__all__ = ["Batches", "LossFn", "RankResult", "SavedCounter", "StageLike", "TrainConfig",
            "microbatch", "step_line", "tied_groups", "train_stages"]
 
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
@@ -139,6 +140,14 @@ class RankResult:
     grad_norm: list[float] = field(default_factory=list)  # per step, the whole model's
     lr: list[float] = field(default_factory=list)  # per step
     eval_loss: list[tuple[int, float]] = field(default_factory=list)  # rank 0: (step, loss)
+    # bytes the stage module saved for backward, per micro-batch of the run's first step
+    # (the saved-tensor hook: unique storages, parameters and buffers left out)
+    activation_bytes: list[int] = field(default_factory=list)
+    # CPU: per step, the thread's CPU time in forward and backward compute (one torch thread
+    # computes in the calling thread): what a busy machine's other processes do not stretch
+    forward_cpu_ms: list[float] = field(default_factory=list)
+    backward_cpu_ms: list[float] = field(default_factory=list)
+    memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -175,6 +184,7 @@ class _Rank:
     model_outputs: list[str]
     clock: _Clock
     bf16: bool = False  # autocast the stage module to bfloat16
+    saved: SavedCounter | None = None  # counts what the first step's forwards save
 
     @property
     def last(self) -> bool:
@@ -241,9 +251,12 @@ def train_stages(
         dist.barrier(device_ids=[device.index or 0])
     else:
         dist.barrier()
+    counter = SavedCounter(module)
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
                {s.name for s in plan.inputs}, [s.name for s in plan.outputs], _Clock(device),
-               config.precision == "bf16")
+               config.precision == "bf16", counter)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     bar = _progress(config) if rank == 0 else None
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
@@ -266,6 +279,8 @@ def train_stages(
                 if config.hook is not None:
                     config.hook(rank, "forward")
         wire.wait()  # before any collective: a peer in it may wait for a queued send
+        if counter.active:  # only the first step counts (it is left out of the timings)
+            result.activation_bytes, counter.active = list(counter.per_microbatch), False
         _sum_gradients(params, tied_names, stage_group, my_tied)
         if step == 0 and config.check_steps:
             result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
@@ -290,6 +305,8 @@ def train_stages(
         if config.checkpoint_dir and config.checkpoint_every and (
                 (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
             _checkpoint(config, lay, rank, step + 1, module, optimizer, device)
+    if device.type == "cuda":
+        result.memory_bytes = int(torch.cuda.max_memory_allocated(device))
     if config.keep_state and replica == 0:
         result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
     return result
@@ -445,8 +462,9 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     """``kF m``: take micro-batch ``m``'s tensors, run the stage (and on the last stage the
     loss), send the relay set on and stash what the backward needs."""
     lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
-    if k == 0:
-        env = {n: v.to(device) for n, v in
+    if k == 0:  # the micro-batch's own tensors (a slice would keep the whole batch's storage,
+        # and autograd's saved inputs would count it)
+        env = {n: v.to(device) if device.type != "cpu" else v.clone() for n, v in
                microbatch({n: st.inputs[n] for n in lay.recv_names[0]}, m, count).items()}
     else:
         env = me.wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
@@ -456,7 +474,7 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
             env[n] = leaves[n] = env[n].detach().requires_grad_()
     t0 = me.clock.start()
     try:
-        with autocast(device, me.bf16):
+        with autocast(device, me.bf16), _counting(me.saved):
             outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
@@ -512,6 +530,10 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
     loss and every rank's times (and prints the step line when ``verbose``)."""
     lay, rank = me.lay, result.rank
     st.fwd, st.bwd = me.clock.read()
+    if not me.clock.cuda:
+        fwd_cpu, bwd_cpu = me.clock.read_cpu()
+        result.forward_cpu_ms.append(fwd_cpu * 1000.0)
+        result.backward_cpu_ms.append(bwd_cpu * 1000.0)
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
     row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, float(st.loss_sum)],
                              dtype=torch.float64)
@@ -600,14 +622,55 @@ def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         p.grad = piece.view_as(p).clone()
 
 
+class SavedCounter:
+    """Bytes a stage module saves for backward in one forward, as autograd keeps them: every
+    tensor packed by ``torch.autograd.graph.saved_tensors_hooks`` counted once per storage
+    (``StorageWeakRef``: views of one buffer, or a tensor saved by two ops, count once), the
+    module's parameters and buffers left out; the rule of
+    :func:`onnx_partition.cost.saved.saved_bytes`, which prices ``activation_bytes``, applied
+    to the real run. ``active`` until the first step ends (the hook costs a little time)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._weights = {StorageWeakRef(t.untyped_storage())
+                         for t in [*module.parameters(), *module.buffers()]}
+        self.seen: set[Any] = set()  # the forward's storages (StorageWeakRef), weights too
+        self.active = True
+        self.per_microbatch: list[int] = []
+
+    def start(self) -> None:
+        self.seen = set(self._weights)
+        self.per_microbatch.append(0)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = self._ref(storage)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.per_microbatch[-1] += int(storage.nbytes())
+        return tensor
+
+
+def _counting(counter: SavedCounter | None) -> Any:
+    """The saved-tensor hook around one forward while ``counter`` is active, else nothing."""
+    if counter is None or not counter.active:
+        return contextlib.nullcontext()
+    counter.start()
+    return torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+
+
 class _Clock:
     """Forward (0) and backward (1) compute time of a step. CPU: ``perf_counter`` around each
-    action. CUDA: a pair of events per action, read once at the step's end (one wait for the
-    last event, not a whole-device synchronize around every action)."""
+    action, and the thread's CPU time (``thread_time``) beside it. CUDA: a pair of events per
+    action, read once at the step's end (one wait for the last event, not a whole-device
+    synchronize around every action)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = [0.0, 0.0]
+        self.cpu_seconds = [0.0, 0.0]
         self.events: list[tuple[int, Any, Any]] = []  # (kind, start, end), CUDA
 
     def start(self) -> Any:
@@ -615,7 +678,7 @@ class _Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.perf_counter(), time.thread_time()
 
     def stop(self, kind: int, began: Any) -> None:
         if self.cuda:
@@ -623,7 +686,8 @@ class _Clock:
             end.record()
             self.events.append((kind, began, end))
         else:
-            self.seconds[kind] += time.perf_counter() - began
+            self.seconds[kind] += time.perf_counter() - began[0]
+            self.cpu_seconds[kind] += time.thread_time() - began[1]
 
     def read(self) -> tuple[float, float]:
         """The step's (forward, backward) seconds; starts the next step at zero."""
@@ -634,4 +698,10 @@ class _Clock:
             self.events.clear()
         fwd, bwd = self.seconds
         self.seconds = [0.0, 0.0]
+        return fwd, bwd
+
+    def read_cpu(self) -> tuple[float, float]:
+        """The step's (forward, backward) CPU seconds of this thread (CPU only)."""
+        fwd, bwd = self.cpu_seconds
+        self.cpu_seconds = [0.0, 0.0]
         return fwd, bwd
