@@ -78,10 +78,12 @@ def test_memory_rules_out_the_fastest_plan() -> None:
 def test_nothing_fits_is_an_error() -> None:
     problem, arrays = chain([1.0] * 3, params=[50e9] * 3)  # 200 GB a node with Adam's state
     with pytest.raises(PartitionError, match=(
-            r"no plan fits in 80 GB per device: even the split with the least memory "
-            r"\(3 stages\) needs 200 GB per device for positions 1..1, 120 GB over")):
+            r"no plan fits in 80 GB per device on 4 devices: the plan needing the least "
+            r"\(3 stages, replicas \[1, 1, 1\]\) is over it in stage 0 \(position 0\) needs "
+            r"200 GB, 120 GB over; stage 1 \(position 1\) needs 200 GB, 120 GB over; ")):
         plan_cluster(problem, arrays, devices(4, train=True))
-    with pytest.raises(PartitionError, match=r"least memory \(2 stages\) needs 400 GB"):
+    with pytest.raises(PartitionError, match=r"least \(2 stages, replicas \[1, 1\]\) is over "
+                                             r"it in .* stage 1 \(positions 1..2\) needs 400 GB"):
         plan_cluster(problem, arrays, devices(4, train=True), num_stages=2)
 
 

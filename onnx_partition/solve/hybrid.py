@@ -50,6 +50,7 @@ import numpy as np
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import (
     StageBytes,
+    boundary_step,
     device_bytes,
     held_in_front,
     memory_per_device,
@@ -58,7 +59,7 @@ from onnx_partition.pipeline.memory import (
 from onnx_partition.values import fmt_bytes
 
 __all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
-           "replica_choices"]
+           "replica_choices", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class SequenceCosts:
     param_bytes: Sequence[float]
     activation_bytes: Sequence[float]  # stashed per micro-batch for the backward pass
     cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0 (see order.topo.cut_bytes)
-    labels: Sequence[str] = ()  # a name per position, for messages
+    labels: Sequence[str] = ()  # a name per position (its first operator), for messages
+    last_labels: Sequence[str] = ()  # its last operator, where positions are blocks
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,15 @@ class HybridStage:
     allreduce_ms: float
     memory_bytes: float  # per device
     period_ms: float
+
+
+def stage_period(latency: Any, replicas: int, allreduce: Any, microbatches: int) -> Any:
+    """A stage's time per micro-batch over an iteration: its fullest replica runs
+    ``ceil(M / r)`` of the ``M`` micro-batches (replica ``j`` takes ``m = j (mod r)``), then
+    the all-reduce once: ``ceil(M / r) L / M + allreduce / M`` (``L / r`` when ``r`` divides
+    ``M``; a replica beyond the ``M``-th gets no work)."""
+    m = max(microbatches, 1)
+    return latency * (-(-m // replicas)) / m + allreduce / m
 
 
 def replica_choices(devices: int) -> list[int]:
@@ -155,10 +166,10 @@ class _Tables:
                                  held_most).astype(_COUNT)
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
-        self.choices = replica_choices(config.devices)
+        self.choices = replica_choices(min(config.devices, max(config.microbatches, 1)))
         # period[c, i, j]: stage [i, j) on choices[c] replicas
-        self.period = np.stack([self.latency / r + self.allreduce(r) / config.microbatches
-                                for r in self.choices])
+        self.period = np.stack([stage_period(self.latency, r, self.allreduce(r),
+                                             config.microbatches) for r in self.choices])
         # needed[c, i, j]: the period [i, j) reaches on at most choices[c] replicas; it falls
         # with c, so the replicas a period tau needs are choices[#{c : needed[c] > tau}].
         # Held in float32 rounded down (never says a period is out of reach when it is not)
@@ -192,7 +203,8 @@ class _Tables:
         allreduce = float(self.allreduce(r, float(self.params[i, j])))
         latency = float(self.latency[i, j])
         return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
-                           allreduce, math.nan, latency / r + allreduce / c.microbatches)
+                           allreduce, math.nan,
+                           stage_period(latency, r, allreduce, c.microbatches))
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`)."""
@@ -274,16 +286,124 @@ def _fewest_devices(
     return h, end, rep
 
 
+_INF = np.int32(1 << 24)  # "no plan" in the exact DP's tables
+
+
+@dataclass
+class _Exact:
+    """The exact DP's tables for one bound ``tau`` (training under a memory limit).
+
+    ``h[q, i, c, w]``: fewest devices covering ``[i, n)`` with ``q`` stages, each of period
+    ``<= tau`` and within memory, whose first stage has ``choices[c]`` replicas and 1F1B
+    global warm-up ``w`` (``_INF``: none). ``end[q, i, c, w]`` is that first stage's end and
+    ``after[q, i, c, w]`` the state ``c' * (M + 1) + w'`` of the suffix from that end it was
+    placed in front of (-1: none, the stage is last)."""
+
+    h: np.ndarray
+    end: np.ndarray
+    after: np.ndarray
+
+    def fewest(self, q: int) -> int:
+        return int(self.h[q, 0].min())
+
+    def stages(self, tables: _Tables, q: int) -> list[HybridStage]:
+        """The fewest-device plan of depth ``q`` (``h[q, 0]`` finite)."""
+        w_count = self.h.shape[3]
+        state = int(np.argmin(self.h[q, 0]))
+        c, w = divmod(state, w_count)
+        stages, i = [], 0
+        for left in range(q, 0, -1):
+            j = int(self.end[left, i, c, w])
+            stages.append(tables.stage(i, j, tables.choices[c]))
+            if left > 1:
+                c, w = divmod(int(self.after[left, i, c, w]), w_count)
+            i = j
+        return stages
+
+
+def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> _Exact:
+    """The exact DP over (position, depth, first stage's replicas, its warm-up).
+
+    Under 1F1B a stage's memory depends on its own replica count and warm-up, and its warm-up
+    on the replica count and warm-up of the stage after it
+    (:func:`~onnx_partition.pipeline.memory.one_f_one_b_warmups`); so a suffix is summed up
+    by ``(c, w)`` and the DP keeps, per suffix and depth, the fewest devices for each of them
+    (a Pareto set: more replicas in front of a suffix can lower the stage's micro-batches in
+    flight, so every allowed count at or above the smallest meeting ``tau`` is tried)::
+
+        h[q, i, c, w] = r_c + min over j, (c', w') with min(step(r_c, r_c') + w', M) = w
+                        of h[q-1, j, c', w'],   stage [i, j) on r_c within tau and memory
+
+    ``capi[i, j]`` is how many micro-batches stage ``[i, j)`` may hold within memory. Exact:
+    every split of the sequence and every replica count of ``tables.choices``."""
+    n, m = tables.n, tables.c.microbatches
+    choices = tables.choices
+    rc, wc = len(choices), m + 1
+    h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=np.int32)
+    end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
+    after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
+    ok = [(tables.period[c] <= tau) for c in range(rc)]  # inf (i >= j) never
+    steps = [[boundary_step(a, b) for b in choices] for a in choices]
+    held = [[-(-min(w + 1, m) // r) for w in range(wc)] for r in choices]
+    rows = np.arange(n + 1)
+    flat_h = h.reshape(max_q + 1, n + 1, rc * wc)
+    for q in range(1, max_q + 1):
+        # g[c, w, j]: fewest devices of a suffix from j that a stage of choices[c] replicas
+        # in front of it gets warm-up w from; arg: that suffix's state
+        g = np.full((rc, wc, n + 1), _INF, dtype=np.int32)
+        arg = np.full((rc, wc, n + 1), -1, dtype=np.int32)
+        if q == 1:
+            g[:, 0, n] = 0
+        else:
+            prev = flat_h[q - 1]  # [j, c' * wc + w']
+            for c in range(rc):
+                for c2 in range(rc):
+                    for w2 in range(wc):
+                        col = prev[:, c2 * wc + w2]
+                        w = min(steps[c][c2] + w2, m)
+                        better = col < g[c, w]
+                        g[c, w] = np.where(better, col, g[c, w])
+                        arg[c, w] = np.where(better, c2 * wc + w2, arg[c, w])
+        for c in range(rc):
+            for w in range(wc):
+                tail = g[c, w]
+                if int(tail.min()) >= _INF:
+                    continue
+                mask = ok[c] & (capi >= held[c][w])
+                cand = np.where(mask, tail[None, :], _INF)
+                best = np.argmin(cand, axis=1)
+                value = cand[rows, best]
+                found = value < _INF
+                h[q, :, c, w] = np.where(found, value + choices[c], _INF)
+                end[q, :, c, w] = best
+                after[q, :, c, w] = arg[c, w][best]
+        np.minimum(h[q], _INF, out=h[q])
+    return _Exact(h, end, after)
+
+
+def _held_caps(tables: _Tables, memory: float) -> np.ndarray:
+    """capi[i, j]: the most micro-batches stage ``[i, j)`` may hold within ``memory`` per
+    device (-1: not even its weights fit), at most ``M``."""
+    m = tables.c.microbatches
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        room = memory - tables.static
+        cap = np.where(tables.stash > 0, room / np.where(tables.stash > 0, tables.stash, 1.0),
+                       np.where(room >= 0, m, -1.0))
+    cap = np.where(room < 0, -1.0, cap)
+    return np.clip(np.floor(cap), -1, m).astype(np.int32)
+
+
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
     """Candidate plans, best bottleneck period first: for the smallest reachable bottleneck and
     a few looser ones, every pipeline depth that fits on the devices, and the same on each of
     ``config.budgets`` devices. The caller scores them with the event simulator (fill and
     drain included) and keeps the fastest.
 
-    Bisection on the bottleneck period ``tau``; for a fixed ``tau`` the fewest devices per
-    suffix and depth is a shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``).
-    Raises :class:`PartitionError` naming the stage that runs out of memory, and by how much,
-    when nothing fits.
+    The least bottleneck is one of the stages' periods: a bisection over their sorted values
+    finds it exactly; for a fixed ``tau`` the fewest devices per suffix and depth is a
+    shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``), or in training under
+    a memory limit the exact DP of :func:`_exact_fewest`. Raises :class:`PartitionError`
+    naming the stages that run out of memory, and by how much, exactly when no plan fits.
     """
     n, devices = len(costs.forward_ms), config.devices
     if not 1 <= devices <= MAX_DEVICES:
@@ -292,34 +412,41 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
         raise ValueError(f"cut_bytes needs {n + 1} entries, got {len(costs.cut_bytes)}")
     tables = _Tables(costs, config)
     max_q = min(config.max_stages, devices, n)
-    fits: np.ndarray | None = None  # training with a memory limit: checked per suffix
+    fits: np.ndarray | None = None  # training with a memory limit: the exact DP
     held_most = config.microbatches if config.train else 1  # no replica holds more
     if not config.train or bool(np.all(device_bytes(tables.static, tables.stash, held_most)
                                        <= config.memory_bytes)):
         fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
-    depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
+    capi = _held_caps(tables, config.memory_bytes) if fits is None else None
+    depths = [config.depth] if config.depth else list(range(1, max_q + 1))
+    depths = [q for q in depths if q <= max_q]
 
-    def fewest(tau: float) -> int:
-        h, _, _ = _fewest_devices(tables, tau, max_q, fits)
-        return int(h[depths, 0].min())
+    def probe(tau: float) -> tuple[list[int], Any]:
+        """Fewest devices per depth (index q - 1 of ``depths``) and the DP's tables."""
+        if capi is not None:
+            exact = _exact_fewest(tables, tau, max_q, capi)
+            return [exact.fewest(q) for q in depths], exact
+        h, end, rep = _fewest_devices(tables, tau, max_q, fits)
+        return [int(h[q, 0]) for q in depths], (h, end, rep)
 
-    finite = tables.period[np.isfinite(tables.period)]
-    top = float(finite.max()) if finite.size else 0.0
-    least = fewest(top)
+    values = np.unique(tables.period[np.isfinite(tables.period)])
+    if not values.size or not depths:
+        raise PartitionError(f"no {config.depth}-stage plan: the sequence has {n} positions")
+    least = min(probe(float(values[-1]))[0])
     if least > devices:
-        raise PartitionError(_memory_report(tables, config, max_q, costs.labels))
+        raise PartitionError(_memory_report(tables, config, max_q, costs))
 
-    # One bisection per budget, sharing probes: fewest(tau) answers every budget at once
-    # (tau suffices for budget b iff fewest(tau) <= b), so each probe narrows every bracket.
+    # One bisection per budget over the sorted periods, sharing probes: a probe answers every
+    # budget at once (tau suffices for budget b iff fewest(tau) <= b).
     budgets = sorted({devices, *(b for b in config.budgets if least <= b < devices)})
-    brackets = {b: [0.0, top] for b in budgets}
+    brackets = {b: [-1, len(values) - 1] for b in budgets}  # (fails, suffices) indices
     while True:
-        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > config.precision * hi]
+        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > 1]
         if not wide:
             break
         lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
-        mid = (lo + hi) / 2
-        need = fewest(mid)
+        mid = (lo + hi) // 2
+        need = min(probe(float(values[mid]))[0])
         for b, bracket in brackets.items():
             if need <= b:
                 bracket[1] = min(bracket[1], mid)
@@ -329,18 +456,22 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
     for budget in reversed(budgets):
-        hi = brackets[budget][1]
+        hi = float(values[brackets[budget][1]])
         for slack in (1.0, 1.05, 1.25, 1.5):
-            h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
-            for q in range(1, max_q + 1):
-                if h[q, 0] > budget or (config.depth and q != config.depth):
+            need, found = probe(hi * slack)
+            for q, fewest in zip(depths, need, strict=True):
+                if fewest > budget:
                     continue
-                stages, i = [], 0
-                for left in range(q, 0, -1):
-                    j, r = int(end[left, i]), int(rep[left, i])
-                    stages.append(tables.stage(i, j, r))
-                    i = j
-                assert i == n
+                if isinstance(found, _Exact):
+                    stages = found.stages(tables, q)
+                else:
+                    _, end, rep = found
+                    stages, i = [], 0
+                    for left in range(q, 0, -1):
+                        j, r = int(end[left, i]), int(rep[left, i])
+                        stages.append(tables.stage(i, j, r))
+                        i = j
+                assert stages[-1].end == n
                 stages = tables.with_memory(stages)
                 # Both the lean plan and the one widened onto spare devices: more replicas
                 # shorten the period but lengthen the all-reduce, which the simulator, not the
@@ -356,33 +487,55 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     return plans
 
 
-def _memory_report(
-    tables: _Tables, config: HybridConfig, max_q: int, labels: Sequence[str]
-) -> str:
-    """Why nothing fits: the split with the smallest peak memory per device, its fullest stage,
-    and by how much it is over (``low[q, i] = min_j max(memory_q(i, j), low[q-1, j])``)."""
-    n = tables.n
-    low = np.full((max_q + 1, n + 1), np.inf)
-    low[0, n] = 0.0
-    end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
-    for q in range(1, max_q + 1):
-        cand = np.maximum(np.where(np.isfinite(tables.latency), tables.memory(q), np.inf),
-                          low[q - 1][None, :])
-        end[q] = np.argmin(cand, axis=1)
-        low[q] = cand[np.arange(n + 1), end[q]]
-    depth = int(np.argmin(low[1:, 0])) + 1
-    i, worst = 0, (-1.0, 0, 0)
-    for left in range(depth, 0, -1):
-        j = int(end[left, i])
-        need = float(tables.memory(left)[i, j])
-        worst = max(worst, (need, i, j))
-        i = j
-    need, lo, hi = worst
-    name = (labels[lo] if hi == lo + 1 else f"{labels[lo]} to {labels[hi - 1]}") if labels else (
-        f"positions {lo}..{hi - 1}")
+def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
+                   costs: SequenceCosts) -> str:
+    """Why nothing fits: the plan whose fullest device needs the least memory (the exact DP
+    at every period, bisected on the memory per device), and each of its stages over the
+    limit: index, first and last operator, bytes over."""
+    depths = [config.depth] if config.depth else list(range(1, max_q + 1))
+    top = float(np.nanmax(np.where(np.isfinite(tables.period), tables.period, np.nan)))
+    # every figure a stage could need: static + held * stash for held 1..M
+    held = np.arange(1, (config.microbatches if config.train else 1) + 1)
+    valid = np.isfinite(tables.latency)
+    needs = np.unique(device_bytes(tables.static[valid][:, None],
+                                   tables.stash[valid][:, None], held[None, :]))
+    needs = needs[needs > config.memory_bytes]
+
+    def plan_within(memory: float) -> list[HybridStage] | None:
+        exact = _exact_fewest(tables, top, max_q, _held_caps(tables, memory))
+        fit = [(exact.fewest(q), q) for q in depths if exact.fewest(q) <= config.devices]
+        return exact.stages(tables, min(fit)[1]) if fit else None
+
+    lo, hi = -1, len(needs) - 1
+    best = plan_within(float(needs[hi])) if needs.size else None
+    if best is None:  # not even with every stage's largest need: too few devices
+        return (f"no plan fits on {config.devices} devices: every split needs more stages "
+                f"than devices")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = plan_within(float(needs[mid]))
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    stages = tables.with_memory(best)
+    over = [(k, s) for k, s in enumerate(stages) if s.memory_bytes > config.memory_bytes]
+    parts = "; ".join(
+        f"stage {k} ({_span_name(costs, s.start, s.end)}) needs {fmt_bytes(s.memory_bytes)}, "
+        f"{fmt_bytes(math.ceil(s.memory_bytes - config.memory_bytes))} over" for k, s in over)
     return (
-        f"no plan fits in {fmt_bytes(config.memory_bytes)} per device: even the split with "
-        f"the least memory ({depth} stages) needs {fmt_bytes(need)} per device for "
-        f"{name}, {fmt_bytes(need - config.memory_bytes)} over"
+        f"no plan fits in {fmt_bytes(config.memory_bytes)} per device on {config.devices} "
+        f"devices: the plan needing the least ({len(stages)} stage{'s' * (len(stages) > 1)}, "
+        f"replicas "
+        f"{[s.replicas for s in stages]}) is over it in {parts}"
     )
 
+
+def _span_name(costs: SequenceCosts, lo: int, hi: int) -> str:
+    """Positions ``[lo, hi)`` by their first and last operator (``labels``, and
+    ``last_labels`` where a position is a block), else by index."""
+    if not costs.labels:
+        return f"position {lo}" if hi == lo + 1 else f"positions {lo}..{hi - 1}"
+    first = costs.labels[lo]
+    last = (costs.last_labels or costs.labels)[hi - 1]
+    return first if first == last else f"{first} to {last}"

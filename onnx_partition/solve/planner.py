@@ -144,15 +144,15 @@ def dp_candidates(
         depth=num_stages,
         budgets=machine_budgets(cluster),
     )
-    labels: list[str] = []
+    labels: list[str] = []  # each block's first and last operator, for the memory error
+    last_labels: list[str] = []
     if arrays.names:
         for lo, hi in itertools.pairwise(bounds):
-            first, last = arrays.names[order[lo]], arrays.names[order[hi - 1]]
-            labels.append(f"operator {first!r}" if lo + 1 == hi else
-                          f"operators {first!r}..{last!r}")
+            labels.append(arrays.names[order[lo]])
+            last_labels.append(arrays.names[order[hi - 1]])
     seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        cut_bytes(problem, order)[np.asarray(bounds)], labels)
+                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels)
     proposals = [p for p in plan_hybrid(seq, config)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
