@@ -342,42 +342,61 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
     h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=np.int32)
     end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
     after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
-    ok = [(tables.period[c] <= tau) for c in range(rc)]  # inf (i >= j) never
     steps = [[boundary_step(a, b) for b in choices] for a in choices]
     held = [[-(-min(w + 1, m) // r) for w in range(wc)] for r in choices]
     rows = np.arange(n + 1)
+    # Each replica count's stages within tau, as bands: ok[c][i, k] for the stage [i, i+1+k)
+    bands = []
+    for c in range(rc):
+        ok = tables.period[c] <= tau  # inf (i >= j) never
+        last = np.where(ok.any(axis=1), (n - np.argmax(ok[:, ::-1], axis=1)) - rows, 0)
+        width = max(int(last.max()), 1)
+        ends = rows[:, None] + 1 + np.arange(width)[None, :]
+        inside = ends <= n
+        ends = np.minimum(ends, n)
+        bands.append((ends, ok[rows[:, None], ends] & inside, capi[rows[:, None], ends]))
     flat_h = h.reshape(max_q + 1, n + 1, rc * wc)
     for q in range(1, max_q + 1):
         # g[c, w, j]: fewest devices of a suffix from j that a stage of choices[c] replicas
-        # in front of it gets warm-up w from; arg: that suffix's state
+        # in front of it gets warm-up w from; arg: that suffix's state c' * wc + w'
         g = np.full((rc, wc, n + 1), _INF, dtype=np.int32)
         arg = np.full((rc, wc, n + 1), -1, dtype=np.int32)
         if q == 1:
             g[:, 0, n] = 0
         else:
-            prev = flat_h[q - 1]  # [j, c' * wc + w']
+            prev = flat_h[q - 1].T  # [c' * wc + w', j]
             for c in range(rc):
                 for c2 in range(rc):
-                    for w2 in range(wc):
-                        col = prev[:, c2 * wc + w2]
-                        w = min(steps[c][c2] + w2, m)
-                        better = col < g[c, w]
-                        g[c, w] = np.where(better, col, g[c, w])
-                        arg[c, w] = np.where(better, c2 * wc + w2, arg[c, w])
+                    block = prev[c2 * wc:(c2 + 1) * wc]
+                    if int(block.min()) >= _INF:
+                        continue
+                    step = steps[c][c2]
+                    k = max(m - step, 0)  # w' < k: w = step + w'; the rest saturate at M
+                    if k:
+                        old = g[c, step:step + k]
+                        better = block[:k] < old
+                        g[c, step:step + k] = np.where(better, block[:k], old)
+                        arg[c, step:step + k] = np.where(
+                            better, c2 * wc + np.arange(k)[:, None], arg[c, step:step + k])
+                    tail = block[k:]
+                    low = np.argmin(tail, axis=0)
+                    value = tail[low, rows]
+                    better = value < g[c, m]
+                    g[c, m] = np.where(better, value, g[c, m])
+                    arg[c, m] = np.where(better, c2 * wc + k + low, arg[c, m])
         for c in range(rc):
+            ends, okb, capb = bands[c]
             for w in range(wc):
                 tail = g[c, w]
                 if int(tail.min()) >= _INF:
                     continue
-                mask = ok[c] & (capi >= held[c][w])
-                cand = np.where(mask, tail[None, :], _INF)
+                cand = np.where(okb & (capb >= held[c][w]), tail[ends], _INF)
                 best = np.argmin(cand, axis=1)
                 value = cand[rows, best]
-                found = value < _INF
-                h[q, :, c, w] = np.where(found, value + choices[c], _INF)
-                end[q, :, c, w] = best
-                after[q, :, c, w] = arg[c, w][best]
-        np.minimum(h[q], _INF, out=h[q])
+                at = ends[rows, best]
+                h[q, :, c, w] = np.where(value < _INF, value + choices[c], _INF)
+                end[q, :, c, w] = at
+                after[q, :, c, w] = arg[c, w][at]
     return _Exact(h, end, after)
 
 
@@ -421,13 +440,22 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     depths = [config.depth] if config.depth else list(range(1, max_q + 1))
     depths = [q for q in depths if q <= max_q]
 
-    def probe(tau: float) -> tuple[list[int], Any]:
-        """Fewest devices per depth (index q - 1 of ``depths``) and the DP's tables."""
-        if capi is not None:
-            exact = _exact_fewest(tables, tau, max_q, capi)
-            return [exact.fewest(q) for q in depths], exact
-        h, end, rep = _fewest_devices(tables, tau, max_q, fits)
+    def fast(tau: float, mask: np.ndarray | None) -> tuple[list[int], Any]:
+        """Fewest devices per depth of ``depths`` by the one-suffix DP, and its tables."""
+        h, end, rep = _fewest_devices(tables, tau, max_q, mask)
         return [int(h[q, 0]) for q in depths], (h, end, rep)
+
+    cache: dict[float, tuple[list[int], Any]] = {}
+
+    def probe(tau: float) -> tuple[list[int], Any]:
+        """The exact answer at ``tau``: fewest devices per depth and the DP's tables."""
+        if tau not in cache:
+            if capi is None:
+                cache[tau] = fast(tau, fits)
+            else:
+                exact = _exact_fewest(tables, tau, max_q, capi)
+                cache[tau] = ([exact.fewest(q) for q in depths], exact)
+        return cache[tau]
 
     values = np.unique(tables.period[np.isfinite(tables.period)])
     if not values.size or not depths:
@@ -436,30 +464,36 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     if least > devices:
         raise PartitionError(_memory_report(tables, config, max_q, costs))
 
-    # One bisection per budget over the sorted periods, sharing probes: a probe answers every
-    # budget at once (tau suffices for budget b iff fewest(tau) <= b).
-    budgets = sorted({devices, *(b for b in config.budgets if least <= b < devices)})
+    # No plan uses more than max_q stages of at most M replicas: budgets above are one.
+    usable = min(devices, max_q * tables.choices[-1])
+    budgets = sorted({usable, *(b for b in config.budgets if least <= b < usable)})
     brackets = {b: [-1, len(values) - 1] for b in budgets}  # (fails, suffices) indices
-    while True:
-        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > 1]
-        if not wide:
-            break
-        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
-        mid = (lo + hi) // 2
-        need = min(probe(float(values[mid]))[0])
+    if capi is not None:
+        # Narrow the brackets with two cheap DPs first: fitting with one micro-batch in
+        # flight (a relaxation: where it needs more devices, so does the exact DP), and one
+        # suffix per device count checked in front of (its plans fit: where it suffices, so
+        # does the exact DP, checked once below).
+        low = {b: [-1, len(values) - 1] for b in budgets}
+        _bisect(low, values, lambda tau: fast(tau, capi >= 1)[0])
+        high = {b: [-1, len(values) - 1] for b in budgets}
+        _bisect(high, values, lambda tau: fast(tau, None)[0])
         for b, bracket in brackets.items():
-            if need <= b:
-                bracket[1] = min(bracket[1], mid)
-            else:
-                bracket[0] = max(bracket[0], mid)
+            bracket[0] = low[b][1] - 1
+            if high[b][1] > bracket[0] and min(probe(float(values[high[b][1]]))[0]) <= b:
+                bracket[1] = high[b][1]
+    _bisect(brackets, values, lambda tau: probe(tau)[0])
 
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
     for budget in reversed(budgets):
-        hi = float(values[brackets[budget][1]])
+        tau = float(values[brackets[budget][1]])
         for slack in (1.0, 1.05, 1.25, 1.5):
-            need, found = probe(hi * slack)
-            for q, fewest in zip(depths, need, strict=True):
+            # looser bounds under memory: the one-suffix DP's plans (proposals, all fit)
+            if capi is None or slack == 1.0:
+                counts, found = probe(tau * slack)
+            else:
+                counts, found = fast(tau * slack, None)
+            for q, fewest in zip(depths, counts, strict=True):
                 if fewest > budget:
                     continue
                 if isinstance(found, _Exact):
@@ -485,6 +519,26 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                         plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
     return plans
+
+
+def _bisect(brackets: dict[int, list[int]], values: np.ndarray,
+            probe: Any) -> None:
+    """Narrow each budget's bracket ``[fails, suffices]`` of indices into the sorted
+    ``values`` to adjacent indices; ``probe(tau)`` gives the fewest devices per depth at
+    ``tau`` (monotone), and one probe narrows every bracket (tau suffices for budget ``b``
+    iff the fewest devices are at most ``b``)."""
+    while True:
+        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > 1]
+        if not wide:
+            return
+        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
+        mid = (lo + hi) // 2
+        need = min(probe(float(values[mid])))
+        for b, bracket in brackets.items():
+            if need <= b:
+                bracket[1] = min(bracket[1], mid)
+            elif mid < bracket[1]:
+                bracket[0] = max(bracket[0], mid)
 
 
 def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,

@@ -182,7 +182,8 @@ def grid_candidates(
     """
     grids = [(d, pp) for d in (run.cluster.devices, *budgets)
              for pp in ([num_stages] if num_stages else range(1, run.max_stages + 1))
-             if d % pp == 0 and pp <= min(d, problem.num_nodes)]
+             if d % pp == 0 and pp <= min(d, problem.num_nodes)
+             and d // pp <= run.microbatches]  # a replica beyond the M-th gets no work
     if not grids:
         return []
     # Balance what one micro-batch costs one replica of a stage: forward; in training also
