@@ -196,5 +196,6 @@ def test_machine_budgets_double_short_of_the_cluster() -> None:
 def test_estimate_is_fill_plus_periods_plus_the_slowest_allreduce() -> None:
     stages = [HybridStage(0, 1, 1, 2.0, 2.0, 0.0, 0.5, 0.0, 2.0),
               HybridStage(1, 3, 2, 6.0, 6.0, 0.0, 1.5, 0.0, 3.0)]
-    # fill 2 + 6; period max(2 / 1, 6 / 2) = 3 for 7 more micro-batches; all-reduce 1.5
-    assert estimate_ms(stages, devices(3, train=True)) == pytest.approx(8 + 7 * 3 + 1.5)
+    # fill 2 + 6; the busiest replica's other micro-batches: stage 1's replicas take 4 of
+    # the 8 each, 3 more of 6 ms (stage 0: 7 more of 2); all-reduce 1.5
+    assert estimate_ms(stages, devices(3, train=True)) == pytest.approx(8 + 3 * 6 + 1.5)

@@ -250,6 +250,8 @@ def _partition(args: argparse.Namespace) -> int:
         return 0
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
+    for note in plan.extra.get("devices_notes", []):
+        print(note)
     print(priced_by(plan))
     warning = (plan.device_model or {}).get("warning")
     if warning:
