@@ -459,7 +459,9 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
 
     values = np.unique(tables.period[np.isfinite(tables.period)])
     if not values.size or not depths:
-        raise PartitionError(f"no {config.depth}-stage plan: the sequence has {n} positions")
+        raise PartitionError(f"no plan fits: {config.depth} stages need {config.depth} "
+                             f"positions and devices; the sequence has {n}, the cluster "
+                             f"{devices}")
     least = min(probe(float(values[-1]))[0])
     if least > devices:
         raise PartitionError(_memory_report(tables, config, max_q, costs))
