@@ -286,7 +286,7 @@ def _fewest_devices(
     return h, end, rep
 
 
-_INF = np.int32(1 << 24)  # "no plan" in the exact DP's tables
+_INF = _COUNT(_NONE)  # "no plan" in the exact DP's tables (device counts stay below)
 
 
 @dataclass
@@ -339,7 +339,7 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
     n, m = tables.n, tables.c.microbatches
     choices = tables.choices
     rc, wc = len(choices), m + 1
-    h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=np.int32)
+    h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=_COUNT)
     end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
     after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
     steps = [[boundary_step(a, b) for b in choices] for a in choices]
@@ -355,48 +355,62 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
         inside = ends <= n
         ends = np.minimum(ends, n)
         bands.append((ends, ok[rows[:, None], ends] & inside, capi[rows[:, None], ends]))
-    flat_h = h.reshape(max_q + 1, n + 1, rc * wc)
+    # The warm-up transfer as one gather over rows of ``ext``: the suffix states (c', w'),
+    # then per c' the best state of warm-up at least t (a stage in front of w' >= M - step
+    # saturates at M), then a row of no plan. Row of target (c, w): (c', w - step) for w < M,
+    # (c', >= M - step) for w = M, for every c' (padded with the no-plan row).
+    states = rc * wc
+    gather = np.full((states, rc), 2 * states, dtype=np.int64)
+    for c in range(rc):
+        for c2 in range(rc):
+            step = steps[c][c2]
+            for w in range(step, m):
+                gather[c * wc + w, c2] = c2 * wc + w - step
+            gather[c * wc + m, c2] = states + c2 * wc + max(m - step, 0)
+    held_w = np.asarray(held, dtype=_COUNT)  # [c, w]
+    flat_h = h.reshape(max_q + 1, n + 1, states)
     for q in range(1, max_q + 1):
-        # g[c, w, j]: fewest devices of a suffix from j that a stage of choices[c] replicas
-        # in front of it gets warm-up w from; arg: that suffix's state c' * wc + w'
-        g = np.full((rc, wc, n + 1), _INF, dtype=np.int32)
-        arg = np.full((rc, wc, n + 1), -1, dtype=np.int32)
+        # g[c * wc + w, j]: fewest devices of a suffix from j that a stage of choices[c]
+        # replicas in front of it gets warm-up w from; arg: that suffix's state c' * wc + w'
         if q == 1:
-            g[:, 0, n] = 0
+            g = np.full((states, n + 1), _INF, dtype=_COUNT)
+            g[np.arange(rc) * wc, n] = 0
+            arg = np.full((states, n + 1), -1, dtype=np.int64)
         else:
-            prev = flat_h[q - 1].T  # [c' * wc + w', j]
-            for c in range(rc):
-                for c2 in range(rc):
-                    block = prev[c2 * wc:(c2 + 1) * wc]
-                    if int(block.min()) >= _INF:
-                        continue
-                    step = steps[c][c2]
-                    k = max(m - step, 0)  # w' < k: w = step + w'; the rest saturate at M
-                    if k:
-                        old = g[c, step:step + k]
-                        better = block[:k] < old
-                        g[c, step:step + k] = np.where(better, block[:k], old)
-                        arg[c, step:step + k] = np.where(
-                            better, c2 * wc + np.arange(k)[:, None], arg[c, step:step + k])
-                    tail = block[k:]
-                    low = np.argmin(tail, axis=0)
-                    value = tail[low, rows]
-                    better = value < g[c, m]
-                    g[c, m] = np.where(better, value, g[c, m])
-                    arg[c, m] = np.where(better, c2 * wc + k + low, arg[c, m])
+            now = flat_h[q - 1].T.reshape(rc, wc, n + 1)
+            sat = now.copy()
+            sat_arg = np.broadcast_to(np.arange(states).reshape(rc, wc, 1),
+                                      now.shape).copy()
+            for w in range(wc - 2, -1, -1):  # best of warm-up >= w
+                take = sat[:, w + 1] < sat[:, w]
+                sat[:, w] = np.where(take, sat[:, w + 1], sat[:, w])
+                sat_arg[:, w] = np.where(take, sat_arg[:, w + 1], sat_arg[:, w])
+            ext = np.concatenate([now.reshape(states, n + 1), sat.reshape(states, n + 1),
+                                  np.full((1, n + 1), _INF, dtype=_COUNT)])
+            ext_arg = np.concatenate([np.broadcast_to(np.arange(states)[:, None],
+                                                      (states, n + 1)),
+                                      sat_arg.reshape(states, n + 1),
+                                      np.full((1, n + 1), -1)])
+            pool = ext[gather]  # [target, c', j]
+            pick = np.argmin(pool, axis=1)
+            g = np.take_along_axis(pool, pick[:, None, :], axis=1)[:, 0, :]
+            arg = ext_arg[np.take_along_axis(gather, pick, axis=1), np.arange(n + 1)[None, :]]
+        g = g.reshape(rc, wc, n + 1)
+        arg = arg.reshape(rc, wc, n + 1)
         for c in range(rc):
             ends, okb, capb = bands[c]
-            for w in range(wc):
-                tail = g[c, w]
-                if int(tail.min()) >= _INF:
-                    continue
-                cand = np.where(okb & (capb >= held[c][w]), tail[ends], _INF)
-                best = np.argmin(cand, axis=1)
-                value = cand[rows, best]
-                at = ends[rows, best]
-                h[q, :, c, w] = np.where(value < _INF, value + choices[c], _INF)
-                end[q, :, c, w] = at
-                after[q, :, c, w] = arg[c, w][at]
+            live = np.flatnonzero(g[c].min(axis=1) < _INF)
+            if not live.size:
+                continue
+            fits = okb[None] & (capb[None] >= held_w[c, live][:, None, None])
+            cand = np.where(fits, g[c, live][:, ends], _INF)  # [w, i, k]
+            best = np.argmin(cand, axis=2)
+            value = np.take_along_axis(cand, best[:, :, None], axis=2)[:, :, 0]
+            at = ends[rows[None, :], best]  # [w, i]
+            total = np.minimum(value.astype(np.int32) + choices[c], _NONE)  # no overflow
+            h[q, :, c, live] = np.where(value < _INF, total, _INF)
+            end[q, :, c, live] = at
+            after[q, :, c, live] = np.take_along_axis(arg[c, live], at, axis=1)
     return _Exact(h, end, after)
 
 
@@ -543,6 +557,9 @@ def _bisect(brackets: dict[int, list[int]], values: np.ndarray,
                 bracket[0] = max(bracket[0], mid)
 
 
+_NAMED = 3  # stages the memory error names (the fullest)
+
+
 def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
                    costs: SequenceCosts) -> str:
     """Why nothing fits: the plan whose fullest device needs the least memory (the exact DP
@@ -576,6 +593,8 @@ def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
             hi, best = mid, found
     stages = tables.with_memory(best)
     over = [(k, s) for k, s in enumerate(stages) if s.memory_bytes > config.memory_bytes]
+    more = len(over) - _NAMED
+    over = sorted(sorted(over, key=lambda e: -e[1].memory_bytes)[:_NAMED], key=lambda e: e[0])
     parts = "; ".join(
         f"stage {k} ({_span_name(costs, s.start, s.end)}) needs {fmt_bytes(s.memory_bytes)}, "
         f"{fmt_bytes(math.ceil(s.memory_bytes - config.memory_bytes))} over" for k, s in over)
@@ -584,6 +603,7 @@ def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
         f"devices: the plan needing the least ({len(stages)} stage{'s' * (len(stages) > 1)}, "
         f"replicas "
         f"{[s.replicas for s in stages]}) is over it in {parts}"
+        + (f"; and {more} more stage{'s' * (more > 1)}" if more > 0 else "")
     )
 
 
