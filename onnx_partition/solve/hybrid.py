@@ -395,22 +395,22 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
             pick = np.argmin(pool, axis=1)
             g = np.take_along_axis(pool, pick[:, None, :], axis=1)[:, 0, :]
             arg = ext_arg[np.take_along_axis(gather, pick, axis=1), np.arange(n + 1)[None, :]]
-        g = g.reshape(rc, wc, n + 1)
-        arg = arg.reshape(rc, wc, n + 1)
+        tails = g.reshape(rc, wc, n + 1)  # [c, w, j]
+        tail_arg = arg.reshape(rc, wc, n + 1)
         for c in range(rc):
             ends, okb, capb = bands[c]
-            live = np.flatnonzero(g[c].min(axis=1) < _INF)
+            live = np.flatnonzero(tails[c].min(axis=1) < _INF)
             if not live.size:
                 continue
             fits = okb[None] & (capb[None] >= held_w[c, live][:, None, None])
-            cand = np.where(fits, g[c, live][:, ends], _INF)  # [w, i, k]
+            cand = np.where(fits, tails[c, live][:, ends], _INF)  # [w, i, k]
             best = np.argmin(cand, axis=2)
             value = np.take_along_axis(cand, best[:, :, None], axis=2)[:, :, 0]
             at = ends[rows[None, :], best]  # [w, i]
             total = np.minimum(value.astype(np.int32) + choices[c], _NONE)  # no overflow
             h[q, :, c, live] = np.where(value < _INF, total, _INF)
             end[q, :, c, live] = at
-            after[q, :, c, live] = np.take_along_axis(arg[c, live], at, axis=1)
+            after[q, :, c, live] = np.take_along_axis(tail_arg[c, live], at, axis=1)
     return _Exact(h, end, after)
 
 
