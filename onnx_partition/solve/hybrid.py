@@ -7,17 +7,18 @@ Narayanan et al., SOSP 2019, with the transfers of every tensor crossing its bou
 
     latency L = F + comm                       (infer)
               = F + B + 2 comm                 (train: activations forward, gradients back)
-    period  P = L / r + allreduce / M          (replicas take micro-batches in turn; the ring
+    period  P = ceil(M / r) L / M              (replicas take micro-batches in turn, the fullest
+                + allreduce / M                 ceil(M / r) of them; r <= M; the ring
     allreduce = 2 (r-1)/r W / bw + 2 (r-1) lat  all-reduce of W gradient bytes once per iteration)
 
 and needs per device the memory of :mod:`onnx_partition.pipeline.memory` (the one memory
 model): in training ``opt * W + G + held * (A + R)``, where 1F1B's ``held`` micro-batches in
 flight depend on the stage's replicas and the replicas and warm-up of the stages after it. The
-DP builds plans from the pipeline's end, so when it places stage ``[i, j)`` on ``r`` replicas
-in front of the suffix it chose from ``j``, it knows that suffix's first replica count and
-warm-up and checks the stage's memory exactly (the memory model's vectorised closed form,
-``held_in_front``); the plans it returns carry each stage's exact memory
-(``memory_per_device``), and the planner checks again after widening.
+DP builds plans from the pipeline's end; under a memory limit in training it keeps, per suffix
+and depth, the fewest devices for each first replica count and warm-up (:func:`_exact_fewest`),
+so it checks every stage's memory exactly in front of every suffix it could be placed before;
+the plans it returns carry each stage's exact memory (``memory_per_device``), and the planner
+checks again after widening.
 
 The DP runs over suffixes with the number of stages in the state (table shape written as in
 Alpa's ``training_dp_impl``)::
@@ -26,13 +27,15 @@ Alpa's ``training_dp_impl``)::
 
 ``g[q, i, d]``: the smallest bottleneck period of the suffix ``[i, n)`` cut into exactly ``q``
 stages on at most ``d`` devices, every stage within memory; ``g[0, n, d] = 0``. Replica counts
-are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small. Every ``q``
+are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small, and at most
+``M`` (a replica beyond the ``M``-th would get no micro-batch). Every ``q``
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
 Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
-from :func:`replica_choices`, every stage within memory, to the bisection's relative
-``precision``. Not for the problem over the DAG with any replica counts, strongly NP-hard
+from :func:`replica_choices` up to ``M``, every stage within memory (a bisection over the sorted
+stage periods; float32 period tables, about 1e-7 relative); "no plan fits" exactly when none
+does, checked against the CP-SAT judge :mod:`.hybrid_judge`. Not for the problem over the DAG with any replica counts, strongly NP-hard
 with a fixed depth, a memory bound or all-reduce costs (``docs/np_completeness.md``). The code
 counts the fewest devices per bound (:func:`plan_hybrid`) instead of indexing a table by ``d``,
 so its time is polynomial in ``log D``, not in ``D``.
@@ -92,7 +95,7 @@ class HybridConfig:
     max_stages: int = 16
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
     budgets: Sequence[int] = ()  # also propose plans on at most this many devices
-    precision: float = 1e-3  # relative precision of the bisection on the bottleneck period
+    precision: float = 0.0  # unused: the bisection over the stages' periods is exact
 
 
 @dataclass(frozen=True)
