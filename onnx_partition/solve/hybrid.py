@@ -35,10 +35,11 @@ and keeps the fastest, so a shallow pipeline with replicas competes with a deep 
 Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
 from :func:`replica_choices` up to ``M``, every stage within memory (a bisection over the sorted
 stage periods; float32 period tables, about 1e-7 relative); "no plan fits" exactly when none
-does, checked against the CP-SAT judge :mod:`.hybrid_judge`. Not for the problem over the DAG with any replica counts, strongly NP-hard
-with a fixed depth, a memory bound or all-reduce costs (``docs/np_completeness.md``). The code
-counts the fewest devices per bound (:func:`plan_hybrid`) instead of indexing a table by ``d``,
-so its time is polynomial in ``log D``, not in ``D``.
+does, checked against the CP-SAT judge :mod:`.hybrid_judge`. Not for the problem over the DAG
+with any replica counts, strongly NP-hard with a fixed depth, a memory bound or all-reduce
+costs (``docs/np_completeness.md``). The code counts the fewest devices per bound
+(:func:`plan_hybrid`) instead of indexing a table by ``d``, so its time is polynomial in
+``log D``, not in ``D``.
 """
 
 from __future__ import annotations
