@@ -310,8 +310,11 @@ class _Tournament:
         pool = []
         for proposal in batch:
             key = (tuple(proposal.stage_of), tuple(proposal.replicas))
-            if key in self.bounds or max(proposal.replicas) > run.microbatches:
-                continue  # a replica beyond the M-th would get no micro-batch
+            if key in self.bounds:
+                continue
+            if max(proposal.replicas) > run.microbatches:  # a replica beyond the M-th would
+                self.bounds[key] = None  # get no micro-batch: not weighed
+                continue
             costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
                                            proposal.replicas, run)
             self.bounds[key] = None
