@@ -11,7 +11,9 @@ over 5,110 layers, as in the issue's 102,200-operator graph), planned by ``plan_
 training with 1F1B. Prints a Markdown table: operators, devices, planning time (wall, one
 run), peak resident memory of the process (``ru_maxrss``, which only grows: each row is at
 least the previous), the plan's depth, replicas, devices used, simulated iteration and bubble,
-and the summary line the planner gives about devices left unused.
+the closed form the planner ranks proposals by (fill and drain, then the busiest replica's
+other ``ceil(M / r) - 1`` micro-batches at the slowest stage, then the slowest all-reduce) over
+the simulated iteration, and the planner's lines on devices.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
-from onnx_partition.solve.scoring import NodeArrays, RunSpec
+from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 
 #: (name, forward ms, parameters) of one layer's operators, in order; each reads the one
 #: before it, and the two residual adds also read the layer's input / the attention's output.
@@ -64,6 +66,16 @@ def transformer(layers: int) -> tuple[DagProblem, NodeArrays]:
                                [float(HIDDEN_BYTES)] * nodes, names)
 
 
+def closed_form_ms(plan: HybridPlan, microbatches: int) -> float:
+    """:func:`~onnx_partition.solve.planner.estimate_ms` of a scored plan's stage costs."""
+    send = [0.0, *plan.costs.send_ms, 0.0]
+    latency = [s.forward_ms + s.backward_ms + 2 * (send[k] + send[k + 1])
+               for k, s in enumerate(plan.costs.stages)]
+    rest = max((-(-microbatches // s.replicas) - 1) * lat
+               for s, lat in zip(plan.costs.stages, latency, strict=True))
+    return sum(latency) + rest + max(s.allreduce_ms for s in plan.costs.stages)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[511, 5110])
@@ -74,18 +86,20 @@ def main() -> int:
                       kind="cuda", intra=Link(300.0, 0.005), inter=Link(25.0, 0.02))
     run = RunSpec(cluster, train=True, microbatches=args.microbatches)
     print("| operators | devices | M | planning s | peak RSS GB | stages | replicas | used "
-          "| iteration ms | bubble | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| iteration ms | closed form / simulated | bubble | devices lines |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         problem, arrays = transformer(layers)
         started = time.perf_counter()
         plan, _ = plan_cluster(problem, arrays, run)
         took = time.perf_counter() - started
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-        note = " ".join(getattr(plan, "notes", []))
+        note = "<br>".join(plan.notes)
+        closed = closed_form_ms(plan, run.microbatches) / plan.sim.iteration_ms
         print(f"| {problem.num_nodes:,} | {cluster.devices:,} | {run.microbatches} | {took:.2f} "
               f"| {rss:.2f} | {plan.num_stages} | {plan.replicas} | {sum(plan.replicas)} "
-              f"| {plan.sim.iteration_ms:.3f} | {plan.sim.bubble_fraction:.1%} | {note} |")
+              f"| {plan.sim.iteration_ms:.3f} | {closed:.3f} | {plan.sim.bubble_fraction:.1%} "
+              f"| {note} |", flush=True)
     return 0
 
 

@@ -501,6 +501,14 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
             bracket[0] = low[b][1] - 1
             if high[b][1] > bracket[0] and min(probe(float(values[high[b][1]]))[0]) <= b:
                 bracket[1] = high[b][1]
+            # where memory does not bind at the optimum the relaxation is exact: gallop up
+            step = 1
+            while bracket[1] - bracket[0] > 1:
+                mid = min(bracket[0] + step, bracket[1] - 1)
+                if min(probe(float(values[mid]))[0]) <= b:
+                    bracket[1] = mid
+                    break
+                bracket[0], step = mid, 2 * step
     _bisect(brackets, values, lambda tau: probe(tau)[0])
 
     plans: list[list[HybridStage]] = []
