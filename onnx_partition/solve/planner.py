@@ -425,10 +425,10 @@ def devices_notes(plan: HybridPlan, fastest: HybridPlan, run: RunSpec) -> list[s
     used, total, m = sum(plan.replicas), run.cluster.devices, run.microbatches
     if sum(fastest.replicas) > used:
         gain = 1 - fastest.sim.iteration_ms / plan.sim.iteration_ms
-        notes.append(f"devices: {sum(fastest.replicas)} devices would buy {gain:.1%} "
-                     f"({fastest.sim.iteration_ms:.4g} ms per iteration, not "
-                     f"{plan.sim.iteration_ms:.4g} ms); within {DEVICE_SLACK:.0%} of the "
-                     f"fastest the fewest devices win")
+        notes.append(f"devices: {sum(fastest.replicas)} devices would buy {gain:.2%} "
+                     f"({fastest.sim.iteration_ms:.6g} ms per iteration against "
+                     f"{plan.sim.iteration_ms:.6g} ms on {used}); within {DEVICE_SLACK:.0%} of "
+                     f"the fastest the fewest devices win")
     if used < total and (max(plan.replicas) >= m or run.max_stages * m < total):
         notes.append(f"devices: {total - used} of {total} unused: {m} micro-batches feed at "
                      f"most {m} replicas of a stage (replica j takes micro-batches m = j mod r)"
