@@ -6,7 +6,9 @@ For each ordering the DAG is sequenced, coarsened into at most :data:`MAX_POSITI
 its first 1, 2, 4, ... machines; balanced pp x dp grids join them. Every proposal, and any
 baseline, is scored the same way (:mod:`.scoring`): the event simulator plays its schedule over
 ``M`` micro-batches on the placed cluster, fill and drain included, best lower bound first and
-the hopeless skipped. The fastest plan wins, and its replica counts are then polished.
+the hopeless skipped. The fastest plan wins, and its replica counts are then polished; devices
+cost, so among the plans within DEVICE_SLACK (2%) of the fastest the one on the fewest devices
+is returned, with notes saying what more devices would buy.
 """
 
 from __future__ import annotations
