@@ -7,7 +7,8 @@ import pytest
 from support.problems import chain
 
 from onnx_partition.cost.cluster import Cluster, Link
-from onnx_partition.solve.planner import DEVICE_SLACK, fewest_devices, plan_cluster
+from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
+from onnx_partition.solve.planner import DEVICE_SLACK, estimate_ms, fewest_devices, plan_cluster
 from onnx_partition.solve.scoring import RunSpec, score
 
 
@@ -53,3 +54,18 @@ def test_plans_using_every_device_usefully_are_kept():
     plan, _ = plan_cluster(problem, arrays, devices(8, 8))
     assert (plan.stage_of, plan.replicas) == ([0, 0], [8])
     assert plan.sim.iteration_ms == pytest.approx(4.0) and plan.notes == []
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_closed_form_is_the_simulated_iteration_when_microbatches_are_few(train: bool):
+    """8 stages, 2 micro-batches: the bottleneck alone says 2 periods, the iteration is fill
+    and drain, (M + S - 1) stage times; the planner's closed form counts them as the
+    simulator does."""
+    problem, arrays = chain([1.0] * 8, nbytes=0.0)
+    run = devices(8, 2, train=train)
+    costs = SequenceCosts([1.0] * 8, [2.0] * 8, [0.0] * 8, [0.0] * 8, [0.0] * 9)
+    (stages,) = plan_hybrid(costs, HybridConfig(devices=8, microbatches=2, train=train,
+                                                depth=8))
+    simulated = score(problem, arrays, list(range(8)), [1] * 8, run, "pipeline").sim
+    per_stage = 3.0 if train else 1.0
+    assert estimate_ms(stages, run) == simulated.iteration_ms == pytest.approx(9 * per_stage)
