@@ -4,6 +4,7 @@
         [--devices 4 8 16 64] [--modes train infer] [--settings nvlink pcie]
         [--pipedream-budget 60]
         [--pipedream-states 20000] [--big-nodes 5000] [--cache DIR]
+    python tools/bench_planner.py --judge-suite 20 [--judge-units 40]
 
 For every recipe x device count x mode: our planner (``plan_cluster``) and every baseline of
 ``onnx_partition.solve.baselines`` (uniform, parameter- and time-balanced splits on the best
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import random
 import statistics
 import tempfile
 import time
@@ -192,6 +194,53 @@ def judge_cell(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
     return f"{dp / judged.period_ms:.4f}" + ("" if judged.optimal else " (not proven)")
 
 
+def judge_suite(count: int, units: int, seed: int = 0) -> int:
+    """The hybrid DP against the CP-SAT judge on ``count`` random training sequences of 2 to
+    ``units`` positions on 2 to 8 devices, memory set so that it binds (1.2-2.5x the weights
+    and optimizer state spread over the devices, at least one unit's need with every
+    micro-batch in flight), transfers and all-reduce priced: one row each, then the worst gap
+    and the disagreements on whether any plan fits."""
+    rng = random.Random(seed)
+    print("| # | units | devices | M | memory | DP period | judge period | proven | gap | "
+          "judge s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    worst, disagree = 0.0, 0
+    for k in range(count):
+        n, devices = rng.randint(2, units), rng.randint(2, JUDGE_DEVICES)
+
+        def draw(top: float, size: int = n) -> list[float]:
+            return [rng.uniform(0.0, top) for _ in range(size)]
+
+        seq = SequenceCosts(draw(2.0), draw(4.0), draw(1e6), draw(2e6),
+                            [0.0, *draw(5e5, n - 1), 0.0])
+        m = rng.choice([4, 8, 16])
+        # binding: the weights and optimizer state of all spread over the devices, 1.2-2.5x,
+        # and at least one unit's need with all M micro-batches in flight
+        one = max(4.0 * w + m * (a + c) for w, a, c in zip(
+            seq.param_bytes, seq.activation_bytes, seq.cut_bytes, strict=False))
+        memory = max(one, rng.uniform(1.2, 2.5) * 4.0 * sum(seq.param_bytes) / devices)
+        config = HybridConfig(devices=devices, train=True, microbatches=m, memory_bytes=memory,
+                              link_bytes_per_ms=1e6, link_latency_ms=0.01)
+        began = time.perf_counter()
+        judged = judge_hybrid(seq, config, time_limit_s=120.0)
+        took = time.perf_counter() - began
+        try:
+            dp = max(st.period_ms for st in plan_hybrid(seq, config)[0])
+        except PartitionError:
+            dp = math.inf
+        if math.isinf(dp) or math.isinf(judged.period_ms):
+            gap = 0.0 if dp == judged.period_ms else math.inf
+            disagree += dp != judged.period_ms
+        else:
+            gap = max(0.0, dp - judged.period_ms - judged.tolerance_ms) / judged.period_ms
+        worst = max(worst, gap)
+        print(f"| {k} | {n} | {devices} | {config.microbatches} | "
+              f"{config.memory_bytes / 1e6:.2f} MB | {dp:.4f} | {judged.period_ms:.4f} | "
+              f"{judged.optimal} | {gap:.4%} | {took:.1f} |", flush=True)
+    print(f"\nworst gap of the DP to the judge: {worst:.4%} over {count} instances (target 0); "
+          f"disagreements on whether a plan fits: {disagree} (target 0)")
+    return 0
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else math.nan
 
@@ -208,7 +257,13 @@ def main() -> int:
     parser.add_argument("--pipedream-states", type=int, default=MAX_STATES)
     parser.add_argument("--big-nodes", type=int, default=5000)
     parser.add_argument("--cache", type=Path, default=None, help="keep exports here")
+    parser.add_argument("--judge-suite", type=int, default=0, metavar="N",
+                        help="only: the hybrid DP against the CP-SAT judge on N random training "
+                             "sequences under memory (--judge-units, <= 8 devices)")
+    parser.add_argument("--judge-units", type=int, default=JUDGE_UNITS)
     args = parser.parse_args()
+    if args.judge_suite:
+        return judge_suite(args.judge_suite, args.judge_units)
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
