@@ -249,7 +249,10 @@ def _fewest_devices(
     """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
     memory (``_NONE`` or more: impossible); with the chosen end and replica count per (q, i).
     ``fits`` says where a stage is within memory when that does not depend on the plan
-    (inference); in training each stage's memory is checked in front of the suffix chosen:
+    (inference, or no stage could overflow): then this is exact. Otherwise (``fits`` None)
+    it keeps one suffix per device count, so it only bounds the exact DP
+    (:func:`_exact_fewest`) from above: each stage's memory is checked in front of the suffix
+    chosen:
     its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
     replica count and warm-up (:func:`~onnx_partition.pipeline.memory.held_in_front`), a
     small table looked up for the stages that could overflow at all (``tables.risky``) and
