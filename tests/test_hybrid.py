@@ -227,3 +227,13 @@ def test_hybrid_plan_end_to_end(tmp_path):
         outputs = dict(zip(
                     [o.name for o in session.get_outputs()], session.run(None, feeds)))
     assert_same(outputs, run_whole(model, feeds))
+
+
+def test_inference_memory_error_holds_one_microbatch():
+    """Inference keeps one micro-batch in flight whatever the replicas: the least-memory plan
+    on 2 devices is 2 + 2 positions (14 and 12 bytes), not one a 1F1B count would pick."""
+    costs = SequenceCosts([1.0] * 4, [0.0] * 4, [5.0] * 4, [3.0, 1.0, 1.0, 1.0], [0.0] * 5)
+    with pytest.raises(PartitionError, match=r"least \(2 stages, replicas \[1, 1\]\) is over it "
+                                             r"in stage 0 \(positions 0..1\) needs 14 B, 7 B "
+                                             r"over; stage 1 \(positions 2..3\) needs 12 B"):
+        plan_hybrid(costs, HybridConfig(devices=2, memory_bytes=7.0, microbatches=8))

@@ -350,7 +350,8 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
     end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
     after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
     steps = [[boundary_step(a, b) for b in choices] for a in choices]
-    held = [[-(-min(w + 1, m) // r) for w in range(wc)] for r in choices]
+    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(wc)]
+            for r in choices]  # inference: the micro-batch being computed
     rows = np.arange(n + 1)
     # Each replica count's stages within tau, as bands: ok[c][i, k] for the stage [i, i+1+k)
     bands = []
