@@ -590,6 +590,8 @@ def plan_on_cluster(
         "orderings": {k: {what: round(ms, 6) for what, ms in v.items()}
                       for k, v in per_ordering.items()},
         "planning_s": round(best.planning_s, 4),
+        # what more devices would buy, and why devices are left unused
+        **({"devices_notes": list(best.notes)} if best.notes else {}),
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
         # the simulator's exact inputs, so `simulate` and `report` replay this very plan
         "simulator_costs": {

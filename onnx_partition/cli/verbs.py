@@ -256,6 +256,8 @@ def _partition(args: argparse.Namespace) -> int:
         return 0
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
+    for note in plan.extra.get("devices_notes", []):
+        print(note)
     print(priced_by(plan))
     print(devices_line(plan))
     quality = proof_line(plan)

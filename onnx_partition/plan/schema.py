@@ -255,6 +255,7 @@ class PlanSchema(BaseModel):
     cluster: Anything | None = None  # the cluster planned for (Cluster.to_json)
     orderings: dict[str, Anything] | None = None
     planning_s: Seconds | None = None
+    devices_notes: list[str] | None = None  # what more devices would buy, why some are unused
     allreduce_ms: list[Ms] | None = None
     simulator_costs: Anything | None = None  # checked by pipeline.from_plan
 
