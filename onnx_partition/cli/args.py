@@ -245,7 +245,12 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="the ONNX model to measure")
+    p.add_argument("model", type=Path, nargs="?", help="the ONNX model to measure")
+    p.add_argument("--plan", type=Path, metavar="PLAN",
+                   help="calibrate the plan folder PLAN instead: time each stage alone and all "
+                        "side by side (as run), re-price, re-cut if that moves the optimum "
+                        "(at most --rounds times), write the plan in place (or to -o)")
+    p.add_argument("--rounds", type=int, default=3, help="with --plan: most re-cuts")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     _shape_args(p)
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
@@ -254,7 +259,8 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: each node's forward in onnxruntime; train: each torch op's "
                         "forward and backward in torch eager, from the program MODEL.pt2")
-    p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
+    p.add_argument("-o", "--output", type=Path,
+                   help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
 
 def _partition_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,288 @@
+"""``profile --plan``: calibrate a written plan on its own stages, and re-cut when that moves
+the optimum.
+
+A plan is priced on per-node costs (a profile, or the analytic model); the pipeline runs each
+stage as one session beside the others, which the per-node sum does not see (``run`` measured
+0.59-0.87x of ``simulate`` on CPU at 2 stages). Calibration closes that loop:
+
+1. **Measure** (:func:`onnx_partition.cost.profile.stages.time_stages`): every stage's file in
+   onnxruntime on its devices, with the plan's threads per stage, at its micro-batch shape (its
+   inputs from one pass of random model inputs through the stages), alone and all stage
+   replicas side by side in threads as ``run`` runs them.
+2. **Re-price** (:func:`~onnx_partition.cost.profile.stages.reprice`): the nodes of each stage
+   scaled so the stage costs its side-by-side time.
+3. **Re-solve** with those costs (the plan's own options: stages, mode, micro-batches, solver,
+   link, cluster, input shapes). The same stages: the plan is at the calibrated optimum, stop.
+   Other stages: they are written aside, measured in turn (back to 1), at most ``rounds`` times.
+
+The plan written is the measured one with the smallest measured bottleneck (on a tie, the
+later); its stages' ``predicted.compute_ms`` are their side-by-side times and its totals follow
+from them. plan.json says so in ``calibrated``: each round's stages and times, the threads,
+repeats and warmup, and whether the optimum held. The folder is published atomically
+(:func:`onnx_partition.plan.folder.publish`), in place or to ``out``.
+
+Train plans are refused: their stages are torch modules, timed by ``train --record`` (issue 20
+item 6 names the stage module; not built yet).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.cost.annotate import CostsFile, annotate, load_costs
+from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.costs_file import check_costs, provenance, rescale
+from onnx_partition.cost.profile.stages import StageTimes, reprice, time_stages
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.partition import SOLVERS, partition
+from onnx_partition.plan import Plan, read_plan
+from onnx_partition.plan.folder import publish
+
+__all__ = ["Calibration", "calibrate_plan", "measure_plan", "stage_keys"]
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate_plan` did: the plan written, and per round the stages measured
+    (their node counts), their priced and measured ms, and whether re-solving moved the cut."""
+
+    plan: Plan
+    out: Path
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    converged: bool = False
+    chosen: int = 0  # the round whose stages were written
+
+
+def stage_keys(plan: Plan) -> list[list[str]]:
+    """Node keys of each stage (the cut)."""
+    return [list(s.nodes) for s in plan.stages]
+
+
+def _feeds_per_stage(plan: Plan, stages: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    """Each stage's inputs at the plan's micro-batch: random model inputs run through the
+    stages once, in order (replica 0)."""
+    from onnx_partition.runtime.infer.check import random_feeds
+
+    env: dict[str, Any] = dict(random_feeds(plan, batch_size=plan.rows_per_microbatch))
+    feeds = []
+    for replicas in stages:
+        first = replicas[0]
+        feed = {name: env[name] for name in first.inputs}
+        feeds.append(feed)
+        env.update(zip(first.outputs, first.session.run(first.outputs, feed), strict=True))
+    return feeds
+
+
+def measure_plan(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
+                 repeats: int = 10, warmup: int = 2) -> StageTimes:
+    """Each stage replica of the inference plan in ``folder`` timed alone and side by side
+    (its session on its device, ``threads_per_stage`` intra-op threads, as ``run``); per stage
+    the mean over its replicas."""
+    from onnx_partition.runtime.infer.sessions import load_stages
+
+    plan, stages = load_stages(folder, threads_per_stage=threads_per_stage)
+    feeds = _feeds_per_stage(plan, stages)
+    runs, owner = [], []
+    for k, replicas in enumerate(stages):
+        for replica in replicas:
+            runs.append(lambda r=replica, f=feeds[k]: r.session.run(r.outputs, f))
+            owner.append(k)
+    timed = time_stages(runs, repeats=repeats, warmup=warmup)
+
+    def per_stage(values: Sequence[float]) -> list[float]:
+        out = []
+        for k in range(len(stages)):
+            mine = [v for v, o in zip(values, owner, strict=True) if o == k]
+            out.append(sum(mine) / len(mine))
+        return out
+
+    return StageTimes(per_stage(timed.alone_ms), per_stage(timed.together_ms), repeats, warmup)
+
+
+def _base_costs(plan: Plan, graph: OpGraph) -> dict[str, float]:
+    """Forward ms per compute node key as the plan was priced: its costs file when it is still
+    there, else the analytic device it records."""
+    model = plan.device_model or {}
+    costs = None
+    if model.get("source") == "costs" and model.get("file") and Path(model["file"]).is_file():
+        costs = load_costs(model["file"])
+    if costs is not None:
+        node_costs = annotate(graph, costs=costs)
+        node_costs = rescale(node_costs, graph, list(costs.nodes), check_costs(costs,
+                                                                               graph).scale)
+    else:
+        device = DeviceSpec.cpu()
+        if model.get("source") == "analytic" and model.get("peak_tflops"):
+            device = DeviceSpec(str(model.get("name", "analytic")),
+                                peak_gflops=float(model["peak_tflops"]) * 1e3,
+                                mem_gbps=float(model.get("mem_gbps", 10.0)),
+                                launch_overhead_ms=float(model.get("launch_overhead_ms", 0.0)))
+        node_costs = annotate(graph, device=device)
+    return {graph.nodes[g].key: node_costs.forward_ms[g] for g in graph.compute_nodes}
+
+
+def _costs_file(graph: OpGraph, costs: dict[str, float], device: str, path: str) -> CostsFile:
+    body = {"source": "profile --plan", **provenance(graph, device),
+            "nodes": {k: {"forward_ms": v} for k, v in costs.items()}}
+    return CostsFile(path, body, {k: {"forward_ms": v} for k, v in costs.items()})
+
+
+def _cluster_of(plan: Plan) -> Cluster | None:
+    body = plan.extra.get("cluster")
+    if not isinstance(body, dict):
+        return None
+    inf = body.get("memory_gb")
+    return Cluster(machines=int(body["machines"]),
+                   devices_per_machine=int(body["devices_per_machine"]),
+                   memory_gb=math.inf if inf is None else float(inf),
+                   speed=float(body.get("speed", 1.0)), kind=str(body.get("kind", "cpu")),
+                   gpu=body.get("gpu"),
+                   intra=Link(**body["intra"]), inter=Link(**body["inter"]))
+
+
+def _resolve(model: Path, plan: Plan, graph: OpGraph, costs: CostsFile, out: Path) -> Plan:
+    link = plan.extra.get("link")
+    cluster = _cluster_of(plan)
+    return partition(
+        model, len(plan.stages), out, costs=costs, input_shapes=plan.input_shapes,
+        mode=plan.mode, microbatches=plan.microbatches, ordering="auto",
+        solver=plan.solver if plan.solver in SOLVERS and cluster is None else "dp",
+        link=Link(**link) if isinstance(link, dict) and cluster is None else None,
+        cluster=cluster, force=True, check=False)
+
+
+def _bottleneck(plan: Plan, together: Sequence[float]) -> float:
+    return max(t + (s.predicted.comm_ms if s.predicted else 0.0)
+               for t, s in zip(together, plan.stages, strict=True))
+
+
+def _calibrated(plan: Plan, together: Sequence[float]) -> None:
+    """``plan`` priced with its measured stage times (compute_ms, and the totals from them)."""
+    from onnx_partition.pipeline.from_plan import simulate_plan
+
+    for stage, ms in zip(plan.stages, together, strict=True):
+        if stage.predicted is not None:
+            stage.predicted.compute_ms = round(ms, 6)
+    if "bottleneck_ms" in plan.predicted:
+        bottleneck = _bottleneck(plan, together)
+        plan.predicted["bottleneck_ms"] = round(bottleneck, 6)
+        if bottleneck > 0:
+            plan.predicted["throughput_per_s"] = round(1000.0 / bottleneck, 3)
+    if "iteration_ms" in plan.predicted:
+        result, _ = simulate_plan(plan)
+        plan.predicted["iteration_ms"] = round(result.iteration_ms, 6)
+        plan.predicted["throughput_per_s"] = round(result.throughput_per_s, 3)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _publish(source: Path, plan: Plan, out: Path) -> None:
+    """The plan folder ``source`` with ``plan`` as its plan.json, published as ``out``."""
+    model = (source / plan.model).resolve() if plan.model else None
+    program = (source / plan.program).resolve() if plan.program else None
+
+    def write(tmp: Path) -> dict[str, Any]:
+        for path in sorted(source.rglob("*")):
+            name = path.relative_to(source)
+            if path.is_file() and name.as_posix() in (plan.manifest or {}):
+                _link_or_copy(path, tmp / name)
+        here = Path(os.path.abspath(out)).resolve()
+        if model is not None:
+            plan.model = os.path.relpath(model, here)
+        if program is not None:
+            plan.program = os.path.relpath(program, here)
+        body = plan.to_json()
+        body.pop("manifest", None)
+        return body
+
+    protect = [model] if model is not None else []
+    plan.manifest = publish(out, write, force=True, protect=protect)
+
+
+def calibrate_plan(
+    folder: str | os.PathLike[str],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    rounds: int = 3,
+    threads_per_stage: int = 1,
+    repeats: int = 10,
+    warmup: int = 2,
+) -> Calibration:
+    """Calibrate the inference plan in ``folder`` (module docstring); write it to ``out``
+    (default: in place). Raises :class:`PartitionError` on a train plan or bad counts."""
+    folder = Path(folder)
+    target = Path(out) if out is not None else folder
+    if rounds < 1 or threads_per_stage < 1 or repeats < 1 or warmup < 0:
+        raise PartitionError("--rounds, --threads and --repeats must be at least 1, --warmup "
+                             "at least 0")
+    plan = read_plan(folder)
+    if plan.mode == "train":
+        raise PartitionError(f"{folder} is a train plan: profile --plan calibrates inference "
+                             "plans (train --record measures a train plan's stages)")
+    if not plan.model or not (folder / plan.model).is_file():
+        raise PartitionError(f"{folder}: the model the plan was cut from ({plan.model or '?'}) "
+                             "is missing; calibration re-cuts it")
+    model = (folder / plan.model).resolve()
+    graph = load(model, input_shapes=plan.input_shapes)
+    costs = _base_costs(plan, graph)
+    device = (plan.stages[0].devices or ["cpu"])[0]
+    aside = target.parent / f".{target.name}.calibrating"
+    shutil.rmtree(aside, ignore_errors=True)
+    result = Calibration(plan, target)
+    measured: list[tuple[float, Path, Plan, list[float]]] = []
+    current, current_dir = plan, folder
+    try:
+        for round_ in range(rounds):
+            times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
+                                 repeats=repeats, warmup=warmup)
+            keys = stage_keys(current)
+            priced = [sum(costs.get(k, 0.0) for k in nodes) for nodes in keys]
+            bottleneck = _bottleneck(current, times.together_ms)
+            measured.append((bottleneck, current_dir, current, times.together_ms))
+            costs = reprice(costs, keys, times.together_ms)
+            result.rounds.append({
+                "stages": [len(n) for n in keys], "priced_ms": [round(p, 6) for p in priced],
+                "alone_ms": [round(t, 6) for t in times.alone_ms],
+                "together_ms": [round(t, 6) for t in times.together_ms],
+                "bottleneck_ms": round(bottleneck, 6)})
+            fresh = aside / f"round{round_ + 1}"
+            proposal = _resolve(model, current, graph,
+                                _costs_file(graph, costs, device, "profile --plan"), fresh)
+            if stage_keys(proposal) == keys:
+                result.converged = True
+                result.rounds[-1]["resolved"] = "same stages"
+                break
+            result.rounds[-1]["resolved"] = "moved: " + "/".join(
+                str(len(s.nodes)) for s in proposal.stages)
+            if round_ + 1 == rounds:
+                break
+            current, current_dir = proposal, fresh
+        best = min(range(len(measured)), key=lambda i: (measured[i][0], -i))
+        _, source, chosen, together = measured[best]
+        result.chosen = best
+        _calibrated(chosen, together)
+        chosen.extra["calibrated"] = {
+            "by": "profile --plan", "executor": "onnxruntime", "device": device,
+            "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
+            "side_by_side": "threads, one per stage replica, as run",
+            "converged": result.converged, "chosen_round": best + 1,
+            "rounds": result.rounds}
+        _publish(source, chosen, target)
+        result.plan = chosen
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    return result
