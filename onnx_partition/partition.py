@@ -16,6 +16,7 @@ from typing import Any
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
+from onnx_partition.cost.aten import ANALYTIC_BACKWARD, with_aten_backward
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
@@ -172,6 +173,9 @@ def partition(
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
     priced = device_model(device, costs, cluster, strict=strict_costs)
+    aten = None
+    if mode == "train" and costs is None and device is not None and device.kind == "cuda":
+        node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -197,7 +201,7 @@ def partition(
         plan.extra["costs"]["backward"] = (
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
-            else "estimated")
+            else ANALYTIC_BACKWARD if aten else "estimated")
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
     plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
     if checked is not None:
@@ -266,10 +270,12 @@ def priced_by(plan: Plan) -> str:
     model = plan.device_model
     if model is None:
         return "priced by: unknown (plan.json has no device_model)"
+    backward = (plan.extra.get("costs") or {}).get("backward")
     estimated = (
         "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
-        if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
-        else "")
+        if plan.mode == "train" and backward not in ("measured", ANALYTIC_BACKWARD) else
+        "; backward per aten op of the program (roofline)" if plan.mode == "train"
+        and backward == ANALYTIC_BACKWARD else "")
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
