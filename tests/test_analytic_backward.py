@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from onnx_partition import export
-from onnx_partition.cost.analytic import AtenOp, DeviceSpec, aten_backward, aten_backward_ms
+from onnx_partition.cost.analytic import (
+    AtenOp,
+    DeviceSpec,
+    aten_backward,
+    aten_backward_ms,
+    aten_kernels,
+)
 from onnx_partition.cost.aten import ANALYTIC_BACKWARD, aten_ops, backward_per_node
 from onnx_partition.graph import load
 from onnx_partition.partition import partition, priced_by
@@ -92,6 +98,10 @@ def test_roofline_time_of_a_backward() -> None:
     mm = AtenOp("mm", [(3, 5), (5, 7)], [F, F], [True, False], [(3, 7)], [F])
     flops, moved = aten_backward(mm)  # 210 FLOPs, 284 bytes: memory bound at 1 GB/s
     assert aten_backward_ms(mm, device) == pytest.approx(0.5 + max(flops, moved) / 1e6)
+    linear = AtenOp("linear", [(3, 5), (7, 5), (7,)], [F] * 3, [True] * 3, [(3, 7)], [F])
+    flops, moved = aten_backward(linear)  # dX, dW and db: three kernels
+    assert aten_kernels(linear) == 3
+    assert aten_backward_ms(linear, device) == pytest.approx(1.5 + max(flops, moved) / 1e6)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.simulate import backward_factor as _backward_factor
 
 __all__ = ["DENSE", "AtenOp", "DeviceSpec", "OpInfo", "Shape", "aten_backward",
-           "aten_backward_ms", "aten_class", "backward_factor", "backward_ms", "bytes_moved",
-           "flops", "forward_ms", "op_class"]
+           "aten_backward_ms", "aten_class", "aten_kernels", "backward_factor", "backward_ms",
+           "bytes_moved", "flops", "forward_ms", "op_class"]
 
 Shape = tuple[int, ...]
 
@@ -615,10 +615,22 @@ def aten_class(name: str) -> str:
     return "elementwise"
 
 
+def aten_kernels(op: AtenOp) -> int:
+    """Kernels one op's backward launches: a matrix product or convolution one per gradient it
+    computes (input, weight, bias), layer norm two (dX; dW and dB together) when its weights
+    need gradients, any other op one."""
+    grads = sum(1 for i in range(len(op.inputs)) if _arg(op, i)[2])
+    if op.name in _MATMULS or op.name in _CONVS:
+        return max(grads, 1)
+    if op.name in _LAYER_NORM:
+        return 1 + (_arg(op, 0)[2] and (_arg(op, 2)[2] or _arg(op, 3)[2]))
+    return 1
+
+
 def aten_backward_ms(op: AtenOp, device: DeviceSpec) -> float:
-    """Roofline time of one op's backward (:func:`aten_backward`) on ``device``: one launch
-    overhead plus ``max(flops / (peak x eff_c), bytes / (bandwidth x eff_m))``; 0 when it has
-    no backward work."""
+    """Roofline time of one op's backward (:func:`aten_backward`) on ``device``: a launch
+    overhead per kernel (:func:`aten_kernels`) plus ``max(flops / (peak x eff_c), bytes /
+    (bandwidth x eff_m))``; 0 when it has no backward work."""
     flops_, bytes_ = aten_backward(op)
     if flops_ <= 0 and bytes_ <= 0:
         return 0.0
@@ -629,5 +641,5 @@ def aten_backward_ms(op: AtenOp, device: DeviceSpec) -> float:
         peak = device.half_gflops if half else device.peak_gflops
     else:
         peak = device.vector_gflops or device.peak_gflops
-    return device.launch_overhead_ms + max(flops_ / (peak * compute_eff * 1e6),
-                                           bytes_ / (device.mem_gbps * memory_eff * 1e6))
+    return aten_kernels(op) * device.launch_overhead_ms + max(
+        flops_ / (peak * compute_eff * 1e6), bytes_ / (device.mem_gbps * memory_eff * 1e6))
