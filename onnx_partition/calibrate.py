@@ -22,8 +22,9 @@ from them. plan.json says so in ``calibrated``: each round's stages and times, t
 repeats and warmup, and whether the optimum held. The folder is published atomically
 (:func:`onnx_partition.plan.folder.publish`), in place or to ``out``.
 
-Train plans are refused: their stages are torch modules, timed by ``train --record`` (issue 20
-item 6 names the stage module; not built yet).
+A train plan's stages are torch modules: :mod:`onnx_partition.calibrate_train` times each
+one's forward and backward (alone, and side by side in one process per stage as the ranks run),
+and forward and backward are re-priced apart.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def measure_plan(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
     return StageTimes(per_stage(timed.alone_ms), per_stage(timed.together_ms), repeats, warmup)
 
 
-def _base_costs(plan: Plan, graph: OpGraph) -> dict[str, float]:
-    """Forward ms per compute node key as the plan was priced: its costs file when it is still
-    there, else the analytic device it records."""
+def _base_costs(plan: Plan, graph: OpGraph) -> tuple[dict[str, float], dict[str, float]]:
+    """Forward and backward ms per compute node key as the plan was priced: its costs file
+    when it is still there, else the analytic device it records."""
     model = plan.device_model or {}
     costs = None
     if model.get("source") == "costs" and model.get("file") and Path(model["file"]).is_file():
@@ -132,13 +133,18 @@ def _base_costs(plan: Plan, graph: OpGraph) -> dict[str, float]:
                                 mem_gbps=float(model.get("mem_gbps", 10.0)),
                                 launch_overhead_ms=float(model.get("launch_overhead_ms", 0.0)))
         node_costs = annotate(graph, device=device)
-    return {graph.nodes[g].key: node_costs.forward_ms[g] for g in graph.compute_nodes}
+    keys = {g: graph.nodes[g].key for g in graph.compute_nodes}
+    return ({k: node_costs.forward_ms[g] for g, k in keys.items()},
+            {k: node_costs.backward_ms[g] for g, k in keys.items()})
 
 
-def _costs_file(graph: OpGraph, costs: dict[str, float], device: str, path: str) -> CostsFile:
-    body = {"source": "profile --plan", **provenance(graph, device),
-            "nodes": {k: {"forward_ms": v} for k, v in costs.items()}}
-    return CostsFile(path, body, {k: {"forward_ms": v} for k, v in costs.items()})
+def _costs_file(graph: OpGraph, forward: dict[str, float], backward: dict[str, float] | None,
+                device: str) -> CostsFile:
+    nodes = {k: {"forward_ms": v} | ({"backward_ms": backward[k]} if backward else {})
+             for k, v in forward.items()}
+    body = {"source": "profile --plan", **provenance(graph, device), "nodes": nodes,
+            **({"mode": "train"} if backward else {})}
+    return CostsFile("profile --plan", body, nodes)
 
 
 def _cluster_of(plan: Plan) -> Cluster | None:
@@ -177,13 +183,21 @@ def _bottleneck(plan: Plan, together: Sequence[float]) -> float:
                for t, s in zip(together, plan.stages, strict=True))
 
 
-def _calibrated(plan: Plan, together: Sequence[float]) -> None:
-    """``plan`` priced with its measured stage times (compute_ms, and the totals from them)."""
+def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float]) -> None:
+    """``plan`` priced with its measured stage times (compute_ms, forward_ms and backward_ms in
+    training, and the totals from them)."""
     from onnx_partition.pipeline.from_plan import simulate_plan
 
-    for stage, ms in zip(plan.stages, together, strict=True):
+    together = [f + b for f, b in zip(forward, backward, strict=True)]
+    train = plan.mode == "train"
+    for stage, f, b in zip(plan.stages, forward, backward, strict=True):
         if stage.predicted is not None:
-            stage.predicted.compute_ms = round(ms, 6)
+            stage.predicted.compute_ms = round(f + b, 6)
+            if train:
+                stage.predicted.forward_ms, stage.predicted.backward_ms = round(f, 6), round(b, 6)
+    if train and isinstance(plan.simulator_costs, dict):
+        plan.simulator_costs["forward_ms"] = [round(f, 6) for f in forward]
+        plan.simulator_costs["backward_ms"] = [round(b, 6) for b in backward]
     if "bottleneck_ms" in plan.predicted:
         bottleneck = _bottleneck(plan, together)
         plan.predicted["bottleneck_ms"] = round(bottleneck, 6)
@@ -226,6 +240,16 @@ def _publish(source: Path, plan: Plan, out: Path) -> None:
     plan.manifest = publish(out, write, force=True, protect=protect)
 
 
+def _executor(train: bool) -> str:
+    if train:
+        from onnx_partition.cost.profile.train import executor
+
+        return executor()
+    import onnxruntime
+
+    return f"onnxruntime {onnxruntime.__version__}"
+
+
 def calibrate_plan(
     folder: str | os.PathLike[str],
     *,
@@ -235,52 +259,67 @@ def calibrate_plan(
     repeats: int = 10,
     warmup: int = 2,
 ) -> Calibration:
-    """Calibrate the inference plan in ``folder`` (module docstring); write it to ``out``
-    (default: in place). Raises :class:`PartitionError` on a train plan or bad counts."""
+    """Calibrate the plan in ``folder`` (module docstring; a train plan's stage modules:
+    :mod:`onnx_partition.calibrate_train`); write it to ``out`` (default: in place). Raises
+    :class:`PartitionError` on bad counts or a plan whose model is gone."""
     folder = Path(folder)
     target = Path(out) if out is not None else folder
     if rounds < 1 or threads_per_stage < 1 or repeats < 1 or warmup < 0:
         raise PartitionError("--rounds, --threads and --repeats must be at least 1, --warmup "
                              "at least 0")
     plan = read_plan(folder)
-    if plan.mode == "train":
-        raise PartitionError(f"{folder} is a train plan: profile --plan calibrates inference "
-                             "plans (train --record measures a train plan's stages)")
+    train = plan.mode == "train"
     if not plan.model or not (folder / plan.model).is_file():
         raise PartitionError(f"{folder}: the model the plan was cut from ({plan.model or '?'}) "
                              "is missing; calibration re-cuts it")
     model = (folder / plan.model).resolve()
     graph = load(model, input_shapes=plan.input_shapes)
-    costs = _base_costs(plan, graph)
+    costs, backward = _base_costs(plan, graph)
     device = (plan.stages[0].devices or ["cpu"])[0]
     aside = target.parent / f".{target.name}.calibrating"
     shutil.rmtree(aside, ignore_errors=True)
     result = Calibration(plan, target)
-    measured: list[tuple[float, Path, Plan, list[float]]] = []
+    measured: list[tuple[float, Path, Plan, list[float], list[float]]] = []
     current, current_dir = plan, folder
     try:
         for round_ in range(rounds):
-            times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
-                                 repeats=repeats, warmup=warmup)
             keys = stage_keys(current)
-            priced = [sum(costs.get(k, 0.0) for k in nodes) for nodes in keys]
-            bottleneck = _bottleneck(current, times.together_ms)
-            measured.append((bottleneck, current_dir, current, times.together_ms))
-            costs = reprice(costs, keys, times.together_ms)
+            priced = [sum(costs.get(k, 0.0) + (backward.get(k, 0.0) if train else 0.0)
+                          for k in nodes) for nodes in keys]
+            if train:
+                from onnx_partition.calibrate_train import measure_train_plan
+
+                got = measure_train_plan(current_dir, threads=threads_per_stage,
+                                         repeats=repeats, warmup=warmup)
+                fwd, bwd = got["forward_ms"], got["backward_ms"]
+                alone = [f + b for f, b in zip(got["alone_forward_ms"],
+                                               got["alone_backward_ms"], strict=True)]
+                backward = reprice(backward, keys, bwd)
+            else:
+                times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
+                                     repeats=repeats, warmup=warmup)
+                fwd, bwd, alone = times.together_ms, [0.0] * len(keys), times.alone_ms
+            together = [f + b for f, b in zip(fwd, bwd, strict=True)]
+            bottleneck = _bottleneck(current, together)
+            measured.append((bottleneck, current_dir, current, fwd, bwd))
+            costs = reprice(costs, keys, fwd)
             result.rounds.append({
                 "stages": [len(n) for n in keys], "priced_ms": [round(p, 6) for p in priced],
-                "alone_ms": [round(t, 6) for t in times.alone_ms],
-                "together_ms": [round(t, 6) for t in times.together_ms],
+                "alone_ms": [round(t, 6) for t in alone],
+                "together_ms": [round(t, 6) for t in together],
+                **({"forward_ms": [round(t, 6) for t in fwd],
+                    "backward_ms": [round(t, 6) for t in bwd]} if train else {}),
                 "bottleneck_ms": round(bottleneck, 6)})
             fresh = aside / f"round{round_ + 1}"
             proposal = _resolve(model, current, graph,
-                                _costs_file(graph, costs, device, "profile --plan"), fresh)
+                                _costs_file(graph, costs, backward if train else None, device),
+                                fresh)
             if stage_keys(proposal) == keys:
                 result.converged = True
                 result.rounds[-1]["resolved"] = "same stages"
                 break
             measured_now = copy.deepcopy(current)
-            _calibrated(measured_now, times.together_ms)
+            _calibrated(measured_now, fwd, bwd)
             if _score(proposal) >= (1.0 - MIN_GAIN) * _score(measured_now):
                 result.converged = True
                 result.rounds[-1]["resolved"] = (
@@ -293,13 +332,14 @@ def calibrate_plan(
                 break
             current, current_dir = proposal, fresh
         best = min(range(len(measured)), key=lambda i: (measured[i][0], -i))
-        _, source, chosen, together = measured[best]
+        _, source, chosen, fwd, bwd = measured[best]
         result.chosen = best
-        _calibrated(chosen, together)
+        _calibrated(chosen, fwd, bwd)
         chosen.extra["calibrated"] = {
-            "by": "profile --plan", "executor": "onnxruntime", "device": device,
+            "by": "profile --plan", "executor": _executor(train), "device": device,
             "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
-            "side_by_side": "threads, one per stage replica, as run",
+            "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
+                             if train else "threads, one per stage replica, as run"),
             "converged": result.converged, "chosen_round": best + 1,
             "rounds": result.rounds}
         _publish(source, chosen, target)
