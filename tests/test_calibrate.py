@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from support.cli import one_error
 from support.graphs import CHAIN, feeds_for, save
 from support.outputs import assert_same, run_chained, run_whole
 
+from onnx_partition import export
 from onnx_partition.calibrate import calibrate_plan, measure_plan, stage_keys
 from onnx_partition.cli import main
 from onnx_partition.cost.profile.stages import reprice, time_stages
@@ -109,6 +111,28 @@ def test_bad_requests_are_one_line_and_write_nothing(chain_plan, tmp_path, capsy
     train = tmp_path / "train"
     train.mkdir()
     (train / "plan.json").write_text(json.dumps(body))
-    one_error(capsys, ["profile", "--plan", train], "train plan")
+    one_error(capsys, ["profile", "--plan", train], "no exported program")
     assert (folder / "plan.json").read_text() == before
     assert not list(tmp_path.glob(".*calibrating"))
+
+
+def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    model = export(module, (torch.randn(2, 8),), tmp_path / "block.onnx", input_names=["x"])
+    folder = tmp_path / "plan"
+    partition(model, 2, folder, batch_size=4, mode="train")
+    calibrate_plan(folder, rounds=1, repeats=2, warmup=0)
+    plan = read_plan(folder)
+    record = plan.extra["calibrated"]
+    assert record["executor"].startswith("torch ") and "processes" in record["side_by_side"]
+    measured = record["rounds"][0]
+    forward = [s.predicted.forward_ms for s in plan.stages]
+    backward = [s.predicted.backward_ms for s in plan.stages]
+    assert forward == measured["forward_ms"] and backward == measured["backward_ms"]
+    assert plan.simulator_costs["forward_ms"] == forward
+    assert plan.simulator_costs["backward_ms"] == backward
+    for stage, f, b in zip(plan.stages, forward, backward, strict=True):
+        assert stage.predicted.compute_ms == pytest.approx(f + b, abs=1e-6)
+    assert all(b > 0 for b in backward)  # every stage has weights to differentiate
