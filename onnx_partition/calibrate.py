@@ -8,17 +8,21 @@ stage as one session beside the others, which the per-node sum does not see (``r
 1. **Measure** (:func:`onnx_partition.cost.profile.stages.time_stages`): every stage's file in
    onnxruntime on its devices, with the plan's threads per stage, at its micro-batch shape (its
    inputs from one pass of random model inputs through the stages), alone and all stage
-   replicas side by side in threads as ``run`` runs them.
+   replicas side by side in threads as ``run`` runs them; then the plan itself in ``run``'s
+   pipeline (:func:`pipeline_times`): each stage's busy time per micro-batch there is its
+   time, plus what the runtime adds per micro-batch and stage beyond compute and the modelled
+   sends (:func:`hop_overhead`: thread hand-offs, copies; it is most of a stage of 1 ms).
 2. **Re-price** (:func:`~onnx_partition.cost.profile.stages.reprice`): the nodes of each stage
-   scaled so the stage costs its side-by-side time.
+   scaled so the stage costs its measured time.
 3. **Re-solve** with those costs (the plan's own options: stages, mode, micro-batches, solver,
    link, cluster, input shapes). The same stages, or other stages predicted less than
    :data:`MIN_GAIN` faster than the measured ones: the plan is at the calibrated optimum, stop.
    Other stages: they are written aside, measured in turn (back to 1), at most ``rounds`` times.
 
 The plan written is the measured one with the smallest measured bottleneck (on a tie, the
-later); its stages' ``predicted.compute_ms`` are their side-by-side times and its totals follow
-from them. plan.json says so in ``calibrated``: each round's stages and times, the threads,
+later); its stages' ``predicted.compute_ms`` are their measured times (inference: busy in the
+pipeline plus the hop overhead; training: forward + backward side by side) and its totals
+follow from them. plan.json says so in ``calibrated``: each round's stages and times, the threads,
 repeats and warmup, and whether the optimum held. The folder is published atomically
 (:func:`onnx_partition.plan.folder.publish`), in place or to ``out``.
 
@@ -49,7 +53,8 @@ from onnx_partition.partition import SOLVERS, partition
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.folder import publish
 
-__all__ = ["MIN_GAIN", "Calibration", "calibrate_plan", "measure_plan", "stage_keys"]
+__all__ = ["MIN_GAIN", "Calibration", "calibrate_plan", "hop_overhead", "measure_plan",
+           "pipeline_times", "stage_keys"]
 
 #: A re-cut is taken only when its calibrated prediction beats the measured plan's by more than
 #: this fraction: smaller moves are within what timing on a shared machine varies by.
@@ -112,6 +117,52 @@ def measure_plan(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
         return out
 
     return StageTimes(per_stage(timed.alone_ms), per_stage(timed.together_ms), repeats, warmup)
+
+
+def pipeline_times(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
+                   iterations: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
+    """The inference plan in ``folder`` run as ``run`` runs it (a
+    :class:`~onnx_partition.runtime.infer.pipeline.PipelineSession`, its micro-batches): the
+    median iteration ms and each stage's busy ms per micro-batch (mean over its replicas)."""
+    from statistics import median
+
+    from onnx_partition.runtime.infer.check import random_feeds
+    from onnx_partition.runtime.infer.pipeline import PipelineSession
+
+    plan = read_plan(folder)
+    rows = plan.rows_per_microbatch
+    feeds = random_feeds(plan, batch_size=rows * plan.microbatches if rows else None)
+    walls: list[float] = []
+    busy: dict[tuple[int, int], float] = {}
+    with PipelineSession(folder, threads_per_stage=threads_per_stage) as session:
+        for i in range(warmup + iterations):
+            session.run(None, feeds)
+            if i < warmup:
+                continue
+            stats = session.last_stats
+            walls.append(stats.wall_ms)
+            for key, ms in stats.busy_ms.items():
+                busy[key] = busy.get(key, 0.0) + ms / iterations / max(stats.microbatches, 1)
+    per_stage = []
+    for k in range(len(plan.stages)):
+        mine = [v for (stage, _), v in busy.items() if stage == k]
+        per_stage.append(sum(mine) / len(mine) if mine else 0.0)
+    return median(walls), per_stage
+
+
+def hop_overhead(plan: Plan, compute_ms: Sequence[float], wall_ms: float) -> float:
+    """What the runtime adds per stage and micro-batch beyond compute and the modelled sends
+    (thread hand-offs, copies): the measured iteration less the one simulated with
+    ``compute_ms``, over the ``M + S - 1`` steps of a pipeline's critical path; at least 0."""
+    from onnx_partition.pipeline.from_plan import simulate_plan
+
+    trial = copy.deepcopy(plan)
+    for stage, ms in zip(trial.stages, compute_ms, strict=True):
+        if stage.predicted is not None:
+            stage.predicted.compute_ms = ms
+    result, _ = simulate_plan(trial)
+    steps = trial.microbatches + len(trial.stages) - 1
+    return max(0.0, (wall_ms - result.iteration_ms) / steps)
 
 
 def _base_costs(plan: Plan, graph: OpGraph) -> tuple[dict[str, float], dict[str, float]]:
@@ -298,7 +349,9 @@ def calibrate_plan(
             else:
                 times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
                                      repeats=repeats, warmup=warmup)
-                fwd, bwd, alone = times.together_ms, [0.0] * len(keys), times.alone_ms
+                wall, busy = pipeline_times(current_dir, threads_per_stage=threads_per_stage)
+                hop = hop_overhead(current, busy, wall)
+                fwd, bwd, alone = [b + hop for b in busy], [0.0] * len(keys), times.alone_ms
             together = [f + b for f, b in zip(fwd, bwd, strict=True)]
             bottleneck = _bottleneck(current, together)
             measured.append((bottleneck, current_dir, current, fwd, bwd))
@@ -307,6 +360,10 @@ def calibrate_plan(
                 "stages": [len(n) for n in keys], "priced_ms": [round(p, 6) for p in priced],
                 "alone_ms": [round(t, 6) for t in alone],
                 "together_ms": [round(t, 6) for t in together],
+                **({} if train else {
+                    "side_by_side_ms": [round(t, 6) for t in times.together_ms],
+                    "pipeline_busy_ms": [round(t, 6) for t in busy],
+                    "pipeline_iteration_ms": round(wall, 6), "hop_ms": round(hop, 6)}),
                 **({"forward_ms": [round(t, 6) for t in fwd],
                     "backward_ms": [round(t, 6) for t in bwd]} if train else {}),
                 "bottleneck_ms": round(bottleneck, 6)})

@@ -202,9 +202,12 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
         ms = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        beside = (f"side by side {ms(r['side_by_side_ms'])} ms, in the pipeline "
+                  f"{ms(r['pipeline_busy_ms'])} + {r['hop_ms']:.3f} ms per hop"
+                  if "side_by_side_ms" in r else f"side by side {ms(r['together_ms'])} ms")
         _say(f"round {i + 1}: stages of {'/'.join(map(str, r['stages']))} nodes: priced "
-             f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, side by side "
-             f"{ms(r['together_ms'])} ms; re-cut: {r['resolved']}")
+             f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, {beside}; re-cut: "
+             f"{r['resolved']}")
     predicted = done.plan.predicted
     _say(f"wrote {done.out}: calibrated (round {done.chosen + 1} of {len(done.rounds)}, "
          f"{'optimum held' if done.converged else 'stopped at --rounds'}), bottleneck "
