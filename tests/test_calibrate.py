@@ -103,7 +103,7 @@ def test_bad_requests_are_one_line_and_write_nothing(chain_plan, tmp_path, capsy
     model, folder = chain_plan
     before = (folder / "plan.json").read_text()
     one_error(capsys, ["profile", str(model), "--plan", folder], "takes no MODEL")
-    one_error(capsys, ["profile", "--plan", folder, "--rounds", "0"], "at least 1")
+    one_error(capsys, ["profile", "--plan", folder, "--rounds", "0"], "--rounds must be")
     one_error(capsys, ["profile", "--plan", tmp_path / "nowhere"], "not a plan folder")
     one_error(capsys, ["profile", str(model)], "-o COSTS")
     body = json.loads(before)

@@ -498,7 +498,10 @@ _DESCRIPTIONS = {
               "OUTPUT (ONNX) and, beside it, its training program (OUTPUT with suffix .pt2), "
               "which `partition --mode train` and `train` need.",
     "profile": "Read an ONNX model, time every operator on a device with onnxruntime, and "
-               "write the per-node times to OUTPUT (costs.json, for partition --costs).",
+               "write the per-node times to OUTPUT (costs.json, for partition --costs). With "
+               "--plan PLAN: read a plan folder, time its stages alone and side by side, and "
+               "write the plan calibrated (re-cut if that moves the optimum) in place or to "
+               "OUTPUT.",
     "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
                  "--mode train the model's program MODEL.pt2 beside it) and write a plan "
                  "folder: one ONNX file per stage, plan.json and a manifest. Prints the "
