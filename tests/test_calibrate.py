@@ -106,6 +106,7 @@ def test_bad_requests_are_one_line_and_write_nothing(chain_plan, tmp_path, capsy
     one_error(capsys, ["profile", "--plan", folder, "--rounds", "0"], "--rounds must be")
     one_error(capsys, ["profile", "--plan", tmp_path / "nowhere"], "not a plan folder")
     one_error(capsys, ["profile", str(model)], "-o COSTS")
+    one_error(capsys, ["profile", "--plan", folder, "--batch-size", "2"], "own devices")
     body = json.loads(before)
     body["mode"] = "train"
     train = tmp_path / "train"

@@ -195,9 +195,9 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
 
     if args.model is not None:
         raise PartitionError("profile --plan PLAN takes no MODEL (the plan names its model)")
-    if args.device != "cpu" or args.mode != "infer":
-        raise PartitionError("profile --plan times the stages on the plan's own devices and "
-                             "mode: drop --device and --mode")
+    if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
+        raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
+                             "and shapes: drop --device, --mode, --batch-size and --input-shape")
     done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
