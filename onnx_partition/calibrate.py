@@ -153,7 +153,8 @@ def pipeline_times(folder: str | os.PathLike[str], *, threads_per_stage: int = 1
 def hop_overhead(plan: Plan, compute_ms: Sequence[float], wall_ms: float) -> float:
     """What the runtime adds per stage and micro-batch beyond compute and the modelled sends
     (thread hand-offs, copies): the measured iteration less the one simulated with
-    ``compute_ms``, over the ``M + S - 1`` steps of a pipeline's critical path; at least 0."""
+    ``compute_ms``, over the ``ceil(M / r) + S - 1`` steps of a pipeline's critical path (``r``
+    the fewest replicas of a stage); at least 0."""
     from onnx_partition.pipeline.from_plan import simulate_plan
 
     trial = copy.deepcopy(plan)
@@ -161,7 +162,8 @@ def hop_overhead(plan: Plan, compute_ms: Sequence[float], wall_ms: float) -> flo
         if stage.predicted is not None:
             stage.predicted.compute_ms = ms
     result, _ = simulate_plan(trial)
-    steps = trial.microbatches + len(trial.stages) - 1
+    replicas = min(max(1, s.replicas) for s in trial.stages)
+    steps = -(-trial.microbatches // replicas) + len(trial.stages) - 1
     return max(0.0, (wall_ms - result.iteration_ms) / steps)
 
 
