@@ -17,6 +17,7 @@ from typing import Any
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
+from onnx_partition.cost.aten import ANALYTIC_BACKWARD, with_aten_backward
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
@@ -248,6 +249,9 @@ def partition(
     kinds = None
     if files is not None:
         kinds, priced = price_kinds(graph, files, strict=strict_costs)
+    aten = None
+    if mode == "train" and costs is None and device is not None and device.kind == "cuda":
+        node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -279,7 +283,7 @@ def partition(
         plan.extra["costs"]["backward"] = (
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
-            else "estimated")
+            else ANALYTIC_BACKWARD if aten else "estimated")
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
@@ -352,10 +356,12 @@ def priced_by(plan: Plan) -> str:
     model = plan.device_model
     if model is None:
         return "priced by: unknown (plan.json has no device_model)"
+    backward = (plan.extra.get("costs") or {}).get("backward")
     estimated = (
         "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
-        if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
-        else "")
+        if plan.mode == "train" and backward not in ("measured", ANALYTIC_BACKWARD) else
+        "; backward per aten op of the program (roofline)" if plan.mode == "train"
+        and backward == ANALYTIC_BACKWARD else "")
     if model.get("source") == "kinds":  # a fleet: each GPU kind by its own model
         return "priced by: each GPU kind on its own: " + "; ".join(
             f"{kind} by costs file {m.get('file')}" if m.get("source") == "costs" else

@@ -129,6 +129,7 @@ OPTIONS: dict[str, Rule] = {
     "machines": Rule(int, 1, MAX_DEVICES, "machines"),
     "nproc": Rule(int, 1, MAX_DEVICES, "processes"),
     "repeats": Rule(int, 1, MAX_COUNT),
+    "rounds": Rule(int, 1, 100, "rounds"),
     "threads": Rule(int, 1, 4096, "threads"),
     "threads_per_stage": Rule(int, 1, 4096, "threads"),
     "iterations": Rule(int, 1, MAX_COUNT),

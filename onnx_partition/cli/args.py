@@ -393,7 +393,12 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="the ONNX model to measure")
+    p.add_argument("model", type=Path, nargs="?", help="the ONNX model to measure")
+    p.add_argument("--plan", type=Path, metavar="PLAN",
+                   help="calibrate the plan folder PLAN instead: time each stage alone and all "
+                        "side by side (as run), re-price, re-cut if that moves the optimum "
+                        "(at most --rounds times), write the plan in place (or to -o)")
+    p.add_argument("--rounds", type=int, default=3, help="with --plan: most re-cuts")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     _shape_args(p)
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
@@ -402,7 +407,8 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: each node's forward in onnxruntime; train: each torch op's "
                         "forward and backward in torch eager, from the program MODEL.pt2")
-    p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
+    p.add_argument("-o", "--output", type=Path,
+                   help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
 
 def _partition_args(p: argparse.ArgumentParser) -> None:
@@ -672,7 +678,10 @@ _DESCRIPTIONS = {
               "OUTPUT (ONNX) and, beside it, its training program (OUTPUT with suffix .pt2), "
               "which `partition --mode train` and `train` need.",
     "profile": "Read an ONNX model, time every operator on a device with onnxruntime, and "
-               "write the per-node times to OUTPUT (costs.json, for partition --costs).",
+               "write the per-node times to OUTPUT (costs.json, for partition --costs). With "
+               "--plan PLAN: read a plan folder, time its stages alone and side by side, and "
+               "write the plan calibrated (re-cut if that moves the optimum) in place or to "
+               "OUTPUT.",
     "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
                  "--mode train the model's program MODEL.pt2 beside it) and write a plan "
                  "folder: one ONNX file per stage, plan.json and a manifest. Prints the "

@@ -161,6 +161,10 @@ def _profile(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.threads < 1:
         raise PartitionError("--repeats and --threads must be at least 1")
     started = time.perf_counter()
+    if args.plan is not None:
+        return _profile_plan(args, started)
+    if args.model is None or args.output is None:
+        raise PartitionError("profile needs MODEL and -o COSTS (or --plan PLAN)")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.train import profile_train_to_file
 
@@ -183,6 +187,32 @@ def _profile(args: argparse.Namespace) -> int:
           f"whole model {result.whole_model_ms:.3f} ms (per-node sum before calibration "
           f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
           f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _profile_plan(args: argparse.Namespace, started: float) -> int:
+    from onnx_partition.calibrate import calibrate_plan
+
+    if args.model is not None:
+        raise PartitionError("profile --plan PLAN takes no MODEL (the plan names its model)")
+    if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
+        raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
+                             "and shapes: drop --device, --mode, --batch-size and --input-shape")
+    done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
+                          threads_per_stage=args.threads, repeats=args.repeats)
+    for i, r in enumerate(done.rounds):
+        ms = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        beside = (f"side by side {ms(r['side_by_side_ms'])} ms, in the pipeline "
+                  f"{ms(r['pipeline_busy_ms'])} + {r['hop_ms']:.3f} ms per hop"
+                  if "side_by_side_ms" in r else f"side by side {ms(r['together_ms'])} ms")
+        _say(f"round {i + 1}: stages of {'/'.join(map(str, r['stages']))} nodes: priced "
+             f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, {beside}; re-cut: "
+             f"{r['resolved']}")
+    predicted = done.plan.predicted
+    _say(f"wrote {done.out}: calibrated (round {done.chosen + 1} of {len(done.rounds)}, "
+         f"{'optimum held' if done.converged else 'stopped at --rounds'}), bottleneck "
+         f"{predicted.get('bottleneck_ms', predicted.get('iteration_ms', 0)):.3f} ms, in "
+         f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

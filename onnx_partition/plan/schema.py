@@ -241,6 +241,7 @@ class PlanSchema(BaseModel):
     partition_s: Seconds | None = None
     manifest: dict[RelPath, FileEntry] | None = None
     trained_from: str | None = None  # train --save: the plan folder trained
+    calibrated: Anything | None = None  # profile --plan: stage times measured, rounds
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
     optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments
     precision: str | None = None  # "fp32"
