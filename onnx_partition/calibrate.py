@@ -49,7 +49,7 @@ from onnx_partition.cost.costs_file import check_costs, provenance, rescale
 from onnx_partition.cost.profile.stages import StageTimes, reprice, time_stages
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.partition import SOLVERS, partition
+from onnx_partition.partition import SOLVERS, partition, priced_as_run
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.folder import publish
 
@@ -239,8 +239,6 @@ def _bottleneck(plan: Plan, together: Sequence[float]) -> float:
 def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float]) -> None:
     """``plan`` priced with its measured stage times (compute_ms, forward_ms and backward_ms in
     training, and the totals from them)."""
-    from onnx_partition.pipeline.from_plan import simulate_plan
-
     together = [f + b for f, b in zip(forward, backward, strict=True)]
     train = plan.mode == "train"
     for stage, f, b in zip(plan.stages, forward, backward, strict=True):
@@ -252,14 +250,8 @@ def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float])
         plan.simulator_costs["forward_ms"] = [round(f, 6) for f in forward]
         plan.simulator_costs["backward_ms"] = [round(b, 6) for b in backward]
     if "bottleneck_ms" in plan.predicted:
-        bottleneck = _bottleneck(plan, together)
-        plan.predicted["bottleneck_ms"] = round(bottleneck, 6)
-        if bottleneck > 0:
-            plan.predicted["throughput_per_s"] = round(1000.0 / bottleneck, 3)
-    if "iteration_ms" in plan.predicted:
-        result, _ = simulate_plan(plan)
-        plan.predicted["iteration_ms"] = round(result.iteration_ms, 6)
-        plan.predicted["throughput_per_s"] = round(result.throughput_per_s, 3)
+        plan.predicted["bottleneck_ms"] = round(_bottleneck(plan, together), 6)
+    priced_as_run(plan)  # iteration, throughput and bubble: the plan's own simulation
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -78,8 +78,10 @@ def test_calibrated_plan_is_priced_by_its_side_by_side_times(chain_plan, tmp_pat
     assert len(record["rounds"]) <= 2 and record["converged"] == done.converged
     bottleneck = max(s.predicted.compute_ms + s.predicted.comm_ms for s in plan.stages)
     assert plan.predicted["bottleneck_ms"] == pytest.approx(bottleneck, abs=1e-6)
-    assert plan.predicted["throughput_per_s"] == pytest.approx(1000 / bottleneck, rel=1e-3)
     result, _ = simulate_plan(plan)  # simulate reads the calibrated times
+    assert plan.predicted["iteration_ms"] == pytest.approx(result.iteration_ms, abs=1e-6)
+    assert plan.predicted["throughput_per_s"] == pytest.approx(
+        plan.microbatches / result.iteration_ms * 1000, rel=1e-6)
     slowest = max(s.predicted.compute_ms for s in plan.stages)
     assert result.iteration_ms >= slowest * plan.microbatches - 1e-6
     feeds = feeds_for(3)
