@@ -27,10 +27,10 @@ The graph is kept from the input pass to the weight pass (``retain_graph``) and 
 :func:`kept_forward` runs the stage's forward under ``torch.no_grad`` (autograd saves nothing;
 the stage keeps only its inputs and the RNG state) and :func:`rebuild` runs it again
 with gradients at the start of the stage's ``B`` or ``I``, under the saved RNG state (dropout
-draws the same masks) and with the module's buffers put back afterwards (batch norm's running
-statistics move once per micro-batch, not twice: the rebuild moves copies). One rebuild serves both halves of a split
-backward. ``torch.utils.checkpoint`` (non-reentrant) recomputes inside each backward call
-instead, so an ``I`` and the ``W`` calls after it would each run the forward again.
+draws the same masks), on copies of the module's buffers (batch norm's running statistics move
+once per micro-batch, not twice). One rebuild serves both halves of a split backward.
+``torch.utils.checkpoint`` (non-reentrant) recomputes inside each backward call instead, so
+an ``I`` and the ``W`` calls after it would each run the forward again.
 """
 
 from __future__ import annotations
