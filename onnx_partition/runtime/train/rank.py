@@ -6,8 +6,9 @@ replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ be
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
 model input read late travels hop by hop.
 
-**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of :func:`schedules.one_f_one_b` or
-:func:`schedules.gpipe` with the plan's replica counts, action by action:
+**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of the named schedule
+(:func:`schedules.build`: 1F1B, GPipe or ZB-H1) with the plan's replica counts, action by
+action:
 
 * ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
   the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
@@ -20,6 +21,16 @@ model input read late travels hop by hop.
   is the root), ``torch.autograd.backward`` them (a relayed tensor is its own leaf, so its
   gradient passes straight through and adds to this stage's own use of it), and send the
   leaves' gradients back (zeros for a tensor this stage did not use).
+* ``kI m`` (ZB-H1): as ``kB m``, but only the leaves' gradients are computed and sent back
+  (:func:`passes.input_pass`); the graph stays stashed with the gradients that reached its
+  weight branches.
+* ``kW m``: the parameters' gradients of micro-batch ``m`` from those
+  (:func:`passes.weight_pass`), added to ``.grad``; the stash is freed. A stage whose leaves
+  need no gradient (the first) computes nothing in ``I`` and its whole backward in ``W``.
+
+**Recomputation.** A stage with ``recompute`` in the plan runs its forward (and the loss)
+without an autograd graph, stashing only its inputs and the RNG state, and builds the graph
+again at the start of its ``B`` or ``I`` (:func:`passes.rebuild`; its time counts as backward).
 
 Sends are posted when their action ends (with the next action's receive, in one batch, when it
 receives from the same peer: see :mod:`onnx_partition.runtime.train.comm`) and awaited at the
