@@ -144,6 +144,8 @@ def input_pass(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | Non
     (None: ones, for a scalar loss), and what the weight pass of ``params`` needs. No
     parameter's ``.grad`` changes."""
     params = [p for p in params if p.requires_grad]
+    if not leaves:  # nothing to send back: all in W, no graph walk
+        return [], WeightPass([], list(roots), list(grads))
     root_nodes = [_node(r) for r in roots]
     parents = _graph(root_nodes)
     leaf_nodes = [n for n in (_node(t) for t in leaves) if n in parents]
