@@ -17,7 +17,8 @@ from typing import Any
 from onnx_partition import __version__
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
-from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.aten import ANALYTIC_BACKWARD, with_aten_backward
+from onnx_partition.cost.cluster import Cluster, Fleet, Link
 from onnx_partition.cost.costs_file import (
     CostsCheck,
     batch_size_of,
@@ -31,7 +32,7 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
-from onnx_partition.pipeline.from_plan import comm_factor, stage_comm
+from onnx_partition.pipeline.from_plan import comm_factor, simulate_plan, stage_comm
 from onnx_partition.pipeline.memory import (
     RECOMPUTE_MODES,
     StageBytes,
@@ -46,6 +47,7 @@ from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import contract, expand
+from onnx_partition.solve.exact import EXACT_BUDGET_S, exact_split
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import (
     HybridPlan,
@@ -57,13 +59,13 @@ from onnx_partition.solve.scoring import (
 from onnx_partition.solve.search import best_split
 
 __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
-           "partition", "plan_on_cluster", "plan_stages", "priced_by", "saved_activations",
-           "unit_problem"]
+           "devices_line", "partition", "plan_on_cluster", "plan_stages", "priced_as_run",
+           "priced_by", "proof_line", "saved_activations", "unit_problem"]
 
-#: What a train plan's memory model assumes, recorded in plan.json (``train`` reads them):
-#: Adam (weights, gradients, two moments: ``optimizer_factor`` 4), fp32, and a schedule
-#: (1F1B here; ``schedule`` becomes the one the plan was planned for).
-TRAIN_ASSUMPTIONS = {"optimizer": "adam", "precision": "fp32", "schedule": "1f1b"}
+#: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
+#: them and warns when told otherwise): AdamW (weights, gradients, two moments:
+#: ``optimizer_factor`` 4), fp32, 1F1B.
+TRAIN_ASSUMPTIONS = {"optimizer": "adamw", "precision": "fp32", "schedule": "1f1b"}
 #: ``partition --schedule``: plan for each planned train schedule, keep the fastest.
 AUTO = "auto"
 
@@ -164,18 +166,21 @@ def partition(
     batch_size: int | None = None,
     device: DeviceSpec | None = None,
     link: Link | None = None,
-    cluster: Cluster | None = None,
+    cluster: Cluster | Fleet | None = None,
     mode: str = "infer",
     microbatches: int = 8,
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     force: bool = False,
     check: bool = True,
     strict_costs: bool = False,
     schedule: str = AUTO,
     recompute: str = "auto",
+    sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
+    kind_costs: Mapping[str, CostsLike] | None = None,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -194,6 +199,15 @@ def partition(
     :data:`~onnx_partition.pipeline.schedules.PLANNED_NAMES`, or ``auto``: each, keeping the
     fastest simulated plan), its stages recomputing per ``recompute`` (``auto``: a stage that
     fits the device memory only so; ``none``; ``all``); both are ignored in inference.
+    ``sources``: where the device memory and links came from (``memory``, ``link``,
+    ``inter_link``: datasheet, cluster.json, option or default), kept in plan.json's
+    ``device_model.sources`` for the summary (:func:`devices_line`).
+    A pipeline cut by ``solver="dp"`` is then proven optimal or bettered by CP-SAT within
+    ``exact_budget_s`` deterministic seconds (:func:`~onnx_partition.solve.exact.exact_split`;
+    0 turns it off); plan.json's ``exact`` says what is proven.
+    A :class:`~onnx_partition.cost.cluster.Fleet` (mixed GPU kinds) prices each group on its
+    own GPU, or by its costs file in ``kind_costs`` (keyed by the group's ``gpu``), and plans
+    with :func:`~onnx_partition.solve.fleet.plan_fleet`.
     Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
@@ -206,6 +220,19 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
+    if not 0 <= exact_budget_s < math.inf:
+        raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
+                             f"{exact_budget_s:g}")
+    files = None
+    if isinstance(cluster, Fleet):  # each kind priced on its own (cost.kinds)
+        from onnx_partition.cost.kinds import costs_by_kind, price_kinds
+
+        files = costs_by_kind(cluster, costs, kind_costs)
+        costs = files[cluster.kinds[0]]
+        device = None if costs is not None else device_for("cuda", cluster.kinds[0])
+    elif kind_costs:
+        raise PartitionError("--costs KIND=FILE prices the GPU kinds of a fleet (cluster.json "
+                             "with groups); give a plain --costs FILE")
     costs = load_costs(costs) if costs is not None else None  # the one read of the file
     graph, checked = _load_for_costs(model, costs, input_shapes, batch_size)
     if checked is not None and costs is not None and costs.body.get("mode") == "train" \
@@ -219,12 +246,19 @@ def partition(
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
     priced = device_model(device, costs, cluster, strict=strict_costs)
+    kinds = None
+    if files is not None:
+        kinds, priced = price_kinds(graph, files, strict=strict_costs)
+    aten = None
+    if mode == "train" and costs is None and device is not None and device.kind == "cuda":
+        node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
         plan, cuts = plan_stages(graph, node_costs, num_stages, link=link or Link(),
                                  ordering=ordering, solver=solver, time_limit_s=time_limit_s,
+                                 exact_budget_s=exact_budget_s,
                                  mode=mode, microbatches=microbatches, activation_bytes=saved,
                                  reporter=reporter, schedules=schedules, recompute=recompute,
                                  grad_input=grad_input_ms(graph, node_costs, costs))
@@ -236,7 +270,8 @@ def partition(
                                      mode=mode, microbatches=microbatches,
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
-                                     grad_input=grad_input_ms(graph, node_costs, costs))
+                                     grad_input=grad_input_ms(graph, node_costs, costs),
+                                     kinds=kinds)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
@@ -248,14 +283,15 @@ def partition(
         plan.extra["costs"]["backward"] = (
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
-            else "estimated")
+            else ANALYTIC_BACKWARD if aten else "estimated")
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
-    plan.predicted.setdefault("microbatches", microbatches)  # run's and simulate's default
+    plan.predicted["microbatches"] = microbatches  # run's and simulate's default
+    priced_as_run(plan)
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
-    plan.device_model = priced
+    plan.device_model = {**priced, **({"sources": dict(sources)} if sources else {})}
     plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check, reporter=reporter)
@@ -292,7 +328,7 @@ def _load_for_costs(
 
 
 def device_model(device: DeviceSpec | None, costs: CostsLike | None,
-                 cluster: Cluster | None, *, strict: bool = False) -> dict[str, Any]:
+                 cluster: Cluster | Fleet | None, *, strict: bool = False) -> dict[str, Any]:
     """plan.json's ``device_model``: what priced the plan. Analytic: the spec's name, peaks
     and launch overhead; a costs file (read, or its path): its path and the device it was
     measured on, with a ``warning`` when that is not the cluster's kind
@@ -301,7 +337,8 @@ def device_model(device: DeviceSpec | None, costs: CostsLike | None,
         assert device is not None
         return {"source": "analytic", "name": device.name, "kind": device.kind,
                 "peak_tflops": device.peak_gflops / 1e3, "mem_gbps": device.mem_gbps,
-                "launch_overhead_ms": device.launch_overhead_ms}
+                "launch_overhead_ms": device.launch_overhead_ms,
+                **({"figures_from": device.source} if device.source else {})}
     costs = load_costs(costs)
     measured, path = costs.device, costs.path
     body: dict[str, Any] = {"source": "costs", "file": path, "measured_on": measured}
@@ -319,18 +356,73 @@ def priced_by(plan: Plan) -> str:
     model = plan.device_model
     if model is None:
         return "priced by: unknown (plan.json has no device_model)"
+    backward = (plan.extra.get("costs") or {}).get("backward")
     estimated = (
         "; backward estimated from forward (profile MODEL --mode train measures it in torch)"
-        if plan.mode == "train" and (plan.extra.get("costs") or {}).get("backward") != "measured"
-        else "")
+        if plan.mode == "train" and backward not in ("measured", ANALYTIC_BACKWARD) else
+        "; backward per aten op of the program (roofline)" if plan.mode == "train"
+        and backward == ANALYTIC_BACKWARD else "")
+    if model.get("source") == "kinds":  # a fleet: each GPU kind by its own model
+        return "priced by: each GPU kind on its own: " + "; ".join(
+            f"{kind} by costs file {m.get('file')}" if m.get("source") == "costs" else
+            f"{kind} by the analytic roofline of {m.get('name')}"
+            for kind, m in (model.get("kinds") or {}).items()) + estimated
     if model.get("source") == "costs":
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
+    named = (model.get("sources") or {}).get("gpu", "default") != "default"
     default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
-        f"{DEFAULT_GPU}:tf32") else ""
+        f"{DEFAULT_GPU}:tf32") and not named else ""
+    source = f" ({model['figures_from']})" if model.get("figures_from") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
-            f"{model.get('mem_gbps', 0):.4g} GB/s{estimated}")
+            f"{model.get('mem_gbps', 0):.4g} GB/s{source}{estimated}")
+
+
+def devices_line(plan: Plan) -> str:
+    """One line: the device memory and links the plan assumed, and where each came from."""
+    sources = (plan.device_model or {}).get("sources") or {}
+    if not sources:
+        link = plan.extra.get("link") or {}
+        return (f"link between stages: {link.get('bandwidth_gbps', '?')} GB/s, "
+                f"{link.get('latency_ms', '?')} ms" if link else "devices: as plan.json says")
+    if "memory" not in sources:
+        return f"link between stages: {sources.get('link', '?')}"
+    return (f"devices: memory {sources['memory']}; link within a machine "
+            f"{sources.get('link', '?')}; between machines {sources.get('inter_link', '?')}")
+
+
+#: Why an exact pass stopped short of a proof, for the summary.
+_SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer)",
+          "off": "exact search off (--exact-budget 0)",
+          "size": "graph too large for the default exact search (--solver ilp to run it)"}
+
+
+def proof_line(plan: Plan) -> str | None:
+    """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); None for other plans."""
+    exact, ilp = plan.extra.get("exact"), plan.extra.get("ilp")
+    if isinstance(exact, dict):
+        how = {"single": "one stage", "bound": "it meets the lower bound",
+               "chain": "the DAG is a chain, cut exactly by the DP",
+               "cp-sat": f"CP-SAT, {exact.get('seconds', 0):.2f} s"}
+        better = exact.get("dp_ms", 0) - exact.get("bottleneck_ms", 0)
+        gained = (f"; {better / exact['dp_ms'] * 100:.2f}% faster than the DP's cut"
+                  if better > 0 else "")
+        if exact.get("proven_optimal"):
+            rounding = (f", to {exact['gap'] * 100:.4f}% (the integer model's rounding)"
+                        if exact.get("gap", 0) > 0 else "")
+            return (f"plan quality: proven optimal ({how.get(exact.get('by', ''), '?')}"
+                    f"{rounding}){gained}")
+        return (f"plan quality: within {exact.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{exact.get('lower_bound_ms', 0):.6g} ms); "
+                f"{_SHORT.get(exact.get('by', ''), 'not proven')}{gained}")
+    if isinstance(ilp, dict) and "optimal" in ilp:
+        if ilp["optimal"]:
+            return f"plan quality: proven optimal (CP-SAT, {ilp.get('seconds', 0):.2f} s)"
+        return (f"plan quality: within {ilp.get('gap', 0) * 100:.2f}% of optimal (lower bound "
+                f"{ilp.get('lower_bound_ms', 0):.6g} ms); the time limit ran out")
+    return None
 
 
 def plan_stages(
@@ -342,6 +434,7 @@ def plan_stages(
     ordering: str = "auto",
     solver: str = "dp",
     time_limit_s: float = 60.0,
+    exact_budget_s: float = EXACT_BUDGET_S,
     mode: str = "infer",
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
@@ -350,14 +443,15 @@ def plan_stages(
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
-    """Sequence the graph (every ordering for ``auto``), cut by DP, optionally solve the ILP
-    from there, and describe the stages. A train plan is for the fastest simulated of
-    ``schedules`` on that split (``grad_input``: each node's input-gradient ms), every stage
-    recomputing if ``recompute`` is ``all`` (no memory limit: ``auto`` recomputes none).
-    Inference is balanced on forward times, training on forward + backward (what a train step
-    runs); a train plan's memory is its schedule's peak of ``microbatches``, its activations
-    ``activation_bytes`` per OpGraph node where given (bytes saved for backward), else every
-    output."""
+    """Sequence the graph (every ordering for ``auto``), cut by DP, then prove the cut optimal
+    or better it by CP-SAT (``exact_budget_s`` deterministic seconds, or the full ILP for
+    ``time_limit_s`` with ``solver="ilp"``), and describe the stages. A train plan is for the
+    fastest simulated of ``schedules`` on that split (``grad_input``: each node's
+    input-gradient ms), every stage recomputing if ``recompute`` is ``all`` (no memory limit:
+    ``auto`` recomputes none). Inference is balanced on forward times, training on forward +
+    backward (what a train step runs); a train plan's memory is its schedule's peak of
+    ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
+    saved for backward), else every output."""
     train = mode == "train"
     balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
                 if train else node_costs.forward_ms)
@@ -392,6 +486,10 @@ def plan_stages(
             extra["ilp"] = {"optimal": result.optimal, "bottleneck_ms": result.bottleneck_ms,
                             "lower_bound_ms": result.lower_bound_ms, "gap": result.gap,
                             "seconds": round(result.wall_s, 3)}
+    elif solver == "dp":  # exact where it is cheap: the DP's cut proven, or bettered
+        proof = exact_split(problem, num_stages, local_stage, budget_s=exact_budget_s)
+        local_stage = proof.stage_of
+        extra["exact"] = proof.to_json(exact_budget_s)
     times = problem.stage_times(local_stage, num_stages)
     if train:  # simulate/report replay the split and the sends the plan was balanced on
         extra["simulator_costs"] = {"send_ms": [
@@ -418,7 +516,7 @@ def plan_stages(
 def plan_on_cluster(
     graph: OpGraph,
     node_costs: NodeCosts,
-    cluster: Cluster,
+    cluster: Cluster | Fleet,
     *,
     num_stages: int | None = None,
     mode: str = "infer",
@@ -428,12 +526,16 @@ def plan_on_cluster(
     schedules: Sequence[str] = ("1f1b",),
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
+    kinds: Mapping[str, NodeCosts] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
     :func:`plan_stages`); in training planned for each of ``schedules`` (the fastest kept,
     the first on a tie), stages recomputing per ``recompute`` (chosen per stage where memory
-    is checked, :func:`~onnx_partition.solve.scoring.totals_costs`)."""
+    is checked, :func:`~onnx_partition.solve.scoring.totals_costs`). A fleet's plan
+    (``kinds``: per GPU kind, every node's costs) comes from
+    :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
+    stage's ``gpu``."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -448,13 +550,30 @@ def plan_on_cluster(
         _per_unit([activation_bytes[g] for g in nodes], members)
         if activation_bytes is not None and mode == "train" else None,
     )
-    if grad_input is not None and mode == "train":
-        arrays = replace(arrays, backward_input_ms=_per_unit([grad_input[g] for g in nodes],
-                                                             members))
-    best, per_ordering, run = _plan_per_schedule(
-        problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
-        schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
-        train=mode == "train", reporter=reporter)
+    gpus: list[str] | None = None
+    best: HybridPlan
+    if isinstance(cluster, Fleet):
+        from onnx_partition.solve.fleet import KindCosts, plan_fleet
+
+        if num_stages is not None:
+            raise PartitionError("--stages fixes the depth on a cluster of one kind; a "
+                                 "fleet's planner chooses it: drop --stages")
+        assert kinds is not None
+        run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
+                      max_stages=max(16, num_stages or 0))
+        best, per_ordering = plan_fleet(problem, arrays, {
+            gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
+                           _per_unit([c.backward_ms[g] for g in nodes], members))
+            for gpu, c in kinds.items()}, cluster, run)
+        gpus = best.gpus
+    else:
+        if grad_input is not None and mode == "train":
+            arrays = replace(arrays, backward_input_ms=_per_unit(
+                [grad_input[g] for g in nodes], members))
+        best, per_ordering, run = _plan_per_schedule(
+            problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
+            schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
+            train=mode == "train", reporter=reporter)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
@@ -477,6 +596,8 @@ def plan_on_cluster(
         "orderings": {k: {what: round(ms, 6) for what, ms in v.items()}
                       for k, v in per_ordering.items()},
         "planning_s": round(best.planning_s, 4),
+        # what more devices would buy, and why devices are left unused
+        **({"devices_notes": list(best.notes)} if best.notes else {}),
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
         # the simulator's exact inputs, so `simulate` and `report` replay this very plan
         "simulator_costs": {
@@ -494,7 +615,7 @@ def plan_on_cluster(
     cross = [0.0, *totals.cross_bytes, 0.0]
     sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
                         cross[k], cross[k + 1]) for k in range(best.num_stages)]
-    return _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
+    plan, cuts = _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
                      compute, comm,
                      replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
                      ordering=best.source.partition(":")[2] if best.source.startswith("dp")
@@ -506,6 +627,10 @@ def plan_on_cluster(
                                          for s in best.costs.stages],
                      schedules=(run.schedule,), recomputed=recomputed,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])
+    for stage, gpu in zip(plan.stages, gpus or []):
+        stage.gpu = gpu
+    return plan, cuts
+
 
 
 def _plan_per_schedule(
@@ -561,6 +686,23 @@ def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, flo
     times = [simulate(build(name, replicas, microbatches), costs).iteration_ms
              for name in schedules]
     return schedules[times.index(min(times))]
+
+
+def priced_as_run(plan: Plan) -> None:
+    """Put the plan's own simulation into ``plan.predicted``: ``iteration_ms``,
+    ``throughput_per_s`` (micro-batches per second of that iteration) and ``bubble_fraction``
+    of :attr:`Plan.microbatches` under the plan's schedule (1F1B forward + backward for a train
+    plan, forward streaming otherwise), replayed from the plan as written
+    (:func:`~onnx_partition.pipeline.from_plan.simulate_plan`, what ``simulate``, ``report`` and
+    ``run`` replay), so every command states one figure for one quantity. ``bottleneck_ms``
+    stays: the slowest stage with its sends charged to it, what a plain plan was cut on."""
+    result, _ = simulate_plan(plan)
+    iteration = result.iteration_ms
+    plan.predicted.pop("throughput_per_s", None)
+    plan.predicted["iteration_ms"] = round(iteration, 6)
+    if iteration > 0:  # JSON has no Infinity
+        plan.predicted["throughput_per_s"] = round(plan.microbatches / iteration * 1000.0, 3)
+    plan.predicted["bubble_fraction"] = round(result.bubble_fraction, 4)
 
 
 def _record_program(plan: Plan, model: Path, out: Path) -> None:

@@ -28,9 +28,13 @@ from onnx_partition.plan.contracts import (
     RUN_FORMAT,
     STAGE_COSTS_FORMAT,
     ClusterFields,
+    FleetFields,
+    GroupFields,
 )
 from onnx_partition.plan.schema import (
     ClusterSchema,
+    FleetSchema,
+    GroupSchema,
     IOSchema,
     LinkSchema,
     PlanSchema,
@@ -48,6 +52,8 @@ PAIRS: list[tuple[type, type[BaseModel], set[str]]] = [
     (IOSpec, IOSchema, set()),
     (Link, LinkSchema, set()),
     (ClusterFields, ClusterSchema, {"format"}),
+    (GroupFields, GroupSchema, set()),
+    (FleetFields, FleetSchema, {"format"}),
     (Plan, PlanSchema, {"format", *(name for name, field in PlanSchema.model_fields.items()
                                     if name not in {f.name for f in fields(Plan)})}),
 ]

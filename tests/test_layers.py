@@ -20,7 +20,9 @@ LAYERS: list[set[str]] = [
     {"pipeline", "graph"},  # the pipeline model (no ONNX); the ONNX adapter
     {"cost"},  # per-node costs, devices, clusters
     {"solve"},  # the solvers
-    {"partition", "runtime", "models"},  # the partitioner's driver; the runtimes; the recipes
+    # the partitioner's driver (and its calibration on the stages it wrote); the runtimes; the
+    # recipes
+    {"partition", "calibrate", "calibrate_train", "runtime", "models"},
     {"report"},  # presentation
     {"cli", "train", "runtime.distributed", ""},  # entries
 ]

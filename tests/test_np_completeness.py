@@ -181,7 +181,8 @@ def test_free_depth_counterexample() -> None:
 def test_free_depth_without_memory_or_allreduce_is_one_stage_on_every_device() -> None:
     numbers = (3, 1, 4, 1, 5, 9, 2, 6)
     for devices in (1, 2, 3, 5, 8):
-        best = plan_hybrid(sequence(numbers, [1.0] * 8), HybridConfig(devices=devices))[0]
+        config = HybridConfig(devices=devices, microbatches=120)  # every D divides M
+        best = plan_hybrid(sequence(numbers, [1.0] * 8), config)[0]
         assert [(len(best), best[0].replicas)] == [(1, devices)]
         assert best[0].period_ms == pytest.approx(sum(numbers) / devices)
 

@@ -78,10 +78,12 @@ def test_memory_rules_out_the_fastest_plan() -> None:
 def test_nothing_fits_is_an_error() -> None:
     problem, arrays = chain([1.0] * 3, params=[50e9] * 3)  # 200 GB a node with Adam's state
     with pytest.raises(PartitionError, match=(
-            r"no plan fits in 80 GB per device: even the split with the least memory "
-            r"\(3 stages\) needs 200 GB per device for positions 1..1, 120 GB over")):
+            r"no plan fits in 80 GB per device on 4 devices: the plan needing the least "
+            r"\(3 stages, replicas \[1, 1, 1\]\) is over it in stage 0 \(position 0\) needs "
+            r"200 GB, 120 GB over; stage 1 \(position 1\) needs 200 GB, 120 GB over; ")):
         plan_cluster(problem, arrays, devices(4, train=True))
-    with pytest.raises(PartitionError, match=r"least memory \(2 stages\) needs 400 GB"):
+    with pytest.raises(PartitionError, match=r"least \(2 stages, replicas \[1, 1\]\) is over "
+                                             r"it in .* stage 1 \(positions 1..2\) needs 400 GB"):
         plan_cluster(problem, arrays, devices(4, train=True), num_stages=2)
 
 
@@ -194,5 +196,6 @@ def test_machine_budgets_double_short_of_the_cluster() -> None:
 def test_estimate_is_fill_plus_periods_plus_the_slowest_allreduce() -> None:
     stages = [HybridStage(0, 1, 1, 2.0, 2.0, 0.0, 0.5, 0.0, 2.0),
               HybridStage(1, 3, 2, 6.0, 6.0, 0.0, 1.5, 0.0, 3.0)]
-    # fill 2 + 6; period max(2 / 1, 6 / 2) = 3 for 7 more micro-batches; all-reduce 1.5
-    assert estimate_ms(stages, devices(3, train=True)) == pytest.approx(8 + 7 * 3 + 1.5)
+    # fill 2 + 6; the busiest replica's other micro-batches: stage 1's replicas take 4 of
+    # the 8 each, 3 more of 6 ms (stage 0: 7 more of 2); all-reduce 1.5
+    assert estimate_ms(stages, devices(3, train=True)) == pytest.approx(8 + 3 * 6 + 1.5)

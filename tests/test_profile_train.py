@@ -87,7 +87,7 @@ def test_a_train_costs_file_prices_a_train_plan(mlp: Path, costs: Path,
     assert sum(b for _, b in per_stage) == pytest.approx(
         body["settings"]["whole_backward_ms"], rel=1e-3, abs=1e-5)
     assert "backward estimated" not in priced_by(plan)
-    assert plan.extra["schedule"] in ("1f1b", "zb-h1") and plan.extra["optimizer"] == "adam"
+    assert plan.extra["schedule"] in ("1f1b", "zb-h1") and plan.extra["optimizer"] == "adamw"
     for stage in plan.stages:
         p = stage.predicted
         assert p is not None and p.inflight is not None

@@ -72,7 +72,7 @@ def test_help_shows_defaults(capsys):
         main(["partition", "--help"])
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: 10.0)" in out and "(default: auto)" in out and "(default: 1)" in out
+    assert "(default: 60.0)" in out and "(default: auto)" in out and "(default: 1)" in out
     assert "(default: None)" not in out and "(default: False)" not in out
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

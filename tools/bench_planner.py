@@ -4,6 +4,7 @@
         [--devices 4 8 16 64] [--modes train infer] [--settings nvlink pcie]
         [--pipedream-budget 60]
         [--pipedream-states 20000] [--big-nodes 5000] [--cache DIR]
+    python tools/bench_planner.py --judge-suite 20 [--judge-units 40]
 
 For every recipe x device count x mode: our planner (``plan_cluster``) and every baseline of
 ``onnx_partition.solve.baselines`` (uniform, parameter- and time-balanced splits on the best
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import random
 import statistics
 import tempfile
 import time
@@ -43,14 +45,20 @@ from onnx_partition.solve.baselines import (
     pipedream,
     uniform,
 )
+from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
+from onnx_partition.solve.hybrid_judge import judge_hybrid
+from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
+from onnx_partition.solve.order.topo import cut_bytes
 from onnx_partition.solve.planner import machine_budgets, plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec, node_arrays
 from onnx_partition.solve.scoring import score as score_plan
+from onnx_partition.solve.search import sequence_for
 
 BRANCHY = ("inception", "unet", "encdec")
 BASELINES = ("uniform", "parameters", "time", "data-parallel", "pipedream", "uniform-fewer")
 BATCH, MICROBATCHES = 8, 16
+JUDGE_UNITS, JUDGE_DEVICES = 40, 8  # the CP-SAT judge's column: sequences and clusters this small
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,104 @@ def simulated_peaks(plan: HybridPlan) -> list[float]:
     return peaks
 
 
+def judge_instance(problem: DagProblem, arrays: NodeArrays,
+                   run: RunSpec) -> tuple[SequenceCosts, HybridConfig]:
+    """The hybrid DP's problem on the depth-first order cut into at most JUDGE_UNITS
+    narrow-point blocks (merged by compute), priced as ``dp_candidates`` prices it."""
+    order = list(sequence_for(problem, "dfs"))
+    bounds = cluster_blocks(problem, order, problem.compute_ms, run.cluster.devices).bounds
+    prefix = [0.0]
+    for v in order:
+        prefix.append(prefix[-1] + problem.compute_ms[v])
+    kept = [0]
+    for b in bounds[1:-1]:
+        if prefix[b] - prefix[kept[-1]] >= prefix[-1] / (JUDGE_UNITS - 1):
+            kept.append(b)
+    blocks = Blocks(order, [*kept, len(order)])
+    cluster = run.cluster
+    group_bw = [math.inf] * (cluster.devices + 1)
+    group_lat = [0.0] * (cluster.devices + 1)
+    for r in range(1, cluster.devices + 1):
+        group_bw[r] = cluster.link(r).bytes_per_ms
+        group_lat[r] = cluster.link(r).latency_ms
+    seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
+                        blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
+                        [float(c) for c in cut_bytes(problem, order)[blocks.bounds]])
+    config = HybridConfig(devices=cluster.devices, memory_bytes=cluster.memory_bytes,
+                          microbatches=run.microbatches, train=run.train, speed=cluster.speed,
+                          link_bytes_per_ms=cluster.intra.bytes_per_ms,
+                          link_latency_ms=cluster.intra.latency_ms, group_bytes_per_ms=group_bw,
+                          group_latency_ms=group_lat, optimizer_factor=run.optimizer_factor)
+    return seq, config
+
+
+def judge_cell(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
+               gaps: list[tuple[float, str]], where: str) -> str:
+    """The DP's least bottleneck period over the CP-SAT judge's on the same <= 40-unit
+    sequence (``1.0000``: equal; ``fits?``: one of them says no plan fits)."""
+    if run.cluster.devices > JUDGE_DEVICES:
+        return "-"
+    seq, config = judge_instance(problem, arrays, run)
+    judged = judge_hybrid(seq, config, time_limit_s=60.0)
+    try:
+        dp = max(s.period_ms for s in plan_hybrid(seq, config)[0])
+    except PartitionError:
+        dp = math.inf
+    if math.isinf(dp) or math.isinf(judged.period_ms):
+        gaps.append((0.0 if dp == judged.period_ms else math.inf, where))
+        return "none fits" if dp == judged.period_ms else "fits?"
+    gap = max(0.0, dp - judged.period_ms - judged.tolerance_ms) / judged.period_ms
+    gaps.append((gap, where))
+    return f"{dp / judged.period_ms:.4f}" + ("" if judged.optimal else " (not proven)")
+
+
+def judge_suite(count: int, units: int, seed: int = 0) -> int:
+    """The hybrid DP against the CP-SAT judge on ``count`` random training sequences of 2 to
+    ``units`` positions on 2 to 8 devices, memory set so that it binds (1.2-2.5x the weights
+    and optimizer state spread over the devices, at least one unit's need with every
+    micro-batch in flight), transfers and all-reduce priced: one row each, then the worst gap
+    and the disagreements on whether any plan fits."""
+    rng = random.Random(seed)
+    print("| # | units | devices | M | memory | DP period | judge period | proven | gap | "
+          "judge s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    worst, disagree = 0.0, 0
+    for k in range(count):
+        n, devices = rng.randint(2, units), rng.randint(2, JUDGE_DEVICES)
+
+        def draw(top: float, size: int = n) -> list[float]:
+            return [rng.uniform(0.0, top) for _ in range(size)]
+
+        seq = SequenceCosts(draw(2.0), draw(4.0), draw(1e6), draw(2e6),
+                            [0.0, *draw(5e5, n - 1), 0.0])
+        m = rng.choice([4, 8, 16])
+        # binding: the weights and optimizer state of all spread over the devices, 1.2-2.5x,
+        # and at least one unit's need with all M micro-batches in flight
+        one = max(4.0 * w + m * (a + c) for w, a, c in zip(
+            seq.param_bytes, seq.activation_bytes, seq.cut_bytes, strict=False))
+        memory = max(one, rng.uniform(1.2, 2.5) * 4.0 * sum(seq.param_bytes) / devices)
+        config = HybridConfig(devices=devices, train=True, microbatches=m, memory_bytes=memory,
+                              link_bytes_per_ms=1e6, link_latency_ms=0.01)
+        began = time.perf_counter()
+        judged = judge_hybrid(seq, config, time_limit_s=120.0)
+        took = time.perf_counter() - began
+        try:
+            dp = max(st.period_ms for st in plan_hybrid(seq, config)[0])
+        except PartitionError:
+            dp = math.inf
+        if math.isinf(dp) or math.isinf(judged.period_ms):
+            gap = 0.0 if dp == judged.period_ms else math.inf
+            disagree += dp != judged.period_ms
+        else:
+            gap = max(0.0, dp - judged.period_ms - judged.tolerance_ms) / judged.period_ms
+        worst = max(worst, gap)
+        print(f"| {k} | {n} | {devices} | {config.microbatches} | "
+              f"{config.memory_bytes / 1e6:.2f} MB | {dp:.4f} | {judged.period_ms:.4f} | "
+              f"{judged.optimal} | {gap:.4%} | {took:.1f} |", flush=True)
+    print(f"\nworst gap of the DP to the judge: {worst:.4%} over {count} instances (target 0); "
+          f"disagreements on whether a plan fits: {disagree} (target 0)")
+    return 0
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else math.nan
 
@@ -155,12 +261,26 @@ def main() -> int:
                         help="also the zero-bubble and recomputation table (f), training only")
     parser.add_argument("--memory-share", type=float, default=0.6,
                         help="(f): device memory as this share of one device's need")
+    parser.add_argument("--fleet", action="store_true",
+                        help="also the mixed fleet's table (tools/bench_fleet.py: 4 A100 + "
+                             "4 V100, the fleet planner against its baselines)")
+    parser.add_argument("--judge-suite", type=int, default=0, metavar="N",
+                        help="only: the hybrid DP against the CP-SAT judge on N random training "
+                             "sequences under memory (--judge-units, <= 8 devices)")
+    parser.add_argument("--judge-units", type=int, default=JUDGE_UNITS)
     args = parser.parse_args()
+    if args.judge_suite:
+        return judge_suite(args.judge_suite, args.judge_units)
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
         for name in args.settings:
             run_setting(args, SETTINGS[name], cache)
+        if args.fleet:  # tools/ is the script's folder, so on sys.path
+            from bench_fleet import main as fleet_main
+
+            fleet_main(["--size", args.size, "--recipes", *args.recipes, "--modes",
+                        *args.modes, "--cache", str(cache)])
     return 0
 
 
@@ -176,8 +296,9 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
           f"micro-batches/s of the simulated 1F1B (train) or forward (infer) schedule.\n")
     print("| recipe | nodes | D | mode | ours mb/s | ours plan | ours s | "
           + " | ".join(BASELINES) + " | best baseline plan | PipeDream s | PD s / ours s | "
-          "ours peak memory |")
-    print("| --- " * (10 + len(BASELINES)) + "|")
+          "ours peak memory | DP / judge |")
+    print("| --- " * (11 + len(BASELINES)) + "|")
+    gaps: list[tuple[float, str]] = []  # DP against the CP-SAT judge, per row
     checked, over, differ = 0, [], []  # every plan's simulated memory against the limit
     ratios: dict[str, list[tuple[float, str]]] = {b: [] for b in BASELINES}
     branchy_uniform: dict[str, list[float]] = {"uniform": [], "uniform-fewer": []}
@@ -254,7 +375,9 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
                       end="")
                 print(f"{ours_s:.3f} | " + " | ".join(cells) + " | "
                       f"{top.source + ' ' + shape(top) if top else '-'} | "
-                      + " | ".join(pd_cells) + f" | {peak} |", flush=True)
+                      + " | ".join(pd_cells) + f" | {peak} | "
+                      f"{judge_cell(problem, arrays, run, gaps, f'{name} D={devices} {mode}')} |",
+                      flush=True)
     print()
     flat = [(r, b, where) for b, rs in ratios.items() for r, where in rs]
     if flat:
@@ -272,6 +395,11 @@ def run_setting(args: argparse.Namespace, setting: Setting, cache: Path) -> None
           f"{len(over)} of {checked} (target 0){': ' + '; '.join(over) if over else ''}; "
           f"plans whose planner and simulator memory differ: {len(differ)}"
           f"{': ' + '; '.join(differ) if differ else ''}")
+    if gaps:
+        worst_gap = max(gaps)
+        print(f"(f) hybrid DP against the CP-SAT judge on <= {JUDGE_UNITS}-unit sequences, "
+              f"<= {JUDGE_DEVICES} devices: worst gap {worst_gap[0]:.4%} ({worst_gap[1]}) over "
+              f"{len(gaps)} rows (target 0, and never 'fits?')")
     if time_ratios:
         print(f"(c) PipeDream time / our time where PipeDream finishes: geometric mean "
               f"{geomean(time_ratios):.1f}x, min {min(time_ratios):.1f}x, max "

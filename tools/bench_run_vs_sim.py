@@ -2,6 +2,7 @@
 
     python tools/bench_run_vs_sim.py [--recipes resnet,inception,unet,gpt,bert,encdec]
         [--size small] [--batch-size 4] [--microbatches 8] [--iterations 10] [--stages 2]
+        [--calibrate] [--repeats 10] [--rounds 3]
 
 For each recipe, exactly as a user would on the command line: ``export``; ``profile`` at the
 micro-batch size (``--batch-size``: rows per micro-batch, as in every command); ``partition -s 2
@@ -11,6 +12,11 @@ micro-batch size and count). Prints a Markdown table: predicted and measured sam
 ratio, and per stage the measured busy time over the predicted one (above 1: the stage computes
 slower inside the pipeline than the profile measured it alone), and this machine's ceiling
 (how much faster two single-threaded sessions run side by side than one after another).
+
+``--calibrate`` then runs ``profile --plan`` on the plan (each stage alone and side by side,
+re-priced, re-cut if the optimum moves: issue 20 item 6) and ``simulate`` and ``run`` again,
+and prints a second table: run / simulate before and after, the calibrated stage times, the
+rounds, and the load average when each recipe finished (others share this machine).
 """
 
 from __future__ import annotations
@@ -84,8 +90,40 @@ def measure(recipe: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
     run = cli_json(["run", str(plan), "--microbatches", str(args.microbatches),
                     "--iterations", str(args.iterations), "--warmup", "2"])
     feeds = random_feeds(read_plan(plan), batch_size=args.batch_size)
-    return {"recipe": recipe, "sim": sim, "run": run,
-            "ceiling": side_by_side(model, feeds, args.stages)}
+    row = {"recipe": recipe, "sim": sim, "run": run,
+           "ceiling": side_by_side(model, feeds, args.stages)}
+    if args.calibrate:
+        began = time.perf_counter()
+        quiet(["profile", "--plan", str(plan), "--repeats", str(args.repeats),
+               "--rounds", str(args.rounds)])
+        row["calibrate_s"] = time.perf_counter() - began
+        row["calibrated"] = read_plan(plan).extra["calibrated"]
+        row["sim_after"] = cli_json(["simulate", str(plan), "--microbatches",
+                                     str(args.microbatches)])
+        row["run_after"] = cli_json(["run", str(plan), "--microbatches", str(args.microbatches),
+                                     "--iterations", str(args.iterations), "--warmup", "2"])
+    row["load"] = os.getloadavg()[0]
+    return row
+
+
+def calibrated_table(rows: list[dict[str, Any]]) -> None:
+    """run / simulate before and after ``profile --plan``, and what calibration measured."""
+    print("\n| recipe | run / simulate before | run / simulate after | stage ms priced -> "
+          "side by side | rounds (chosen) | calibrate s | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        def ratio(run: dict[str, Any], sim: dict[str, Any]) -> float:
+            return float(run["measured"]["samples_per_s"] / sim["samples_per_s"])
+
+        cal = row["calibrated"]
+        first = cal["rounds"][0]
+        stages = " / ".join(f"{p:.1f}->{t:.1f}" for p, t in zip(first["priced_ms"],
+                                                               first["together_ms"]))
+        moved = "held" if cal["converged"] else "moved"
+        print(f"| {row['recipe']} | {ratio(row['run'], row['sim']):.2f} | "
+              f"{ratio(row['run_after'], row['sim_after']):.2f} | {stages} | "
+              f"{len(cal['rounds'])} ({cal['chosen_round']}, {moved}) | "
+              f"{row['calibrate_s']:.1f} | {row['load']:.1f} |")
 
 
 def main() -> int:
@@ -96,6 +134,10 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="rows per micro-batch")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--calibrate", action="store_true",
+                        help="then profile --plan, and simulate and run again")
+    parser.add_argument("--repeats", type=int, default=10, help="profile --plan's repeats")
+    parser.add_argument("--rounds", type=int, default=3, help="profile --plan's rounds")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +163,8 @@ def main() -> int:
         print(f"| {row['recipe']} | {compute} | {sim['samples_per_s']:.1f} | "
               f"{run['measured']['samples_per_s']:.1f} | {ratio:.2f} | {busy} | {cpu} | "
               f"{row['ceiling']:.2f}x |")
+    if args.calibrate:
+        calibrated_table(rows)
     return 0
 
 

@@ -3,10 +3,12 @@
     python tools/bench_runtime.py [--recipe bert] [--size small] [--stages 2] [--batch-size 8]
 
 Profiles the model on the CPU (costs.json), partitions it twice (our DP on the measured costs, and
-the uniform split), then measures in one run: the whole model in one single-threaded onnxruntime
-session; each plan as a threaded pipeline (one worker thread per stage, one onnxruntime thread
-each); the balanced plan over torch.distributed (gloo, one process per stage); and the simulator's
-prediction for the balanced plan. Prints a Markdown table of samples/s and ratios.
+the uniform split), then measures in one run: the whole model in one onnxruntime session with
+one thread, and with as many threads as the plan uses cores (one per stage: what a user with those
+cores would run instead of a pipeline); each plan as a threaded pipeline (one worker thread per
+stage, one onnxruntime thread each); the balanced plan over torch.distributed (gloo, one process
+per stage); and the simulator's prediction for the balanced plan. Prints a Markdown table of
+samples/s and ratios against both whole-model runs (the second is the fair one: same cores).
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ def main() -> int:
         expected = dict(zip(names, whole.run(names, feeds)))
         base = samples_per_s(partial(whole.run, names, feeds), rows, args.iterations)
         results = [("whole model, 1 session, 1 thread", base, 0.0)]
+        # what a user runs instead: the whole model on every core the plan uses
+        wide = ort.InferenceSession(str(model), session_options(args.stages),
+                                    providers=["CPUExecutionProvider"])
+        same = samples_per_s(partial(wide.run, names, feeds), rows, args.iterations)
+        results.append((f"whole model, 1 session, {args.stages} threads (the plan's cores)",
+                        same, compare(dict(zip(names, wide.run(names, feeds))), expected)))
         ceiling = concurrent_speedup(model, feeds, args.stages, args.iterations)
         for label, folder in (("balanced (dp on measured costs)", balanced),
                               ("uniform split", uniform)):
@@ -107,10 +115,15 @@ def main() -> int:
                             compare(dict(zip(expected, outputs)), expected)))
     print(f"{args.recipe} ({args.size}), batch {rows} in {m} micro-batches, {args.stages} stages, "
           f"{os.cpu_count()} CPUs, onnxruntime {ort.__version__}, python {sys.version.split()[0]}")
-    print("\n| run | samples/s | vs whole model | max rel err |")
-    print("| --- | --- | --- | --- |")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average (1 min) at the end: {load:.1f}")
+    print(f"\n| run | samples/s | vs whole model, 1 thread | vs whole model, {args.stages} "
+          "threads (same cores) | max rel err |")
+    print("| --- | --- | --- | --- | --- |")
+    same = results[1][1]
     for label, rate, err in results:
-        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {err:.1e} |")
+        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {rate / same:.2f}x | {err:.1e} |")
+    results = [results[0], *results[2:]]  # the pipelines after the 1-thread baseline
     measured = results[1][1]
     print(f"\nsimulator's prediction for the balanced plan: {predicted:.1f} samples/s; measured "
           f"{measured:.1f} ({(measured / predicted - 1) * 100:+.1f}%)")

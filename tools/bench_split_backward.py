@@ -28,7 +28,7 @@ from onnx_partition import models
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train import passes
-from onnx_partition.runtime.train.modules import stage_modules
+from onnx_partition.runtime.train.modules import StageModule, stage_modules
 from onnx_partition.runtime.train.task import task_for
 
 
@@ -47,6 +47,57 @@ def _saved(run: Callable[[], object]) -> int:
 def _median_ms(fn: Callable[[], float], repeats: int) -> float:
     fn()  # warm-up
     return statistics.median(fn() for _ in range(repeats)) * 1000.0
+
+
+def _row(stage: StageModule, env: dict[str, torch.Tensor], model_inputs: set[str],
+         repeats: int) -> str:
+    """One stage's table row; ``env`` gains the stage's outputs."""
+    module = stage.module
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def made() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        args_ = [env[n].detach().requires_grad_()
+                 if env[n].is_floating_point() and n not in model_inputs else env[n]
+                 for n in stage.inputs]
+        outs = [o for o in module(*args_) if o.requires_grad]
+        return args_, [a for a in args_ if a.requires_grad], outs
+
+    def whole() -> float:
+        _, _, outs = made()
+        began = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return time.perf_counter() - began
+
+    split: list[tuple[float, float]] = []
+
+    def halves() -> float:
+        _, leaves, outs = made()
+        began = time.perf_counter()
+        _, later = passes.input_pass(outs, [torch.ones_like(o) for o in outs], leaves, params)
+        mid = time.perf_counter()
+        passes.weight_pass(later)
+        split.append((mid - began, time.perf_counter() - mid))
+        return 0.0
+
+    def again() -> float:
+        args_, _, _ = made()
+        _, rng = passes.kept_forward(lambda: module(*args_), torch.device("cpu"))
+        began = time.perf_counter()
+        passes.rebuild(lambda: module(*args_), module, rng)
+        return time.perf_counter() - began
+
+    b_ms = _median_ms(whole, repeats)
+    _median_ms(halves, repeats)
+    i_ms = statistics.median(i for i, _ in split[1:]) * 1000.0
+    w_ms = statistics.median(w for _, w in split[1:]) * 1000.0
+    r_ms = _median_ms(again, repeats)
+    args_, _, _ = made()
+    kept = _saved(lambda: module(*args_))
+    received = sum(a.numel() * a.element_size() for a in args_)
+    env.update(zip(stage.outputs, (o.detach() for o in module(*args_)), strict=True))
+    return (f"| {stage.index} | {b_ms:.2f} | {i_ms:.2f} | {w_ms:.2f} | "
+            f"{(i_ms + w_ms) / b_ms:.2f} | {r_ms:.2f} | {kept / 1024:.1f} | "
+            f"{received / 1024:.1f} |")
 
 
 def main() -> None:
@@ -72,53 +123,7 @@ def main() -> None:
           "recompute keeps KiB |")
     print("|---|---|---|---|---|---|---|---|")
     for stage in stage_modules(root / "plan", deterministic=True):
-        module = stage.module
-        params = [p for p in module.parameters() if p.requires_grad]
-
-        def made() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-            args_ = [env[n].detach().requires_grad_()
-                     if env[n].is_floating_point() and n not in model_inputs else env[n]
-                     for n in stage.inputs]
-            outs = [o for o in module(*args_) if o.requires_grad]
-            return args_, [a for a in args_ if a.requires_grad], outs
-
-        def whole() -> float:
-            _, _, outs = made()
-            began = time.perf_counter()
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            return time.perf_counter() - began
-
-        split: list[tuple[float, float]] = []
-
-        def halves() -> float:
-            _, leaves, outs = made()
-            began = time.perf_counter()
-            _, later = passes.input_pass(outs, [torch.ones_like(o) for o in outs], leaves,
-                                         params)
-            mid = time.perf_counter()
-            passes.weight_pass(later)
-            split.append((mid - began, time.perf_counter() - mid))
-            return 0.0
-
-        def again() -> float:
-            args_, _, _ = made()
-            _, rng = passes.kept_forward(lambda: module(*args_), torch.device("cpu"))
-            began = time.perf_counter()
-            passes.rebuild(lambda: module(*args_), module, rng)
-            return time.perf_counter() - began
-
-        b_ms = _median_ms(whole, args.repeats)
-        _median_ms(halves, args.repeats)
-        i_ms = statistics.median(i for i, _ in split[1:]) * 1000.0
-        w_ms = statistics.median(w for _, w in split[1:]) * 1000.0
-        r_ms = _median_ms(again, args.repeats)
-        args_, _, outs = made()
-        kept = _saved(lambda: module(*args_))
-        received = sum(a.numel() * a.element_size() for a in args_)
-        print(f"| {stage.index} | {b_ms:.2f} | {i_ms:.2f} | {w_ms:.2f} | "
-              f"{(i_ms + w_ms) / b_ms:.2f} | {r_ms:.2f} | {kept / 1024:.1f} | "
-              f"{received / 1024:.1f} |")
-        env.update(zip(stage.outputs, (o.detach() for o in module(*args_)), strict=True))
+        print(_row(stage, env, model_inputs, args.repeats))
 
 
 if __name__ == "__main__":

@@ -5,20 +5,25 @@ and measured iteration time against the simulator's, on this machine (CPU, gloo)
         [--microbatches 8] [--steps 6] [--repeats 2] [--whole-threads 1 2] [--workdir DIR]
         [--schedule 1f1b|gpipe]
 
-Exports the recipe with its program, profiles it (one thread, ``--batch-size`` rows: one
+Exports the recipe with its program, profiles it as it trains (``profile --mode train``:
+torch eager per FX unit, forward and backward, one thread, ``--batch-size`` rows: one
 micro-batch), partitions it in train mode with those costs twice (our DP and the ``uniform``
 baseline, equal operator counts), then trains each plan with ``onnx-partition train``'s
 engine (one process per stage, one torch thread each; ``--repeats`` runs per plan, the
-plans taking turns, the fastest run shown), and the whole program in one process
-(``--whole-threads``), ``--steps`` steps of ``--microbatches`` micro-batches, SGD. The first
-step is left out of every figure. Columns: samples/s; measured ms per step; the simulator's
-ms per step from the plan's profiled costs and from the stage times measured in the run
-(``measured / simulated`` is the target: within 15%).
+plans taking turns, the fastest run shown), and the whole program in one process with one
+torch thread and with as many as the plan has ranks (``--whole-threads``; the second is what a
+user with those cores runs instead), ``--steps`` steps of ``--microbatches`` micro-batches,
+SGD. The first step is left out of every figure. Columns: samples/s; measured ms per step;
+the simulator's ms per step from the plan's profiled costs and from the stage times measured
+in the run (``measured / simulated`` is the target: within 15%).
 Row (c) is torch.distributed.pipelining's own front end on the same recipe module, batch and
 steps: ``pipeline()`` with a ``SplitPoint.BEGINNING`` at the transformer block where our DP
 plan's stage 1 begins (the block holding stage 1's first parameters), one gloo process per
 stage, one torch thread each, ``Schedule1F1B`` over the same micro-batches, cross-entropy, SGD;
 the last column of every pipelined row is ours / torch pipelining in samples/s.
+Row (d) is ``train --engine torch`` on our DP plan (our stage modules and cut, run by
+torch pipelining's ``PipelineStage`` and schedule; same batch, steps, SGD), taking turns with
+the others; the line after the table gives ours / (d) in samples/s.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from onnx_partition import models
-from onnx_partition.cost.profile import profile_to_file
+from onnx_partition.cost.profile.train import profile_train_to_file
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import whole_module
@@ -152,8 +157,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each plan, taking turns (the faster one is shown)")
-    parser.add_argument("--whole-threads", type=int, nargs="+", default=[1],
-                        help="torch threads of the whole-model runs (default 1)")
+    parser.add_argument("--whole-threads", type=int, nargs="+",
+                        help="torch threads of the whole-model runs (default: 1 and the "
+                             "plan's ranks, the cores the plan uses)")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     args = parser.parse_args()
@@ -164,9 +170,9 @@ def main() -> int:
     began = time.perf_counter()
     if not onnx_file.exists():
         models.export(args.model, onnx_file, size=args.size)
-    costs = work / "costs.json"
+    costs = work / "train-costs.json"
     if not costs.exists():
-        profile_to_file(onnx_file, costs, batch_size=b, repeats=10)
+        profile_train_to_file(onnx_file, costs, batch_size=b, repeats=10, threads=1)
     plans = {}
     for solver in ("dp", "uniform"):
         plans[solver] = work / f"plan-{solver}"
@@ -179,21 +185,28 @@ def main() -> int:
         ops = [len(s.nodes) for s in read_plan(plan_dir).stages]
         print(f"  {solver} split: {ops} ONNX nodes per stage")
 
+    ranks = sum(s.replicas for s in read_plan(plans["dp"]).stages)
+    whole_threads = args.whole_threads or sorted({1, ranks})
+    whole_ms: dict[int, float] = {}
     lines = ["| configuration | samples/s | measured ms/step | simulated ms (plan costs) | "
              "measured/simulated | simulated ms (measured stage times) | measured/simulated | "
              "ours / torch pipelining (samples/s) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for threads in args.whole_threads:
+    for threads in whole_threads:
         ms = whole_steps(plans["dp"], b, m, args.steps, threads)[1:]
+        whole_ms[threads] = sum(ms) / len(ms)
         lines.append(row(f"(a) whole model, 1 process, {threads} thread(s)", b * m,
-                         sum(ms) / len(ms), None))
+                         whole_ms[threads], None))
     runs: dict[str, list[TrainStats]] = {"dp": [], "uniform": []}
     cut = block_cut(plans["dp"]) if args.stages == 2 else None
     torch_runs: list[float] = []
+    engine_runs: list[TrainStats] = []  # (d): --engine torch on our DP plan
     for _ in range(args.repeats):
         for solver in runs:  # taking turns: a slow spell of the machine hits both
             runs[solver].append(train_plan(plans[solver], steps=args.steps, microbatches=m,
                                            batch_size=b, schedule=args.schedule))
+        engine_runs.append(train_plan(plans["dp"], steps=args.steps, microbatches=m,
+                                      batch_size=b, schedule=args.schedule, engine="torch"))
         if cut is not None:
             ms = torch_pipelining_steps(args.model, args.size, cut, b, m, args.steps)[1:]
             torch_runs.append(sum(ms) / len(ms))
@@ -213,7 +226,21 @@ def main() -> int:
     else:
         lines.append("| (c) torch pipelining | n/a: the bench cuts at one SplitPoint (2 stages) "
                      "|||||||")
+    engine = min(engine_runs, key=lambda st: st.measured_ms)
+    lines.append(row(f"(d) torch pipelining, --engine torch on our plan, {len(engine.ranks)} "
+                     "processes", b * m, engine.measured_ms, engine))
+    print(f"  --engine torch: ms per step of each run "
+          f"{[round(st.measured_ms, 1) for st in engine_runs]}")
+    ours = min(runs["dp"], key=lambda st: st.measured_ms)
+    lines.append(f"\nours / (d) --engine torch on the same plan (samples/s): "
+                 f"{engine.measured_ms / ours.measured_ms:.2f}")
     print("\n".join(lines))
+    best = min(runs["dp"], key=lambda st: st.measured_ms)
+    if ranks in whole_ms:  # the fair comparison: the same cores, one process
+        print(f"our plan / whole model on {ranks} torch threads (the plan's cores), samples/s: "
+              f"{whole_ms[ranks] / best.measured_ms:.2f}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average (1 min) at the end: {load:.1f} on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -12,20 +12,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import logging
+import math
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from onnx_partition import __version__, values
-from onnx_partition.cost.cluster import Cluster, Link, load_cluster, parse_bytes
+from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
-from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS
+from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS, TORCH_SCHEDULES
 
-__all__ = ["RANK_ENTRIES", "build_parser", "chunks_of", "cluster_of", "device_kind_of",
-           "input_shapes_of", "nearest", "rank_parser", "train_options"]
+__all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
+           "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
+           "plan_defaults", "rank_parser", "train_options"]
 
 log = logging.getLogger("onnx_partition")
 
@@ -89,11 +93,140 @@ def device_kind_of(args: argparse.Namespace) -> str:
     return str(args.device_kind or ("cuda" if args.gpu else "cpu"))
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster | None:
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """What ``partition``'s options say about the devices: the cluster (None: a plain
+    pipeline), the link between stages, the analytic device (None with --costs) and where each
+    default came from (``sources``: memory, link, inter_link, for the summary and plan.json)."""
+
+    cluster: Cluster | Fleet | None
+    link: Link
+    device: DeviceSpec | None
+    sources: dict[str, str]
+
+
+def costs_of(args: argparse.Namespace) -> tuple[Path | None, dict[str, Path]]:
+    """``--costs FILE`` (at most one) and ``--costs KIND=FILE`` (a fleet's, per GPU kind)."""
+    plain: list[Path] = []
+    keyed: dict[str, Path] = {}
+    for item in args.costs or []:
+        kind, sep, path = str(item).partition("=")
+        if sep and kind and "/" not in kind and not Path(item).exists():
+            if kind.lower() in keyed:
+                raise PartitionError(f"--costs {kind}=...: given twice")
+            keyed[kind.lower()] = Path(path)
+        else:
+            plain.append(Path(item))
+    if len(plain) > 1:
+        raise PartitionError("--costs FILE: one file (a fleet's kinds: --costs KIND=FILE each)")
+    return (plain[0] if plain else None), keyed
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster | Fleet | None:
     """The cluster the options describe, or None for a plain pipeline of --stages devices."""
+    return devices_of(args).cluster
+
+
+def devices_of(args: argparse.Namespace) -> Devices:
+    """The devices the options describe (:class:`Devices`). A named GPU (``--gpu``, or
+    cluster.json's ``gpu``) brings its datasheet memory and intra-machine link
+    (:data:`~onnx_partition.cost.devices.GPU_LINKS`) where neither an option nor cluster.json
+    gives them; ``--cpu-tflops`` pins the analytic CPU, else it is measured once per machine
+    and cached (:func:`~onnx_partition.cost.devices.measured_cpu`)."""
+    from onnx_partition.cost.devices import device_for, pinned_cpu
+
+    cluster, sources = _cluster_and_sources(args)
+    if cluster is None:
+        link, sources["link"] = _link_and_source(args, args.gpu)
+    else:
+        link = cluster.intra
+    kind = cluster.kind if cluster is not None else device_kind_of(args)
+    gpu_name = cluster.gpu if cluster is not None else args.gpu
+    if kind == "cuda":
+        sources["gpu"] = (f"--gpu {args.gpu}" if args.gpu else
+                          f"cluster.json {args.cluster}" if gpu_name else "default")
+    device = None
+    if getattr(args, "cpu_tflops", None) is not None or getattr(args, "cpu_gbps", None):
+        if kind != "cpu" or args.costs:
+            raise PartitionError("--cpu-tflops/--cpu-gbps price CPUs with the analytic model: "
+                                 "they cannot go with a GPU or --costs")
+        if args.cpu_tflops is None:
+            raise PartitionError("--cpu-gbps needs --cpu-tflops (the pinned CPU's peak)")
+        device = pinned_cpu(args.cpu_tflops, args.cpu_gbps)
+    elif not args.costs and not isinstance(cluster, Fleet):  # a fleet: each kind its own
+        device = device_for(kind, gpu_name)
+    return Devices(cluster, link, device, sources)
+
+
+def _gpu_link(gpu_name: str) -> tuple[Link, str]:
+    """A named GPU's intra-machine link and where it comes from."""
+    from onnx_partition.cost.devices import GPU_LINKS, gpu_spec
+
+    key, spec = gpu_spec(gpu_name)
+    sheet = GPU_LINKS[key]
+    return (Link(sheet.bandwidth_gbps, sheet.latency_ms),
+            f"datasheet: {sheet.name} of the {spec.name}, per direction")
+
+
+def _link_and_source(args: argparse.Namespace, gpu_name: str | None) -> tuple[Link, str]:
+    """--bandwidth/--latency, else a named GPU's datasheet link, else 10 GB/s and 0.02 ms."""
+    base, where = _gpu_link(gpu_name) if gpu_name else (Link(), "default")
+    for name, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency)):
+        if value is not None and not value >= 0:
+            raise PartitionError(f"{name} must be >= 0, got {value}")
+    link = Link(base.bandwidth_gbps if args.bandwidth is None else args.bandwidth,
+                base.latency_ms if args.latency is None else args.latency)
+    given = [n for n, v in (("--bandwidth", args.bandwidth), ("--latency", args.latency))
+             if v is not None]
+    if len(given) == 2:
+        where = "options"
+    elif given:
+        where = f"{given[0]}; the rest {where}"
+    return link, f"{_link_text(link)} ({where})"
+
+
+def _link_text(link: Link) -> str:
+    return f"{link.bandwidth_gbps:g} GB/s, {link.latency_ms:g} ms"
+
+
+def _cluster_and_sources(
+    args: argparse.Namespace,
+) -> tuple[Cluster | Fleet | None, dict[str, str]]:
+    from onnx_partition.cost.devices import gpu_spec
+
+    sources: dict[str, str] = {}
     if args.cluster is not None:
         cluster = load_cluster(args.cluster)
-        return dataclasses.replace(cluster, gpu=args.gpu) if args.gpu else cluster
+        if isinstance(cluster, Fleet):  # each group names its GPU, memory and link
+            if args.gpu:
+                raise PartitionError("--gpu prices one kind of GPU; a fleet's groups name "
+                                     "theirs (cluster.json groups[].gpu)")
+            here = f"cluster.json {args.cluster}"
+            sources["memory"] = f"per group ({here}; a group without memory_gb: its datasheet)"
+            sources["link"] = f"per group ({here})"
+            sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
+            return cluster, sources
+        if args.gpu:
+            cluster = dataclasses.replace(cluster, gpu=args.gpu)
+        given = set(json.loads(Path(args.cluster).read_text(encoding="utf-8")))
+        here = f"cluster.json {args.cluster}"
+        changes: dict[str, Any] = {}
+        if cluster.gpu:
+            _, spec = gpu_spec(cluster.gpu)
+            if "memory_gb" not in given:
+                changes["memory_gb"] = spec.memory_gb
+            if "intra" not in given:
+                changes["intra"] = _gpu_link(cluster.gpu)[0]
+        cluster = dataclasses.replace(cluster, **changes)
+        size = (f"{values.fmt_bytes(cluster.memory_bytes)} per device"
+                if math.isfinite(cluster.memory_gb) else "unlimited")
+        named = cluster.gpu or ""
+        sources["memory"] = (f"{size} (datasheet of the {gpu_spec(named)[1].name})"
+                             if "memory_gb" in changes else f"{size} ({here})")
+        sources["link"] = (f"{_link_text(cluster.intra)} "
+                           f"({_gpu_link(named)[1] if 'intra' in changes else here})")
+        sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
+        return cluster, sources
     if args.gpu and args.device_kind == "cpu":
         raise PartitionError("--gpu prices a GPU; it cannot go with --device-kind cpu")
     inter = args.inter_bandwidth is not None or args.inter_latency is not None
@@ -101,27 +234,36 @@ def cluster_of(args: argparse.Namespace) -> Cluster | None:
         if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
             raise PartitionError("--device-memory and --inter-bandwidth/latency "
                                  "need --devices N or --cluster")
-        return None
+        return None, sources
     if args.devices < 1 or args.machines < 1:
         raise PartitionError("--devices and --machines must be at least 1")
-    for name, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency),
-                        ("--inter-bandwidth", args.inter_bandwidth),
+    for name, value in (("--inter-bandwidth", args.inter_bandwidth),
                         ("--inter-latency", args.inter_latency)):
         if value is not None and not value >= 0:
             raise PartitionError(f"{name} must be >= 0, got {value}")
-    memory = parse_bytes(args.device_memory) / 1e9 if args.device_memory else float("inf")
+    memory: float
     if args.device_memory:
-        log.info(f"device memory {args.device_memory!r} read as {values.fmt_bytes(memory * 1e9)} "
-             f"({memory * 1e9:,.0f} bytes) per device")
+        memory = parse_bytes(args.device_memory) / 1e9
+        log.info(f"device memory {args.device_memory!r} read as "
+                 f"{values.fmt_bytes(memory * 1e9)} ({memory * 1e9:,.0f} bytes) per device")
+        sources["memory"] = f"{values.fmt_bytes(memory * 1e9)} per device (--device-memory)"
+    elif args.gpu:
+        spec = gpu_spec(args.gpu)[1]
+        memory = spec.memory_gb
+        sources["memory"] = (f"{values.fmt_bytes(memory * 1e9)} per device (datasheet of the "
+                             f"{spec.name}; --device-memory to change)")
+    else:
+        memory = math.inf
+        sources["memory"] = "unlimited (default; --device-memory or --gpu NAME to set)"
+    intra, sources["link"] = _link_and_source(args, args.gpu)
     default = Cluster()
+    inter_link = Link(
+        default.inter.bandwidth_gbps if args.inter_bandwidth is None else args.inter_bandwidth,
+        default.inter.latency_ms if args.inter_latency is None else args.inter_latency)
+    sources["inter_link"] = f"{_link_text(inter_link)} ({'options' if inter else 'default'})"
     return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
-                   kind=device_kind_of(args), gpu=args.gpu,
-                   intra=Link(args.bandwidth, args.latency),
-                   inter=Link(
-                       default.inter.bandwidth_gbps if args.inter_bandwidth is None
-                       else args.inter_bandwidth,
-                       default.inter.latency_ms if args.inter_latency is None
-                       else args.inter_latency))
+                   kind=device_kind_of(args), gpu=args.gpu, intra=intra,
+                   inter=inter_link), sources
 
 
 # --------------------------------------------------------------------------- the parser
@@ -251,7 +393,12 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, help="the ONNX model to measure")
+    p.add_argument("model", type=Path, nargs="?", help="the ONNX model to measure")
+    p.add_argument("--plan", type=Path, metavar="PLAN",
+                   help="calibrate the plan folder PLAN instead: time each stage alone and all "
+                        "side by side (as run), re-price, re-cut if that moves the optimum "
+                        "(at most --rounds times), write the plan in place (or to -o)")
+    p.add_argument("--rounds", type=int, default=3, help="with --plan: most re-cuts")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     _shape_args(p)
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median taken)")
@@ -260,13 +407,17 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: each node's forward in onnxruntime; train: each torch op's "
                         "forward and backward in torch eager, from the program MODEL.pt2")
-    p.add_argument("-o", "--output", required=True, type=Path, help="costs.json to write")
+    p.add_argument("-o", "--output", type=Path,
+                   help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
 
 def _partition_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("the model and its costs")
     model.add_argument("model", type=Path, help="the ONNX model to cut")
-    model.add_argument("--costs", type=Path, help="costs.json (contract format); else analytic")
+    model.add_argument("--costs", action="append", metavar="[KIND=]FILE",
+                       help="costs.json (contract format); else analytic. A fleet (cluster.json "
+                            "with groups) takes one per GPU kind: --costs a100-80gb=A.json "
+                            "--costs v100=V.json (kinds without one: their roofline)")
     _shape_args(model)
     model.add_argument("--no-program", action="store_true",
                        help="with --mode train: plan a model that has no exported program "
@@ -287,16 +438,24 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                       help="--mode train: which stages keep only their inputs and recompute "
                            "their forward in backward (auto: those that would not fit the "
                            "device memory otherwise)")
-    plan.add_argument("--bandwidth", type=float, default=10.0,
+    plan.add_argument("--bandwidth", type=float,
                       help="link bandwidth between stages in GB/s, and between the devices of "
-                           "a machine with --devices (0 = free)")
-    plan.add_argument("--latency", type=float, default=0.02, help="link latency in ms")
+                           "a machine with --devices (0 = free; default: a named GPU's "
+                           "datasheet link, NVLink or PCIe, else 10)")
+    plan.add_argument("--latency", type=float,
+                      help="link latency in ms (default: a named GPU's link's, else 0.02)")
     plan.add_argument("--device-kind", choices=("cpu", "cuda"),
                       help="the devices the plan is for (cuda: stage files placed on cuda:N; "
                            "default cpu, cuda with --gpu)")
     plan.add_argument("--gpu", help="GPU of the analytic costs, implies --device-kind cuda: "
                       "v100, a100-40gb, a100-80gb, h100 (the default), h200, l4; "
                       "NAME:fp32|tf32|bf16|fp16 sets the math of fp32 graphs")
+    plan.add_argument("--cpu-tflops", type=float, metavar="X",
+                      help="pin the analytic CPU's dense peak at X TFLOP/s (default: measured "
+                           "once per machine and cached in $XDG_CACHE_HOME/onnx-partition)")
+    plan.add_argument("--cpu-gbps", type=float, metavar="Y",
+                      help="with --cpu-tflops: the pinned CPU's memory bandwidth in GB/s "
+                           "(default 10)")
     plan.add_argument("--strict-costs", action="store_true",
                       help="refuse a costs file measured on another device kind than the "
                            "plan's")
@@ -312,6 +471,10 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                              "weights), time (equal compute, no communication)")
     search.add_argument("--time-limit", type=float, default=60.0,
                         help="ILP time limit in seconds")
+    search.add_argument("--exact-budget", type=float, default=1.0, metavar="SECONDS",
+                        help="with --solver dp: prove the cut optimal or better it by CP-SAT "
+                             "within SECONDS of deterministic time (one worker: the same plan "
+                             "at any load; graphs up to 600 operators; 0 = off)")
     _cluster_args(p)
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", required=True, type=Path, help="plan folder to write")
@@ -330,7 +493,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                    help="machines (as torchrun's --nnodes)")
     g.add_argument("--device-memory",
                    help="memory per device: 80GB, 16G, 16gb, 16GiB, 512MiB; a bare number is "
-                        "GB (default: unlimited)")
+                        "GB (default: a named GPU's datasheet memory, else unlimited)")
     g.add_argument("--inter-bandwidth", type=float,
                    help="link bandwidth between machines in GB/s (default 1.25: 10 GbE)")
     g.add_argument("--inter-latency", type=float,
@@ -391,11 +554,16 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
-    p.add_argument("--schedule", choices=schedules.TRAIN_NAMES,
+    p.add_argument("--schedule",
+                   choices=[*schedules.TRAIN_NAMES, *([] if rank else TORCH_SCHEDULES)],
                    help="the pipeline schedule every rank executes (the simulator's; default: "
                         "the plan's, see plan.json's schedule, else 1f1b). "
-                        + _schedule_help(schedules.TRAIN_NAMES))
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS, help="optimizer")
+                        + _schedule_help(schedules.TRAIN_NAMES)
+                        + "; interleaved-zb: torch's ScheduleInterleavedZeroBubble, --engine "
+                          "torch only, two stages per process")
+    p.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="optimizer (default: the one the plan's memory was priced for, "
+                        "plan.json optimizer, else sgd)")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of dropout and of the synthetic batches (without --data)")
@@ -426,8 +594,9 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                    help="write the measured per-stage forward/backward ms (plan.json's "
                         "simulator_costs form) to FILE")
     p.add_argument("--engine", default="ours", choices=ENGINES,
-                   help="ours (any plan); torch (torch.distributed.pipelining) is refused "
-                        "for now, see docs/design.md")
+                   help="ours (any plan); torch: torch.distributed.pipelining's "
+                        "PipelineStage and Schedule1F1B/ScheduleGPipe on our stage modules "
+                        "(plans with equal replicas per stage; see docs/design.md)")
     _json_arg(p)
 
 
@@ -448,8 +617,9 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
                         "transformers' schedulers)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip the whole model's gradient to norm X (as clip_grad_norm_)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: bfloat16 autocast with fp32 master weights (CPU too)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="bf16: bfloat16 autocast with fp32 master weights (CPU too; default: "
+                        "the plan's, plan.json precision, else fp32)")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="write checkpoints (every rank's parameters, optimizer and RNG state) "
                         "into DIR")
@@ -508,7 +678,10 @@ _DESCRIPTIONS = {
               "OUTPUT (ONNX) and, beside it, its training program (OUTPUT with suffix .pt2), "
               "which `partition --mode train` and `train` need.",
     "profile": "Read an ONNX model, time every operator on a device with onnxruntime, and "
-               "write the per-node times to OUTPUT (costs.json, for partition --costs).",
+               "write the per-node times to OUTPUT (costs.json, for partition --costs). With "
+               "--plan PLAN: read a plan folder, time its stages alone and side by side, and "
+               "write the plan calibrated (re-cut if that moves the optimum) in place or to "
+               "OUTPUT.",
     "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
                  "--mode train the model's program MODEL.pt2 beside it) and write a plan "
                  "folder: one ONNX file per stage, plan.json and a manifest. Prints the "
@@ -545,24 +718,52 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
 )
 
 
-def train_schedule(plan_dir: Path) -> str:
-    """``train``'s default schedule: the plan's (plan.json's ``schedule``) when the training
-    runtime runs it, else 1f1b (also when the plan cannot be read: train then says why)."""
-    from onnx_partition.plan import read_plan
+#: What ``train`` runs when neither an option nor the plan says (plans before plan@2).
+TRAIN_FALLBACKS = {"optimizer": "sgd", "precision": "fp32", "schedule": "1f1b"}
+#: The plan schedules that --engine torch runs as planned (torch pipelining's own classes).
+_TORCH_RUNS = ("1f1b", "gpipe")
+#: plan.json's names of what a plan assumed -> train's choices (plan@2's first plans: "adam").
+_TRAIN_NAMES = {"adam": "adamw"}
 
-    try:
-        named = read_plan(plan_dir).extra.get("schedule")
-    except (PartitionError, OSError, ValueError):
-        return "1f1b"
-    return named if named in schedules.TRAIN_NAMES else "1f1b"
+
+def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str | None:
+    """Fill ``train``'s --optimizer, --precision and --schedule not given with what the plan
+    was priced for (plan.json ``optimizer``, ``precision``, ``schedule``: ``recorded``, the
+    plan's extra keys), else :data:`TRAIN_FALLBACKS`; returns one warning line when an option
+    asks for something else than the plan assumed (its time and memory figures do not hold)."""
+    differ = []
+    for key, fallback in TRAIN_FALLBACKS.items():
+        planned = recorded.get(key)
+        planned = _TRAIN_NAMES.get(planned, planned) if isinstance(planned, str) else None
+        if key == "schedule" and planned not in schedules.TRAIN_NAMES:
+            planned = None  # an inference plan's "infer": train says what is wrong
+        given = getattr(args, key, None)
+        if (given is None and key == "schedule" and planned not in (None, *_TORCH_RUNS)
+                and getattr(args, "engine", None) == "torch"):
+            given = fallback  # torch pipelining has no such schedule: 1F1B, said below
+            setattr(args, key, given)
+        if given is None:
+            setattr(args, key, planned or fallback)
+        elif planned and given != planned:
+            differ.append((key, given, planned))
+    if not differ:
+        return None
+    told = ", ".join(f"--{k} {g}" for k, g, _ in differ)
+    assumed = ", ".join(f"{k} {p}" for k, _, p in differ)
+    return (f"warning: training with {told}; the plan was priced for {assumed} (plan.json): "
+            "its predicted time and memory assume those")
 
 
 def train_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options ``train`` and its torchrun entry share, as keywords of ``train_plan`` and
-    ``train_rank`` (one reader, so the two cannot drift)."""
+    ``train_rank`` (one reader, so the two cannot drift); --optimizer, --precision and
+    --schedule as :func:`plan_defaults` filled them (else :data:`TRAIN_FALLBACKS`)."""
+    for key, fallback in TRAIN_FALLBACKS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, fallback)
     return dict(
         steps=args.steps, microbatches=args.microbatches, batch_size=args.batch_size,
-        schedule=args.schedule or train_schedule(args.plan), optimizer=args.optimizer,
+        schedule=args.schedule, optimizer=args.optimizer,
         lr=args.lr, check=args.check,
         seed=args.seed, data=args.data, shuffle=args.shuffle, loss=args.loss,
         weight_decay=args.weight_decay, momentum=args.momentum, betas=tuple(args.betas),

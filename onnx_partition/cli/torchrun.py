@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Sequence
 
 from onnx_partition import values
-from onnx_partition.cli.args import rank_parser, train_options
+from onnx_partition.cli.args import plan_defaults, rank_parser, train_options
 from onnx_partition.cli.verbs import EXIT_FAILED, guarded
 
 __all__ = ["infer_main", "train_main"]
@@ -76,10 +77,14 @@ def _infer(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Train as this rank; rank 0 prints the summary."""
+    from onnx_partition.plan import read_plan
     from onnx_partition.runtime.train.trainer import format_train, train_rank
 
+    warning = plan_defaults(args, read_plan(args.plan).extra)
     stats = train_rank(args.plan, backend=args.backend, **train_options(args))
     if stats is None:
         return 0
     print(format_train(stats))
+    if warning:  # after the figures it explains
+        print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0

@@ -23,12 +23,12 @@ from onnx_partition import __version__, values
 from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
-    cluster_of,
-    device_kind_of,
+    costs_of,
+    devices_of,
     input_shapes_of,
+    plan_defaults,
     train_options,
 )
-from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan, read_plan
 
@@ -161,6 +161,10 @@ def _profile(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.threads < 1:
         raise PartitionError("--repeats and --threads must be at least 1")
     started = time.perf_counter()
+    if args.plan is not None:
+        return _profile_plan(args, started)
+    if args.model is None or args.output is None:
+        raise PartitionError("profile needs MODEL and -o COSTS (or --plan PLAN)")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.train import profile_train_to_file
 
@@ -186,6 +190,32 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_plan(args: argparse.Namespace, started: float) -> int:
+    from onnx_partition.calibrate import calibrate_plan
+
+    if args.model is not None:
+        raise PartitionError("profile --plan PLAN takes no MODEL (the plan names its model)")
+    if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
+        raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
+                             "and shapes: drop --device, --mode, --batch-size and --input-shape")
+    done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
+                          threads_per_stage=args.threads, repeats=args.repeats)
+    for i, r in enumerate(done.rounds):
+        ms = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        beside = (f"side by side {ms(r['side_by_side_ms'])} ms, in the pipeline "
+                  f"{ms(r['pipeline_busy_ms'])} + {r['hop_ms']:.3f} ms per hop"
+                  if "side_by_side_ms" in r else f"side by side {ms(r['together_ms'])} ms")
+        _say(f"round {i + 1}: stages of {'/'.join(map(str, r['stages']))} nodes: priced "
+             f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, {beside}; re-cut: "
+             f"{r['resolved']}")
+    predicted = done.plan.predicted
+    _say(f"wrote {done.out}: calibrated (round {done.chosen + 1} of {len(done.rounds)}, "
+         f"{'optimum held' if done.converged else 'stopped at --rounds'}), bottleneck "
+         f"{predicted.get('bottleneck_ms', predicted.get('iteration_ms', 0)):.3f} ms, in "
+         f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def _bars() -> Reporter:
     """The reporter of a verb's long steps: bars on stderr, only when stderr is a terminal and
     -q is not given."""
@@ -203,8 +233,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.cost.devices import device_for
-    from onnx_partition.partition import partition, priced_by
+    from onnx_partition.partition import devices_line, partition, priced_by, proof_line
     from onnx_partition.report.page import batch_line, plan_table
 
     if args.stages is not None and args.stages < 1:
@@ -219,25 +248,28 @@ def _partition(args: argparse.Namespace) -> int:
             f"--mode train: {args.model} has no exported program {program.name} beside it, "
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
-    cluster = cluster_of(args)
+    devices = devices_of(args)
+    costs, kind_costs = costs_of(args)
     stop_bar = _ilp_bar(args)
     plan = partition(
         args.model,
         args.stages,
         args.output,
-        costs=args.costs,
-        device=None if cluster or args.costs else device_for(device_kind_of(args),
-                                                                    args.gpu),
+        costs=costs,
+        kind_costs=kind_costs,
+        device=devices.device,
+        sources=devices.sources,
         strict_costs=args.strict_costs,
         input_shapes=input_shapes_of(args),
         batch_size=args.batch_size,
-        link=Link(args.bandwidth, args.latency),
-        cluster=cluster,
+        link=devices.link,
+        cluster=devices.cluster,
         mode=args.mode,
         microbatches=args.microbatches,
         ordering=args.order,
         solver=args.solver,
         time_limit_s=args.time_limit,
+        exact_budget_s=args.exact_budget,
         force=args.force,
         schedule=args.schedule or "auto",
         recompute=args.recompute,
@@ -254,7 +286,13 @@ def _partition(args: argparse.Namespace) -> int:
         return 0
     print(plan_table(plan))
     print(batch_line(plan, args.batch_size))
+    for note in plan.extra.get("devices_notes", []):
+        print(note)
     print(priced_by(plan))
+    print(devices_line(plan))
+    quality = proof_line(plan)
+    if quality:
+        print(quality)
     warning = (plan.device_model or {}).get("warning")
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
@@ -377,15 +415,18 @@ def _train(args: argparse.Namespace) -> int:
     from onnx_partition.pipeline.predict import dumps
     from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
 
-    mode = read_plan(args.plan).mode
-    if mode != "train":
+    plan = read_plan(args.plan)
+    if plan.mode != "train":
         raise PartitionError(
-            f"{args.plan} is an inference plan (--mode {mode}): partition the model again "
+            f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
+    warning = plan_defaults(args, plan.extra)  # said after the figures it explains
     stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
                        engine=args.engine, verbose=not args.json, progress=not args.json,
                        **train_options(args))
     print(dumps(train_json(stats)) if args.json else format_train(stats))
+    if warning:
+        print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0
 
 

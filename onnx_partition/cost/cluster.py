@@ -11,6 +11,15 @@ Bandwidths are in GB/s (1e9 bytes per second), memory in GB (1e9 bytes). ``speed
 compute time (a device twice as fast as the one the costs were measured on has speed 2). ``gpu``
 names the GPU the analytic costs price (:mod:`onnx_partition.cost.devices`, ``NAME[:MODE]``;
 default ``h100``) when no costs file is given; it needs ``"kind": "cuda"``.
+
+A mixed fleet (``cluster@2``) lists each kind of GPU as a group instead, the machines placed in
+file order, one ``inter`` link between any two machines (:class:`Fleet`)::
+
+    {"format": "onnx-partition/cluster@2", "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
+     "groups": [{"gpu": "a100-80gb", "machines": 1, "devices_per_machine": 4,
+                 "intra": {"bandwidth_gbps": 300, "latency_ms": 0.005}},
+                {"gpu": "v100", "machines": 1, "devices_per_machine": 4, "memory_gb": 32,
+                 "intra": {"bandwidth_gbps": 150, "latency_ms": 0.005}}]}
 """
 
 from __future__ import annotations
@@ -24,10 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.plan.contracts import CLUSTER_FORMAT, ClusterFields, Link
+from onnx_partition.plan.contracts import (
+    CLUSTER_FORMAT,
+    FLEET_FORMAT,
+    ClusterFields,
+    FleetFields,
+    GroupFields,
+    Link,
+)
 from onnx_partition.values import MAX_BYTES, Rule, check
 
-__all__ = ["FORMAT", "Cluster", "Link", "load_cluster", "parse_bytes"]
+__all__ = ["FORMAT", "Cluster", "Fleet", "GpuGroup", "Link", "load_cluster", "parse_bytes"]
 
 FORMAT = CLUSTER_FORMAT
 
@@ -108,6 +124,101 @@ class Cluster(ClusterFields):
         return body
 
 
+@dataclass(frozen=True)
+class GpuGroup(GroupFields):
+    """One GPU kind of a :class:`Fleet` (cluster@2's ``groups``)."""
+
+    def __post_init__(self) -> None:
+        if self.machines < 1 or self.devices_per_machine < 1:
+            raise PartitionError(f"group {self.gpu}: needs at least one machine and one "
+                                 f"device per machine, got {self.machines} x "
+                                 f"{self.devices_per_machine}")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise PartitionError(f"group {self.gpu}: memory_gb must be positive")
+        from onnx_partition.cost.devices import gpu
+
+        gpu(self.gpu)  # a known GPU (NAME[:MODE]), named in a one-line error otherwise
+
+    @property
+    def devices(self) -> int:
+        return self.machines * self.devices_per_machine
+
+    @property
+    def memory(self) -> float:
+        """GB per device: ``memory_gb``, else the GPU's datasheet memory."""
+        if self.memory_gb is not None:
+            return self.memory_gb
+        from onnx_partition.cost.devices import gpu
+
+        return gpu(self.gpu).memory_gb
+
+    def cluster(self, inter: Link) -> Cluster:
+        """The group alone, as a cluster of one kind (its own indices and machine numbers)."""
+        return Cluster(machines=self.machines, devices_per_machine=self.devices_per_machine,
+                       memory_gb=self.memory, kind="cuda", gpu=self.gpu, intra=self.intra,
+                       inter=inter)
+
+
+@dataclass(frozen=True)
+class Fleet(FleetFields):
+    """A mixed fleet: several :class:`GpuGroup`\\ s, their machines in file order (global
+    machine ``m`` of group ``g`` is ``machine_offset[g] + m``), one ``inter`` link between any
+    two machines. A plan puts each stage's replicas on one group
+    (:mod:`onnx_partition.solve.fleet`)."""
+
+    groups: tuple[GpuGroup, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise PartitionError("a fleet needs at least one group")
+        if self.kind != "cuda":
+            raise PartitionError(f"a fleet's groups are GPUs (kind cuda), got {self.kind!r}")
+
+    @property
+    def devices(self) -> int:
+        return sum(g.devices for g in self.groups)
+
+    @property
+    def speed(self) -> float:
+        """Each group is priced by its own GPU: no speed factor on top."""
+        return 1.0
+
+    @property
+    def intra(self) -> Link:
+        """The first group's machine link (the solvers' default link between stages)."""
+        return self.groups[0].intra
+
+    @property
+    def gpu(self) -> str:
+        """The GPUs of the fleet, ``a100-80gb+v100`` (each kind once, in file order)."""
+        return "+".join(self.kinds)
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(g.gpu for g in self.groups))
+
+    @property
+    def machine_offset(self) -> list[int]:
+        return [sum(g.machines for g in self.groups[:k]) for k in range(len(self.groups))]
+
+    @property
+    def clusters(self) -> list[Cluster]:
+        """Each group alone as a cluster of one kind."""
+        return [g.cluster(self.inter) for g in self.groups]
+
+    def device_name(self, group: int, index: int) -> str:
+        """Device id of device ``index`` of group ``group``: ``m<global machine>/cuda:<k>``."""
+        g = self.groups[group]
+        machine, local = divmod(index, g.devices_per_machine)
+        return f"m{self.machine_offset[group] + machine}/cuda:{local}"
+
+    def to_json(self) -> dict[str, Any]:
+        """cluster.json's form, every group's memory resolved."""
+        groups = [{**asdict(g), "memory_gb": g.memory} for g in self.groups]
+        return {"format": FLEET_FORMAT, "groups": groups, "kind": self.kind,
+                "inter": asdict(self.inter)}
+
+
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
                    r"(?:([KMGTkmgt][iI]?)[bB]?|([bB]))?\s*")
 _SCALE = {"": 1e9, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -128,13 +239,23 @@ def parse_bytes(text: str, name: str = "--device-memory") -> float:
     return float(check(match[1], name, rule)) * scale
 
 
-def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+def load_cluster(path: str | os.PathLike[str]) -> Cluster | Fleet:
     """Read cluster.json, checked against its schema (:mod:`onnx_partition.plan.schema`); a clear
-    one-line error for a missing file or a bad field."""
-    from onnx_partition.plan.schema import validate_cluster  # pydantic: loaded when first needed
+    one-line error for a missing file or a bad field. With ``groups``: a :class:`Fleet`."""
+    from onnx_partition.plan.schema import FleetSchema, validate_cluster  # pydantic: lazily
 
     path = Path(path)
     spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")
+    if isinstance(spec, FleetSchema):
+        try:
+            return Fleet(groups=tuple(
+                GpuGroup(gpu=g.gpu, machines=g.machines, devices_per_machine=g.devices_per_machine,
+                         memory_gb=g.memory_gb,
+                         intra=Link(g.intra.bandwidth_gbps, g.intra.latency_ms))
+                for g in spec.groups), kind=spec.kind,
+                inter=Link(spec.inter.bandwidth_gbps, spec.inter.latency_ms))
+        except PartitionError as exc:
+            raise PartitionError(f"cluster file {path}: {exc}") from None
     return Cluster(
         machines=spec.machines,
         devices_per_machine=spec.devices_per_machine,

@@ -27,25 +27,40 @@ half-precision peak. Element-wise, normalisation and data-movement operators run
 CUDA cores (fp32 peak) and are memory-bound in practice.
 
 **The CPU** is not a datasheet part: :func:`measured_cpu` times a small matrix product and a
-large element-wise add in onnxruntime on one thread (the runtime's default), once per process.
+large element-wise add in onnxruntime on one thread (the runtime's default) once per machine,
+and keeps the figures in ``$XDG_CACHE_HOME/onnx-partition/cpu-speed.json`` (default
+``~/.cache``; written atomically, one entry per host, CPU model and onnxruntime version), so the
+same command gives the same plan; :func:`pinned_cpu` (``partition --cpu-tflops X [--cpu-gbps
+Y]``) fixes them instead. The spec's ``source`` says which, for the summary and plan.json.
+
+**Links.** A named GPU also brings its datasheet memory and its intra-machine link
+(:data:`GPU_LINKS`: NVLink per direction where the part has it, else PCIe), the defaults of a
+plan on it (``partition --gpu``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import atomic_write
 
-__all__ = ["DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS", "MATH_MODES", "GpuSpec",
-           "device_for", "gpu", "gpu_key", "measured_cpu"]
+__all__ = ["CPU_SPEED_FILE", "DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS",
+           "GPU_LINKS", "MATH_MODES", "GpuLink", "GpuSpec", "cache_home", "device_for", "gpu",
+           "gpu_key", "gpu_spec", "measured_cpu", "pinned_cpu"]
 
 #: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
 #: dense (MatMul, Gemm, Conv): large cuBLAS GEMMs reach 70-80% of tensor-core peak (NVIDIA,
@@ -98,16 +113,48 @@ DEFAULT_GPU = "h100"
 MATH_MODES = ("tf32", "fp32", "fp16", "bf16")
 
 
-def gpu(name: str = DEFAULT_GPU) -> DeviceSpec:
-    """The roofline spec of GPU ``NAME`` or ``NAME:MODE`` (``MODE`` in :data:`MATH_MODES`:
-    how float32 matrix products are priced; default TF32 where the GPU has it)."""
-    key, _, mode = name.strip().lower().partition(":")
+@dataclass(frozen=True)
+class GpuLink:
+    """The link between two GPUs of one machine: GB/s per direction, ms per message."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_ms: float
+
+
+#: Intra-machine links per GPU, from the same datasheets: NVLink's total bandwidth is both
+#: directions, a send uses one, so half of it (V100 NVLink 2: 300 GB/s -> 150; A100 NVLink 3:
+#: 600 -> 300; H100/H200 NVLink 4: 900 -> 450); the L4 has no NVLink: PCIe 4.0 x16, 64 GB/s
+#: both ways -> 32. Latency: a few microseconds per NCCL message within a node (NCCL's
+#: intra-node latency is ~5 us on NVLink, ~10 us over PCIe).
+GPU_LINKS = MappingProxyType({
+    "v100": GpuLink("NVLink 2", 150.0, 0.005),
+    "a100-40gb": GpuLink("NVLink 3", 300.0, 0.005),
+    "a100-80gb": GpuLink("NVLink 3", 300.0, 0.005),
+    "h100": GpuLink("NVLink 4", 450.0, 0.005),
+    "h200": GpuLink("NVLink 4", 450.0, 0.005),
+    "l4": GpuLink("PCIe 4.0 x16", 32.0, 0.01),
+})
+
+
+def gpu_spec(name: str) -> tuple[str, GpuSpec]:
+    """The :data:`GPUS` key and datasheet of GPU ``NAME`` or ``NAME:MODE`` (``a100``: the
+    80 GB part)."""
+    key = name.strip().lower().partition(":")[0]
     if key == "a100":
         key = "a100-80gb"
     spec = GPUS.get(key)
     if spec is None:
         raise PartitionError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} "
                              f"(optionally NAME:{'|'.join(MATH_MODES)})")
+    return key, spec
+
+
+def gpu(name: str = DEFAULT_GPU) -> DeviceSpec:
+    """The roofline spec of GPU ``NAME`` or ``NAME:MODE`` (``MODE`` in :data:`MATH_MODES`:
+    how float32 matrix products are priced; default TF32 where the GPU has it)."""
+    key, spec = gpu_spec(name)
+    mode = name.strip().lower().partition(":")[2]
     mode = mode or ("tf32" if spec.tf32_tflops else "fp32")
     if mode not in MATH_MODES:
         raise PartitionError(f"unknown math mode {mode!r} in {name!r}; choose one of "
@@ -118,7 +165,7 @@ def gpu(name: str = DEFAULT_GPU) -> DeviceSpec:
         f"{key}:{mode}", peak_gflops=dense * 1e3, mem_gbps=spec.mem_gbps,
         launch_overhead_ms=GPU_LAUNCH_MS, half_gflops=spec.half_tflops * 1e3,
         vector_gflops=spec.fp32_tflops * 1e3, efficiency=GPU_EFFICIENCY,
-        memory_gb=spec.memory_gb, kind="cuda")
+        memory_gb=spec.memory_gb, kind="cuda", source=f"datasheet of the {spec.name}")
 
 
 def _best_ms(run: object, repeats: int) -> float:
@@ -130,11 +177,96 @@ def _best_ms(run: object, repeats: int) -> float:
     return best * 1e3
 
 
-@functools.cache
+#: The measured CPU's cache file, in :func:`cache_home`.
+CPU_SPEED_FILE = "cpu-speed.json"
+_CPU_FORMAT = "onnx-partition/cpu-speed@1"
+#: A pinned CPU's bandwidth and overhead when not given: DeviceSpec.cpu()'s assumed figures.
+_PINNED_GBPS = 10.0
+_PINNED_OVERHEAD_MS = 0.005
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/onnx-partition`` (an absolute path, as the XDG base directory spec
+    asks), else ``~/.cache/onnx-partition``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    return root / "onnx-partition"
+
+
 def measured_cpu() -> DeviceSpec:
-    """One CPU core running onnxruntime, measured once per process (~0.1 s): peak from a
-    256^3 MatMul (2 * 256^3 FLOPs), bandwidth from an Add of two 4M-float tensors (48 MB
-    moved, beyond the caches), overhead from a 1-element Add; best of a few runs each."""
+    """One CPU core running onnxruntime, measured once per machine and cached
+    (:data:`CPU_SPEED_FILE` in :func:`cache_home`; read once per process): peak from a 256^3
+    MatMul (2 * 256^3 FLOPs), bandwidth from an Add of two 4M-float tensors (48 MB moved,
+    beyond the caches), overhead from a 1-element Add; best of a few runs each (~0.1 s). An
+    unreadable cache is measured over; an unwritable one leaves the figures uncached (said in
+    ``source``)."""
+    return _cached_cpu(cache_home() / CPU_SPEED_FILE)
+
+
+def pinned_cpu(tflops: float, gbps: float | None = None) -> DeviceSpec:
+    """A CPU of the given dense peak (TFLOP/s) and memory bandwidth (GB/s; default 10, the
+    conservative end of one core's STREAM), with a 5 us launch overhead: nothing measured."""
+    if not (tflops > 0 and (gbps is None or gbps > 0)):
+        raise PartitionError(f"--cpu-tflops and --cpu-gbps must be positive, got {tflops} "
+                             f"and {gbps}")
+    bandwidth = f"{gbps:g} GB/s by --cpu-gbps" if gbps else \
+        f"{_PINNED_GBPS:g} GB/s assumed (--cpu-gbps sets it)"
+    return DeviceSpec("cpu:pinned", peak_gflops=tflops * 1e3, mem_gbps=gbps or _PINNED_GBPS,
+                      launch_overhead_ms=_PINNED_OVERHEAD_MS,
+                      source=f"pinned: {tflops:g} TFLOP/s by --cpu-tflops, {bandwidth}")
+
+
+def _this_cpu() -> dict[str, str]:
+    """What a cached speed is of: host, CPU model, onnxruntime version."""
+    import onnxruntime as ort
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": model or platform.machine(),
+            "onnxruntime": str(ort.__version__)}
+
+
+@functools.cache
+def _cached_cpu(path: Path) -> DeviceSpec:
+    """The entry of this machine in ``path``, else a new measurement written there."""
+    me = _this_cpu()
+    key = json.dumps(me, sort_keys=True)
+    entries: dict[str, Any] = {}
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(body, dict) and body.get("format") == _CPU_FORMAT:
+            entries = dict(body.get("machines") or {})
+        entry = entries.get(key)
+        if isinstance(entry, dict):
+            return DeviceSpec(
+                "cpu:measured", peak_gflops=float(entry["peak_gflops"]),
+                mem_gbps=float(entry["mem_gbps"]),
+                launch_overhead_ms=float(entry["launch_overhead_ms"]),
+                source=f"measured {entry.get('measured_at', '')}, cached in {path}; "
+                       "--cpu-tflops pins it, deleting the file measures again")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PartitionError):
+        pass  # none yet, or unreadable: measure over it
+    spec = _measure_cpu()
+    entries[key] = {**me, "peak_gflops": spec.peak_gflops, "mem_gbps": spec.mem_gbps,
+                    "launch_overhead_ms": spec.launch_overhead_ms,
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"format": _CPU_FORMAT, "machines": entries},
+                                      indent=1, sort_keys=True) + "\n")
+        where = f"cached in {path}"
+    except OSError as exc:
+        where = f"not cached ({path}: {exc.strerror or exc})"
+    return replace(spec, source=f"measured now, {where}; --cpu-tflops pins it")
+
+
+def _measure_cpu() -> DeviceSpec:
+    """The measurement itself (see :func:`measured_cpu`)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 

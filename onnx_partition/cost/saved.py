@@ -9,7 +9,10 @@ So the exported program (``model.pt2``, written beside the ONNX file by
 *storage* (:class:`torch.multiprocessing.reductions.StorageWeakRef`, so two views of one buffer
 count once, and a tensor saved by two ops counts once, at the first), and the storage's bytes
 go to the FX node running when it was first saved. Parameters, buffers and constants are left
-out (the memory model counts the weights apart).
+out (the memory model counts the weights apart), except a buffer the program updates (batch
+norm's running statistics): the training stage modules read it through a copy so that the
+update cannot touch a saved tensor (:mod:`onnx_partition.runtime.train.modules`), and what
+backward saves of that copy is held per micro-batch, so it counts.
 
 The run is made under :class:`torch._subclasses.fake_tensor.FakeTensorMode` by default: fake
 tensors carry shape, dtype and storage size but no data, so GPT-2 medium at 1024 tokens (or a
@@ -126,6 +129,7 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
 
     sig = program.graph_signature
     specs = program_inputs(program, shapes)
+    mutated = set(sig.buffers_to_mutate.values())  # buffers the program updates
     per_node, current, pack, seen = _counter()
 
     def weight(spec: Any) -> torch.Tensor:
@@ -161,7 +165,10 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
         if trainable:
             copy = copy.detach().requires_grad_(True)
             weights += int(value.untyped_storage().nbytes())
-        seen.add(StorageWeakRef(copy.untyped_storage()))
+        if str(spec.target) in mutated:  # the stage module reads it through a copy, which
+            copy = copy.clone()  # backward may save (batch norm's running statistics)
+        else:
+            seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
     interpreter = Counting(program.graph_module)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

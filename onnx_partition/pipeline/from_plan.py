@@ -248,6 +248,9 @@ def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) ->
     stage, replica = dev
     devices = plan.stages[stage].devices if stage < len(plan.stages) else []
     where = f" ({devices[replica]})" if replica < len(devices) else ""
+    gpu = plan.stages[stage].gpu if stage < len(plan.stages) else None
+    if gpu:  # a mixed fleet's plan: the kind running the stage
+        where = f" ({devices[replica]}, {gpu})" if replica < len(devices) else f" ({gpu})"
     return f"stage {stage} replica {replica}{where}"
 
 

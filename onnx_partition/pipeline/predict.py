@@ -37,9 +37,9 @@ from onnx_partition.pipeline.simulate import SimResult
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import RUN_FORMAT
 
-__all__ = ["RUN_FORMAT", "RunShape", "dumps", "format_comparison", "idle_replicas_note",
-           "measured_json", "partition_json", "predict", "ratios", "read_run", "run_json",
-           "run_shape", "simulate_json", "simulation_json"]
+__all__ = ["RUN_FORMAT", "SHARED", "SHARED_STAGE", "RunShape", "dumps", "format_comparison",
+           "idle_replicas_note", "measured_json", "partition_json", "predict", "ratios",
+           "read_run", "run_json", "run_shape", "simulate_json", "simulation_json"]
 
 
 
@@ -92,14 +92,17 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
                 "memory_bytes": int(result.peak_memory_bytes.get(dev, 0.0))}
                for dev, busy in sorted(result.busy_ms.items())]
     stages = []
+    forward_only = plan.mode == "train" and schedule == "infer"  # a train plan's forward pass
     for stage in plan.stages:
         mine = [d for d in devices if d["stage"] == stage.index]
         pred = stage.predicted
+        compute = (0.0 if pred is None else pred.forward_ms
+                   if forward_only and pred.forward_ms is not None else pred.compute_ms)
         stages.append({
             "index": stage.index, "replicas": stage.replicas,
             "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6),
-            "compute_ms": pred.compute_ms if pred else 0.0,
-            "comm_ms": pred.comm_ms if pred else 0.0,
+            "compute_ms": round(compute * scale, 6),
+            "comm_ms": round(pred.comm_ms * scale, 6) if pred else 0.0,
             "memory_bytes": max((d["memory_bytes"] for d in mine), default=0),
         })
     return {
@@ -181,15 +184,26 @@ def run_json(plan: Plan, shape: RunShape, runtime: str, measured: dict[str, Any]
             "ratio": ratios(measured, predicted)}
 
 
+#: The figures of a simulation every ``--json`` output states at its top level.
+SHARED = ("schedule", "microbatches", "batch_size", "rows", "iteration_ms", "throughput_per_s",
+          "samples_per_s", "bubble_fraction")
+#: ... and per stage.
+SHARED_STAGE = ("index", "replicas", "busy_ms", "compute_ms", "comm_ms", "memory_bytes")
+
+
 def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``partition --json`` prints: plan.json without node lists, plus where it went."""
+    """What ``partition --json`` prints: plan.json without node lists, plus where it went, and
+    at the top level (and per stage) the figures of the plan's own simulation as ``simulate
+    --json`` states them (:data:`SHARED`, :data:`SHARED_STAGE`): one value per quantity."""
     body = plan.to_json()
-    for stage in body["stages"]:
+    result, _ = simulate_plan(plan)
+    figures = simulate_json(plan, result, schedule=None, microbatches=None)
+    for stage, sim in zip(body["stages"], figures["stages"]):
         stage["nodes"] = len(stage["nodes"])
         stage["constants"] = len(stage.get("constants", []))
+        stage.update({k: sim[k] for k in SHARED_STAGE})
     body["plan_dir"] = str(plan_dir)
-    body.setdefault("batch_size", plan.rows_per_microbatch)
-    body["microbatches"] = plan.microbatches
+    body.update({k: figures[k] for k in SHARED})
     return body
 
 

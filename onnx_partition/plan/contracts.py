@@ -18,12 +18,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "PLAN_FORMAT", "RUN_FORMAT", "STAGE_COSTS_FORMAT",
+__all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "FLEET_FORMAT", "PLAN_FORMAT", "RUN_FORMAT",
+           "STAGE_COSTS_FORMAT",
            "TRAIN_FORMAT",
-           "ClusterFields", "IOSpec", "Link", "PlanFields", "Predicted", "Stage"]
+           "ClusterFields", "FleetFields", "GroupFields", "IOSpec", "Link", "PlanFields",
+           "Predicted", "Stage"]
 
 PLAN_FORMAT = "onnx-partition/plan@2"  # plan.json (partition); @1 files still read
 CLUSTER_FORMAT = "onnx-partition/cluster@1"  # cluster.json (partition --cluster)
+FLEET_FORMAT = "onnx-partition/cluster@2"  # cluster.json with groups (a mixed fleet)
 COSTS_FORMAT = "onnx-partition/costs@1"  # costs.json (profile)
 RUN_FORMAT = "onnx-partition/run@1"  # run --json, read back by report --measured
 STAGE_COSTS_FORMAT = "onnx-partition/stage-costs@1"  # train --record FILE
@@ -72,6 +75,7 @@ class Stage:
     # train plans: the stage keeps only its inputs and recomputes its forward in backward
     # (written only where true; absent: false)
     recompute: bool | None = None
+    gpu: str | None = None  # a mixed fleet's plan: the GPU kind running this stage (cluster@2)
 
 
 @dataclass
@@ -135,3 +139,26 @@ class ClusterFields:
     intra: Link = field(default_factory=Link)
     inter: Link = field(default_factory=lambda: Link(1.25, 0.05))
     gpu: str | None = None  # the GPU of the analytic costs (cost/devices.py), kind "cuda"
+
+
+@dataclass(frozen=True)
+class GroupFields:
+    """One kind of GPU in a mixed fleet (cluster@2's ``groups``): ``machines`` x
+    ``devices_per_machine`` devices of GPU ``gpu`` (:mod:`onnx_partition.cost.devices`), each
+    with ``memory_gb`` (None: the GPU's datasheet memory), linked by ``intra`` on a machine."""
+
+    gpu: str
+    machines: int = 1
+    devices_per_machine: int = 1
+    memory_gb: float | None = None
+    intra: Link = field(default_factory=Link)
+
+
+@dataclass(frozen=True)
+class FleetFields:
+    """A mixed fleet (cluster@2 with ``groups``): its groups' machines in file order, one
+    ``inter`` link between any two machines."""
+
+    groups: tuple[GroupFields, ...] = ()
+    kind: str = "cuda"
+    inter: Link = field(default_factory=lambda: Link(1.25, 0.05))

@@ -141,6 +141,8 @@ class Plan(PlanFields):
         for stage in body["stages"]:  # plan@2's parts only where set (train plans)
             if not stage.get("recompute"):
                 stage.pop("recompute", None)
+            if stage.get("gpu") is None:  # a mixed fleet's plans only (cluster@2 groups)
+                stage.pop("gpu", None)
             if stage.get("predicted"):
                 stage["predicted"] = {k: v for k, v in stage["predicted"].items()
                                       if v is not None}

@@ -44,10 +44,13 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan.contracts import (
     CLUSTER_FORMAT,
     COSTS_FORMAT,
+    FLEET_FORMAT,
     PLAN_FORMAT,
     RUN_FORMAT,
     STAGE_COSTS_FORMAT,
     ClusterFields,
+    FleetFields,
+    GroupFields,
     IOSpec,
     Link,
     PlanFields,
@@ -64,7 +67,8 @@ from onnx_partition.values import (
     MAX_STAGES,
 )
 
-__all__ = ["ClusterSchema", "CostsSchema", "Count", "Dim", "FileEntry", "IOSchema", "LinkSchema",
+__all__ = ["ClusterSchema", "CostsSchema", "Count", "Dim", "FileEntry", "FleetSchema",
+           "GroupSchema", "IOSchema", "LinkSchema",
            "Ms", "Name", "NodeCostSchema", "PlanSchema", "PredictedSchema", "RelPath",
            "RunPartSchema", "RunSchema", "Sha256", "SimulatorCostsSchema", "StageCostsSchema",
            "StageSchema", "default_of", "validate", "validate_cluster", "validate_costs",
@@ -181,6 +185,7 @@ class StageSchema(BaseModel):
     constants: list[str] = _factory(Stage, "constants")
     sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = default_of(Stage, "sha256")
     recompute: bool | None = default_of(Stage, "recompute")  # train: keeps only its inputs
+    gpu: Name | None = default_of(Stage, "gpu")  # a mixed fleet's plans: the stage's GPU kind
 
 
 Dim = Annotated[int, Field(ge=0, le=MAX_DIM)]
@@ -236,8 +241,9 @@ class PlanSchema(BaseModel):
     partition_s: Seconds | None = None
     manifest: dict[RelPath, FileEntry] | None = None
     trained_from: str | None = None  # train --save: the plan folder trained
+    calibrated: Anything | None = None  # profile --plan: stage times measured, rounds
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
-    optimizer: str | None = None  # "adam": weights + gradients + two moments
+    optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments
     precision: str | None = None  # "fp32"
     schedule: str | None = None  # planned for: "1f1b", "zb-h1" (train), "infer"
     activations: Anything | None = None  # source of activation_bytes, whole-program total
@@ -245,10 +251,12 @@ class PlanSchema(BaseModel):
     link: LinkSchema | None = None
     candidates: dict[str, Anything] | None = None  # per ordering: DP and refined bottleneck
     ilp: Anything | None = None  # optimal, bound, gap; or the error and the fallback
+    exact: Anything | None = None  # --solver dp: proven_optimal, by, lower_bound_ms, gap, ...
     # ---- hybrid plans
     cluster: Anything | None = None  # the cluster planned for (Cluster.to_json)
     orderings: dict[str, Anything] | None = None
     planning_s: Seconds | None = None
+    devices_notes: list[str] | None = None  # what more devices would buy, why some are unused
     allreduce_ms: list[Ms] | None = None
     simulator_costs: Anything | None = None  # checked by pipeline.from_plan
 
@@ -289,6 +297,44 @@ class ClusterSchema(BaseModel):
     def _bounded(self) -> ClusterSchema:
         if self.machines * self.devices_per_machine > MAX_DEVICES:
             raise ValueError(f"machines x devices_per_machine is more than {MAX_DEVICES}")
+        return self
+
+
+class GroupSchema(BaseModel):
+    """One GPU kind of a mixed fleet: the fields of
+    :class:`~onnx_partition.plan.contracts.GroupFields` (``memory_gb`` null or absent: the
+    GPU's datasheet memory)."""
+
+    model_config = _CONFIG
+    gpu: Name
+    machines: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = default_of(GroupFields, "machines")
+    devices_per_machine: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = default_of(
+        GroupFields, "devices_per_machine")
+    memory_gb: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)] | None = None
+    intra: LinkSchema = Field(default_factory=lambda: LinkSchema(
+        **asdict(default_of(GroupFields, "intra"))))
+
+
+#: cluster.json's top-level keys that describe one kind of device: not with ``groups``.
+HOMOGENEOUS_KEYS = ("gpu", "machines", "devices_per_machine", "memory_gb", "speed", "intra")
+
+
+class FleetSchema(BaseModel):
+    """cluster@2 with ``groups``: a mixed fleet, the fields of
+    :class:`~onnx_partition.plan.contracts.FleetFields` after ``format``; machines are placed in
+    file order."""
+
+    model_config = _CONFIG
+    format: Annotated[str, Field(pattern=r"^onnx-partition/cluster@2$")] = FLEET_FORMAT
+    groups: Annotated[list[GroupSchema], Field(min_length=1)]
+    kind: Literal["cuda"] = "cuda"
+    inter: LinkSchema = Field(default_factory=lambda: LinkSchema(
+        **asdict(default_of(FleetFields, "inter"))))
+
+    @model_validator(mode="after")
+    def _bounded(self) -> FleetSchema:
+        if sum(g.machines * g.devices_per_machine for g in self.groups) > MAX_DEVICES:
+            raise ValueError(f"the groups hold more than {MAX_DEVICES} devices")
         return self
 
 
@@ -505,7 +551,20 @@ def validate_plan(body: Any, where: str = "plan.json") -> PlanSchema:
     return result
 
 
-def validate_cluster(body: Any, where: str = "cluster.json") -> ClusterSchema:
+def validate_cluster(body: Any, where: str = "cluster.json") -> ClusterSchema | FleetSchema:
+    """One kind of device (:class:`ClusterSchema`), or with ``groups`` a mixed fleet
+    (:class:`FleetSchema`, cluster@2), never both in one file."""
+    if isinstance(body, dict) and "groups" in body:
+        both = [k for k in HOMOGENEOUS_KEYS if k in body]
+        if both:
+            raise PartitionError(f"{where}: 'groups' describes each kind of GPU; drop the "
+                                 f"top-level {', '.join(repr(k) for k in both)} (give them "
+                                 "per group)")
+        if body.get("format", FLEET_FORMAT) != FLEET_FORMAT:
+            raise PartitionError(f"{where}: 'groups' (a mixed fleet) needs \"format\": "
+                                 f"\"{FLEET_FORMAT}\", got {body.get('format')!r}")
+        fleet: FleetSchema = validate(FleetSchema, body, where)
+        return fleet
     result: ClusterSchema = validate(ClusterSchema, body, where)
     return result
 

@@ -54,14 +54,17 @@ def memory_chart(plan: Plan) -> str:
     """Each device's predicted peak memory against the cluster's limit."""
     limit_gb = plan.cluster.get("memory_gb")
     limit = float(limit_gb) * 1e9 if isinstance(limit_gb, int | float) else None
+    # a mixed fleet: each stage against its own GPU kind's memory (the least of its kinds)
+    kinds = {g["gpu"]: float(g["memory_gb"]) * 1e9 for g in plan.cluster.get("groups") or []}
     labels, rows, texts = [], [], []
     for s in plan.stages:
         used = float(s.predicted.memory_bytes) if s.predicted else 0.0
+        own = min((kinds[k] for k in (s.gpu or "").split("+") if k in kinds), default=limit)
         for r in range(s.replicas):
             where = s.devices[r] if r < len(s.devices) else "?"
             labels.append(f"stage {s.index} · replica {r} · {where}")
             rows.append([Segment(used, stage_colour(s.index), f"{fmt_bytes(used)}")])
-            share = f" ({sig3(used / limit * 100)}% of limit)" if limit else ""
+            share = f" ({sig3(used / own * 100)}% of {s.gpu or 'limit'})" if own else ""
             texts.append(fmt_bytes(used) + share)
     peak = max((row[0].value for row in rows), default=0.0)
     drawn = limit if limit is not None and limit <= 4 * max(peak, 1.0) else None
@@ -70,7 +73,10 @@ def memory_chart(plan: Plan) -> str:
                        limit_label=f"device limit {fmt_bytes(limit or 0)}",
                        tick_format=fmt_bytes, title="memory per device (bytes)",
                        row_title="stage · replica · device")
-    if limit is None:
+    if kinds:
+        note = "Each GPU kind's memory: " + ", ".join(
+            f"{k} {fmt_bytes(v)}" for k, v in kinds.items()) + " (the shares on the right)."
+    elif limit is None:
         note = "No device memory limit in plan.json (no cluster, or unlimited memory)."
     elif drawn is None:
         note = (f"Device limit {fmt_bytes(limit)} is off the scale: the largest use is "

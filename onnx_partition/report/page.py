@@ -10,7 +10,9 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.pipeline.from_plan import schedule_name, simulate_plan
+from onnx_partition.partition import devices_line, priced_by
+from onnx_partition.pipeline.from_plan import default_schedule, schedule_name, simulate_plan
+from onnx_partition.pipeline.predict import dumps, simulate_json
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.plan.folder import REPORT_MARK, is_our_report, manifest_of, verify, write_file
@@ -24,8 +26,13 @@ from onnx_partition.report.svg import (
 )
 from onnx_partition.values import fmt_bytes, sig3
 
-__all__ = ["MAX_DAG_NODES", "batch_line", "default_report_path", "measured_section", "plan_table",
-           "report_html", "throughput_cards", "tokens_per_sample", "write_report"]
+__all__ = ["FIGURES_ID", "MAX_DAG_NODES", "batch_line", "default_report_path",
+           "measured_section", "plan_table", "report_figures", "report_html", "throughput_cards",
+           "tokens_per_sample", "write_report"]
+
+
+#: The id of the report's data element (:func:`report_figures`).
+FIGURES_ID = "figures"
 
 
 def _mb(nbytes: float) -> str:
@@ -34,9 +41,11 @@ def _mb(nbytes: float) -> str:
 
 def plan_table(plan: Plan) -> str:
     """One row per stage: operators, predicted compute and communication, memory, cut tensors."""
-    header = ("stage", "ops", "copied consts", "compute ms", "comm ms", "total ms", "memory MB",
-              "in", "out", "replicas", "devices")
-    rows = [header]
+    header: tuple[str, ...] = ("stage", "ops", "copied consts", "compute ms", "comm ms",
+                               "total ms", "memory MB", "in", "out", "replicas", "devices")
+    fleet = any(stage.gpu for stage in plan.stages)  # a mixed fleet: which kind runs what
+    header += ("gpu",) * fleet
+    rows: list[tuple[str, ...]] = [header]
     for stage in plan.stages:
         pred = stage.predicted
         compute = pred.compute_ms if pred else 0.0
@@ -46,7 +55,7 @@ def plan_table(plan: Plan) -> str:
             f"{compute:.3f}", f"{comm:.3f}", f"{compute + comm:.3f}",
             _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
             str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
-        ))
+        ) + (str(stage.gpu or ""),) * fleet)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -55,12 +64,15 @@ def plan_table(plan: Plan) -> str:
     rates = ", ".join(v for v, _ in throughput_cards(plan, rate)) if rate < inf \
         else "inf micro-batches/s"
     if "iteration_ms" in total:
+        devices = (f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
+                   if "devices_used" in total else "")
+        bottleneck = (f", bottleneck {total['bottleneck_ms']:.3f} ms" if "devices_used" not in total
+                      and "bottleneck_ms" in total else "")
         lines.append(
-            f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: "
-            f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
-            f"{_count(int(total['microbatches']), 'micro-batch')} per "
-            f"iteration of {total['iteration_ms']:.3f} ms (simulated), bubble "
-            f"{total['bubble_fraction'] * 100:.1f}%, {rates}"
+            f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
+            f"{_count(plan.microbatches, 'micro-batch')} per "
+            f"iteration of {total['iteration_ms']:.3f} ms (simulated, {default_schedule(plan)}),"
+            f" bubble {total.get('bubble_fraction', 0) * 100:.1f}%, {rates}{bottleneck}"
         )
     elif total:
         lines.append(
@@ -161,7 +173,8 @@ def write_report(
         raise PartitionError(f"{out} is a file of the plan; write the report elsewhere")
     result, costs = simulate_plan(plan, schedule=schedule, microbatches=microbatches,
                                   chunks=chunks)
-    page = report_html(plan, plan_dir, result, costs)
+    page = report_html(plan, plan_dir, result, costs, schedule=schedule,
+                       microbatches=microbatches)
     if measured is not None:
         from onnx_partition.pipeline.predict import read_run
 
@@ -170,10 +183,15 @@ def write_report(
     return write_file(out, page, replace=lambda path: force or is_our_report(path))
 
 
-def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts) -> str:
-    """The report page as a string (see :func:`write_report`)."""
+def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts, *,
+                schedule: str | None = None, microbatches: int | None = None) -> str:
+    """The report page as a string (see :func:`write_report`). Its figures are also in the
+    page as data (no script runs): ``<pre hidden id="figures">`` holds what ``simulate
+    --json`` prints for the same ``schedule`` and ``microbatches`` (:func:`report_figures`)."""
     name = Path(plan.model).name or "model"
+    figures = dumps(simulate_json(plan, result, schedule=schedule, microbatches=microbatches))
     body = [
+        f'<pre hidden id="{FIGURES_ID}">{esc(figures)}</pre>',
         f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
         _summary(plan, result),
         _section("Stages", _stage_table(plan)),
@@ -188,6 +206,25 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
             "</head><body><main>" + "\n".join(body) + "</main></body></html>\n")
 
 
+def report_figures(page: str) -> dict[str, Any]:
+    """The figures a report page holds as data (see :func:`report_html`)."""
+    import html
+    import json
+
+    start = page.index(f'id="{FIGURES_ID}">') + len(f'id="{FIGURES_ID}">')
+    body: dict[str, Any] = json.loads(html.unescape(page[start:page.index("</pre>", start)]))
+    return body
+
+
+def _fleet_group(plan: Plan, group: dict[str, Any]) -> str:
+    """A fleet's group and the stages it runs: ``1 machine × 4 v100 (32 GB each, stages 1)``."""
+    runs = [str(s.index) for s in plan.stages if group["gpu"] in (s.gpu or "").split("+")]
+    machines = int(group["machines"])
+    return (f"{machines} machine{'s' * (machines != 1)} × {group['devices_per_machine']} "
+            f"{group['gpu']} ({fmt_bytes(float(group['memory_gb']) * 1e9)} each, stages "
+            f"{', '.join(runs) or 'none'})")
+
+
 def _header(plan: Plan) -> str:
     """The facts a reader needs first: devices (kind, count, memory), where the costs came
     from, what was planned and by which version."""
@@ -196,7 +233,10 @@ def _header(plan: Plan) -> str:
     kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
     kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
     where = f"{devices} × {kind}"
-    if cluster:
+    if cluster.get("groups"):  # a mixed fleet (cluster@2): each GPU kind and what it runs
+        where = f"{devices} used of a fleet: " + ", ".join(
+            _fleet_group(plan, g) for g in cluster["groups"])
+    elif cluster:
         machines = int(cluster.get("machines", 1))
         per = int(cluster.get("devices_per_machine", devices))
         where += (f" used of {machines} machine{'s' * (machines != 1)} × {per} "
@@ -212,7 +252,9 @@ def _header(plan: Plan) -> str:
         source = f"profile file {source}"
     if measured:
         source += f" ({_count(int(measured), 'operator')} measured)"
-    rows = [("devices", where), ("costs", source),
+    rows = [("devices", where), ("memory and links", devices_line(plan).removeprefix("devices: ")),
+            ("costs", source),
+            ("priced by", priced_by(plan).removeprefix("priced by: ")),
             ("plan", f"{plan.mode} · {_count(len(plan.stages), 'stage')} · "
                      f"ordering {plan.ordering} · solver {plan.solver}"),
             ("onnx-partition", plan.version or "?")]
@@ -346,7 +388,8 @@ def _stage_table(plan: Plan) -> str:
             f"<td>{sig3(compute + comm)}</td>",
             f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
             f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
-            f'<td class="l wrap">{esc(", ".join(s.devices))}</td>',
+            f'<td class="l wrap">{esc((f"{s.gpu}: " if s.gpu else "") + ", ".join(s.devices))}'
+            "</td>",
         ]
         rows.append(f'<tr{" class=hot" if k == hot else ""}>' + "".join(cells) + "</tr>")
     header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'

@@ -7,17 +7,18 @@ Narayanan et al., SOSP 2019, with the transfers of every tensor crossing its bou
 
     latency L = F + comm                       (infer)
               = F + B + 2 comm                 (train: activations forward, gradients back)
-    period  P = L / r + allreduce / M          (replicas take micro-batches in turn; the ring
+    period  P = ceil(M / r) L / M              (replicas take micro-batches in turn, the fullest
+                + allreduce / M                 ceil(M / r) of them; r <= M; the ring
     allreduce = 2 (r-1)/r W / bw + 2 (r-1) lat  all-reduce of W gradient bytes once per iteration)
 
 and needs per device the memory of :mod:`onnx_partition.pipeline.memory` (the one memory
 model): in training ``opt * W + G + held * (A + R)``, where 1F1B's ``held`` micro-batches in
 flight depend on the stage's replicas and the replicas and warm-up of the stages after it. The
-DP builds plans from the pipeline's end, so when it places stage ``[i, j)`` on ``r`` replicas
-in front of the suffix it chose from ``j``, it knows that suffix's first replica count and
-warm-up and checks the stage's memory exactly (the memory model's vectorised closed form,
-``held_in_front``); the plans it returns carry each stage's exact memory
-(``memory_per_device``), and the planner checks again after widening.
+DP builds plans from the pipeline's end; under a memory limit in training it keeps, per suffix
+and depth, the fewest devices for each first replica count and warm-up (:func:`_exact_fewest`),
+so it checks every stage's memory exactly in front of every suffix it could be placed before;
+the plans it returns carry each stage's exact memory (``memory_per_device``), and the planner
+checks again after widening.
 
 The DP runs over suffixes with the number of stages in the state (table shape written as in
 Alpa's ``training_dp_impl``)::
@@ -26,16 +27,19 @@ Alpa's ``training_dp_impl``)::
 
 ``g[q, i, d]``: the smallest bottleneck period of the suffix ``[i, n)`` cut into exactly ``q``
 stages on at most ``d`` devices, every stage within memory; ``g[0, n, d] = 0``. Replica counts
-are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small. Every ``q``
+are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small, and at most
+``M`` (a replica beyond the ``M``-th would get no micro-batch). Every ``q``
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
 Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
-from :func:`replica_choices`, every stage within memory, to the bisection's relative
-``precision``. Not for the problem over the DAG with any replica counts, strongly NP-hard
-with a fixed depth, a memory bound or all-reduce costs (``docs/np_completeness.md``). The code
-counts the fewest devices per bound (:func:`plan_hybrid`) instead of indexing a table by ``d``,
-so its time is polynomial in ``log D``, not in ``D``.
+from :func:`replica_choices` up to ``M``, every stage within memory (a bisection over the sorted
+stage periods; float32 period tables, about 1e-7 relative); "no plan fits" exactly when none
+does, checked against the CP-SAT judge :mod:`.hybrid_judge`. Not for the problem over the DAG
+with any replica counts, strongly NP-hard with a fixed depth, a memory bound or all-reduce
+costs (``docs/np_completeness.md``). The code counts the fewest devices per bound
+(:func:`plan_hybrid`) instead of indexing a table by ``d``, so its time is polynomial in
+``log D``, not in ``D``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import numpy as np
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import (
     StageBytes,
+    boundary_step,
     device_bytes,
     held_in_front,
     memory_per_device,
@@ -58,7 +63,7 @@ from onnx_partition.pipeline.memory import (
 from onnx_partition.values import fmt_bytes
 
 __all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
-           "replica_choices"]
+           "replica_choices", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ class SequenceCosts:
     param_bytes: Sequence[float]
     activation_bytes: Sequence[float]  # stashed per micro-batch for the backward pass
     cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0 (see order.topo.cut_bytes)
-    labels: Sequence[str] = ()  # a name per position, for messages
+    labels: Sequence[str] = ()  # a name per position (its first operator), for messages
+    last_labels: Sequence[str] = ()  # its last operator, where positions are blocks
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class HybridConfig:
     max_stages: int = 16
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
     budgets: Sequence[int] = ()  # also propose plans on at most this many devices
-    precision: float = 1e-3  # relative precision of the bisection on the bottleneck period
+    precision: float = 0.0  # unused: the bisection over the stages' periods is exact
     recompute: bool = False  # train: every stage keeps only its inputs (recompute_stage)
 
 
@@ -116,6 +122,15 @@ def recompute_stage(compute: np.ndarray, forward: np.ndarray, static: np.ndarray
     activations held once, only the received inputs per micro-batch in flight (the memory
     model's recomputation, :func:`~onnx_partition.pipeline.memory.memory_per_device`)."""
     return compute + forward, static + acts, np.asarray(received, dtype=float)
+
+
+def stage_period(latency: Any, replicas: int, allreduce: Any, microbatches: int) -> Any:
+    """A stage's time per micro-batch over an iteration: its fullest replica runs
+    ``ceil(M / r)`` of the ``M`` micro-batches (replica ``j`` takes ``m = j (mod r)``), then
+    the all-reduce once: ``ceil(M / r) L / M + allreduce / M`` (``L / r`` when ``r`` divides
+    ``M``; a replica beyond the ``M``-th gets no work)."""
+    m = max(microbatches, 1)
+    return latency * (-(-m // replicas)) / m + allreduce / m
 
 
 def replica_choices(devices: int) -> list[int]:
@@ -171,10 +186,10 @@ class _Tables:
                                  held_most).astype(_COUNT)
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
-        self.choices = replica_choices(config.devices)
+        self.choices = replica_choices(min(config.devices, max(config.microbatches, 1)))
         # period[c, i, j]: stage [i, j) on choices[c] replicas
-        self.period = np.stack([self.latency / r + self.allreduce(r) / config.microbatches
-                                for r in self.choices])
+        self.period = np.stack([stage_period(self.latency, r, self.allreduce(r),
+                                             config.microbatches) for r in self.choices])
         # needed[c, i, j]: the period [i, j) reaches on at most choices[c] replicas; it falls
         # with c, so the replicas a period tau needs are choices[#{c : needed[c] > tau}].
         # Held in float32 rounded down (never says a period is out of reach when it is not)
@@ -208,7 +223,8 @@ class _Tables:
         allreduce = float(self.allreduce(r, float(self.params[i, j])))
         latency = float(self.latency[i, j])
         return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
-                           allreduce, math.nan, latency / r + allreduce / c.microbatches)
+                           allreduce, math.nan,
+                           stage_period(latency, r, allreduce, c.microbatches))
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`)."""
@@ -250,7 +266,10 @@ def _fewest_devices(
     """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
     memory (``_NONE`` or more: impossible); with the chosen end and replica count per (q, i).
     ``fits`` says where a stage is within memory when that does not depend on the plan
-    (inference); in training each stage's memory is checked in front of the suffix chosen:
+    (inference, or no stage could overflow): then this is exact. Otherwise (``fits`` None)
+    it keeps one suffix per device count, so it only bounds the exact DP
+    (:func:`_exact_fewest`) from above: each stage's memory is checked in front of the suffix
+    chosen:
     its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
     replica count and warm-up (:func:`~onnx_partition.pipeline.memory.held_in_front`), a
     small table looked up for the stages that could overflow at all (``tables.risky``) and
@@ -291,16 +310,158 @@ def _fewest_devices(
     return h, end, rep
 
 
+_INF = _COUNT(_NONE)  # "no plan" in the exact DP's tables (device counts stay below)
+
+
+@dataclass
+class _Exact:
+    """The exact DP's tables for one bound ``tau`` (training under a memory limit).
+
+    ``h[q, i, c, w]``: fewest devices covering ``[i, n)`` with ``q`` stages, each of period
+    ``<= tau`` and within memory, whose first stage has ``choices[c]`` replicas and 1F1B
+    global warm-up ``w`` (``_INF``: none). ``end[q, i, c, w]`` is that first stage's end and
+    ``after[q, i, c, w]`` the state ``c' * (M + 1) + w'`` of the suffix from that end it was
+    placed in front of (-1: none, the stage is last)."""
+
+    h: np.ndarray
+    end: np.ndarray
+    after: np.ndarray
+
+    def fewest(self, q: int) -> int:
+        return int(self.h[q, 0].min())
+
+    def stages(self, tables: _Tables, q: int) -> list[HybridStage]:
+        """The fewest-device plan of depth ``q`` (``h[q, 0]`` finite)."""
+        w_count = self.h.shape[3]
+        state = int(np.argmin(self.h[q, 0]))
+        c, w = divmod(state, w_count)
+        stages, i = [], 0
+        for left in range(q, 0, -1):
+            j = int(self.end[left, i, c, w])
+            stages.append(tables.stage(i, j, tables.choices[c]))
+            if left > 1:
+                c, w = divmod(int(self.after[left, i, c, w]), w_count)
+            i = j
+        return stages
+
+
+def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> _Exact:
+    """The exact DP over (position, depth, first stage's replicas, its warm-up).
+
+    Under 1F1B a stage's memory depends on its own replica count and warm-up, and its warm-up
+    on the replica count and warm-up of the stage after it
+    (:func:`~onnx_partition.pipeline.memory.one_f_one_b_warmups`); so a suffix is summed up
+    by ``(c, w)`` and the DP keeps, per suffix and depth, the fewest devices for each of them
+    (a Pareto set: more replicas in front of a suffix can lower the stage's micro-batches in
+    flight, so every allowed count at or above the smallest meeting ``tau`` is tried)::
+
+        h[q, i, c, w] = r_c + min over j, (c', w') with min(step(r_c, r_c') + w', M) = w
+                        of h[q-1, j, c', w'],   stage [i, j) on r_c within tau and memory
+
+    ``capi[i, j]`` is how many micro-batches stage ``[i, j)`` may hold within memory. Exact:
+    every split of the sequence and every replica count of ``tables.choices``."""
+    n, m = tables.n, tables.c.microbatches
+    choices = tables.choices
+    rc, wc = len(choices), m + 1
+    h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=_COUNT)
+    end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
+    after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
+    steps = [[boundary_step(a, b) for b in choices] for a in choices]
+    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(wc)]
+            for r in choices]  # inference: the micro-batch being computed
+    rows = np.arange(n + 1)
+    # Each replica count's stages within tau, as bands: ok[c][i, k] for the stage [i, i+1+k)
+    bands = []
+    for c in range(rc):
+        ok = tables.period[c] <= tau  # inf (i >= j) never
+        last = np.where(ok.any(axis=1), (n - np.argmax(ok[:, ::-1], axis=1)) - rows, 0)
+        width = max(int(last.max()), 1)
+        ends = rows[:, None] + 1 + np.arange(width)[None, :]
+        inside = ends <= n
+        ends = np.minimum(ends, n)
+        bands.append((ends, ok[rows[:, None], ends] & inside, capi[rows[:, None], ends]))
+    # The warm-up transfer as one gather over rows of ``ext``: the suffix states (c', w'),
+    # then per c' the best state of warm-up at least t (a stage in front of w' >= M - step
+    # saturates at M), then a row of no plan. Row of target (c, w): (c', w - step) for w < M,
+    # (c', >= M - step) for w = M, for every c' (padded with the no-plan row).
+    states = rc * wc
+    gather = np.full((states, rc), 2 * states, dtype=np.int64)
+    for c in range(rc):
+        for c2 in range(rc):
+            step = steps[c][c2]
+            for w in range(step, m):
+                gather[c * wc + w, c2] = c2 * wc + w - step
+            gather[c * wc + m, c2] = states + c2 * wc + max(m - step, 0)
+    held_w = np.asarray(held, dtype=_COUNT)  # [c, w]
+    flat_h = h.reshape(max_q + 1, n + 1, states)
+    for q in range(1, max_q + 1):
+        # g[c * wc + w, j]: fewest devices of a suffix from j that a stage of choices[c]
+        # replicas in front of it gets warm-up w from; arg: that suffix's state c' * wc + w'
+        if q == 1:
+            g = np.full((states, n + 1), _INF, dtype=_COUNT)
+            g[np.arange(rc) * wc, n] = 0
+            arg = np.full((states, n + 1), -1, dtype=np.int64)
+        else:
+            now = flat_h[q - 1].T.reshape(rc, wc, n + 1)
+            sat = now.copy()
+            sat_arg = np.broadcast_to(np.arange(states).reshape(rc, wc, 1),
+                                      now.shape).copy()
+            for w in range(wc - 2, -1, -1):  # best of warm-up >= w
+                take = sat[:, w + 1] < sat[:, w]
+                sat[:, w] = np.where(take, sat[:, w + 1], sat[:, w])
+                sat_arg[:, w] = np.where(take, sat_arg[:, w + 1], sat_arg[:, w])
+            ext = np.concatenate([now.reshape(states, n + 1), sat.reshape(states, n + 1),
+                                  np.full((1, n + 1), _INF, dtype=_COUNT)])
+            ext_arg = np.concatenate([np.broadcast_to(np.arange(states)[:, None],
+                                                      (states, n + 1)),
+                                      sat_arg.reshape(states, n + 1),
+                                      np.full((1, n + 1), -1)])
+            pool = ext[gather]  # [target, c', j]
+            pick = np.argmin(pool, axis=1)
+            g = np.take_along_axis(pool, pick[:, None, :], axis=1)[:, 0, :]
+            arg = ext_arg[np.take_along_axis(gather, pick, axis=1), np.arange(n + 1)[None, :]]
+        tails = g.reshape(rc, wc, n + 1)  # [c, w, j]
+        tail_arg = arg.reshape(rc, wc, n + 1)
+        for c in range(rc):
+            ends, okb, capb = bands[c]
+            live = np.flatnonzero(tails[c].min(axis=1) < _INF)
+            if not live.size:
+                continue
+            fits = okb[None] & (capb[None] >= held_w[c, live][:, None, None])
+            cand = np.where(fits, tails[c, live][:, ends], _INF)  # [w, i, k]
+            best = np.argmin(cand, axis=2)
+            value = np.take_along_axis(cand, best[:, :, None], axis=2)[:, :, 0]
+            at = ends[rows[None, :], best]  # [w, i]
+            total = np.minimum(value.astype(np.int32) + choices[c], _NONE)  # no overflow
+            h[q, :, c, live] = np.where(value < _INF, total, _INF)
+            end[q, :, c, live] = at
+            after[q, :, c, live] = np.take_along_axis(tail_arg[c, live], at, axis=1)
+    return _Exact(h, end, after)
+
+
+def _held_caps(tables: _Tables, memory: float) -> np.ndarray:
+    """capi[i, j]: the most micro-batches stage ``[i, j)`` may hold within ``memory`` per
+    device (-1: not even its weights fit), at most ``M``."""
+    m = tables.c.microbatches
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        room = memory - tables.static
+        cap = np.where(tables.stash > 0, room / np.where(tables.stash > 0, tables.stash, 1.0),
+                       np.where(room >= 0, m, -1.0))
+    cap = np.where(room < 0, -1.0, cap)
+    return np.clip(np.floor(cap), -1, m).astype(np.int32)
+
+
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
     """Candidate plans, best bottleneck period first: for the smallest reachable bottleneck and
     a few looser ones, every pipeline depth that fits on the devices, and the same on each of
     ``config.budgets`` devices. The caller scores them with the event simulator (fill and
     drain included) and keeps the fastest.
 
-    Bisection on the bottleneck period ``tau``; for a fixed ``tau`` the fewest devices per
-    suffix and depth is a shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``).
-    Raises :class:`PartitionError` naming the stage that runs out of memory, and by how much,
-    when nothing fits.
+    The least bottleneck is one of the stages' periods: a bisection over their sorted values
+    finds it exactly; for a fixed ``tau`` the fewest devices per suffix and depth is a
+    shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``), or in training under
+    a memory limit the exact DP of :func:`_exact_fewest`. Raises :class:`PartitionError`
+    naming the stages that run out of memory, and by how much, exactly when no plan fits.
     """
     n, devices = len(costs.forward_ms), config.devices
     if not 1 <= devices <= MAX_DEVICES:
@@ -309,55 +470,91 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
         raise ValueError(f"cut_bytes needs {n + 1} entries, got {len(costs.cut_bytes)}")
     tables = _Tables(costs, config)
     max_q = min(config.max_stages, devices, n)
-    fits: np.ndarray | None = None  # training with a memory limit: checked per suffix
+    fits: np.ndarray | None = None  # training with a memory limit: the exact DP
     held_most = config.microbatches if config.train else 1  # no replica holds more
     if not config.train or bool(np.all(device_bytes(tables.static, tables.stash, held_most)
                                        <= config.memory_bytes)):
         fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
-    depths = slice(config.depth, config.depth + 1) if config.depth else slice(1, None)
+    capi = _held_caps(tables, config.memory_bytes) if fits is None else None
+    depths = [config.depth] if config.depth else list(range(1, max_q + 1))
+    depths = [q for q in depths if q <= max_q]
 
-    def fewest(tau: float) -> int:
-        h, _, _ = _fewest_devices(tables, tau, max_q, fits)
-        return int(h[depths, 0].min())
+    def fast(tau: float, mask: np.ndarray | None) -> tuple[list[int], Any]:
+        """Fewest devices per depth of ``depths`` by the one-suffix DP, and its tables."""
+        h, end, rep = _fewest_devices(tables, tau, max_q, mask)
+        return [int(h[q, 0]) for q in depths], (h, end, rep)
 
-    finite = tables.period[np.isfinite(tables.period)]
-    top = float(finite.max()) if finite.size else 0.0
-    least = fewest(top)
-    if least > devices:
-        raise PartitionError(_memory_report(tables, config, max_q, costs.labels))
+    cache: dict[float, tuple[list[int], Any]] = {}
 
-    # One bisection per budget, sharing probes: fewest(tau) answers every budget at once
-    # (tau suffices for budget b iff fewest(tau) <= b), so each probe narrows every bracket.
-    budgets = sorted({devices, *(b for b in config.budgets if least <= b < devices)})
-    brackets = {b: [0.0, top] for b in budgets}
-    while True:
-        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > config.precision * hi]
-        if not wide:
-            break
-        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
-        mid = (lo + hi) / 2
-        need = fewest(mid)
-        for b, bracket in brackets.items():
-            if need <= b:
-                bracket[1] = min(bracket[1], mid)
+    def probe(tau: float) -> tuple[list[int], Any]:
+        """The exact answer at ``tau``: fewest devices per depth and the DP's tables."""
+        if tau not in cache:
+            if capi is None:
+                cache[tau] = fast(tau, fits)
             else:
-                bracket[0] = max(bracket[0], mid)
+                exact = _exact_fewest(tables, tau, max_q, capi)
+                cache[tau] = ([exact.fewest(q) for q in depths], exact)
+        return cache[tau]
+
+    values = np.unique(tables.period[np.isfinite(tables.period)])
+    if not values.size or not depths:
+        raise PartitionError(f"no plan fits: {config.depth} stages need {config.depth} "
+                             f"positions and devices; the sequence has {n}, the cluster "
+                             f"{devices}")
+    least = min(probe(float(values[-1]))[0])
+    if least > devices:
+        raise PartitionError(_memory_report(tables, config, max_q, costs))
+
+    # No plan uses more than max_q stages of at most M replicas: budgets above are one.
+    usable = min(devices, max_q * tables.choices[-1])
+    budgets = sorted({usable, *(b for b in config.budgets if least <= b < usable)})
+    brackets = {b: [-1, len(values) - 1] for b in budgets}  # (fails, suffices) indices
+    if capi is not None:
+        # Narrow the brackets with two cheap DPs first: fitting with one micro-batch in
+        # flight (a relaxation: where it needs more devices, so does the exact DP), and one
+        # suffix per device count checked in front of (its plans fit: where it suffices, so
+        # does the exact DP, checked once below).
+        low = {b: [-1, len(values) - 1] for b in budgets}
+        _bisect(low, values, lambda tau: fast(tau, capi >= 1)[0])
+        high = {b: [-1, len(values) - 1] for b in budgets}
+        _bisect(high, values, lambda tau: fast(tau, None)[0])
+        for b, bracket in brackets.items():
+            bracket[0] = low[b][1] - 1
+            if high[b][1] > bracket[0] and min(probe(float(values[high[b][1]]))[0]) <= b:
+                bracket[1] = high[b][1]
+            # where memory does not bind at the optimum the relaxation is exact: gallop up
+            step = 1
+            while bracket[1] - bracket[0] > 1:
+                mid = min(bracket[0] + step, bracket[1] - 1)
+                if min(probe(float(values[mid]))[0]) <= b:
+                    bracket[1] = mid
+                    break
+                bracket[0], step = mid, 2 * step
+    _bisect(brackets, values, lambda tau: probe(tau)[0])
 
     plans: list[list[HybridStage]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
     for budget in reversed(budgets):
-        hi = brackets[budget][1]
+        tau = float(values[brackets[budget][1]])
         for slack in (1.0, 1.05, 1.25, 1.5):
-            h, end, rep = _fewest_devices(tables, hi * slack, max_q, fits)
-            for q in range(1, max_q + 1):
-                if h[q, 0] > budget or (config.depth and q != config.depth):
+            # looser bounds under memory: the one-suffix DP's plans (proposals, all fit)
+            if capi is None or slack == 1.0:
+                counts, found = probe(tau * slack)
+            else:
+                counts, found = fast(tau * slack, None)
+            for q, fewest in zip(depths, counts, strict=True):
+                if fewest > budget:
                     continue
-                stages, i = [], 0
-                for left in range(q, 0, -1):
-                    j, r = int(end[left, i]), int(rep[left, i])
-                    stages.append(tables.stage(i, j, r))
-                    i = j
-                assert i == n
+                if isinstance(found, _Exact):
+                    stages = found.stages(tables, q)
+                else:
+                    _, end, rep = found
+                    stages, i = [], 0
+                    for left in range(q, 0, -1):
+                        j, r = int(end[left, i]), int(rep[left, i])
+                        stages.append(tables.stage(i, j, r))
+                        i = j
+                assert stages[-1].end == n
                 stages = tables.with_memory(stages)
                 # Both the lean plan and the one widened onto spare devices: more replicas
                 # shorten the period but lengthen the all-reduce, which the simulator, not the
@@ -373,33 +570,81 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     return plans
 
 
-def _memory_report(
-    tables: _Tables, config: HybridConfig, max_q: int, labels: Sequence[str]
-) -> str:
-    """Why nothing fits: the split with the smallest peak memory per device, its fullest stage,
-    and by how much it is over (``low[q, i] = min_j max(memory_q(i, j), low[q-1, j])``)."""
-    n = tables.n
-    low = np.full((max_q + 1, n + 1), np.inf)
-    low[0, n] = 0.0
-    end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
-    for q in range(1, max_q + 1):
-        cand = np.maximum(np.where(np.isfinite(tables.latency), tables.memory(q), np.inf),
-                          low[q - 1][None, :])
-        end[q] = np.argmin(cand, axis=1)
-        low[q] = cand[np.arange(n + 1), end[q]]
-    depth = int(np.argmin(low[1:, 0])) + 1
-    i, worst = 0, (-1.0, 0, 0)
-    for left in range(depth, 0, -1):
-        j = int(end[left, i])
-        need = float(tables.memory(left)[i, j])
-        worst = max(worst, (need, i, j))
-        i = j
-    need, lo, hi = worst
-    name = (labels[lo] if hi == lo + 1 else f"{labels[lo]} to {labels[hi - 1]}") if labels else (
-        f"positions {lo}..{hi - 1}")
+def _bisect(brackets: dict[int, list[int]], values: np.ndarray,
+            probe: Any) -> None:
+    """Narrow each budget's bracket ``[fails, suffices]`` of indices into the sorted
+    ``values`` to adjacent indices; ``probe(tau)`` gives the fewest devices per depth at
+    ``tau`` (monotone), and one probe narrows every bracket (tau suffices for budget ``b``
+    iff the fewest devices are at most ``b``)."""
+    while True:
+        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > 1]
+        if not wide:
+            return
+        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
+        mid = (lo + hi) // 2
+        need = min(probe(float(values[mid])))
+        for b, bracket in brackets.items():
+            if need <= b:
+                bracket[1] = min(bracket[1], mid)
+            elif mid < bracket[1]:
+                bracket[0] = max(bracket[0], mid)
+
+
+_NAMED = 3  # stages the memory error names (the fullest)
+
+
+def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
+                   costs: SequenceCosts) -> str:
+    """Why nothing fits: the plan whose fullest device needs the least memory (the exact DP
+    at every period, bisected on the memory per device), and each of its stages over the
+    limit: index, first and last operator, bytes over."""
+    depths = [config.depth] if config.depth else list(range(1, max_q + 1))
+    top = float(np.nanmax(np.where(np.isfinite(tables.period), tables.period, np.nan)))
+    # every figure a stage could need: static + held * stash for held 1..M
+    held = np.arange(1, (config.microbatches if config.train else 1) + 1)
+    valid = np.isfinite(tables.latency)
+    needs = np.unique(device_bytes(tables.static[valid][:, None],
+                                   tables.stash[valid][:, None], held[None, :]))
+    needs = needs[needs > config.memory_bytes]
+
+    def plan_within(memory: float) -> list[HybridStage] | None:
+        exact = _exact_fewest(tables, top, max_q, _held_caps(tables, memory))
+        fit = [(exact.fewest(q), q) for q in depths if exact.fewest(q) <= config.devices]
+        return exact.stages(tables, min(fit)[1]) if fit else None
+
+    lo, hi = -1, len(needs) - 1
+    best = plan_within(float(needs[hi])) if needs.size else None
+    if best is None:  # not even with every stage's largest need: too few devices
+        return (f"no plan fits on {config.devices} devices: every split needs more stages "
+                f"than devices")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = plan_within(float(needs[mid]))
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    stages = tables.with_memory(best)
+    over = [(k, s) for k, s in enumerate(stages) if s.memory_bytes > config.memory_bytes]
+    more = len(over) - _NAMED
+    over = sorted(sorted(over, key=lambda e: -e[1].memory_bytes)[:_NAMED], key=lambda e: e[0])
+    parts = "; ".join(
+        f"stage {k} ({_span_name(costs, s.start, s.end)}) needs {fmt_bytes(s.memory_bytes)}, "
+        f"{fmt_bytes(math.ceil(s.memory_bytes - config.memory_bytes))} over" for k, s in over)
     return (
-        f"no plan fits in {fmt_bytes(config.memory_bytes)} per device: even the split with "
-        f"the least memory ({depth} stages) needs {fmt_bytes(need)} per device for "
-        f"{name}, {fmt_bytes(need - config.memory_bytes)} over"
+        f"no plan fits in {fmt_bytes(config.memory_bytes)} per device on {config.devices} "
+        f"devices: the plan needing the least ({len(stages)} stage{'s' * (len(stages) > 1)}, "
+        f"replicas "
+        f"{[s.replicas for s in stages]}) is over it in {parts}"
+        + (f"; and {more} more stage{'s' * (more > 1)}" if more > 0 else "")
     )
 
+
+def _span_name(costs: SequenceCosts, lo: int, hi: int) -> str:
+    """Positions ``[lo, hi)`` by their first and last operator (``labels``, and
+    ``last_labels`` where a position is a block), else by index."""
+    if not costs.labels:
+        return f"position {lo}" if hi == lo + 1 else f"positions {lo}..{hi - 1}"
+    first = costs.labels[lo]
+    last = (costs.last_labels or costs.labels)[hi - 1]
+    return first if first == last else f"{first} to {last}"

@@ -133,6 +133,7 @@ def solve_ilp(
     time_limit_s: float = 60.0,
     workers: int = 2,
     hint: Sequence[int] | None = None,
+    deterministic_s: float | None = None,
 ) -> IlpResult:
     """Split ``problem`` into exactly ``num_stages`` convex stages minimising the slowest stage.
 
@@ -143,6 +144,11 @@ def solve_ilp(
 
     Raises :class:`PartitionError` when ``num_stages`` is not in ``1..n``, when the hint is not
     a valid assignment, or when CP-SAT finds no feasible plan within the time limit.
+
+    ``deterministic_s`` also bounds the search in CP-SAT's *deterministic* time (work counted,
+    not seconds elapsed): with ``workers=1`` and a limit reached in deterministic time first,
+    the same problem gives the same answer on any machine and load. The start plan is always
+    feasible, so a search stopped early still returns a plan no worse than it (in units).
     """
     started = time.perf_counter()
     n, big_s = problem.num_nodes, num_stages
@@ -181,6 +187,8 @@ def solve_ilp(
         solver.parameters.subsolvers.extend(_SMALL_PORTFOLIO)
     remaining_s = time_limit_s - (time.perf_counter() - started)
     solver.parameters.max_time_in_seconds = max(0.01, remaining_s)
+    if deterministic_s is not None:
+        solver.parameters.max_deterministic_time = max(0.0, deterministic_s)
     status = solver.solve(enc.model)
     if status == cp_model.INFEASIBLE:
         raise PartitionError(f"no valid split into {big_s} stages exists")

@@ -6,7 +6,9 @@ For each ordering the DAG is sequenced, coarsened into at most :data:`MAX_POSITI
 its first 1, 2, 4, ... machines; balanced pp x dp grids join them. Every proposal, and any
 baseline, is scored the same way (:mod:`.scoring`): the event simulator plays its schedule over
 ``M`` micro-batches on the placed cluster, fill and drain included, best lower bound first and
-the hopeless skipped. The fastest plan wins, and its replica counts are then polished.
+the hopeless skipped. The fastest plan wins, and its replica counts are then polished; devices
+cost, so among the plans within DEVICE_SLACK (2%) of the fastest the one on the fewest devices
+is returned, with notes saying what more devices would buy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve import baselines
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
+    MAX_DEVICES,
     HybridConfig,
     HybridStage,
     SequenceCosts,
@@ -48,9 +51,10 @@ from onnx_partition.solve.scoring import (
 )
 from onnx_partition.solve.search import polish_split, sequence_for
 
-__all__ = ["DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH", "LONG_POLISH",
-           "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",
-           "downset_candidates", "dp_candidates", "estimate_ms", "grid_candidates",
+__all__ = ["DEVICE_SLACK", "DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH",
+           "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",
+           "devices_notes", "downset_candidates", "dp_candidates", "estimate_ms",
+           "fewest_devices", "grid_candidates",
            "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for"]
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
@@ -72,6 +76,8 @@ POLISH_SIMULATIONS = 24
 LONG_POLISH = 4
 #: Proposals per ordering and machine count handed to the simulator (best closed form first).
 SIMULATED = 6
+#: Devices cost: among plans within this fraction of the fastest, the fewest devices win.
+DEVICE_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -102,11 +108,12 @@ def _coarse_blocks(order: list[int], problem: DagProblem, devices: int) -> Block
 
 def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
     """Closed-form iteration time of a proposal, to rank proposals before simulating the best:
-    one micro-batch through every stage (fill and drain), ``M - 1`` more at the slowest
-    stage's period, then the slowest all-reduce."""
+    one micro-batch through every stage (fill and drain), the rest of the busiest replica's
+    ``ceil(M / r)`` micro-batches at the slowest stage, then the slowest all-reduce."""
+    m = run.microbatches
     fill = sum(s.latency_ms for s in stages)
-    period = max(s.latency_ms / s.replicas for s in stages)
-    return fill + (run.microbatches - 1) * period + max(s.allreduce_ms for s in stages)
+    rest = max((-(-m // s.replicas) - 1) * s.latency_ms for s in stages)
+    return fill + rest + max(s.allreduce_ms for s in stages)
 
 
 def dp_candidates(
@@ -144,15 +151,15 @@ def dp_candidates(
         depth=num_stages,
         budgets=machine_budgets(cluster),
     )
-    labels: list[str] = []
+    labels: list[str] = []  # each block's first and last operator, for the memory error
+    last_labels: list[str] = []
     if arrays.names:
         for lo, hi in itertools.pairwise(bounds):
-            first, last = arrays.names[order[lo]], arrays.names[order[hi - 1]]
-            labels.append(f"operator {first!r}" if lo + 1 == hi else
-                          f"operators {first!r}..{last!r}")
+            labels.append(arrays.names[order[lo]])
+            last_labels.append(arrays.names[order[hi - 1]])
     seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        cut_bytes(problem, order)[np.asarray(bounds)], labels)
+                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels)
     proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
@@ -209,7 +216,8 @@ def grid_candidates(
     """
     grids = [(d, pp) for d in (run.cluster.devices, *budgets)
              for pp in ([num_stages] if num_stages else range(1, run.max_stages + 1))
-             if d % pp == 0 and pp <= min(d, problem.num_nodes)]
+             if d % pp == 0 and pp <= min(d, problem.num_nodes)
+             and d // pp <= run.microbatches]  # a replica beyond the M-th gets no work
     if not grids:
         return []
     # Balance what one micro-batch costs one replica of a stage: forward; in training also
@@ -321,6 +329,7 @@ class _Tournament:
         default_factory=dict)
     by_machines: dict[int, HybridPlan] = field(default_factory=dict)
     reporter: Reporter = SILENT  # each proposal weighed
+    played: list[HybridPlan] = field(default_factory=list)  # every plan simulated
 
     def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
         """Simulate a batch's new plans best bound first, skipping what cannot beat
@@ -331,6 +340,9 @@ class _Tournament:
         for proposal in batch:
             key = (tuple(proposal.stage_of), tuple(proposal.replicas))
             if key in self.bounds:
+                continue
+            if max(proposal.replicas) > run.microbatches:  # a replica beyond the M-th would
+                self.bounds[key] = None  # get no micro-batch: not weighed
                 continue
             costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
                                            proposal.replicas, run)
@@ -348,11 +360,12 @@ class _Tournament:
             self.reporter.step("planning: simulating proposals", played_n, len(pool))
             family = (proposal.source.split(":")[1] if proposal.source.startswith("dp")
                       else "grid")
-            if self.best is not None and bound >= self.best.sim.iteration_ms:
+            if self.best is not None and bound >= self._limit(proposal):
                 self.families.setdefault(family, {"lower_bound_ms": bound})
                 continue
             plan = simulated(proposal.stage_of, proposal.replicas, costs, memory, run,
                              proposal.source)
+            self.played.append(plan)
             done = self.families.get(family, {}).get("iteration_ms", math.inf)
             self.families[family] = {"iteration_ms": float(min(done, plan.sim.iteration_ms))}
             machines = -(-sum(plan.replicas) // run.cluster.devices_per_machine)
@@ -363,6 +376,14 @@ class _Tournament:
                 self.best = plan
         weighed = [(self.bounds[tuple(p.stage_of), tuple(p.replicas)], p) for p in batch]
         return [(bound, p) for bound, p in weighed if bound is not None]
+
+    def _limit(self, proposal: Proposal) -> float:
+        """The iteration a proposal must beat to matter: the best's, or within DEVICE_SLACK
+        of it on fewer devices."""
+        assert self.best is not None
+        best_ms = self.best.sim.iteration_ms
+        fewer = sum(proposal.replicas) < sum(self.best.replicas)
+        return best_ms * (1 + DEVICE_SLACK) if fewer else best_ms
 
     def play_polished_grids(self, played: list[tuple[float, Proposal]]) -> None:
         """Re-cut (polish) the grid proposals whose depth and replicas could still win: those
@@ -419,24 +440,60 @@ def plan_cluster(
                    key=lambda p: p.sim.iteration_ms)
     else:
         best = polish_replicas(problem, arrays, best, run, LONG_POLISH)
+    best = fewest_devices(best, tournament.played, run)
     # every proposal was checked with the one memory model, which the simulator agrees with
     assert max(best.sim.peak_memory_bytes.values()) <= run.cluster.memory_bytes
     best.planning_s = time.perf_counter() - started
     return best, tournament.families
 
 
-def _replica_moves(replicas: Sequence[int], devices: int) -> list[list[int]]:
+def fewest_devices(fastest: HybridPlan, played: Sequence[HybridPlan],
+                   run: RunSpec) -> HybridPlan:
+    """Devices cost: among ``fastest`` and the plans ``played`` within DEVICE_SLACK of its
+    iteration, the one on the fewest devices (then the fastest), with notes saying what
+    more devices would buy and why devices are left unused."""
+    limit = fastest.sim.iteration_ms * (1 + DEVICE_SLACK)
+    pool = [fastest, *(p for p in played if p.sim.iteration_ms <= limit)]
+    chosen = min(pool, key=lambda p: (sum(p.replicas), p.sim.iteration_ms))
+    return replace(chosen, notes=devices_notes(chosen, fastest, run))
+
+
+def devices_notes(plan: HybridPlan, fastest: HybridPlan, run: RunSpec) -> list[str]:
+    """The summary's lines on devices: what the fastest plan's extra devices would buy, and
+    why devices are left unused (micro-batches feed at most ``M`` replicas per stage)."""
+    notes = []
+    used, total, m = sum(plan.replicas), run.cluster.devices, run.microbatches
+    if sum(fastest.replicas) > used:
+        gain = 1 - fastest.sim.iteration_ms / plan.sim.iteration_ms
+        notes.append(f"devices: {sum(fastest.replicas)} devices would buy {gain:.2%} "
+                     f"({fastest.sim.iteration_ms:.6g} ms per iteration against "
+                     f"{plan.sim.iteration_ms:.6g} ms on {used}); within {DEVICE_SLACK:.0%} of "
+                     f"the fastest the fewest devices win")
+    if used < total and (max(plan.replicas) >= m or run.max_stages * m < total):
+        notes.append(f"devices: {total - used} of {total} unused: {m} micro-batches feed at "
+                     f"most {m} replicas of a stage (replica j takes micro-batches m = j mod r)"
+                     f", {run.max_stages * m} devices over {run.max_stages} stages; more "
+                     f"micro-batches per iteration (--microbatches) would let stages use more")
+    elif used < total and sum(fastest.replicas) <= used:
+        notes.append(f"devices: {total - used} of {total} unused: no plan found on more "
+                     f"devices is faster (all-reduce, transfers or fill and drain outweigh "
+                     f"the shorter period)")
+    return notes
+
+
+def _replica_moves(replicas: Sequence[int], devices: int,
+                   most: int = MAX_DEVICES) -> list[list[int]]:
     """Replica counts one device away: moved between two stages, added from the spare ones,
-    or taken away."""
+    or taken away; no stage above ``most`` replicas."""
     moves = []
     spare = devices - sum(replicas)
     for x, rx in enumerate(replicas):
-        if spare > 0:
+        if spare > 0 and rx < most:
             moves.append([r + (k == x) for k, r in enumerate(replicas)])
         if rx > 1:
             moves.append([r - (k == x) for k, r in enumerate(replicas)])
             moves += [[r - (k == x) + (k == y) for k, r in enumerate(replicas)]
-                      for y in range(len(replicas)) if y != x]
+                      for y in range(len(replicas)) if y != x and replicas[y] < most]
     return moves
 
 
@@ -453,7 +510,7 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
     while improved and spent < budget:
         improved = False
         ranked = []
-        for replicas in _replica_moves(plan.replicas, run.cluster.devices):
+        for replicas in _replica_moves(plan.replicas, run.cluster.devices, run.microbatches):
             costs, memory = totals_costs(totals, replicas, run)
             bound = lower_bound_ms(costs, run.microbatches, run.train,
                                        split=run.schedule == "zb-h1")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -90,6 +90,7 @@ class HybridPlan:
     memory_bytes: list[float]
     source: str  # "dp:<ordering>" or a baseline's name
     planning_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # the planner's lines for the summary
 
     @property
     def num_stages(self) -> int:

@@ -5,12 +5,14 @@ checks a request against the same tuples."""
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS"]
+__all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS", "TORCH_SCHEDULES"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
-#: ours (any plan); torch (``torch.distributed.pipelining``), refused for now.
+#: ours (any plan); torch (``torch.distributed.pipelining``, uniform plans: ``torch_engine``).
 ENGINES = ("ours", "torch")
+#: Schedules only ``--engine torch`` runs (torch's ``ScheduleInterleavedZeroBubble``).
+TORCH_SCHEDULES = ("interleaved-zb",)
 #: Losses by CLI name (:mod:`onnx_partition.runtime.train.loss`).
 LOSSES = ("auto", "cross_entropy", "mse", "output")
 #: Training precisions (``train --precision``): fp32, or bfloat16 autocast over fp32 weights.

@@ -72,15 +72,23 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     except Exception as exc:
         raise RankFailure("setup", f"cannot start: {exc}") from exc
     join_group(backend, rank, world, timeout_s, store)
-    result = train_stages(stages, loss_fn, plan, batches, config, rank=rank, device=device,
-                          eval_batches=evals)
+    if config.engine == "torch":  # a list: one result per stage the rank holds
+        from onnx_partition.runtime.train.torch_engine import train_stages_torch
+
+        result: Any = train_stages_torch(stages, loss_fn, plan, batches, config, rank=rank,
+                                         device=device, eval_batches=evals)
+    else:
+        result = train_stages(stages, loss_fn, plan, batches, config, rank=rank,
+                              device=device, eval_batches=evals)
     gathered: list[Any] = [None] * world if rank == 0 else []
     # the results (saved states among them) travel over gloo: gather_object over NCCL would
     # copy every pickle to a GPU and back
     group = dist.new_group(backend="gloo") if backend == "nccl" else None
     dist.gather_object(result, gathered if rank == 0 else None, dst=0, group=group)
     dist.destroy_process_group()
-    return gathered if rank == 0 else None
+    if rank != 0:
+        return None
+    return [r for got in gathered for r in (got if isinstance(got, list) else [got])]
 
 
 def _spawned(rank: int, store: dist.Store, world: int, build: Build, config: TrainConfig,
@@ -106,6 +114,10 @@ def launch_training(
     lay = layout(plan)
     chosen = choose_backend(lay, backend, one_machine=True)
     world = lay.world_size
+    if config.engine == "torch":  # interleaved: two stages per rank
+        from onnx_partition.runtime.train.torch_engine import world_size
+
+        world = world_size(lay, config.schedule)
     args = [(world, build, config, chosen, timeout_s)] * world
     results = launch_ranks(_spawned, args, lay.name, timeout_s=timeout_s,
                            start_method=start_method, preload=TRAIN_PRELOAD)

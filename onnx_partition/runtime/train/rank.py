@@ -51,6 +51,7 @@ after each forward action: the tests kill a rank mid-step through it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -76,7 +77,7 @@ from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
-__all__ = ["Batches", "LossFn", "RankResult", "StageLike", "TrainConfig",
+__all__ = ["Batches", "LossFn", "RankResult", "SavedCounter", "StageLike", "TrainConfig",
            "microbatch", "step_line", "tied_groups", "train_stages"]
 
 LossFn = Callable[[Tensors, Tensors], torch.Tensor]
@@ -128,6 +129,7 @@ class TrainConfig:
     eval_batches: int = 1  # batches per evaluation
     log: str | None = None  # append one JSON object per step
     progress: bool = False  # a progress bar on a terminal
+    engine: str = "ours"  # or "torch": torch.distributed.pipelining (train.torch_engine)
 
 
 @dataclass
@@ -150,6 +152,14 @@ class RankResult:
     grad_norm: list[float] = field(default_factory=list)  # per step, the whole model's
     lr: list[float] = field(default_factory=list)  # per step
     eval_loss: list[tuple[int, float]] = field(default_factory=list)  # rank 0: (step, loss)
+    # bytes the stage module saved for backward, per micro-batch of the run's first step
+    # (the saved-tensor hook: unique storages, parameters and buffers left out)
+    activation_bytes: list[int] = field(default_factory=list)
+    # CPU: per step, the thread's CPU time in forward and backward compute (one torch thread
+    # computes in the calling thread): what a busy machine's other processes do not stretch
+    forward_cpu_ms: list[float] = field(default_factory=list)
+    backward_cpu_ms: list[float] = field(default_factory=list)
+    memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -189,6 +199,7 @@ class _Rank:
     model_outputs: list[str]
     clock: _Clock
     bf16: bool = False  # autocast the stage module to bfloat16
+    saved: SavedCounter | None = None  # counts what the first step's forwards save
     recompute: bool = False  # keep only the inputs; run the forward again at B or I
     params: list[torch.nn.Parameter] = field(default_factory=list)  # for the split backward
 
@@ -257,10 +268,13 @@ def train_stages(
         dist.barrier(device_ids=[device.index or 0])
     else:
         dist.barrier()
+    counter = SavedCounter(module)
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
                {s.name for s in plan.inputs}, [s.name for s in plan.outputs], _Clock(device),
-               config.precision == "bf16", bool(plan.stages[k].recompute),
+               config.precision == "bf16", counter, bool(plan.stages[k].recompute),
                [p for p in params.values() if p.requires_grad])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     bar = _progress(config) if rank == 0 else None
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
@@ -280,6 +294,8 @@ def train_stages(
                 if config.hook is not None:
                     config.hook(rank, "forward")
         wire.wait()  # before any collective: a peer in it may wait for a queued send
+        if counter.active:  # only the first step counts (it is left out of the timings)
+            result.activation_bytes, counter.active = list(counter.per_microbatch), False
         _sum_gradients(params, tied_names, stage_group, my_tied)
         if step == 0 and config.check_steps:
             result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
@@ -304,6 +320,8 @@ def train_stages(
         if config.checkpoint_dir and config.checkpoint_every and (
                 (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
             _checkpoint(config, lay, rank, step + 1, module, optimizer, device)
+    if device.type == "cuda":
+        result.memory_bytes = int(torch.cuda.max_memory_allocated(device))
     if config.keep_state and replica == 0:
         result.state = {n: v.detach().cpu().clone() for n, v in module.state_dict().items()}
     return result
@@ -460,8 +478,9 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     loss), send the relay set on and stash what the backward needs (a recomputing stage: its
     inputs and RNG state, the graph built again at its ``B`` or ``I``)."""
     lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
-    if k == 0:
-        env = {n: v.to(device) for n, v in
+    if k == 0:  # the micro-batch's own tensors (a slice would keep the whole batch's storage,
+        # and autograd's saved inputs would count it)
+        env = {n: v.to(device) if device.type != "cpu" else v.clone() for n, v in
                microbatch({n: st.inputs[n] for n in lay.recv_names[0]}, m, count).items()}
     else:
         env = me.wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
@@ -473,9 +492,10 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
             if me.last and st.targets else {})
     weight = st.weights[m] if me.last else 1.0
 
-    def run() -> Tensors:
-        """The stage on ``env``: what it sends on, or ``{"": loss}`` on the last stage."""
-        with autocast(device, me.bf16):
+    def run(saved: SavedCounter | None = None) -> Tensors:
+        """The stage on ``env``: what it sends on, or ``{"": loss}`` on the last stage;
+        ``saved`` counts what the stage module saves (the forward's run, not a rebuild)."""
+        with autocast(device, me.bf16), _counting(saved):
             outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
@@ -489,10 +509,10 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     t0 = me.clock.start()
     rng = None
     try:
-        if me.recompute:
-            sent, rng = passes.kept_forward(run, device)
+        if me.recompute:  # its forward saves nothing: counted 0
+            sent, rng = passes.kept_forward(lambda: run(me.saved), device)
         else:
-            sent = run()
+            sent = run(me.saved)
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
     me.clock.stop(0, t0)
@@ -595,6 +615,10 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
     loss and every rank's times (and prints the step line when ``verbose``)."""
     lay, rank = me.lay, result.rank
     st.fwd, st.bwd = me.clock.read()
+    if not me.clock.cuda:
+        fwd_cpu, bwd_cpu = me.clock.read_cpu()
+        result.forward_cpu_ms.append(fwd_cpu * 1000.0)
+        result.backward_cpu_ms.append(bwd_cpu * 1000.0)
     row = torch.zeros(lay.world_size, 3, dtype=torch.float64)
     row[rank] = torch.tensor([st.fwd * 1000.0, st.bwd * 1000.0, float(st.loss_sum)],
                              dtype=torch.float64)
@@ -679,14 +703,55 @@ def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         p.grad = piece.view_as(p).clone()
 
 
+class SavedCounter:
+    """Bytes a stage module saves for backward in one forward, as autograd keeps them: every
+    tensor packed by ``torch.autograd.graph.saved_tensors_hooks`` counted once per storage
+    (``StorageWeakRef``: views of one buffer, or a tensor saved by two ops, count once), the
+    module's parameters and buffers left out; the rule of
+    :func:`onnx_partition.cost.saved.saved_bytes`, which prices ``activation_bytes``, applied
+    to the real run. ``active`` until the first step ends (the hook costs a little time)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._weights = {StorageWeakRef(t.untyped_storage())
+                         for t in [*module.parameters(), *module.buffers()]}
+        self.seen: set[Any] = set()  # the forward's storages (StorageWeakRef), weights too
+        self.active = True
+        self.per_microbatch: list[int] = []
+
+    def start(self) -> None:
+        self.seen = set(self._weights)
+        self.per_microbatch.append(0)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = self._ref(storage)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.per_microbatch[-1] += int(storage.nbytes())
+        return tensor
+
+
+def _counting(counter: SavedCounter | None) -> Any:
+    """The saved-tensor hook around one forward while ``counter`` is active, else nothing."""
+    if counter is None or not counter.active:
+        return contextlib.nullcontext()
+    counter.start()
+    return torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+
+
 class _Clock:
     """Forward (0) and backward (1) compute time of a step. CPU: ``perf_counter`` around each
-    action. CUDA: a pair of events per action, read once at the step's end (one wait for the
-    last event, not a whole-device synchronize around every action)."""
+    action, and the thread's CPU time (``thread_time``) beside it. CUDA: a pair of events per
+    action, read once at the step's end (one wait for the last event, not a whole-device
+    synchronize around every action)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = [0.0, 0.0]
+        self.cpu_seconds = [0.0, 0.0]
         self.events: list[tuple[int, Any, Any]] = []  # (kind, start, end), CUDA
 
     def start(self) -> Any:
@@ -694,7 +759,7 @@ class _Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.perf_counter(), time.thread_time()
 
     def stop(self, kind: int, began: Any) -> None:
         if self.cuda:
@@ -702,7 +767,8 @@ class _Clock:
             end.record()
             self.events.append((kind, began, end))
         else:
-            self.seconds[kind] += time.perf_counter() - began
+            self.seconds[kind] += time.perf_counter() - began[0]
+            self.cpu_seconds[kind] += time.thread_time() - began[1]
 
     def read(self) -> tuple[float, float]:
         """The step's (forward, backward) seconds; starts the next step at zero."""
@@ -713,4 +779,10 @@ class _Clock:
             self.events.clear()
         fwd, bwd = self.seconds
         self.seconds = [0.0, 0.0]
+        return fwd, bwd
+
+    def read_cpu(self) -> tuple[float, float]:
+        """The step's (forward, backward) CPU seconds of this thread (CPU only)."""
+        fwd, bwd = self.cpu_seconds
+        self.cpu_seconds = [0.0, 0.0]
         return fwd, bwd

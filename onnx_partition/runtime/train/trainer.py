@@ -72,7 +72,8 @@ from onnx_partition.runtime.train.rank import (
     train_stages,
 )
 
-__all__ = ["EVAL_SEED", "TrainStats", "format_train", "train_json", "train_plan", "train_rank",
+__all__ = ["EVAL_SEED", "StagePrediction", "TrainStats", "comparison", "comparison_table",
+           "format_train", "predicted_stages", "train_json", "train_plan", "train_rank",
            "train_stages"]
 
 CHECK_STEPS = (1, 3)
@@ -108,6 +109,17 @@ class TrainStats:
     grad_norm: list[float] = field(default_factory=list)  # per step, before clipping
     lr: list[float] = field(default_factory=list)  # per step
     checkpoint: Path | None = None  # where checkpoints went
+    # per stage, measured in the run: bytes saved for backward per micro-batch (the saved-tensor
+    # hook over the first step), the device's peak (CUDA: max_memory_allocated; None on CPU)
+    activation_bytes: list[int | None] = field(default_factory=list)
+    memory_bytes: list[int | None] = field(default_factory=list)
+    # per stage on CPU: the ranks' thread CPU time in forward and backward (as forward_ms)
+    forward_cpu_ms: list[float] = field(default_factory=list)
+    backward_cpu_ms: list[float] = field(default_factory=list)
+    # per stage, the plan's prediction for the same quantities (the simulator's costs, at this
+    # run's rows per micro-batch: scaled linearly from the plan's when they differ)
+    predicted_stages: list[StagePrediction] = field(default_factory=list)
+    scaled_from_batch_size: int | None = None  # the plan's rows, when the run's differ
 
     @property
     def measured_ms(self) -> float:
@@ -118,6 +130,39 @@ class TrainStats:
     @property
     def samples_per_s(self) -> float:
         return self.rows / self.measured_ms * 1000.0 if self.measured_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """A stage's predicted figures per micro-batch on one replica (None: the plan has none)."""
+
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int | None
+    memory_bytes: int | None
+
+
+def predicted_stages(plan: Plan, costs: PipelineCosts, scale: float = 1.0
+                     ) -> list[StagePrediction]:
+    """Per stage: the simulator's forward and backward ms (``costs``, rebuilt from plan.json)
+    and plan.json's ``activation_bytes`` and ``memory_bytes``, each scaled by ``scale`` (rows of
+    the run / rows of the plan) where it grows with the rows: times, activations and receive
+    buffers; weights, gradients and optimizer state do not."""
+    out = []
+    for stage, cost in zip(plan.stages, costs.stages, strict=True):
+        pred = stage.predicted
+        acts = None if pred is None or pred.activation_bytes is None else pred.activation_bytes
+        memory: int | None = None if pred is None else pred.memory_bytes
+        if pred is not None and scale != 1.0:
+            fixed = [pred.weights_bytes, pred.grad_bytes, pred.optimizer_bytes]
+            if acts is not None and None not in fixed and pred.inflight is not None:
+                memory = int(sum(x or 0 for x in fixed) + scale * (
+                    pred.inflight * acts + (pred.buffer_bytes or 0)))
+            else:
+                memory = None  # no parts to scale by: no prediction at this size
+        out.append(StagePrediction(cost.forward_ms * scale, cost.backward_ms * scale,
+                                   None if acts is None else round(acts * scale), memory))
+    return out
 
 
 def synthetic_batch(make_batch: Callable[[int, torch.Generator], tuple[Tensors, Tensors]],
@@ -262,13 +307,22 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
     plan = require_trainable(plan_dir)
     verify_plan_folder(plan_dir, plan)
     lay = layout(plan)
-    if nproc is not None:
+    if nproc is not None and schedule == "interleaved-zb" and engine == "torch":
+        if nproc * 2 != lay.world_size:  # two stages per process
+            raise PartitionError(f"--schedule interleaved-zb holds two stages per process: the "
+                                 f"plan's {lay.world_size} stage replicas need "
+                                 f"{lay.world_size / 2:g} processes; got {nproc}")
+    elif nproc is not None:
         check_world_size(lay.replicas, nproc)
     for what, value in (("step", steps), ("micro-batch", microbatches),
                         ("row per micro-batch", batch_size)):
         if value < 1:
             raise PartitionError(f"need at least one {what}, got {value}")
-    if schedule not in schedules.TRAIN_NAMES:
+    from onnx_partition.runtime.train.choices import TORCH_SCHEDULES
+
+    if schedule in TORCH_SCHEDULES and engine != "torch":
+        raise PartitionError(f"schedule {schedule!r} is torch pipelining's: add --engine torch")
+    if schedule not in (*schedules.TRAIN_NAMES, *TORCH_SCHEDULES):
         raise PartitionError(f"unknown schedule {schedule!r}; choose "
                              f"{', '.join(schedules.TRAIN_NAMES)}")
     if optimizer not in OPTIMIZERS:
@@ -277,10 +331,6 @@ def check_request(plan_dir: Path, *, nproc: int | None, steps: int, microbatches
         raise PartitionError(f"the learning rate must be positive, got {lr}")
     if engine not in ENGINES:
         raise PartitionError(f"unknown engine {engine!r}; choose {', '.join(ENGINES)}")
-    if engine == "torch":
-        from onnx_partition.runtime.train.torch_engine import torch_engine_refusal
-
-        raise PartitionError(f"--engine torch: {torch_engine_refusal(plan)}")
     return plan
 
 
@@ -407,13 +457,22 @@ def train_plan(
                           clip_grad_norm=clip_grad_norm, precision=precision,
                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                           resume=resume, eval_every=eval_every, log=log, progress=progress)
+    if engine == "torch":  # torch.distributed.pipelining: uniform plans, our loss and optimizer
+        from onnx_partition.runtime.train.torch_engine import check_torch_engine
+
+        config = replace(config, engine=engine)
+        check_torch_engine(plan, config)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
               f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
-    stats = summarize(plan, ranks, config, rows * count, engine)
+    # the simulator has no interleaved schedule: 1F1B's iteration stands in for it
+    simulated = (config if config.schedule in schedules.TRAIN_NAMES
+                 else replace(config, schedule="1f1b"))
+    stats = summarize(plan, ranks, simulated, rows * count, engine)
+    stats.schedule = config.schedule
     stats.data, stats.loss_kind = spec.described, spec.kind or ""
     if config.check_steps:
         stats.mismatches = compare_with_reference(folder, ranks, config, rows * count, seed,
@@ -489,23 +548,44 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
     count = config.microbatches
     stages = len(plan.stages)
     fwd, bwd = [0.0] * stages, [0.0] * stages
+    fwd_cpu, bwd_cpu = [0.0] * stages, [0.0] * stages
+    on_cpu = all(r.forward_cpu_ms for r in ranks)
     for r in ranks:
         f, b = r.forward_ms[steady], r.backward_ms[steady]
         # a replica's total over its micro-batches; all replicas together ran all ``count``
         fwd[r.stage] += sum(f) / len(f) / count
         bwd[r.stage] += sum(b) / len(b) / count
-    simulated, _ = simulate_plan(plan, schedule=config.schedule, microbatches=count)
+        if on_cpu:
+            fc, bc = r.forward_cpu_ms[steady], r.backward_cpu_ms[steady]
+            fwd_cpu[r.stage] += sum(fc) / len(fc) / count
+            bwd_cpu[r.stage] += sum(bc) / len(bc) / count
+    simulated, costs = simulate_plan(plan, schedule=config.schedule, microbatches=count)
+    planned = plan.rows_per_microbatch
+    scale = rows / count / planned if planned else 1.0
     base = plan_costs(plan, train=True)
     measured = PipelineCosts(
         [StageCosts(fwd[k], bwd[k], s.replicas, s.allreduce_ms) for k, s in
-         enumerate(base.stages)], base.send_ms)
+         enumerate(base.stages)], [x * scale for x in base.send_ms])
     replicas = [s.replicas for s in base.stages]
     calibrated = simulate(schedules.build(config.schedule, replicas, count), measured)
     rank0 = ranks[0]
+    acts: list[int | None] = [None] * stages
+    peaks: list[int | None] = [None] * stages
+    for r in ranks:  # a stage's replicas: the largest micro-batch, the highest peak
+        if r.activation_bytes:
+            acts[r.stage] = max(acts[r.stage] or 0, *r.activation_bytes)
+        if r.memory_bytes is not None:
+            peaks[r.stage] = max(peaks[r.stage] or 0, r.memory_bytes)
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=config.schedule, engine=engine, loss=rank0.loss,
                       step_ms=rank0.step_ms, forward_ms=fwd, backward_ms=bwd,
-                      simulated_ms=simulated.iteration_ms, calibrated_ms=calibrated.iteration_ms,
+                      simulated_ms=simulated.iteration_ms * scale,
+                      calibrated_ms=calibrated.iteration_ms,
+                      activation_bytes=acts, memory_bytes=peaks,
+                      forward_cpu_ms=fwd_cpu if on_cpu else [],
+                      backward_cpu_ms=bwd_cpu if on_cpu else [],
+                      predicted_stages=predicted_stages(plan, costs, scale),
+                      scaled_from_batch_size=planned if scale != 1.0 else None,
                       start_step=config.start_step, eval_loss=rank0.eval_loss,
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
                       checkpoint=None if config.checkpoint_dir is None
@@ -571,8 +651,97 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: Tr
     return problems
 
 
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    """measured / predicted to 4 significant digits (None: either is missing, or 0)."""
+    if measured is None or not predicted:
+        return None
+    return float(f"{measured / predicted:.4g}")
+
+
+def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
+    """``measured``, ``predicted`` and their ``ratio`` (measured / predicted), each with
+    ``iteration_ms``, ``samples_per_s`` (``run --json``'s names) and ``stages``: per stage
+    ``forward_ms`` and ``backward_ms`` (per micro-batch on one replica), ``activation_bytes``
+    (saved for backward per micro-batch: the run's saved-tensor hook against plan.json's) and
+    ``memory_bytes`` (the device's peak: CUDA's ``max_memory_allocated`` against the memory
+    model's; None on CPU, where no allocator keeps a peak). On CPU ``measured`` adds
+    ``forward_cpu_ms`` and ``backward_cpu_ms`` per stage (the rank's thread CPU time in the same
+    compute, which other processes on a busy machine do not stretch; None on CUDA) and
+    ``ratio`` sets them against the predicted ``forward_ms`` and ``backward_ms``."""
+    def rate(ms: float) -> float:
+        return round(stats.rows / ms * 1000.0, 3) if ms > 0 else 0.0
+
+    preds = stats.predicted_stages
+    count = len(stats.forward_ms)
+    acts = stats.activation_bytes or [None] * count
+    peaks = stats.memory_bytes or [None] * count
+    fwd_cpu: list[float | None] = [round(v, 6) for v in stats.forward_cpu_ms] or [None] * count
+    bwd_cpu: list[float | None] = [round(v, 6) for v in stats.backward_cpu_ms] or [None] * count
+    measured: dict[str, Any] = {
+        "iteration_ms": round(stats.measured_ms, 6), "samples_per_s": rate(stats.measured_ms),
+        "stages": [{"stage": k, "forward_ms": round(stats.forward_ms[k], 6),
+                    "backward_ms": round(stats.backward_ms[k], 6),
+                    "forward_cpu_ms": fwd_cpu[k], "backward_cpu_ms": bwd_cpu[k],
+                    "activation_bytes": acts[k], "memory_bytes": peaks[k]}
+                   for k in range(count)]}
+    predicted: dict[str, Any] = {
+        "iteration_ms": round(stats.simulated_ms, 6), "samples_per_s": rate(stats.simulated_ms),
+        "stages": [{"stage": k, "forward_ms": round(p.forward_ms, 6),
+                    "backward_ms": round(p.backward_ms, 6),
+                    "activation_bytes": p.activation_bytes, "memory_bytes": p.memory_bytes}
+                   for k, p in enumerate(preds)],
+        "scaled_from_batch_size": stats.scaled_from_batch_size}
+    keys = ("forward_ms", "backward_ms", "activation_bytes", "memory_bytes")
+    ratio: dict[str, Any] = {
+        "iteration_ms": _ratio(measured["iteration_ms"], predicted["iteration_ms"]),
+        "samples_per_s": _ratio(measured["samples_per_s"], predicted["samples_per_s"]),
+        "stages": [{"stage": m["stage"], **{key: _ratio(m[key], p[key]) for key in keys},
+                    "forward_cpu_ms": _ratio(m["forward_cpu_ms"], p["forward_ms"]),
+                    "backward_cpu_ms": _ratio(m["backward_cpu_ms"], p["backward_ms"])}
+                   for m, p in zip(measured["stages"], predicted["stages"])]}
+    return {"measured": measured, "predicted": predicted, "ratio": ratio}
+
+
+def comparison_table(stats: TrainStats) -> list[str]:
+    """:func:`comparison` as text: one line per quantity, measured, predicted and their ratio
+    (``-`` where a figure is missing)."""
+    body = comparison(stats)
+    measured, predicted, ratio = body["measured"], body["predicted"], body["ratio"]
+
+    def cell(value: float | None, unit: str) -> str:
+        if value is None:
+            return "-"
+        if unit == "MB":
+            return f"{value / 1e6:.4g}"
+        return f"{value:.2f}" if unit == "x" else f"{value:.3f}"
+
+    rows = [("iteration ms", measured["iteration_ms"], predicted["iteration_ms"],
+             ratio["iteration_ms"], "ms")]
+    names = (("forward_ms", "forward ms", "ms", "forward_ms"),
+             ("forward_cpu_ms", "forward CPU ms", "ms", "forward_ms"),
+             ("backward_ms", "backward ms", "ms", "backward_ms"),
+             ("backward_cpu_ms", "backward CPU ms", "ms", "backward_ms"),
+             ("activation_bytes", "activation MB", "MB", "activation_bytes"),
+             ("memory_bytes", "peak memory MB", "MB", "memory_bytes"))
+    for m, p, r in zip(measured["stages"], predicted["stages"], ratio["stages"]):
+        for key, label, unit, against in names:
+            if m[key] is None and key != "activation_bytes":
+                continue  # CPU: no peak kept; CUDA: no thread CPU time
+            rows.append((f"stage {m['stage']} {label}", m[key], p[against], r[key], unit))
+    scaled = predicted["scaled_from_batch_size"]
+    note = (f"; predicted scaled linearly from the plan's {scaled} rows per micro-batch"
+            if scaled else "")
+    lines = [f"measured against predicted (stage figures per micro-batch on one replica; CPU ms: "
+             f"the rank's thread CPU time, against the predicted wall time; activation: bytes "
+             f"saved for backward{note})",
+             f"  {'quantity':<26}{'measured':>12}{'predicted':>12}{'ratio':>8}"]
+    lines += [f"  {name:<26}{cell(m, unit):>12}{cell(p, unit):>12}{cell(r, 'x'):>8}"
+              for name, m, p, r, unit in rows]
+    return lines
+
+
 def format_train(stats: TrainStats) -> str:
-    """The end-of-run summary."""
+    """The end-of-run summary, ending with :func:`comparison_table`."""
     ratio = stats.measured_ms / stats.simulated_ms if stats.simulated_ms > 0 else float("inf")
     cal = stats.measured_ms / stats.calibrated_ms if stats.calibrated_ms > 0 else float("inf")
     lines = [
@@ -581,14 +750,11 @@ def format_train(stats: TrainStats) -> str:
         f"{stats.samples_per_s:.1f} samples/s, {stats.measured_ms:.2f} ms per step",
         f"  trained on {stats.data}; loss {stats.loss_kind}",
         f"  loss per step: {' '.join(f'{v:.4f}' for v in stats.loss)}",
-        "  stage  forward ms  backward ms  (per micro-batch on one replica, measured)",
+        f"  iteration: measured {stats.measured_ms:.2f} ms; simulated "
+        f"{stats.simulated_ms:.2f} ms from the plan's costs (measured/simulated "
+        f"{ratio:.2f}); "
+        f"{stats.calibrated_ms:.2f} ms from the measured stage times ({cal:.2f})",
     ]
-    lines += [f"  {k:>5}  {f:10.3f}  {b:11.3f}"
-              for k, (f, b) in enumerate(zip(stats.forward_ms, stats.backward_ms))]
-    lines.append(f"  iteration: measured {stats.measured_ms:.2f} ms; simulated "
-                 f"{stats.simulated_ms:.2f} ms from the plan's costs (measured/simulated "
-                 f"{ratio:.2f}); "
-                 f"{stats.calibrated_ms:.2f} ms from the measured stage times ({cal:.2f})")
     if stats.checked_steps:
         verdict = "OK" if not stats.mismatches else f"MISMATCH ({len(stats.mismatches)})"
         steps = " and ".join(map(str, stats.checked_steps))
@@ -604,23 +770,13 @@ def format_train(stats: TrainStats) -> str:
         lines.append(f"checkpoints in {stats.checkpoint}")
     if stats.saved is not None:
         lines.append(f"saved the trained plan to {stats.saved}")
-    return "\n".join(lines)
+    return "\n".join(lines + comparison_table(stats))
 
 
 def train_json(stats: TrainStats) -> dict[str, Any]:
-    """What ``train --json`` prints: ``measured``, ``predicted`` (the simulator on the plan's
-    costs) and their ``ratio`` under ``run --json``'s names (``iteration_ms``,
-    ``samples_per_s``), the loss per step and the final and best validation loss."""
-    def rate(ms: float) -> float:
-        return round(stats.rows / ms * 1000.0, 3) if ms > 0 else 0.0
-
-    def div(a: float, b: float) -> float | None:
-        return float(f"{a / b:.4g}") if b else None
-
-    measured = {"iteration_ms": round(stats.measured_ms, 6),
-                "samples_per_s": rate(stats.measured_ms)}
-    predicted = {"iteration_ms": round(stats.simulated_ms, 6),
-                 "samples_per_s": rate(stats.simulated_ms)}
+    """What ``train --json`` prints: :func:`comparison`'s ``measured``, ``predicted`` (the
+    simulator on the plan's costs, plan.json's memory) and ``ratio``, the loss per step and
+    the final and best validation loss."""
     evals = [v for _, v in stats.eval_loss]
     return {"format": TRAIN_FORMAT, "engine": stats.engine, "schedule": stats.schedule,
             "ranks": len(stats.ranks), "microbatches": stats.microbatches, "rows": stats.rows,
@@ -628,8 +784,7 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
             "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
             "final_eval_loss": evals[-1] if evals else None,
             "best_eval_loss": min(evals) if evals else None,
-            "measured": measured, "predicted": predicted,
-            "ratio": {k: div(measured[k], predicted[k]) for k in measured},
+            **comparison(stats),
             "check": None if not stats.checked_steps else not stats.mismatches,
             "saved": None if stats.saved is None else str(stats.saved),
             "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint)}

@@ -1,0 +1,408 @@
+"""``profile --plan``: calibrate a written plan on its own stages, and re-cut when that moves
+the optimum.
+
+A plan is priced on per-node costs (a profile, or the analytic model); the pipeline runs each
+stage as one session beside the others, which the per-node sum does not see (``run`` measured
+0.59-0.87x of ``simulate`` on CPU at 2 stages). Calibration closes that loop:
+
+1. **Measure** (:func:`onnx_partition.cost.profile.stages.time_stages`): every stage's file in
+   onnxruntime on its devices, with the plan's threads per stage, at its micro-batch shape (its
+   inputs from one pass of random model inputs through the stages), alone and all stage
+   replicas side by side in threads as ``run`` runs them; then the plan itself in ``run``'s
+   pipeline (:func:`pipeline_times`): each stage's busy time per micro-batch there is its
+   time, plus what the runtime adds per micro-batch and stage beyond compute and the modelled
+   sends (:func:`hop_overhead`: thread hand-offs, copies; it is most of a stage of 1 ms).
+2. **Re-price** (:func:`~onnx_partition.cost.profile.stages.reprice`): the nodes of each stage
+   scaled so the stage costs its measured time.
+3. **Re-solve** with those costs (the plan's own options: stages, mode, micro-batches, solver,
+   link, cluster, input shapes). The same stages, or other stages predicted less than
+   :data:`MIN_GAIN` faster than the measured ones: the plan is at the calibrated optimum, stop.
+   Other stages: they are written aside, measured in turn (back to 1), at most ``rounds`` times.
+
+The plan written is the measured one with the smallest measured bottleneck (on a tie, the
+later); its stages' ``predicted.compute_ms`` are their measured times (inference: busy in the
+pipeline plus the hop overhead; training: forward + backward side by side) and its totals
+follow from them. plan.json says so in ``calibrated``: each round's stages and times, the threads,
+repeats and warmup, and whether the optimum held. The folder is published atomically
+(:func:`onnx_partition.plan.folder.publish`), in place or to ``out``.
+
+A train plan's stages are torch modules: :mod:`onnx_partition.calibrate_train` times each
+one's forward and backward (alone, and side by side in one process per stage as the ranks run),
+and forward and backward are re-priced apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.cost.annotate import CostsFile, annotate, load_costs
+from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.costs_file import check_costs, provenance, rescale
+from onnx_partition.cost.profile.stages import StageTimes, reprice, time_stages
+from onnx_partition.errors import PartitionError
+from onnx_partition.graph import OpGraph, load
+from onnx_partition.partition import SOLVERS, partition
+from onnx_partition.plan import Plan, read_plan
+from onnx_partition.plan.folder import publish
+
+__all__ = ["MIN_GAIN", "Calibration", "calibrate_plan", "hop_overhead", "measure_plan",
+           "pipeline_times", "stage_keys"]
+
+#: A re-cut is taken only when its calibrated prediction beats the measured plan's by more than
+#: this fraction: smaller moves are within what timing on a shared machine varies by.
+MIN_GAIN = 0.02
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate_plan` did: the plan written, and per round the stages measured
+    (their node counts), their priced and measured ms, and whether re-solving moved the cut."""
+
+    plan: Plan
+    out: Path
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    converged: bool = False
+    chosen: int = 0  # the round whose stages were written
+
+
+def stage_keys(plan: Plan) -> list[list[str]]:
+    """Node keys of each stage (the cut)."""
+    return [list(s.nodes) for s in plan.stages]
+
+
+def _feeds_per_stage(plan: Plan, stages: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    """Each stage's inputs at the plan's micro-batch: random model inputs run through the
+    stages once, in order (replica 0)."""
+    from onnx_partition.runtime.infer.check import random_feeds
+
+    env: dict[str, Any] = dict(random_feeds(plan, batch_size=plan.rows_per_microbatch))
+    feeds = []
+    for replicas in stages:
+        first = replicas[0]
+        feed = {name: env[name] for name in first.inputs}
+        feeds.append(feed)
+        env.update(zip(first.outputs, first.session.run(first.outputs, feed), strict=True))
+    return feeds
+
+
+def measure_plan(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
+                 repeats: int = 10, warmup: int = 2) -> StageTimes:
+    """Each stage replica of the inference plan in ``folder`` timed alone and side by side
+    (its session on its device, ``threads_per_stage`` intra-op threads, as ``run``); per stage
+    the mean over its replicas."""
+    from onnx_partition.runtime.infer.sessions import load_stages
+
+    plan, stages = load_stages(folder, threads_per_stage=threads_per_stage)
+    feeds = _feeds_per_stage(plan, stages)
+    runs, owner = [], []
+    for k, replicas in enumerate(stages):
+        for replica in replicas:
+            runs.append(lambda r=replica, f=feeds[k]: r.session.run(r.outputs, f))
+            owner.append(k)
+    timed = time_stages(runs, repeats=repeats, warmup=warmup)
+
+    def per_stage(values: Sequence[float]) -> list[float]:
+        out = []
+        for k in range(len(stages)):
+            mine = [v for v, o in zip(values, owner, strict=True) if o == k]
+            out.append(sum(mine) / len(mine))
+        return out
+
+    return StageTimes(per_stage(timed.alone_ms), per_stage(timed.together_ms), repeats, warmup)
+
+
+def pipeline_times(folder: str | os.PathLike[str], *, threads_per_stage: int = 1,
+                   iterations: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
+    """The inference plan in ``folder`` run as ``run`` runs it (a
+    :class:`~onnx_partition.runtime.infer.pipeline.PipelineSession`, its micro-batches): the
+    median iteration ms and each stage's busy ms per micro-batch (mean over its replicas)."""
+    from statistics import median
+
+    from onnx_partition.runtime.infer.check import random_feeds
+    from onnx_partition.runtime.infer.pipeline import PipelineSession
+
+    plan = read_plan(folder)
+    rows = plan.rows_per_microbatch
+    feeds = random_feeds(plan, batch_size=rows * plan.microbatches if rows else None)
+    walls: list[float] = []
+    busy: dict[tuple[int, int], float] = {}
+    with PipelineSession(folder, threads_per_stage=threads_per_stage) as session:
+        for i in range(warmup + iterations):
+            session.run(None, feeds)
+            if i < warmup:
+                continue
+            stats = session.last_stats
+            walls.append(stats.wall_ms)
+            for key, ms in stats.busy_ms.items():
+                busy[key] = busy.get(key, 0.0) + ms / iterations / max(stats.microbatches, 1)
+    per_stage = []
+    for k in range(len(plan.stages)):
+        mine = [v for (stage, _), v in busy.items() if stage == k]
+        per_stage.append(sum(mine) / len(mine) if mine else 0.0)
+    return median(walls), per_stage
+
+
+def hop_overhead(plan: Plan, compute_ms: Sequence[float], wall_ms: float) -> float:
+    """What the runtime adds per stage and micro-batch beyond compute and the modelled sends
+    (thread hand-offs, copies): the measured iteration less the one simulated with
+    ``compute_ms``, over the ``ceil(M / r) + S - 1`` steps of a pipeline's critical path (``r``
+    the fewest replicas of a stage); at least 0."""
+    from onnx_partition.pipeline.from_plan import simulate_plan
+
+    trial = copy.deepcopy(plan)
+    for stage, ms in zip(trial.stages, compute_ms, strict=True):
+        if stage.predicted is not None:
+            stage.predicted.compute_ms = ms
+    result, _ = simulate_plan(trial)
+    replicas = min(max(1, s.replicas) for s in trial.stages)
+    steps = -(-trial.microbatches // replicas) + len(trial.stages) - 1
+    return max(0.0, (wall_ms - result.iteration_ms) / steps)
+
+
+def _base_costs(plan: Plan, graph: OpGraph) -> tuple[dict[str, float], dict[str, float]]:
+    """Forward and backward ms per compute node key as the plan was priced: its costs file
+    when it is still there, else the analytic device it records."""
+    model = plan.device_model or {}
+    costs = None
+    if model.get("source") == "costs" and model.get("file") and Path(model["file"]).is_file():
+        costs = load_costs(model["file"])
+    if costs is not None:
+        node_costs = annotate(graph, costs=costs)
+        node_costs = rescale(node_costs, graph, list(costs.nodes), check_costs(costs,
+                                                                               graph).scale)
+    else:
+        device = DeviceSpec.cpu()
+        if model.get("source") == "analytic" and model.get("peak_tflops"):
+            device = DeviceSpec(str(model.get("name", "analytic")),
+                                peak_gflops=float(model["peak_tflops"]) * 1e3,
+                                mem_gbps=float(model.get("mem_gbps", 10.0)),
+                                launch_overhead_ms=float(model.get("launch_overhead_ms", 0.0)))
+        node_costs = annotate(graph, device=device)
+    keys = {g: graph.nodes[g].key for g in graph.compute_nodes}
+    return ({k: node_costs.forward_ms[g] for g, k in keys.items()},
+            {k: node_costs.backward_ms[g] for g, k in keys.items()})
+
+
+def _costs_file(graph: OpGraph, forward: dict[str, float], backward: dict[str, float] | None,
+                device: str) -> CostsFile:
+    nodes = {k: {"forward_ms": v} | ({"backward_ms": backward[k]} if backward else {})
+             for k, v in forward.items()}
+    body = {"source": "profile --plan", **provenance(graph, device), "nodes": nodes,
+            **({"mode": "train"} if backward else {})}
+    return CostsFile("profile --plan", body, nodes)
+
+
+def _cluster_of(plan: Plan) -> Cluster | None:
+    body = plan.extra.get("cluster")
+    if not isinstance(body, dict):
+        return None
+    inf = body.get("memory_gb")
+    return Cluster(machines=int(body["machines"]),
+                   devices_per_machine=int(body["devices_per_machine"]),
+                   memory_gb=math.inf if inf is None else float(inf),
+                   speed=float(body.get("speed", 1.0)), kind=str(body.get("kind", "cpu")),
+                   gpu=body.get("gpu"),
+                   intra=Link(**body["intra"]), inter=Link(**body["inter"]))
+
+
+def _resolve(model: Path, plan: Plan, graph: OpGraph, costs: CostsFile, out: Path) -> Plan:
+    link = plan.extra.get("link")
+    cluster = _cluster_of(plan)
+    return partition(
+        model, len(plan.stages), out, costs=costs, input_shapes=plan.input_shapes,
+        mode=plan.mode, microbatches=plan.microbatches, ordering="auto",
+        solver=plan.solver if plan.solver in SOLVERS and cluster is None else "dp",
+        link=Link(**link) if isinstance(link, dict) and cluster is None else None,
+        cluster=cluster, force=True, check=False)
+
+
+def _score(plan: Plan) -> float:
+    """What the solver minimised, as plan.json predicts it: the bottleneck of a pipeline, the
+    iteration of a hybrid plan."""
+    predicted = plan.predicted
+    return float(predicted.get("bottleneck_ms", predicted.get("iteration_ms", 0.0)))
+
+
+def _bottleneck(plan: Plan, together: Sequence[float]) -> float:
+    return max(t + (s.predicted.comm_ms if s.predicted else 0.0)
+               for t, s in zip(together, plan.stages, strict=True))
+
+
+def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float]) -> None:
+    """``plan`` priced with its measured stage times (compute_ms, forward_ms and backward_ms in
+    training, and the totals from them)."""
+    from onnx_partition.pipeline.from_plan import simulate_plan
+
+    together = [f + b for f, b in zip(forward, backward, strict=True)]
+    train = plan.mode == "train"
+    for stage, f, b in zip(plan.stages, forward, backward, strict=True):
+        if stage.predicted is not None:
+            stage.predicted.compute_ms = round(f + b, 6)
+            if train:
+                stage.predicted.forward_ms, stage.predicted.backward_ms = round(f, 6), round(b, 6)
+    if train and isinstance(plan.simulator_costs, dict):
+        plan.simulator_costs["forward_ms"] = [round(f, 6) for f in forward]
+        plan.simulator_costs["backward_ms"] = [round(b, 6) for b in backward]
+    if "bottleneck_ms" in plan.predicted:
+        bottleneck = _bottleneck(plan, together)
+        plan.predicted["bottleneck_ms"] = round(bottleneck, 6)
+        if bottleneck > 0:
+            plan.predicted["throughput_per_s"] = round(1000.0 / bottleneck, 3)
+    if "iteration_ms" in plan.predicted:
+        result, _ = simulate_plan(plan)
+        plan.predicted["iteration_ms"] = round(result.iteration_ms, 6)
+        plan.predicted["throughput_per_s"] = round(result.throughput_per_s, 3)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _publish(source: Path, plan: Plan, out: Path) -> None:
+    """The plan folder ``source`` with ``plan`` as its plan.json, published as ``out``."""
+    model = (source / plan.model).resolve() if plan.model else None
+    program = (source / plan.program).resolve() if plan.program else None
+
+    def write(tmp: Path) -> dict[str, Any]:
+        for path in sorted(source.rglob("*")):
+            name = path.relative_to(source)
+            if path.is_file() and name.as_posix() in (plan.manifest or {}):
+                _link_or_copy(path, tmp / name)
+        here = Path(os.path.abspath(out)).resolve()
+        if model is not None:
+            plan.model = os.path.relpath(model, here)
+        if program is not None:
+            plan.program = os.path.relpath(program, here)
+        body = plan.to_json()
+        body.pop("manifest", None)
+        return body
+
+    protect = [model] if model is not None else []
+    plan.manifest = publish(out, write, force=True, protect=protect)
+
+
+def _executor(train: bool) -> str:
+    if train:
+        from onnx_partition.cost.profile.train import executor
+
+        return executor()
+    import onnxruntime
+
+    return f"onnxruntime {onnxruntime.__version__}"
+
+
+def calibrate_plan(
+    folder: str | os.PathLike[str],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    rounds: int = 3,
+    threads_per_stage: int = 1,
+    repeats: int = 10,
+    warmup: int = 2,
+) -> Calibration:
+    """Calibrate the plan in ``folder`` (module docstring; a train plan's stage modules:
+    :mod:`onnx_partition.calibrate_train`); write it to ``out`` (default: in place). Raises
+    :class:`PartitionError` on bad counts or a plan whose model is gone."""
+    folder = Path(folder)
+    target = Path(out) if out is not None else folder
+    if rounds < 1 or threads_per_stage < 1 or repeats < 1 or warmup < 0:
+        raise PartitionError("--rounds, --threads and --repeats must be at least 1, --warmup "
+                             "at least 0")
+    plan = read_plan(folder)
+    train = plan.mode == "train"
+    if not plan.model or not (folder / plan.model).is_file():
+        raise PartitionError(f"{folder}: the model the plan was cut from ({plan.model or '?'}) "
+                             "is missing; calibration re-cuts it")
+    model = (folder / plan.model).resolve()
+    graph = load(model, input_shapes=plan.input_shapes)
+    costs, backward = _base_costs(plan, graph)
+    device = (plan.stages[0].devices or ["cpu"])[0]
+    aside = target.parent / f".{target.name}.calibrating"
+    shutil.rmtree(aside, ignore_errors=True)
+    result = Calibration(plan, target)
+    measured: list[tuple[float, Path, Plan, list[float], list[float]]] = []
+    current, current_dir = plan, folder
+    try:
+        for round_ in range(rounds):
+            keys = stage_keys(current)
+            priced = [sum(costs.get(k, 0.0) + (backward.get(k, 0.0) if train else 0.0)
+                          for k in nodes) for nodes in keys]
+            if train:
+                from onnx_partition.calibrate_train import measure_train_plan
+
+                got = measure_train_plan(current_dir, threads=threads_per_stage,
+                                         repeats=repeats, warmup=warmup)
+                fwd, bwd = got["forward_ms"], got["backward_ms"]
+                alone = [f + b for f, b in zip(got["alone_forward_ms"],
+                                               got["alone_backward_ms"], strict=True)]
+                backward = reprice(backward, keys, bwd)
+            else:
+                times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
+                                     repeats=repeats, warmup=warmup)
+                wall, busy = pipeline_times(current_dir, threads_per_stage=threads_per_stage)
+                hop = hop_overhead(current, busy, wall)
+                fwd, bwd, alone = [b + hop for b in busy], [0.0] * len(keys), times.alone_ms
+            together = [f + b for f, b in zip(fwd, bwd, strict=True)]
+            bottleneck = _bottleneck(current, together)
+            measured.append((bottleneck, current_dir, current, fwd, bwd))
+            costs = reprice(costs, keys, fwd)
+            result.rounds.append({
+                "stages": [len(n) for n in keys], "priced_ms": [round(p, 6) for p in priced],
+                "alone_ms": [round(t, 6) for t in alone],
+                "together_ms": [round(t, 6) for t in together],
+                **({} if train else {
+                    "side_by_side_ms": [round(t, 6) for t in times.together_ms],
+                    "pipeline_busy_ms": [round(t, 6) for t in busy],
+                    "pipeline_iteration_ms": round(wall, 6), "hop_ms": round(hop, 6)}),
+                **({"forward_ms": [round(t, 6) for t in fwd],
+                    "backward_ms": [round(t, 6) for t in bwd]} if train else {}),
+                "bottleneck_ms": round(bottleneck, 6)})
+            fresh = aside / f"round{round_ + 1}"
+            proposal = _resolve(model, current, graph,
+                                _costs_file(graph, costs, backward if train else None, device),
+                                fresh)
+            if stage_keys(proposal) == keys:
+                result.converged = True
+                result.rounds[-1]["resolved"] = "same stages"
+                break
+            measured_now = copy.deepcopy(current)
+            _calibrated(measured_now, fwd, bwd)
+            if _score(proposal) >= (1.0 - MIN_GAIN) * _score(measured_now):
+                result.converged = True
+                result.rounds[-1]["resolved"] = (
+                    f"same stages (a re-cut gains under {MIN_GAIN:.0%}: "
+                    f"{_score(proposal):.4g} against {_score(measured_now):.4g} ms)")
+                break
+            result.rounds[-1]["resolved"] = "moved: " + "/".join(
+                str(len(s.nodes)) for s in proposal.stages)
+            if round_ + 1 == rounds:
+                break
+            current, current_dir = proposal, fresh
+        best = min(range(len(measured)), key=lambda i: (measured[i][0], -i))
+        _, source, chosen, fwd, bwd = measured[best]
+        result.chosen = best
+        _calibrated(chosen, fwd, bwd)
+        chosen.extra["calibrated"] = {
+            "by": "profile --plan", "executor": _executor(train), "device": device,
+            "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
+            "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
+                             if train else "threads, one per stage replica, as run"),
+            "converged": result.converged, "chosen_round": best + 1,
+            "rounds": result.rounds}
+        _publish(source, chosen, target)
+        result.plan = chosen
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    return result

@@ -1,0 +1,172 @@
+"""``profile --plan`` of a train plan: each stage module's forward and backward, alone and all
+stages side by side in processes (one per stage, with the torch threads each training rank
+uses), as :mod:`onnx_partition.calibrate` does for inference stage files.
+
+Each stage's inputs come from one pass of random model inputs through the stage modules
+(:func:`onnx_partition.runtime.train.modules.stage_modules`); inputs made by an earlier stage
+need gradients, as in the pipeline. A step is the stage's forward, then its backward from a
+gradient of ones on every output that needs one (the loss stage's included), gradients of its
+weights cleared after. Alone: in this process, one stage after another. Side by side: one
+spawned process per stage (a rank's own process: its own torch thread pool), all released at
+once by a barrier, each stepping until every one has made ``warmup + repeats`` steps; medians
+of each process's steps after its warmup, the last left out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Sequence
+from statistics import median
+from typing import Any
+
+from onnx_partition.errors import PartitionError
+
+__all__ = ["TrainTimes", "measure_train_plan"]
+
+TrainTimes = dict[str, list[float]]  # alone/together forward_ms and backward_ms per stage
+
+
+def _device(plan: Any, k: int) -> str:
+    devices = plan.stages[k].devices or ["cpu"]
+    return str(devices[0])
+
+
+def _stage_inputs(folder: str, plan: Any) -> list[list[Any]]:
+    import torch
+
+    from onnx_partition.runtime.infer.check import random_feeds
+    from onnx_partition.runtime.train.modules import stage_modules
+
+    env: dict[str, Any] = {k: torch.from_numpy(v) for k, v in
+                           random_feeds(plan, batch_size=plan.rows_per_microbatch).items()}
+    inputs = []
+    with torch.no_grad():
+        for stage in stage_modules(folder):
+            inputs.append([env[name] for name in stage.inputs])
+            env.update(zip(stage.outputs, stage.module(*inputs[-1]), strict=True))
+    return inputs
+
+
+def _stepper(module: Any, inputs: Sequence[Any], device: str) -> Any:
+    """A callable making one step; returns (forward ms, backward ms)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    target = torch.device(device)
+    module.to(target)
+    module.train()
+    sync = (lambda: torch.cuda.synchronize(target)) if target.type == "cuda" else (lambda: None)
+
+    def leaves() -> list[Any]:
+        out = []
+        for value in inputs:
+            if isinstance(value, torch.Tensor):
+                value = value.detach().to(target)
+                if value.is_floating_point():
+                    value.requires_grad_(True)
+            out.append(value)
+        return out
+
+    def step() -> tuple[float, float]:
+        args = leaves()
+        sync()
+        began = time.perf_counter()
+        outputs = module(*args)
+        sync()
+        middle = time.perf_counter()
+        flat = [t for t in tree_flatten(outputs)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if flat:
+            torch.autograd.backward(flat, [torch.ones_like(t) for t in flat])
+        sync()
+        ended = time.perf_counter()
+        for p in module.parameters():
+            p.grad = None
+        return (middle - began) * 1e3, (ended - middle) * 1e3
+
+    return step
+
+
+def _worker(folder: str, k: int, inputs: list[Any], device: str, threads: int, want: int,
+            barrier: Any, counts: Any, stop: Any, results: Any) -> None:
+    try:
+        import torch
+
+        from onnx_partition.runtime.train.modules import stage_modules
+
+        torch.set_num_threads(threads)
+        step = _stepper(stage_modules(folder, only=[k])[0].module, inputs, device)
+        step()  # built and touched before the clock starts
+        barrier.wait()
+        times = []
+        while not stop.is_set():
+            times.append(step())
+            with counts.get_lock():
+                counts[k] += 1
+                if all(c >= want for c in counts):
+                    stop.set()
+        results.put((k, times, None))
+    except BaseException as exc:  # reported by the parent
+        stop.set()
+        barrier.abort()
+        results.put((k, [], f"{type(exc).__name__}: {exc}"))
+
+
+def _medians(times: Sequence[tuple[float, float]], warmup: int) -> tuple[float, float]:
+    kept = list(times[warmup:-1]) if len(times) > warmup + 1 else list(times[-1:])
+    return median(t[0] for t in kept), median(t[1] for t in kept)
+
+
+def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repeats: int = 10,
+                       warmup: int = 2, timeout_s: float = 600.0) -> TrainTimes:
+    """Forward and backward ms of each stage of the train plan in ``folder``, alone and side by
+    side (module docstring): ``{"alone_forward_ms": [...], "alone_backward_ms": [...],
+    "forward_ms": [...], "backward_ms": [...]}``, the last two side by side."""
+    import torch
+
+    from onnx_partition.runtime.train.modules import require_trainable, stage_modules
+
+    folder = os.fspath(folder)
+    plan = require_trainable(folder)
+    inputs = _stage_inputs(folder, plan)
+    count = len(plan.stages)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    alone = []
+    try:
+        for k, stage in enumerate(stage_modules(folder)):
+            step = _stepper(stage.module, inputs[k], _device(plan, k))
+            alone.append(_medians([step() for _ in range(warmup + repeats + 1)], warmup))
+    finally:
+        torch.set_num_threads(before)
+    if count == 1:
+        together = alone
+    else:
+        ctx = mp.get_context("spawn")
+        barrier, stop = ctx.Barrier(count), ctx.Event()
+        counts = ctx.Array("i", count)
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(folder, k, inputs[k], _device(plan, k), threads,
+                                   warmup + repeats, barrier, counts, stop, results))
+                 for k in range(count)]
+        for p in procs:
+            p.start()
+        got: dict[int, list[tuple[float, float]]] = {}
+        try:
+            for _ in range(count):
+                k, times, error = results.get(timeout=timeout_s)
+                if error is not None:
+                    raise PartitionError(f"stage {k} failed while timed: {error}")
+                got[k] = times
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        together = [_medians(got[k], warmup) for k in range(count)]
+    return {"alone_forward_ms": [a[0] for a in alone], "alone_backward_ms": [a[1] for a in alone],
+            "forward_ms": [t[0] for t in together], "backward_ms": [t[1] for t in together]}

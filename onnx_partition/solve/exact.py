@@ -1,0 +1,149 @@
+"""Exact by default where it is cheap: prove a heuristic's pipeline split optimal, or better it.
+
+``partition`` cuts a pipeline by the sequence DP (:mod:`.search`), a heuristic on DAGs (the
+sequence is the NP-hard part, ``docs/np_completeness.md``). :func:`exact_split` then proves the
+cut optimal, cheapest proof first:
+
+1. one stage: there is one plan;
+2. the bottleneck meets :func:`trivial_bound_ms` (heaviest node, average stage);
+3. the DAG has one topological order (every node feeds the next: a chain): every convex split
+   is contiguous in it, so the DP over it, one of the candidates, is exact;
+4. CP-SAT (:func:`~onnx_partition.solve.ilp.solve_ilp`, imported only then), started from the
+   cut, for a budget in *deterministic* seconds on one worker: the same problem gives the same
+   plan at any load. Its plan is kept only when strictly faster, so the answer is never worse
+   than the DP's; when the budget runs out the gap to CP-SAT's bound is reported.
+
+Pure: plain arrays in, plain data out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.solve.problem import DagProblem, topological_order
+from onnx_partition.solve.search import split_order
+
+__all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "Proof", "exact_split", "one_order",
+           "trivial_bound_ms"]
+
+#: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
+EXACT_BUDGET_S = 1.0
+#: ... and the largest problem (units) it is tried on. On the recipes (tiny and small, 27-560
+#: nodes, S = 2, 4, 8) the pass proves 27 of 36 cuts optimal and betters 16 by up to 1.4%, one
+#: deterministic second taking 0.01-2.4 s of wall time unloaded; at 1,112 nodes (GPT
+#: realistic, S = 8) CP-SAT does not even load the DP's cut in it. See docs/benchmarks.md.
+EXACT_NODES = 600
+# A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
+# integer costs may rank two plans of nearly equal float cost the other way.
+_BETTER = 1e-9
+
+
+@dataclass(frozen=True)
+class Proof:
+    """The outcome of :func:`exact_split`: the plan to keep and what is known of its quality.
+
+    ``proven`` means no plan is faster: one stage has one plan (``by == "single"``), the
+    bottleneck meets the trivial bound (``"bound"``), the DAG is a chain (``"chain"``), or
+    CP-SAT proved it (``"cp-sat"``: optimal for its integer-scaled costs, so for the float
+    costs within the rounding, which ``gap`` then measures: ``rounding_ms`` per term summed,
+    about 1e-5 of the bottleneck). ``gap`` is ``(bottleneck - lower_bound) / bottleneck`` with
+    the best bound known (CP-SAT's when it ran, else the trivial one); unproven, ``by`` says
+    why the search stopped short: ``"budget"`` (it ran out), ``"off"`` (budget 0) or
+    ``"size"`` (more units than ``max_nodes``). ``dp_ms`` is the bottleneck of the plan given.
+    """
+
+    stage_of: list[int]
+    bottleneck_ms: float
+    lower_bound_ms: float
+    proven: bool
+    by: str
+    gap: float
+    dp_ms: float
+    seconds: float = 0.0
+    rounding_ms: float = 0.0
+
+    def to_json(self, budget_s: float) -> dict[str, float | bool | str]:
+        """plan.json's ``exact`` entry."""
+        return {"proven_optimal": self.proven, "by": self.by,
+                "bottleneck_ms": round(self.bottleneck_ms, 6),
+                "lower_bound_ms": round(self.lower_bound_ms, 6), "gap": round(self.gap, 6),
+                "dp_ms": round(self.dp_ms, 6), "budget_s": budget_s,
+                "seconds": round(self.seconds, 3), "rounding_ms": self.rounding_ms}
+
+
+def trivial_bound_ms(problem: DagProblem, num_stages: int) -> float:
+    """No split into ``num_stages >= 2`` stages beats its heaviest node plus the latency every
+    stage pays, or the average stage (all compute and the ``2 (S - 1)`` latencies shared)."""
+    return max(
+        max(problem.compute_ms, default=0.0) + problem.latency_ms,
+        (sum(problem.compute_ms) + 2 * (num_stages - 1) * problem.latency_ms) / num_stages,
+    )
+
+
+def one_order(problem: DagProblem) -> bool:
+    """Whether the DAG has a single topological order (each node feeds the next), so that
+    every convex split is a contiguous split of it."""
+    order = topological_order(problem)
+    edges = set(problem.edges())
+    return all((a, b) in edges for a, b in itertools.pairwise(order))
+
+
+def exact_split(
+    problem: DagProblem, num_stages: int, stage_of: Sequence[int], *,
+    budget_s: float = EXACT_BUDGET_S, max_nodes: int = EXACT_NODES,
+) -> Proof:
+    """Prove ``stage_of`` (a heuristic's plan) optimal or replace it by a better one: the
+    default exact pass of ``partition``.
+
+    Proven at once when one stage leaves one plan, the bottleneck meets
+    :func:`trivial_bound_ms`, or the DAG is a chain (:func:`one_order`: the exact DP over its
+    one order cuts it, and its cut replaces ``stage_of`` if strictly faster). Otherwise, on
+    problems of at most ``max_nodes`` nodes, CP-SAT (:func:`solve_ilp`) searches from
+    ``stage_of`` with one worker for ``budget_s`` deterministic seconds (work counted, not time
+    elapsed: the same problem gives the same plan at any load; a wall limit of
+    ``10 * budget_s + 10`` s only guards against the pathological). Its plan is kept only when
+    strictly faster in the float cost model, so the answer is never worse than ``stage_of``.
+    ``budget_s <= 0`` turns the search off.
+    """
+    started = time.perf_counter()
+    plan = [int(s) for s in stage_of]
+    dp_ms = problem.bottleneck_ms(plan, num_stages)
+
+    def unproven(lower: float, by: str) -> Proof:
+        lower = min(dp_ms, max(0.0, lower))
+        return Proof(plan, dp_ms, lower, False, by, (dp_ms - lower) / dp_ms if dp_ms else 0.0,
+                     dp_ms, time.perf_counter() - started)
+
+    if num_stages == 1:
+        return Proof(plan, dp_ms, dp_ms, True, "single", 0.0, dp_ms)
+    trivial = trivial_bound_ms(problem, num_stages)
+    if dp_ms <= trivial * (1 + _BETTER):
+        return Proof(plan, dp_ms, min(dp_ms, trivial), True, "bound", 0.0, dp_ms)
+    if one_order(problem):  # the DP over the one order is exact: keep the better cut
+        cut = split_order(problem, topological_order(problem), num_stages)
+        cut_ms = problem.bottleneck_ms(cut, num_stages)
+        best, best_ms = (cut, cut_ms) if cut_ms < dp_ms * (1 - _BETTER) else (plan, dp_ms)
+        return Proof(best, best_ms, best_ms, True, "chain", 0.0, dp_ms,
+                     time.perf_counter() - started)
+    if budget_s <= 0:
+        return unproven(trivial, "off")
+    if problem.num_nodes > max_nodes:
+        return unproven(trivial, "size")
+    from onnx_partition.solve.ilp import solve_ilp  # OR-Tools (1.5 s to import): only now
+
+    try:
+        found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10, workers=1,
+                          hint=plan, deterministic_s=budget_s)
+    except PartitionError:  # nothing within the limits: the plan given stands
+        return unproven(trivial, "budget")
+    best, best_ms = plan, dp_ms
+    if found.bottleneck_ms < dp_ms * (1 - _BETTER):
+        best, best_ms = found.stage_of, found.bottleneck_ms
+    lower = min(best_ms, max(found.lower_bound_ms, trivial))
+    gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
+    return Proof(best, best_ms, lower, found.optimal, "cp-sat" if found.optimal else "budget",
+                 gap, dp_ms, time.perf_counter() - started, found.rounding_ms)

@@ -1,0 +1,335 @@
+"""Mixed GPU fleets (cluster@2 ``groups``): the file, per-kind pricing, the fleet DP against
+brute force, never slower than the baselines, and a partition that names each stage's GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.cli import one_error
+from support.graphs import CHAIN, save
+from support.problems import chain, dags
+
+from onnx_partition.cli import main
+from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
+from onnx_partition.errors import PartitionError
+from onnx_partition.plan import Plan, plan_text, read_plan
+from onnx_partition.plan.contracts import FLEET_FORMAT
+from onnx_partition.solve.fleet import (
+    FleetSequence,
+    KindCosts,
+    as_slowest,
+    fastest_alone,
+    fleet_dp,
+    place_on_groups,
+    plan_fleet,
+    polish_fleet,
+    score_fleet,
+    stage_period,
+)
+from onnx_partition.solve.hybrid import replica_choices
+from onnx_partition.solve.scoring import RunSpec
+
+A100_V100 = {
+    "format": FLEET_FORMAT, "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
+    "groups": [
+        {"gpu": "a100-80gb", "machines": 1, "devices_per_machine": 4,
+         "intra": {"bandwidth_gbps": 300, "latency_ms": 0.005}},
+        {"gpu": "v100", "machines": 2, "devices_per_machine": 2, "memory_gb": 16,
+         "intra": {"bandwidth_gbps": 150, "latency_ms": 0.005}},
+    ],
+}
+
+
+def write(tmp_path: Path, body: object, name: str = "c.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(body))
+    return path
+
+
+# --------------------------------------------------------------------------- cluster@2
+
+
+def test_a_fleet_file_reads_with_datasheet_memory_and_machines_in_file_order(tmp_path):
+    fleet = load_cluster(write(tmp_path, A100_V100))
+    assert isinstance(fleet, Fleet)
+    a100, v100 = fleet.groups
+    assert (a100.gpu, a100.devices, a100.memory) == ("a100-80gb", 4, 80.0)  # the datasheet's
+    assert (v100.gpu, v100.devices, v100.memory) == ("v100", 4, 16.0)  # as given
+    assert fleet.inter == Link(25.0, 0.02) and v100.intra == Link(150.0, 0.005)
+    assert fleet.devices == 8 and fleet.kinds == ["a100-80gb", "v100"]
+    assert fleet.machine_offset == [0, 1]
+    assert [fleet.device_name(0, 3), fleet.device_name(1, 0), fleet.device_name(1, 3)] == [
+        "m0/cuda:3", "m1/cuda:0", "m2/cuda:1"]
+    body = fleet.to_json()
+    assert body["format"] == FLEET_FORMAT and body["groups"][0]["memory_gb"] == 80.0
+    assert load_cluster(write(tmp_path, body, "again.json")) == Fleet(
+        groups=(GpuGroup("a100-80gb", 1, 4, 80.0, Link(300.0, 0.005)), v100),
+        inter=fleet.inter)
+
+
+def test_a_cluster_at_1_file_still_reads(tmp_path):
+    body = {"format": "onnx-partition/cluster@1", "kind": "cuda", "gpu": "v100",
+            "machines": 2, "devices_per_machine": 4, "memory_gb": 32}
+    assert load_cluster(write(tmp_path, body)) == Cluster(2, 4, 32.0, kind="cuda", gpu="v100")
+
+
+@pytest.mark.parametrize(("change", "text"), [
+    ({"gpu": "h100"}, "'groups' describes each kind of GPU; drop the top-level 'gpu'"),
+    ({"machines": 2, "memory_gb": 8}, "drop the top-level 'machines', 'memory_gb'"),
+    ({"format": "onnx-partition/cluster@1"},
+     "'groups' (a mixed fleet) needs \"format\": \"onnx-partition/cluster@2\""),
+    ({"groups": []}, "groups: List should have at least 1 item"),
+    ({"groups": [{"gpu": "v100", "memory": 16}]},
+     "groups[0]: unknown key 'memory' (did you mean 'memory_gb'?)"),
+    ({"groups": [{"gpu": "k80"}]}, "unknown GPU 'k80'"),
+    ({"groups": [{"gpu": "v100", "machines": 0}]}, "groups[0].machines"),
+    ({"speeds": 2}, "unknown key 'speeds'"),
+])
+def test_a_bad_fleet_file_is_one_line_and_exit_2(tmp_path, capsys, change, text):
+    path = write(tmp_path, {**A100_V100, **change})
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--cluster", str(path),
+                       "-o", str(tmp_path / "out")], text)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_readme_fleet_example_reads(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index('`{"format": "onnx-partition/cluster@2"') + 1
+    example = readme[start:readme.index("}]}`", start) + 3].replace("\n", " ")
+    fleet = load_cluster(write(tmp_path, json.loads(example)))
+    assert isinstance(fleet, Fleet) and fleet.kinds == ["a100-80gb", "v100"]
+
+
+def test_a_fleet_takes_no_fixed_depth(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "2",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "a fleet's planner chooses it: drop --stages")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--gpu", "h100",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "--gpu prices one kind of GPU; a fleet's groups name theirs")
+
+
+def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
+    with pytest.raises(PartitionError, match="drop the top-level 'gpu', 'machines'"):
+        load_cluster(write(tmp_path, {"kind": "cuda", "gpu": "h100", "machines": 2,
+                                      "groups": [{"gpu": "v100"}]}))
+
+
+# --------------------------------------------------------------------------- the DP
+
+
+def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
+                ordering: tuple[int, ...]) -> float:
+    """The least bottleneck over every split, group assignment along ``ordering`` (each group
+    one run of stages or none) and replica counts, by enumeration."""
+    n, best = seq.n, math.inf
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
+        spans = list(itertools.pairwise(bounds))
+        for pos in itertools.product(range(len(ordering)), repeat=len(spans)):
+            if any(a > b for a, b in itertools.pairwise(pos)):
+                continue
+            groups = [ordering[p] for p in pos]
+            options = [replica_choices(fleet.groups[g].devices) for g in groups]
+            for reps in itertools.product(*options):
+                used = {g: sum(r for r, h in zip(reps, groups) if h == g) for g in groups}
+                if any(used[g] > fleet.groups[g].devices for g in used):
+                    continue
+                worst = 0.0
+                for k, ((i, j), g, r) in enumerate(zip(spans, groups, reps)):
+                    enter = None if k == 0 else (
+                        fleet.groups[g].intra if pos[k - 1] == pos[k] else fleet.inter)
+                    leave = None if k == len(spans) - 1 else (
+                        fleet.groups[g].intra if pos[k + 1] == pos[k] else fleet.inter)
+                    worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+                best = min(best, worst)
+    return best
+
+
+def random_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]:
+    n = rng.randint(1, 4)
+    memory = [rng.choice([None, rng.uniform(2e-6, 4e-5)]) for _ in range(2)]
+    fleet = Fleet(groups=(
+        GpuGroup("a100-80gb", 1, rng.randint(1, 3), memory[0], Link(rng.uniform(1, 9), 0.01)),
+        GpuGroup("v100", 1, rng.randint(1, 3), memory[1], Link(rng.uniform(1, 9), 0.01))),
+        inter=Link(rng.choice([0.001, 1.0]), 0.02))
+    run = RunSpec(fleet.clusters[0], train=rng.random() < 0.5, microbatches=rng.randint(1, 4))
+    fwd = [rng.uniform(0.1, 3.0) for _ in range(n)]
+    seq = FleetSequence([fwd, [f * rng.uniform(0.5, 3.0) for f in fwd]],
+                        [[2 * f for f in fwd], [4 * f for f in fwd]],
+                        [rng.uniform(0, 4e3) for _ in range(n)],
+                        [rng.uniform(0, 4e3) for _ in range(n)],
+                        [0.0, *(rng.uniform(0, 5e3) for _ in range(n - 1)), 0.0])
+    return seq, fleet, run
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fleet_dp_is_exact_against_brute_force(seed):
+    seq, fleet, run = random_instance(random.Random(seed))
+    for ordering in [(0, 1), (1, 0)]:
+        value, stages = fleet_dp(seq, fleet, run, ordering)
+        expected = brute_force(seq, fleet, run, ordering)
+        if math.isinf(expected):
+            assert math.isinf(value) and stages == []
+            continue
+        assert value == pytest.approx(expected, rel=1e-9)
+        # the stages it returns reach that value, cover the sequence, each group one run
+        assert [s[0] for s in stages] == [0, *(s[1] for s in stages[:-1])]
+        assert stages[-1][1] == seq.n
+        runs = [g for g, _ in itertools.groupby(s[2] for s in stages)]
+        assert len(runs) == len(set(runs))
+        periods = []
+        for k, (i, j, g, r) in enumerate(stages):
+            enter = None if k == 0 else (
+                fleet.groups[g].intra if stages[k - 1][2] == g else fleet.inter)
+            leave = None if k == len(stages) - 1 else (
+                fleet.groups[g].intra if stages[k + 1][2] == g else fleet.inter)
+            periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+        assert max(periods) == pytest.approx(value, rel=1e-9)
+
+
+def test_a_faster_kind_gets_the_longer_stage():
+    """Four equal positions, one device of each kind, the second kind 3x slower, free links:
+    the fast kind takes three positions, the slow one one (bottleneck 3 ms either way round;
+    all four on the fast kind would be 4 ms)."""
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 1), GpuGroup("v100", 1, 1)),
+                  inter=Link(0.0, 0.0))
+    run = RunSpec(fleet.clusters[0], train=False, microbatches=4)
+    seq = FleetSequence([[1.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]], [[0.0] * 4] * 2,
+                        [0.0] * 4, [0.0] * 4, [0.0] * 5)
+    value, stages = fleet_dp(seq, fleet, run, (0, 1))
+    assert value == 3.0 and stages == [(0, 3, 0, 1), (3, 4, 1, 1)]  # 3 fast, 1 slow
+    value, stages = fleet_dp(seq, fleet, run, (1, 0))
+    assert value == 3.0 and stages == [(0, 1, 1, 1), (1, 4, 0, 1)]
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=dags(max_nodes=7), fast=st.integers(1, 3), slow=st.integers(1, 3),
+       ratio=st.floats(1.0, 4.0), train=st.booleans(),
+       inter=st.sampled_from([0.05, 1.0]), memory=st.sampled_from([None, 0.2]))
+def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, ratio, train,
+                                                             inter, memory):
+    """Only the fastest group, or every device as the slowest kind: the fleet's plan is at
+    least as fast as both (links between machines no faster than inside one)."""
+    problem, arrays = case
+    fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
+    kinds = {"a100-80gb": KindCosts(fwd, bwd),
+             "v100": KindCosts([f * ratio for f in fwd], [b * ratio for b in bwd])}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, fast, memory, Link(10.0, 0.01)),
+                          GpuGroup("v100", 1, slow, memory, Link(5.0, 0.01))),
+                  inter=Link(inter, 0.02))
+    run = RunSpec(fleet.clusters[0], train=train, microbatches=4)
+    baselines = []
+    for baseline in (lambda: fastest_alone(problem, arrays, kinds, fleet, run),
+                     lambda: as_slowest(problem, arrays, kinds, fleet, run)[0]):
+        with contextlib.suppress(PartitionError):
+            baselines.append(baseline().sim.iteration_ms)
+    try:
+        best, families = plan_fleet(problem, arrays, kinds, fleet, run)
+    except PartitionError:
+        assert not baselines  # nothing fits anywhere
+        return
+    assert all(best.sim.iteration_ms <= b * (1 + 1e-9) for b in baselines)
+    assert best.sim.iteration_ms == min(f["iteration_ms"] for f in families.values()) or \
+        best.sim.iteration_ms == pytest.approx(min(f["iteration_ms"]
+                                                   for f in families.values()), abs=1e-6)
+
+
+def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+    problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
+    kinds = {"a100-80gb": KindCosts(list(problem.compute_ms), list(arrays.backward_ms)),
+             "v100": KindCosts([3 * c for c in problem.compute_ms],
+                               [3 * b for b in arrays.backward_ms])}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 3), GpuGroup("v100", 1, 2)),
+                  inter=Link(1.0, 0.01))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=6)
+    start = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
+                        place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
+    assert start is not None
+    polished = polish_fleet(problem, arrays, kinds, fleet, run, start, [0, 1])
+    assert polished.sim.iteration_ms < start.sim.iteration_ms
+    assert polished.replicas[0] <= 3 and polished.replicas[1] <= 2
+    assert polished.gpus == ["a100-80gb", "v100"]
+    assert all(d.startswith("m0/") for d in polished.devices[0])
+    assert all(d.startswith("m1/") for d in polished.devices[1])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_partition_on_a_fleet_writes_each_stage_gpu_and_simulate_replays_it(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    body = {"format": FLEET_FORMAT, "inter": {"bandwidth_gbps": 1, "latency_ms": 0.02},
+            "groups": [{"gpu": "a100-80gb", "devices_per_machine": 2},
+                       {"gpu": "v100", "devices_per_machine": 2}]}
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "4096", "--cluster",
+                 str(write(tmp_path, body)), "-o", str(out), "--mode", "train",
+                 "--no-program"]) == 0
+    printed = capsys.readouterr().out
+    assert "gpu" in printed.splitlines()[0]
+    assert "priced by: each GPU kind on its own: a100-80gb by the analytic roofline of " \
+           "a100-80gb:tf32; v100 by the analytic roofline of v100:fp32" in printed
+    plan = read_plan(out)
+    assert all(s.gpu in ("a100-80gb", "v100", "a100-80gb+v100") for s in plan.stages)
+    text = (out / "plan.json").read_text()
+    raw = json.loads(text)
+    assert [s["gpu"] for s in raw["stages"]] == [s.gpu for s in plan.stages]
+    assert plan_text(Plan.from_json(raw).to_json()) == text  # reads back to the same bytes
+    assert raw["cluster"]["groups"][1]["memory_gb"] == 32.0  # the V100's datasheet memory
+    for stage in plan.stages:  # each device named on the machines of its kind
+        machines = {d.split("/")[0] for d in stage.devices}
+        assert machines <= ({"m0"} if stage.gpu == "a100-80gb" else
+                            {"m1"} if stage.gpu == "v100" else {"m0", "m1"})
+    assert main(["simulate", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert f"({plan.stages[0].devices[0]}, {plan.stages[0].gpu})" in shown
+    assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert "used of a fleet: 1 machine × 2 a100-80gb (80 GB each, stages " in page
+    assert "Each GPU kind&#x27;s memory: a100-80gb 80 GB, v100 32 GB" in page
+
+
+def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    cluster = write(tmp_path, {"format": FLEET_FORMAT, "groups": [
+        {"gpu": "a100-80gb", "devices_per_machine": 2}, {"gpu": "v100"}]})
+    costs = write(tmp_path, {"format": "onnx-partition/costs@1", "unit": "ms",
+                             "device": "cuda:0", "nodes": {
+                                 k: {"forward_ms": 1.0} for k in "abdef"}}, "v.json")
+    out = tmp_path / "plan"
+    base = ["partition", str(model), "--batch-size", "2", "--cluster", str(cluster),
+            "-o", str(out)]
+    assert main([*base, "--costs", f"v100={costs}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"v100 by costs file {costs}" in printed
+    assert "a100-80gb by the analytic roofline" in printed
+    kinds = read_plan(out).device_model["kinds"]  # type: ignore[index]
+    assert kinds["v100"]["source"] == "costs" and kinds["a100-80gb"]["source"] == "analytic"
+    one_error(capsys, [*base, "--force", "--costs", f"h100={costs}"],
+              "--costs h100=FILE: no group of the fleet has gpu 'h100' (its kinds: "
+              "a100-80gb, v100)")
+    one_error(capsys, [*base, "--force", "--costs", str(costs)],
+              "the fleet has 2 GPU kinds (a100-80gb, v100): give a costs file per kind")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--devices", "2",
+                       "-o", str(tmp_path / "p2"), "--costs", f"v100={costs}"],
+              "--costs KIND=FILE prices the GPU kinds of a fleet")
+    cpu = write(tmp_path, {**json.loads(costs.read_text()), "device": "cpu"}, "cpu.json")
+    assert main([*base, "--force", "--costs", f"v100={cpu}"]) == 0
+    assert (f"warning: costs file {cpu} for v100 was measured on cpu, not a GPU"
+            in capsys.readouterr().err)
+    one_error(capsys, [*base, "--force", "--costs", f"v100={cpu}", "--strict-costs"],
+              "measured on cpu, not a GPU: its times may not fit it (--strict-costs)")

@@ -1,0 +1,147 @@
+"""A train plan's promise against its run: measured / predicted step time, per-stage forward and
+backward time and activation bytes, for the recipes and Hugging Face models (issue 20's
+targets: step within 15%, activation bytes within 5%).
+
+    python tools/bench_train_predicted.py [--models gpt bert hf-gpt2 ...] [--size small]
+        [--stages 2] [--batch-size 2] [--microbatches 4] [--steps 4] [--workdir DIR]
+        [--repeats 5] [--no-profile]
+
+Per model: export it with its program (recipes at ``--size``; ``hf-gpt2``, ``hf-bert``,
+``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights),
+``profile --mode train`` it (torch eager per FX unit, one thread: what each rank uses, at the
+micro-batch's rows), ``partition --mode train --stages S --costs`` with those costs
+(``--no-profile``: the analytic costs, for comparison), then ``train`` the plan with one
+process per stage over gloo for ``--steps`` steps (the first left out of the times) and print
+``train --json``'s ``ratio``: measured / predicted for the step (``iteration_ms``) and, per
+stage, ``forward_ms``, ``backward_ms`` (wall), the same compute's thread CPU time against the
+same predictions (what other processes on a busy machine do not stretch) and
+``activation_bytes`` (the saved-tensor hook's count in the run against plan.json's). A model
+that fails prints its one-line error and the table goes on. Times are of this machine as it
+is: say its load with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onnx_partition import export, models
+from onnx_partition.cost.profile.train import profile_train_to_file
+from onnx_partition.errors import one_line
+from onnx_partition.partition import partition
+from onnx_partition.runtime.train.trainer import comparison, train_plan
+
+HF = ("hf-gpt2", "hf-bert", "hf-llama")
+TOKENS, VOCAB = 32, 1000
+
+
+def hf_model(name: str) -> torch.nn.Module:
+    """A 4-layer, 128-wide Hugging Face model of the family (random weights, seeded)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    shape: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+             "intermediate_size": 512}
+    if name == "hf-gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=4, n_embd=128, n_head=4, n_positions=TOKENS, vocab_size=VOCAB,
+            bos_token_id=0, eos_token_id=0))
+    if name == "hf-bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, max_position_embeddings=TOKENS, **shape))
+    if name == "hf-llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, max_position_embeddings=TOKENS, num_key_value_heads=2, **shape))
+    raise ValueError(name)
+
+
+def exported(name: str, size: str, rows: int, work: Path) -> Path:
+    """The model's ONNX file (its program beside it), exported once into ``work``."""
+    if name in HF:
+        path = work / f"{name}.onnx"
+        if not path.exists():
+            ids = torch.randint(0, VOCAB, (rows, TOKENS), generator=torch.Generator()
+                                .manual_seed(0))
+            export(hf_model(name), (ids,), path)
+        return path
+    path = work / f"{name}-{size}.onnx"
+    if not path.exists():
+        models.export(name, path, size=size)
+    return path
+
+
+def measure(name: str, args: argparse.Namespace, work: Path) -> str:
+    """The model's table row (or its one-line failure)."""
+    b, m = args.batch_size, args.microbatches
+    began = time.perf_counter()
+    try:
+        model = exported(name, args.size, b, work)
+        costs = None
+        if not args.no_profile:
+            costs = work / f"{model.stem}-train-costs-b{b}.json"
+            if not costs.exists():
+                profile_train_to_file(model, costs, batch_size=b, repeats=args.repeats,
+                                      threads=1)
+        plan_dir = work / f"{model.stem}-plan-{'profiled' if costs else 'analytic'}"
+        partition(model, args.stages, plan_dir, costs=costs, batch_size=b, mode="train",
+                  microbatches=m, check=False, force=True)
+        prepared = time.perf_counter() - began
+        stats = train_plan(plan_dir, steps=args.steps, microbatches=m, batch_size=b)
+    except Exception as exc:  # one model's failure is one row
+        return f"| {name} | failed: {one_line(exc)} |||||||"
+    body = comparison(stats)
+    ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
+
+    def fmt(values: list[float | None]) -> str:
+        return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
+
+    stages = ratio["stages"]
+    acts = [s["activation_bytes"] for s in stages]
+    return (f"| {name} | {measured['iteration_ms']:.1f} | {predicted['iteration_ms']:.1f} | "
+            f"**{ratio['iteration_ms']:.2f}** | {fmt([s['forward_ms'] for s in stages])} | "
+            f"{fmt([s['backward_ms'] for s in stages])} | "
+            f"{fmt([s['forward_cpu_ms'] for s in stages])} | "
+            f"{fmt([s['backward_cpu_ms'] for s in stages])} | "
+            f"{' / '.join('-' if a is None else f'{a:.3f}' for a in acts)} | "
+            f"{prepared:.0f} s |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=[*models.RECIPES, "hf-gpt2"])
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2, help="rows per micro-batch")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5, help="profile's timed repetitions")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="price the plans analytically (no profile --mode train)")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-predicted-"))
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{args.stages} stages, {args.microbatches} micro-batches x {args.batch_size} rows, "
+          f"{args.steps} steps (first left out), 1f1b, SGD, one torch thread per rank, gloo; "
+          f"priced by {'analytic costs' if args.no_profile else 'profile --mode train'}; "
+          f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, torch "
+          f"{torch.__version__}")
+    print("\n| model | measured ms/step | predicted ms/step | step measured/predicted | "
+          "forward m/p per stage | backward m/p per stage | forward CPU time/p | "
+          "backward CPU time/p | activation bytes m/p per stage | prepare |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.models:
+        print(measure(name, args, work), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
