@@ -207,6 +207,9 @@ def test_recomputing_stages_with_replicas_equal_single_process_adamw(schedule):
     for res in results:
         done = res.actions[:len(res.actions) // 2]
         assert done == [str(a) for a in want[(res.stage, res.replica)]]
+        # the saved bytes counted are the rebuild's, one figure per micro-batch served
+        assert len(res.activation_bytes) == sum("F" in a for a in done)
+        assert all(b > 0 for b in res.activation_bytes)
         if schedule == "zb-h1":
             for m in {int(a[2:]) for a in done}:
                 assert done.index(f"{res.stage}I{m}") < done.index(f"{res.stage}W{m}")

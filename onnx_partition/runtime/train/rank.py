@@ -178,7 +178,7 @@ def tied_groups(stages: Sequence[StageLike]) -> list[tuple[int, ...]]:
 class _Stash:
     leaves: Tensors  # received tensors that require grad
     sent: Tensors  # tensors sent on (autograd graph kept), or {"": loss} on the last stage
-    run: Callable[[], Tensors] | None = None  # recomputing: the forward, run again at B or I
+    run: Callable[..., Tensors] | None = None  # recomputing: the forward, run again at B or I
     rng: passes.RngState | None = None  # recomputing: the RNG state the forward started from
     later: passes.WeightPass | None = None  # after kI m: what kW m needs
 
@@ -494,7 +494,8 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
 
     def run(saved: SavedCounter | None = None) -> Tensors:
         """The stage on ``env``: what it sends on, or ``{"": loss}`` on the last stage;
-        ``saved`` counts what the stage module saves (the forward's run, not a rebuild)."""
+        ``saved`` counts what the stage module saves (once per micro-batch: a recomputing
+        stage's rebuild, whose activations live one backward at a time)."""
         with autocast(device, me.bf16), _counting(saved):
             outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
@@ -509,8 +510,8 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     t0 = me.clock.start()
     rng = None
     try:
-        if me.recompute:  # its forward saves nothing: counted 0
-            sent, rng = passes.kept_forward(lambda: run(me.saved), device)
+        if me.recompute:  # its forward saves nothing; the rebuild's activations are counted
+            sent, rng = passes.kept_forward(run, device)
         else:
             sent = run(me.saved)
     except Exception as exc:
@@ -530,9 +531,10 @@ def _roots(me: _Rank, st: _Step, action: Action,
     grad and their gradients."""
     lay, k, m = me.lay, me.k, action.microbatch
     if held.run is not None and held.rng is not None:
+        run = held.run
         t0 = me.clock.start()
         try:
-            held.sent = passes.rebuild(held.run, me.module, held.rng)
+            held.sent = passes.rebuild(lambda: run(me.saved), me.module, held.rng)
         except Exception as exc:
             raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
         me.clock.stop(1, t0)
