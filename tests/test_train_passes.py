@@ -1,8 +1,9 @@
 """The training engine's split backward (ZB-H1's input- and weight-gradient passes) and its
 recomputation (:mod:`onnx_partition.runtime.train.passes`), against torch's whole backward on
-small stages with the graph shapes a stage can have: a chain, a skip, a parameter used twice
-(on and off the input path), an output made from parameters alone, a received tensor relayed
-as it is, and a stage that received nothing needing a gradient."""
+small stages with the graph shapes a stage can have: a chain, a skip, a parameter used on and
+off the input path, one used twice along it (one use below the other), an output made from
+parameters alone, a received tensor relayed as it is, and a stage that received nothing
+needing a gradient."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Stage(nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = torch.relu(self.lin1(a)) @ self.w
         h = self.drop(self.bn(self.norm(h + b)))  # b skips lin1
-        return self.lin2(h) + a, torch.tanh(self.pos @ self.w.T).expand(a.shape[0], 4)
+        # lin2 twice: its weight hangs from two nodes of the input path, one below the other
+        return self.lin2(self.lin2(h)) + a, torch.tanh(self.pos @ self.w.T).expand(a.shape[0], 4)
 
 
 def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
