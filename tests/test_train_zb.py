@@ -38,7 +38,7 @@ def test_zb_h1_and_recomputing_stages_check(exported: Callable[..., Path], zb_pl
     assert body["schedule"] == "zb-h1"
     assert [s.get("recompute") for s in body["stages"]] == [True] * 3
     capfd.readouterr()
-    code = main(["train", str(zb_plan), "--nproc", "3", "--steps", "2", "--microbatches", "4",
+    code = main(["train", str(zb_plan), "--nproc", "3", "--steps", "1", "--microbatches", "4",
                  "--batch-size", "2", "--check"])
     out = capfd.readouterr().out
     assert code == 0, out
