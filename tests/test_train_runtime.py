@@ -99,10 +99,11 @@ def cut(whole: Whole, stages: int, *, raising: bool = False) -> list[HandStage]:
                       {"w": (0, 1)})]
 
 
-def hand_plan(stages: list[HandStage], replicas: list[int]) -> Plan:
+def hand_plan(stages: list[HandStage], replicas: list[int], recompute: bool = False) -> Plan:
     return Plan(model="hand", stages=[
         Stage(s.index, f"stage_{s.index}", [], list(s.inputs), list(s.outputs), replicas=d,
-              devices=["cpu"] * d) for s, d in zip(stages, replicas)],
+              devices=["cpu"] * d, recompute=recompute or None)
+        for s, d in zip(stages, replicas)],
         inputs=[IOSpec("x", "float32", ["N", 4]), IOSpec("z", "float32", ["N", 4])],
         outputs=[IOSpec("y", "float32", ["N", 4])], mode="train")
 
@@ -117,10 +118,12 @@ def mse(outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> t
     return nn.functional.mse_loss(outputs["y"], targets["y"])
 
 
-def build(stages: int, replicas: list[int], rows: int, raising: bool = False):
+def build(stages: int, replicas: list[int], rows: int, raising: bool = False,
+          recompute: bool = False):
     torch.manual_seed(0)
     pieces = cut(Whole(), stages, raising=raising)
-    return pieces, mse, hand_plan(pieces, replicas), functools.partial(batch, rows=rows)
+    return (pieces, mse, hand_plan(pieces, replicas, recompute),
+            functools.partial(batch, rows=rows))
 
 
 def reference(steps: int, microbatches: int, optimizer: str, lr: float,
@@ -145,8 +148,10 @@ def reference(steps: int, microbatches: int, optimizer: str, lr: float,
     return {n: p.detach() for n, p in whole.named_parameters()}
 
 
-def train(stages: int, replicas: list[int], config: TrainConfig, raising: bool = False):
-    job = functools.partial(build, stages, replicas, ROWS * config.microbatches, raising)
+def train(stages: int, replicas: list[int], config: TrainConfig, raising: bool = False,
+          recompute: bool = False):
+    job = functools.partial(build, stages, replicas, ROWS * config.microbatches, raising,
+                            recompute)
     return launch_training(job()[2], job, config, timeout_s=60)
 
 
@@ -159,7 +164,7 @@ def assert_trained_like_reference(results, config: TrainConfig, rtol: float) -> 
                                            msg=lambda m, s=res.stage, n=name: f"stage {s} {n}: {m}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_three_stages_equal_single_process_sgd(schedule):
     config = TrainConfig(steps=1, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
                          check_steps=(1,))
@@ -189,11 +194,33 @@ def test_unequal_replicas_equal_single_process_adamw():
         assert res.peak_inflight == sim.peak_inflight[(res.stage, res.replica)]
 
 
-def test_clipping_counts_tied_parameters_once_and_replicas_once():
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_recomputing_stages_with_replicas_equal_single_process_adamw(schedule):
+    """Every stage recomputing (stage 0 on 2 replicas, the tied ``w`` across both stages,
+    clipping): AdamW steps equal single-process training. Under ZB-H1 each rank ran its
+    planned actions, the weight pass of every micro-batch after its input pass."""
+    config = TrainConfig(steps=2, microbatches=4, schedule=schedule, optimizer="adamw",
+                         lr=0.01, check_steps=(1, 2))
+    results = train(2, [2, 1], config, recompute=True)
+    assert_trained_like_reference(results, config, rtol=1e-3)
+    want = schedules.build(schedule, [2, 1], 4)
+    for res in results:
+        done = res.actions[:len(res.actions) // 2]
+        assert done == [str(a) for a in want[(res.stage, res.replica)]]
+        # the saved bytes counted are the rebuild's, one figure per micro-batch served
+        assert len(res.activation_bytes) == sum("F" in a for a in done)
+        assert all(b > 0 for b in res.activation_bytes)
+        if schedule == "zb-h1":
+            for m in {int(a[2:]) for a in done}:
+                assert done.index(f"{res.stage}I{m}") < done.index(f"{res.stage}W{m}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_clipping_counts_tied_parameters_once_and_replicas_once(schedule):
     """Stage 0 on 2 replicas and stage 1 share ``w``: the whole model's gradient norm over the
     3 ranks equals clip_grad_norm_'s in one process, and so do the clipped SGD steps."""
-    config = TrainConfig(steps=2, microbatches=4, optimizer="sgd", lr=0.1, check_steps=(1, 2),
-                         clip_grad_norm=0.05)
+    config = TrainConfig(steps=2, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
+                         check_steps=(1, 2), clip_grad_norm=0.05)
     results = train(2, [2, 1], config)
     norms: list[float] = []
     for step in config.check_steps:

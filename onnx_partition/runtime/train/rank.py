@@ -6,8 +6,9 @@ replicas takes the micro-batches ``m`` with ``m % r == j`` (counts may differ be
 each hop carries every tensor a later stage or the loss still needs, so a skip tensor or a
 model input read late travels hop by hop.
 
-**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of :func:`schedules.one_f_one_b` or
-:func:`schedules.gpipe` with the plan's replica counts, action by action:
+**Schedule.** Rank ``(k, j)`` executes ``schedule[(k, j)]`` of the named schedule
+(:func:`schedules.build`: 1F1B, GPipe or ZB-H1) with the plan's replica counts, action by
+action:
 
 * ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
   the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
@@ -20,6 +21,16 @@ model input read late travels hop by hop.
   is the root), ``torch.autograd.backward`` them (a relayed tensor is its own leaf, so its
   gradient passes straight through and adds to this stage's own use of it), and send the
   leaves' gradients back (zeros for a tensor this stage did not use).
+* ``kI m`` (ZB-H1): as ``kB m``, but only the leaves' gradients are computed and sent back
+  (:func:`passes.input_pass`); the graph stays stashed with the gradients that reached its
+  weight branches.
+* ``kW m``: the parameters' gradients of micro-batch ``m`` from those
+  (:func:`passes.weight_pass`), added to ``.grad``; the stash is freed. A stage whose leaves
+  need no gradient (the first) computes nothing in ``I`` and its whole backward in ``W``.
+
+**Recomputation.** A stage with ``recompute`` in the plan runs its forward (and the loss)
+without an autograd graph, stashing only its inputs and the RNG state, and builds the graph
+again at the start of its ``B`` or ``I`` (:func:`passes.rebuild`; its time counts as backward).
 
 Sends are posted when their action ends (with the next action's receive, in one batch, when it
 receives from the same peer: see :mod:`onnx_partition.runtime.train.comm`) and awaited at the
@@ -60,6 +71,7 @@ from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
+from onnx_partition.runtime.train import passes
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
@@ -166,6 +178,9 @@ def tied_groups(stages: Sequence[StageLike]) -> list[tuple[int, ...]]:
 class _Stash:
     leaves: Tensors  # received tensors that require grad
     sent: Tensors  # tensors sent on (autograd graph kept), or {"": loss} on the last stage
+    run: Callable[..., Tensors] | None = None  # recomputing: the forward, run again at B or I
+    rng: passes.RngState | None = None  # recomputing: the RNG state the forward started from
+    later: passes.WeightPass | None = None  # after kI m: what kW m needs
 
 
 @dataclass(frozen=True)
@@ -185,6 +200,8 @@ class _Rank:
     clock: _Clock
     bf16: bool = False  # autocast the stage module to bfloat16
     saved: SavedCounter | None = None  # counts what the first step's forwards save
+    recompute: bool = False  # keep only the inputs; run the forward again at B or I
+    params: list[torch.nn.Parameter] = field(default_factory=list)  # for the split backward
 
     @property
     def last(self) -> bool:
@@ -254,7 +271,8 @@ def train_stages(
     counter = SavedCounter(module)
     me = _Rank(lay, k, stages[k], module, loss_fn, wire, device, config.microbatches,
                {s.name for s in plan.inputs}, [s.name for s in plan.outputs], _Clock(device),
-               config.precision == "bf16", counter)
+               config.precision == "bf16", counter, bool(plan.stages[k].recompute),
+               [p for p in params.values() if p.requires_grad])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     bar = _progress(config) if rank == 0 else None
@@ -268,10 +286,7 @@ def train_stages(
         optimizer.zero_grad(set_to_none=True)
         for i, action in enumerate(actions):
             result.actions.append(str(action))
-            if action.kind is Kind.F:
-                _forward(me, st, action)
-            elif action.kind is not Kind.W:  # for now an I runs the whole backward, W nothing
-                _backward(me, st, action)
+            _RUN[action.kind](me, st, action)
             # the action's sends leave now, or with the next action's receive from their peer
             wire.flush(_source(me, actions[i + 1]) if i + 1 < len(actions) else None)
             if action.kind is Kind.F:
@@ -460,7 +475,8 @@ def _tied_groups_here(lay: Layout, stages: Sequence[StageLike],
 
 def _forward(me: _Rank, st: _Step, action: Action) -> None:
     """``kF m``: take micro-batch ``m``'s tensors, run the stage (and on the last stage the
-    loss), send the relay set on and stash what the backward needs."""
+    loss), send the relay set on and stash what the backward needs (a recomputing stage: its
+    inputs and RNG state, the graph built again at its ``B`` or ``I``)."""
     lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
     if k == 0:  # the micro-batch's own tensors (a slice would keep the whole batch's storage,
         # and autograd's saved inputs would count it)
@@ -472,45 +488,83 @@ def _forward(me: _Rank, st: _Step, action: Action) -> None:
     for n in list(env):
         if env[n].is_floating_point() and n not in me.model_inputs:
             env[n] = leaves[n] = env[n].detach().requires_grad_()
-    t0 = me.clock.start()
-    try:
-        with autocast(device, me.bf16), _counting(me.saved):
+    want = ({n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
+            if me.last and st.targets else {})
+    weight = st.weights[m] if me.last else 1.0
+
+    def run(saved: SavedCounter | None = None) -> Tensors:
+        """The stage on ``env``: what it sends on, or ``{"": loss}`` on the last stage;
+        ``saved`` counts what the stage module saves (once per micro-batch: a recomputing
+        stage's rebuild, whose activations live one backward at a time)."""
+        with autocast(device, me.bf16), _counting(saved):
             outs = me.module(*[env[n] for n in me.stage.inputs])
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         if me.bf16:  # hops and the loss in fp32 (the wire has no bfloat16; lossless upcast)
             outs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outs)
-        env.update(zip(me.stage.outputs, outs, strict=True))
+        made = {**env, **dict(zip(me.stage.outputs, outs, strict=True))}
         if me.last:
-            got = {n: env[n] for n in me.model_outputs}
-            want = ({n: v.to(device) for n, v in microbatch(st.targets, m, count).items()}
-                    if st.targets else {})
-            loss = me.loss_fn(got, want) * st.weights[m]
+            return {"": me.loss_fn({n: made[n] for n in me.model_outputs}, want) * weight}
+        return {n: made[n] for n in lay.send_names[k]}
+
+    t0 = me.clock.start()
+    rng = None
+    try:
+        if me.recompute:  # its forward saves nothing; the rebuild's activations are counted
+            sent, rng = passes.kept_forward(run, device)
+        else:
+            sent = run(me.saved)
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
     me.clock.stop(0, t0)
     if me.last:
-        st.loss_sum = st.loss_sum + loss.detach()
-        st.stash[m] = _Stash(leaves, {"": loss})
+        st.loss_sum = st.loss_sum + sent[""].detach()
     else:
-        sent = {n: env[n] for n in lay.send_names[k]}
         me.wire.send(lay.rank_of(k + 1, m), m, lay.send_names[k], sent)
-        st.stash[m] = _Stash(leaves, sent)
+    st.stash[m] = _Stash(leaves, sent, run if me.recompute else None, rng)
+
+
+def _roots(me: _Rank, st: _Step, action: Action,
+           held: _Stash) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """A backward's start: the graph built again on a recomputing stage, the gradients of what
+    was sent on received (last stage: none, the loss is the root); the roots that require
+    grad and their gradients."""
+    lay, k, m = me.lay, me.k, action.microbatch
+    if held.run is not None and held.rng is not None:
+        run = held.run
+        t0 = me.clock.start()
+        try:
+            held.sent = passes.rebuild(lambda: run(me.saved), me.module, held.rng)
+        except Exception as exc:
+            raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+        me.clock.stop(1, t0)
+        held.run = held.rng = None
+    if me.last:
+        loss = held.sent[""]
+        return ([loss], [None]) if loss.requires_grad else ([], [])
+    names = _grad_names(held.sent, lay.send_names[k], me.model_inputs)
+    got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
+    pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+def _send_back(me: _Rank, action: Action, held: _Stash,
+               grads: Mapping[str, torch.Tensor | None]) -> None:
+    """Send the leaves' gradients to the stage below (zeros for a tensor this stage did not
+    use)."""
+    if me.k > 0:
+        lay, k, m = me.lay, me.k, action.microbatch
+        names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
+        back = {n: g if (g := grads.get(n)) is not None else torch.zeros_like(held.leaves[n])
+                for n in names}
+        me.wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
 
 
 def _backward(me: _Rank, st: _Step, action: Action) -> None:
     """``kB m``: receive the gradients of what was sent on, backpropagate them and send the
     leaves' gradients back."""
-    lay, k, m = me.lay, me.k, action.microbatch
-    held = st.stash.pop(m)
-    grads: list[torch.Tensor | None]
-    if me.last:
-        roots, grads = [held.sent[""]], [None]
-    else:
-        names = _grad_names(held.sent, lay.send_names[k], me.model_inputs)
-        got = me.wire.recv_like(lay.rank_of(k + 1, m), names, held.sent)
-        pairs = [(held.sent[n], got[n]) for n in names if held.sent[n].requires_grad]
-        roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+    held = st.stash.pop(action.microbatch)
+    roots, grads = _roots(me, st, action, held)
     t0 = me.clock.start()
     try:
         if roots:
@@ -518,10 +572,43 @@ def _backward(me: _Rank, st: _Step, action: Action) -> None:
     except Exception as exc:
         raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
     me.clock.stop(1, t0)
-    if k > 0:
-        names = _grad_names(held.leaves, lay.recv_names[k], me.model_inputs)
-        back = {n: _grad_or_zeros(held.leaves[n]) for n in names}
-        me.wire.send(lay.rank_of(k - 1, m), m, names, back, header=False)
+    _send_back(me, action, held, {n: t.grad for n, t in held.leaves.items()})
+
+
+def _input(me: _Rank, st: _Step, action: Action) -> None:
+    """``kI m``: receive the gradients of what was sent on, compute the leaves' gradients alone
+    (:func:`passes.input_pass`) and send them back; the graph stays stashed for ``kW m``."""
+    held = st.stash[action.microbatch]
+    roots, grads = _roots(me, st, action, held)
+    names = list(held.leaves)
+    t0 = me.clock.start()
+    try:
+        got, held.later = passes.input_pass(roots, grads, [held.leaves[n] for n in names],
+                                            me.params)
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    me.clock.stop(1, t0)
+    held.sent = {}  # what only the input gradients needed is freed with the roots
+    del roots, grads
+    _send_back(me, action, held, dict(zip(names, got, strict=True)))
+
+
+def _weight(me: _Rank, st: _Step, action: Action) -> None:
+    """``kW m``: the parameters' gradients of micro-batch ``m`` (:func:`passes.weight_pass`),
+    added to ``.grad``; the micro-batch's graph is freed."""
+    held = st.stash.pop(action.microbatch)
+    if held.later is None:
+        raise RankFailure("compute", f"{action}: no input-gradient pass before it")
+    t0 = me.clock.start()
+    try:
+        passes.weight_pass(held.later)
+    except Exception as exc:
+        raise RankFailure("compute", f"{action}: {one_line(exc)}") from exc
+    me.clock.stop(1, t0)
+
+
+_RUN: dict[Kind, Callable[[_Rank, _Step, Action], None]] = {
+    Kind.F: _forward, Kind.B: _backward, Kind.I: _input, Kind.W: _weight}
 
 
 def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: float, *,
@@ -594,10 +681,6 @@ def _grad_names(tensors: Mapping[str, torch.Tensor], names: Sequence[str],
     ends see the same dtypes, so both derive the same list)."""
     return [n for n in names
             if n in tensors and tensors[n].is_floating_point() and n not in model_inputs]
-
-
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 def _sum_gradients(params: Mapping[str, torch.nn.Parameter], tied: set[str], stage_group: Any,

@@ -1,0 +1,252 @@
+"""A stage's backward split in two passes (ZB-H1's ``I`` and ``W``) and its recomputation.
+
+**The split** (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2). A stage's
+autograd graph runs from its roots (the tensors it sent on, or the loss) down to its leaves:
+the received tensors that require grad, whose gradients the stage below waits for, and the
+parameters, whose gradients only the optimizer step needs. :func:`input_pass` computes the
+leaves' gradients alone (``torch.autograd.grad`` with respect to the leaves, which runs only the
+nodes on a path from a root to a leaf, and in each of them only the outputs those paths need:
+a linear layer computes ``dX``, not ``dW``). Before it runs, a pre-hook is put on each *frontier*
+node: a node on the input path from which a path that leaves it reaches a parameter; the hook
+keeps the gradient that reached the node. :func:`weight_pass` later starts ``torch.autograd.
+grad`` from those nodes with those gradients, towards the parameters, and adds the results to
+their ``.grad``: no node of the input path is run twice. The parameters are grouped by the
+frontier nodes they hang from (union-find), one call per group, so a call never runs a node of
+the input path on its way to its own parameters unless that node is in its group too; there a
+second pre-hook puts back the gradient the node had in the input pass (the whole of it: the
+part arriving through the group's other nodes is already in it), so nothing is counted twice.
+Roots that reach no leaf (a stage with no received floating tensor, such as the first, or an
+output made from parameters alone) have no input pass: :func:`weight_pass` runs their whole
+backward. torch's pipelining (``stage_backward_input``/``stage_backward_weight``) splits the
+same way; it leaves out such roots' parameters.
+
+The graph is kept from the input pass to the weight pass (``retain_graph``) and freed when the
+:class:`WeightPass` is dropped; what only the input path needed is freed once its roots are.
+
+**Recomputation** (activation checkpointing at stage granularity, Chen et al. 2016):
+:func:`kept_forward` runs the stage's forward under ``torch.no_grad`` (autograd saves nothing;
+the stage keeps only its inputs and the RNG state) and :func:`rebuild` runs it again
+with gradients at the start of the stage's ``B`` or ``I``, under the saved RNG state (dropout
+draws the same masks), on copies of the module's buffers (batch norm's running statistics move
+once per micro-batch, not twice). One rebuild serves both halves of a split backward.
+``torch.utils.checkpoint`` (non-reentrant) recomputes inside each backward call instead, so
+an ``I`` and the ``W`` calls after it would each run the forward again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["RngState", "WeightPass", "input_pass", "kept_forward", "rebuild", "weight_pass"]
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+@dataclass
+class _Group:
+    """Parameters whose gradients hang from the same frontier nodes."""
+
+    params: list[torch.Tensor]
+    nodes: list[Node]
+    grads: list[Grads | None] = field(default_factory=list)  # per node, from the input pass
+
+
+@dataclass
+class WeightPass:
+    """What an input pass leaves for its weight pass (:func:`weight_pass`)."""
+
+    groups: list[_Group]
+    roots: list[torch.Tensor]  # roots reaching no leaf: their whole backward runs in W
+    root_grads: list[torch.Tensor | None]
+
+
+def _node(t: torch.Tensor) -> Node:
+    return get_gradient_edge(t).node
+
+
+def _graph(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots``, with its parents (the nodes feeding it gradient)."""
+    parents: dict[Node, list[Node]] = {r: [] for r in roots}
+    todo = deque(roots)
+    while todo:
+        node = todo.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                todo.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _above(starts: Sequence[Node], parents: dict[Node, list[Node]],
+           stop: set[Node] | frozenset[Node] = frozenset()) -> tuple[set[Node], set[Node]]:
+    """The nodes from which one of ``starts`` is reachable (walking parents), not walking
+    past the nodes of ``stop``; and the ``stop`` nodes met."""
+    seen, met = set(starts), set()
+    todo = deque(starts)
+    while todo:
+        for parent in parents.get(todo.popleft(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen, met
+
+
+def _groups(params: Sequence[torch.Tensor], parents: dict[Node, list[Node]],
+            path: set[Node]) -> list[_Group]:
+    """Group the parameters by the frontier nodes they hang from (union-find over nodes)."""
+    owner: dict[Node, int] = {}  # frontier node -> group id
+    link: list[int] = []
+
+    def find(i: int) -> int:
+        while link[i] != i:
+            link[i] = link[link[i]]
+            i = link[i]
+        return i
+
+    hung: list[tuple[torch.Tensor, set[Node]]] = []
+    for p in params:
+        node = _node(p)
+        if node not in parents:
+            continue  # not used by this micro-batch's graph
+        _, met = _above([node], parents, path)
+        if not met:
+            continue  # reached only from roots off the input path
+        gid = len(link)
+        link.append(gid)
+        for n in met:
+            if n in owner:
+                link[find(owner[n])] = gid
+            owner[n] = gid
+        hung.append((p, met))
+    merged: dict[int, _Group] = {}
+    for p, met in hung:
+        group = merged.setdefault(find(owner[next(iter(met))]), _Group([], []))
+        group.params.append(p)
+        group.nodes.extend(n for n in met if n not in group.nodes)
+    return list(merged.values())
+
+
+def input_pass(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+               leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+               ) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """The gradients of ``leaves`` (None where unused) from ``roots`` seeded with ``grads``
+    (None: ones, for a scalar loss), and what the weight pass of ``params`` needs. No
+    parameter's ``.grad`` changes."""
+    params = [p for p in params if p.requires_grad]
+    if not leaves:  # nothing to send back: all in W, no graph walk
+        return [], WeightPass([], list(roots), list(grads))
+    root_nodes = [_node(r) for r in roots]
+    parents = _graph(root_nodes)
+    leaf_nodes = [n for n in (_node(t) for t in leaves) if n in parents]
+    path, _ = _above(leaf_nodes, parents)
+    on = [i for i, n in enumerate(root_nodes) if n in path]
+    off = [i for i in range(len(roots)) if i not in on]
+    later = WeightPass(_groups(params, parents, path), [roots[i] for i in off],
+                       [grads[i] for i in off])
+    if not on:
+        return [None] * len(leaves), later
+    handles = []
+    for group in later.groups:
+        group.grads = [None] * len(group.nodes)
+        for i, node in enumerate(group.nodes):
+            handles.append(node.register_prehook(_keeper(group.grads, i)))
+    try:
+        got = torch.autograd.grad([roots[i] for i in on], list(leaves),
+                                  [grads[i] for i in on], retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(got), later
+
+
+def _keeper(store: list[Grads | None], i: int) -> Callable[[Grads], None]:
+    def keep(grad_outputs: Grads) -> None:
+        store[i] = grad_outputs
+    return keep
+
+
+def weight_pass(held: WeightPass) -> None:
+    """Add the parameters' gradients that ``held``'s input pass left out to their ``.grad``."""
+    for group in held.groups:
+        edges: list[GradientEdge] = []
+        seeds: list[torch.Tensor] = []
+        for node, got in zip(group.nodes, group.grads, strict=True):
+            for i, g in enumerate(got or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    seeds.append(g)
+        if not edges:
+            continue
+        handles = []
+        if len(group.nodes) > 1:  # a node reached through another one keeps its whole gradient
+            for node, got in zip(group.nodes, group.grads, strict=True):
+                if got is not None:
+                    handles.append(node.register_prehook(_putter(got)))
+        try:
+            dws = torch.autograd.grad(edges, group.params, seeds, retain_graph=True,
+                                      allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for p, dw in zip(group.params, dws, strict=True):
+            if dw is not None:
+                p.grad = dw if p.grad is None else p.grad + dw
+    if held.roots:
+        torch.autograd.backward(held.roots, held.root_grads, retain_graph=True)
+    held.groups.clear()
+    held.roots.clear()
+    held.root_grads.clear()
+
+
+def _putter(grads: Grads) -> Callable[[Grads], Grads]:
+    def put(_: Grads) -> Grads:
+        return grads
+    return put
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The RNG state a forward started from (CPU, and the CUDA device's)."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+
+def kept_forward(run: Callable[[], Any], device: torch.device) -> tuple[Any, RngState]:
+    """``run()`` (the stage, and the loss on the last stage) without an autograd graph, and
+    the RNG state it started from, for :func:`rebuild`."""
+    rng = RngState(torch.get_rng_state(),
+                   torch.cuda.get_rng_state(device) if device.type == "cuda" else None, device)
+    with torch.no_grad():
+        return run(), rng
+
+
+def rebuild(run: Callable[[], Any], module: torch.nn.Module, rng: RngState) -> Any:
+    """``run()`` again with gradients, drawing what :func:`kept_forward` drew (the RNG state
+    outside is left as it was) and leaving ``module``'s buffers as they were before."""
+    owners = [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
+    for m, n, b in owners:  # the rebuild moves copies (its graph may keep them), not the buffers
+        m._buffers[n] = b.detach().clone()
+    cuda = [rng.device.index or 0] if rng.cuda is not None else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            torch.set_rng_state(rng.cpu)
+            if rng.cuda is not None:
+                torch.cuda.set_rng_state(rng.cuda, rng.device)
+            with torch.enable_grad():
+                return run()
+    finally:
+        for m, n, b in owners:
+            m._buffers[n] = b
