@@ -96,6 +96,13 @@ def test_refusals_before_any_process(gpt_plan: Path, tmp_path: Path,
     assert main(["train", str(gpt_plan), "--engine", "torch", "--schedule", "interleaved-zb",
                  "--nproc", "2"]) == 2
     assert "need 1 processes; got 2" in capfd.readouterr().err
+    recomputing = _with_replicas(gpt_plan, tmp_path / "recompute", [1, 1])
+    body = json.loads((recomputing / "plan.json").read_text())
+    body["stages"][1]["recompute"] = True
+    (recomputing / "plan.json").write_text(json.dumps(body))
+    assert main(["train", str(recomputing), "--engine", "torch"]) == 2
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and "stages [1] recompute" in err
     assert time.perf_counter() - began < 10  # no process was started
 
 

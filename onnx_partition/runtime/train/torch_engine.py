@@ -95,6 +95,12 @@ def check_torch_engine(plan: Plan, config: TrainConfig) -> None:
             f"--engine torch: torch.distributed.pipelining maps stage i to rank i % (its "
             f"group's size), so every stage needs the same replica count; this plan has "
             f"{lay.replicas} (use --engine ours)")
+    recomputed = [s.index for s in plan.stages if s.recompute]
+    if recomputed:
+        raise PartitionError(
+            f"--engine torch runs every stage without recomputation; this plan's stages "
+            f"{recomputed} recompute (its memory assumes it): use --engine ours, or partition "
+            "with --recompute none")
     if config.schedule not in SCHEDULES:
         raise PartitionError(f"--engine torch: schedule {config.schedule!r} is not torch "
                              f"pipelining's; choose {', '.join(SCHEDULES)}")
