@@ -128,8 +128,11 @@ def test_the_plan_is_never_worse_than_any_proposal(case: Case, count: int, train
         _, memory = pipeline_costs(problem, arrays, stage_of, replicas, run)
         if max(memory) <= run.cluster.memory_bytes:
             other = score(problem, arrays, stage_of, replicas, run, "proposal")
-            assert plan.sim.iteration_ms <= other.sim.iteration_ms * (1 + 1e-9), (
+            # never worse, but for the devices rule: within 2% of the fastest, fewer devices
+            assert plan.sim.iteration_ms <= other.sim.iteration_ms * (1.02 + 1e-9), (
                 stage_of, replicas)
+            if plan.sim.iteration_ms > other.sim.iteration_ms * (1 + 1e-9):
+                assert sum(plan.replicas) < sum(replicas), (stage_of, replicas)
 
 
 def test_polishing_replicas_never_slows_a_plan() -> None:
