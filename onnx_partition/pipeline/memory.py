@@ -202,7 +202,7 @@ def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float) -> 
     if train and stage.trainable is None:  # every parameter trained
         return optimizer_factor * stage.params + stage.sent
     if train:
-        return stage.params + (optimizer_factor - 1.0) * stage.trainable + stage.sent
+        return stage.params + (optimizer_factor - 1.0) * stage.trained + stage.sent
     return stage.params
 
 
