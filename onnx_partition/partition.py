@@ -685,6 +685,13 @@ def plan_on_cluster(
                      grad_input_split=[s.split()[0] for s in best.costs.stages])
     for stage, gpu in zip(plan.stages, gpus or []):
         stage.gpu = gpu
+    limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
+    over = [s.index for s in plan.stages if s.predicted.memory_bytes > limit]
+    if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
+        plan.extra.setdefault("devices_notes", []).append(
+            f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
+            "counted as they run (a tied parameter in each stage, stage 0's inputs); the "
+            "planner's per-node count fitted them")
     return plan, cuts
 
 

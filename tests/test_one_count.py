@@ -149,3 +149,15 @@ def test_train_plan_defaults_to_the_plan(tied: Path, tmp_path: Path,
         warnings.simplefilter("error")  # the plan's own choices: no warning
         with pytest.raises(PartitionError):
             train_plan(folder, steps=0)
+
+
+def test_a_cluster_plan_over_its_memory_says_so(tied: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner checks memory on its per-node sums (a tied parameter once, nothing received
+    at stage 0); a plan whose stages, counted as they run, exceed the device memory says so."""
+    body = _plan(tied, tmp_path / "p", "--devices", "2", "--stages", "2",
+                 "--device-memory", "0.0000062")  # 6,200 bytes
+    assert "hold more than the device memory" in capsys.readouterr().out
+    over = [s["index"] for s in body["stages"] if s["predicted"]["memory_bytes"] > 6200]
+    assert over and body["devices_notes"][-1].startswith(
+        f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory")
