@@ -686,7 +686,8 @@ def plan_on_cluster(
     for stage, gpu in zip(plan.stages, gpus or []):
         stage.gpu = gpu
     limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
-    over = [s.index for s in plan.stages if s.predicted.memory_bytes > limit]
+    over = [s.index for s in plan.stages
+            if s.predicted is not None and s.predicted.memory_bytes > limit]
     if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
         plan.extra.setdefault("devices_notes", []).append(
             f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "

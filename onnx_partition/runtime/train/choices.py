@@ -11,7 +11,7 @@ from typing import Any
 from onnx_partition.pipeline.schedules import TRAIN_NAMES
 
 __all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS", "TORCH_RUNS", "TORCH_SCHEDULES",
-           "TRAIN_FALLBACKS", "planned_choices"]
+           "TRAIN_FALLBACKS", "PlannedChoiceWarning", "planned_choices"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
@@ -31,6 +31,10 @@ TRAIN_FALLBACKS = {"optimizer": "sgd", "precision": "fp32", "schedule": "1f1b"}
 TORCH_RUNS = ("1f1b", "gpipe")
 #: plan.json's names of what a plan assumed -> train's choices (plan@2's first plans: "adam").
 _TRAIN_NAMES = {"adam": "adamw"}
+
+
+class PlannedChoiceWarning(UserWarning):
+    """``train_plan`` told an optimizer, precision or schedule other than the plan's."""
 
 
 def planned_choices(recorded: Mapping[str, Any], given: Mapping[str, str | None], *,

@@ -52,7 +52,12 @@ from onnx_partition.runtime.dist.launcher import (
 )
 from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
-from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS, planned_choices
+from onnx_partition.runtime.train.choices import (
+    ENGINES,
+    OPTIMIZERS,
+    PlannedChoiceWarning,
+    planned_choices,
+)
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.data import (
     ArrayBatches,
@@ -434,7 +439,7 @@ def train_plan(
     ``seed`` also seeds dropout. ``schedule``, ``optimizer`` and ``precision`` default (None)
     to what the plan was priced for (plan.json), else sgd, fp32, 1F1B, as ``train`` does
     (:func:`~onnx_partition.runtime.train.choices.planned_choices`); one that differs from
-    the plan's is warned about (:class:`UserWarning`: its predicted time and memory do not
+    the plan's is warned about (:class:`PlannedChoiceWarning`: its predicted time and memory do not
     hold).
     Optimisation (``weight_decay`` ... ``precision``), checkpoints (``checkpoint_dir`` every
     ``checkpoint_every`` steps; ``resume`` from a checkpoint folder's latest complete
@@ -501,13 +506,13 @@ def planned_defaults(folder: Path, *, schedule: str | None, optimizer: str | Non
                      precision: str | None, engine: str) -> tuple[str, str, str]:
     """``schedule``, ``optimizer`` and ``precision`` where None as the plan in ``folder`` was
     priced for (:func:`~onnx_partition.runtime.train.choices.planned_choices`, the rule of
-    ``train``), warning once (:class:`UserWarning`) when a given one differs from it."""
+    ``train``), warning once (:class:`PlannedChoiceWarning`) when a given one differs from it."""
     given = {"schedule": schedule, "optimizer": optimizer, "precision": precision}
     recorded = read_plan(folder).extra if (folder / "plan.json").is_file() else {}
     chosen, warning = planned_choices(recorded, given, engine=engine,
                                       spelled="{key}={value!r}")
     if warning:
-        warnings.warn(warning, UserWarning, stacklevel=3)
+        warnings.warn(warning, PlannedChoiceWarning, stacklevel=3)
     return chosen["schedule"], chosen["optimizer"], chosen["precision"]
 
 
