@@ -593,7 +593,8 @@ def plan_on_cluster(
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
     :func:`plan_stages`), the count plain pipelines state; the planner checked its memory
     on per-node sums (every initializer trained, once, where first read), which counts
-    constants four times and a tied parameter once (docs/design.md, "One memory count")."""
+    constants four times and a tied parameter once (docs/design.md, "One memory count"), and
+    notes stages that exceed the device memory so counted."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -691,8 +692,8 @@ def plan_on_cluster(
     if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
         plan.extra.setdefault("devices_notes", []).append(
             f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
-            "counted as they run (a tied parameter in each stage, stage 0's inputs); the "
-            "planner's per-node count fitted them")
+            "counted as they run (a tied parameter in each stage, weights read by copied "
+            "constants, stage 0's inputs); the planner's per-node count fitted them")
     return plan, cuts
 
 
