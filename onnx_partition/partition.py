@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,8 @@ from onnx_partition.pipeline.memory import (
     memory_per_device,
     peak_inflight,
     rebuilt_held,
+    stash_bytes,
+    static_bytes,
 )
 from onnx_partition.pipeline.schedules import PLANNED_NAMES, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
@@ -54,7 +56,6 @@ from onnx_partition.solve.scoring import (
     NodeArrays,
     RunSpec,
     node_arrays,
-    stage_totals,
 )
 from onnx_partition.solve.search import best_split
 
@@ -134,6 +135,54 @@ def saved_activations(graph: OpGraph, model: Path) -> list[float] | None:
         raise PartitionError(f"could not count the activations of program {program}: "
                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                              ) from None
+
+
+def trainable_parameters(model: Path) -> frozenset[str] | None:
+    """Names of the trainable parameters of the program ``.pt2`` beside ``model`` (its
+    signature's parameters: what has gradients and optimizer state in training; buffers and
+    the exporter's constants have none), which the ONNX initializers carry; None without a
+    program (every initializer then counts as trainable)."""
+    program = model.with_suffix(".pt2")
+    if not program.is_file():
+        return None
+    import torch  # train plans with a program only
+
+    try:
+        loaded = torch.export.load(str(program))
+    except Exception as exc:  # a program this torch cannot read
+        raise PartitionError(f"could not read program {program}: {type(exc).__name__}"
+                             ) from None
+    return frozenset(loaded.graph_signature.parameters)
+
+
+def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
+                activation_bytes: Sequence[float] | None = None,
+                trainable: Collection[str] | None = None) -> list[StageBytes]:
+    """The one count of what each stage holds, from its cut (the stage file it runs), for
+    every plan (plain pipeline or cluster): weights, every initializer the stage reads
+    (constants included; a tied parameter in each stage reading it, as each rank holds its
+    own copy); of those the ``trainable`` ones (None: all) have gradients and optimizer
+    state; activations per micro-batch (``activation_bytes`` per OpGraph node in training
+    where given: saved for backward; else its operators' outputs); received, the stage
+    file's inputs per micro-batch (stage 0: the graph inputs, held by rank 0 per micro-batch
+    in flight); sent (training, all but the last stage), its outputs, whose gradients come
+    back."""
+    def nbytes(names: Sequence[str]) -> float:
+        return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
+
+    def acts(cut: StageCut) -> float:
+        if train and activation_bytes is not None:
+            return float(sum(activation_bytes[i] for i in cut.nodes))
+        return nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs])
+
+    last = len(cuts) - 1
+    return [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
+                       acts(cut), nbytes(cut.inputs),
+                       nbytes(cut.outputs) if train and k < last else 0.0,
+                       None if trainable is None else float(sum(
+                           graph.initializer_bytes[t] for t in cut.initializers
+                           if t in trainable)))
+            for k, cut in enumerate(cuts)]
 
 
 def grad_input_ms(graph: OpGraph, node_costs: NodeCosts,
@@ -253,6 +302,7 @@ def partition(
     if mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     saved = saved_activations(graph, Path(model)) if mode == "train" else None
+    trainable = trainable_parameters(Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
             raise PartitionError("give --stages S, or a cluster (--devices N or --cluster FILE)")
@@ -261,7 +311,8 @@ def partition(
                                  exact_budget_s=exact_budget_s,
                                  mode=mode, microbatches=microbatches, activation_bytes=saved,
                                  reporter=reporter, schedules=schedules, recompute=recompute,
-                                 grad_input=grad_input_ms(graph, node_costs, costs))
+                                 grad_input=grad_input_ms(graph, node_costs, costs),
+                                 trainable=trainable)
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
@@ -271,7 +322,7 @@ def partition(
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
                                      grad_input=grad_input_ms(graph, node_costs, costs),
-                                     kinds=kinds)
+                                     kinds=kinds, trainable=trainable)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
@@ -442,6 +493,7 @@ def plan_stages(
     schedules: Sequence[str] = ("1f1b",),
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
+    trainable: Collection[str] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, then prove the cut optimal
     or better it by CP-SAT (``exact_budget_s`` deterministic seconds, or the full ILP for
@@ -451,7 +503,8 @@ def plan_stages(
     ``auto`` recomputes none). Inference is balanced on forward times, training on forward +
     backward (what a train step runs); a train plan's memory is its schedule's peak of
     ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
-    saved for backward), else every output."""
+    saved for backward), else every output; its gradients and optimizer state those of the
+    ``trainable`` initializers (None: all), :func:`stage_sizes`."""
     train = mode == "train"
     balanced = ([f + b for f, b in zip(node_costs.forward_ms, node_costs.backward_ms)]
                 if train else node_costs.forward_ms)
@@ -507,10 +560,11 @@ def plan_stages(
     }
     return _describe(graph, node_costs, nodes, expand(local_stage, members, len(nodes)),
                      compute, comm, replicas=[1] * num_stages, devices=[["cpu"]] * num_stages,
-                     memory=None, ordering=ordering, solver=solver, mode=mode,
+                     ordering=ordering, solver=solver, mode=mode,
                      predicted=predicted, extra=extra, microbatches=microbatches,
                      activation_bytes=activation_bytes, schedules=schedules,
-                     recomputed=[recompute == "all"] * num_stages, grad_input=grad_input)
+                     recomputed=[recompute == "all"] * num_stages, grad_input=grad_input,
+                     trainable=trainable)
 
 
 def plan_on_cluster(
@@ -527,6 +581,7 @@ def plan_on_cluster(
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
     kinds: Mapping[str, NodeCosts] | None = None,
+    trainable: Collection[str] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
@@ -535,7 +590,11 @@ def plan_on_cluster(
     is checked, :func:`~onnx_partition.solve.scoring.totals_costs`). A fleet's plan
     (``kinds``: per GPU kind, every node's costs) comes from
     :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
-    stage's ``gpu``."""
+    stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
+    :func:`plan_stages`), the count plain pipelines state; the planner checked its memory
+    on per-node sums (every initializer trained, once, where first read), which counts
+    constants four times and a tied parameter once (docs/design.md, "One memory count"), and
+    notes stages that exceed the device memory so counted."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -611,24 +670,30 @@ def plan_on_cluster(
     recomputed = [s.recompute for s in best.costs.stages]
     if any(recomputed):
         extra["simulator_costs"]["input_bytes"] = [s.input_bytes for s in best.costs.stages]
-    totals = stage_totals(problem, arrays, best.stage_of, best.num_stages)
-    cross = [0.0, *totals.cross_bytes, 0.0]
-    sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
-                        cross[k], cross[k + 1]) for k in range(best.num_stages)]
     plan, cuts = _describe(graph, node_costs, nodes, expand(best.stage_of, members, len(nodes)),
                      compute, comm,
-                     replicas=best.replicas, devices=best.devices, memory=best.memory_bytes,
+                     replicas=best.replicas, devices=best.devices,
                      ordering=best.source.partition(":")[2] if best.source.startswith("dp")
                      else "topo",
                      solver=f"hybrid-{best.source.partition(':')[0].removesuffix('+rc')}",
                      mode=mode,
                      predicted=predicted, extra=extra, microbatches=microbatches,
-                     sizes=sizes, split=[(s.forward_ms, s.backward_ms)
+                     activation_bytes=activation_bytes, trainable=trainable,
+                     optimizer_factor=run.optimizer_factor,
+                     split=[(s.forward_ms, s.backward_ms)
                                          for s in best.costs.stages],
                      schedules=(run.schedule,), recomputed=recomputed,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])
     for stage, gpu in zip(plan.stages, gpus or []):
         stage.gpu = gpu
+    limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
+    over = [s.index for s in plan.stages
+            if s.predicted is not None and s.predicted.memory_bytes > limit]
+    if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
+        plan.extra.setdefault("devices_notes", []).append(
+            f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
+            "counted as they run (a tied parameter in each stage, weights read by copied "
+            "constants, stage 0's inputs); the planner's per-node count fitted them")
     return plan, cuts
 
 
@@ -742,7 +807,6 @@ def _describe(
     *,
     replicas: Sequence[int],
     devices: Sequence[Sequence[str]],
-    memory: Sequence[float] | None,
     ordering: str,
     solver: str,
     mode: str,
@@ -750,35 +814,26 @@ def _describe(
     extra: dict[str, Any],
     microbatches: int = 8,
     activation_bytes: Sequence[float] | None = None,
-    sizes: Sequence[StageBytes] | None = None,
+    trainable: Collection[str] | None = None,
+    optimizer_factor: float = 4.0,
     split: Sequence[tuple[float, float]] | None = None,
     schedules: Sequence[str] = ("1f1b",),
     recomputed: Sequence[bool] | None = None,
     grad_input: Sequence[float] | None = None,
     grad_input_split: Sequence[float] | None = None,
 ) -> tuple[Plan, list[StageCut]]:
-    """The Plan and stage cuts of an assignment of the solvers' nodes to stages. Train plans
-    get the memory model's parts per stage (``sizes``, or from the cut: ``activation_bytes``
-    per OpGraph node where given), the forward/backward ``split`` of ``compute`` (the input
-    gradient's share: ``grad_input_split`` per stage, or ``grad_input`` per OpGraph node), the
-    stages that recompute (``recomputed``) and the schedule: the one of ``schedules`` whose
-    simulation of these costs is fastest (the first on a tie)."""
+    """The Plan and stage cuts of an assignment of the solvers' nodes to stages. Every plan gets
+    the memory model's peak per stage, train plans its parts too, of the one count
+    :func:`stage_sizes` (``activation_bytes``, ``trainable``; a cluster plan's
+    ``simulator_costs`` memory figures rewritten to it), the forward/backward ``split`` of
+    ``compute`` (the input gradient's share: ``grad_input_split`` per stage, or ``grad_input``
+    per OpGraph node), the stages that recompute (``recomputed``) and the schedule: the one of
+    ``schedules`` whose simulation of these costs is fastest (the first on a tie)."""
     num_stages = len(replicas)
     train = mode == "train"
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
-    if sizes is None:  # a plain pipeline: the one memory model
-        def nbytes(names: Sequence[str]) -> float:
-            return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
-
-        def acts(cut: StageCut) -> float:
-            if train and activation_bytes is not None:
-                return float(sum(activation_bytes[i] for i in cut.nodes))
-            return nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs])
-
-        sizes = [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
-                            acts(cut), nbytes(cut.inputs),
-                            nbytes(cut.outputs) if train and k < num_stages - 1 else 0.0)
-                 for k, cut in enumerate(cuts)]
+    sizes = stage_sizes(graph, cuts, train=train, activation_bytes=activation_bytes,
+                        trainable=trainable)
     flags = list(recomputed) if train and recomputed is not None else [False] * num_stages
     if train and split is None:
         split = [(float(sum(node_costs.forward_ms[i] for i in cut.nodes)),
@@ -791,12 +846,18 @@ def _describe(
         schedule = _fastest_schedule(schedules, split, grad_input_split, flags, replicas,
                                      extra.get("simulator_costs", {}).get("send_ms"),
                                      microbatches)
-    if memory is None:
-        # inference: one micro-batch at a time; training: the schedule's peak of the
-        # micro-batches
-        memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
-                                    recompute=flags) if train
-                  else memory_per_device(sizes, replicas, 1, schedule="infer"))
+    # inference: one micro-batch at a time; training: the schedule's peak of the micro-batches
+    memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
+                                recompute=flags, optimizer_factor=optimizer_factor) if train
+              else memory_per_device(sizes, replicas, 1, schedule="infer"))
+    replayed = extra.get("simulator_costs", {})
+    if "static_bytes" in replayed:  # a cluster plan: simulate replays the same count
+        replayed["static_bytes"] = [static_bytes(z, train=train,
+                                                 optimizer_factor=optimizer_factor)
+                                    for z in sizes]
+        replayed["activation_bytes"] = [stash_bytes(z) for z in sizes]
+        if "input_bytes" in replayed:
+            replayed["input_bytes"] = [z.received for z in sizes]
     held = peak_inflight(schedule, replicas, microbatches) if train else [1] * num_stages
     rebuilt = rebuilt_held(schedule, replicas, microbatches) if train else held
     if train and split is not None and "send_ms" in extra.get("simulator_costs", {}) \
@@ -812,6 +873,7 @@ def _describe(
         if train:
             assert split is not None
             parts = dict(memory_parts(sizes[k], held[k], train=True,
+                                      optimizer_factor=optimizer_factor,
                                       rebuilt=rebuilt[k] if flags[k] else None))
             parts.pop("memory_bytes")
             parts.update(forward_ms=round(split[k][0], 6), backward_ms=round(split[k][1], 6))

@@ -145,7 +145,7 @@ def test_gpt_on_python_source_equals_single_process_and_learns(gpt_plan: Path,
     ids, labels = byte_rows(24, SEQ)
     np.savez(tmp_path / "text.npz", input_ids=ids, labels=labels)
     stats = train_plan(gpt_plan, steps=20, microbatches=2, batch_size=2, lr=LR,
-                       data=tmp_path / "text.npz", check=True)
+                       data=tmp_path / "text.npz", check=True, optimizer="sgd")
     assert stats.mismatches == [] and stats.loss_kind == "cross_entropy"
     assert stats.data.endswith("text.npz (24 rows, in order)")
     assert len(stats.loss) == 20
@@ -172,11 +172,11 @@ def test_own_loss_from_npz_then_factory_with_python_loss(own_plan: Path, tmp_pat
     x = rng.standard_normal((10, 4)).astype(np.float32)
     np.savez(tmp_path / "x.npz", x=x)
     stats = train_plan(own_plan, steps=3, microbatches=2, batch_size=2, lr=0.01,
-                       data=tmp_path / "x.npz", check=True)
+                       data=tmp_path / "x.npz", check=True, optimizer="sgd")
     assert stats.mismatches == [] and stats.loss_kind == "output"
     factory = functools.partial(factory_batches, {"x": x}, 4)
     doubled = train_plan(own_plan, steps=3, microbatches=2, batch_size=2, lr=0.01, data=factory,
-                         loss_fn=twice_the_output, check=True)
+                         loss_fn=twice_the_output, check=True, optimizer="sgd")
     assert doubled.mismatches == [] and doubled.loss_kind == "custom"
     assert doubled.data == "batches from the data factory"
     assert doubled.loss[0] == pytest.approx(2 * stats.loss[0], rel=1e-6)

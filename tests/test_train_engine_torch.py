@@ -114,7 +114,7 @@ def test_interleaved_zero_bubble_two_stages_per_rank(exported: Callable[[str, st
     plan_dir = tmp_path / "plan"
     partition(exported("gpt", "tiny"), 4, plan_dir, mode="train", batch_size=2)
     stats = train_plan(plan_dir, engine="torch", schedule="interleaved-zb", steps=3,
-                       microbatches=4, batch_size=2, check=True)
+                       microbatches=4, batch_size=2, check=True, optimizer="sgd")
     assert stats.schedule == "interleaved-zb" and stats.checked_steps == (1, 3)
     assert stats.mismatches == []
     assert sorted((r.rank, r.stage) for r in stats.ranks) == [(0, 0), (0, 2), (1, 1), (1, 3)]

@@ -25,7 +25,14 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
-from onnx_partition.runtime.train.choices import ENGINES, LOSSES, OPTIMIZERS, TORCH_SCHEDULES
+from onnx_partition.runtime.train.choices import (
+    ENGINES,
+    LOSSES,
+    OPTIMIZERS,
+    TORCH_SCHEDULES,
+    TRAIN_FALLBACKS,
+    planned_choices,
+)
 
 __all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
            "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
@@ -718,40 +725,19 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
 )
 
 
-#: What ``train`` runs when neither an option nor the plan says (plans before plan@2).
-TRAIN_FALLBACKS = {"optimizer": "sgd", "precision": "fp32", "schedule": "1f1b"}
-#: The plan schedules that --engine torch runs as planned (torch pipelining's own classes).
-_TORCH_RUNS = ("1f1b", "gpipe")
-#: plan.json's names of what a plan assumed -> train's choices (plan@2's first plans: "adam").
-_TRAIN_NAMES = {"adam": "adamw"}
-
-
 def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str | None:
     """Fill ``train``'s --optimizer, --precision and --schedule not given with what the plan
     was priced for (plan.json ``optimizer``, ``precision``, ``schedule``: ``recorded``, the
     plan's extra keys), else :data:`TRAIN_FALLBACKS`; returns one warning line when an option
-    asks for something else than the plan assumed (its time and memory figures do not hold)."""
-    differ = []
-    for key, fallback in TRAIN_FALLBACKS.items():
-        planned = recorded.get(key)
-        planned = _TRAIN_NAMES.get(planned, planned) if isinstance(planned, str) else None
-        if key == "schedule" and planned not in schedules.TRAIN_NAMES:
-            planned = None  # an inference plan's "infer": train says what is wrong
-        given = getattr(args, key, None)
-        if (given is None and key == "schedule" and planned not in (None, *_TORCH_RUNS)
-                and getattr(args, "engine", None) == "torch"):
-            given = fallback  # torch pipelining has no such schedule: 1F1B, said below
-            setattr(args, key, given)
-        if given is None:
-            setattr(args, key, planned or fallback)
-        elif planned and given != planned:
-            differ.append((key, given, planned))
-    if not differ:
-        return None
-    told = ", ".join(f"--{k} {g}" for k, g, _ in differ)
-    assumed = ", ".join(f"{k} {p}" for k, _, p in differ)
-    return (f"warning: training with {told}; the plan was priced for {assumed} (plan.json): "
-            "its predicted time and memory assume those")
+    asks for something else than the plan assumed (its time and memory figures do not hold).
+    The rule is :func:`~onnx_partition.runtime.train.choices.planned_choices`, which
+    ``train_plan`` follows too."""
+    chosen, warning = planned_choices(
+        recorded, {k: getattr(args, k, None) for k in TRAIN_FALLBACKS},
+        engine=getattr(args, "engine", None))
+    for key, value in chosen.items():
+        setattr(args, key, value)
+    return warning
 
 
 def train_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,15 +12,22 @@ micro-batches from the actions it plays and prices them with :func:`device_bytes
 **Memory of a device** holding one replica of a stage::
 
     memory = static + held * stash
-    static = optimizer_factor * W + G     (train: weights, gradients, optimizer state, and the
-           = W                            (infer)   receive buffer of one gradient micro-batch)
+    static = W + (optimizer_factor - 1) * P + G
+                                          (train: weights, the gradients and optimizer state of
+                                           the trainable ones, and the receive buffer of one
+                                           gradient micro-batch)
+           = W                            (infer)
     stash  = A + R                        (per micro-batch: the stage's own activations and
                                            the activations it received, both kept for backward)
 
-``W`` parameter bytes, ``A`` the stage's activation bytes per micro-batch (train plans of a
+``W`` the bytes of every initializer the stage holds (constants and buffers take memory too;
+a tied parameter in each stage that reads it), ``P`` those of its trainable parameters (the
+program's parameters: only they have gradients and optimizer state; ``P = W`` where the
+trainable ones are not known), ``A`` the stage's activation bytes per micro-batch (train plans of a
 model with a program: the bytes autograd saves for backward, :mod:`onnx_partition.cost.saved`;
 otherwise the bytes of its operators' outputs), ``R`` bytes the
-stage receives per micro-batch (every tensor crossing its input boundary, relay model), ``G``
+stage receives per micro-batch (every tensor crossing its input boundary, relay model; stage
+0's are the graph inputs of the micro-batch, which rank 0 holds until its backward), ``G``
 bytes it sends per micro-batch (the gradients of those come back). ``held`` is the number of
 micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
 
@@ -172,20 +179,30 @@ def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> 
 
 @dataclass(frozen=True)
 class StageBytes:
-    """What one stage holds, in bytes: parameters, its operators' outputs per micro-batch,
-    what it receives per micro-batch (input boundary) and what it sends (output boundary)."""
+    """What one stage holds, in bytes: its initializers (``params``: weights, constants and
+    buffers), its operators' outputs per micro-batch, what it receives per micro-batch (input
+    boundary), what it sends (output boundary), and of ``params`` the trainable ones
+    (``trainable``: with gradients and optimizer state; None: all of them)."""
 
     params: float
     activations: float
     received: float = 0.0
     sent: float = 0.0
+    trainable: float | None = None
+
+    @property
+    def trained(self) -> float:
+        """Bytes of the parameters that have gradients and optimizer state."""
+        return self.params if self.trainable is None else self.trainable
 
 
 def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float) -> float:
-    """Bytes held whatever the schedule: weights (+ gradients, optimizer state and one
-    gradient receive buffer in training)."""
-    if train:
+    """Bytes held whatever the schedule: weights (+ the trainable ones' gradients and
+    optimizer state, and one gradient receive buffer in training)."""
+    if train and stage.trainable is None:  # every parameter trained
         return optimizer_factor * stage.params + stage.sent
+    if train:
+        return stage.params + (optimizer_factor - 1.0) * stage.trained + stage.sent
     return stage.params
 
 
@@ -253,15 +270,15 @@ def recompute_choice(
 def memory_parts(stage: StageBytes, held: int, *, train: bool,
                  optimizer_factor: float = 4.0, rebuilt: int | None = None) -> dict[str, int]:
     """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
-    weights, their gradients, the optimizer's state (``optimizer_factor - 2`` copies: Adam's
-    two moments at the default 4), activations per micro-batch, micro-batches in flight, and
-    the buffers (received inputs of those in flight, one gradient receive buffer); and
-    ``memory_bytes``, their sum, the one formula's peak. A recomputing stage (``rebuilt``:
-    the micro-batches whose activations it holds rebuilt at once, :func:`rebuilt_held`)
-    counts those as ``inflight``; its buffers still hold the inputs of all ``held``."""
+    weights, the trainable ones' gradients and optimizer state (``optimizer_factor - 2`` copies:
+    Adam's two moments at the default 4), activations per micro-batch, micro-batches in flight,
+    and the buffers (received inputs of those in flight, one gradient receive buffer); and
+    ``memory_bytes``, their sum, the one formula's peak. A recomputing stage (``rebuilt``: the
+    micro-batches whose activations it holds rebuilt at once, :func:`rebuilt_held`) counts those
+    as ``inflight``; its buffers still hold the inputs of all ``held``."""
     static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor)
     weights = stage.params
-    grads = weights if train else 0.0
+    grads = stage.trained if train else 0.0
     optimizer = static - stage.sent - weights - grads if train else 0.0
     buffers = (stage.sent if train else 0.0) + held * stage.received
     acts = held if rebuilt is None else rebuilt

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,7 @@ from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
-from onnx_partition.plan import Plan
+from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT, TRAIN_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
 from onnx_partition.runtime.dist.hooks import RankHook
@@ -51,7 +52,12 @@ from onnx_partition.runtime.dist.launcher import (
 )
 from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.infer.sessions import verify_plan_folder
-from onnx_partition.runtime.train.choices import ENGINES, OPTIMIZERS
+from onnx_partition.runtime.train.choices import (
+    ENGINES,
+    OPTIMIZERS,
+    PlannedChoiceWarning,
+    planned_choices,
+)
 from onnx_partition.runtime.train.comm import Tensors
 from onnx_partition.runtime.train.data import (
     ArrayBatches,
@@ -386,8 +392,8 @@ def train_plan(
     steps: int = 10,
     microbatches: int | None = None,
     batch_size: int | None = None,
-    schedule: str = "1f1b",
-    optimizer: str = "sgd",
+    schedule: str | None = None,
+    optimizer: str | None = None,
     lr: float = 0.01,
     check: bool = False,
     save: str | os.PathLike[str] | None = None,
@@ -407,7 +413,7 @@ def train_plan(
     warmup_steps: int = 0,
     lr_schedule: str = "constant",
     clip_grad_norm: float | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
     resume: str | os.PathLike[str] | None = None,
@@ -430,7 +436,11 @@ def train_plan(
     from ``seed``. ``shuffle``: permute the rows once per epoch from this seed. ``loss``: one
     of ``auto``, ``cross_entropy``, ``mse``, ``output``, or ``loss_fn(outputs, targets) ->
     scalar`` (a mean over the rows given, picklable; :mod:`onnx_partition.runtime.train.loss`).
-    ``seed`` also seeds dropout.
+    ``seed`` also seeds dropout. ``schedule``, ``optimizer`` and ``precision`` default (None)
+    to what the plan was priced for (plan.json), else sgd, fp32, 1F1B, as ``train`` does
+    (:func:`~onnx_partition.runtime.train.choices.planned_choices`); one that differs from
+    the plan's is warned about (:class:`PlannedChoiceWarning`: its predicted time and memory do not
+    hold).
     Optimisation (``weight_decay`` ... ``precision``), checkpoints (``checkpoint_dir`` every
     ``checkpoint_every`` steps; ``resume`` from a checkpoint folder's latest complete
     checkpoint up to ``steps`` in all, writing on there), evaluation (``eval_every`` on
@@ -440,6 +450,8 @@ def train_plan(
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
     folder = Path(plan_dir).resolve()
+    schedule, optimizer, precision = planned_defaults(
+        folder, schedule=schedule, optimizer=optimizer, precision=precision, engine=engine)
     plan, count, rows = _request(folder, nproc=nproc, steps=steps, microbatches=microbatches,
                                  batch_size=batch_size, schedule=schedule, optimizer=optimizer,
                                  lr=lr, engine=engine)
@@ -488,6 +500,20 @@ def train_plan(
                   for k in range(len(plan.stages))]
         stats.saved = save_trained(folder, states, Path(save))
     return stats
+
+
+def planned_defaults(folder: Path, *, schedule: str | None, optimizer: str | None,
+                     precision: str | None, engine: str) -> tuple[str, str, str]:
+    """``schedule``, ``optimizer`` and ``precision`` where None as the plan in ``folder`` was
+    priced for (:func:`~onnx_partition.runtime.train.choices.planned_choices`, the rule of
+    ``train``), warning once (:class:`PlannedChoiceWarning`) when a given one differs from it."""
+    given = {"schedule": schedule, "optimizer": optimizer, "precision": precision}
+    recorded = read_plan(folder).extra if (folder / "plan.json").is_file() else {}
+    chosen, warning = planned_choices(recorded, given, engine=engine,
+                                      spelled="{key}={value!r}")
+    if warning:
+        warnings.warn(warning, PlannedChoiceWarning, stacklevel=3)
+    return chosen["schedule"], chosen["optimizer"], chosen["precision"]
 
 
 def _request(folder: Path, *, nproc: int | None, steps: int, microbatches: int | None,
