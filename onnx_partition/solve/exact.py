@@ -43,11 +43,13 @@ EXACT_NODES = 600
 #: Rounds of CP-SAT on problems of at least EXACT_ROUNDS_FROM units (one round below): each
 #: round restarts from the best plan so far, whose bottleneck tightens the precedence windows
 #: of :func:`~onnx_partition.solve.ilp.solve_ilp`; rounds stop at the first that proves the
-#: optimum or finds nothing better. On the four recipe rows that one second left unproven
-#: (199-520 units, S = 4 and 8) the gap to the best plan known fell from 0.06-0.91% to
-#: 0.00-0.28%. See docs/benchmarks.md.
+#: optimum or finds nothing better (CP-SAT on one worker needs about a deterministic second
+#: to better a plan, so shorter rounds find nothing). Three rounds close the gap on the recipe
+#: rows of 199-520 units one round left open but encdec small at S = 8 (0.86%; eight rounds,
+#: 11.5 s, leave 0.46%); the suite's graphs (150 units at most) keep one. See
+#: docs/benchmarks.md.
 EXACT_ROUNDS = 3
-EXACT_ROUNDS_FROM = 200
+EXACT_ROUNDS_FROM = 160
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
 # integer costs may rank two plans of nearly equal float cost the other way.
 _BETTER = 1e-9
@@ -111,7 +113,7 @@ def one_order(problem: DagProblem) -> bool:
 
 def exact_split(
     problem: DagProblem, num_stages: int, stage_of: Sequence[int], *,
-    budget_s: float = EXACT_BUDGET_S, max_nodes: int = EXACT_NODES,
+    budget_s: float = EXACT_BUDGET_S, max_nodes: int = EXACT_NODES, rounds: int | None = None,
 ) -> Proof:
     """Prove ``stage_of`` (a heuristic's plan) optimal or replace it by a better one: the
     default exact pass of ``partition``.
@@ -123,8 +125,8 @@ def exact_split(
     ``stage_of`` with one worker for ``budget_s`` deterministic seconds (work counted, not time
     elapsed: the same problem gives the same plan at any load; a wall limit of
     ``10 * budget_s + 10`` s only guards against the pathological), in up to
-    :func:`exact_rounds` rounds, each from the best plan so far, while each betters the plan
-    and none proves it. Its plan is kept only when
+    ``rounds`` (default :func:`exact_rounds`) rounds, each from the best plan so far, while
+    each betters the plan and none proves it. Its plan is kept only when
     strictly faster in the float cost model, so the answer is never worse than ``stage_of``.
     ``budget_s <= 0`` turns the search off.
     """
@@ -157,7 +159,7 @@ def exact_split(
     best, best_ms = plan, dp_ms
     lower = trivial
     optimal, rounding = False, 0.0
-    for _ in range(exact_rounds(problem.num_nodes)):
+    for _ in range(exact_rounds(problem.num_nodes) if rounds is None else rounds):
         try:
             found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10, workers=1,
                               hint=best, deterministic_s=budget_s)
