@@ -74,10 +74,12 @@ def test_a_stopped_search_is_deterministic_and_never_worse() -> None:
     dp, _ = best_split(problem, 4)
     runs = [exact_split(problem, 4, dp.stage_of, budget_s=0.002) for _ in range(2)]
     assert runs[0].stage_of == runs[1].stage_of
-    # rounds restarted from the best plan so far: deterministic too, never worse than one
+    one = exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=1)  # the default here
+    assert (one.stage_of, one.lower_bound_ms) == (runs[0].stage_of, runs[0].lower_bound_ms)
+    # windowed rounds restarted from the best plan so far: deterministic too, never worse
     more = [exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=5) for _ in range(2)]
     assert more[0].stage_of == more[1].stage_of
-    assert more[0].bottleneck_ms <= runs[0].bottleneck_ms
+    assert more[0].bottleneck_ms <= dp.refined_ms
     assert exact_rounds(n) == exact_rounds(159) == 1
     assert exact_rounds(160) == exact_rounds(600) == EXACT_ROUNDS
     assert runs[0].lower_bound_ms == runs[1].lower_bound_ms

@@ -40,8 +40,9 @@ EXACT_BUDGET_S = 1.0
 #: deterministic second taking 0.01-2.4 s of wall time unloaded; at 1,112 nodes (GPT
 #: realistic, S = 8) CP-SAT does not even load the DP's cut in it. See docs/benchmarks.md.
 EXACT_NODES = 600
-#: Rounds of CP-SAT on problems of at least EXACT_ROUNDS_FROM units (one round below): each
-#: round restarts from the best plan so far, whose bottleneck tightens the precedence windows
+#: Rounds of CP-SAT on problems of at least EXACT_ROUNDS_FROM units (one round below, without
+#: windows, as before they came: those plans stand): each round restarts from the best plan
+#: so far, whose bottleneck tightens the precedence windows
 #: of :func:`~onnx_partition.solve.ilp.solve_ilp`; rounds stop at the first that proves the
 #: optimum or finds nothing better (CP-SAT on one worker needs about a deterministic second
 #: to better a plan, so shorter rounds find nothing). Three rounds close the gap on the recipe
@@ -159,19 +160,20 @@ def exact_split(
     best, best_ms = plan, dp_ms
     lower = trivial
     optimal, rounding = False, 0.0
-    for _ in range(exact_rounds(problem.num_nodes) if rounds is None else rounds):
-        try:
+    many = exact_rounds(problem.num_nodes) if rounds is None else rounds
+    for _ in range(many):
+        try:  # one round: as before windows came (its plans stand); several: all windowed
             found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10, workers=1,
-                              hint=best, deterministic_s=budget_s)
+                              hint=best, deterministic_s=budget_s, windows=many > 1)
         except PartitionError:  # nothing within the limits: the plan given stands
             break
         lower = max(lower, found.lower_bound_ms)
         optimal, rounding = found.optimal, found.rounding_ms
-        if found.bottleneck_ms >= best_ms * (1 - _BETTER):
-            break  # no better plan this round: another would start where this one did
-        best, best_ms = found.stage_of, found.bottleneck_ms
-        if optimal:
-            break
+        better = found.bottleneck_ms < best_ms * (1 - _BETTER)
+        if better:
+            best, best_ms = found.stage_of, found.bottleneck_ms
+        if optimal or not better:
+            break  # proven, or nothing better: another round would start where this one did
     lower = min(best_ms, lower)
     gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
     return Proof(best, best_ms, lower, optimal, "cp-sat" if optimal else "budget",
