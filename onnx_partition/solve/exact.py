@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.problem import DagProblem, topological_order
+from onnx_partition.solve.refine import refine
 from onnx_partition.solve.search import split_order
 
 __all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "EXACT_ROUNDS", "EXACT_ROUNDS_FROM", "Proof",
@@ -169,9 +170,15 @@ def exact_split(
             break
         lower = max(lower, found.lower_bound_ms)
         optimal, rounding = found.optimal, found.rounding_ms
-        better = found.bottleneck_ms < best_ms * (1 - _BETTER)
+        found_plan, found_ms = found.stage_of, found.bottleneck_ms
+        if many > 1 and not found.optimal:  # polish: CP-SAT stopped short of a local optimum
+            polished = refine(problem, found_plan, num_stages)
+            polished_ms = problem.bottleneck_ms(polished, num_stages)
+            if polished_ms < found_ms * (1 - _BETTER):
+                found_plan, found_ms = polished, polished_ms
+        better = found_ms < best_ms * (1 - _BETTER)
         if better:
-            best, best_ms = found.stage_of, found.bottleneck_ms
+            best, best_ms = found_plan, found_ms
         if optimal or not better:
             break  # proven, or nothing better: another round would start where this one did
     lower = min(best_ms, lower)
