@@ -76,10 +76,12 @@ def test_a_stopped_search_is_deterministic_and_never_worse() -> None:
     assert runs[0].stage_of == runs[1].stage_of
     one = exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=1)  # the default here
     assert (one.stage_of, one.lower_bound_ms) == (runs[0].stage_of, runs[0].lower_bound_ms)
-    # windowed rounds restarted from the best plan so far: deterministic too, never worse
+    # windowed rounds restarted from the best plan so far, the last plan polished by local
+    # moves: deterministic too, valid, never worse
     more = [exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=5) for _ in range(2)]
     assert more[0].stage_of == more[1].stage_of
-    assert more[0].bottleneck_ms <= dp.refined_ms
+    assert more[0].bottleneck_ms <= dp.refined_ms and problem.is_valid(more[0].stage_of, 4)
+    assert more[0].bottleneck_ms == problem.bottleneck_ms(more[0].stage_of, 4)
     assert exact_rounds(n) == exact_rounds(159) == 1
     assert exact_rounds(160) == exact_rounds(600) == EXACT_ROUNDS
     assert runs[0].lower_bound_ms == runs[1].lower_bound_ms

@@ -14,7 +14,8 @@ cut optimal, cheapest proof first:
    than the DP's; when the budget runs out the gap to CP-SAT's bound is reported. On problems
    of :data:`EXACT_ROUNDS_FROM` units or more it may run up to :data:`EXACT_ROUNDS` rounds, each
    restarted from the best plan so far (whose bottleneck narrows CP-SAT's precedence windows),
-   while each round betters the plan and none proves it.
+   while each round betters the plan and none proves it, then polishes the last plan by the
+   local search of :mod:`.refine`.
 
 Pure: plain arrays in, plain data out.
 """
@@ -46,10 +47,10 @@ EXACT_NODES = 600
 #: so far, whose bottleneck tightens the precedence windows
 #: of :func:`~onnx_partition.solve.ilp.solve_ilp`; rounds stop at the first that proves the
 #: optimum or finds nothing better (CP-SAT on one worker needs about a deterministic second
-#: to better a plan, so shorter rounds find nothing). Three rounds close the gap on the recipe
-#: rows of 199-520 units one round left open but encdec small at S = 8 (0.86%; eight rounds,
-#: 11.5 s, leave 0.46%); the suite's graphs (150 units at most) keep one. See
-#: docs/benchmarks.md.
+#: to better a plan, so shorter rounds find nothing); the last unproven plan is then polished
+#: by :func:`~onnx_partition.solve.refine.refine`. On the recipe rows of 199-520 units this
+#: closes the gap one round left open, but for encdec small at S = 8 (0.91% -> 0.6%); the
+#: suite's graphs (150 units at most) keep one round. See docs/benchmarks.md.
 EXACT_ROUNDS = 3
 EXACT_ROUNDS_FROM = 160
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
