@@ -14,7 +14,13 @@ from support.problems import chain, dags
 
 from onnx_partition.cli import main
 from onnx_partition.solve.brute import brute_force
-from onnx_partition.solve.exact import exact_split, one_order, trivial_bound_ms
+from onnx_partition.solve.exact import (
+    EXACT_ROUNDS,
+    exact_rounds,
+    exact_split,
+    one_order,
+    trivial_bound_ms,
+)
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.search import best_split
 
@@ -68,6 +74,16 @@ def test_a_stopped_search_is_deterministic_and_never_worse() -> None:
     dp, _ = best_split(problem, 4)
     runs = [exact_split(problem, 4, dp.stage_of, budget_s=0.002) for _ in range(2)]
     assert runs[0].stage_of == runs[1].stage_of
+    one = exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=1)  # the default here
+    assert (one.stage_of, one.lower_bound_ms) == (runs[0].stage_of, runs[0].lower_bound_ms)
+    # windowed rounds restarted from the best plan so far, the last plan polished by local
+    # moves: deterministic too, valid, never worse
+    more = [exact_split(problem, 4, dp.stage_of, budget_s=0.002, rounds=5) for _ in range(2)]
+    assert more[0].stage_of == more[1].stage_of
+    assert more[0].bottleneck_ms <= dp.refined_ms and problem.is_valid(more[0].stage_of, 4)
+    assert more[0].bottleneck_ms == problem.bottleneck_ms(more[0].stage_of, 4)
+    assert exact_rounds(n) == exact_rounds(159) == 1
+    assert exact_rounds(160) == exact_rounds(600) == EXACT_ROUNDS
     assert runs[0].lower_bound_ms == runs[1].lower_bound_ms
     assert runs[0].bottleneck_ms <= dp.refined_ms
     if not runs[0].proven:

@@ -12,7 +12,7 @@ from ortools.sat.python import cp_model
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.brute import brute_force
-from onnx_partition.solve.ilp import solve_ilp
+from onnx_partition.solve.ilp import solve_ilp, stage_windows
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.search import split_order
 
@@ -262,3 +262,37 @@ def test_ilp_within_rounding_of_brute_force_on_float_costs(
     assert result.bottleneck_ms == problem.bottleneck_ms(result.stage_of, stages)
     assert optimum - 1e-9 <= result.bottleneck_ms <= optimum + 2 * result.rounding_ms + 1e-9
     assert result.lower_bound_ms <= optimum + 1e-9
+
+
+# ------------------------------------------------------------------ precedence windows
+
+# a (4) feeds b (2) and c (2), which both feed d (4); free transfers
+DIAMOND = DagProblem([4.0, 2.0, 2.0, 4.0], [-1, 0, 1, 2, 3], [[0], [1, 2], [3], [3], []],
+                     [False, False, False, False, True], [0.0] * 5)
+
+
+def test_stage_windows_by_hand() -> None:
+    # at most 8 per stage: a and its descendants (12) need two stages, so a is in stage 0 or
+    # 1; d and its ancestors (12) likewise, so d is in stage 1 or 2; b and c are free
+    assert stage_windows(DIAMOND, 3, 8.0) == [(0, 1), (0, 2), (0, 2), (1, 2)]
+    # at most 4 per stage: each stage is full, a alone, then b and c, then d
+    assert stage_windows(DIAMOND, 3, 4.0) == [(0, 0), (1, 1), (1, 1), (2, 2)]
+    # latency 0.5 leaves stage 0 3.5 of 4: a fits nowhere (first > last: no plan)
+    late = DagProblem(DIAMOND.compute_ms, DIAMOND.producer, DIAMOND.consumers,
+                      DIAMOND.is_output, DIAMOND.nbytes, latency_ms=0.5)
+    assert stage_windows(late, 3, 4.0)[0] == (1, -1)
+    assert solve_ilp(DIAMOND, 3, hint=[0, 1, 1, 2]).bottleneck_ms == 4.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(problem=small_dags(), data=st.data())
+def test_the_optimum_lies_in_its_windows(problem: DagProblem, data: st.DataObject) -> None:
+    """Windows at the optimum itself (their tightest) keep a brute-force optimal plan, and
+    CP-SAT started from it (so windowed at the optimum) still proves it."""
+    stages = data.draw(st.integers(1, min(3, problem.num_nodes)))
+    plan, optimum = brute_force(problem, stages)
+    windows = stage_windows(problem, stages, optimum)
+    assert all(first <= k <= last for k, (first, last) in zip(plan, windows, strict=True))
+    result = solve_ilp(problem, stages, time_limit_s=20.0, hint=plan)
+    assert result.optimal
+    assert result.bottleneck_ms == pytest.approx(optimum, rel=1e-9, abs=1e-9)
