@@ -8,6 +8,7 @@ needing a gradient."""
 from __future__ import annotations
 
 import torch
+from support.training import saved_bytes
 from torch import nn
 
 from onnx_partition.runtime.train.passes import input_pass, kept_forward, rebuild, weight_pass
@@ -104,18 +105,6 @@ def test_a_stage_without_gradient_leaves_does_all_in_the_weight_pass() -> None:
         torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0)
 
 
-def _saved_bytes(run) -> tuple[int, object]:
-    """Bytes autograd saves for backward while ``run()`` runs (saved_tensors_hooks)."""
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return total[0], out
-
 
 def test_recompute_keeps_no_activation_and_rebuilds_the_same_gradients() -> None:
     """A recomputing stage's forward saves nothing for backward (its kept inputs only); the
@@ -131,7 +120,7 @@ def test_recompute_keeps_no_activation_and_rebuilds_the_same_gradients() -> None
         return stage(*leaves)
 
     torch.manual_seed(7)
-    kept, outs = _saved_bytes(run)
+    kept, outs = saved_bytes(run)
     after_one = torch.rand(1)
     assert kept >= 4 * 5 * 4 * 4  # several activations of 5 x 4 floats
     torch.autograd.backward(list(outs), [ga, gb])
@@ -143,7 +132,7 @@ def test_recompute_keeps_no_activation_and_rebuilds_the_same_gradients() -> None
     before = stage.bn.running_mean.clone()
 
     torch.manual_seed(7)
-    saved, (cheap, rng) = _saved_bytes(lambda: kept_forward(run, torch.device("cpu")))
+    saved, (cheap, rng) = saved_bytes(lambda: kept_forward(run, torch.device("cpu")))
     assert saved == 0 and not cheap[0].requires_grad
     assert torch.equal(torch.rand(1), after_one)  # the forward drew what a normal one draws
     moved = stage.bn.running_mean.clone()

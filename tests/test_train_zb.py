@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.training import saved_bytes
 
 from onnx_partition.cli import main
 from onnx_partition.plan import read_plan
@@ -57,18 +58,6 @@ def test_zb_h1_and_recomputing_stages_check(exported: Callable[..., Path], zb_pl
     assert "2 ranks (ours engine, zb-h1)" in out and ": OK" in out
 
 
-def _saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
-    """Bytes autograd saves for backward while ``run()`` runs (saved_tensors_hooks)."""
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return total[0], out
-
 
 def test_a_recomputing_stage_saves_only_its_inputs(zb_plan: Path) -> None:
     """Each of gpt tiny's stages, as the engine runs them: keeping its activations, autograd
@@ -86,9 +75,9 @@ def test_a_recomputing_stage_saves_only_its_inputs(zb_plan: Path) -> None:
         def run(stage=stage, args=args) -> tuple[torch.Tensor, ...]:
             return tuple(stage.module(*args))
 
-        kept, outs = _saved_bytes(run)
+        kept, outs = saved_bytes(run)
         received = sum(a.numel() * a.element_size() for a in args)
-        saved, (cheap, rng) = _saved_bytes(lambda run=run: kept_forward(run, torch.device("cpu")))
+        saved, (cheap, rng) = saved_bytes(lambda run=run: kept_forward(run, torch.device("cpu")))
         assert saved == 0 and kept > 2 * received, (stage.index, kept, received)
         again = rebuild(run, stage.module, rng)
         for a, b, c in zip(outs, cheap, again, strict=True):

@@ -4,7 +4,7 @@ against the whole module, and a plan trained with ``--check``."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,3 +123,17 @@ def assert_stages_run_on_meta(plan_dir: Path) -> None:
         assert env[spec.name].device.type == "meta", spec.name
     for name, value in env.items():
         assert value.device.type == "meta" or value.dim() == 0, name
+
+
+def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
+    """Bytes autograd saves for backward while ``run()`` runs (every saved tensor as packed by
+    ``saved_tensors_hooks``, no storage deduplication), and what ``run`` returned."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return total[0], out
