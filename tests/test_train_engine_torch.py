@@ -69,7 +69,7 @@ def test_relayed_integers_and_tied_weights(hf_exported: Callable[..., Path],
     embedding lives on stages 0 and 2: --check OK (gradients of step 1 equal one process)."""
     plan_dir = tmp_path / "plan"
     partition(hf_exported("gpt2", labels=True), 3, plan_dir, mode="train", batch_size=2,
-              force=True)
+              force=True, schedule="1f1b")
     stats = train_plan(plan_dir, engine="torch", check=True, steps=2, microbatches=3,
                        batch_size=2, loss="output")
     assert stats.engine == "torch" and stats.checked_steps == (1,)
