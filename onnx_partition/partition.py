@@ -185,6 +185,53 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
             for k, cut in enumerate(cuts)]
 
 
+def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequence[int]],
+                 trainable: Collection[str] | None = None) -> dict[str, Any]:
+    """:func:`stage_sizes`'s weights as plain arrays over units, for the planner
+    (:class:`~onnx_partition.solve.scoring.NodeArrays`' memory fields): each unit holds the
+    initializers its nodes read and those of the constant nodes copied in for them (what
+    :func:`~onnx_partition.graph.emit.cut_stages` puts in a stage file); an initializer one
+    unit holds counts in its ``weight_bytes`` (and ``trainable_bytes`` if ``trainable``,
+    None: all), one several hold is ``shared`` (bytes, trainable bytes, holders), held by
+    every stage with a holder; ``input_bytes`` the graph inputs, which stage 0 receives."""
+    producer = graph.producer_of()
+    copied: dict[int, frozenset[str]] = {}
+
+    def held_by_constant(index: int) -> frozenset[str]:  # a free node and those it reads
+        if index not in copied:
+            node = graph.nodes[index]
+            copied[index] = frozenset(node.initializers).union(*(
+                held_by_constant(producer[t]) for t in node.inputs
+                if t in producer and graph.nodes[producer[t]].free))
+        return copied[index]
+
+    holders: dict[str, list[int]] = {}
+    for unit, local in enumerate(members):
+        held: set[str] = set()
+        for i in local:
+            node = graph.nodes[nodes[i]]
+            held.update(node.initializers)
+            for t in node.inputs:
+                if t not in graph.tensors and t in producer and graph.nodes[producer[t]].free:
+                    held |= held_by_constant(producer[t])
+        for name in held:
+            holders.setdefault(name, []).append(unit)
+    weights, trained = [0.0] * len(members), [0.0] * len(members)
+    shared: list[tuple[float, float, tuple[int, ...]]] = []
+    for name in sorted(holders):
+        units = holders[name]
+        nbytes = float(graph.initializer_bytes.get(name, 0))
+        train_bytes = nbytes if trainable is None or name in trainable else 0.0
+        if len(units) == 1:
+            weights[units[0]] += nbytes
+            trained[units[0]] += train_bytes
+        else:
+            shared.append((nbytes, train_bytes, tuple(units)))
+    inputs = float(sum(graph.tensors[t].nbytes for t in graph.inputs if t in graph.tensors))
+    return {"weight_bytes": weights, "trainable_bytes": trained, "shared": shared,
+            "input_bytes": inputs}
+
+
 def grad_input_ms(graph: OpGraph, node_costs: NodeCosts,
                   costs: CostsFile | None) -> list[float]:
     """Each node's input-gradient share of its backward time (what zero-bubble schedules run
@@ -609,6 +656,7 @@ def plan_on_cluster(
         _per_unit([activation_bytes[g] for g in nodes], members)
         if activation_bytes is not None and mode == "train" else None,
     )
+    arrays = replace(arrays, **unit_weights(graph, nodes, members, trainable))
     gpus: list[str] | None = None
     best: HybridPlan
     if isinstance(cluster, Fleet):

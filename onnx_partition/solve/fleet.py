@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -379,8 +379,7 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
                  ) -> tuple[DagProblem, NodeArrays]:
     """The problem and node arrays priced on one kind (for the one-kind planner)."""
     return (problem.reweighted(costs.forward_ms, problem.nbytes),
-            NodeArrays(list(costs.backward_ms), arrays.param_bytes, arrays.activation_bytes,
-                       arrays.names))
+            replace(arrays, backward_ms=list(costs.backward_ms), backward_input_ms=()))
 
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],

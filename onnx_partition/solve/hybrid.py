@@ -77,6 +77,12 @@ class SequenceCosts:
     cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0 (see order.topo.cut_bytes)
     labels: Sequence[str] = ()  # a name per position (its first operator), for messages
     last_labels: Sequence[str] = ()  # its last operator, where positions are blocks
+    #: memory only, the one count (:class:`~onnx_partition.solve.scoring.NodeArrays`): every
+    #: initializer's bytes and the trainable ones' (empty: ``param_bytes``, all trained), and
+    #: what stage 0 receives (the graph inputs)
+    weight_bytes: Sequence[float] = ()
+    trainable_bytes: Sequence[float] = ()
+    input_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,14 +164,23 @@ class _Tables:
         if config.train:
             self.compute = self.compute + span(costs.backward_ms) / config.speed
             self.comm = 2.0 * self.comm
-        self.params = span(costs.param_bytes)
+        self.params = span(costs.param_bytes)  # all-reduced
         self.acts = span(costs.activation_bytes)
         raw_cut = np.asarray(costs.cut_bytes, dtype=float)
-        self.received = np.broadcast_to(raw_cut[:, None], (n + 1, n + 1))  # at boundary i
+        received = raw_cut.copy()
+        received[0] = costs.input_bytes  # stage 0 holds the graph inputs
+        self.received = np.broadcast_to(received[:, None], (n + 1, n + 1))  # at boundary i
         self.sent = np.broadcast_to(raw_cut[None, :], (n + 1, n + 1))  # at boundary j
         # memory = static + held * stash (pipeline.memory), as (start, end) matrices
-        self.static = (config.optimizer_factor * self.params + self.sent if config.train
-                       else self.params)
+        self.weights: np.ndarray | None = None
+        self.trained: np.ndarray | None = None
+        if len(costs.weight_bytes):
+            self.weights, self.trained = span(costs.weight_bytes), span(costs.trainable_bytes)
+            self.static = (self.weights + (config.optimizer_factor - 1.0) * self.trained
+                           + self.sent if config.train else self.weights)
+        else:
+            self.static = (config.optimizer_factor * self.params + self.sent if config.train
+                           else self.params)
         self.stash = self.acts + self.received
         if config.recompute and config.train:
             self.compute, self.static, self.stash = recompute_stage(
@@ -228,9 +243,12 @@ class _Tables:
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`)."""
-        sizes = [StageBytes(float(self.params[s.start, s.end]), float(self.acts[s.start, s.end]),
+        weights = self.params if self.weights is None else self.weights
+        sizes = [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
                             float(self.received[s.start, s.end]),
-                            float(self.sent[s.start, s.end])) for s in stages]
+                            float(self.sent[s.start, s.end]),
+                            None if self.trained is None
+                            else float(self.trained[s.start, s.end])) for s in stages]
         memory = memory_per_device(sizes, [s.replicas for s in stages], self.c.microbatches,
                                    schedule="1f1b" if self.c.train else "infer",
                                    optimizer_factor=self.c.optimizer_factor,

@@ -157,9 +157,18 @@ def dp_candidates(
         for lo, hi in itertools.pairwise(bounds):
             labels.append(arrays.names[order[lo]])
             last_labels.append(arrays.names[order[hi - 1]])
+    weights: list[float] = []
+    trained: list[float] = []
+    if arrays.counted:  # the one count; a tied parameter on its first reader here
+        position = [0] * len(order)
+        for place, v in enumerate(order):
+            position[v] = place
+        weights, trained = arrays.first_reader(position)
     seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels)
+                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels,
+                        blocks.sums(weights) if weights else [],
+                        blocks.sums(trained) if trained else [], arrays.input_bytes)
     proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
