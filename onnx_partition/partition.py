@@ -638,10 +638,9 @@ def plan_on_cluster(
     (``kinds``: per GPU kind, every node's costs) comes from
     :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
-    :func:`plan_stages`), the count plain pipelines state; the planner checked its memory
-    on per-node sums (every initializer trained, once, where first read), which counts
-    constants four times and a tied parameter once (docs/design.md, "One memory count"), and
-    notes stages that exceed the device memory so counted."""
+    :func:`plan_stages`), the count plain pipelines state and the one the planner checks
+    (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
+    memory so counted, which the planner should never return, is noted as a warning."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -737,11 +736,10 @@ def plan_on_cluster(
     limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
     over = [s.index for s in plan.stages
             if s.predicted is not None and s.predicted.memory_bytes > limit]
-    if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
+    if over:  # a guard: the planner checks the same count (a fleet's DP does not yet)
         plan.extra.setdefault("devices_notes", []).append(
             f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
-            "counted as they run (a tied parameter in each stage, weights read by copied "
-            "constants, stage 0's inputs); the planner's per-node count fitted them")
+            "counted as they run; the planner's count fitted them")
     return plan, cuts
 
 

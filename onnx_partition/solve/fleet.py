@@ -274,15 +274,16 @@ def place_on_groups(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
 def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
                 per_kind_bwd: Mapping[str, Sequence[float]], sizes: Sequence[StageBytes],
                 cross_bytes: Sequence[float], fleet: Fleet, placed: Sequence[Sequence[int]],
-                run: RunSpec) -> tuple[PipelineCosts, list[float], list[list[str]], list[str],
-                                       list[float]]:
+                run: RunSpec, allreduce_bytes: Sequence[float] | None = None
+                ) -> tuple[PipelineCosts, list[float], list[list[str]], list[str], list[float]]:
     """Simulator costs of stages with these per-kind times and sizes placed on fleet devices
     ``placed`` (file order): a stage runs at its slowest replica's kind (replicas take
     micro-batches in turn); each all-reduce on its group's link when one machine holds the
     stage, else on ``inter``; each transfer (micro-batch ``m`` from replica ``m % r_k`` to
     ``m % r_(k+1)``) on the group's link when it stays on one machine, else on ``inter``.
     Also each stage's memory per device, device ids, GPU kinds (``a+b`` for a stage on two)
-    and memory limit in bytes."""
+    and memory limit in bytes. ``allreduce_bytes``: each stage's gradient bytes all-reduced
+    (None: its ``params``)."""
     starts = _starts(fleet)
 
     def group(d: int) -> int:
@@ -307,7 +308,8 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
     for k, where in enumerate(placed):
         one = len({machine(d) for d in where}) == 1
         link = fleet.groups[stage_groups[k][0]].intra if one else fleet.inter
-        allreduce = (ring_allreduce_ms(sizes[k].params, len(where), link.bytes_per_ms,
+        grads = sizes[k].params if allreduce_bytes is None else allreduce_bytes[k]
+        allreduce = (ring_allreduce_ms(grads, len(where), link.bytes_per_ms,
                                        link.latency_ms) if run.train else 0.0)
         stages.append(StageCosts(
             max(float(per_kind_fwd[g][k]) for g in kinds[k]),
@@ -338,11 +340,14 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     bwd = {gpu: per_stage(c.backward_ms).tolist() for gpu, c in kinds.items()}
     params, acts = per_stage(arrays.columns[1]), per_stage(arrays.columns[2])
     cross = problem.cross_bytes(stage_of, s) if s > 1 else []
-    edge = [0.0, *cross, 0.0]
-    sizes = [StageBytes(float(params[k]), float(acts[k]), edge[k],
-                        edge[k + 1] if run.train else 0.0) for k in range(s)]
+    edge = [arrays.input_bytes, *cross, 0.0]  # stage 0 receives the graph inputs
+    weights, trained = (arrays.stage_weights(stage_of, s) if arrays.counted
+                        else (params, None))  # the one count (NodeArrays.stage_weights)
+    sizes = [StageBytes(float(weights[k]), float(acts[k]), edge[k],
+                        edge[k + 1] if run.train else 0.0,
+                        None if trained is None else float(trained[k])) for k in range(s)]
     costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
-                                                       run)
+                                                       run, [float(p) for p in params])
     if any(mem > limit for mem, limit in zip(memory, limits)):
         return None
     replicas = [len(where) for where in placed]
