@@ -83,6 +83,9 @@ class SequenceCosts:
     weight_bytes: Sequence[float] = ()
     trainable_bytes: Sequence[float] = ()
     input_bytes: float = 0.0
+    #: initializers several positions hold (a tied parameter): (bytes, trainable bytes, the
+    #: positions holding it), in every stage holding one (not in ``weight_bytes``)
+    shared: Sequence[tuple[float, float, Sequence[int]]] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,24 @@ def recompute_stage(compute: np.ndarray, forward: np.ndarray, static: np.ndarray
     activations held once, only the received inputs per micro-batch in flight (the memory
     model's recomputation, :func:`~onnx_partition.pipeline.memory.memory_per_device`)."""
     return compute + forward, static + acts, np.asarray(received, dtype=float)
+
+
+def shared_spans(shared: Sequence[tuple[float, float, Sequence[int]]], n: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and trainable bytes of the shared initializers stage ``[i, j)`` holds, as
+    (n + 1) x (n + 1) matrices: one is held iff its first holder at or after ``i`` lies before
+    ``j``. Per start ``i`` that holder's position ``p(i)`` adds its bytes to every ``j > p(i)``:
+    a histogram at ``p(i) + 1`` summed along ``j`` (O(S n + n^2) for S shared ones)."""
+    starts = np.arange(n + 1)
+    hist = np.zeros((2, n + 1, n + 2))
+    for nbytes, train_bytes, holders in shared:
+        where = np.unique(np.asarray(holders, dtype=np.int64))
+        k = np.searchsorted(where, starts)  # first holder at or after each start
+        first = np.where(k < len(where), where[np.minimum(k, len(where) - 1)], n)
+        np.add.at(hist[0], (starts, first + 1), nbytes)
+        np.add.at(hist[1], (starts, first + 1), train_bytes)
+    summed = np.cumsum(hist, axis=2)[:, :, : n + 1]
+    return summed[0], summed[1]
 
 
 def stage_period(latency: Any, replicas: int, allreduce: Any, microbatches: int) -> Any:
@@ -176,6 +197,9 @@ class _Tables:
         self.trained: np.ndarray | None = None
         if len(costs.weight_bytes):
             self.weights, self.trained = span(costs.weight_bytes), span(costs.trainable_bytes)
+            if costs.shared:
+                held, held_trained = shared_spans(costs.shared, n)
+                self.weights, self.trained = self.weights + held, self.trained + held_trained
             self.static = (self.weights + (config.optimizer_factor - 1.0) * self.trained
                            + self.sent if config.train else self.weights)
         else:

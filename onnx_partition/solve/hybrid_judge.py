@@ -68,8 +68,9 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
     received = float(costs.input_bytes if i == 0 else costs.cut_bytes[i])
     sent = float(costs.cut_bytes[j])
     if len(costs.weight_bytes):  # the one count: constants not trained
-        weights = float(sum(costs.weight_bytes[i:j]))
-        trained = float(sum(costs.trainable_bytes[i:j]))
+        held = [(b, t) for b, t, where in costs.shared if any(i <= p < j for p in where)]
+        weights = float(sum(costs.weight_bytes[i:j])) + sum(b for b, _ in held)
+        trained = float(sum(costs.trainable_bytes[i:j])) + sum(t for _, t in held)
         static = (weights + (config.optimizer_factor - 1.0) * trained + sent if config.train
                   else weights)
     else:

@@ -80,19 +80,6 @@ class NodeArrays:
             np.add.at(trained, held, train_bytes)
         return weights, trained
 
-    def first_reader(self, position: Sequence[int]) -> tuple[list[float], list[float]]:
-        """Per-node weight and trainable bytes with each shared initializer on its reader
-        first in a sequence (``position[v]``: node ``v``'s place): what the DP's span sums
-        count, a lower bound where a tied parameter's readers fall in several stages (the
-        exact count, :meth:`stage_weights`, then checks the plan)."""
-        weights = [float(b) for b in self.weight_bytes]
-        trained = [float(b) for b in self.trainable_bytes]
-        for nbytes, train_bytes, readers in self.shared:
-            first = min(readers, key=lambda v: position[v])
-            weights[first] += nbytes
-            trained[first] += train_bytes
-        return weights, trained
-
     @functools.cached_property
     def columns(self) -> np.ndarray:
         """backward_ms, param_bytes, activation_bytes (and backward_input_ms where given) as
