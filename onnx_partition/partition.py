@@ -736,7 +736,7 @@ def plan_on_cluster(
     limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
     over = [s.index for s in plan.stages
             if s.predicted is not None and s.predicted.memory_bytes > limit]
-    if over:  # a guard: the planner checks the same count (a fleet's DP does not yet)
+    if over:  # a guard: the planner checks the same count
         plan.extra.setdefault("devices_notes", []).append(
             f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
             "counted as they run; the planner's count fitted them")
