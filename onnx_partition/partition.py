@@ -195,15 +195,11 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
     None: all), one several hold is ``shared`` (bytes, trainable bytes, holders), held by
     every stage with a holder; ``input_bytes`` the graph inputs, which stage 0 receives."""
     producer = graph.producer_of()
-    copied: dict[int, frozenset[str]] = {}
-
-    def held_by_constant(index: int) -> frozenset[str]:  # a free node and those it reads
-        if index not in copied:
-            node = graph.nodes[index]
-            copied[index] = frozenset(node.initializers).union(*(
-                held_by_constant(producer[t]) for t in node.inputs
-                if t in producer and graph.nodes[producer[t]].free))
-        return copied[index]
+    copied: dict[int, frozenset[str]] = {}  # a free node's and those of the free ones it reads
+    for node in graph.nodes:  # topological order: a producer before its readers
+        if node.free:
+            copied[node.index] = frozenset(node.initializers).union(*(
+                copied[producer[t]] for t in node.inputs if producer.get(t, -1) in copied))
 
     holders: dict[str, list[int]] = {}
     for unit, local in enumerate(members):
@@ -212,8 +208,8 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
             node = graph.nodes[nodes[i]]
             held.update(node.initializers)
             for t in node.inputs:
-                if t not in graph.tensors and t in producer and graph.nodes[producer[t]].free:
-                    held |= held_by_constant(producer[t])
+                if t not in graph.tensors and producer.get(t, -1) in copied:
+                    held |= copied[producer[t]]
         for name in held:
             holders.setdefault(name, []).append(unit)
     weights, trained = [0.0] * len(members), [0.0] * len(members)
