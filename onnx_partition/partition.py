@@ -185,6 +185,49 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
             for k, cut in enumerate(cuts)]
 
 
+def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequence[int]],
+                 trainable: Collection[str] | None = None) -> dict[str, Any]:
+    """:func:`stage_sizes`'s weights as plain arrays over units, for the planner
+    (:class:`~onnx_partition.solve.scoring.NodeArrays`' memory fields): each unit holds the
+    initializers its nodes read and those of the constant nodes copied in for them (what
+    :func:`~onnx_partition.graph.emit.cut_stages` puts in a stage file); an initializer one
+    unit holds counts in its ``weight_bytes`` (and ``trainable_bytes`` if ``trainable``,
+    None: all), one several hold is ``shared`` (bytes, trainable bytes, holders), held by
+    every stage with a holder; ``input_bytes`` the graph inputs, which stage 0 receives."""
+    producer = graph.producer_of()
+    copied: dict[int, frozenset[str]] = {}  # a free node's and those of the free ones it reads
+    for node in graph.nodes:  # topological order: a producer before its readers
+        if node.free:
+            copied[node.index] = frozenset(node.initializers).union(*(
+                copied[producer[t]] for t in node.inputs if producer.get(t, -1) in copied))
+
+    holders: dict[str, list[int]] = {}
+    for unit, local in enumerate(members):
+        held: set[str] = set()
+        for i in local:
+            node = graph.nodes[nodes[i]]
+            held.update(node.initializers)
+            for t in node.inputs:
+                if t not in graph.tensors and producer.get(t, -1) in copied:
+                    held |= copied[producer[t]]
+        for name in held:
+            holders.setdefault(name, []).append(unit)
+    weights, trained = [0.0] * len(members), [0.0] * len(members)
+    shared: list[tuple[float, float, tuple[int, ...]]] = []
+    for name in sorted(holders):
+        units = holders[name]
+        nbytes = float(graph.initializer_bytes.get(name, 0))
+        train_bytes = nbytes if trainable is None or name in trainable else 0.0
+        if len(units) == 1:
+            weights[units[0]] += nbytes
+            trained[units[0]] += train_bytes
+        else:
+            shared.append((nbytes, train_bytes, tuple(units)))
+    inputs = float(sum(graph.tensors[t].nbytes for t in graph.inputs if t in graph.tensors))
+    return {"weight_bytes": weights, "trainable_bytes": trained, "shared": shared,
+            "input_bytes": inputs}
+
+
 def grad_input_ms(graph: OpGraph, node_costs: NodeCosts,
                   costs: CostsFile | None) -> list[float]:
     """Each node's input-gradient share of its backward time (what zero-bubble schedules run
@@ -591,10 +634,9 @@ def plan_on_cluster(
     (``kinds``: per GPU kind, every node's costs) comes from
     :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
-    :func:`plan_stages`), the count plain pipelines state; the planner checked its memory
-    on per-node sums (every initializer trained, once, where first read), which counts
-    constants four times and a tied parameter once (docs/design.md, "One memory count"), and
-    notes stages that exceed the device memory so counted."""
+    :func:`plan_stages`), the count plain pipelines state and the one the planner checks
+    (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
+    memory so counted, which the planner should never return, is noted as a warning."""
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -609,6 +651,7 @@ def plan_on_cluster(
         _per_unit([activation_bytes[g] for g in nodes], members)
         if activation_bytes is not None and mode == "train" else None,
     )
+    arrays = replace(arrays, **unit_weights(graph, nodes, members, trainable))
     gpus: list[str] | None = None
     best: HybridPlan
     if isinstance(cluster, Fleet):
@@ -689,11 +732,10 @@ def plan_on_cluster(
     limit = cluster.memory_bytes if isinstance(cluster, Cluster) else math.inf
     over = [s.index for s in plan.stages
             if s.predicted is not None and s.predicted.memory_bytes > limit]
-    if over:  # the planner's per-node sums said it fits (tied copies, stage 0's inputs)
+    if over:  # a guard: the planner checks the same count
         plan.extra.setdefault("devices_notes", []).append(
             f"warning: stage(s) {', '.join(map(str, over))} hold more than the device memory "
-            "counted as they run (a tied parameter in each stage, weights read by copied "
-            "constants, stage 0's inputs); the planner's per-node count fitted them")
+            "counted as they run; the planner's count fitted them")
     return plan, cuts
 
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -173,9 +174,21 @@ def random_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]:
     return seq, fleet, run
 
 
-@pytest.mark.parametrize("seed", range(40))
+def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]:
+    """:func:`random_instance` with the one memory count: weights apart from the trainable
+    bytes, stage 0 receiving the graph inputs, a tied initializer several positions hold."""
+    seq, fleet, run = random_instance(rng)
+    weights = [rng.uniform(0, 4e3) for _ in range(seq.n)]
+    return replace(seq, weight_bytes=weights,
+                   trainable_bytes=[w * rng.choice([0.0, 1.0]) for w in weights],
+                   input_bytes=rng.uniform(0, 5e3),
+                   shared=[(rng.uniform(0, 4e3), 0.0,
+                            sorted({rng.randrange(seq.n) for _ in range(2)}))]), fleet, run
+
+
+@pytest.mark.parametrize("seed", range(80))
 def test_the_fleet_dp_is_exact_against_brute_force(seed):
-    seq, fleet, run = random_instance(random.Random(seed))
+    seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
     for ordering in [(0, 1), (1, 0)]:
         value, stages = fleet_dp(seq, fleet, run, ordering)
         expected = brute_force(seq, fleet, run, ordering)

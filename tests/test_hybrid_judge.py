@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -94,3 +95,59 @@ def test_dp_equals_the_judge_on_random_small_instances(n, devices, train, data):
         depth=data.draw(st.sampled_from([None, None, 2])))
     judged = judge_hybrid(costs, config)
     assert agree(dp_period(costs, config), judged), (dp_period(costs, config), judged)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6), devices=st.integers(1, 4), data=st.data())
+def test_dp_equals_the_judge_with_the_one_count(n, devices, data):
+    """Weights apart from the trainable bytes (constants: no gradient nor optimizer state),
+    the all-reduced ``param_bytes`` apart from both, and stage 0 receiving the graph inputs
+    (partition.stage_sizes' count), initializers several positions hold (a tied parameter)
+    in every stage holding one: the DP and the judge agree, and the judge's plan fits."""
+    ints = st.integers(0, 9).map(float)
+
+    def draw() -> list[float]:
+        return data.draw(st.lists(ints, min_size=n, max_size=n))
+
+    weights = draw()
+    trained = [w * data.draw(st.sampled_from([0.0, 0.5, 1.0])) for w in weights]
+    costs = SequenceCosts(draw(), draw(), draw(), draw(),
+                          [0.0, *data.draw(st.lists(ints, min_size=n - 1, max_size=n - 1)),
+                           0.0], weight_bytes=weights, trainable_bytes=trained,
+                          input_bytes=data.draw(st.sampled_from([0.0, 5.0, 15.0, 30.0])),
+                          shared=[(b, b * f, sorted(set(where))) for b, f, where in data.draw(
+                              st.lists(st.tuples(st.sampled_from([4.0, 10.0]),
+                                                 st.sampled_from([0.0, 1.0]),
+                                                 st.lists(st.integers(0, n - 1), min_size=1,
+                                                          max_size=3)), max_size=2))])
+    config = HybridConfig(
+        devices=devices, train=True, microbatches=data.draw(st.sampled_from([1, 2, 4, 8])),
+        memory_bytes=data.draw(st.sampled_from([20.0, 40.0, 60.0, 100.0])),
+        link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, None, 2])))
+    judged = judge_hybrid(costs, config)
+    assert agree(dp_period(costs, config), judged), (dp_period(costs, config), judged)
+    if math.isfinite(judged.period_ms):
+        def held(i: int, j: int, what: int) -> float:  # shared ones, once per stage
+            return sum(t[what] for t in costs.shared if any(i <= p < j for p in t[2]))
+
+        sizes = [StageBytes(sum(weights[i:j]) + held(i, j, 0), sum(costs.activation_bytes[i:j]),
+                            costs.input_bytes if i == 0 else costs.cut_bytes[i],
+                            costs.cut_bytes[j], sum(trained[i:j]) + held(i, j, 1))
+                 for i, j, _ in judged.stages]
+        memory = memory_per_device(sizes, [r for _, _, r in judged.stages],
+                                   config.microbatches, schedule="1f1b")
+        assert max(memory) <= config.memory_bytes
+
+
+def test_a_tied_parameter_counts_in_each_stage_holding_it():
+    """20 bytes per position and 10 both hold, all trained (x4): one stage holds 50 bytes
+    (200 with gradients and Adam), each of two stages 30 (120); nothing fits 100 bytes,
+    though the positions' own bytes alone (80 per stage) would."""
+    costs = SequenceCosts([1.0, 1.0], [0.0, 0.0], [20.0, 20.0], [0.0, 0.0], [0.0, 0.0, 0.0],
+                          weight_bytes=[20.0, 20.0], trainable_bytes=[20.0, 20.0],
+                          shared=[(10.0, 10.0, [0, 1])])
+    config = HybridConfig(devices=2, memory_bytes=100.0, microbatches=1, train=True)
+    assert judge_hybrid(costs, config).period_ms == math.inf == dp_period(costs, config)
+    roomy = replace(config, memory_bytes=120.0)
+    assert judge_hybrid(costs, roomy).stages == ((0, 1, 1), (1, 2, 1))
+    assert agree(dp_period(costs, roomy), judge_hybrid(costs, roomy))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -60,7 +60,7 @@ from onnx_partition.pipeline.memory import (
 )
 from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
-from onnx_partition.solve.hybrid import replica_choices
+from onnx_partition.solve.hybrid import replica_choices, shared_spans
 from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
 from onnx_partition.solve.order.topo import assign, cut_bytes
 from onnx_partition.solve.problem import DagProblem
@@ -106,10 +106,33 @@ class FleetSequence:
     param_bytes: Sequence[float]
     activation_bytes: Sequence[float]
     cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0
+    #: memory only, the one count (as :class:`~onnx_partition.solve.hybrid.SequenceCosts`):
+    #: empty ``weight_bytes``: ``param_bytes``, all trained
+    weight_bytes: Sequence[float] = ()
+    trainable_bytes: Sequence[float] = ()
+    input_bytes: float = 0.0
+    shared: Sequence[tuple[float, float, Sequence[int]]] = ()
 
     @property
     def n(self) -> int:
         return len(self.param_bytes)
+
+    def weights(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Weight and trainable bytes of every stage ``[i, j)`` ((n + 1) x (n + 1); None:
+        all trained), shared initializers once in each stage holding one."""
+        if not len(self.weight_bytes):
+            return _span(self.param_bytes), None
+        weights, trained = _span(self.weight_bytes), _span(self.trainable_bytes)
+        if self.shared:
+            held, held_trained = shared_spans(self.shared, self.n)
+            weights, trained = weights + held, trained + held_trained
+        return weights, trained
+
+    def received(self) -> np.ndarray:
+        """Bytes stage ``[i, ...)`` receives per micro-batch: stage 0 the graph inputs."""
+        cut = np.asarray(self.cut_bytes, dtype=float).copy()
+        cut[0] = self.input_bytes
+        return cut
 
 
 def _send_ms(nbytes: float, link: Link | None) -> float:
@@ -133,8 +156,14 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
     link = g.cluster(fleet.inter).link(r)
     allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
                  if run.train else 0.0)
-    size = StageBytes(params, float(sum(seq.activation_bytes[i:j])), float(seq.cut_bytes[i]),
-                      float(seq.cut_bytes[j]) if run.train else 0.0)
+    weights, trained = params, None
+    if len(seq.weight_bytes):  # the one count: each shared initializer held in [i, j) once
+        tied = [(b, t) for b, t, where in seq.shared if any(i <= p < j for p in where)]
+        weights = float(sum(seq.weight_bytes[i:j])) + sum(b for b, _ in tied)
+        trained = float(sum(seq.trainable_bytes[i:j])) + sum(t for _, t in tied)
+    size = StageBytes(weights, float(sum(seq.activation_bytes[i:j])),
+                      float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
+                      float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
     memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
               + count * stash_bytes(size))
@@ -166,6 +195,8 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
     params, acts = _span(seq.param_bytes), _span(seq.activation_bytes)
+    weights, trained = seq.weights()
+    received = seq.received()
     valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     factor = 2.0 if run.train else 1.0
 
@@ -194,8 +225,12 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             own = group.cluster(fleet.inter)
             compute = spans[g][i]
             sides = {"intra": side(group.intra), "inter": side(fleet.inter)}
-            stash = acts[i] + cut[i]  # the one memory model: static + held * stash
-            static = run.optimizer_factor * params[i] + cut if run.train else params[i]
+            stash = acts[i] + received[i]  # the one memory model: static + held * stash
+            if trained is None:
+                static = run.optimizer_factor * params[i] + cut if run.train else params[i]
+            else:
+                static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
+                          if run.train else weights[i])
             d = group.devices
             best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
@@ -274,15 +309,16 @@ def place_on_groups(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
 def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
                 per_kind_bwd: Mapping[str, Sequence[float]], sizes: Sequence[StageBytes],
                 cross_bytes: Sequence[float], fleet: Fleet, placed: Sequence[Sequence[int]],
-                run: RunSpec) -> tuple[PipelineCosts, list[float], list[list[str]], list[str],
-                                       list[float]]:
+                run: RunSpec, allreduce_bytes: Sequence[float] | None = None
+                ) -> tuple[PipelineCosts, list[float], list[list[str]], list[str], list[float]]:
     """Simulator costs of stages with these per-kind times and sizes placed on fleet devices
     ``placed`` (file order): a stage runs at its slowest replica's kind (replicas take
     micro-batches in turn); each all-reduce on its group's link when one machine holds the
     stage, else on ``inter``; each transfer (micro-batch ``m`` from replica ``m % r_k`` to
     ``m % r_(k+1)``) on the group's link when it stays on one machine, else on ``inter``.
     Also each stage's memory per device, device ids, GPU kinds (``a+b`` for a stage on two)
-    and memory limit in bytes."""
+    and memory limit in bytes. ``allreduce_bytes``: each stage's gradient bytes all-reduced
+    (None: its ``params``)."""
     starts = _starts(fleet)
 
     def group(d: int) -> int:
@@ -307,7 +343,8 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
     for k, where in enumerate(placed):
         one = len({machine(d) for d in where}) == 1
         link = fleet.groups[stage_groups[k][0]].intra if one else fleet.inter
-        allreduce = (ring_allreduce_ms(sizes[k].params, len(where), link.bytes_per_ms,
+        grads = sizes[k].params if allreduce_bytes is None else allreduce_bytes[k]
+        allreduce = (ring_allreduce_ms(grads, len(where), link.bytes_per_ms,
                                        link.latency_ms) if run.train else 0.0)
         stages.append(StageCosts(
             max(float(per_kind_fwd[g][k]) for g in kinds[k]),
@@ -338,11 +375,14 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     bwd = {gpu: per_stage(c.backward_ms).tolist() for gpu, c in kinds.items()}
     params, acts = per_stage(arrays.columns[1]), per_stage(arrays.columns[2])
     cross = problem.cross_bytes(stage_of, s) if s > 1 else []
-    edge = [0.0, *cross, 0.0]
-    sizes = [StageBytes(float(params[k]), float(acts[k]), edge[k],
-                        edge[k + 1] if run.train else 0.0) for k in range(s)]
+    edge = [arrays.input_bytes, *cross, 0.0]  # stage 0 receives the graph inputs
+    weights, trained = (arrays.stage_weights(stage_of, s) if arrays.counted
+                        else (params, None))  # the one count (NodeArrays.stage_weights)
+    sizes = [StageBytes(float(weights[k]), float(acts[k]), edge[k],
+                        edge[k + 1] if run.train else 0.0,
+                        None if trained is None else float(trained[k])) for k in range(s)]
     costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
-                                                       run)
+                                                       run, [float(p) for p in params])
     if any(mem > limit for mem, limit in zip(memory, limits)):
         return None
     replicas = [len(where) for where in placed]
@@ -371,16 +411,29 @@ def _sequence(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindC
     seq = FleetSequence([blocks.sums(kinds[k].forward_ms) for k in gpus],
                         [blocks.sums(kinds[k].backward_ms) for k in gpus],
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        list(cut_bytes(problem, order)[np.asarray(blocks.bounds)]))
+                        list(cut_bytes(problem, order)[np.asarray(blocks.bounds)]),
+                        *_counted(arrays, blocks))
     return seq, blocks
+
+
+def _counted(arrays: NodeArrays, blocks: Blocks
+             ) -> tuple[list[float], list[float], float, list[tuple[float, float, list[int]]]]:
+    """The one count's arrays over ``blocks`` (empty where ``arrays`` do not carry it)."""
+    if not arrays.counted:
+        return [], [], 0.0, []
+    block_of = np.zeros(len(blocks.order), dtype=np.int64)
+    for b, (lo, hi) in enumerate(itertools.pairwise(blocks.bounds)):
+        block_of[np.asarray(blocks.order[lo:hi], dtype=np.int64)] = b
+    return (blocks.sums(arrays.weight_bytes), blocks.sums(arrays.trainable_bytes),
+            arrays.input_bytes, [(b, t, sorted({int(block_of[v]) for v in holders}))
+                                 for b, t, holders in arrays.shared])
 
 
 def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
                  ) -> tuple[DagProblem, NodeArrays]:
     """The problem and node arrays priced on one kind (for the one-kind planner)."""
     return (problem.reweighted(costs.forward_ms, problem.nbytes),
-            NodeArrays(list(costs.backward_ms), arrays.param_bytes, arrays.activation_bytes,
-                       arrays.names))
+            replace(arrays, backward_ms=list(costs.backward_ms), backward_input_ms=()))
 
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],

@@ -77,6 +77,15 @@ class SequenceCosts:
     cut_bytes: Sequence[float]  # n + 1 boundaries, ends 0 (see order.topo.cut_bytes)
     labels: Sequence[str] = ()  # a name per position (its first operator), for messages
     last_labels: Sequence[str] = ()  # its last operator, where positions are blocks
+    #: memory only, the one count (:class:`~onnx_partition.solve.scoring.NodeArrays`): every
+    #: initializer's bytes and the trainable ones' (empty: ``param_bytes``, all trained), and
+    #: what stage 0 receives (the graph inputs)
+    weight_bytes: Sequence[float] = ()
+    trainable_bytes: Sequence[float] = ()
+    input_bytes: float = 0.0
+    #: initializers several positions hold (a tied parameter): (bytes, trainable bytes, the
+    #: positions holding it), in every stage holding one (not in ``weight_bytes``)
+    shared: Sequence[tuple[float, float, Sequence[int]]] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,24 @@ def recompute_stage(compute: np.ndarray, forward: np.ndarray, static: np.ndarray
     return compute + forward, static + acts, np.asarray(received, dtype=float)
 
 
+def shared_spans(shared: Sequence[tuple[float, float, Sequence[int]]], n: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and trainable bytes of the shared initializers stage ``[i, j)`` holds, as
+    (n + 1) x (n + 1) matrices: one is held iff its first holder at or after ``i`` lies before
+    ``j``. Per start ``i`` that holder's position ``p(i)`` adds its bytes to every ``j > p(i)``:
+    a histogram at ``p(i) + 1`` summed along ``j`` (O(S n + n^2) for S shared ones)."""
+    starts = np.arange(n + 1)
+    hist = np.zeros((2, n + 1, n + 2))
+    for nbytes, train_bytes, holders in shared:
+        where = np.unique(np.asarray(holders, dtype=np.int64))
+        k = np.searchsorted(where, starts)  # first holder at or after each start
+        first = np.where(k < len(where), where[np.minimum(k, len(where) - 1)], n)
+        np.add.at(hist[0], (starts, first + 1), nbytes)
+        np.add.at(hist[1], (starts, first + 1), train_bytes)
+    summed = np.cumsum(hist, axis=2)[:, :, : n + 1]
+    return summed[0], summed[1]
+
+
 def stage_period(latency: Any, replicas: int, allreduce: Any, microbatches: int) -> Any:
     """A stage's time per micro-batch over an iteration: its fullest replica runs
     ``ceil(M / r)`` of the ``M`` micro-batches (replica ``j`` takes ``m = j (mod r)``), then
@@ -158,14 +185,26 @@ class _Tables:
         if config.train:
             self.compute = self.compute + span(costs.backward_ms) / config.speed
             self.comm = 2.0 * self.comm
-        self.params = span(costs.param_bytes)
+        self.params = span(costs.param_bytes)  # all-reduced
         self.acts = span(costs.activation_bytes)
         raw_cut = np.asarray(costs.cut_bytes, dtype=float)
-        self.received = np.broadcast_to(raw_cut[:, None], (n + 1, n + 1))  # at boundary i
+        received = raw_cut.copy()
+        received[0] = costs.input_bytes  # stage 0 holds the graph inputs
+        self.received = np.broadcast_to(received[:, None], (n + 1, n + 1))  # at boundary i
         self.sent = np.broadcast_to(raw_cut[None, :], (n + 1, n + 1))  # at boundary j
         # memory = static + held * stash (pipeline.memory), as (start, end) matrices
-        self.static = (config.optimizer_factor * self.params + self.sent if config.train
-                       else self.params)
+        self.weights: np.ndarray | None = None
+        self.trained: np.ndarray | None = None
+        if len(costs.weight_bytes):
+            self.weights, self.trained = span(costs.weight_bytes), span(costs.trainable_bytes)
+            if costs.shared:
+                held, held_trained = shared_spans(costs.shared, n)
+                self.weights, self.trained = self.weights + held, self.trained + held_trained
+            self.static = (self.weights + (config.optimizer_factor - 1.0) * self.trained
+                           + self.sent if config.train else self.weights)
+        else:
+            self.static = (config.optimizer_factor * self.params + self.sent if config.train
+                           else self.params)
         self.stash = self.acts + self.received
         if config.recompute and config.train:
             self.compute, self.static, self.stash = recompute_stage(
@@ -228,9 +267,12 @@ class _Tables:
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`)."""
-        sizes = [StageBytes(float(self.params[s.start, s.end]), float(self.acts[s.start, s.end]),
+        weights = self.params if self.weights is None else self.weights
+        sizes = [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
                             float(self.received[s.start, s.end]),
-                            float(self.sent[s.start, s.end])) for s in stages]
+                            float(self.sent[s.start, s.end]),
+                            None if self.trained is None
+                            else float(self.trained[s.start, s.end])) for s in stages]
         memory = memory_per_device(sizes, [s.replicas for s in stages], self.c.microbatches,
                                    schedule="1f1b" if self.c.train else "infer",
                                    optimizer_factor=self.c.optimizer_factor,

@@ -64,9 +64,17 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
         return costs.cut_bytes[b] / config.link_bytes_per_ms + config.link_latency_ms
 
     comm = (send(i) + send(j)) * (2.0 if config.train else 1.0)
-    params = float(sum(costs.param_bytes[i:j]))
-    received, sent = float(costs.cut_bytes[i]), float(costs.cut_bytes[j])
-    static = config.optimizer_factor * params + sent if config.train else params
+    params = float(sum(costs.param_bytes[i:j]))  # all-reduced
+    received = float(costs.input_bytes if i == 0 else costs.cut_bytes[i])
+    sent = float(costs.cut_bytes[j])
+    if len(costs.weight_bytes):  # the one count: constants not trained
+        held = [(b, t) for b, t, where in costs.shared if any(i <= p < j for p in where)]
+        weights = float(sum(costs.weight_bytes[i:j])) + sum(b for b, _ in held)
+        trained = float(sum(costs.trainable_bytes[i:j])) + sum(t for _, t in held)
+        static = (weights + (config.optimizer_factor - 1.0) * trained + sent if config.train
+                  else weights)
+    else:
+        static = config.optimizer_factor * params + sent if config.train else params
     stash = float(sum(costs.activation_bytes[i:j])) + received
     return compute / config.speed + comm, params, static, stash
 

@@ -157,9 +157,18 @@ def dp_candidates(
         for lo, hi in itertools.pairwise(bounds):
             labels.append(arrays.names[order[lo]])
             last_labels.append(arrays.names[order[hi - 1]])
+    block_of = np.zeros(len(order), dtype=np.int64)  # node -> its block in the sequence
+    for b, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        block_of[np.asarray(order[lo:hi], dtype=np.int64)] = b
+    counted = arrays.counted  # the one count: a shared initializer in each block holding it
     seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels)
+                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels,
+                        blocks.sums(arrays.weight_bytes) if counted else [],
+                        blocks.sums(arrays.trainable_bytes) if counted else [],
+                        arrays.input_bytes,
+                        [(b, t, sorted({int(block_of[v]) for v in holders}))
+                         for b, t, holders in arrays.shared])
     proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))

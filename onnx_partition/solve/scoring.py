@@ -48,6 +48,37 @@ class NodeArrays:
     names: Sequence[str] = ()  # node keys, for messages
     #: the input-gradient part of backward_ms (zero-bubble schedules); empty: half of it
     backward_input_ms: Sequence[float] = ()
+    #: memory only (the one count, docs/design.md "One memory count"): bytes of the
+    #: initializers only this node reads (constants and buffers too) and of those the
+    #: trainable ones; empty: ``param_bytes``, every one trained (the old per-node count)
+    weight_bytes: Sequence[float] = ()
+    trainable_bytes: Sequence[float] = ()
+    #: initializers several nodes read (a tied parameter): (bytes, trainable bytes, readers),
+    #: held by every stage holding one of its readers
+    shared: Sequence[tuple[float, float, tuple[int, ...]]] = ()
+    #: what stage 0 receives per micro-batch: the graph inputs
+    input_bytes: float = 0.0
+
+    @property
+    def counted(self) -> bool:
+        """Whether the arrays carry the one count (weights and trainable bytes apart)."""
+        return len(self.weight_bytes) > 0
+
+    def stage_weights(self, stage_of: Sequence[int], num_stages: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Weight and trainable bytes of each stage of an assignment: the nodes' own, plus
+        each shared initializer once in every stage that reads it (exact, as the stage
+        files hold them)."""
+        stages_np = np.asarray(stage_of, dtype=np.int64)
+        weights: np.ndarray = np.bincount(
+            stages_np, np.asarray(self.weight_bytes, dtype=float), minlength=num_stages)
+        trained: np.ndarray = np.bincount(
+            stages_np, np.asarray(self.trainable_bytes, dtype=float), minlength=num_stages)
+        for nbytes, train_bytes, readers in self.shared:
+            held = np.unique(stages_np[list(readers)])
+            np.add.at(weights, held, nbytes)
+            np.add.at(trained, held, train_bytes)
+        return weights, trained
 
     @functools.cached_property
     def columns(self) -> np.ndarray:
@@ -154,6 +185,10 @@ class StageTotals:
     activation_bytes: np.ndarray
     cross_bytes: list[float]  # per interior boundary
     backward_input_ms: np.ndarray | None = None
+    #: the one count's weights and trainable bytes per stage (None: ``param_bytes``, trained)
+    weight_bytes: np.ndarray | None = None
+    trainable_bytes: np.ndarray | None = None
+    input_bytes: float = 0.0  # received by stage 0 (the graph inputs)
 
 
 def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
@@ -165,9 +200,12 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
 
     cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
     columns = arrays.columns
+    weights, trained = (arrays.stage_weights(stage_of, num_stages) if arrays.counted
+                        else (None, None))
     return StageTotals(per_stage(problem.compute_array), per_stage(columns[0]),
                        per_stage(columns[1]), per_stage(columns[2]), cross,
-                       per_stage(columns[3]) if len(columns) > 3 else None)
+                       per_stage(columns[3]) if len(columns) > 3 else None,
+                       weights, trained, arrays.input_bytes)
 
 
 def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
@@ -180,15 +218,19 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     groups, links = _links(cluster, replicas, run.microbatches)
     send = [b / link.bytes_per_ms + link.latency_ms
             for b, link in zip(totals.cross_bytes, links)]
-    cross = [0.0, *totals.cross_bytes, 0.0]  # bytes received at stage k's input boundary
-    sizes = [StageBytes(float(totals.param_bytes[k]), float(totals.activation_bytes[k]),
-                        cross[k], cross[k + 1]) for k in range(num_stages)]
+    # bytes received at stage k's input boundary (stage 0: the graph inputs)
+    cross = [totals.input_bytes, *totals.cross_bytes, 0.0]
+    weights, trained = totals.weight_bytes, totals.trainable_bytes
+    sizes = [StageBytes(float(totals.param_bytes[k]) if weights is None else float(weights[k]),
+                        float(totals.activation_bytes[k]), cross[k], cross[k + 1],
+                        None if trained is None else float(trained[k]))
+             for k in range(num_stages)]
     flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                              memory_bytes=cluster.memory_bytes, mode=run.recompute,
                              optimizer_factor=run.optimizer_factor)
     stages = []
     for k, r in enumerate(replicas):
-        allreduce = (ring_allreduce_ms(sizes[k].params, r, groups[k].bytes_per_ms,
+        allreduce = (ring_allreduce_ms(float(totals.param_bytes[k]), r, groups[k].bytes_per_ms,
                                        groups[k].latency_ms) if run.train else 0.0)
         backward = float(totals.backward_ms[k]) / cluster.speed if run.train else 0.0
         grad_in = (float(totals.backward_input_ms[k]) / cluster.speed
