@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from onnx import TensorProto, helper
 from support.graphs import CHAIN, SKIP, save
 from support.outputs import assert_same, run_whole
+from support.wire import CapturedWire
 
 from onnx_partition.cost.profile.cuda import own_inputs, rotation_sets
 from onnx_partition.cost.profile.harness import Context
@@ -26,7 +26,7 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.dist.launcher import TorchrunEnv, check_placement, torchrun_env
-from onnx_partition.runtime.dist.wire import Wire, header_size
+from onnx_partition.runtime.dist.wire import header_size
 from onnx_partition.runtime.infer.distributed import run_distributed
 from onnx_partition.runtime.infer.rank import check_hop, choose_backend, hop_key
 
@@ -294,19 +294,9 @@ def test_the_device_hop_of_a_cuda_plan_needs_nccl():
         check_hop(cuda, "gloo", "gpu")
 
 
-class _Captured(Wire):
-    """A wire that keeps what it would send (the messages, in order)."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-        self.sent: list[np.ndarray] = []
-
-    def _isend(self, array: np.ndarray, dst: int, pending: list[Any]) -> None:
-        self.sent.append(array.copy())
-
 
 def test_a_keyed_hop_sends_its_header_once_and_refuses_a_changed_shape():
-    wire = _Captured()
+    wire = CapturedWire()
     a = {"a": np.ones((2, 4), np.float32)}
     wire.send(1, 0, ["a"], a, [], key=("rows", 2))
     wire.send(1, 1, ["a"], a, [], key=("rows", 2))

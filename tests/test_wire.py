@@ -8,6 +8,7 @@ import datetime
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from support.wire import CapturedWire
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.runtime.dist.wire import (
@@ -119,19 +121,9 @@ def test_bad_headers_raise() -> None:
         encode_header(0, ["s"], [np.array(["text"], dtype=object)])
 
 
-class _Captured(Wire):
-    """A Wire whose sends are kept instead of posted (no process group needed)."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-        self.sent: list[np.ndarray] = []
-
-    def _isend(self, array: np.ndarray, dst: int, pending: list[Any]) -> None:
-        self.sent.append(array.copy())
-
 
 def test_send_frames_header_packed_small_then_each_large_tensor() -> None:
-    wire = _Captured()
+    wire = CapturedWire()
     big = np.arange(SMALL_BYTES // 8, dtype=np.int64)  # exactly SMALL_BYTES: sent on its own
     env = {"b": big, "a": np.array([1, 2], np.int16), "c": np.zeros((2, 0), np.float32)}
     wire.send(1, 3, ["a", "b", "c"], env, [])
@@ -147,7 +139,7 @@ def test_send_frames_header_packed_small_then_each_large_tensor() -> None:
 
 
 def test_send_keeps_a_0d_tensor_0d() -> None:
-    wire = _Captured()
+    wire = CapturedWire()
     wire.send(1, 0, ["s"], {"s": np.array(2.5, np.float32)}, [])
     assert decode_header(wire.sent[0], 0, 1) == [(np.dtype(np.float32), ())]
 
@@ -209,20 +201,25 @@ def _rank(rank: int, store_path: str, results: Any) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def test_two_gloo_ranks_exchange_every_dtype_and_shape(tmp_path: Path) -> None:
+def _two_ranks(target: Callable[[int, str, Any], None], tmp_path: Path) -> dict[int, str]:
+    """Run ``target(rank, store, results)`` in two spawned processes; each rank's answer."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, str(tmp_path / "store"), results))
+    procs = [context.Process(target=target, args=(r, str(tmp_path / "store"), results))
              for r in range(2)]
     for proc in procs:
         proc.start()
     try:
-        answers = dict(results.get(timeout=60) for _ in procs)
+        return dict(results.get(timeout=60) for _ in procs)
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def test_two_gloo_ranks_exchange_every_dtype_and_shape(tmp_path: Path) -> None:
+    answers = _two_ranks(_rank, tmp_path)
     assert answers == {0: "ok", 1: "receiving from stage 0 (rank 0)"}
 
 
@@ -273,19 +270,7 @@ def _torch_rank(rank: int, store_path: str, results: Any) -> None:
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_training_wire_carries_every_torch_dtype(tmp_path: Path) -> None:
     assert {"bfloat16", "float16", "float32", "bool", "float8_e4m3fn"} <= set(_torch_cases())
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_torch_rank, args=(r, str(tmp_path / "store"), results))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        answers = dict(results.get(timeout=60) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    answers = _two_ranks(_torch_rank, tmp_path)
     assert answers == {0: "ok", 1: "ok"}
 
 

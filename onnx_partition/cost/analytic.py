@@ -480,15 +480,8 @@ def _matmul_backward(op: AtenOp, gout: float, out: int) -> tuple[float, float]:
         return 0.0, 0.0
     k = sa[-1] if sa else 1
     dense = 2.0 * out * k
-    ba, bb = _nbytes(sa, za), _nbytes(sb, zb)
-    flops = bytes_ = 0.0
-    if ga:
-        flops, bytes_ = flops + dense, bytes_ + gout + bb + ba
-    if gb:
-        flops, bytes_ = flops + dense, bytes_ + gout + ba + bb
-    if gc:
-        flops, bytes_ = flops + out, bytes_ + gout + _nbytes(sc, zc)
-    return flops, bytes_
+    return _operand_gradients(dense, gout, out, (_nbytes(sa, za), ga), (_nbytes(sb, zb), gb),
+                              (_nbytes(sc, zc), gc))
 
 
 def _conv_backward(op: AtenOp, gout: float, out: int) -> tuple[float, float]:
@@ -498,14 +491,21 @@ def _conv_backward(op: AtenOp, gout: float, out: int) -> tuple[float, float]:
     if sx is None or sw is None or len(sw) < 2:
         return 0.0, 0.0
     dense = 2.0 * out * sw[1] * math.prod(sw[2:])
-    bx, bw = _nbytes(sx, zx), _nbytes(sw, zw)
+    return _operand_gradients(dense, gout, out, (_nbytes(sx, zx), gx), (_nbytes(sw, zw), gw),
+                              (_nbytes(sb, zb), gb))
+
+
+def _operand_gradients(dense: float, gout: float, out: int, a: tuple[float, bool],
+                       b: tuple[float, bool], bias: tuple[float, bool]) -> tuple[float, float]:
+    """A two-operand product's backward (matmul, convolution): each operand that needs a
+    gradient costs the forward's ``dense`` FLOPs reading dY and both operands (``(bytes,
+    needs_grad)``); the bias's is the sum of dY (``out`` FLOPs, dY and the bias read)."""
     flops = bytes_ = 0.0
-    if gx:
-        flops, bytes_ = flops + dense, bytes_ + gout + bw + bx
-    if gw:
-        flops, bytes_ = flops + dense, bytes_ + gout + bx + bw
-    if gb:
-        flops, bytes_ = flops + out, bytes_ + gout + _nbytes(sb, zb)
+    for _, needs in (a, b):
+        if needs:
+            flops, bytes_ = flops + dense, bytes_ + gout + a[0] + b[0]
+    if bias[1]:
+        flops, bytes_ = flops + out, bytes_ + gout + bias[0]
     return flops, bytes_
 
 
