@@ -31,10 +31,14 @@ class StageFailed(RuntimeError):
 
 def one_line(exc: BaseException) -> str:
     """An exception as one line: its message's first line (its ``repr`` when it has none),
-    without the C++ source location torch and onnxruntime prefix."""
+    without the C++ source location torch and onnxruntime prefix; a line that ends in a colon
+    (torch pipelining's "Failed to run stage backward input:") goes on with its cause's."""
     text = str(exc).strip()
-    line = text.splitlines()[0] if text else repr(exc)
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    line = text.splitlines()[0].strip() if text else repr(exc)
+    line = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    if line.endswith(":") and exc.__cause__ is not None:
+        line = f"{line} {one_line(exc.__cause__)}"
+    return line
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:

@@ -229,6 +229,15 @@ def test_one_line_takes_the_first_line_and_never_fails_on_an_empty_message():
     assert one_line(ValueError("first\nsecond")) == "first"
     assert one_line(ValueError("")) == "ValueError('')"
     assert one_line(RuntimeError("[enforce fail at op.cc:12] bad shape")) == "bad shape"
+    try:  # torch pipelining's wrapper: an empty first line after the colon, the cause chained
+        try:
+            raise RuntimeError("Can't detach views in-place. Use detach() instead.")
+        except RuntimeError as exc:
+            raise RuntimeError("\n   Failed to run stage backward input:\n   Stage output: ...") \
+                from exc
+    except RuntimeError as wrapped:
+        assert one_line(wrapped) == ("Failed to run stage backward input: Can't detach views "
+                                     "in-place. Use detach() instead.")
 
 
 # -------------------------------------------------------------------- errors that say what to do

@@ -15,6 +15,7 @@ import torch
 
 import onnx_partition
 from onnx_partition.cli import main
+from onnx_partition.cost.devices import pinned_cpu
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.runtime.train.modules import stage_modules
@@ -110,9 +111,13 @@ def test_interleaved_zero_bubble_two_stages_per_rank(exported: Callable[[str, st
                                                      tmp_path: Path) -> None:
     """ScheduleInterleavedZeroBubble: gpt tiny at 4 stages on 2 processes (stages 0 and 2 on
     rank 0, 1 and 3 on rank 1; the tied embedding's copies on both), the weights' backward
-    deferred: gradients and parameters after steps 1 and 3 equal single-process training."""
+    deferred: gradients and parameters after steps 1 and 3 equal single-process training.
+    The CPU is pinned so the cut is always one where a stage sends a view and a tensor its
+    backward saved (pipelining detaches what it sends in place) and receives a gradient that
+    autograd left strided (gloo sends only contiguous tensors): CI once drew such a cut."""
     plan_dir = tmp_path / "plan"
-    partition(exported("gpt", "tiny"), 4, plan_dir, mode="train", batch_size=2)
+    partition(exported("gpt", "tiny"), 4, plan_dir, mode="train", batch_size=2,
+              device=pinned_cpu(0.01, 5))
     stats = train_plan(plan_dir, engine="torch", schedule="interleaved-zb", steps=3,
                        microbatches=4, batch_size=2, check=True, optimizer="sgd")
     assert stats.schedule == "interleaved-zb" and stats.checked_steps == (1, 3)

@@ -174,6 +174,10 @@ def _supervise(
         time.sleep(0.02)
 
 
+_PEER_LOST = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|timed? ?out",
+                        re.IGNORECASE)
+
+
 def _cause(
     errors: Mapping[int, tuple[str, str]],
     exits: Sequence[int | None],
@@ -190,7 +194,9 @@ def _cause(
         if code not in (None, 0) and rank not in errors:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             return f"{name(rank)} {how} without reporting an error"
-    rank, (_, text) = min(errors.items())
+    # communication errors only: the first that is not a peer's loss (gloo's "connection closed
+    # by peer", a reset, a timeout) is where it began; ``errors`` is in order of arrival
+    rank, (_, text) = min(errors.items(), key=lambda item: _PEER_LOST.search(item[1][1]) is not None)
     return f"{name(rank)} failed: {text}"
 
 

@@ -129,6 +129,20 @@ def check_torch_engine(plan: Plan, config: TrainConfig) -> None:
                              "engine's; use --engine ours)")
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: pipelining sends a received
+    tensor's gradient as autograd left it (a transposed or expanded view for some cuts), and
+    gloo sends only contiguous tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class _Hop(torch.nn.Module):
     """A stage module as pipelining runs it: ``forward(*received hop) -> sent hop``."""
 
@@ -140,6 +154,7 @@ class _Hop(torch.nn.Module):
         self.receives, self.sends, self.bf16 = tuple(receives), tuple(sends), bf16
 
     def forward(self, *hop: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hop = tuple(_ContiguousGradient.apply(h) if h.requires_grad else h for h in hop)
         env = dict(zip(self.receives, hop, strict=True))
         with autocast(hop[0].device if hop else torch.device("cpu"), self.bf16):
             outs = self.stage(*[env[n] for n in self.inputs])
@@ -148,7 +163,10 @@ class _Hop(torch.nn.Module):
         if self.bf16:  # hops and the loss in fp32, as our engine
             outs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outs)
         env.update(zip(self.outputs, outs, strict=True))
-        return tuple(env[n].contiguous() for n in self.sends)
+        # pipelining detaches what a stage sends in place (``detach_``), which fails on a view (a
+        # reshaped output, a received tensor passed through) and breaks a later backward that
+        # saved the tensor (softmax saves its output): a stage sends its own copy
+        return tuple(env[n].clone(memory_format=torch.contiguous_format) for n in self.sends)
 
 
 class _TimedStage(PipelineStage):
