@@ -37,7 +37,7 @@ import copy
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,6 +254,22 @@ def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float])
     priced_as_run(plan)  # iteration, throughput and bubble: the plan's own simulation
 
 
+def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
+    """``plan`` priced with the engine's measured work (:func:`~onnx_partition.
+    calibrate_train.measure_train_engine`): ``simulator_costs.step_ms``, ``send_ms`` and
+    ``hop_bytes``, ``engine_costs`` saying so, and the totals simulated again."""
+    sim = plan.extra.setdefault("simulator_costs", {})
+    sim["step_ms"] = [round(t, 6) for t in engine["step_ms"]]
+    sim["send_ms"] = [round(t, 6) for t in engine["send_ms"]]
+    sim["hop_bytes"] = [float(b) for b in engine["hop_bytes"]]
+    plan.extra["engine_costs"] = {
+        "step_ms": f"calibrated: {engine['optimizer']} step on each stage module's parameters "
+                   f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms",
+        "send_ms": "calibrated: each hop's bytes there and back between two processes over "
+                   "gloo (profile --plan), one way"}
+    priced_as_run(plan)
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -386,6 +402,11 @@ def calibrate_plan(
         _, source, chosen, fwd, bwd = measured[best]
         result.chosen = best
         _calibrated(chosen, fwd, bwd)
+        if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
+            from onnx_partition.calibrate_train import measure_train_engine
+
+            _engine_calibrated(chosen, measure_train_engine(
+                source, threads=threads_per_stage, repeats=repeats))
         chosen.extra["calibrated"] = {
             "by": "profile --plan", "executor": _executor(train), "device": device,
             "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,

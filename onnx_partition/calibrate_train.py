@@ -23,7 +23,7 @@ from typing import Any
 
 from onnx_partition.errors import PartitionError
 
-__all__ = ["TrainTimes", "measure_train_plan"]
+__all__ = ["TrainTimes", "measure_train_engine", "measure_train_plan"]
 
 TrainTimes = dict[str, list[float]]  # alone/together forward_ms and backward_ms per stage
 
@@ -33,20 +33,59 @@ def _device(plan: Any, k: int) -> str:
     return str(devices[0])
 
 
-def _stage_inputs(folder: str, plan: Any) -> list[list[Any]]:
+def _stage_inputs(folder: str, plan: Any, env: dict[str, Any] | None = None
+                  ) -> list[list[Any]]:
+    """Each stage's inputs from one pass of random model inputs (``env``, where given,
+    collects every tensor of the pass by name)."""
     import torch
 
     from onnx_partition.runtime.infer.check import random_feeds
     from onnx_partition.runtime.train.modules import stage_modules
 
-    env: dict[str, Any] = {k: torch.from_numpy(v) for k, v in
-                           random_feeds(plan, batch_size=plan.rows_per_microbatch).items()}
+    env = {} if env is None else env
+    env.update({k: torch.from_numpy(v) for k, v in
+                random_feeds(plan, batch_size=plan.rows_per_microbatch).items()})
     inputs = []
     with torch.no_grad():
         for stage in stage_modules(folder):
             inputs.append([env[name] for name in stage.inputs])
             env.update(zip(stage.outputs, stage.module(*inputs[-1]), strict=True))
     return inputs
+
+
+def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
+                         repeats: int = 10) -> dict[str, Any]:
+    """The engine's own work for the train plan in ``folder``, measured
+    (:mod:`onnx_partition.cost.engine`): per stage the plan's optimizer stepping the stage
+    module's parameters, plus the step's barriers between two processes (``step_ms``); per
+    boundary a header and the hop's bytes (what stage k sends on, at the plan's micro-batch)
+    there and back between two processes over gloo, one way (``send_ms``)."""
+    import torch
+
+    from onnx_partition.cost.engine import BARRIERS_PER_STEP, measure_hops, time_optimizer
+    from onnx_partition.pipeline.layout import layout
+    from onnx_partition.runtime.train.modules import require_trainable, stage_modules
+
+    folder = os.fspath(folder)
+    plan = require_trainable(folder)
+    optimizer = str(plan.extra.get("optimizer") or "adamw")
+    optimizer = optimizer if optimizer in ("sgd", "adamw") else "adamw"
+    env: dict[str, Any] = {}
+    _stage_inputs(folder, plan, env)
+    sends = layout(plan).send_names[:-1]
+    hop_bytes = [int(sum(env[n].numel() * env[n].element_size() for n in names if n in env))
+                 for names in sends]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        steps = [time_optimizer([p for p in s.module.parameters() if p.requires_grad],
+                                optimizer, repeats=repeats) for s in stage_modules(folder)]
+    finally:
+        torch.set_num_threads(before)
+    one_way, barrier = measure_hops(hop_bytes or [4096], repeats=repeats, threads=threads)
+    return {"optimizer": optimizer, "optimizer_ms": steps, "barrier_ms": barrier,
+            "step_ms": [t + BARRIERS_PER_STEP * barrier for t in steps],
+            "hop_bytes": hop_bytes, "send_ms": one_way[:len(hop_bytes)]}
 
 
 def _stepper(module: Any, inputs: Sequence[Any], device: str) -> Any:

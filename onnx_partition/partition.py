@@ -27,6 +27,7 @@ from onnx_partition.cost.costs_file import (
     rescale,
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
+from onnx_partition.cost.engine import price_engine
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
@@ -378,6 +379,7 @@ def partition(
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
             else ANALYTIC_BACKWARD if aten else "estimated")
+        price_engine(plan, costs=costs, device=device)
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
@@ -588,9 +590,10 @@ def plan_stages(
         extra["exact"] = proof.to_json(exact_budget_s)
     times = problem.stage_times(local_stage, num_stages)
     if train:  # simulate/report replay the split and the sends the plan was balanced on
+        crossing = problem.cross_bytes(local_stage, num_stages) if num_stages > 1 else []
         extra["simulator_costs"] = {"send_ms": [
-            b / problem.bandwidth_bytes_per_ms + problem.latency_ms
-            for b in (problem.cross_bytes(local_stage, num_stages) if num_stages > 1 else [])]}
+            b / problem.bandwidth_bytes_per_ms + problem.latency_ms for b in crossing],
+            "hop_bytes": [float(b) for b in crossing]}
     compute = [0.0] * num_stages
     for i, k in enumerate(local_stage):
         compute[k] += problem.compute_ms[i]

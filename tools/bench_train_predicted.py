@@ -35,6 +35,9 @@ from onnx_partition import export, models
 from onnx_partition.cost.profile.train import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
+from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.schedules import TRAIN_NAMES
+from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.trainer import comparison, train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
@@ -95,22 +98,71 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> str:
         prepared = time.perf_counter() - began
         stats = train_plan(plan_dir, steps=args.steps, microbatches=m, batch_size=b)
     except Exception as exc:  # one model's failure is one row
-        return f"| {name} | failed: {one_line(exc)} |||||||"
+        return f"| {name} | failed: {one_line(exc)} |||||||||"
     body = comparison(stats)
     ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
+    if args.breakdown:
+        BREAKDOWNS.append(breakdown(name, stats))
 
     def fmt(values: list[float | None]) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
 
     stages = ratio["stages"]
     acts = [s["activation_bytes"] for s in stages]
-    return (f"| {name} | {measured['iteration_ms']:.1f} | {predicted['iteration_ms']:.1f} | "
+    bare = without_engine(plan_dir, stats.schedule, m)
+    return (f"| {name} | {measured['iteration_ms']:.1f} | {bare:.1f} | "
+            f"{measured['iteration_ms'] / bare:.2f} | {predicted['iteration_ms']:.1f} | "
             f"**{ratio['iteration_ms']:.2f}** | {fmt([s['forward_ms'] for s in stages])} | "
             f"{fmt([s['backward_ms'] for s in stages])} | "
             f"{fmt([s['forward_cpu_ms'] for s in stages])} | "
             f"{fmt([s['backward_cpu_ms'] for s in stages])} | "
             f"{' / '.join('-' if a is None else f'{a:.3f}' for a in acts)} | "
             f"{prepared:.0f} s |")
+
+
+BREAKDOWNS: list[str] = []
+
+
+def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
+    """The plan's simulated step as priced before the engine's work was (no ``step_ms``;
+    ``send_ms`` from the plan's link model at each hop's bytes): the "before" column."""
+    plan = read_plan(plan_dir)
+    sim = plan.simulator_costs
+    sim.pop("step_ms", None)
+    link = plan.extra.get("link") or {}
+    if "hop_bytes" in sim and link:
+        bw = float(link["bandwidth_gbps"])
+        sim["send_ms"] = [float(link["latency_ms"]) + (b / (bw * 1e6) if bw > 0 else 0.0)
+                          for b in sim["hop_bytes"]]
+    name = schedule if schedule in TRAIN_NAMES else "1f1b"
+    return simulate_plan(plan, schedule=name, microbatches=microbatches)[0].iteration_ms
+
+
+def breakdown(name: str, stats: Any) -> str:
+    """Where each rank's step went (ms per step, means over the steady steps): compute
+    (forward with the loss, backward), blocked in receives, the rest of its actions (send
+    copies, headers, posting), the tail (sends awaited, gradient sums, the norm's all-reduce:
+    a barrier, the optimizer step) and the rest (the step's closing all-reduce)."""
+    rows = []
+    for r in stats.ranks:
+        steady = slice(1, None) if len(r.step_ms) > 1 else slice(None)
+
+        def mean(values: list[float], steady: slice = steady) -> float:
+            return sum(values[steady]) / max(1, len(values[steady]))
+
+        acts = [sum(e - s for _, s, e, _ in spans) for spans in r.spans]
+        blocked = [sum(b for *_, b in spans) for spans in r.spans]
+        last = [spans[-1][2] for spans in r.spans]
+        parts = {k: mean([t[k] for t in r.tail]) for k in r.tail[0]}
+        tail = [sum(t.values()) for t in r.tail]
+        rest = [s - a - b for s, a, b in zip(r.step_ms, last, tail)]
+        compute = mean(r.forward_ms) + mean(r.backward_ms)
+        rows.append(f"| {name} | {r.stage} | {mean(r.step_ms):.1f} | {mean(r.forward_ms):.1f} | "
+                    f"{mean(r.backward_ms):.1f} | {mean(blocked):.1f} | "
+                    f"{mean(acts) - compute - mean(blocked):.1f} | "
+                    f"{mean(last) - mean(acts):.1f} | "
+                    + " | ".join(f"{parts[k]:.1f}" for k in parts) + f" | {mean(rest):.1f} |")
+    return "\n".join(rows)
 
 
 def main() -> int:
@@ -125,6 +177,10 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true",
                         help="price the plans analytically (no profile --mode train)")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where each rank's step went (compute, receives, "
+                             "send work, the tail: sends awaited, gradient sums, norm, "
+                             "optimizer)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-predicted-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -134,12 +190,19 @@ def main() -> int:
           f"priced by {'analytic costs' if args.no_profile else 'profile --mode train'}; "
           f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, torch "
           f"{torch.__version__}")
-    print("\n| model | measured ms/step | predicted ms/step | step measured/predicted | "
+    print("\n| model | measured ms/step | predicted before (no engine terms) | m/p before | "
+          "predicted ms/step | step measured/predicted | "
           "forward m/p per stage | backward m/p per stage | forward CPU time/p | "
           "backward CPU time/p | activation bytes m/p per stage | prepare |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * 11)
     for name in args.models:
         print(measure(name, args, work), flush=True)
+    if BREAKDOWNS:
+        print("\n| model | stage | step | forward | backward | blocked in receives | other "
+              "action work | between actions | sends awaited | gradient sums | norm all-reduce "
+              "| optimizer | closing all-reduce |")
+        print("| --- |" + " ---: |" * 12)
+        print("\n".join(BREAKDOWNS))
     return 0
 
 

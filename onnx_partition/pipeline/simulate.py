@@ -63,6 +63,7 @@ class StageCosts:
     backward_weight_ms: float | None = None
     recompute: bool = False
     input_bytes: float = 0.0  # received per micro-batch: what a recomputing stage keeps
+    step_ms: float = 0.0  # once per iteration after every device is done: the optimizer step
 
     def split(self) -> tuple[float, float]:
         """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
@@ -149,7 +150,10 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
     gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
     their last backward and, when a device hosts several stages (interleaved), after the
-    all-reduce of its lower stages (one at a time, sharing the device's links).
+    all-reduce of its lower stages (one at a time, sharing the device's links). Then every
+    device meets every other (the gradient norm's all-reduce) and steps its optimizer: the
+    iteration ends ``max(step_ms)`` after the last device is free (a stage's ``step_ms``:
+    its optimizer step and the step's barriers, :mod:`onnx_partition.cost.engine`).
     The number of micro-batches and train/inference are read from the schedule.
     Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
     """
@@ -161,6 +165,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     finish = max(engine.free.values(), default=0.0)
     allreduce = _allreduce(costs, engine.free, width) if train else {}
     finish = max([finish, *(t1 for _, t1 in allreduce.values())])
+    if train:  # the step's closing barrier, then every stage's optimizer step side by side
+        finish += max((s.step_ms for s in costs.stages), default=0.0)
     memory = _memory(engine, width, train)
     peak = engine.peak if train else dict.fromkeys(schedule, 0)
     engine.timeline.sort(key=lambda item: (item[2], item[0]))

@@ -259,6 +259,7 @@ class PlanSchema(BaseModel):
     devices_notes: list[str] | None = None  # what more devices would buy, why some are unused
     allreduce_ms: list[Ms] | None = None
     simulator_costs: Anything | None = None  # checked by pipeline.from_plan
+    engine_costs: Anything | None = None  # train: how step_ms and send_ms were priced
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> PlanSchema:
@@ -371,6 +372,7 @@ class CostsSchema(BaseModel):
     unique_signatures: Count | None = None
     reused: Count | None = None
     settings: Anything | None = None  # MeasureSettings and the profile's options
+    engine: Anything | None = None  # train: optimizer steps, two-process hops (cost.engine)
     nodes: dict[str, NodeCostSchema]
 
 

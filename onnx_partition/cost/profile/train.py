@@ -27,6 +27,10 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
    of its outputs) are timed apart, medians of ``repeats``; the units' forward times are scaled
    to sum to the whole forward and their backward times to the whole backward, which takes in
    what one op alone cannot show (allocation, autograd's bookkeeping, cache effects).
+5. **The engine.** The optimizer step (SGD and AdamW) on the program's parameters, and on CPU
+   the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine.
+   measure_engine`): the costs file's ``engine``, which prices a train plan's per-step work and
+   its hops (:func:`onnx_partition.cost.engine.price_engine`).
 
 Measured with ``threads`` torch threads (``torch.set_num_threads``): what each training rank
 uses. The costs file is keyed by ONNX node: a unit's times on its first ONNX node (in graph
@@ -47,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.costs_file import provenance
+from onnx_partition.cost.engine import measure_engine
 from onnx_partition.cost.saved import program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
@@ -79,6 +84,7 @@ class TrainProfile:
     reused: int
     settings: dict[str, object] = field(default_factory=dict)
     provenance: dict[str, object] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # cost.engine.measure_engine
 
 
 def executor() -> str:
@@ -97,9 +103,11 @@ def profile_train(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
+    engine: bool = True,
 ) -> TrainProfile:
     """Measure every FX unit of ``program`` in torch eager on ``device`` at ``graph``'s input
-    shapes (the module docstring)."""
+    shapes (the module docstring), and, with ``engine``, the engine's own work (the optimizer steps;
+    on CPU the two-process hops and barrier)."""
     import torch
 
     if repeats < 1 or warmup < 0 or threads < 1:
@@ -122,6 +130,11 @@ def profile_train(
         floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0), {},
                          timer)[:2]
         whole_fwd, whole_bwd = _time_whole(program, inputs, target, timer)
+        sig = program.graph_signature
+        params = [program.state_dict[n].to(target) for n in sig.parameters
+                  if n in program.state_dict]
+        work = measure_engine(params, repeats=repeats, threads=threads,
+                              hops=index is None) if engine else {}
     finally:
         torch.set_num_threads(before)
     # what timing one op alone adds (a one-element add's forward and backward), off each unit
@@ -157,7 +170,7 @@ def profile_train(
                         {k: round(min(v, bwd[k]), 6) for k, v in grad_in.items()},
                         whole_fwd, whole_bwd,
                         raw_fwd, raw_bwd, name, executor(), unique, reused, settings,
-                        provenance(graph, name))
+                        provenance(graph, name), work)
 
 
 def profile_train_to_file(
@@ -195,7 +208,8 @@ def profile_train_to_file(
                 whole_model_ms=round(result.whole_forward_ms + result.whole_backward_ms, 6),
                 raw_sum_ms=round(result.raw_forward_ms + result.raw_backward_ms, 6),
                 unique_signatures=result.unique_signatures, reused=result.reused,
-                settings=result.settings, **result.provenance)
+                settings=result.settings, **result.provenance,
+                **({"engine": result.engine} if result.engine else {}))
     return result
 
 

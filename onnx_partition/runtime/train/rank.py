@@ -160,6 +160,12 @@ class RankResult:
     forward_cpu_ms: list[float] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
     memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
+    # per step, where the wall time went (ms; ``spans``: per action, from the step's start,
+    # (action, start, end, of which blocked in receives); ``tail``: the step's end, from the
+    # last action to the step done: sends awaited, gradient sums and the norm's all-reduce
+    # (a barrier over every rank), the optimizer step)
+    spans: list[list[tuple[str, float, float, float]]] = field(default_factory=list)
+    tail: list[dict[str, float]] = field(default_factory=list)
 
 
 def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
@@ -284,27 +290,40 @@ def train_stages(
         if me.last:
             st.weights = microbatch_weights(loss_fn, st.targets, config.microbatches)
         optimizer.zero_grad(set_to_none=True)
+        spans: list[tuple[str, float, float, float]] = []
         for i, action in enumerate(actions):
             result.actions.append(str(action))
+            t0, blocked = time.perf_counter(), wire.comm_s
             _RUN[action.kind](me, st, action)
             # the action's sends leave now, or with the next action's receive from their peer
             wire.flush(_source(me, actions[i + 1]) if i + 1 < len(actions) else None)
+            spans.append((str(action), (t0 - began) * 1000.0,
+                          (time.perf_counter() - began) * 1000.0,
+                          (wire.comm_s - blocked) * 1000.0))
             if action.kind is Kind.F:
                 result.peak_inflight = max(result.peak_inflight, len(st.stash))
                 if config.hook is not None:
                     config.hook(rank, "forward")
+        marks = [time.perf_counter()]
         wire.wait()  # before any collective: a peer in it may wait for a queued send
+        marks.append(time.perf_counter())
         if counter.active:  # only the first step counts (it is left out of the timings)
             result.activation_bytes, counter.active = list(counter.per_microbatch), False
         _sum_gradients(params, tied_names, stage_group, my_tied)
         if step == 0 and config.check_steps:
             result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
                             if p.grad is not None}
+        marks.append(time.perf_counter())
         norm = _clip(params, owned, config.clip_grad_norm, device)
+        marks.append(time.perf_counter())
         lr = config.lr * lr_factor(config.lr_schedule, step, config.warmup_steps, config.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+        marks.append(time.perf_counter())
+        result.spans.append(spans)
+        result.tail.append({name: (b - a) * 1000.0 for name, a, b in zip(
+            ("sends_ms", "grad_sum_ms", "norm_ms", "optimizer_ms"), marks, marks[1:])})
         result.grad_norm.append(norm)
         result.lr.append(lr)
         _record_step(me, st, result, step, began, verbose=config.verbose)

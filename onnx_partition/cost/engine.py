@@ -1,0 +1,302 @@
+"""The training engine's own work, priced beside the stages' compute: once per step, each
+stage's optimizer step and the step's barriers; per hop, a micro-batch's tensors sent over the
+process link.
+
+What ``train`` runs besides the stage modules (:mod:`onnx_partition.runtime.train.rank`): after
+its last action every rank awaits its sends, sums tied gradients, all-reduces the gradient norm
+(a barrier over every rank), steps its optimizer, then all-reduces the step's figures (a second
+barrier). So a step ends ``max_k(optimizer_k) + 2 barriers`` after the last rank's last action:
+the simulator's per-stage ``step_ms`` (:class:`~onnx_partition.pipeline.simulate.StageCosts`,
+plan.json ``simulator_costs.step_ms``). Each hop is a header and the tensors, sent by one process
+and received by another (gloo over loopback on CPU): ``send_ms`` per boundary.
+
+**Measured** (``profile --mode train``, :func:`measure_engine`, into the costs file's ``engine``;
+``profile --plan``, per stage): the optimizer step (``sgd`` and ``adamw``, as ``train`` makes
+them) on the program's parameters with gradients, median of repeats, then per stage in
+proportion to its parameter bytes; a tiny all-reduce between two processes (the barrier); and a
+ping-pong of a header and a payload between two processes at a few sizes (:data:`HOP_SIZES`),
+which prices each hop at its bytes, piecewise linear between them (:func:`hop_ms`).
+
+**Analytic** (nothing measured: a costs file without ``engine``, or the analytic cost model):
+the optimizer step moves :data:`BYTES_PER_PARAMETER` bytes per fp32 parameter (read and
+written: SGD reads the weight and its gradient and writes the weight, 12 B; AdamW also reads and
+writes both moments, 28 B) at the device's memory bandwidth, and each barrier costs the link's
+latency; the hops keep the link model. Never zero in training.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from onnx_partition.errors import PartitionError
+
+if TYPE_CHECKING:
+    import torch
+
+    from onnx_partition.cost.analytic import DeviceSpec
+    from onnx_partition.cost.annotate import CostsFile
+    from onnx_partition.plan import Plan
+
+__all__ = ["BARRIERS_PER_STEP", "BYTES_PER_PARAMETER", "HOP_SIZES", "analytic_step_ms",
+           "fit_link", "hop_ms", "measure_engine", "measure_hops", "measured_step_ms",
+           "price_engine", "time_optimizer"]
+
+#: fp32 bytes an optimizer step reads and writes per parameter (the analytic estimate).
+BYTES_PER_PARAMETER = {"sgd": 12.0, "adamw": 28.0}
+#: Collectives every training step ends with: the gradient norm's and the step figures'.
+BARRIERS_PER_STEP = 2
+#: Payload bytes of the ping-pong (:func:`measure_hops`).
+HOP_SIZES = (4_096, 65_536, 524_288, 2_097_152, 8_388_608)
+
+
+def analytic_step_ms(weights_bytes: Sequence[float], optimizer: str, mem_gbps: float,
+                     barrier_ms: float) -> list[float]:
+    """Each stage's per-step work with nothing measured: its parameters' optimizer traffic
+    (``weights_bytes / 4 x`` :data:`BYTES_PER_PARAMETER`) at ``mem_gbps`` (GB/s, 1e9), plus
+    :data:`BARRIERS_PER_STEP` barriers of ``barrier_ms``."""
+    if optimizer not in BYTES_PER_PARAMETER:
+        raise PartitionError(f"unknown optimizer {optimizer!r}; choose one of "
+                             f"{', '.join(BYTES_PER_PARAMETER)}")
+    per_byte = BYTES_PER_PARAMETER[optimizer] / 4.0 / (mem_gbps * 1e6)  # ms per weight byte
+    return [w * per_byte + BARRIERS_PER_STEP * barrier_ms for w in weights_bytes]
+
+
+def measured_step_ms(weights_bytes: Sequence[float], optimizer: str,
+                     engine: Mapping[str, Any]) -> list[float] | None:
+    """Each stage's per-step work from a costs file's ``engine`` (:func:`measure_engine`): the
+    optimizer's measured step on ``parameter_bytes`` scaled to the stage's bytes, plus the
+    barriers; None when the file did not measure ``optimizer``."""
+    total = float(engine.get("parameter_bytes") or 0.0)
+    step = (engine.get("optimizer_ms") or {}).get(optimizer)
+    if step is None or total <= 0:
+        return None
+    barrier = float(engine.get("barrier_ms") or 0.0)
+    return [float(step) * w / total + BARRIERS_PER_STEP * barrier for w in weights_bytes]
+
+
+def fit_link(sizes: Sequence[float], one_way_ms: Sequence[float]) -> tuple[float, float]:
+    """(latency ms, bandwidth GB/s) summarising a ping-pong: the smallest payload's time, and
+    the bytes per ms of the largest step between measured sizes (0, unlimited, where the time
+    does not grow); what plan.json and the summary print. Hops are priced by
+    :func:`hop_ms`."""
+    points = _points(sizes, one_way_ms)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    if len(points) > 1:
+        x0, y0 = points[-2]
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    return points[0][1], (1.0 / slope / 1e6 if slope > 0 else 0.0)
+
+
+def hop_ms(nbytes: float, sizes: Sequence[float], one_way_ms: Sequence[float]) -> float:
+    """One hop of ``nbytes`` from a ping-pong's one-way times: piecewise linear between the
+    measured sizes (the smallest size's time below it, and with one size; the last segment's
+    slope beyond the largest), never below 0. A line fitted through all the sizes would let the
+    large payloads set the small hops' latency."""
+    points = _points(sizes, one_way_ms)
+    if nbytes <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    segment = next((pair for pair in itertools.pairwise(points) if nbytes <= pair[1][0]),
+                   (points[-2], points[-1]))
+    (x0, y0), (x1, y1) = segment
+    return max(y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0), 0.0)
+
+
+def _points(sizes: Sequence[float], one_way_ms: Sequence[float]) -> list[tuple[float, float]]:
+    """The ping-pong's (bytes, ms) by size, one point per size (the later one kept)."""
+    if not sizes or len(sizes) != len(one_way_ms):
+        raise PartitionError("a ping-pong needs as many times as sizes, at least one")
+    return sorted(dict(zip(map(float, sizes), map(float, one_way_ms))).items())
+
+
+def time_optimizer(params: Sequence[torch.Tensor], optimizer: str, *, repeats: int = 5,
+                   warmup: int = 2) -> float:
+    """Median ms of one ``optimizer`` step (``train``'s: ``torch.optim.SGD`` or ``AdamW`` with
+    their defaults) and its ``zero_grad`` over copies of ``params`` with random gradients."""
+    import torch
+
+    copies = [torch.nn.Parameter(p.detach().clone().float()) for p in params
+              if p.is_floating_point()]
+    if not copies:
+        return 0.0
+    for p in copies:
+        p.grad = torch.randn_like(p)
+    opt: torch.optim.Optimizer
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(copies, lr=1e-3)
+    elif optimizer == "adamw":
+        opt = torch.optim.AdamW(copies, lr=1e-3)
+    else:
+        raise PartitionError(f"unknown optimizer {optimizer!r}; choose one of "
+                             f"{', '.join(BYTES_PER_PARAMETER)}")
+    times = []
+    for i in range(warmup + repeats):
+        began = time.perf_counter()
+        opt.step()
+        if copies[0].is_cuda:
+            torch.cuda.synchronize(copies[0].device)
+        elapsed = (time.perf_counter() - began) * 1000.0
+        if i >= warmup:
+            times.append(elapsed)
+    return float(median(times))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _hop_rank(rank: int, port: int, sizes: Sequence[int], repeats: int, threads: int,
+              out: Any) -> None:
+    """One side of :func:`measure_hops` (a spawned process): rank 0 sends a header and a
+    payload of each size and waits for them back; rank 1 echoes. Rank 0 puts the one-way ms
+    per size (half the median round trip) and the barrier ms on ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        peer = 1 - rank
+        head = torch.zeros(16, dtype=torch.int64)
+        result = []
+        for size in sizes:
+            payload = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            trips = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                began = time.perf_counter()
+                for leg in range(2):  # there and back
+                    if (rank == 0) == (leg == 0):
+                        dist.send(head, peer)
+                        dist.send(payload.clone(), peer)
+                    else:
+                        dist.recv(head, peer)
+                        dist.recv(payload, peer)
+                if i >= 2:
+                    trips.append((time.perf_counter() - began) * 1000.0)
+            result.append(median(trips) / 2.0)
+        flag = torch.zeros(1, dtype=torch.float64)
+        barriers = []
+        for i in range(repeats + 2):
+            began = time.perf_counter()
+            dist.all_reduce(flag)
+            if i >= 2:
+                barriers.append((time.perf_counter() - began) * 1000.0)
+        if rank == 0:
+            out.put((result, float(median(barriers))))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
+                 threads: int = 1) -> tuple[list[float], float]:
+    """(one-way ms per payload size, barrier ms) between two spawned processes over gloo on
+    loopback, with ``threads`` torch threads each (a training rank's); what each hop and each
+    step's barriers cost ``train`` on one machine."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_hop_rank, args=(r, port, list(sizes), repeats, threads, out),
+                         daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    import queue
+
+    try:
+        deadline = time.monotonic() + 120.0
+        while True:
+            try:
+                one_way, barrier = out.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    raise PartitionError("measuring the hops between two processes failed: "
+                                         "a process ended without its figures") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return [float(x) for x in one_way], float(barrier)
+
+
+def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
+                   threads: int = 1, hops: bool = True) -> dict[str, Any]:
+    """The costs file's ``engine``: ``parameter_bytes`` and ``optimizer_ms`` (each optimizer's
+    step on ``params``), and with ``hops`` the two-process ``link`` (the ``sizes`` and their
+    ``one_way_ms``, summarised as ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and
+    ``barrier_ms``."""
+    body: dict[str, Any] = {
+        "parameter_bytes": int(sum(p.numel() * 4 for p in params if p.is_floating_point())),
+        "optimizer_ms": {name: round(time_optimizer(params, name, repeats=repeats), 6)
+                         for name in BYTES_PER_PARAMETER},
+        "optimizer": "torch.optim SGD/AdamW defaults, median step over the program's "
+                     "parameters with random gradients",
+    }
+    if hops:
+        one_way, barrier = measure_hops(repeats=max(repeats, 5), threads=threads)
+        latency, bandwidth = fit_link(HOP_SIZES, one_way)
+        body.update(link={"latency_ms": round(latency, 6), "bandwidth_gbps": round(bandwidth, 4),
+                          "sizes": list(HOP_SIZES), "one_way_ms": [round(x, 6) for x in one_way],
+                          "source": "gloo ping-pong between two processes, header + payload"},
+                    barrier_ms=round(barrier, 6))
+    return body
+
+
+def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None) -> None:
+    """Price a train plan's engine work into plan.json: ``simulator_costs.step_ms`` per stage
+    (measured from the costs file's ``engine``, :func:`measure_engine`, where it has the plan's
+    optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
+    for a costs file measured on CUDA, else the CPU default) and, where ``engine`` fitted a link
+    and the plan keeps ``simulator_costs.hop_bytes``, ``send_ms`` per boundary at those bytes;
+    ``engine_costs`` says which. Inference plans are left alone."""
+    if plan.mode != "train":
+        return
+    from onnx_partition.cost.analytic import DeviceSpec
+    from onnx_partition.cost.devices import device_for
+
+    engine = costs.body.get("engine") if costs is not None else None
+    if device is None and costs is not None and (costs.device or "").startswith("cuda"):
+        device = device_for("cuda")
+
+    sim = plan.extra.setdefault("simulator_costs", {})
+    optimizer = str(plan.extra.get("optimizer") or "adamw")
+    optimizer = optimizer if optimizer in BYTES_PER_PARAMETER else "adamw"
+    weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
+               for s in plan.stages]
+    step = measured_step_ms(weights, optimizer, engine) if engine else None
+    link = plan.extra.get("link") or {}
+    if step is not None:
+        how = (f"measured: {optimizer} step on the program's parameters (profile --mode "
+               "train), per stage by parameter bytes, + "
+               f"{BARRIERS_PER_STEP} two-process barriers")
+    else:
+        spec = device or DeviceSpec.cpu()
+        barrier = float(link.get("latency_ms", 0.02)) if link else 0.02
+        step = analytic_step_ms(weights, optimizer, spec.mem_gbps, barrier)
+        how = (f"analytic: {BYTES_PER_PARAMETER[optimizer]:g} B per parameter ({optimizer}) at "
+               f"{spec.mem_gbps:g} GB/s ({spec.name}) + {BARRIERS_PER_STEP} barriers at the "
+               f"link's latency {barrier:g} ms")
+    sim["step_ms"] = [round(x, 6) for x in step]
+    said: dict[str, Any] = {"step_ms": how}
+    fitted = (engine or {}).get("link")
+    hop_bytes = sim.get("hop_bytes")
+    if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(plan.stages) - 1:
+        sizes, times = fitted["sizes"], fitted["one_way_ms"]
+        sim["send_ms"] = [round(hop_ms(float(b), sizes, times), 6) for b in hop_bytes]
+        said["send_ms"] = (f"measured: gloo ping-pong between two processes (profile --mode "
+                           f"train), {fitted['latency_ms']:g} ms at {sizes[0]} B, piecewise "
+                           "linear in the hop's bytes")
+    else:
+        said["send_ms"] = "the plan's link model"
+    plan.extra["engine_costs"] = said

@@ -1,0 +1,150 @@
+"""The training engine's own work priced beside the stages (cost/engine.py): the per-step term
+(optimizer step and barriers) in the simulator, exact on a tiny schedule; the analytic and the
+measured per-stage figures; the hop link's fit; and plan.json's ``step_ms``, ``hop_bytes`` and
+``engine_costs`` written by ``partition --mode train`` and read back by the simulation, inference
+plans left alone."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from onnx_partition import export
+from onnx_partition.cost.annotate import load_costs
+from onnx_partition.cost.engine import (
+    BARRIERS_PER_STEP,
+    analytic_step_ms,
+    fit_link,
+    hop_ms,
+    measured_step_ms,
+    price_engine,
+)
+from onnx_partition.errors import PartitionError
+from onnx_partition.partition import partition
+from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.schedules import Action, Kind, build
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+from onnx_partition.plan import read_plan
+from onnx_partition.plan.contracts import COSTS_FORMAT
+
+
+def _two_stages(step: tuple[float, float]) -> PipelineCosts:
+    return PipelineCosts([StageCosts(1.0, 2.0, step_ms=step[0]),
+                          StageCosts(1.0, 2.0, step_ms=step[1])], [0.5])
+
+
+def test_a_step_term_ends_the_iteration_after_the_last_device_by_hand() -> None:
+    """2 stages, 1F1B, 2 micro-batches, F 1 ms, B 2 ms, sends 0.5 ms. Stage 0 runs F0 F1 B0 B1,
+    stage 1 F0 B0 F1 B1: s0 F0 0-1, F1 1-2; s1 F0 1.5-2.5, B0 2.5-4.5, F1 4.5-5.5, B1 5.5-7.5;
+    s0 B0 5-7 (s1 B0 + send), B1 8-10. The last device is free at 10; then the slowest
+    stage's per-step work, 5 ms: 15."""
+    sched = build("1f1b", [1, 1], 2)
+    assert sched[(0, 0)] == [Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0),
+                             Action(0, Kind.B, 1)]
+    assert simulate(sched, _two_stages((0.0, 0.0))).iteration_ms == 10.0
+    result = simulate(sched, _two_stages((3.0, 5.0)))
+    assert result.iteration_ms == 15.0
+    assert result.busy_ms == {(0, 0): 6.0, (1, 0): 6.0}  # compute only
+    # forward streaming (inference) has no optimizer step
+    infer = build("infer", [1, 1], 2)
+    assert simulate(infer, _two_stages((3.0, 5.0))).iteration_ms == \
+        simulate(infer, _two_stages((0.0, 0.0))).iteration_ms
+
+
+def test_analytic_step_is_bytes_moved_over_bandwidth_plus_barriers() -> None:
+    # 1e6 fp32 parameters: AdamW moves 28 MB, at 10 GB/s 2.8 ms; SGD 12 MB, 1.2 ms
+    assert analytic_step_ms([4e6, 0.0], "adamw", 10.0, 0.02) == pytest.approx(
+        [2.8 + BARRIERS_PER_STEP * 0.02, BARRIERS_PER_STEP * 0.02])
+    assert analytic_step_ms([4e6], "sgd", 10.0, 0.0) == pytest.approx([1.2])
+    with pytest.raises(PartitionError, match="unknown optimizer"):
+        analytic_step_ms([1.0], "lamb", 10.0, 0.0)
+
+
+def test_measured_step_scales_the_programs_step_by_parameter_bytes() -> None:
+    engine = {"parameter_bytes": 100, "optimizer_ms": {"adamw": 10.0, "sgd": 4.0},
+              "barrier_ms": 0.5}
+    assert measured_step_ms([25.0, 75.0], "adamw", engine) == pytest.approx([3.5, 8.5])
+    assert measured_step_ms([25.0, 75.0], "sgd", engine) == pytest.approx([2.0, 4.0])
+    assert measured_step_ms([1.0], "adamw", {"optimizer_ms": {}}) is None
+
+
+def test_hops_are_piecewise_linear_between_measured_sizes() -> None:
+    sizes, times = [1000.0, 3000.0, 5000.0], [0.1, 0.3, 0.7]
+    assert hop_ms(500.0, sizes, times) == pytest.approx(0.1)  # below: the smallest's time
+    assert hop_ms(2000.0, sizes, times) == pytest.approx(0.2)
+    assert hop_ms(4000.0, sizes, times) == pytest.approx(0.5)
+    assert hop_ms(7000.0, sizes, times) == pytest.approx(1.1)  # beyond: the last slope
+    assert fit_link(sizes, times) == (pytest.approx(0.1), pytest.approx(2000 / 0.4 / 1e6))
+    assert fit_link([1.0, 2.0], [0.3, 0.3]) == (pytest.approx(0.3), 0.0)  # flat: unlimited
+    with pytest.raises(PartitionError, match="as many times as sizes"):
+        hop_ms(1.0, [], [])
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                          torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                          torch.nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    return export(_Mlp(), (torch.randn(2, 32),), tmp_path_factory.mktemp("mlp") / "mlp.onnx")
+
+
+def test_an_analytic_train_plan_carries_a_nonzero_step_term(mlp: Path, tmp_path: Path) -> None:
+    plan = partition(mlp, 2, tmp_path / "plan", mode="train", check=False, batch_size=2)
+    sim = plan.simulator_costs
+    assert len(sim["step_ms"]) == 2 and all(x > 0 for x in sim["step_ms"])
+    assert len(sim["hop_bytes"]) == 1 and sim["hop_bytes"][0] > 0
+    assert plan.extra["engine_costs"]["step_ms"].startswith("analytic")
+    # read back from plan.json: the simulation adds the slowest stage's step once
+    back = read_plan(tmp_path / "plan")
+    assert back.simulator_costs["step_ms"] == sim["step_ms"]
+    with_step = simulate_plan(back)[0].iteration_ms
+    bare = copy.deepcopy(back)
+    bare.simulator_costs.pop("step_ms")
+    assert with_step == pytest.approx(simulate_plan(bare)[0].iteration_ms
+                                      + max(sim["step_ms"]), abs=1e-9)
+    assert back.predicted["iteration_ms"] == pytest.approx(with_step, abs=1e-5)
+    # inference plans: no engine terms
+    infer = partition(mlp, 2, tmp_path / "infer", check=False, batch_size=2)
+    assert "step_ms" not in infer.simulator_costs and "engine_costs" not in infer.extra
+
+
+def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) -> None:
+    """A costs file's measured ``engine`` (here written by hand, as profile --mode train writes
+    it) gives each stage its share of the optimizer step and each hop the fitted link."""
+    plan = partition(mlp, 2, tmp_path / "plan", mode="train", check=False, batch_size=2)
+    nodes = {}
+    for stage in plan.stages:
+        for key in stage.nodes:
+            nodes[key] = {"forward_ms": 0.1, "backward_ms": 0.2}
+    engine = {"parameter_bytes": 1000, "optimizer_ms": {"adamw": 2.0, "sgd": 1.0},
+              "barrier_ms": 0.25, "link": {"latency_ms": 0.5, "bandwidth_gbps": 1.0,
+                                           "sizes": [1, 1_000_001], "one_way_ms": [0.5, 1.5]}}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms",
+                                 "mode": "train", "device": "cpu", "engine": engine,
+                                 "nodes": nodes}))
+    loaded = load_costs(costs)
+    assert loaded.body["engine"] == engine
+    priced = copy.deepcopy(plan)
+    price_engine(priced, costs=loaded, device=None)
+    weights = [float(s.predicted.weights_bytes or 0) for s in priced.stages if s.predicted]
+    assert priced.simulator_costs["step_ms"] == pytest.approx(
+        [2.0 * w / 1000 + BARRIERS_PER_STEP * 0.25 for w in weights], abs=1e-6)
+    hop = priced.simulator_costs["hop_bytes"][0]
+    assert priced.simulator_costs["send_ms"] == pytest.approx([0.5 + (hop - 1) / 1e6],
+                                                              abs=1e-6)
+    assert priced.extra["engine_costs"]["step_ms"].startswith("measured")
+    assert priced.extra["engine_costs"]["send_ms"].startswith("measured")
