@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -139,3 +140,15 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     for stage, f, b in zip(plan.stages, forward, backward, strict=True):
         assert stage.predicted.compute_ms == pytest.approx(f + b, abs=1e-6)
     assert all(b > 0 for b in backward)  # every stage has weights to differentiate
+    # the engine's own work measured on the stage modules and between two processes: the
+    # hop's bytes (4 rows x 16 floats out of the first Linear, or the GELU's), a step term per
+    # stage, both in the simulation the plan predicts
+    sim = plan.simulator_costs
+    assert sim["hop_bytes"] == [4 * 16 * 4]
+    assert len(sim["send_ms"]) == 1 and sim["send_ms"][0] > 0
+    assert len(sim["step_ms"]) == 2 and all(t > 0 for t in sim["step_ms"])
+    assert plan.extra["engine_costs"]["step_ms"].startswith("calibrated")
+    bare = copy.deepcopy(plan)
+    bare.simulator_costs.pop("step_ms")
+    assert plan.predicted["iteration_ms"] == pytest.approx(
+        simulate_plan(bare)[0].iteration_ms + max(sim["step_ms"]), abs=1e-5)
