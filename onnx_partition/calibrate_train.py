@@ -57,12 +57,18 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
                          repeats: int = 10) -> dict[str, Any]:
     """The engine's own work for the train plan in ``folder``, measured
     (:mod:`onnx_partition.cost.engine`): per stage the plan's optimizer stepping the stage
-    module's parameters, plus the step's barriers between two processes (``step_ms``); per
+    module's parameters, plus the step's barriers between two processes (``step_ms``); its
+    gradients' in-place accumulation (``accumulate_ms``); per
     boundary a header and the hop's bytes (what stage k sends on, at the plan's micro-batch)
     there and back between two processes over gloo, one way (``send_ms``)."""
     import torch
 
-    from onnx_partition.cost.engine import BARRIERS_PER_STEP, measure_hops, time_optimizer
+    from onnx_partition.cost.engine import (
+        BARRIERS_PER_STEP,
+        measure_hops,
+        time_accumulate,
+        time_optimizer,
+    )
     from onnx_partition.pipeline.layout import layout
     from onnx_partition.runtime.train.modules import require_trainable, stage_modules
 
@@ -78,13 +84,16 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        steps = [time_optimizer([p for p in s.module.parameters() if p.requires_grad],
-                                optimizer, repeats=repeats) for s in stage_modules(folder)]
+        trained = [[p for p in s.module.parameters() if p.requires_grad]
+                   for s in stage_modules(folder)]
+        steps = [time_optimizer(params, optimizer, repeats=repeats) for params in trained]
+        accumulate = [time_accumulate(params, repeats=repeats) for params in trained]
     finally:
         torch.set_num_threads(before)
     one_way, barrier = measure_hops(hop_bytes or [4096], repeats=repeats, threads=threads)
     return {"optimizer": optimizer, "optimizer_ms": steps, "barrier_ms": barrier,
             "step_ms": [t + BARRIERS_PER_STEP * barrier for t in steps],
+            "accumulate_ms": accumulate,
             "hop_bytes": hop_bytes, "send_ms": one_way[:len(hop_bytes)]}
 
 

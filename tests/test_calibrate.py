@@ -147,6 +147,7 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     assert sim["hop_bytes"] == [4 * 16 * 4]
     assert len(sim["send_ms"]) == 1 and sim["send_ms"][0] > 0
     assert len(sim["step_ms"]) == 2 and all(t > 0 for t in sim["step_ms"])
+    assert len(sim["accumulate_ms"]) == 2 and all(t > 0 for t in sim["accumulate_ms"])
     assert plan.extra["engine_costs"]["step_ms"].startswith("calibrated")
     bare = copy.deepcopy(plan)
     bare.simulator_costs.pop("step_ms")

@@ -17,6 +17,7 @@ from onnx_partition import export
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.engine import (
     BARRIERS_PER_STEP,
+    analytic_accumulate_ms,
     analytic_step_ms,
     fit_link,
     hop_ms,
@@ -49,6 +50,12 @@ def test_a_step_term_ends_the_iteration_after_the_last_device_by_hand() -> None:
     result = simulate(sched, _two_stages((3.0, 5.0)))
     assert result.iteration_ms == 15.0
     assert result.busy_ms == {(0, 0): 6.0, (1, 0): 6.0}  # compute only
+    # accumulation: micro-batch 1's B on each stage takes 1 ms more (micro-batch 0 sets the
+    # gradients): s1 B1 5.5-8.5, s0 B1 9-12; then the step term: 17
+    acc = PipelineCosts([StageCosts(1.0, 2.0, step_ms=3.0, accumulate_ms=1.0),
+                         StageCosts(1.0, 2.0, step_ms=5.0, accumulate_ms=1.0)], [0.5])
+    result = simulate(sched, acc)
+    assert result.iteration_ms == 17.0 and result.busy_ms == {(0, 0): 7.0, (1, 0): 7.0}
     # forward streaming (inference) has no optimizer step
     infer = build("infer", [1, 1], 2)
     assert simulate(infer, _two_stages((3.0, 5.0))).iteration_ms == \
@@ -60,6 +67,7 @@ def test_analytic_step_is_bytes_moved_over_bandwidth_plus_barriers() -> None:
     assert analytic_step_ms([4e6, 0.0], "adamw", 10.0, 0.02) == pytest.approx(
         [2.8 + BARRIERS_PER_STEP * 0.02, BARRIERS_PER_STEP * 0.02])
     assert analytic_step_ms([4e6], "sgd", 10.0, 0.0) == pytest.approx([1.2])
+    assert analytic_accumulate_ms([4e6, 8e6], 10.0) == pytest.approx([1.2, 2.4])
     with pytest.raises(PartitionError, match="unknown optimizer"):
         analytic_step_ms([1.0], "lamb", 10.0, 0.0)
 
@@ -107,6 +115,7 @@ def test_an_analytic_train_plan_carries_a_nonzero_step_term(mlp: Path, tmp_path:
     assert len(sim["step_ms"]) == 2 and all(x > 0 for x in sim["step_ms"])
     assert len(sim["hop_bytes"]) == 1 and sim["hop_bytes"][0] > 0
     assert plan.extra["engine_costs"]["step_ms"].startswith("analytic")
+    assert len(sim["accumulate_ms"]) == 2 and all(x > 0 for x in sim["accumulate_ms"])
     # read back from plan.json: the simulation adds the slowest stage's step once
     back = read_plan(tmp_path / "plan")
     assert back.simulator_costs["step_ms"] == sim["step_ms"]
@@ -130,6 +139,7 @@ def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) ->
         for key in stage.nodes:
             nodes[key] = {"forward_ms": 0.1, "backward_ms": 0.2}
     engine = {"parameter_bytes": 1000, "optimizer_ms": {"adamw": 2.0, "sgd": 1.0},
+              "accumulate_ms": 0.5,
               "barrier_ms": 0.25, "link": {"latency_ms": 0.5, "bandwidth_gbps": 1.0,
                                            "sizes": [1, 1_000_001], "one_way_ms": [0.5, 1.5]}}
     costs = tmp_path / "costs.json"
@@ -143,6 +153,8 @@ def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) ->
     weights = [float(s.predicted.weights_bytes or 0) for s in priced.stages if s.predicted]
     assert priced.simulator_costs["step_ms"] == pytest.approx(
         [2.0 * w / 1000 + BARRIERS_PER_STEP * 0.25 for w in weights], abs=1e-6)
+    assert priced.simulator_costs["accumulate_ms"] == pytest.approx(
+        [0.5 * w / 1000 for w in weights], abs=1e-6)
     hop = priced.simulator_costs["hop_bytes"][0]
     assert priced.simulator_costs["send_ms"] == pytest.approx([0.5 + (hop - 1) / 1e6],
                                                               abs=1e-6)

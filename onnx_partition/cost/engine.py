@@ -20,14 +20,16 @@ which prices each hop at its bytes, piecewise linear between them (:func:`hop_ms
 **Analytic** (nothing measured: a costs file without ``engine``, or the analytic cost model):
 the optimizer step moves :data:`BYTES_PER_PARAMETER` bytes per fp32 parameter (read and
 written: SGD reads the weight and its gradient and writes the weight, 12 B; AdamW also reads and
-writes both moments, 28 B) at the device's memory bandwidth, and each barrier costs the link's
-latency; the hops keep the link model. Never zero in training.
+writes both moments, 28 B) at the device's memory bandwidth, the accumulation
+:data:`ACCUMULATE_BYTES`, and each barrier costs the link's latency; the hops keep the link
+model. Never zero in training.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import queue
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -43,12 +45,29 @@ if TYPE_CHECKING:
     from onnx_partition.cost.annotate import CostsFile
     from onnx_partition.plan import Plan
 
-__all__ = ["BARRIERS_PER_STEP", "BYTES_PER_PARAMETER", "HOP_SIZES", "analytic_step_ms",
-           "fit_link", "hop_ms", "measure_engine", "measure_hops", "measured_step_ms",
-           "price_engine", "time_optimizer"]
+__all__ = [
+    "ACCUMULATE_BYTES",
+    "BARRIERS_PER_STEP",
+    "BYTES_PER_PARAMETER",
+    "HOP_SIZES",
+    "analytic_accumulate_ms",
+    "analytic_step_ms",
+    "fit_link",
+    "hop_ms",
+    "measure_engine",
+    "measure_hops",
+    "measured_step_ms",
+    "price_engine",
+    "shared_out",
+    "time_accumulate",
+    "time_optimizer",
+]
 
 #: fp32 bytes an optimizer step reads and writes per parameter (the analytic estimate).
 BYTES_PER_PARAMETER = {"sgd": 12.0, "adamw": 28.0}
+#: fp32 bytes adding one micro-batch's gradient to the accumulated one moves per parameter
+#: (read both, write one: autograd's in-place accumulation).
+ACCUMULATE_BYTES = 12.0
 #: Collectives every training step ends with: the gradient norm's and the step figures'.
 BARRIERS_PER_STEP = 2
 #: Payload bytes of the ping-pong (:func:`measure_hops`).
@@ -67,6 +86,38 @@ def analytic_step_ms(weights_bytes: Sequence[float], optimizer: str, mem_gbps: f
     return [w * per_byte + BARRIERS_PER_STEP * barrier_ms for w in weights_bytes]
 
 
+def analytic_accumulate_ms(weights_bytes: Sequence[float], mem_gbps: float) -> list[float]:
+    """Each stage's gradient accumulation per micro-batch with nothing measured:
+    ``weights_bytes / 4 x`` :data:`ACCUMULATE_BYTES` at ``mem_gbps``."""
+    return [w / 4.0 * ACCUMULATE_BYTES / (mem_gbps * 1e6) for w in weights_bytes]
+
+
+def shared_out(total_ms: float, weights_bytes: Sequence[float], total_bytes: float
+               ) -> list[float]:
+    """A time measured over ``total_bytes`` of parameters, shared out by each stage's bytes."""
+    return [total_ms * w / total_bytes if total_bytes > 0 else 0.0 for w in weights_bytes]
+
+
+def time_accumulate(params: Sequence[torch.Tensor], *, repeats: int = 5,
+                    warmup: int = 2) -> float:
+    """Median ms of adding a gradient to each of ``params``' gradients in place (what autograd
+    does for every micro-batch's backward but the first)."""
+    import torch
+
+    grads = [torch.randn_like(p.detach().float()) for p in params if p.is_floating_point()]
+    more = [torch.randn_like(g) for g in grads]
+    times = []
+    for i in range(warmup + repeats):
+        began = time.perf_counter()
+        for g, h in zip(grads, more, strict=True):
+            g.add_(h)
+        if grads and grads[0].is_cuda:
+            torch.cuda.synchronize(grads[0].device)
+        if i >= warmup:
+            times.append((time.perf_counter() - began) * 1000.0)
+    return float(median(times)) if times else 0.0
+
+
 def measured_step_ms(weights_bytes: Sequence[float], optimizer: str,
                      engine: Mapping[str, Any]) -> list[float] | None:
     """Each stage's per-step work from a costs file's ``engine`` (:func:`measure_engine`): the
@@ -77,7 +128,8 @@ def measured_step_ms(weights_bytes: Sequence[float], optimizer: str,
     if step is None or total <= 0:
         return None
     barrier = float(engine.get("barrier_ms") or 0.0)
-    return [float(step) * w / total + BARRIERS_PER_STEP * barrier for w in weights_bytes]
+    return [t + BARRIERS_PER_STEP * barrier
+            for t in shared_out(float(step), weights_bytes, total)]
 
 
 def fit_link(sizes: Sequence[float], one_way_ms: Sequence[float]) -> tuple[float, float]:
@@ -210,8 +262,6 @@ def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
                          daemon=True) for r in range(2)]
     for proc in procs:
         proc.start()
-    import queue
-
     try:
         deadline = time.monotonic() + 120.0
         while True:
@@ -232,14 +282,15 @@ def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
 
 def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                    threads: int = 1, hops: bool = True) -> dict[str, Any]:
-    """The costs file's ``engine``: ``parameter_bytes`` and ``optimizer_ms`` (each optimizer's
-    step on ``params``), and with ``hops`` the two-process ``link`` (the ``sizes`` and their
-    ``one_way_ms``, summarised as ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and
-    ``barrier_ms``."""
+    """The costs file's ``engine``: ``parameter_bytes``, ``optimizer_ms`` (each optimizer's
+    step on ``params``), ``accumulate_ms`` (their gradients' accumulation), and with ``hops``
+    the two-process ``link`` (the ``sizes`` and their ``one_way_ms``, summarised as
+    ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and ``barrier_ms``."""
     body: dict[str, Any] = {
         "parameter_bytes": int(sum(p.numel() * 4 for p in params if p.is_floating_point())),
         "optimizer_ms": {name: round(time_optimizer(params, name, repeats=repeats), 6)
                          for name in BYTES_PER_PARAMETER},
+        "accumulate_ms": round(time_accumulate(params, repeats=repeats), 6),
         "optimizer": "torch.optim SGD/AdamW defaults, median step over the program's "
                      "parameters with random gradients",
     }
@@ -259,7 +310,8 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
     for a costs file measured on CUDA, else the CPU default) and, where ``engine`` fitted a link
     and the plan keeps ``simulator_costs.hop_bytes``, ``send_ms`` per boundary at those bytes;
-    ``engine_costs`` says which. Inference plans are left alone."""
+    ``simulator_costs.accumulate_ms`` per stage likewise; ``engine_costs`` says which.
+    Inference plans are left alone."""
     if plan.mode != "train":
         return
     from onnx_partition.cost.analytic import DeviceSpec
@@ -275,13 +327,14 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
                for s in plan.stages]
     step = measured_step_ms(weights, optimizer, engine) if engine else None
+    device = device or DeviceSpec.cpu()
     link = plan.extra.get("link") or {}
     if step is not None:
         how = (f"measured: {optimizer} step on the program's parameters (profile --mode "
                "train), per stage by parameter bytes, + "
                f"{BARRIERS_PER_STEP} two-process barriers")
     else:
-        spec = device or DeviceSpec.cpu()
+        spec = device
         barrier = float(link.get("latency_ms", 0.02)) if link else 0.02
         step = analytic_step_ms(weights, optimizer, spec.mem_gbps, barrier)
         how = (f"analytic: {BYTES_PER_PARAMETER[optimizer]:g} B per parameter ({optimizer}) at "
@@ -289,6 +342,16 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                f"link's latency {barrier:g} ms")
     sim["step_ms"] = [round(x, 6) for x in step]
     said: dict[str, Any] = {"step_ms": how}
+    if engine and engine.get("accumulate_ms") is not None:
+        accumulate = shared_out(float(engine["accumulate_ms"]), weights,
+                                float(engine.get("parameter_bytes") or 0.0))
+        said["accumulate_ms"] = ("measured: in-place gradient adds over the program's "
+                                 "parameters, per stage by parameter bytes")
+    else:
+        accumulate = analytic_accumulate_ms(weights, device.mem_gbps)
+        said["accumulate_ms"] = (f"analytic: {ACCUMULATE_BYTES:g} B per parameter at "
+                                 f"{device.mem_gbps:g} GB/s ({device.name})")
+    sim["accumulate_ms"] = [round(x, 6) for x in accumulate]
     fitted = (engine or {}).get("link")
     hop_bytes = sim.get("hop_bytes")
     if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(plan.stages) - 1:

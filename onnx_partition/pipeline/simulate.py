@@ -64,6 +64,9 @@ class StageCosts:
     recompute: bool = False
     input_bytes: float = 0.0  # received per micro-batch: what a recomputing stage keeps
     step_ms: float = 0.0  # once per iteration after every device is done: the optimizer step
+    # added to a B (W under zero bubble) of every micro-batch but a replica's first: adding its
+    # parameters' gradients to those of the earlier micro-batches (the first sets them)
+    accumulate_ms: float = 0.0
 
     def split(self) -> tuple[float, float]:
         """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
@@ -146,7 +149,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     and its dependencies are done: ``sF m`` (s > 0) needs ``(s-1)F m`` + ``send_ms[s-1]``;
     ``sB m`` (or ``sI m``) needs ``sF m`` and, below the last stage, ``(s+1)B m`` (or
     ``(s+1)I m``) + ``send_ms[s]``; ``sW m`` needs ``sI m``. A micro-batch's activations are
-    held from its ``F`` to its ``B`` or ``W``.
+    held from its ``F`` to its ``B`` or ``W``. A ``B`` or ``W`` takes ``accumulate_ms`` more
+    for every micro-batch but each replica's first (gradients added to the earlier ones').
     Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
     gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
     their last backward and, when a device hosts several stages (interleaved), after the
@@ -251,6 +255,8 @@ class _Engine:
         )
         stage = self.costs.stages[a.stage]
         duration = stage.duration(a.kind)
+        if a.kind in (Kind.B, Kind.W) and a.microbatch >= stage.replicas:
+            duration += stage.accumulate_ms  # replica j's first micro-batch is j
         start = max(self.free[dev], ready)
         key = action_key(a)
         self.end[key] = self.free[dev] = start + duration
