@@ -265,7 +265,8 @@ def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
     sim["hop_bytes"] = [float(b) for b in engine["hop_bytes"]]
     plan.extra["engine_costs"] = {
         "step_ms": f"calibrated: {engine['optimizer']} step on each stage module's parameters "
-                   f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms",
+                   f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms"
+                   " + a hop of the parameters tied across stages (their all-reduce)",
         "accumulate_ms": "calibrated: in-place gradient adds over each stage module's "
                          "parameters (profile --plan)",
         "send_ms": "calibrated: each hop's bytes there and back between two processes over "

@@ -57,7 +57,9 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
                          repeats: int = 10) -> dict[str, Any]:
     """The engine's own work for the train plan in ``folder``, measured
     (:mod:`onnx_partition.cost.engine`): per stage the plan's optimizer stepping the stage
-    module's parameters, plus the step's barriers between two processes (``step_ms``); its
+    module's parameters, plus the step's barriers between two processes, plus, where the stage
+    holds parameters tied to another stage's, one hop of their bytes for their all-reduce
+    (``step_ms``); its
     gradients' in-place accumulation (``accumulate_ms``); per
     boundary a header and the hop's bytes (what stage k sends on, at the plan's micro-batch)
     there and back between two processes over gloo, one way (``send_ms``)."""
@@ -83,16 +85,25 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
                  for names in sends]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    modules = stage_modules(folder)
+    params = [dict(s.module.named_parameters()) for s in modules]
+    # parameters tied across stages (GPT-2's embedding and head): all-reduced every step
+    tied_bytes = [int(sum(ps[n].numel() * ps[n].element_size() for n in s.tied if n in ps))
+                  for s, ps in zip(modules, params, strict=True)]
     try:
-        trained = [[p for p in s.module.parameters() if p.requires_grad]
-                   for s in stage_modules(folder)]
+        trained = [[p for p in ps.values() if p.requires_grad] for ps in params]
         steps = [time_optimizer(params, optimizer, repeats=repeats) for params in trained]
         accumulate = [time_accumulate(params, repeats=repeats) for params in trained]
     finally:
         torch.set_num_threads(before)
-    one_way, barrier = measure_hops(hop_bytes or [4096], repeats=repeats, threads=threads)
+    tied = sorted({b for b in tied_bytes if b})
+    one_way, barrier = measure_hops([*(hop_bytes or [4096]), *tied], repeats=repeats,
+                                    threads=threads)
+    tied_ms = dict(zip(tied, one_way[len(hop_bytes or [4096]):], strict=True))
     return {"optimizer": optimizer, "optimizer_ms": steps, "barrier_ms": barrier,
-            "step_ms": [t + BARRIERS_PER_STEP * barrier for t in steps],
+            "tied_ms": [tied_ms.get(b, 0.0) for b in tied_bytes],
+            "step_ms": [t + BARRIERS_PER_STEP * barrier + tied_ms.get(b, 0.0)
+                        for t, b in zip(steps, tied_bytes, strict=True)],
             "accumulate_ms": accumulate,
             "hop_bytes": hop_bytes, "send_ms": one_way[:len(hop_bytes)]}
 

@@ -4,7 +4,7 @@ targets: step within 15%, activation bytes within 5%).
 
     python tools/bench_train_predicted.py [--models gpt bert hf-gpt2 ...] [--size small]
         [--stages 2] [--batch-size 2] [--microbatches 4] [--steps 4] [--workdir DIR]
-        [--repeats 5] [--no-profile]
+        [--repeats 5] [--no-profile] [--calibrate] [--breakdown]
 
 Per model: export it with its program (recipes at ``--size``; ``hf-gpt2``, ``hf-bert``,
 ``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights),
@@ -17,7 +17,10 @@ stage, ``forward_ms``, ``backward_ms`` (wall), the same compute's thread CPU tim
 same predictions (what other processes on a busy machine do not stretch) and
 ``activation_bytes`` (the saved-tensor hook's count in the run against plan.json's). A model
 that fails prints its one-line error and the table goes on. Times are of this machine as it
-is: say its load with the figures.
+is: say its load with the figures. Each row also sets the run against the plan priced without
+the engine's own work (no ``step_ms`` or ``accumulate_ms``, hops by the link model: how plans
+were priced before ``cost/engine.py``). ``--calibrate``: a second row per model, the plan after
+``profile --plan``. ``--breakdown``: a second table, where each rank's step went.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from onnx_partition import export, models
+from onnx_partition.calibrate import calibrate_plan
 from onnx_partition.cost.profile.train import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
@@ -80,8 +84,9 @@ def exported(name: str, size: str, rows: int, work: Path) -> Path:
     return path
 
 
-def measure(name: str, args: argparse.Namespace, work: Path) -> str:
-    """The model's table row (or its one-line failure)."""
+def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = False) -> str:
+    """The model's table row (or its one-line failure); ``calibrated``: the plan after
+    ``profile --plan`` (its stage modules and the engine's work measured)."""
     b, m = args.batch_size, args.microbatches
     began = time.perf_counter()
     try:
@@ -93,8 +98,13 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> str:
                 profile_train_to_file(model, costs, batch_size=b, repeats=args.repeats,
                                       threads=1)
         plan_dir = work / f"{model.stem}-plan-{'profiled' if costs else 'analytic'}"
-        partition(model, args.stages, plan_dir, costs=costs, batch_size=b, mode="train",
-                  microbatches=m, check=False, force=True)
+        if not calibrated or not plan_dir.is_dir():
+            partition(model, args.stages, plan_dir, costs=costs, batch_size=b, mode="train",
+                      microbatches=m, check=False, force=True)
+        if calibrated:
+            out = work / f"{model.stem}-plan-calibrated"
+            calibrate_plan(plan_dir, out=out, repeats=args.repeats)
+            plan_dir, name = out, f"{name} (profile --plan)"
         prepared = time.perf_counter() - began
         stats = train_plan(plan_dir, steps=args.steps, microbatches=m, batch_size=b)
     except Exception as exc:  # one model's failure is one row
@@ -124,11 +134,13 @@ BREAKDOWNS: list[str] = []
 
 
 def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
-    """The plan's simulated step as priced before the engine's work was (no ``step_ms``;
-    ``send_ms`` from the plan's link model at each hop's bytes): the "before" column."""
+    """The plan's simulated step as priced before the engine's work was (no ``step_ms`` or
+    ``accumulate_ms``; ``send_ms`` from the plan's link model at each hop's bytes): the "before"
+    column (for a calibrated plan, its measured stage times without the engine's work)."""
     plan = read_plan(plan_dir)
     sim = plan.simulator_costs
     sim.pop("step_ms", None)
+    sim.pop("accumulate_ms", None)
     link = plan.extra.get("link") or {}
     if "hop_bytes" in sim and link:
         bw = float(link["bandwidth_gbps"])
@@ -177,6 +189,8 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true",
                         help="price the plans analytically (no profile --mode train)")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also train each plan after profile --plan (a second row)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each rank's step went (compute, receives, "
                              "send work, the tail: sends awaited, gradient sums, norm, "
@@ -186,7 +200,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{args.stages} stages, {args.microbatches} micro-batches x {args.batch_size} rows, "
-          f"{args.steps} steps (first left out), 1f1b, SGD, one torch thread per rank, gloo; "
+          f"{args.steps} steps (first left out), the optimizer and schedule plan.json records, "
+          f"one torch thread per rank, gloo; "
           f"priced by {'analytic costs' if args.no_profile else 'profile --mode train'}; "
           f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, torch "
           f"{torch.__version__}")
@@ -197,6 +212,8 @@ def main() -> int:
     print("| --- |" + " ---: |" * 11)
     for name in args.models:
         print(measure(name, args, work), flush=True)
+        if args.calibrate:
+            print(measure(name, args, work, calibrated=True), flush=True)
     if BREAKDOWNS:
         print("\n| model | stage | step | forward | backward | blocked in receives | other "
               "action work | between actions | sends awaited | gradient sums | norm all-reduce "
