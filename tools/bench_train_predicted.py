@@ -29,6 +29,7 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from onnx_partition.cost.profile.train import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan
-from onnx_partition.pipeline.schedules import TRAIN_NAMES
+from onnx_partition.pipeline.schedules import TRAIN_NAMES, build
+from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.trainer import comparison, train_plan
 
@@ -108,7 +110,7 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
         prepared = time.perf_counter() - began
         stats = train_plan(plan_dir, steps=args.steps, microbatches=m, batch_size=b)
     except Exception as exc:  # one model's failure is one row
-        return f"| {name} | failed: {one_line(exc)} |||||||||"
+        return f"| {name} | failed: {one_line(exc)} |||||||||||"
     body = comparison(stats)
     ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
     if args.breakdown:
@@ -120,9 +122,11 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
     stages = ratio["stages"]
     acts = [s["activation_bytes"] for s in stages]
     bare = without_engine(plan_dir, stats.schedule, m)
+    cpu = on_cpu_compute(plan_dir, stats, m)
     return (f"| {name} | {measured['iteration_ms']:.1f} | {bare:.1f} | "
             f"{measured['iteration_ms'] / bare:.2f} | {predicted['iteration_ms']:.1f} | "
-            f"**{ratio['iteration_ms']:.2f}** | {fmt([s['forward_ms'] for s in stages])} | "
+            f"**{ratio['iteration_ms']:.2f}** | {cpu / predicted['iteration_ms']:.2f} | "
+            f"{measured['iteration_ms'] / cpu:.2f} | {fmt([s['forward_ms'] for s in stages])} | "
             f"{fmt([s['backward_ms'] for s in stages])} | "
             f"{fmt([s['forward_cpu_ms'] for s in stages])} | "
             f"{fmt([s['backward_cpu_ms'] for s in stages])} | "
@@ -131,6 +135,28 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
 
 
 BREAKDOWNS: list[str] = []
+
+
+def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
+    """The plan's simulation with its stages' compute replaced by what the run's compute cost in
+    thread CPU time (forward, and backward with its accumulation; the engine's per-step work and
+    hops as priced): the step as predicted had the compute been priced right and nothing else
+    taken the cores. Over the prediction: the compute's own misprice; the measured step over
+    it: the load's stretch and whatever is still unpriced."""
+    plan = read_plan(plan_dir)
+    name = stats.schedule if stats.schedule in TRAIN_NAMES else "1f1b"
+    _, costs = simulate_plan(plan, schedule=name, microbatches=microbatches)
+    fwd = stats.forward_cpu_ms or stats.forward_ms
+    bwd = stats.backward_cpu_ms or stats.backward_ms
+    stages = []
+    for k, st in enumerate(costs.stages):
+        i, _ = st.split()
+        share = i / st.backward_ms if st.backward_ms else 0.5
+        stages.append(replace(st, forward_ms=fwd[k], backward_ms=bwd[k],
+                              backward_input_ms=bwd[k] * share, backward_weight_ms=None,
+                              accumulate_ms=0.0))
+    sched = build(name, [s.replicas for s in costs.stages], microbatches)
+    return simulate(sched, PipelineCosts(stages, costs.send_ms)).iteration_ms
 
 
 def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
@@ -206,10 +232,11 @@ def main() -> int:
           f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, torch "
           f"{torch.__version__}")
     print("\n| model | measured ms/step | predicted before (no engine terms) | m/p before | "
-          "predicted ms/step | step measured/predicted | "
+          "predicted ms/step | step measured/predicted | predicted on the run's CPU compute / "
+          "predicted | measured / predicted on the run's CPU compute | "
           "forward m/p per stage | backward m/p per stage | forward CPU time/p | "
           "backward CPU time/p | activation bytes m/p per stage | prepare |")
-    print("| --- |" + " ---: |" * 11)
+    print("| --- |" + " ---: |" * 13)
     for name in args.models:
         print(measure(name, args, work), flush=True)
         if args.calibrate:
