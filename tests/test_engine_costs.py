@@ -88,6 +88,9 @@ def test_hops_are_piecewise_linear_between_measured_sizes() -> None:
     assert hop_ms(7000.0, sizes, times) == pytest.approx(1.1)  # beyond: the last slope
     assert fit_link(sizes, times) == (pytest.approx(0.1), pytest.approx(2000 / 0.4 / 1e6))
     assert fit_link([1.0, 2.0], [0.3, 0.3]) == (pytest.approx(0.3), 0.0)  # flat: unlimited
+    # a small payload timed slower than a larger one takes the larger one's time
+    assert hop_ms(1000.0, [1000.0, 2000.0, 3000.0], [0.9, 0.2, 0.4]) == pytest.approx(0.2)
+    assert hop_ms(2500.0, [1000.0, 2000.0, 3000.0], [0.9, 0.2, 0.4]) == pytest.approx(0.3)
     with pytest.raises(PartitionError, match="as many times as sizes"):
         hop_ms(1.0, [], [])
 

@@ -160,10 +160,16 @@ def hop_ms(nbytes: float, sizes: Sequence[float], one_way_ms: Sequence[float]) -
 
 
 def _points(sizes: Sequence[float], one_way_ms: Sequence[float]) -> list[tuple[float, float]]:
-    """The ping-pong's (bytes, ms) by size, one point per size (the later one kept)."""
+    """The ping-pong's (bytes, ms) by size, one point per size (the later one kept), each time
+    at most that of any larger size: more bytes never arrive sooner, so a small payload timed
+    slower than a larger one was held up by something else (a busy machine's scheduler)."""
     if not sizes or len(sizes) != len(one_way_ms):
         raise PartitionError("a ping-pong needs as many times as sizes, at least one")
-    return sorted(dict(zip(map(float, sizes), map(float, one_way_ms))).items())
+    points = sorted(dict(zip(map(float, sizes), map(float, one_way_ms))).items())
+    out: list[tuple[float, float]] = []
+    for x, y in reversed(points):
+        out.append((x, min(y, out[-1][1]) if out else y))
+    return out[::-1]
 
 
 def time_optimizer(params: Sequence[torch.Tensor], optimizer: str, *, repeats: int = 5,
@@ -295,7 +301,7 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                      "parameters with random gradients",
     }
     if hops:
-        one_way, barrier = measure_hops(repeats=max(repeats, 5), threads=threads)
+        one_way, barrier = measure_hops(repeats=max(repeats, 15), threads=threads)
         latency, bandwidth = fit_link(HOP_SIZES, one_way)
         body.update(link={"latency_ms": round(latency, 6), "bandwidth_gbps": round(bandwidth, 4),
                           "sizes": list(HOP_SIZES), "one_way_ms": [round(x, 6) for x in one_way],
