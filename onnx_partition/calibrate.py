@@ -345,6 +345,7 @@ def calibrate_plan(
     shutil.rmtree(aside, ignore_errors=True)
     result = Calibration(plan, target)
     measured: list[tuple[float, Path, Plan, list[float], list[float]]] = []
+    splits: list[list[float] | None] = []  # train, ZB-H1: each round's input-gradient ms
     current, current_dir = plan, folder
     try:
         for round_ in range(rounds):
@@ -357,6 +358,7 @@ def calibrate_plan(
                 got = measure_train_plan(current_dir, threads=threads_per_stage,
                                          repeats=repeats, warmup=warmup)
                 fwd, bwd = got["forward_ms"], got["backward_ms"]
+                splits.append(got.get("backward_input_ms"))
                 alone = [f + b for f, b in zip(got["alone_forward_ms"],
                                                got["alone_backward_ms"], strict=True)]
                 backward = reprice(backward, keys, bwd)
@@ -408,6 +410,10 @@ def calibrate_plan(
         _calibrated(chosen, fwd, bwd)
         if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
             from onnx_partition.calibrate_train import measure_train_engine
+
+            if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
+                chosen.simulator_costs["backward_input_ms"] = [
+                    round(t, 6) for t in splits[best] or []]
 
             _engine_calibrated(chosen, measure_train_engine(
                 source, threads=threads_per_stage, repeats=repeats))

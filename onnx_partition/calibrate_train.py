@@ -5,8 +5,9 @@ uses), as :mod:`onnx_partition.calibrate` does for inference stage files.
 Each stage's inputs come from one pass of random model inputs through the stage modules
 (:func:`onnx_partition.runtime.train.modules.stage_modules`); inputs made by an earlier stage
 need gradients, as in the pipeline. A step is the stage's forward, then its backward from a
-gradient of ones on every output that needs one (the loss stage's included), gradients of its
-weights cleared after. Alone: in this process, one stage after another. Side by side: one
+gradient of ones on every output that needs one (the loss stage's included; a ZB-H1 plan's as
+the engine's input-gradient pass, then its weight pass), gradients of its weights cleared
+after. Alone: in this process, one stage after another. Side by side: one
 spawned process per stage (a rank's own process: its own torch thread pool), all released at
 once by a barrier, each stepping until every one has made ``warmup + repeats`` steps; medians
 of each process's steps after its warmup, the last left out.
@@ -108,10 +109,15 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
             "hop_bytes": hop_bytes, "send_ms": one_way[:len(hop_bytes)]}
 
 
-def _stepper(module: Any, inputs: Sequence[Any], device: str) -> Any:
-    """A callable making one step; returns (forward ms, backward ms)."""
+def _stepper(module: Any, inputs: Sequence[Any], device: str, split: bool = False) -> Any:
+    """A callable making one step; returns (forward ms, backward ms, input-gradient ms). With
+    ``split`` (a ZB-H1 plan) the backward runs as the engine's two passes, the input gradient
+    then the weights' (:mod:`onnx_partition.runtime.train.passes`), as its ``I`` and ``W``; else
+    in one (the input-gradient ms 0)."""
     import torch
     from torch.utils._pytree import tree_flatten
+
+    from onnx_partition.runtime.train import passes
 
     target = torch.device(device)
     module.to(target)
@@ -128,7 +134,9 @@ def _stepper(module: Any, inputs: Sequence[Any], device: str) -> Any:
             out.append(value)
         return out
 
-    def step() -> tuple[float, float]:
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> tuple[float, float, float]:
         args = leaves()
         sync()
         began = time.perf_counter()
@@ -137,26 +145,34 @@ def _stepper(module: Any, inputs: Sequence[Any], device: str) -> Any:
         middle = time.perf_counter()
         flat = [t for t in tree_flatten(outputs)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad]
-        if flat:
-            torch.autograd.backward(flat, [torch.ones_like(t) for t in flat])
+        seeds = [torch.ones_like(t) for t in flat]
+        between = middle
+        if flat and split:
+            grads_of = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            _, later = passes.input_pass(flat, seeds, grads_of, params)
+            sync()
+            between = time.perf_counter()
+            passes.weight_pass(later)
+        elif flat:
+            torch.autograd.backward(flat, seeds)
         sync()
         ended = time.perf_counter()
         for p in module.parameters():
             p.grad = None
-        return (middle - began) * 1e3, (ended - middle) * 1e3
+        return (middle - began) * 1e3, (ended - middle) * 1e3, (between - middle) * 1e3
 
     return step
 
 
 def _worker(folder: str, k: int, inputs: list[Any], device: str, threads: int, want: int,
-            barrier: Any, counts: Any, stop: Any, results: Any) -> None:
+            barrier: Any, counts: Any, stop: Any, results: Any, split: bool = False) -> None:
     try:
         import torch
 
         from onnx_partition.runtime.train.modules import stage_modules
 
         torch.set_num_threads(threads)
-        step = _stepper(stage_modules(folder, only=[k])[0].module, inputs, device)
+        step = _stepper(stage_modules(folder, only=[k])[0].module, inputs, device, split)
         step()  # built and touched before the clock starts
         barrier.wait()
         times = []
@@ -173,16 +189,18 @@ def _worker(folder: str, k: int, inputs: list[Any], device: str, threads: int, w
         results.put((k, [], f"{type(exc).__name__}: {exc}"))
 
 
-def _medians(times: Sequence[tuple[float, float]], warmup: int) -> tuple[float, float]:
+def _medians(times: Sequence[tuple[float, ...]], warmup: int) -> tuple[float, ...]:
     kept = list(times[warmup:-1]) if len(times) > warmup + 1 else list(times[-1:])
-    return median(t[0] for t in kept), median(t[1] for t in kept)
+    return tuple(median(t[i] for t in kept) for i in range(len(kept[0])))
 
 
 def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repeats: int = 10,
                        warmup: int = 2, timeout_s: float = 600.0) -> TrainTimes:
     """Forward and backward ms of each stage of the train plan in ``folder``, alone and side by
     side (module docstring): ``{"alone_forward_ms": [...], "alone_backward_ms": [...],
-    "forward_ms": [...], "backward_ms": [...]}``, the last two side by side."""
+    "forward_ms": [...], "backward_ms": [...]}``, the last two side by side; a ZB-H1 plan's
+    backward runs as the engine's input and weight passes, and ``backward_input_ms`` (side by
+    side) is the first's."""
     import torch
 
     from onnx_partition.runtime.train.modules import require_trainable, stage_modules
@@ -191,12 +209,13 @@ def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repe
     plan = require_trainable(folder)
     inputs = _stage_inputs(folder, plan)
     count = len(plan.stages)
+    split = plan.extra.get("schedule") == "zb-h1"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     alone = []
     try:
         for k, stage in enumerate(stage_modules(folder)):
-            step = _stepper(stage.module, inputs[k], _device(plan, k))
+            step = _stepper(stage.module, inputs[k], _device(plan, k), split)
             alone.append(_medians([step() for _ in range(warmup + repeats + 1)], warmup))
     finally:
         torch.set_num_threads(before)
@@ -209,11 +228,11 @@ def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repe
         results = ctx.Queue()
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(folder, k, inputs[k], _device(plan, k), threads,
-                                   warmup + repeats, barrier, counts, stop, results))
+                                   warmup + repeats, barrier, counts, stop, results, split))
                  for k in range(count)]
         for p in procs:
             p.start()
-        got: dict[int, list[tuple[float, float]]] = {}
+        got: dict[int, list[tuple[float, ...]]] = {}
         try:
             for _ in range(count):
                 k, times, error = results.get(timeout=timeout_s)
@@ -228,4 +247,5 @@ def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repe
                     p.kill()
         together = [_medians(got[k], warmup) for k in range(count)]
     return {"alone_forward_ms": [a[0] for a in alone], "alone_backward_ms": [a[1] for a in alone],
-            "forward_ms": [t[0] for t in together], "backward_ms": [t[1] for t in together]}
+            "forward_ms": [t[0] for t in together], "backward_ms": [t[1] for t in together],
+            **({"backward_input_ms": [t[2] for t in together]} if split else {})}
