@@ -105,7 +105,8 @@ class PipelineCosts:
 class SimResult:
     """Outcome of :func:`simulate`.
 
-    ``busy_ms`` counts forward/backward compute only; all-reduce and waiting are idle, so
+    ``busy_ms`` counts forward/backward compute only (with the gradients' accumulation); the
+    all-reduce, the per-step work and waiting are idle, so
     ``bubble_fraction = 1 - sum(busy_ms) / (num_devices * iteration_ms)``.
     ``peak_inflight`` is the most micro-batch chunks (a micro-batch on one hosted stage) whose
     forward ran but backward has not (0 for inference). ``peak_memory_bytes`` is the hosted
