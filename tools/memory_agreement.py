@@ -22,12 +22,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from support.graphs import relay_model  # noqa: E402
-from support.memory import Inputs, both_counts, planner_inputs  # noqa: E402
+from support.graphs import relay_model
+from support.memory import Inputs, both_counts, planner_inputs
 
-from onnx_partition import models  # noqa: E402
-from onnx_partition.graph import from_model, load  # noqa: E402
-from onnx_partition.partition import trainable_parameters  # noqa: E402
+from onnx_partition import models
+from onnx_partition.graph import from_model, load
+from onnx_partition.partition import trainable_parameters
 
 
 def random_bounds(rng: np.random.Generator, n: int) -> list[int]:

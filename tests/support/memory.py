@@ -25,8 +25,13 @@ from onnx_partition.solve.order.blocks import Blocks
 from onnx_partition.solve.order.topo import assign
 from onnx_partition.solve.planner import sequence_costs
 from onnx_partition.solve.problem import DagProblem, topological_order
-from onnx_partition.solve.scoring import NodeArrays, RunSpec, node_arrays, pipeline_costs, \
-    stage_totals
+from onnx_partition.solve.scoring import (
+    NodeArrays,
+    RunSpec,
+    node_arrays,
+    pipeline_costs,
+    stage_totals,
+)
 
 __all__ = ["PARTS", "Counts", "Inputs", "both_counts", "planner_inputs"]
 
