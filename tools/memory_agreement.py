@@ -4,8 +4,9 @@ For random models (``tests/support/graphs.relay_model``: skip tensors, inputs re
 never, tied weights, copied constants, outputs made early, initializers as outputs) and the
 tiny recipes, cuts each at random into 2 to 4 stages and counts every stage both ways
 (``tests/support/memory.both_counts``): ``stage_sizes`` over the stage files' cuts, and the
-planner's per-stage sums and interval tables. Prints how many stages disagree, in which term
-and where (first, interior or last stage), and by how many bytes at most.
+planner's per-stage sums and interval tables. Prints how many stages disagree (any term or
+the memory per device) and by how many bytes at most, then per term (weights, trainable
+bytes, activations, received, sent) and place (first, interior or last stage) the same.
 
     python tools/memory_agreement.py [--models 150] [--cuts 4] [--recipes gpt bert encdec resnet]
 """
@@ -23,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from support.graphs import relay_model
-from support.memory import Inputs, both_counts, planner_inputs
+from support.memory import PARTS, Inputs, both_counts, planner_inputs
 
 from onnx_partition import models
 from onnx_partition.graph import from_model, load
@@ -53,9 +54,12 @@ def tally(inputs: Inputs, rng: np.random.Generator, cuts: int,
             row[1] += len({k for k, _, _ in found})
             row[2] = max([row[2], *(abs(d) for _, _, d in found)])
             for k, part, diff in found:
+                if part not in PARTS:  # the memory figures: their sums
+                    continue
                 place = "first" if k == 0 else "last" if k == last else "interior"
                 sign = "planner more" if diff > 0 else "planner less"
-                cell = where[f"{mode} {part} @ {place} ({sign})"]
+                group = "random" if source == "random" else "recipes"
+                cell = where[f"| {group} | {mode} | {part} | {place} | {sign} |"]
                 cell[0] += 1
                 cell[1] = max(cell[1], abs(diff))
 
@@ -86,10 +90,10 @@ def main() -> None:
     for (source, mode), (stages, bad, most) in rows.items():
         print(f"| {source} | {mode} | {stages} | {bad} | {most:.0f} |")
     print()
-    print("| term and place | stages | max bytes |")
-    print("| --- | ---: | ---: |")
+    print("| models | mode | term | stage | planner | stages | max bytes |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: |")
     for label, (count, most) in sorted(where.items()):
-        print(f"| {label} | {count} | {most:.0f} |")
+        print(f"{label} {count} | {most:.0f} |")
 
 
 if __name__ == "__main__":
