@@ -27,7 +27,7 @@ from onnx_partition.cost.costs_file import (
     rescale,
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
-from onnx_partition.cost.engine import price_engine
+from onnx_partition.cost.engine import price_engine, tied_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
@@ -398,7 +398,8 @@ def partition(
             "measured" if costs is not None and any("backward_ms" in v
                                                     for v in costs.nodes.values())
             else ANALYTIC_BACKWARD if aten else "estimated")
-        price_engine(plan, costs=costs, device=device)
+        price_engine(plan, costs=costs, device=device, tied=tied_bytes(
+            [c.initializers for c in cuts], graph.initializer_bytes, trainable))
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch

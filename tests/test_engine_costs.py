@@ -23,6 +23,7 @@ from onnx_partition.cost.engine import (
     hop_ms,
     measured_step_ms,
     price_engine,
+    tied_bytes,
 )
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
@@ -95,6 +96,13 @@ def test_hops_are_piecewise_linear_between_measured_sizes() -> None:
         hop_ms(1.0, [], [])
 
 
+def test_tied_bytes_are_the_trainable_parameters_another_stage_holds() -> None:
+    stages = [["wte", "w0", "const"], ["w1", "wte", "const"], ["w2"]]
+    sizes = {"wte": 100.0, "w0": 1.0, "w1": 2.0, "w2": 3.0, "const": 7.0}
+    assert tied_bytes(stages, sizes, {"wte", "w0", "w1", "w2"}) == [100.0, 100.0, 0.0]
+    assert tied_bytes(stages, sizes, None) == [0.0, 0.0, 0.0]  # no program: nothing trains
+
+
 class _Mlp(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -162,4 +170,10 @@ def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) ->
     assert priced.simulator_costs["send_ms"] == pytest.approx([0.5 + (hop - 1) / 1e6],
                                                               abs=1e-6)
     assert priced.extra["engine_costs"]["step_ms"].startswith("measured")
+    # a stage holding 1 MB tied to another's adds one hop of it: 0.5 + 1e6 / 1e6 ms
+    tied = copy.deepcopy(plan)
+    price_engine(tied, costs=loaded, device=None, tied=[1_000_001.0, 0.0])
+    assert [a - b for a, b in zip(tied.simulator_costs["step_ms"],
+                                  priced.simulator_costs["step_ms"])] == pytest.approx(
+        [1.5, 0.0], abs=1e-6)
     assert priced.extra["engine_costs"]["send_ms"].startswith("measured")

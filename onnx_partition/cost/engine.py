@@ -32,7 +32,7 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "measured_step_ms",
     "price_engine",
     "shared_out",
+    "tied_bytes",
     "time_accumulate",
     "time_optimizer",
 ]
@@ -310,18 +311,37 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
     return body
 
 
-def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None) -> None:
+def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, float],
+               trainable: Collection[str] | None) -> list[float]:
+    """Per stage, the bytes of its trainable parameters that another stage also holds (a tied
+    weight, GPT-2's embedding and head: each rank keeps a copy, and ``train`` all-reduces their
+    gradients over the holders every step); ``initializers`` per stage, ``nbytes`` per name;
+    none without ``trainable`` (no program: nothing trains)."""
+    if trainable is None:
+        return [0.0] * len(initializers)
+    seen: dict[str, int] = {}
+    for names in initializers:
+        for name in set(names):
+            seen[name] = seen.get(name, 0) + 1
+    return [float(sum(nbytes.get(n, 0.0) for n in set(names)
+                      if seen[n] > 1 and n in trainable)) for names in initializers]
+
+
+def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None,
+                 tied: Sequence[float] | None = None) -> None:
     """Price a train plan's engine work into plan.json: ``simulator_costs.step_ms`` per stage
     (measured from the costs file's ``engine``, :func:`measure_engine`, where it has the plan's
     optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
     for a costs file measured on CUDA, else the CPU default) and, where ``engine`` fitted a link
     and the plan keeps ``simulator_costs.hop_bytes``, ``send_ms`` per boundary at those bytes;
-    ``simulator_costs.accumulate_ms`` per stage likewise; ``engine_costs`` says which.
-    Inference plans are left alone."""
+    ``simulator_costs.accumulate_ms`` per stage likewise; a stage holding ``tied`` bytes (per
+    stage, :func:`tied_bytes`) adds one hop of them to its ``step_ms`` for their all-reduce,
+    priced as the hops are; ``engine_costs`` says which. Inference plans are left alone."""
     if plan.mode != "train":
         return
     from onnx_partition.cost.analytic import DeviceSpec
     from onnx_partition.cost.devices import device_for
+    from onnx_partition.plan.contracts import Link
 
     engine = costs.body.get("engine") if costs is not None else None
     if device is None and costs is not None and (costs.device or "").startswith("cuda"):
@@ -346,6 +366,14 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
         how = (f"analytic: {BYTES_PER_PARAMETER[optimizer]:g} B per parameter ({optimizer}) at "
                f"{spec.mem_gbps:g} GB/s ({spec.name}) + {BARRIERS_PER_STEP} barriers at the "
                f"link's latency {barrier:g} ms")
+    fitted = (engine or {}).get("link")
+    if tied and any(tied):
+        bw = float(link.get("bandwidth_gbps", Link().bandwidth_gbps))
+        lat = float(link.get("latency_ms", Link().latency_ms))
+        step = [t + (0.0 if not b else hop_ms(b, fitted["sizes"], fitted["one_way_ms"])
+                     if fitted else lat + (b / (bw * 1e6) if bw > 0 else 0.0))
+                for t, b in zip(step, tied, strict=True)]
+        how += "; + one hop of the parameters tied across stages (their all-reduce)"
     sim["step_ms"] = [round(x, 6) for x in step]
     said: dict[str, Any] = {"step_ms": how}
     if engine and engine.get("accumulate_ms") is not None:
@@ -358,7 +386,6 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
         said["accumulate_ms"] = (f"analytic: {ACCUMULATE_BYTES:g} B per parameter at "
                                  f"{device.mem_gbps:g} GB/s ({device.name})")
     sim["accumulate_ms"] = [round(x, 6) for x in accumulate]
-    fitted = (engine or {}).get("link")
     hop_bytes = sim.get("hop_bytes")
     if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(plan.stages) - 1:
         sizes, times = fitted["sizes"], fitted["one_way_ms"]
