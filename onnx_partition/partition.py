@@ -26,7 +26,8 @@ from onnx_partition.cost.costs_file import (
     recorded_shapes,
     rescale,
 )
-from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
+from onnx_partition.cost.devices import DEFAULT_GPU, device_for, for_precision, measured_cpu
+from onnx_partition.cost.saved import check_precision
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
@@ -65,7 +66,7 @@ __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_m
 
 #: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
 #: them and warns when told otherwise): AdamW (weights, gradients, two moments:
-#: ``optimizer_factor`` 4), fp32, 1F1B.
+#: ``optimizer_factor`` 4), fp32 (``partition(precision=)`` records its own), 1F1B.
 TRAIN_ASSUMPTIONS = {"optimizer": "adamw", "precision": "fp32", "schedule": "1f1b"}
 #: ``partition --schedule``: plan for each planned train schedule, keep the fastest.
 AUTO = "auto"
@@ -118,17 +119,23 @@ def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list
     return [float(sum(values[i] for i in m)) for m in members]
 
 
-def saved_activations(graph: OpGraph, model: Path) -> list[float] | None:
+def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32"
+                      ) -> list[float] | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
-    under FakeTensorMode at the graph's input shapes), when the model's program ``.pt2`` lies
-    beside it; None otherwise (the memory model then counts every output)."""
+    under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
+    unless fp32), when the model's program ``.pt2`` lies beside it; None otherwise (the
+    memory model then counts every output)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
+        if precision != "fp32":
+            raise PartitionError(f"--precision {precision} counts what autocast saves by "
+                                 f"running the model's program, and {model} has none "
+                                 f"({program.name}): export it with onnx_partition.export")
         return None
     from onnx_partition.cost.saved import saved_bytes_per_node  # torch: train plans only
 
     try:
-        return saved_bytes_per_node(graph, program)
+        return saved_bytes_per_node(graph, program, precision=precision)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -273,6 +280,7 @@ def partition(
     sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
     kind_costs: Mapping[str, CostsLike] | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -300,7 +308,11 @@ def partition(
     A :class:`~onnx_partition.cost.cluster.Fleet` (mixed GPU kinds) prices each group on its
     own GPU, or by its costs file in ``kind_costs`` (keyed by the group's ``gpu``), and plans
     with :func:`~onnx_partition.solve.fleet.plan_fleet`.
-    Returns the plan as written. Raises :class:`PartitionError` on bad input.
+    A train plan is priced for ``precision`` (:data:`~onnx_partition.cost.saved.PRECISIONS`:
+    fp32, or autocast to bf16/fp16 over fp32 parameters): activations as autocast saves them,
+    a GPU's matrix products at its half-precision peak; weights, gradients and optimizer
+    state stay fp32 (16 bytes per parameter with AdamW), as ``train --precision bf16`` keeps
+    them. Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
@@ -312,6 +324,10 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
+    check_precision(precision)
+    if precision != "fp32" and mode != "train":
+        raise PartitionError(f"--precision {precision} prices mixed-precision training: it "
+                             "needs --mode train (inference runs the graph's own dtypes)")
     if not 0 <= exact_budget_s < math.inf:
         raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
                              f"{exact_budget_s:g}")
@@ -334,6 +350,13 @@ def partition(
                              "plan runs in onnxruntime: profile without --mode train")
     if costs is None and device is None:
         device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
+    if device is not None:
+        device = for_precision(device, precision)
+    if checked is not None and costs is not None and mode == "train" \
+            and costs.body.get("precision", "fp32") != precision:
+        checked.notes.append(f"warning: costs file {costs.path} was measured in "
+                             f"{costs.body.get('precision', 'fp32')}; this plan is priced for "
+                             f"{precision}: its times may not fit")
     node_costs = annotate(graph, device=device, costs=costs)
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
@@ -344,7 +367,7 @@ def partition(
     aten = None
     if mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
-    saved = saved_activations(graph, Path(model)) if mode == "train" else None
+    saved = saved_activations(graph, Path(model), precision) if mode == "train" else None
     trainable = trainable_parameters(Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -368,10 +391,10 @@ def partition(
                                      kinds=kinds, trainable=trainable)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
-        plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
+        plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
-             "total_bytes": int(sum(saved))} if saved is not None
+             "total_bytes": int(sum(saved)), "precision": precision} if saved is not None
             else {"source": "outputs", "note": "no program beside the model: every operator "
                   "output counted, as stored"})
         plan.extra["costs"]["backward"] = (
@@ -465,8 +488,9 @@ def priced_by(plan: Plan) -> str:
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
     named = (model.get("sources") or {}).get("gpu", "default") != "default"
-    default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
-        f"{DEFAULT_GPU}:tf32") and not named else ""
+    default = " (the default GPU; --gpu NAME to change)" if str(model.get("name")) in (
+        f"{DEFAULT_GPU}:tf32", f"{DEFAULT_GPU}:bf16", f"{DEFAULT_GPU}:fp16") and not named \
+        else ""
     source = f" ({model['figures_from']})" if model.get("figures_from") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "

@@ -23,6 +23,7 @@ from typing import Any
 from onnx_partition import __version__, values
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
+from onnx_partition.cost.saved import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import (
@@ -441,6 +442,11 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                       help="--mode train: the pipeline schedule to plan for (default auto: "
                            "plan for each and keep the fastest simulated plan). "
                            + _schedule_help(schedules.PLANNED_NAMES))
+    plan.add_argument("--precision", default="fp32", choices=PLAN_PRECISIONS,
+                      help="--mode train: the precision the run trains in (default fp32; "
+                           "bf16/fp16: autocast over fp32 parameters, activations counted as "
+                           "autocast saves them, a GPU's matrix products at its half peak); "
+                           "plan.json records it and `train` defaults to it")
     plan.add_argument("--recompute", default="auto", choices=("auto", "none", "all"),
                       help="--mode train: which stages keep only their inputs and recompute "
                            "their forward in backward (auto: those that would not fit the "

@@ -274,6 +274,7 @@ def _partition(args: argparse.Namespace) -> int:
         force=args.force,
         schedule=args.schedule or "auto",
         recompute=args.recompute,
+        precision=args.precision,
         reporter=_bars(),
     )
     stop_bar()

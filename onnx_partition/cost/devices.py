@@ -59,7 +59,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_write
 
 __all__ = ["CPU_SPEED_FILE", "DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS",
-           "GPU_LINKS", "MATH_MODES", "GpuLink", "GpuSpec", "cache_home", "device_for", "gpu",
+           "GPU_LINKS", "MATH_MODES", "GpuLink", "GpuSpec", "cache_home", "device_for",
+           "for_precision", "gpu",
            "gpu_key", "gpu_spec", "measured_cpu", "pinned_cpu"]
 
 #: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
@@ -306,6 +307,17 @@ def gpu_key(device_name: str) -> str | None:
     if re.search(r"(^|[^A-Z0-9])A100([^0-9]|$)", text):
         return "a100-40gb" if "40GB" in text else "a100-80gb"
     return None
+
+
+def for_precision(device: DeviceSpec, precision: str) -> DeviceSpec:
+    """``device`` as a training run in ``precision`` uses it: under bf16/fp16 autocast a GPU's
+    matrix products run on its half-precision tensor cores (its ``half_gflops``; the name's
+    math mode becomes the precision, ``h100:bf16``); fp32, a CPU, or a GPU without a half
+    peak: ``device`` unchanged (CPU autocast is priced as fp32: not measured here)."""
+    if precision == "fp32" or device.kind != "cuda" or not device.half_gflops:
+        return device
+    return replace(device, name=f"{device.name.partition(':')[0]}:{precision}",
+                   peak_gflops=device.half_gflops)
 
 
 def device_for(kind: str, gpu_name: str | None = None) -> DeviceSpec:

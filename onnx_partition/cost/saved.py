@@ -19,6 +19,21 @@ tensors carry shape, dtype and storage size but no data, so GPT-2 medium at 1024
 7B model's layer) is counted without the memory it describes. ``fake=False`` runs on real
 tensors (the tests check both count the same bytes).
 
+**Mixed precision** (``precision="bf16"`` or ``"fp16"``): the run is made under
+``torch.autocast`` with that dtype over the fp32 parameters, as ``train --precision bf16``
+runs a stage (:mod:`onnx_partition.runtime.train.rank`), so every saved tensor has the dtype
+autocast really keeps: a matrix product's inputs as their half casts (a weight's cast too
+where backward needs it: autocast caches one cast per weight per region, and the trainer opens
+one region per micro-batch, so each micro-batch in flight holds its own), what follows in the
+dtype it computes in, a loss in fp32. The policy is **CPU autocast's**: a fake tensor can be
+placed on ``cuda`` without a GPU, but CUDA autocast is disabled where CUDA is not available
+and autograd cannot build a fake CUDA tensor's graph there, so a GPU plan is counted under
+the CPU policy too. The two differ where CUDA autocast computes in fp32 what CPU autocast
+leaves in the half dtype: softmax, log-softmax, layer norm, ``exp``/``pow``/``rsqrt`` and
+other ops of CUDA's fp32 list (torch ``aten/src/ATen/autocast_mode.cpp``), whose saved
+outputs CUDA keeps in 4 bytes; and dropout, whose CPU mask is in the input's dtype (CUDA's
+fused ``native_dropout`` keeps a bool mask, 1 byte).
+
 :func:`saved_bytes_per_node` maps the units onto the ONNX graph the solvers see: a unit's bytes
 on its first ONNX node (in graph order), the unit's other nodes 0, the way a train costs file
 keys a unit's times. An FX node without ONNX nodes (untagged) gives its bytes to the first
@@ -28,6 +43,7 @@ tagged node it feeds (else the last tagged node before it), as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +58,41 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
 __all__ = [
+    "HALF_DTYPES",
+    "PRECISIONS",
     "SavedBytes",
+    "autocast_for",
+    "check_precision",
     "program_inputs",
     "saved_by_module",
     "saved_bytes",
     "saved_bytes_per_node",
 ]
+
+
+#: Training precisions a plan can be priced for: fp32, or autocast to a half dtype over fp32
+#: parameters (``partition --precision``; ``train --precision`` runs fp32 and bf16).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: The torch dtype (by name) autocast computes in, per half precision.
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else :class:`PartitionError`."""
+    if precision not in PRECISIONS:
+        raise PartitionError(f"unknown precision {precision!r}; choose one of "
+                             f"{', '.join(PRECISIONS)}")
+    return precision
+
+
+def autocast_for(precision: str) -> contextlib.AbstractContextManager[object]:
+    """CPU ``torch.autocast`` to ``precision``'s half dtype (module docstring: why CPU's
+    policy), or nothing for fp32."""
+    import torch
+
+    if check_precision(precision) == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=getattr(torch, HALF_DTYPES[precision]))
 
 
 @dataclass(frozen=True)
@@ -79,16 +124,18 @@ def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
     return per_node, current, pack, seen
 
 
-def saved_by_module(module: torch.nn.Module, *args: torch.Tensor) -> int:
+def saved_by_module(module: torch.nn.Module, *args: torch.Tensor, precision: str = "fp32"
+                    ) -> int:
     """Bytes ``module(*args)`` saves for backward (unique storages, its parameters and buffers
-    left out): the reference count the tests and the whole-program check compare with."""
+    left out; under ``precision``'s autocast): the reference count the tests and the
+    whole-program check compare with."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
     per_node, _, pack, seen = _counter()
     for tensor in [*module.parameters(), *module.buffers()]:
         seen.add(StorageWeakRef(tensor.untyped_storage()))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with autocast_for(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(*args)
     return sum(per_node.values())
 
@@ -116,17 +163,18 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
-                fake: bool = True, seed: int = 0) -> SavedBytes:
+                fake: bool = True, seed: int = 0, precision: str = "fp32") -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
-    training. ``fake=True`` (default) computes it under ``FakeTensorMode``: no memory, any
-    shape."""
+    training, computed in ``precision`` (fp32, or autocast to bf16/fp16: module docstring).
+    ``fake=True`` (default) computes it under ``FakeTensorMode``: no memory, any shape."""
     import torch
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputKind
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    check_precision(precision)
     sig = program.graph_signature
     specs = program_inputs(program, shapes)
     mutated = set(sig.buffers_to_mutate.values())  # buffers the program updates
@@ -171,9 +219,9 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
     interpreter = Counting(program.graph_module)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with autocast_for(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if mode is not None:
-            with mode:
+            with mode, _mixed_norm_stats(precision):
                 interpreter.run(*args)
         else:
             interpreter.run(*args)
@@ -181,17 +229,51 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
 
 
+#: Normalisations whose CPU kernels keep the statistics (every output after the first) in fp32
+#: when a half input meets fp32 weights (``param_scalar_type``, aten ``layer_norm.cpp``,
+#: ``group_norm.cpp``, ``Normalization.cpp``), which their fake (meta) kernels give in the
+#: input's dtype.
+_NORMS = ("native_layer_norm", "native_group_norm", "native_batch_norm",
+          "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
+
+
+def _mixed_norm_stats(precision: str) -> contextlib.AbstractContextManager[object]:
+    """Under FakeTensorMode and a half ``precision``: a dispatch mode that gives a mixed-type
+    normalisation's statistics the dtype the CPU kernel gives them (:data:`_NORMS`), so the
+    fake count equals a real run's; nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MixedNormStats(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in _NORMS or not isinstance(out, tuple):
+                return out
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            half = tensors[0].dtype in (torch.bfloat16, torch.float16)
+            if not half or not any(t.dtype == torch.float32 for t in tensors[1:]):
+                return out
+            return (out[0], *(o.float() if isinstance(o, torch.Tensor) and o.dtype
+                              == tensors[0].dtype and o.numel() else o for o in out[1:]))
+
+    return MixedNormStats()
+
+
 def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
-                         fake: bool = True) -> list[float]:
+                         fake: bool = True, precision: str = "fp32") -> list[float]:
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
-    each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch)."""
+    each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
+    ``precision``."""
     import torch
     import torch.fx
 
     if not isinstance(program, torch.export.ExportedProgram):
         program = torch.export.load(str(program))
     shapes = [graph.input_shapes[name] for name in graph.inputs]
-    counted = saved_bytes(program, shapes, fake=fake)
+    counted = saved_bytes(program, shapes, fake=fake, precision=precision)
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
     for name, nbytes in counted.per_node.items():
