@@ -135,8 +135,10 @@ def saved_by_module(module: torch.nn.Module, *args: torch.Tensor, precision: str
     per_node, _, pack, seen = _counter()
     for tensor in [*module.parameters(), *module.buffers()]:
         seen.add(StorageWeakRef(tensor.untyped_storage()))
-    with autocast_for(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
+    with autocast_for(precision), _mixed_norm_stats(precision), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)  # the dispatch mode changes nothing on real tensors (their kernels
+        # already keep mixed statistics in fp32); under FakeTensorMode it makes them so
     return sum(per_node.values())
 
 
