@@ -119,12 +119,13 @@ def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list
     return [float(sum(values[i] for i in m)) for m in members]
 
 
-def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32"
-                      ) -> list[float] | None:
+def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32",
+                      policy: str = "cpu") -> list[float] | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
     under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
-    unless fp32), when the model's program ``.pt2`` lies beside it; None otherwise (the
-    memory model then counts every output)."""
+    unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``), when the
+    model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
+    every output)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         if precision != "fp32":
@@ -135,7 +136,7 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32"
     from onnx_partition.cost.saved import saved_bytes_per_node  # torch: train plans only
 
     try:
-        return saved_bytes_per_node(graph, program, precision=precision)
+        return saved_bytes_per_node(graph, program, precision=precision, policy=policy)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -367,7 +368,10 @@ def partition(
     aten = None
     if mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
-    saved = saved_activations(graph, Path(model), precision) if mode == "train" else None
+    policy = "cuda" if (device is not None and device.kind == "cuda") or (
+        cluster is not None and cluster.kind == "cuda") else "cpu"
+    saved = saved_activations(graph, Path(model), precision, policy) if mode == "train" \
+        else None
     trainable = trainable_parameters(Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -394,7 +398,8 @@ def partition(
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
-             "total_bytes": int(sum(saved)), "precision": precision} if saved is not None
+             "total_bytes": int(sum(saved)), "precision": precision,
+             **({"autocast": policy} if precision != "fp32" else {})} if saved is not None
             else {"source": "outputs", "note": "no program beside the model: every operator "
                   "output counted, as stored"})
         plan.extra["costs"]["backward"] = (

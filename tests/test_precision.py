@@ -17,6 +17,7 @@ from onnx_partition.cli import main
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.devices import for_precision, gpu
 from onnx_partition.cost.saved import saved_by_module, saved_bytes
+from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.report.page import plan_table
 
@@ -152,3 +153,18 @@ def test_train_refuses_fp16_with_its_reason(plans: Path, tmp_path: Path,
 def test_the_summary_names_the_precision(plans: Path) -> None:
     assert "train in bf16," in plan_table(read_plan(plans / "bf16"))
     assert "train, " in plan_table(read_plan(plans / "fp32"))
+
+
+def test_a_gpu_plan_counts_cudas_policy(block: Path, tmp_path: Path) -> None:
+    """A GPU plan's activations by CUDA autocast's policy (layer norm in fp32: its input and
+    statistics 4 bytes), its matrix products at the GPU's half peak."""
+    plan = partition(block, 1, tmp_path / "gpu", mode="train", precision="bf16",
+                     device=gpu("h100"), batch_size=ROWS, check=False)
+    assert plan.extra["activations"]["autocast"] == "cuda"
+    assert plan.extra["activations"]["total_bytes"] == (
+        ROWS * WIDTH * 2 + ROWS * HIDDEN * 2 + ROWS * HIDDEN * 4 + 2 * ROWS * 4)
+    assert plan.device_model is not None and plan.device_model["name"] == "h100:bf16"
+    cpu = partition(block, 1, tmp_path / "cpu", mode="train", precision="bf16",
+                    device=DeviceSpec("cpu", 100.0, 10.0, 0.0), batch_size=ROWS, check=False)
+    assert cpu.extra["activations"]["autocast"] == "cpu"
+    assert cpu.extra["activations"]["total_bytes"] == sum(HAND_BF16.values())

@@ -1,7 +1,7 @@
 """GPT-2 medium's modelled training peak against FlagPerf's 30.2 GiB (issue 20).
 
     python tools/bench_gpt2_medium_memory.py [--batch-size 4] [--seq 1024] [--layers 24]
-        [--precision fp32 bf16 fp16]
+        [--precision [bf16] [fp16]]
 
 Builds GPT-2 medium (transformers ``GPT2Config``: 24 layers, width 1024, 16 heads, vocabulary
 50,257, 1,024 positions; eager attention, dropout 0.1 on, loss on) with random weights under
@@ -21,11 +21,12 @@ replica, one micro-batch in flight) prices it two ways:
   non-distributed "fp16 param, fp32 grads" row), i.e. ``optimizer_factor`` 4.5 over fp32
   parameter bytes;
 
-* **the planner at ``--precision bf16``/``fp16``**: what ``partition --mode train --precision``
-  counts (:func:`onnx_partition.cost.saved.saved_by_module` under ``torch.autocast``, the CPU
-  policy: module docstring of :mod:`onnx_partition.cost.saved`), priced as our trainer keeps
-  the run (fp32 parameters, gradients and moments: 16 bytes per parameter) and, for the run
-  FlagPerf makes, with Megatron's 18 bytes per parameter (``optimizer_factor`` 4.5);
+* **the planner at ``--precision fp32``/``bf16``/``fp16``**: what ``partition --mode train
+  --precision`` counts, :func:`onnx_partition.cost.saved.saved_bytes` of the model's exported
+  program (with its loss) under autocast, by torch's CPU policy and by CUDA's applied op by op
+  (:mod:`onnx_partition.cost.autocast`; a GPU plan's), priced as our trainer keeps the run
+  (fp32 parameters, gradients and moments: 16 bytes per parameter) and, for the run FlagPerf
+  makes, with Megatron's 18 bytes per parameter (``optimizer_factor`` 4.5);
 
 then adds what ``nvidia-smi``'s "memory in use" counts besides the allocated peak (the CUDA
 context; the caching allocator's reserve) and sets each against FlagPerf's figure.
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-from onnx_partition.cost.saved import autocast_for, saved_by_module
+from onnx_partition.cost.saved import saved_bytes
 from onnx_partition.pipeline.memory import StageBytes, memory_parts
 
 GIB = 2.0**30
@@ -60,11 +61,9 @@ def gpt2_medium(layers: int) -> Any:
                       vocab_size=50257, attn_implementation="eager")
 
 
-def planner_saved(batch: int, seq: int, layers: int, precision: str) -> tuple[int, dict[str, int]]:
-    """The planner's own count at ``precision``: :func:`saved_by_module` (what ``partition
-    --mode train --precision`` runs on a program) of the model with its loss under
-    FakeTensorMode, and the same saved set split by :func:`count_saved`'s kinds as stored."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def export_program(batch: int, seq: int, layers: int) -> Any:
+    """GPT-2 medium with its loss, exported as ``onnx-partition export`` writes ``MODEL.pt2``
+    (``torch.export``, non-strict), random weights: the program ``partition`` counts."""
     from transformers import GPT2LMHeadModel
 
     class WithLoss(torch.nn.Module):
@@ -75,18 +74,28 @@ def planner_saved(batch: int, seq: int, layers: int, precision: str) -> tuple[in
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.model(ids, labels=ids).loss
 
-    with FakeTensorMode():
-        model = WithLoss(GPT2LMHeadModel(gpt2_medium(layers))).train()
-        total = saved_by_module(model, torch.zeros(batch, seq, dtype=torch.long),
-                                precision=precision)
-    _, kinds, _ = count_saved(batch, seq, layers, precision)
-    return total, kinds
+    model = WithLoss(GPT2LMHeadModel(gpt2_medium(layers))).train()
+    return torch.export.export(model, (torch.zeros(batch, seq, dtype=torch.long),),
+                               strict=False)
 
 
-def count_saved(batch: int, seq: int, layers: int, precision: str = "fp32"
-                ) -> tuple[int, dict[str, int], dict[str, int]]:
-    """(parameters, saved bytes per kind as stored (under ``precision``'s autocast), the same
-    kinds recounted for fp16)."""
+def planner_saved(program: Any, batch: int, seq: int, precision: str, policy: str
+                  ) -> tuple[int, dict[str, int]]:
+    """The planner's own count: :func:`onnx_partition.cost.saved.saved_bytes` of the program
+    (what ``partition --mode train --precision`` runs, FakeTensorMode) under autocast's
+    ``policy`` (``cpu``: torch's CPU autocast; ``cuda``: CUDA's applied op by op), and its
+    bytes by the aten op that saved them."""
+    counted = saved_bytes(program, [(batch, seq)], precision=precision, policy=policy)
+    targets = {n.name: getattr(getattr(n.target, "overloadpacket", None), "__name__",
+                               str(n.target)) for n in program.graph.nodes}
+    by_op: dict[str, int] = {}
+    for node, nbytes in counted.per_node.items():
+        by_op[targets[node]] = by_op.get(targets[node], 0) + nbytes
+    return counted.total, by_op
+
+
+def count_saved(batch: int, seq: int, layers: int) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(parameters, saved bytes per kind as stored, the same kinds recounted for fp16)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,8 +148,7 @@ def count_saved(batch: int, seq: int, layers: int, precision: str = "fp32"
             half[kind] += fp16
             return t
 
-        with autocast_for(precision), Masks(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with Masks(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(ids, labels=ids)
     return params, kinds, half
 
@@ -174,9 +182,9 @@ def main() -> int:
     parser.add_argument("--reserve", type=float, default=0.10,
                         help="the caching allocator's reserved-but-free share over the "
                              "allocated peak, for the last row (default 0.10)")
-    parser.add_argument("--precision", nargs="*", default=["bf16", "fp16"],
-                        choices=["bf16", "fp16"],
-                        help="the planner's own counts to add (partition --precision)")
+    parser.add_argument("--precision", nargs="*", default=["fp16"], choices=["bf16", "fp16"],
+                        help="the planner's own counts to add besides fp32 (partition "
+                             "--precision; default fp16, FlagPerf's; none: skip the export)")
     args = parser.parse_args()
     start = time.perf_counter()
     params, kinds, half = count_saved(args.batch_size, args.seq, args.layers)
@@ -212,35 +220,41 @@ def main() -> int:
              f"{reserved:.2f}", f"{reserved / FLAGPERF_GIB:.2f}"],
             ["FlagPerf, memory in use (nvidia-smi)", "", "", "", "", f"{FLAGPERF_GIB:.2f}",
              "1.00"]]
-    planner = {p: planner_saved(args.batch_size, args.seq, args.layers, p)
-               for p in args.precision}
-    added: list[list[str]] = []
-    for precision, (total, _) in planner.items():
-        own = memory_parts(StageBytes(params=4.0 * params, activations=float(total)), 1,
-                           train=True, optimizer_factor=4.0)
-        flag = memory_parts(StageBytes(params=4.0 * params, activations=float(total)), 1,
-                            train=True, optimizer_factor=4.5)
-        added += [
-            parts_row(f"planner --precision {precision} (autocast over fp32, 16 B/param)", own),
-            parts_row(f"planner --precision {precision}, Megatron's 18 B/param", flag),
-            [f"  + CUDA context {CONTEXT_GIB} GiB", "", "", "", "",
-             f"{flag['memory_bytes'] / GIB + CONTEXT_GIB:.2f}",
-             f"{(flag['memory_bytes'] / GIB + CONTEXT_GIB) / FLAGPERF_GIB:.2f}"]]
-    rows[4:4] = added  # after the Megatron-equivalent's context and reserve rows
     print(table(["model", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
                  "peak GiB", "/ FlagPerf"], rows))
-    if planner:
-        names = list(planner)
-        print("\nthe planner's saved set under autocast (CPU policy), split as above; total by "
-              "saved_by_module, the split by this script's hook:\n")
-        print(table(["saved for backward, 1 micro-batch", "fp32 GiB", "Megatron fp16 recount",
-                     *(f"planner {p} GiB" for p in names)],
-                    [[k, f"{kinds[k] / GIB:.2f}", f"{half[k] / GIB:.2f}",
-                      *(f"{planner[p][1][k] / GIB:.2f}" for p in names)] for k in kinds]
-                    + [["**total (split)**", f"**{saved / GIB:.2f}**", f"**{saved16 / GIB:.2f}**",
-                        *(f"**{sum(planner[p][1].values()) / GIB:.2f}**" for p in names)],
-                       ["total (saved_by_module)", "", "",
-                        *(f"{planner[p][0] / GIB:.2f}" for p in names)]]))
+    if args.precision:
+        began = time.perf_counter()
+        program = export_program(args.batch_size, args.seq, args.layers)
+        print(f"\nthe planner's own count (partition --mode train [--precision P]: saved_bytes "
+              f"of the exported program, exported in {time.perf_counter() - began:.1f} s); "
+              "cpu: torch's CPU autocast, cuda: CUDA's policy applied op by op\n")
+        counts = {("fp32", "-"): planner_saved(program, args.batch_size, args.seq, "fp32",
+                                               "cpu")}
+        for precision in args.precision:
+            for policy in ("cpu", "cuda"):
+                counts[precision, policy] = planner_saved(program, args.batch_size, args.seq,
+                                                          precision, policy)
+        added = []
+        for (precision, policy), (total, _) in counts.items():
+            stage = StageBytes(params=4.0 * params, activations=float(total))
+            own = memory_parts(stage, 1, train=True, optimizer_factor=4.0)
+            flag = memory_parts(stage, 1, train=True, optimizer_factor=4.5)
+            in_use = flag["memory_bytes"] / GIB + CONTEXT_GIB
+            what = f"planner {precision}" + (f", {policy} autocast" if policy != "-" else "")
+            added += [parts_row(f"{what} (16 B/param)", own),
+                      parts_row(f"{what}, 18 B/param", flag),
+                      [f"{what}, 18 B/param + context {CONTEXT_GIB} GiB", "", "", "", "",
+                       f"{in_use:.2f}", f"{in_use / FLAGPERF_GIB:.2f}"]]
+        print(table(["model", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
+                     "peak GiB", "/ FlagPerf"], added))
+        ops = sorted({op for _, by_op in counts.values() for op in by_op},
+                     key=lambda op: -max(c[1].get(op, 0) for c in counts.values()))
+        keys = list(counts)
+        print("\nsaved for backward by the aten op that saved it, GiB (ops above 0.05 GiB)\n")
+        print(table(["op", *(f"{p} {q}" if q != "-" else p for p, q in keys)],
+                    [[op, *(f"{counts[k][1].get(op, 0) / GIB:.2f}" for k in keys)]
+                     for op in ops if max(c[1].get(op, 0) for c in counts.values()) > 0.05 * GIB]
+                    + [["**total**", *(f"**{counts[k][0] / GIB:.2f}**" for k in keys)]]))
     needed = (FLAGPERF_GIB - CONTEXT_GIB) / (equiv["memory_bytes"] / GIB) - 1
     closed_peak = (4.5 * 4.0 * params + closed * args.layers + half["loss (logits)"]) / GIB
     print(f"\nreserve over the Megatron-equivalent peak that FlagPerf's figure implies: "

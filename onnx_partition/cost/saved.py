@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from onnx_partition.cost.autocast import POLICIES, AutocastPolicy, cast_call
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
@@ -165,11 +166,15 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
-                fake: bool = True, seed: int = 0, precision: str = "fp32") -> SavedBytes:
+                fake: bool = True, seed: int = 0, precision: str = "fp32",
+                policy: str | AutocastPolicy = "cpu") -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
-    training, computed in ``precision`` (fp32, or autocast to bf16/fp16: module docstring).
-    ``fake=True`` (default) computes it under ``FakeTensorMode``: no memory, any shape."""
+    training, computed in ``precision`` (fp32, or autocast to bf16/fp16: module docstring)
+    under autocast's ``policy``: ``cpu``, torch's CPU autocast; ``cuda`` (or an
+    :class:`~onnx_partition.cost.autocast.AutocastPolicy`), that policy applied op by op
+    (:mod:`onnx_partition.cost.autocast`). ``fake=True`` (default) computes it under
+    ``FakeTensorMode``: no memory, any shape."""
     import torch
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -190,10 +195,27 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             return program.state_dict[target]
         return program.constants[target]
 
+    if isinstance(policy, str) and policy not in POLICIES:
+        raise PartitionError(f"unknown autocast policy {policy!r}; choose "
+                             f"{', '.join(POLICIES)}")
+    # torch's own autocast on CPU; another device's policy (or a given one) applied by hand
+    by_hand = None if policy == "cpu" else POLICIES[policy] if isinstance(policy, str) \
+        else policy
+    half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
+    cache: dict[Any, Any] = {}  # one autocast region: one cast per weight
+
     class Counting(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             current[0] = n.name
             return super().run_node(n)
+
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if half is not None and target is torch.ops.aten._assert_tensor_metadata.default:
+                return None  # asserts the dtype traced at export (fp32), which autocast moves
+            if by_hand is None or half is None:
+                return super().call_function(target, args, kwargs)
+            return cast_call(by_hand, half, cache, target, args, kwargs,
+                             super().call_function)
 
     generator = torch.Generator().manual_seed(seed)
     real_inputs = [torch.randint(0, 2, shape, generator=generator).to(dtype)
@@ -221,7 +243,8 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
     interpreter = Counting(program.graph_module)
-    with autocast_for(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
+    with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if mode is not None:
             with mode, _mixed_norm_stats(precision):
                 interpreter.run(*args)
@@ -265,17 +288,18 @@ def _mixed_norm_stats(precision: str) -> contextlib.AbstractContextManager[objec
 
 
 def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
-                         fake: bool = True, precision: str = "fp32") -> list[float]:
+                         fake: bool = True, precision: str = "fp32", policy: str = "cpu"
+                         ) -> list[float]:
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
     each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
-    ``precision``."""
+    ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""
     import torch
     import torch.fx
 
     if not isinstance(program, torch.export.ExportedProgram):
         program = torch.export.load(str(program))
     shapes = [graph.input_shapes[name] for name in graph.inputs]
-    counted = saved_bytes(program, shapes, fake=fake, precision=precision)
+    counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy)
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
     for name, nbytes in counted.per_node.items():
