@@ -19,20 +19,19 @@ tensors carry shape, dtype and storage size but no data, so GPT-2 medium at 1024
 7B model's layer) is counted without the memory it describes. ``fake=False`` runs on real
 tensors (the tests check both count the same bytes).
 
-**Mixed precision** (``precision="bf16"`` or ``"fp16"``): the run is made under
-``torch.autocast`` with that dtype over the fp32 parameters, as ``train --precision bf16``
-runs a stage (:mod:`onnx_partition.runtime.train.rank`), so every saved tensor has the dtype
-autocast really keeps: a matrix product's inputs as their half casts (a weight's cast too
-where backward needs it: autocast caches one cast per weight per region, and the trainer opens
-one region per micro-batch, so each micro-batch in flight holds its own), what follows in the
-dtype it computes in, a loss in fp32. The policy is **CPU autocast's**: a fake tensor can be
-placed on ``cuda`` without a GPU, but CUDA autocast is disabled where CUDA is not available
-and autograd cannot build a fake CUDA tensor's graph there, so a GPU plan is counted under
-the CPU policy too. The two differ where CUDA autocast computes in fp32 what CPU autocast
-leaves in the half dtype: softmax, log-softmax, layer norm, ``exp``/``pow``/``rsqrt`` and
-other ops of CUDA's fp32 list (torch ``aten/src/ATen/autocast_mode.cpp``), whose saved
-outputs CUDA keeps in 4 bytes; and dropout, whose CPU mask is in the input's dtype (CUDA's
-fused ``native_dropout`` keeps a bool mask, 1 byte).
+**Mixed precision** (``precision="bf16"`` or ``"fp16"``): the run is made under autocast
+with that dtype over the fp32 parameters, as ``train --precision bf16`` runs a stage
+(:mod:`onnx_partition.runtime.train.rank`), so every saved tensor has the dtype autocast really
+keeps: a matrix product's inputs as their half casts (a weight's cast too where backward needs
+it: autocast caches one cast per weight per region, and the trainer opens one region per
+micro-batch, so each micro-batch in flight holds its own), what follows in the dtype it
+computes in, a loss in fp32. ``policy="cpu"`` runs torch's CPU autocast; ``"cuda"`` (a GPU
+plan's) applies CUDA autocast's policy op by op (:mod:`onnx_partition.cost.autocast`: CUDA
+autocast is disabled where CUDA is not available, and autograd cannot build a fake CUDA
+tensor's graph there). Two fixes keep the fake count equal to a real run's: a mixed-type
+normalisation's statistics get the fp32 the CPU kernel gives them (:data:`_NORMS`), and the
+program's ``_assert_tensor_metadata`` checks (of the dtypes traced at export, which autocast
+moves) are skipped.
 
 :func:`saved_bytes_per_node` maps the units onto the ONNX graph the solvers see: a unit's bytes
 on its first ONNX node (in graph order), the unit's other nodes 0, the way a train costs file
