@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from support.blocks import HIDDEN, ROWS, WIDTH, Block, Logits, tiny_gpt2
 
 from onnx_partition import export
 from onnx_partition.cost.autocast import CPU_POLICY, CUDA_POLICY, AutocastPolicy
 from onnx_partition.cost.saved import saved_bytes
-
-ROWS, WIDTH, HIDDEN = 4, 8, 16
 
 
 def _torch_lists() -> dict[str, dict[str, set[str]]]:
@@ -53,18 +51,6 @@ def test_our_lists_contain_torchs(cls: str, policy: AutocastPolicy, lower: tuple
     assert not policy.lower & policy.fp32
 
 
-class Block(torch.nn.Module):
-    def __init__(self, dropout: bool = False) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(WIDTH, HIDDEN)
-        self.act = torch.nn.GELU()
-        self.drop = torch.nn.Dropout(0.5) if dropout else torch.nn.Identity()
-        self.ln = torch.nn.LayerNorm(HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln(self.drop(self.act(self.lin(x))))
-
-
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     torch.manual_seed(0)
@@ -74,23 +60,9 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         model = export(Block(dropout).train(), (torch.randn(ROWS, WIDTH),),
                        root / f"{name}.onnx")
         out[name] = torch.export.load(str(model.with_suffix(".pt2")))
-    transformers.logging.set_verbosity_error()
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100, bos_token_id=0,
-        eos_token_id=0))
-    gpt2.config.use_cache = False
-    out["gpt2"] = torch.export.export(_Logits(gpt2), (torch.zeros(2, 8, dtype=torch.long),),
+    out["gpt2"] = torch.export.export(Logits(tiny_gpt2()), (torch.zeros(2, 8, dtype=torch.long),),
                                       strict=False)
     return out
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, return_dict=False)[0]
 
 
 @pytest.mark.parametrize("name, shape", [("block", (ROWS, WIDTH)), ("dropout", (ROWS, WIDTH)),

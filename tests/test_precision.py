@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.blocks import HIDDEN, ROWS, WIDTH, Block
 
 from onnx_partition import export
 from onnx_partition.cli import main
@@ -20,20 +21,6 @@ from onnx_partition.cost.saved import saved_by_module, saved_bytes
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.report.page import plan_table
-
-ROWS, WIDTH, HIDDEN = 4, 8, 16
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(WIDTH, HIDDEN)
-        self.act = torch.nn.GELU()
-        self.ln = torch.nn.LayerNorm(HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln(self.act(self.lin(x)))
-
 
 # by hand under CPU bf16 autocast: linear saves the bf16 cast of its input x (x needs no
 # gradient, so the weight's cast is not saved), GELU its bf16 input (linear's output), layer
