@@ -387,8 +387,10 @@ def partition(
     aten = None
     if mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
-    policy = "cuda" if (device is not None and device.kind == "cuda") or (
-        cluster is not None and cluster.kind == "cuda") else "cpu"
+    on_gpu = device.kind == "cuda" if device is not None else (
+        (cluster is not None and cluster.kind == "cuda")
+        or (costs is not None and str(costs.device or "").startswith("cuda")))
+    policy = "cuda" if on_gpu else "cpu"  # whose autocast policy counts the activations
     saved = saved_activations(graph, Path(model), precision, policy) if mode == "train" \
         else None
     trainable = trainable_parameters(Path(model)) if mode == "train" else None
@@ -417,8 +419,9 @@ def partition(
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
-             "total_bytes": int(sum(saved)), "precision": precision,
-             **({"autocast": policy} if precision != "fp32" else {})} if saved is not None
+             "total_bytes": int(sum(saved)),  # in half precision: by whose autocast policy
+             **({"precision": precision, "autocast": policy} if precision != "fp32" else {})}
+            if saved is not None
             else {"source": "outputs", "note": "no program beside the model: every operator "
                   "output counted, as stored"})
         plan.extra["costs"]["backward"] = (
