@@ -43,14 +43,15 @@ from typing import Any
 
 import torch
 
+from onnx_partition.cost.devices import CUDA_CONTEXT_GB
 from onnx_partition.cost.saved import saved_bytes
 from onnx_partition.pipeline.memory import StageBytes, memory_parts
 
 GIB = 2.0**30
 FLAGPERF_GIB = 30.2
-#: CUDA context + cuBLAS workspace of a PyTorch process on an A100 (what ``nvidia-smi`` shows
-#: for a process that has only initialised CUDA: 0.3-0.5 GiB); taken at the middle.
-CONTEXT_GIB = 0.4
+#: CUDA context + cuBLAS workspace of a PyTorch process: what the memory model leaves out of a
+#: named GPU's datasheet memory (:data:`onnx_partition.cost.devices.CUDA_CONTEXT_GB`, 0.5 GB).
+CONTEXT_GIB = CUDA_CONTEXT_GB * 1e9 / GIB
 
 
 def gpt2_medium(layers: int) -> Any:
@@ -214,7 +215,7 @@ def main() -> int:
     reserved = equiv["memory_bytes"] / GIB * (1 + args.reserve) + CONTEXT_GIB
     rows = [parts_row("ours: fp32, Adam (16 B/param)", ours),
             parts_row("Megatron-equivalent: fp16 + fp32 master (18 B/param), fp16 acts", equiv),
-            ["+ CUDA context 0.4 GiB", "", "", "", "", f"{in_use:.2f}",
+            [f"+ CUDA context {CONTEXT_GIB:.2f} GiB", "", "", "", "", f"{in_use:.2f}",
              f"{in_use / FLAGPERF_GIB:.2f}"],
             [f"+ allocator reserve {args.reserve:.0%} of the peak", "", "", "", "",
              f"{reserved:.2f}", f"{reserved / FLAGPERF_GIB:.2f}"],
@@ -243,7 +244,7 @@ def main() -> int:
             what = f"planner {precision}" + (f", {policy} autocast" if policy != "-" else "")
             added += [parts_row(f"{what} (16 B/param)", own),
                       parts_row(f"{what}, 18 B/param", flag),
-                      [f"{what}, 18 B/param + context {CONTEXT_GIB} GiB", "", "", "", "",
+                      [f"{what}, 18 B/param + context {CONTEXT_GIB:.2f} GiB", "", "", "", "",
                        f"{in_use:.2f}", f"{in_use / FLAGPERF_GIB:.2f}"]]
         print(table(["model", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
                      "peak GiB", "/ FlagPerf"], added))
