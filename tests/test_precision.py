@@ -155,3 +155,18 @@ def test_a_gpu_plan_counts_cudas_policy(block: Path, tmp_path: Path) -> None:
                     device=DeviceSpec("cpu", 100.0, 10.0, 0.0), batch_size=ROWS, check=False)
     assert cpu.extra["activations"]["autocast"] == "cpu"
     assert cpu.extra["activations"]["total_bytes"] == sum(HAND_BF16.values())
+
+
+def test_a_costs_file_records_its_precision(gpt: Path, tmp_path: Path) -> None:
+    """``profile --mode train --precision bf16`` measures under autocast and says so; a plan
+    priced for another precision by it is warned about, one for the same is not."""
+    costs = tmp_path / "bf16.json"
+    assert main(["profile", str(gpt), "--mode", "train", "--precision", "bf16", "--batch-size",
+                 "2", "--repeats", "1", "-o", str(costs)]) == 0
+    assert json.loads(costs.read_text())["precision"] == "bf16"
+    for precision, warned in (("fp32", True), ("bf16", False)):
+        plan = partition(gpt, 2, tmp_path / precision, costs=costs, mode="train",
+                         precision=precision, exact_budget_s=0, check=False)
+        notes = " ".join(plan.extra["costs"]["check"]["notes"])
+        assert ("was measured in bf16; this plan is priced for fp32" in notes) is warned, notes
+    assert main(["profile", str(gpt), "--precision", "bf16", "-o", str(tmp_path / "x.json")]) == 2

@@ -423,6 +423,9 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: each node's forward in onnxruntime; train: each torch op's "
                         "forward and backward in torch eager, from the program MODEL.pt2")
+    p.add_argument("--precision", default="fp32", choices=PLAN_PRECISIONS,
+                   help="--mode train: measure under autocast to bf16/fp16 (default fp32); the "
+                        "costs file records it")
     p.add_argument("-o", "--output", type=Path,
                    help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
