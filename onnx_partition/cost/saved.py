@@ -86,8 +86,8 @@ def check_precision(precision: str) -> str:
 
 
 def autocast_for(precision: str) -> contextlib.AbstractContextManager[object]:
-    """CPU ``torch.autocast`` to ``precision``'s half dtype (module docstring: why CPU's
-    policy), or nothing for fp32."""
+    """torch's CPU ``torch.autocast`` to ``precision``'s half dtype (a CPU run's policy; a
+    GPU's is applied op by op, :mod:`onnx_partition.cost.autocast`), or nothing for fp32."""
     import torch
 
     if check_precision(precision) == "fp32":
