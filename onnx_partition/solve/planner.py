@@ -52,8 +52,9 @@ from onnx_partition.solve.scoring import (
 from onnx_partition.solve.search import polish_split, sequence_for
 
 __all__ = ["DEVICE_SLACK", "DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH",
-           "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",
-           "devices_notes", "downset_candidates", "dp_candidates", "estimate_ms",
+           "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "DpSequence",
+           "Proposal", "devices_notes", "downset_candidates", "dp_candidates", "dp_sequence",
+           "estimate_ms",
            "fewest_devices", "grid_candidates",
            "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for"]
 
@@ -116,19 +117,27 @@ def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
     return fill + rest + max(s.allreduce_ms for s in stages)
 
 
-def dp_candidates(
-    problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
-    num_stages: int | None = None, order: Sequence[int] | None = None,
-) -> list[Proposal]:
-    """The hybrid DP's best proposals for one ordering (by the closed form), unscored.
+@dataclass(frozen=True)
+class DpSequence:
+    """What the hybrid DP plans over for one ordering: the ordering's sequence, its
+    narrow-point block bounds, the blocks' costs and the cluster as the DP's numbers."""
 
-    Also on the first 1, 2, 4, ... machines alone: the DP prices every boundary and replica
-    group at its own link, not at where the plan will sit, so a plan that keeps off a slow
-    inter-machine network is found by planning without it (PipeDream's "use fewer machines").
-    Every proposal is then simulated on the real cluster."""
-    order = list(sequence_for(problem, ordering) if order is None else order)
+    order: list[int]
+    bounds: list[int]
+    costs: SequenceCosts
+    config: HybridConfig
+
+
+def dp_sequence(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, order: Sequence[int],
+    num_stages: int | None = None,
+) -> DpSequence:
+    """The hybrid DP's input for the sequence ``order``: :func:`_coarse_blocks`' blocks, each
+    block's sums, every boundary priced at the intra-machine link and every replica group at
+    its own (:meth:`Cluster.link`)."""
+    order = list(order)
     blocks = _coarse_blocks(order, problem, run.cluster.devices)
-    bounds = blocks.bounds
+    bounds = list(blocks.bounds)
     cluster = run.cluster
     choices = replica_choices(cluster.devices)
     group_bw = [math.inf] * (cluster.devices + 1)
@@ -169,6 +178,25 @@ def dp_candidates(
                         arrays.input_bytes,
                         [(b, t, sorted({int(block_of[v]) for v in holders}))
                          for b, t, holders in arrays.shared])
+    return DpSequence(order, bounds, seq, config)
+
+
+def dp_candidates(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
+    num_stages: int | None = None, order: Sequence[int] | None = None,
+) -> list[Proposal]:
+    """The hybrid DP's best proposals for one ordering (by the closed form), unscored.
+
+    Also on the first 1, 2, 4, ... machines alone: the DP prices every boundary and replica
+    group at its own link, not at where the plan will sit, so a plan that keeps off a slow
+    inter-machine network is found by planning without it (PipeDream's "use fewer machines").
+    Every proposal is then simulated on the real cluster."""
+    sequence = dp_sequence(problem, arrays, run,
+                           sequence_for(problem, ordering) if order is None else order,
+                           num_stages)
+    order, bounds, seq, config = (sequence.order, sequence.bounds, sequence.costs,
+                                  sequence.config)
+    cluster = run.cluster
     proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
