@@ -508,9 +508,9 @@ def _hybrid_proof_line(exact: Mapping[str, Any]) -> str:
     where = (f"over the {exact.get('ordering')} sequence ({exact.get('positions')} blocks, "
              f"{exact.get('devices')} devices)")
     if by == "size":
-        return (f"plan quality: not proven; the DP's bottleneck period {where} is judged by "
-                f"CP-SAT up to {exact.get('max_positions')} blocks and "
-                f"{exact.get('max_devices')} devices")
+        return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
+                f"{exact.get('max_cells')} stage choices (blocks squared times stages) and "
+                f"{exact.get('max_devices')} devices: here {where}")
     period, plan_ms = exact.get("period_ms"), exact.get("plan_period_ms")
     if period is None:  # the DP found no plan of the sequence within memory
         agreed = ("CP-SAT agrees" if by == "none-fits" else "CP-SAT disagrees: please report"

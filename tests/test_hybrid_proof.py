@@ -76,7 +76,7 @@ def test_an_unproven_period_reports_its_gap_to_a_bound() -> None:
 def test_sizes_and_switches_not_judged() -> None:
     problem, arrays, run = heavy_chain()
     plan, _ = plan_cluster(problem, arrays, run)
-    size = prove_hybrid(problem, arrays, run, plan, max_positions=2)
+    size = prove_hybrid(problem, arrays, run, plan, max_cells=26)
     assert (size.proven, size.by, size.positions, size.period_ms) == (False, "size", 3, None)
     assert prove_hybrid(problem, arrays, run, plan, budget_s=0).by == "off"
     # data parallel inference: all compute over all devices, met without CP-SAT
@@ -136,7 +136,7 @@ def test_the_json_of_each_outcome() -> None:
     proven = HybridProof(True, "cp-sat", "dfs", 12, 4, 2.0, 2.0, 0.0, 2.5, 0.25, 2e-9)
     body = proven.to_json(1.0)
     assert body["period_ms"] == 2.0 and body["plan_period_ms"] == 2.5 and body["seconds"] == 0.25
-    size = HybridProof(False, "size", "topo", 90, 8, limits=(64, 8)).to_json(1.0)
-    assert (size["max_positions"], size["max_devices"]) == (64, 8) and "period_ms" not in size
+    size = HybridProof(False, "size", "topo", 90, 8, limits=(20_000, 8)).to_json(1.0)
+    assert (size["max_cells"], size["max_devices"]) == (20_000, 8) and "period_ms" not in size
     assert HybridProof(False, "fleet").to_json(1.0).keys() == {
         "kind", "proven_optimal", "by", "objective", "budget_s"}

@@ -9,21 +9,23 @@ micro-batches, the PCIe setting of ``tools/bench_planner.py``: 24 GB devices), t
 seconds of CP-SAT on one worker): the sequence it judged (ordering, blocks), whether the DP's
 least bottleneck period is proven, its gap to CP-SAT's bound otherwise, the chosen plan's own
 period in that model, and the pass's wall time. ``--any-size`` lifts the size threshold
-(:data:`~onnx_partition.solve.hybrid_proof.PROOF_POSITIONS` blocks and
+(:data:`~onnx_partition.solve.hybrid_proof.PROOF_CELLS` stage choices and
 :data:`~onnx_partition.solve.hybrid_proof.PROOF_DEVICES` devices) to show where it stops
-paying. Analytic H100 costs, batch 8. Prints a Markdown table and a summary.
+paying; ``--memory-gb`` makes memory bind. Analytic H100 costs, batch 8. Prints a Markdown
+table and a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from bench_planner import MICROBATCHES, SETTINGS, cluster_for, recipe_problem
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.solve.hybrid_proof import PROOF_DEVICES, PROOF_POSITIONS, prove_hybrid
+from onnx_partition.solve.hybrid_proof import PROOF_CELLS, PROOF_DEVICES, prove_hybrid
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.scoring import RunSpec
 
@@ -36,9 +38,13 @@ def main() -> int:
     parser.add_argument("--modes", nargs="*", default=["infer", "train"])
     parser.add_argument("--budget", type=float, default=1.0)
     parser.add_argument("--any-size", action="store_true")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="device memory (default: the setting's 24 GB), to make it bind")
     args = parser.parse_args()
     setting = SETTINGS["pcie"]
-    limits = (10**9, 10**9) if args.any_size else (PROOF_POSITIONS, PROOF_DEVICES)
+    if args.memory_gb is not None:
+        setting = replace(setting, memory_gb=args.memory_gb)
+    limits = (10**9, 10**9) if args.any_size else (PROOF_CELLS, PROOF_DEVICES)
     print("| recipe | size | units | D | mode | plan | ordering | blocks | proof | gap | "
           "DP period ms | plan period ms | s |")
     print("| --- " * 13 + "|")
@@ -59,7 +65,7 @@ def main() -> int:
                                   f"{mode} | {error} |" + " |" * 7)
                             continue
                         proof = prove_hybrid(problem, arrays, run, plan, budget_s=args.budget,
-                                             max_positions=limits[0], max_devices=limits[1])
+                                             max_cells=limits[0], max_devices=limits[1])
                         attempted = proof.by in ("bound", "cp-sat", "budget", "disagree")
                         tried += attempted
                         proven += proof.proven

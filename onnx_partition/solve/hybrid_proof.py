@@ -13,10 +13,11 @@ over the contiguous splits of one ordering's sequence of narrow-point blocks, an
 1F1B's warm-up, without recomputation, every boundary priced at the intra-machine link. The
 DP's least period is compared with :func:`~onnx_partition.solve.hybrid_judge.judge_hybrid`
 (CP-SAT, written from the model's definition, one worker, a budget in *deterministic* seconds,
-so the same record at any load), on sequences of at most :data:`PROOF_POSITIONS` blocks and
-clusters of at most :data:`PROOF_DEVICES` devices. The record (plan.json's ``exact``) says
-whether it is proven, the gap to CP-SAT's bound otherwise, or why it was not attempted, and the
-chosen plan's own period in that model where its stages are blocks of that sequence.
+so the same record at any load), on models of at most :data:`PROOF_CELLS` choices (blocks
+squared times the stages there may be) on at most :data:`PROOF_DEVICES` devices. The record
+(plan.json's ``exact``) says whether it is proven, the gap to CP-SAT's bound otherwise, or why
+it was not attempted, and the chosen plan's own period in that model where its stages are
+blocks of that sequence.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 from onnx_partition.solve.search import sequence_for
 
-__all__ = ["OBJECTIVE", "PROOF_DEVICES", "PROOF_POSITIONS", "HybridProof", "plan_spans",
+__all__ = ["OBJECTIVE", "PROOF_CELLS", "PROOF_DEVICES", "HybridProof", "plan_spans",
            "prove_hybrid"]
 
-#: The judge runs on sequences of at most this many blocks ...
-PROOF_POSITIONS = 40
-#: ... and clusters of at most this many devices (its model grows with both; in one
-#: deterministic second it proves the tests' and the recipes' tiny plans, docs/benchmarks.md).
+#: The judge runs where the blocks squared times the stages there may be (its stage choices)
+#: are at most this many ... (on the recipes' tiny plans: 9,500 choices proven in 0.1 s,
+#: 17,400 in 0.6 s, 29,000 in 1 s, 35,000 in 2.5 s at load 3; docs/benchmarks.md)
+PROOF_CELLS = 20_000
+#: ... on at most this many devices (the replica counts the judge tries: every one up to D).
 PROOF_DEVICES = 8
 #: What the record proves, in words (plan.json's ``exact.objective``).
 OBJECTIVE = ("least bottleneck period per micro-batch, max over stages of ceil(M/r) (F + B + "
@@ -63,7 +65,7 @@ class HybridProof:
     devices in all (``by == "bound"``), or CP-SAT proved it (``"cp-sat"``); else ``by`` says
     why not: ``"budget"`` (CP-SAT ran out;
     ``gap`` is ``(period_ms - lower_bound_ms) / period_ms``), ``"size"`` (more than
-    :data:`PROOF_POSITIONS` blocks or :data:`PROOF_DEVICES` devices), ``"off"`` (budget 0),
+    :data:`PROOF_CELLS` stage choices or :data:`PROOF_DEVICES` devices), ``"off"`` (budget 0),
     ``"recompute"`` (every stage recomputes: the judge models none), ``"fleet"`` (mixed device
     kinds), ``"none-fits"`` (no plan of the sequence fits without recomputation) or
     ``"disagree"`` (CP-SAT found a smaller period than the DP's: a bug, said, never hidden).
@@ -82,7 +84,7 @@ class HybridProof:
     plan_period_ms: float | None = None
     seconds: float = 0.0
     rounding_ms: float = 0.0
-    limits: tuple[int, int] = (PROOF_POSITIONS, PROOF_DEVICES)  # the judge's blocks, devices
+    limits: tuple[int, int] = (PROOF_CELLS, PROOF_DEVICES)  # the judge's choices, devices
 
     def to_json(self, budget_s: float) -> dict[str, Any]:
         """plan.json's ``exact`` entry of a hybrid plan (``kind``: ``hybrid-period``)."""
@@ -96,7 +98,7 @@ class HybridProof:
             if value is not None:
                 body[name] = round(value, 6)
         if self.by == "size":
-            body.update(max_positions=self.limits[0], max_devices=self.limits[1])
+            body.update(max_cells=self.limits[0], max_devices=self.limits[1])
         if self.by in ("bound", "cp-sat", "budget", "disagree", "none-fits"):
             body.update(seconds=round(self.seconds, 3), rounding_ms=self.rounding_ms)
         return body
@@ -122,7 +124,7 @@ def plan_spans(sequence: DpSequence, stage_of: list[int], replicas: list[int]
 
 def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: HybridPlan, *,
                  num_stages: int | None = None, budget_s: float = 1.0,
-                 max_positions: int = PROOF_POSITIONS,
+                 max_cells: int = PROOF_CELLS,
                  max_devices: int = PROOF_DEVICES) -> HybridProof:
     """Prove the hybrid DP's least period over the sequence ``plan`` came from optimal (the
     module docstring says which objective), or give its gap to CP-SAT's bound, within
@@ -137,8 +139,9 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     sequence = dp_sequence(problem, arrays, run, sequence_for(problem, ordering), num_stages)
     n, devices = len(sequence.bounds) - 1, run.cluster.devices
     record = partial(HybridProof, ordering=ordering, positions=n, devices=devices,
-                     limits=(max_positions, max_devices))
-    if n > max_positions or devices > max_devices:
+                     limits=(max_cells, max_devices))
+    depth = min(num_stages or run.max_stages, devices, n)  # the most stages a plan may have
+    if n * n * depth > max_cells or devices > max_devices:
         return record(False, "size")
     started = time.perf_counter()
     spans = plan_spans(sequence, plan.stage_of, plan.replicas)
