@@ -506,7 +506,8 @@ def _hybrid_proof_line(exact: Mapping[str, Any]) -> str:
     if by in _HYBRID_SHORT:
         return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
     where = (f"over the {exact.get('ordering')} sequence ({exact.get('positions')} blocks, "
-             f"{exact.get('devices')} devices)")
+             f"{exact.get('devices')} devices)" if exact.get("positions") else
+             f"on {exact.get('devices')} devices")
     if by == "size":
         return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
                 f"{exact.get('max_cells')} stage choices (blocks squared times stages) and "

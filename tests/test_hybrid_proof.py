@@ -140,3 +140,10 @@ def test_the_json_of_each_outcome() -> None:
     assert (size["max_cells"], size["max_devices"]) == (20_000, 8) and "period_ms" not in size
     assert HybridProof(False, "fleet").to_json(1.0).keys() == {
         "kind", "proven_optimal", "by", "objective", "budget_s"}
+
+
+def test_more_devices_than_the_judge_takes_is_said_before_sequencing() -> None:
+    problem, arrays, run = heavy_chain()
+    plan, _ = plan_cluster(problem, arrays, run)
+    many = prove_hybrid(problem, arrays, run, plan, max_devices=2)
+    assert (many.by, many.positions, many.devices) == ("size", 0, 3)

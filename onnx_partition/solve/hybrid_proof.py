@@ -136,12 +136,16 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
         return HybridProof(False, "recompute")
     ordering = plan.source.partition(":")[2] if plan.source.startswith("dp") else ""
     ordering = ordering or HYBRID_ORDERINGS[0]
+    devices = run.cluster.devices
+    if devices > max_devices:  # said before sequencing a graph that may be large
+        return HybridProof(False, "size", ordering, devices=devices,
+                           limits=(max_cells, max_devices))
     sequence = dp_sequence(problem, arrays, run, sequence_for(problem, ordering), num_stages)
-    n, devices = len(sequence.bounds) - 1, run.cluster.devices
+    n = len(sequence.bounds) - 1
     record = partial(HybridProof, ordering=ordering, positions=n, devices=devices,
                      limits=(max_cells, max_devices))
     depth = min(num_stages or run.max_stages, devices, n)  # the most stages a plan may have
-    if n * n * depth > max_cells or devices > max_devices:
+    if n * n * depth > max_cells:
         return record(False, "size")
     started = time.perf_counter()
     spans = plan_spans(sequence, plan.stage_of, plan.replicas)
