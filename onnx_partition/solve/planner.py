@@ -208,7 +208,8 @@ def dp_candidates(
         per_machines[machines] = per_machines.get(machines, 0) + 1
         if per_machines[machines] <= SIMULATED:
             kept.append(proposal)
-    return [Proposal(assign(order, [bounds[s.start] for s in proposal] + [len(order)]),
+    at = np.asarray(order, dtype=np.int64)  # converted once, not per proposal (100k nodes)
+    return [Proposal(assign(at, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal],
                      f"dp{RECOMPUTED if proposal[0].recompute else ''}:{ordering}")
             for proposal in kept]
@@ -267,6 +268,7 @@ def grid_candidates(
         nbytes = [2.0 * b for b in nbytes]
     base = [c / run.cluster.speed for c in base]
     order = list(sequence_for(problem, "dfs") if order is None else order)
+    at = np.asarray(order, dtype=np.int64)  # converted once, not per grid (100k nodes)
     cuts = cut_bytes(problem, order, nbytes)
     blocks = cluster_blocks(problem, order, base, max(pp for _, pp in grids))
     plans = []
@@ -284,7 +286,7 @@ def grid_candidates(
         split = split_sequence(block_compute, block_cuts, pp,  # a proposal: 0.0001% will do
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
                                latency_ms=problem.latency_ms, precision=1e-6)
-        stage_of = assign(order, blocks.expand(split.bounds))
+        stage_of = assign(at, blocks.expand(split.bounds))
         short = problem.num_nodes <= LONG_GRAPH
         polish = None
         if short and devices == run.cluster.devices:  # splits no sequence holds
