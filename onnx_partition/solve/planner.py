@@ -43,8 +43,8 @@ from onnx_partition.solve.scoring import (
     HybridPlan,
     NodeArrays,
     RunSpec,
+    StageTotals,
     lower_bound_ms,
-    pipeline_costs,
     simulated,
     stage_totals,
     totals_costs,
@@ -369,6 +369,8 @@ class _Tournament:
     by_machines: dict[int, HybridPlan] = field(default_factory=dict)
     reporter: Reporter = SILENT  # each proposal weighed
     played: list[HybridPlan] = field(default_factory=list)  # every plan simulated
+    #: each cut's per-stage sums, shared by its proposals on other replica counts
+    totals: dict[tuple[tuple[int, ...], int], StageTotals] = field(default_factory=dict)
 
     def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
         """Simulate a batch's new plans best bound first, skipping what cannot beat
@@ -377,14 +379,18 @@ class _Tournament:
         run = self.run
         pool = []
         for proposal in batch:
-            key = (tuple(proposal.stage_of), tuple(proposal.replicas))
+            cut = tuple(proposal.stage_of)
+            key = (cut, tuple(proposal.replicas))
             if key in self.bounds:
                 continue
             if max(proposal.replicas) > run.microbatches:  # a replica beyond the M-th would
                 self.bounds[key] = None  # get no micro-batch: not weighed
                 continue
-            costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
-                                           proposal.replicas, run)
+            depth = len(proposal.replicas)
+            if (cut, depth) not in self.totals:
+                self.totals[cut, depth] = stage_totals(self.problem, self.arrays,
+                                                       proposal.stage_of, depth)
+            costs, memory = totals_costs(self.totals[cut, depth], proposal.replicas, run)
             self.bounds[key] = None
             if RECOMPUTED in proposal.source and run.recompute == "auto" and not any(
                     s.recompute for s in costs.stages):
