@@ -533,9 +533,9 @@ def _hybrid_proof_line(exact: Mapping[str, Any]) -> str:
         how = ("it meets the bound of all compute over all devices" if by == "bound"
                else f"CP-SAT, {exact.get('seconds', 0):.2f} s")
         return f"plan quality: {least}, proven optimal ({how}){chosen}"
-    return (f"plan quality: {least}, within {exact.get('gap', 0) * 100:.2f}% of CP-SAT's "
-            f"bound {exact.get('lower_bound_ms', 0):.6g} ms; the budget ran out "
-            f"(--exact-budget SECONDS to search longer){chosen}")
+    return (f"plan quality: {least}, within {exact.get('gap', 0) * 100:.2f}% of the bound "
+            f"{exact.get('lower_bound_ms', 0):.6g} ms (all compute over all devices); CP-SAT's "
+            f"budget ran out (--exact-budget SECONDS to search longer){chosen}")
 
 
 def proof_line(plan: Plan) -> str | None:

@@ -63,8 +63,8 @@ class HybridProof:
     ``proven``: no plan of the sequence has a period below ``period_ms``, the DP's least:
     it meets the bound that no stage runs faster than its compute over its replicas on ``D``
     devices in all (``by == "bound"``), or CP-SAT proved it (``"cp-sat"``); else ``by`` says
-    why not: ``"budget"`` (CP-SAT ran out;
-    ``gap`` is ``(period_ms - lower_bound_ms) / period_ms``), ``"size"`` (more than
+    why not: ``"budget"`` (CP-SAT ran out; ``gap`` is ``(period_ms - lower_bound_ms) /
+    period_ms`` with the bound of all compute over all devices), ``"size"`` (more than
     :data:`PROOF_CELLS` stage choices or :data:`PROOF_DEVICES` devices), ``"off"`` (budget 0),
     ``"recompute"`` (every stage recomputes: the judge models none), ``"fleet"`` (mixed device
     kinds), ``"none-fits"`` (no plan of the sequence fits without recomputation) or
