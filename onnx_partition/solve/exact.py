@@ -204,12 +204,12 @@ def stage_neighbourhoods(
     width: int = LNS_WIDTH, solves: int = LNS_SOLVES,
 ) -> list[int]:
     """Large-neighbourhood search over adjacent stages (Shaw, CP 1998): the nodes of ``width``
-    adjacent stages that hold the slowest one move, every other node keeps its stage, and
-    CP-SAT (:func:`~onnx_partition.solve.ilp.solve_ilp`, one worker, ``budget_s``
-    deterministic seconds) re-cuts them; the stages outside keep their times (the crossings
-    at the window's edges do not change), so only a window holding the slowest stage can
-    lower the bottleneck. The first window that does is taken, and the search starts again
-    from the new slowest stage; at most ``solves`` solves. Never worse than ``stage_of``."""
+    adjacent stages that hold the slowest one may move (to any stage a valid plan allows),
+    every other node keeps its stage, and CP-SAT (:func:`~onnx_partition.solve.ilp.solve_ilp`,
+    one worker, ``budget_s`` deterministic seconds) places them; a window must hold the
+    slowest stage for its nodes to leave it. The first window that lowers the bottleneck is
+    taken, and the search starts again from the new slowest stage; at most ``solves`` solves.
+    Never worse than ``stage_of``."""
     best = [int(s) for s in stage_of]
     best_ms = problem.bottleneck_ms(best, num_stages)
     width = min(width, num_stages - 1)  # all the stages would be the plain search
