@@ -15,7 +15,8 @@ cut optimal, cheapest proof first:
    of :data:`EXACT_ROUNDS_FROM` units or more it may run up to :data:`EXACT_ROUNDS` rounds, each
    restarted from the best plan so far (whose bottleneck narrows CP-SAT's precedence windows),
    while each round betters the plan and none proves it, then polishes the last plan by the
-   local search of :mod:`.refine`.
+   local search of :mod:`.refine` and, still unproven, by CP-SAT on the nodes of a few
+   adjacent stages around the slowest, the rest fixed (:func:`stage_neighbourhoods`).
 
 Pure: plain arrays in, plain data out.
 """
