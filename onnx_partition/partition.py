@@ -33,6 +33,7 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph.emit import StageCut, cut_stages, emit, io_specs
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.from_plan import comm_factor, simulate_plan, stage_comm
+from onnx_partition.pipeline.layout import relay_names
 from onnx_partition.pipeline.memory import (
     RECOMPUTE_MODES,
     StageBytes,
@@ -52,6 +53,7 @@ from onnx_partition.solve.contract import contract, expand
 from onnx_partition.solve.exact import EXACT_BUDGET_S, exact_split
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import (
+    LAST,
     HybridPlan,
     NodeArrays,
     RunSpec,
@@ -161,12 +163,14 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
     """The one count of what each stage holds, from its cut (the stage file it runs), for
     every plan (plain pipeline or cluster): weights, every initializer the stage reads
     (constants included; a tied parameter in each stage reading it, as each rank holds its
-    own copy); of those the ``trainable`` ones (None: all) have gradients and optimizer
-    state; activations per micro-batch (``activation_bytes`` per OpGraph node in training
-    where given: saved for backward; else its operators' outputs); received, the stage
-    file's inputs per micro-batch (stage 0: the graph inputs, held by rank 0 per micro-batch
-    in flight); sent (training, all but the last stage), its outputs, whose gradients come
-    back."""
+    own copy; the last stage also the graph outputs that are initializers or constants);
+    of those the ``trainable`` ones (None: all) have gradients and optimizer state;
+    activations per micro-batch (``activation_bytes`` per OpGraph node in training where
+    given: saved for backward; else its operators' outputs); received, what the runtime
+    hands the stage per micro-batch (:func:`~onnx_partition.pipeline.layout.relay_names`:
+    its inputs and every tensor it relays to a later stage; stage 0: the graph inputs read
+    anywhere, held by rank 0 per micro-batch in flight); sent (training, all but the last
+    stage), what it sends on, relayed tensors included, whose gradients come back."""
     def nbytes(names: Sequence[str]) -> float:
         return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
 
@@ -176,9 +180,11 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
         return nbytes([o for i in cut.nodes for o in graph.nodes[i].outputs])
 
     last = len(cuts) - 1
+    received, sent = relay_names(graph.inputs, [c.inputs for c in cuts],
+                                 [c.outputs for c in cuts], graph.outputs)
     return [StageBytes(float(sum(graph.initializer_bytes[t] for t in cut.initializers)),
-                       acts(cut), nbytes(cut.inputs),
-                       nbytes(cut.outputs) if train and k < last else 0.0,
+                       acts(cut), nbytes(received[k]),
+                       nbytes(sent[k]) if train and k < last else 0.0,
                        None if trainable is None else float(sum(
                            graph.initializer_bytes[t] for t in cut.initializers
                            if t in trainable)))
@@ -193,7 +199,10 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
     :func:`~onnx_partition.graph.emit.cut_stages` puts in a stage file); an initializer one
     unit holds counts in its ``weight_bytes`` (and ``trainable_bytes`` if ``trainable``,
     None: all), one several hold is ``shared`` (bytes, trainable bytes, holders), held by
-    every stage with a holder; ``input_bytes`` the graph inputs, which stage 0 receives."""
+    every stage with a holder; a graph output that is an initializer, or a constant made from
+    some, the last stage file holds: those initializers are ``shared`` with the holder
+    :data:`~onnx_partition.solve.scoring.LAST`; ``input_bytes`` the graph inputs some node
+    reads or the outputs name, which stage 0 receives (:func:`stage_sizes`)."""
     producer = graph.producer_of()
     copied: dict[int, frozenset[str]] = {}  # a free node's and those of the free ones it reads
     for node in graph.nodes:  # topological order: a producer before its readers
@@ -212,18 +221,28 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
                     held |= copied[producer[t]]
         for name in held:
             holders.setdefault(name, []).append(unit)
+    for name in graph.outputs:  # the last stage file's own (graph.emit.cut_stages)
+        if name in graph.tensors:
+            continue
+        tail = {name} & graph.initializer_bytes.keys() or copied.get(producer.get(name, -1),
+                                                                     frozenset())
+        for init in tail:
+            if LAST not in holders.setdefault(init, []):
+                holders[init].append(LAST)
     weights, trained = [0.0] * len(members), [0.0] * len(members)
     shared: list[tuple[float, float, tuple[int, ...]]] = []
     for name in sorted(holders):
         units = holders[name]
         nbytes = float(graph.initializer_bytes.get(name, 0))
         train_bytes = nbytes if trainable is None or name in trainable else 0.0
-        if len(units) == 1:
+        if len(units) == 1 and units[0] != LAST:
             weights[units[0]] += nbytes
             trained[units[0]] += train_bytes
         else:
             shared.append((nbytes, train_bytes, tuple(units)))
-    inputs = float(sum(graph.tensors[t].nbytes for t in graph.inputs if t in graph.tensors))
+    outputs = set(graph.outputs)
+    inputs = float(sum(graph.tensors[t].nbytes for t in graph.inputs if t in graph.tensors
+                       and (graph.tensors[t].consumers or t in outputs)))
     return {"weight_bytes": weights, "trainable_bytes": trained, "shared": shared,
             "input_bytes": inputs}
 

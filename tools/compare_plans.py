@@ -8,6 +8,11 @@ runs with a time limit and several workers, so equal-cost optima may differ; its
 compares the proven bottleneck instead.
 
     python tools/compare_plans.py --base HEAD~3 [--size tiny|small] [--recipes gpt bert]
+
+With ``--memory-fractions 0.9 0.5``: also train plans where memory binds (``--devices 4``,
+batch 2, 4 micro-batches), the device memory that fraction of the largest stage of the base
+tree's plan without a limit, the same bytes for both trees. A plan whose stages and replicas
+are unchanged but whose memory figures moved says so apart.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ CONFIGS = {
     "hybrid4": ["--devices", "4", "--batch-size", "8"],
     "train2x4": ["--devices", "4", "--machines", "2", "--mode", "train", "--batch-size", "4"],
 }
+#: Train plans where memory binds (with --memory-fractions): the unlimited plan, then limits.
+BOUND = ["--devices", "4", "--mode", "train", "--batch-size", "2", "--microbatches", "4"]
+#: Per-stage figures of memory, which a new count moves without moving the plan.
+MEMORY = {"memory_bytes", "buffer_bytes", "static_bytes", "activation_bytes", "input_bytes",
+          "weights_bytes", "grad_bytes", "optimizer_bytes", "devices_notes"}
 TIMINGS = {"partition_s", "planning_s", "seconds", "wall_s", "version", "manifest", "plan_dir"}
 
 
@@ -66,7 +76,17 @@ def verdict(name: str, ours: dict[str, Any] | str, theirs: dict[str, Any] | str)
             return f"another optimum, same bottleneck {a['bottleneck_ms']:.6g} ms"
     changed = sorted(k for k in {*ours["plan"], *theirs["plan"]}
                      if ours["plan"].get(k) != theirs["plan"].get(k))
+    if _without(ours["plan"], MEMORY) == _without(theirs["plan"], MEMORY):
+        return "same stages and replicas; memory figures differ in " + ", ".join(changed)
     return "differs in " + ", ".join(changed)
+
+
+def _without(value: Any, keys: set[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_without(v, keys) for v in value]
+    return value
 
 
 def main() -> int:
@@ -75,6 +95,9 @@ def main() -> int:
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=RECIPES)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--memory-fractions", nargs="*", type=float, default=[],
+                        help="also train plans at these fractions of the unlimited plan's "
+                             "largest stage")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
@@ -98,6 +121,23 @@ def main() -> int:
                     total += 1
                     same += not row.startswith("differs")
                     print(f"| {recipe} | {name} | {row} |", flush=True)
+                if args.memory_fractions:
+                    free = partition(base, model, BOUND, work / f"free-{recipe}")
+                    if isinstance(free, str):
+                        print(f"| {recipe} | train4 | base failed: {free} |")
+                        continue
+                    top = max(s["predicted"]["memory_bytes"] for s in free["plan"]["stages"])
+                    for fraction in args.memory_fractions:
+                        limit = ["--device-memory", f"{fraction * top / 1e9:.9f}"]
+                        name = f"train4@{fraction:g}"
+                        ours = partition(ROOT, model, BOUND + limit, work / f"ours-{recipe}-{name}")
+                        theirs = partition(base, model, BOUND + limit,
+                                           work / f"base-{recipe}-{name}")
+                        row = verdict(name, ours, theirs)
+                        total += 1
+                        same += not row.startswith("differs")
+                        print(f"| {recipe} | {name} ({fraction * top:.0f} B) | {row} |",
+                              flush=True)
             print(f"\n{same} of {total} plans unchanged")
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],

@@ -19,12 +19,13 @@ inference runtime and the training runtime alike. Pure Python: the plan contract
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan
 
-__all__ = ["Layout", "layout", "needed_after", "replica_of"]
+__all__ = ["Layout", "layout", "needed_after", "relay_names", "replica_of"]
 
 
 def replica_of(microbatch: int, replicas: int) -> int:
@@ -36,9 +37,40 @@ def replica_of(microbatch: int, replicas: int) -> int:
 def needed_after(plan: Plan) -> list[set[str]]:
     """Per stage ``k``, the tensor names still needed after it: the inputs of the stages after
     ``k`` and the graph outputs."""
-    outputs = {o.name for o in plan.outputs}
-    return [{n for s in plan.stages[k + 1:] for n in s.inputs} | outputs
-            for k in range(len(plan.stages))]
+    return _needed([s.inputs for s in plan.stages], [o.name for o in plan.outputs])
+
+
+def _needed(stage_inputs: Sequence[Collection[str]], outputs: Collection[str]
+            ) -> list[set[str]]:
+    return [{n for names in stage_inputs[k + 1:] for n in names} | set(outputs)
+            for k in range(len(stage_inputs))]
+
+
+def relay_names(inputs: Collection[str], stage_inputs: Sequence[Collection[str]],
+                stage_outputs: Sequence[Collection[str]], outputs: Collection[str]
+                ) -> tuple[list[list[str]], list[list[str]]]:
+    """Per stage, the tensors it receives and those it sends on (the last stage: the graph
+    outputs), given the graph's ``inputs`` and ``outputs`` and each stage file's: what is
+    available there (a graph input, or made by a stage so far) and read by the stage or
+    needed after it (:func:`needed_after`). A tensor so crosses every boundary between the
+    stage making it and the last one reading it, as the cost model's relay model says, and
+    the memory model counts these bytes (``partition.stage_sizes``). A PartitionError if a
+    stage reads a tensor no earlier stage or graph input makes."""
+    avail = set(inputs)
+    recv, send = [], []
+    for k, (read, keep) in enumerate(zip(stage_inputs, _needed(stage_inputs, outputs),
+                                         strict=True)):
+        missing = [n for n in read if n not in avail]
+        if missing:
+            raise PartitionError(f"plan.json: stage {k} reads {missing[0]!r}, which no earlier "
+                                 f"stage or graph input makes")
+        recv.append(sorted(avail & (set(read) | keep)))
+        avail |= set(stage_outputs[k])
+        send.append(sorted(avail & keep))
+    lost = sorted(set(outputs) - avail)
+    if lost:
+        raise PartitionError(f"plan.json: no stage makes the graph output {lost[0]!r}")
+    return recv, send
 
 
 @dataclass(frozen=True)
@@ -82,18 +114,6 @@ def layout(plan: Plan) -> Layout:
     first = list(itertools.accumulate([0, *replicas]))[:-1]
     devices = [[(s.devices or ["cpu"])[r % len(s.devices or ["cpu"])] for r in range(d)]
                for s, d in zip(plan.stages, replicas, strict=True)]
-    outputs = {o.name for o in plan.outputs}
-    avail = {i.name for i in plan.inputs}
-    recv, send = [], []
-    for k, (stage, keep) in enumerate(zip(plan.stages, needed_after(plan), strict=True)):
-        missing = [n for n in stage.inputs if n not in avail]
-        if missing:
-            raise PartitionError(f"plan.json: stage {k} reads {missing[0]!r}, which no earlier "
-                                 f"stage or graph input makes")
-        recv.append(sorted(avail & (set(stage.inputs) | keep)))
-        avail |= set(stage.outputs)
-        send.append(sorted(avail & keep))
-    lost = sorted(outputs - avail)
-    if lost:
-        raise PartitionError(f"plan.json: no stage makes the graph output {lost[0]!r}")
+    recv, send = relay_names([i.name for i in plan.inputs], [s.inputs for s in plan.stages],
+                             [s.outputs for s in plan.stages], [o.name for o in plan.outputs])
     return Layout(replicas, first, devices, recv, send)

@@ -26,9 +26,11 @@ program's parameters: only they have gradients and optimizer state; ``P = W`` wh
 trainable ones are not known), ``A`` the stage's activation bytes per micro-batch (train plans of a
 model with a program: the bytes autograd saves for backward, :mod:`onnx_partition.cost.saved`;
 otherwise the bytes of its operators' outputs), ``R`` bytes the
-stage receives per micro-batch (every tensor crossing its input boundary, relay model; stage
-0's are the graph inputs of the micro-batch, which rank 0 holds until its backward), ``G``
-bytes it sends per micro-batch (the gradients of those come back). ``held`` is the number of
+stage receives per micro-batch (every tensor crossing its input boundary, relay model: what
+it reads and what it relays on, :func:`~onnx_partition.pipeline.layout.relay_names`; stage
+0's are the graph inputs of the micro-batch some node reads, which rank 0 holds until its
+backward), ``G`` bytes it sends per micro-batch, relayed tensors included (the gradients of
+those come back). ``held`` is the number of
 micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
 
 **Micro-batches in flight under 1F1B with replicas.** The schedule

@@ -421,12 +421,8 @@ def _counted(arrays: NodeArrays, blocks: Blocks
     """The one count's arrays over ``blocks`` (empty where ``arrays`` do not carry it)."""
     if not arrays.counted:
         return [], [], 0.0, []
-    block_of = np.zeros(len(blocks.order), dtype=np.int64)
-    for b, (lo, hi) in enumerate(itertools.pairwise(blocks.bounds)):
-        block_of[np.asarray(blocks.order[lo:hi], dtype=np.int64)] = b
     return (blocks.sums(arrays.weight_bytes), blocks.sums(arrays.trainable_bytes),
-            arrays.input_bytes, [(b, t, sorted({int(block_of[v]) for v in holders}))
-                                 for b, t, holders in arrays.shared])
+            arrays.input_bytes, arrays.shared_in(blocks))
 
 
 def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts

@@ -58,12 +58,13 @@ from onnx_partition.pipeline.memory import (
     device_bytes,
     held_in_front,
     memory_per_device,
+    peak_inflight,
     ring_allreduce_ms,
 )
 from onnx_partition.values import fmt_bytes
 
 __all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
-           "price_stages", "replica_choices", "stage_period"]
+           "price_stages", "replica_choices", "stage_memory", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -610,6 +611,18 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                         plans.append(variant)
     plans.sort(key=lambda p: max(s.period_ms for s in p))
     return plans
+
+
+def stage_memory(costs: SequenceCosts, config: HybridConfig,
+                 stages: Sequence[tuple[int, int, int]]) -> list[float]:
+    """Bytes per device of a plan's stages ``(start, end, replicas)`` as the DP checks them:
+    its ``static + held * stash`` tables at ``[start, end)``, ``held`` 1F1B's (one in
+    inference); the tests hold them to the stage files' count."""
+    tables = _Tables(costs, config)
+    held = peak_inflight("1f1b" if config.train else "infer", [r for _, _, r in stages],
+                         config.microbatches)
+    return [float(device_bytes(tables.static[i, j], tables.stash[i, j], h))
+            for (i, j, _), h in zip(stages, held, strict=True)]
 
 
 def _bisect(brackets: dict[int, list[int]], values: np.ndarray,

@@ -56,7 +56,8 @@ __all__ = ["DEVICE_SLACK", "DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS"
            "Proposal", "devices_notes", "downset_candidates", "dp_candidates", "dp_sequence",
            "estimate_ms",
            "fewest_devices", "grid_candidates",
-           "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for"]
+           "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for",
+           "sequence_costs"]
 
 #: The hybrid DP's tables grow with the square of the positions: coarser blocks beyond this.
 MAX_POSITIONS = 400
@@ -160,25 +161,7 @@ def dp_sequence(
         depth=num_stages,
         budgets=machine_budgets(cluster),
     )
-    labels: list[str] = []  # each block's first and last operator, for the memory error
-    last_labels: list[str] = []
-    if arrays.names:
-        for lo, hi in itertools.pairwise(bounds):
-            labels.append(arrays.names[order[lo]])
-            last_labels.append(arrays.names[order[hi - 1]])
-    block_of = np.zeros(len(order), dtype=np.int64)  # node -> its block in the sequence
-    for b, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        block_of[np.asarray(order[lo:hi], dtype=np.int64)] = b
-    counted = arrays.counted  # the one count: a shared initializer in each block holding it
-    seq = SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
-                        blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
-                        cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels,
-                        blocks.sums(arrays.weight_bytes) if counted else [],
-                        blocks.sums(arrays.trainable_bytes) if counted else [],
-                        arrays.input_bytes,
-                        [(b, t, sorted({int(block_of[v]) for v in holders}))
-                         for b, t, holders in arrays.shared])
-    return DpSequence(order, bounds, seq, config)
+    return DpSequence(order, bounds, sequence_costs(problem, arrays, blocks), config)
 
 
 def dp_candidates(
@@ -332,6 +315,27 @@ def machine_budgets(cluster: Cluster) -> list[int]:
         budgets.append(machines * cluster.devices_per_machine)
         machines *= 2
     return budgets
+
+
+def sequence_costs(problem: DagProblem, arrays: NodeArrays, blocks: Blocks) -> SequenceCosts:
+    """The hybrid DP's input: ``blocks`` of a sequence as positions, each with its nodes'
+    sums, the bytes crossing each allowed boundary (relay model), the one memory count
+    (a shared initializer in each block holding it, :meth:`NodeArrays.shared_in`) and each
+    block's first and last operator (for the memory error)."""
+    order, bounds = blocks.order, blocks.bounds
+    labels: list[str] = []
+    last_labels: list[str] = []
+    if arrays.names:
+        for lo, hi in itertools.pairwise(bounds):
+            labels.append(arrays.names[order[lo]])
+            last_labels.append(arrays.names[order[hi - 1]])
+    counted = arrays.counted
+    return SequenceCosts(blocks.sums(problem.compute_ms), blocks.sums(arrays.backward_ms),
+                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
+                         cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels,
+                         blocks.sums(arrays.weight_bytes) if counted else [],
+                         blocks.sums(arrays.trainable_bytes) if counted else [],
+                         arrays.input_bytes, arrays.shared_in(blocks))
 
 
 def proposals_for(problem: DagProblem, arrays: NodeArrays, run: RunSpec,

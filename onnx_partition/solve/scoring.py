@@ -16,6 +16,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,9 +34,17 @@ from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
 from onnx_partition.solve.problem import DagProblem
 
-__all__ = ["HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
+if TYPE_CHECKING:
+    from onnx_partition.solve.order.blocks import Blocks
+
+__all__ = ["LAST", "HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
            "lower_bound_ms", "node_arrays", "pipeline_costs", "score", "simulated",
            "stage_totals", "totals_costs"]
+
+
+#: A holder of a shared initializer (:attr:`NodeArrays.shared`) that is no node: the last
+#: stage, whose file holds the graph outputs that are initializers or constants.
+LAST = -1
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,8 @@ class NodeArrays:
     weight_bytes: Sequence[float] = ()
     trainable_bytes: Sequence[float] = ()
     #: initializers several nodes read (a tied parameter): (bytes, trainable bytes, readers),
-    #: held by every stage holding one of its readers
+    #: held by every stage holding one of its readers; a reader :data:`LAST` is the last
+    #: stage (a graph output that is an initializer, or a constant made from one)
     shared: Sequence[tuple[float, float, tuple[int, ...]]] = ()
     #: what stage 0 receives per micro-batch: the graph inputs
     input_bytes: float = 0.0
@@ -75,10 +85,22 @@ class NodeArrays:
         trained: np.ndarray = np.bincount(
             stages_np, np.asarray(self.trainable_bytes, dtype=float), minlength=num_stages)
         for nbytes, train_bytes, readers in self.shared:
-            held = np.unique(stages_np[list(readers)])
+            held = np.unique([num_stages - 1 if v == LAST else int(stages_np[v])
+                              for v in readers])
             np.add.at(weights, held, nbytes)
             np.add.at(trained, held, train_bytes)
         return weights, trained
+
+    def shared_in(self, blocks: Blocks) -> list[tuple[float, float, list[int]]]:
+        """:attr:`shared` over the positions of a sequence cut into ``blocks``: each
+        initializer with the blocks holding it (:data:`LAST`: the last block, which the last
+        stage always holds)."""
+        block_of = np.zeros(len(blocks.order), dtype=np.int64)  # node -> its block
+        for b, (lo, hi) in enumerate(itertools.pairwise(blocks.bounds)):
+            block_of[np.asarray(blocks.order[lo:hi], dtype=np.int64)] = b
+        last = len(blocks.bounds) - 2
+        return [(b, t, sorted({last if v == LAST else int(block_of[v]) for v in holders}))
+                for b, t, holders in self.shared]
 
     @functools.cached_property
     def columns(self) -> np.ndarray:
