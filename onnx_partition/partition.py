@@ -413,7 +413,8 @@ def partition(
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
                                      grad_input=grad_input_ms(graph, node_costs, costs),
-                                     kinds=kinds, trainable=trainable)
+                                     kinds=kinds, trainable=trainable,
+                                     exact_budget_s=exact_budget_s)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
@@ -543,10 +544,58 @@ _SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer
           "size": "graph too large for the default exact search (--solver ilp to run it)"}
 
 
+#: Why a hybrid plan's DP objective was not judged, for the summary.
+_HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
+                 "recompute": "every stage recomputes, which the hybrid judge does not model",
+                 "fleet": "the hybrid judge models one device kind, not a fleet"}
+
+
+def _hybrid_proof_line(exact: Mapping[str, Any]) -> str:
+    """:func:`proof_line` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
+    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`)."""
+    by = exact.get("by", "")
+    if by in _HYBRID_SHORT:
+        return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
+    where = (f"over the {exact.get('ordering')} sequence ({exact.get('positions')} blocks, "
+             f"{exact.get('devices')} devices)" if exact.get("positions") else
+             f"on {exact.get('devices')} devices")
+    if by == "size":
+        return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
+                f"{exact.get('max_cells')} stage choices (blocks squared times stages) and "
+                f"{exact.get('max_devices')} devices: here {where}")
+    period, plan_ms = exact.get("period_ms"), exact.get("plan_period_ms")
+    if period is None:  # the DP found no plan of the sequence within memory
+        agreed = ("CP-SAT agrees" if by == "none-fits" else "CP-SAT disagrees: please report"
+                  if by == "disagree" else "CP-SAT's budget ran out")
+        return (f"plan quality: not proven; the DP finds no plan {where} within memory "
+                f"without recomputation ({agreed}); the plan comes from another proposal")
+    chosen = ("; the plan, chosen by simulated iteration (not proven), has period "
+              f"{plan_ms:.6g} ms (+{(plan_ms / period - 1) * 100:.2f}%)"
+              if period and plan_ms is not None and plan_ms > period * (1 + 1e-6) else
+              "; the plan, chosen by simulated iteration (not proven), has it"
+              if plan_ms is not None else
+              "; the plan, chosen by simulated iteration (not proven), is not a split of "
+              "that sequence")
+    if by == "disagree":
+        return (f"plan quality: CP-SAT found a bottleneck period below the DP's "
+                f"{period:.6g} ms {where}: the DP missed a plan (please report){chosen}")
+    least = f"the DP's least bottleneck period {where}, {period:.6g} ms per micro-batch"
+    if exact.get("proven_optimal"):
+        how = ("it meets the bound of all compute over all devices" if by == "bound"
+               else f"CP-SAT, {exact.get('seconds', 0):.2f} s")
+        return f"plan quality: {least}, proven optimal ({how}){chosen}"
+    return (f"plan quality: {least}, within {exact.get('gap', 0) * 100:.2f}% of the bound "
+            f"{exact.get('lower_bound_ms', 0):.6g} ms (all compute over all devices); CP-SAT's "
+            f"budget ran out (--exact-budget SECONDS to search longer){chosen}")
+
+
 def proof_line(plan: Plan) -> str | None:
     """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
-    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); None for other plans."""
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); of a hybrid plan, what is
+    proven of the DP's bottleneck period (:func:`_hybrid_proof_line`); None for other plans."""
     exact, ilp = plan.extra.get("exact"), plan.extra.get("ilp")
+    if isinstance(exact, dict) and exact.get("kind") == "hybrid-period":
+        return _hybrid_proof_line(exact)
     if isinstance(exact, dict):
         how = {"single": "one stage", "bound": "it meets the lower bound",
                "chain": "the DAG is a chain, cut exactly by the DP",
@@ -676,6 +725,7 @@ def plan_on_cluster(
     grad_input: Sequence[float] | None = None,
     kinds: Mapping[str, NodeCosts] | None = None,
     trainable: Collection[str] | None = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
@@ -687,7 +737,12 @@ def plan_on_cluster(
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
     :func:`plan_stages`), the count plain pipelines state and the one the planner checks
     (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
-    memory so counted, which the planner should never return, is noted as a warning."""
+    memory so counted, which the planner should never return, is noted as a warning.
+    plan.json's ``exact`` says what is proven of the hybrid DP's objective within
+    ``exact_budget_s`` deterministic seconds
+    (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`)."""
+    from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
+
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -719,6 +774,7 @@ def plan_on_cluster(
                            _per_unit([c.backward_ms[g] for g in nodes], members))
             for gpu, c in kinds.items()}, cluster, run)
         gpus = best.gpus
+        proof = HybridProof(False, "fleet")
     else:
         if grad_input is not None and mode == "train":
             arrays = replace(arrays, backward_input_ms=_per_unit(
@@ -727,6 +783,8 @@ def plan_on_cluster(
             problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
             schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
             train=mode == "train", reporter=reporter)
+        proof = prove_hybrid(problem, arrays, run, best, num_stages=num_stages,
+                             budget_s=exact_budget_s)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
@@ -751,6 +809,7 @@ def plan_on_cluster(
         "planning_s": round(best.planning_s, 4),
         # what more devices would buy, and why devices are left unused
         **({"devices_notes": list(best.notes)} if best.notes else {}),
+        "exact": proof.to_json(exact_budget_s),  # what is proven of the DP's objective
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
         # the simulator's exact inputs, so `simulate` and `report` replay this very plan
         "simulator_costs": {
