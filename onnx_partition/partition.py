@@ -26,8 +26,9 @@ from onnx_partition.cost.costs_file import (
     recorded_shapes,
     rescale,
 )
-from onnx_partition.cost.devices import DEFAULT_GPU, device_for, measured_cpu
+from onnx_partition.cost.devices import DEFAULT_GPU, device_for, for_precision, measured_cpu
 from onnx_partition.cost.engine import price_engine, tied_bytes
+from onnx_partition.cost.saved import check_precision
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph import OpGraph, load
@@ -68,7 +69,7 @@ __all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_m
 
 #: What a train plan's memory model assumes, recorded in plan.json (``train`` defaults to
 #: them and warns when told otherwise): AdamW (weights, gradients, two moments:
-#: ``optimizer_factor`` 4), fp32, 1F1B.
+#: ``optimizer_factor`` 4), fp32 (``partition(precision=)`` records its own), 1F1B.
 TRAIN_ASSUMPTIONS = {"optimizer": "adamw", "precision": "fp32", "schedule": "1f1b"}
 #: ``partition --schedule``: plan for each planned train schedule, keep the fastest.
 AUTO = "auto"
@@ -121,17 +122,24 @@ def _per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list
     return [float(sum(values[i] for i in m)) for m in members]
 
 
-def saved_activations(graph: OpGraph, model: Path) -> list[float] | None:
+def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32",
+                      policy: str = "cpu") -> list[float] | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
-    under FakeTensorMode at the graph's input shapes), when the model's program ``.pt2`` lies
-    beside it; None otherwise (the memory model then counts every output)."""
+    under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
+    unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``), when the
+    model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
+    every output)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
+        if precision != "fp32":
+            raise PartitionError(f"--precision {precision} counts what autocast saves by "
+                                 f"running the model's program, and {model} has none "
+                                 f"({program.name}): export it with onnx_partition.export")
         return None
     from onnx_partition.cost.saved import saved_bytes_per_node  # torch: train plans only
 
     try:
-        return saved_bytes_per_node(graph, program)
+        return saved_bytes_per_node(graph, program, precision=precision, policy=policy)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -293,6 +301,7 @@ def partition(
     sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
     kind_costs: Mapping[str, CostsLike] | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``.
 
@@ -320,7 +329,11 @@ def partition(
     A :class:`~onnx_partition.cost.cluster.Fleet` (mixed GPU kinds) prices each group on its
     own GPU, or by its costs file in ``kind_costs`` (keyed by the group's ``gpu``), and plans
     with :func:`~onnx_partition.solve.fleet.plan_fleet`.
-    Returns the plan as written. Raises :class:`PartitionError` on bad input.
+    A train plan is priced for ``precision`` (:data:`~onnx_partition.cost.saved.PRECISIONS`:
+    fp32, or autocast to bf16/fp16 over fp32 parameters): activations as autocast saves them,
+    a GPU's matrix products at its half-precision peak; weights, gradients and optimizer
+    state stay fp32 (16 bytes per parameter with AdamW), as ``train --precision bf16`` keeps
+    them. Returns the plan as written. Raises :class:`PartitionError` on bad input.
     """
     started = time.perf_counter()
     if mode not in ("infer", "train"):
@@ -332,6 +345,10 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
+    check_precision(precision)
+    if precision != "fp32" and mode != "train":
+        raise PartitionError(f"--precision {precision} prices mixed-precision training: it "
+                             "needs --mode train (inference runs the graph's own dtypes)")
     if not 0 <= exact_budget_s < math.inf:
         raise PartitionError(f"--exact-budget must be 0 (off) or a number of seconds, got "
                              f"{exact_budget_s:g}")
@@ -354,6 +371,13 @@ def partition(
                              "plan runs in onnxruntime: profile without --mode train")
     if costs is None and device is None:
         device = device_for(cluster.kind, cluster.gpu) if cluster else measured_cpu()
+    if device is not None:
+        device = for_precision(device, precision)
+    if checked is not None and costs is not None and mode == "train" \
+            and costs.body.get("precision", "fp32") != precision:
+        checked.notes.append(f"warning: costs file {costs.path} was measured in "
+                             f"{costs.body.get('precision', 'fp32')}; this plan is priced for "
+                             f"{precision}: its times may not fit")
     node_costs = annotate(graph, device=device, costs=costs)
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
@@ -364,7 +388,12 @@ def partition(
     aten = None
     if mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
-    saved = saved_activations(graph, Path(model)) if mode == "train" else None
+    on_gpu = device.kind == "cuda" if device is not None else (
+        (cluster is not None and cluster.kind == "cuda")
+        or (costs is not None and str(costs.device or "").startswith("cuda")))
+    policy = "cuda" if on_gpu else "cpu"  # whose autocast policy counts the activations
+    saved = saved_activations(graph, Path(model), precision, policy) if mode == "train" \
+        else None
     trainable = trainable_parameters(Path(model)) if mode == "train" else None
     if cluster is None:
         if num_stages is None:
@@ -385,13 +414,16 @@ def partition(
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
                                      grad_input=grad_input_ms(graph, node_costs, costs),
-                                     kinds=kinds, trainable=trainable)
+                                     kinds=kinds, trainable=trainable,
+                                     exact_budget_s=exact_budget_s)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
-        plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen)
+        plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
-             "total_bytes": int(sum(saved))} if saved is not None
+             "total_bytes": int(sum(saved)),  # in half precision: by whose autocast policy
+             **({"precision": precision, "autocast": policy} if precision != "fp32" else {})}
+            if saved is not None
             else {"source": "outputs", "note": "no program beside the model: every operator "
                   "output counted, as stored"})
         plan.extra["costs"]["backward"] = (
@@ -487,8 +519,9 @@ def priced_by(plan: Plan) -> str:
         where = model.get("measured_on") or "an unnamed device"
         return f"priced by: costs file {model.get('file')} (measured on {where}){estimated}"
     named = (model.get("sources") or {}).get("gpu", "default") != "default"
-    default = " (the default GPU; --gpu NAME to change)" if model.get("name") == (
-        f"{DEFAULT_GPU}:tf32") and not named else ""
+    default = " (the default GPU; --gpu NAME to change)" if str(model.get("name")) in (
+        f"{DEFAULT_GPU}:tf32", f"{DEFAULT_GPU}:bf16", f"{DEFAULT_GPU}:fp16") and not named \
+        else ""
     source = f" ({model['figures_from']})" if model.get("figures_from") else ""
     return (f"priced by: analytic roofline of {model.get('name')}{default}, "
             f"{model.get('peak_tflops', 0):.4g} TFLOP/s dense, "
@@ -514,10 +547,58 @@ _SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer
           "size": "graph too large for the default exact search (--solver ilp to run it)"}
 
 
+#: Why a hybrid plan's DP objective was not judged, for the summary.
+_HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
+                 "recompute": "every stage recomputes, which the hybrid judge does not model",
+                 "fleet": "the hybrid judge models one device kind, not a fleet"}
+
+
+def _hybrid_proof_line(exact: Mapping[str, Any]) -> str:
+    """:func:`proof_line` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
+    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`)."""
+    by = exact.get("by", "")
+    if by in _HYBRID_SHORT:
+        return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
+    where = (f"over the {exact.get('ordering')} sequence ({exact.get('positions')} blocks, "
+             f"{exact.get('devices')} devices)" if exact.get("positions") else
+             f"on {exact.get('devices')} devices")
+    if by == "size":
+        return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
+                f"{exact.get('max_cells')} stage choices (blocks squared times stages) and "
+                f"{exact.get('max_devices')} devices: here {where}")
+    period, plan_ms = exact.get("period_ms"), exact.get("plan_period_ms")
+    if period is None:  # the DP found no plan of the sequence within memory
+        agreed = ("CP-SAT agrees" if by == "none-fits" else "CP-SAT disagrees: please report"
+                  if by == "disagree" else "CP-SAT's budget ran out")
+        return (f"plan quality: not proven; the DP finds no plan {where} within memory "
+                f"without recomputation ({agreed}); the plan comes from another proposal")
+    chosen = ("; the plan, chosen by simulated iteration (not proven), has period "
+              f"{plan_ms:.6g} ms (+{(plan_ms / period - 1) * 100:.2f}%)"
+              if period and plan_ms is not None and plan_ms > period * (1 + 1e-6) else
+              "; the plan, chosen by simulated iteration (not proven), has it"
+              if plan_ms is not None else
+              "; the plan, chosen by simulated iteration (not proven), is not a split of "
+              "that sequence")
+    if by == "disagree":
+        return (f"plan quality: CP-SAT found a bottleneck period below the DP's "
+                f"{period:.6g} ms {where}: the DP missed a plan (please report){chosen}")
+    least = f"the DP's least bottleneck period {where}, {period:.6g} ms per micro-batch"
+    if exact.get("proven_optimal"):
+        how = ("it meets the bound of all compute over all devices" if by == "bound"
+               else f"CP-SAT, {exact.get('seconds', 0):.2f} s")
+        return f"plan quality: {least}, proven optimal ({how}){chosen}"
+    return (f"plan quality: {least}, within {exact.get('gap', 0) * 100:.2f}% of the bound "
+            f"{exact.get('lower_bound_ms', 0):.6g} ms (all compute over all devices); CP-SAT's "
+            f"budget ran out (--exact-budget SECONDS to search longer){chosen}")
+
+
 def proof_line(plan: Plan) -> str | None:
     """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
-    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); None for other plans."""
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); of a hybrid plan, what is
+    proven of the DP's bottleneck period (:func:`_hybrid_proof_line`); None for other plans."""
     exact, ilp = plan.extra.get("exact"), plan.extra.get("ilp")
+    if isinstance(exact, dict) and exact.get("kind") == "hybrid-period":
+        return _hybrid_proof_line(exact)
     if isinstance(exact, dict):
         how = {"single": "one stage", "bound": "it meets the lower bound",
                "chain": "the DAG is a chain, cut exactly by the DP",
@@ -648,6 +729,7 @@ def plan_on_cluster(
     grad_input: Sequence[float] | None = None,
     kinds: Mapping[str, NodeCosts] | None = None,
     trainable: Collection[str] | None = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
@@ -659,7 +741,12 @@ def plan_on_cluster(
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
     :func:`plan_stages`), the count plain pipelines state and the one the planner checks
     (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
-    memory so counted, which the planner should never return, is noted as a warning."""
+    memory so counted, which the planner should never return, is noted as a warning.
+    plan.json's ``exact`` says what is proven of the hybrid DP's objective within
+    ``exact_budget_s`` deterministic seconds
+    (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`)."""
+    from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
+
     link = cluster.intra
     problem, nodes, members = unit_problem(graph, node_costs.forward_ms, link)
     if num_stages is not None:
@@ -691,6 +778,7 @@ def plan_on_cluster(
                            _per_unit([c.backward_ms[g] for g in nodes], members))
             for gpu, c in kinds.items()}, cluster, run)
         gpus = best.gpus
+        proof = HybridProof(False, "fleet")
     else:
         if grad_input is not None and mode == "train":
             arrays = replace(arrays, backward_input_ms=_per_unit(
@@ -699,6 +787,8 @@ def plan_on_cluster(
             problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
             schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
             train=mode == "train", reporter=reporter)
+        proof = prove_hybrid(problem, arrays, run, best, num_stages=num_stages,
+                             budget_s=exact_budget_s)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
     comm = stage_comm(best.costs.send_ms, comm_factor(run.train))
     sim = best.sim
@@ -723,6 +813,7 @@ def plan_on_cluster(
         "planning_s": round(best.planning_s, 4),
         # what more devices would buy, and why devices are left unused
         **({"devices_notes": list(best.notes)} if best.notes else {}),
+        "exact": proof.to_json(exact_budget_s),  # what is proven of the DP's objective
         "allreduce_ms": [round(s.allreduce_ms, 6) for s in best.costs.stages],
         # the simulator's exact inputs, so `simulate` and `report` replay this very plan
         "simulator_costs": {

@@ -62,7 +62,8 @@ def test_a_fleet_file_reads_with_datasheet_memory_and_machines_in_file_order(tmp
     fleet = load_cluster(write(tmp_path, A100_V100))
     assert isinstance(fleet, Fleet)
     a100, v100 = fleet.groups
-    assert (a100.gpu, a100.devices, a100.memory) == ("a100-80gb", 4, 80.0)  # the datasheet's
+    assert (a100.gpu, a100.devices, a100.memory) == ("a100-80gb", 4, 79.5)  # the datasheet's
+    # less the CUDA context's 0.5 GB
     assert (v100.gpu, v100.devices, v100.memory) == ("v100", 4, 16.0)  # as given
     assert fleet.inter == Link(25.0, 0.02) and v100.intra == Link(150.0, 0.005)
     assert fleet.devices == 8 and fleet.kinds == ["a100-80gb", "v100"]
@@ -70,9 +71,9 @@ def test_a_fleet_file_reads_with_datasheet_memory_and_machines_in_file_order(tmp
     assert [fleet.device_name(0, 3), fleet.device_name(1, 0), fleet.device_name(1, 3)] == [
         "m0/cuda:3", "m1/cuda:0", "m2/cuda:1"]
     body = fleet.to_json()
-    assert body["format"] == FLEET_FORMAT and body["groups"][0]["memory_gb"] == 80.0
+    assert body["format"] == FLEET_FORMAT and body["groups"][0]["memory_gb"] == 79.5
     assert load_cluster(write(tmp_path, body, "again.json")) == Fleet(
-        groups=(GpuGroup("a100-80gb", 1, 4, 80.0, Link(300.0, 0.005)), v100),
+        groups=(GpuGroup("a100-80gb", 1, 4, 79.5, Link(300.0, 0.005)), v100),
         inter=fleet.inter)
 
 
@@ -302,7 +303,7 @@ def test_partition_on_a_fleet_writes_each_stage_gpu_and_simulate_replays_it(tmp_
     raw = json.loads(text)
     assert [s["gpu"] for s in raw["stages"]] == [s.gpu for s in plan.stages]
     assert plan_text(Plan.from_json(raw).to_json()) == text  # reads back to the same bytes
-    assert raw["cluster"]["groups"][1]["memory_gb"] == 32.0  # the V100's datasheet memory
+    assert raw["cluster"]["groups"][1]["memory_gb"] == 31.5  # the V100's datasheet less 0.5
     for stage in plan.stages:  # each device named on the machines of its kind
         machines = {d.split("/")[0] for d in stage.devices}
         assert machines <= ({"m0"} if stage.gpu == "a100-80gb" else
@@ -312,8 +313,8 @@ def test_partition_on_a_fleet_writes_each_stage_gpu_and_simulate_replays_it(tmp_
     assert f"({plan.stages[0].devices[0]}, {plan.stages[0].gpu})" in shown
     assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
-    assert "used of a fleet: 1 machine × 2 a100-80gb (80 GB each, stages " in page
-    assert "Each GPU kind&#x27;s memory: a100-80gb 80 GB, v100 32 GB" in page
+    assert "used of a fleet: 1 machine × 2 a100-80gb (79.5 GB each, stages " in page
+    assert "Each GPU kind&#x27;s memory: a100-80gb 79.5 GB, v100 31.5 GB" in page
 
 
 def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):

@@ -158,12 +158,12 @@ def test_named_gpu_brings_memory_and_link(exported, tmp_path: Path,
     model = exported("gpt")
     text = _text(capsys, _partition(model, "--devices", "2", "--gpu", "h100", "-o",
                           tmp_path / "a"))
-    assert ("devices: memory 80 GB per device (datasheet of the H100-SXM5-80GB; --device-memory "
-            "to change); link within a machine 450 GB/s, 0.005 ms (datasheet: NVLink 4 of the "
-            "H100-SXM5-80GB, per direction); between machines 1.25 GB/s, 0.05 ms (default)"
-            ) in text
+    assert ("devices: memory 79.5 GB per device (datasheet of the H100-SXM5-80GB, less 500 MB "
+            "for the CUDA context; --device-memory to change); link within a machine 450 GB/s, "
+            "0.005 ms (datasheet: NVLink 4 of the H100-SXM5-80GB, per direction); between "
+            "machines 1.25 GB/s, 0.05 ms (default)") in text
     plan = read_plan(tmp_path / "a")
-    assert plan.cluster["memory_gb"] == 80.0
+    assert plan.cluster["memory_gb"] == 79.5  # the CUDA context's 0.5 GB left out
     assert plan.cluster["intra"] == {"bandwidth_gbps": 450.0, "latency_ms": 0.005}
     assert plan.device_model is not None and "datasheet" in plan.device_model["sources"]["memory"]
     # options win, and say so
@@ -177,7 +177,8 @@ def test_named_gpu_brings_memory_and_link(exported, tmp_path: Path,
     spec.write_text(json.dumps({"kind": "cuda", "gpu": "a100-40gb", "devices_per_machine": 2,
                                 "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02}}))
     text = _text(capsys, _partition(model, "--cluster", spec, "-o", tmp_path / "c"))
-    assert (f"devices: memory 40 GB per device (datasheet of the A100-SXM4-40GB); link within a "
+    assert (f"devices: memory 39.5 GB per device (datasheet of the A100-SXM4-40GB, less 500 MB "
+            f"for the CUDA context); link within a "
             f"machine 300 GB/s, 0.005 ms (datasheet: NVLink 3 of the A100-SXM4-40GB, per "
             f"direction); between machines 25 GB/s, 0.02 ms (cluster.json {spec})") in text
     # a plain pipeline on a named GPU: its link between stages

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from support.blocks import HIDDEN, ROWS, WIDTH, Block, Logits, tiny_gpt2
 
 from onnx_partition import export, models
 from onnx_partition.cost.saved import saved_by_module, saved_bytes, saved_bytes_per_node
@@ -18,19 +18,6 @@ from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import task_for
-
-ROWS, WIDTH, HIDDEN = 4, 8, 16
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(WIDTH, HIDDEN)
-        self.act = torch.nn.GELU()
-        self.ln = torch.nn.LayerNorm(HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln(self.act(self.lin(x)))
 
 
 @pytest.fixture(scope="module")
@@ -66,30 +53,12 @@ def test_each_unit_lands_on_its_first_onnx_node(block: Path) -> None:
 
 def test_fake_and_real_runs_count_the_same_bytes_on_gpt2() -> None:
     torch.manual_seed(0)
-    model = _gpt2()
-    program = torch.export.export(_Logits(model), (torch.zeros(2, 8, dtype=torch.long),),
+    model = tiny_gpt2()
+    program = torch.export.export(Logits(model), (torch.zeros(2, 8, dtype=torch.long),),
                                   strict=False)
     fake = saved_bytes(program, [(2, 8)], fake=True)
     real = saved_bytes(program, [(2, 8)], fake=False)
     assert fake.per_node == real.per_node and fake.total > 0
-
-
-def _gpt2() -> torch.nn.Module:
-    transformers.logging.set_verbosity_error()
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100, bos_token_id=0,
-        eos_token_id=0))
-    model.config.use_cache = False
-    return model
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, return_dict=False)[0]
 
 
 def _measured(plan_dir: Path, rows: int) -> int:
@@ -119,6 +88,6 @@ def test_two_stage_activation_bytes_sum_to_the_measured_whole(
 def test_two_stage_activation_bytes_of_hf_gpt2(tmp_path: Path) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-    model = export(_Logits(_gpt2()), (ids,), tmp_path / "gpt2.onnx")
+    model = export(Logits(tiny_gpt2()), (ids,), tmp_path / "gpt2.onnx")
     modelled, measured = _two_stage_sum(model, tmp_path / "plan", 2)
     assert abs(modelled - measured) <= 0.05 * measured, (modelled, measured)

@@ -1,6 +1,7 @@
 """GPT-2 medium's modelled training peak against FlagPerf's 30.2 GiB (issue 20).
 
     python tools/bench_gpt2_medium_memory.py [--batch-size 4] [--seq 1024] [--layers 24]
+        [--precision [bf16] [fp16]]
 
 Builds GPT-2 medium (transformers ``GPT2Config``: 24 layers, width 1024, 16 heads, vocabulary
 50,257, 1,024 positions; eager attention, dropout 0.1 on, loss on) with random weights under
@@ -20,6 +21,13 @@ replica, one micro-batch in flight) prices it two ways:
   non-distributed "fp16 param, fp32 grads" row), i.e. ``optimizer_factor`` 4.5 over fp32
   parameter bytes;
 
+* **the planner at ``--precision fp32``/``bf16``/``fp16``**: what ``partition --mode train
+  --precision`` counts, :func:`onnx_partition.cost.saved.saved_bytes` of the model's exported
+  program (with its loss) under autocast, by torch's CPU policy and by CUDA's applied op by op
+  (:mod:`onnx_partition.cost.autocast`; a GPU plan's), priced as our trainer keeps the run
+  (fp32 parameters, gradients and moments: 16 bytes per parameter) and, for the run FlagPerf
+  makes, with Megatron's 18 bytes per parameter (``optimizer_factor`` 4.5);
+
 then adds what ``nvidia-smi``'s "memory in use" counts besides the allocated peak (the CUDA
 context; the caching allocator's reserve) and sets each against FlagPerf's figure.
 Beside them, Korthikanti et al. 2022's closed form for a layer's activations in fp16,
@@ -35,13 +43,56 @@ from typing import Any
 
 import torch
 
+from onnx_partition.cost.devices import CUDA_CONTEXT_GB
+from onnx_partition.cost.saved import saved_bytes
 from onnx_partition.pipeline.memory import StageBytes, memory_parts
 
 GIB = 2.0**30
 FLAGPERF_GIB = 30.2
-#: CUDA context + cuBLAS workspace of a PyTorch process on an A100 (what ``nvidia-smi`` shows
-#: for a process that has only initialised CUDA: 0.3-0.5 GiB); taken at the middle.
-CONTEXT_GIB = 0.4
+#: CUDA context + cuBLAS workspace of a PyTorch process: what the memory model leaves out of a
+#: named GPU's datasheet memory (:data:`onnx_partition.cost.devices.CUDA_CONTEXT_GB`, 0.5 GB).
+CONTEXT_GIB = CUDA_CONTEXT_GB * 1e9 / GIB
+
+
+def gpt2_medium(layers: int) -> Any:
+    """GPT-2 medium's transformers config (``layers`` deep)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024,
+                      vocab_size=50257, attn_implementation="eager")
+
+
+def export_program(batch: int, seq: int, layers: int) -> Any:
+    """GPT-2 medium with its loss, exported as ``onnx-partition export`` writes ``MODEL.pt2``
+    (``torch.export``, non-strict), random weights: the program ``partition`` counts."""
+    from transformers import GPT2LMHeadModel
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(ids, labels=ids).loss
+
+    model = WithLoss(GPT2LMHeadModel(gpt2_medium(layers))).train()
+    return torch.export.export(model, (torch.zeros(batch, seq, dtype=torch.long),),
+                               strict=False)
+
+
+def planner_saved(program: Any, batch: int, seq: int, precision: str, policy: str
+                  ) -> tuple[int, dict[str, int]]:
+    """The planner's own count: :func:`onnx_partition.cost.saved.saved_bytes` of the program
+    (what ``partition --mode train --precision`` runs, FakeTensorMode) under autocast's
+    ``policy`` (``cpu``: torch's CPU autocast; ``cuda``: CUDA's applied op by op), and its
+    bytes by the aten op that saved them."""
+    counted = saved_bytes(program, [(batch, seq)], precision=precision, policy=policy)
+    targets = {n.name: getattr(getattr(n.target, "overloadpacket", None), "__name__",
+                               str(n.target)) for n in program.graph.nodes}
+    by_op: dict[str, int] = {}
+    for node, nbytes in counted.per_node.items():
+        by_op[targets[node]] = by_op.get(targets[node], 0) + nbytes
+    return counted.total, by_op
 
 
 def count_saved(batch: int, seq: int, layers: int) -> tuple[int, dict[str, int], dict[str, int]]:
@@ -49,10 +100,9 @@ def count_saved(batch: int, seq: int, layers: int) -> tuple[int, dict[str, int],
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024,
-                        vocab_size=50257, attn_implementation="eager")
+    config = gpt2_medium(layers)
     heads, vocab = config.n_head, config.vocab_size
     kinds = {"attention scores [b,a,s,s]": 0, "dropout masks": 0, "loss (logits)": 0,
              "rest of the layers": 0}
@@ -133,6 +183,9 @@ def main() -> int:
     parser.add_argument("--reserve", type=float, default=0.10,
                         help="the caching allocator's reserved-but-free share over the "
                              "allocated peak, for the last row (default 0.10)")
+    parser.add_argument("--precision", nargs="*", default=["fp16"], choices=["bf16", "fp16"],
+                        help="the planner's own counts to add besides fp32 (partition "
+                             "--precision; default fp16, FlagPerf's; none: skip the export)")
     args = parser.parse_args()
     start = time.perf_counter()
     params, kinds, half = count_saved(args.batch_size, args.seq, args.layers)
@@ -162,7 +215,7 @@ def main() -> int:
     reserved = equiv["memory_bytes"] / GIB * (1 + args.reserve) + CONTEXT_GIB
     rows = [parts_row("ours: fp32, Adam (16 B/param)", ours),
             parts_row("Megatron-equivalent: fp16 + fp32 master (18 B/param), fp16 acts", equiv),
-            ["+ CUDA context 0.4 GiB", "", "", "", "", f"{in_use:.2f}",
+            [f"+ CUDA context {CONTEXT_GIB:.2f} GiB", "", "", "", "", f"{in_use:.2f}",
              f"{in_use / FLAGPERF_GIB:.2f}"],
             [f"+ allocator reserve {args.reserve:.0%} of the peak", "", "", "", "",
              f"{reserved:.2f}", f"{reserved / FLAGPERF_GIB:.2f}"],
@@ -170,6 +223,39 @@ def main() -> int:
              "1.00"]]
     print(table(["model", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
                  "peak GiB", "/ FlagPerf"], rows))
+    if args.precision:
+        began = time.perf_counter()
+        program = export_program(args.batch_size, args.seq, args.layers)
+        print(f"\nthe planner's own count (partition --mode train [--precision P]: saved_bytes "
+              f"of the exported program, exported in {time.perf_counter() - began:.1f} s); "
+              "cpu: torch's CPU autocast, cuda: CUDA's policy applied op by op\n")
+        counts = {("fp32", "-"): planner_saved(program, args.batch_size, args.seq, "fp32",
+                                               "cpu")}
+        for precision in args.precision:
+            for policy in ("cpu", "cuda"):
+                counts[precision, policy] = planner_saved(program, args.batch_size, args.seq,
+                                                          precision, policy)
+        added = []
+        for (precision, policy), (total, _) in counts.items():
+            stage = StageBytes(params=4.0 * params, activations=float(total))
+            own = memory_parts(stage, 1, train=True, optimizer_factor=4.0)
+            flag = memory_parts(stage, 1, train=True, optimizer_factor=4.5)
+            in_use = flag["memory_bytes"] / GIB + CONTEXT_GIB
+            what = f"planner {precision}" + (f", {policy} autocast" if policy != "-" else "")
+            added += [parts_row(f"{what} (16 B/param)", own),
+                      parts_row(f"{what}, 18 B/param", flag),
+                      [f"{what}, 18 B/param + context {CONTEXT_GIB:.2f} GiB", "", "", "", "",
+                       f"{in_use:.2f}", f"{in_use / FLAGPERF_GIB:.2f}"]]
+        print(table(["model", "weights GiB", "grads GiB", "optimizer GiB", "activations GiB",
+                     "peak GiB", "/ FlagPerf"], added))
+        ops = sorted({op for _, by_op in counts.values() for op in by_op},
+                     key=lambda op: -max(c[1].get(op, 0) for c in counts.values()))
+        keys = list(counts)
+        print("\nsaved for backward by the aten op that saved it, GiB (ops above 0.05 GiB)\n")
+        print(table(["op", *(f"{p} {q}" if q != "-" else p for p, q in keys)],
+                    [[op, *(f"{counts[k][1].get(op, 0) / GIB:.2f}" for k in keys)]
+                     for op in ops if max(c[1].get(op, 0) for c in counts.values()) > 0.05 * GIB]
+                    + [["**total**", *(f"**{counts[k][0] / GIB:.2f}**" for k in keys)]]))
     needed = (FLAGPERF_GIB - CONTEXT_GIB) / (equiv["memory_bytes"] / GIB) - 1
     closed_peak = (4.5 * 4.0 * params + closed * args.layers + half["loss (logits)"]) / GIB
     print(f"\nreserve over the Megatron-equivalent peak that FlagPerf's figure implies: "

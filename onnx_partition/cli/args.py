@@ -23,6 +23,7 @@ from typing import Any
 from onnx_partition import __version__, values
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
+from onnx_partition.cost.saved import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import (
@@ -196,10 +197,17 @@ def _link_text(link: Link) -> str:
     return f"{link.bandwidth_gbps:g} GB/s, {link.latency_ms:g} ms"
 
 
+def _less_context() -> str:
+    """How a named GPU's memory was reduced, for the summary's memory source."""
+    from onnx_partition.cost.devices import CUDA_CONTEXT_GB
+
+    return f"less {values.fmt_bytes(CUDA_CONTEXT_GB * 1e9)} for the CUDA context"
+
+
 def _cluster_and_sources(
     args: argparse.Namespace,
 ) -> tuple[Cluster | Fleet | None, dict[str, str]]:
-    from onnx_partition.cost.devices import gpu_spec
+    from onnx_partition.cost.devices import CUDA_CONTEXT_GB, gpu_spec
 
     sources: dict[str, str] = {}
     if args.cluster is not None:
@@ -221,15 +229,16 @@ def _cluster_and_sources(
         if cluster.gpu:
             _, spec = gpu_spec(cluster.gpu)
             if "memory_gb" not in given:
-                changes["memory_gb"] = spec.memory_gb
+                changes["memory_gb"] = spec.memory_gb - CUDA_CONTEXT_GB
             if "intra" not in given:
                 changes["intra"] = _gpu_link(cluster.gpu)[0]
         cluster = dataclasses.replace(cluster, **changes)
         size = (f"{values.fmt_bytes(cluster.memory_bytes)} per device"
                 if math.isfinite(cluster.memory_gb) else "unlimited")
         named = cluster.gpu or ""
-        sources["memory"] = (f"{size} (datasheet of the {gpu_spec(named)[1].name})"
-                             if "memory_gb" in changes else f"{size} ({here})")
+        sources["memory"] = (f"{size} (datasheet of the {gpu_spec(named)[1].name}, "
+                             f"{_less_context()})" if "memory_gb" in changes
+                             else f"{size} ({here})")
         sources["link"] = (f"{_link_text(cluster.intra)} "
                            f"({_gpu_link(named)[1] if 'intra' in changes else here})")
         sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
@@ -256,9 +265,9 @@ def _cluster_and_sources(
         sources["memory"] = f"{values.fmt_bytes(memory * 1e9)} per device (--device-memory)"
     elif args.gpu:
         spec = gpu_spec(args.gpu)[1]
-        memory = spec.memory_gb
+        memory = spec.memory_gb - CUDA_CONTEXT_GB
         sources["memory"] = (f"{values.fmt_bytes(memory * 1e9)} per device (datasheet of the "
-                             f"{spec.name}; --device-memory to change)")
+                             f"{spec.name}, {_less_context()}; --device-memory to change)")
     else:
         memory = math.inf
         sources["memory"] = "unlimited (default; --device-memory or --gpu NAME to set)"
@@ -414,6 +423,9 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: each node's forward in onnxruntime; train: each torch op's "
                         "forward and backward in torch eager, from the program MODEL.pt2")
+    p.add_argument("--precision", default="fp32", choices=PLAN_PRECISIONS,
+                   help="--mode train: measure under autocast to bf16/fp16 (default fp32); the "
+                        "costs file records it")
     p.add_argument("-o", "--output", type=Path,
                    help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
@@ -441,6 +453,11 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                       help="--mode train: the pipeline schedule to plan for (default auto: "
                            "plan for each and keep the fastest simulated plan). "
                            + _schedule_help(schedules.PLANNED_NAMES))
+    plan.add_argument("--precision", default="fp32", choices=PLAN_PRECISIONS,
+                      help="--mode train: the precision the run trains in (default fp32; "
+                           "bf16/fp16: autocast over fp32 parameters, activations counted as "
+                           "autocast saves them, a GPU's matrix products at its half peak); "
+                           "plan.json records it and `train` defaults to it")
     plan.add_argument("--recompute", default="auto", choices=("auto", "none", "all"),
                       help="--mode train: which stages keep only their inputs and recompute "
                            "their forward in backward (auto: those that would not fit the "

@@ -166,13 +166,16 @@ def _profile(args: argparse.Namespace) -> int:
         return _profile_plan(args, started)
     if args.model is None or args.output is None:
         raise PartitionError("profile needs MODEL and -o COSTS (or --plan PLAN)")
+    if args.precision != "fp32" and getattr(args, "mode", "infer") != "train":
+        raise PartitionError(f"--precision {args.precision} measures training under autocast: "
+                             "it needs --mode train")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.train import profile_train_to_file
 
         trained = profile_train_to_file(
             args.model, args.output, device=args.device, batch_size=args.batch_size,
             input_shapes=input_shapes_of(args), repeats=args.repeats, threads=args.threads,
-            progress=_progress_bar("profiling"))
+            progress=_progress_bar("profiling"), precision=args.precision)
         _say(f"wrote {args.output}: {len(trained.forward_ms)} nodes on {trained.device} "
              f"({trained.executor}), whole program forward {trained.whole_forward_ms:.3f} ms + "
              f"backward {trained.whole_backward_ms:.3f} ms, {trained.unique_signatures} "
@@ -274,6 +277,7 @@ def _partition(args: argparse.Namespace) -> int:
         force=args.force,
         schedule=args.schedule or "auto",
         recompute=args.recompute,
+        precision=args.precision,
         reporter=_bars(),
     )
     stop_bar()

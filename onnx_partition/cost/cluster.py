@@ -145,12 +145,13 @@ class GpuGroup(GroupFields):
 
     @property
     def memory(self) -> float:
-        """GB per device: ``memory_gb``, else the GPU's datasheet memory."""
+        """GB per device: ``memory_gb``, else the GPU's datasheet memory less the CUDA
+        context's (:data:`~onnx_partition.cost.devices.CUDA_CONTEXT_GB`)."""
         if self.memory_gb is not None:
             return self.memory_gb
-        from onnx_partition.cost.devices import gpu
+        from onnx_partition.cost.devices import CUDA_CONTEXT_GB, gpu
 
-        return gpu(self.gpu).memory_gb
+        return gpu(self.gpu).memory_gb - CUDA_CONTEXT_GB
 
     def cluster(self, inter: Link) -> Cluster:
         """The group alone, as a cluster of one kind (its own indices and machine numbers)."""

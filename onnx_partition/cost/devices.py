@@ -33,6 +33,14 @@ and keeps the figures in ``$XDG_CACHE_HOME/onnx-partition/cpu-speed.json`` (defa
 same command gives the same plan; :func:`pinned_cpu` (``partition --cpu-tflops X [--cpu-gbps
 Y]``) fixes them instead. The spec's ``source`` says which, for the summary and plan.json.
 
+**Memory a plan may use.** A named GPU's datasheet memory less :data:`CUDA_CONTEXT_GB` for the
+CUDA context and the cuBLAS workspace, which every training process holds besides its tensors
+and which no count of the model includes (``nvidia-smi`` shows 781 MB for a PyTorch process
+that has only initialised CUDA with eager module loading, PyTorch issue #34323; lazy loading,
+the default since CUDA 11.7, leaves 0.3-0.5 GB; cuBLAS's default workspace on Hopper is 32 MiB
+a stream, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). A memory the user gives (``--device-memory``,
+``memory_gb``) is taken as what a device may use, as it is.
+
 **Links.** A named GPU also brings its datasheet memory and its intra-machine link
 (:data:`GPU_LINKS`: NVLink per direction where the part has it, else PCIe), the defaults of a
 plan on it (``partition --gpu``).
@@ -58,9 +66,10 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_write
 
-__all__ = ["CPU_SPEED_FILE", "DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY", "GPU_LAUNCH_MS",
-           "GPU_LINKS", "MATH_MODES", "GpuLink", "GpuSpec", "cache_home", "device_for", "gpu",
-           "gpu_key", "gpu_spec", "measured_cpu", "pinned_cpu"]
+__all__ = ["CPU_SPEED_FILE", "CUDA_CONTEXT_GB", "DEFAULT_GPU", "GPUS", "GPU_EFFICIENCY",
+           "GPU_LAUNCH_MS", "GPU_LINKS", "MATH_MODES", "GpuLink", "GpuSpec", "cache_home",
+           "device_for", "for_precision", "gpu", "gpu_key", "gpu_spec", "measured_cpu",
+           "pinned_cpu"]
 
 #: Achievable fraction of peak (compute, memory bandwidth) per operator class on a GPU.
 #: dense (MatMul, Gemm, Conv): large cuBLAS GEMMs reach 70-80% of tensor-core peak (NVIDIA,
@@ -110,6 +119,9 @@ GPUS = MappingProxyType({
     "l4": GpuSpec("L4-24GB", 30.3, 60.0, 121.0, 300.0, 24.0),
 })
 DEFAULT_GPU = "h100"
+#: GB of a GPU's datasheet memory a plan leaves to the CUDA context and cuBLAS's workspace
+#: (module docstring); CPUs keep none.
+CUDA_CONTEXT_GB = 0.5
 MATH_MODES = ("tf32", "fp32", "fp16", "bf16")
 
 
@@ -306,6 +318,17 @@ def gpu_key(device_name: str) -> str | None:
     if re.search(r"(^|[^A-Z0-9])A100([^0-9]|$)", text):
         return "a100-40gb" if "40GB" in text else "a100-80gb"
     return None
+
+
+def for_precision(device: DeviceSpec, precision: str) -> DeviceSpec:
+    """``device`` as a training run in ``precision`` uses it: under bf16/fp16 autocast a GPU's
+    matrix products run on its half-precision tensor cores (its ``half_gflops``; the name's
+    math mode becomes the precision, ``h100:bf16``); fp32, a CPU, or a GPU without a half
+    peak: ``device`` unchanged (CPU autocast is priced as fp32: not measured here)."""
+    if precision == "fp32" or device.kind != "cuda" or not device.half_gflops:
+        return device
+    return replace(device, name=f"{device.name.partition(':')[0]}:{precision}",
+                   peak_gflops=device.half_gflops)
 
 
 def device_for(kind: str, gpu_name: str | None = None) -> DeviceSpec:

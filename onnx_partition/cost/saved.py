@@ -19,6 +19,20 @@ tensors carry shape, dtype and storage size but no data, so GPT-2 medium at 1024
 7B model's layer) is counted without the memory it describes. ``fake=False`` runs on real
 tensors (the tests check both count the same bytes).
 
+**Mixed precision** (``precision="bf16"`` or ``"fp16"``): the run is made under autocast
+with that dtype over the fp32 parameters, as ``train --precision bf16`` runs a stage
+(:mod:`onnx_partition.runtime.train.rank`), so every saved tensor has the dtype autocast really
+keeps: a matrix product's inputs as their half casts (a weight's cast too where backward needs
+it: autocast caches one cast per weight per region, and the trainer opens one region per
+micro-batch, so each micro-batch in flight holds its own), what follows in the dtype it
+computes in, a loss in fp32. ``policy="cpu"`` runs torch's CPU autocast; ``"cuda"`` (a GPU
+plan's) applies CUDA autocast's policy op by op (:mod:`onnx_partition.cost.autocast`: CUDA
+autocast is disabled where CUDA is not available, and autograd cannot build a fake CUDA
+tensor's graph there). Two fixes keep the fake count equal to a real run's: a mixed-type
+normalisation's statistics get the fp32 the CPU kernel gives them (:data:`_NORMS`), and the
+program's ``_assert_tensor_metadata`` checks (of the dtypes traced at export, which autocast
+moves) are skipped.
+
 :func:`saved_bytes_per_node` maps the units onto the ONNX graph the solvers see: a unit's bytes
 on its first ONNX node (in graph order), the unit's other nodes 0, the way a train costs file
 keys a unit's times. An FX node without ONNX nodes (untagged) gives its bytes to the first
@@ -28,11 +42,13 @@ tagged node it feeds (else the last tagged node before it), as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from onnx_partition.cost.autocast import POLICIES, AutocastPolicy, cast_call
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
@@ -42,12 +58,41 @@ if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
 __all__ = [
+    "HALF_DTYPES",
+    "PRECISIONS",
     "SavedBytes",
+    "autocast_for",
+    "check_precision",
     "program_inputs",
     "saved_by_module",
     "saved_bytes",
     "saved_bytes_per_node",
 ]
+
+
+#: Training precisions a plan can be priced for: fp32, or autocast to a half dtype over fp32
+#: parameters (``partition --precision``; ``train --precision`` runs fp32 and bf16).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: The torch dtype (by name) autocast computes in, per half precision.
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else :class:`PartitionError`."""
+    if precision not in PRECISIONS:
+        raise PartitionError(f"unknown precision {precision!r}; choose one of "
+                             f"{', '.join(PRECISIONS)}")
+    return precision
+
+
+def autocast_for(precision: str) -> contextlib.AbstractContextManager[object]:
+    """torch's CPU ``torch.autocast`` to ``precision``'s half dtype (a CPU run's policy; a
+    GPU's is applied op by op, :mod:`onnx_partition.cost.autocast`), or nothing for fp32."""
+    import torch
+
+    if check_precision(precision) == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=getattr(torch, HALF_DTYPES[precision]))
 
 
 @dataclass(frozen=True)
@@ -79,17 +124,21 @@ def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
     return per_node, current, pack, seen
 
 
-def saved_by_module(module: torch.nn.Module, *args: torch.Tensor) -> int:
+def saved_by_module(module: torch.nn.Module, *args: torch.Tensor, precision: str = "fp32"
+                    ) -> int:
     """Bytes ``module(*args)`` saves for backward (unique storages, its parameters and buffers
-    left out): the reference count the tests and the whole-program check compare with."""
+    left out; under ``precision``'s autocast): the reference count the tests and the
+    whole-program check compare with."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
     per_node, _, pack, seen = _counter()
     for tensor in [*module.parameters(), *module.buffers()]:
         seen.add(StorageWeakRef(tensor.untyped_storage()))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
+    with autocast_for(precision), _mixed_norm_stats(precision), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)  # the dispatch mode changes nothing on real tensors (their kernels
+        # already keep mixed statistics in fp32); under FakeTensorMode it makes them so
     return sum(per_node.values())
 
 
@@ -116,17 +165,22 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
-                fake: bool = True, seed: int = 0) -> SavedBytes:
+                fake: bool = True, seed: int = 0, precision: str = "fp32",
+                policy: str | AutocastPolicy = "cpu") -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
-    training. ``fake=True`` (default) computes it under ``FakeTensorMode``: no memory, any
-    shape."""
+    training, computed in ``precision`` (fp32, or autocast to bf16/fp16: module docstring)
+    under autocast's ``policy``: ``cpu``, torch's CPU autocast; ``cuda`` (or an
+    :class:`~onnx_partition.cost.autocast.AutocastPolicy`), that policy applied op by op
+    (:mod:`onnx_partition.cost.autocast`). ``fake=True`` (default) computes it under
+    ``FakeTensorMode``: no memory, any shape."""
     import torch
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputKind
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    check_precision(precision)
     sig = program.graph_signature
     specs = program_inputs(program, shapes)
     mutated = set(sig.buffers_to_mutate.values())  # buffers the program updates
@@ -140,10 +194,27 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             return program.state_dict[target]
         return program.constants[target]
 
+    if isinstance(policy, str) and policy not in POLICIES:
+        raise PartitionError(f"unknown autocast policy {policy!r}; choose "
+                             f"{', '.join(POLICIES)}")
+    # torch's own autocast on CPU; another device's policy (or a given one) applied by hand
+    by_hand = None if policy == "cpu" else POLICIES[policy] if isinstance(policy, str) \
+        else policy
+    half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
+    cache: dict[Any, Any] = {}  # one autocast region: one cast per weight
+
     class Counting(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             current[0] = n.name
             return super().run_node(n)
+
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if half is not None and target is torch.ops.aten._assert_tensor_metadata.default:
+                return None  # asserts the dtype traced at export (fp32), which autocast moves
+            if by_hand is None or half is None:
+                return super().call_function(target, args, kwargs)
+            return cast_call(by_hand, half, cache, target, args, kwargs,
+                             super().call_function)
 
     generator = torch.Generator().manual_seed(seed)
     real_inputs = [torch.randint(0, 2, shape, generator=generator).to(dtype)
@@ -171,9 +242,10 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
     interpreter = Counting(program.graph_module)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
+    with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if mode is not None:
-            with mode:
+            with mode, _mixed_norm_stats(precision):
                 interpreter.run(*args)
         else:
             interpreter.run(*args)
@@ -181,17 +253,52 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
 
 
+#: Normalisations whose CPU kernels keep the statistics (every output after the first) in fp32
+#: when a half input meets fp32 weights (``param_scalar_type``, aten ``layer_norm.cpp``,
+#: ``group_norm.cpp``, ``Normalization.cpp``), which their fake (meta) kernels give in the
+#: input's dtype.
+_NORMS = ("native_layer_norm", "native_group_norm", "native_batch_norm",
+          "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
+
+
+def _mixed_norm_stats(precision: str) -> contextlib.AbstractContextManager[object]:
+    """Under FakeTensorMode and a half ``precision``: a dispatch mode that gives a mixed-type
+    normalisation's statistics the dtype the CPU kernel gives them (:data:`_NORMS`), so the
+    fake count equals a real run's; nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MixedNormStats(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in _NORMS or not isinstance(out, tuple):
+                return out
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            half = tensors[0].dtype in (torch.bfloat16, torch.float16)
+            if not half or not any(t.dtype == torch.float32 for t in tensors[1:]):
+                return out
+            return (out[0], *(o.float() if isinstance(o, torch.Tensor) and o.dtype
+                              == tensors[0].dtype and o.numel() else o for o in out[1:]))
+
+    return MixedNormStats()
+
+
 def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
-                         fake: bool = True) -> list[float]:
+                         fake: bool = True, precision: str = "fp32", policy: str = "cpu"
+                         ) -> list[float]:
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
-    each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch)."""
+    each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
+    ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""
     import torch
     import torch.fx
 
     if not isinstance(program, torch.export.ExportedProgram):
         program = torch.export.load(str(program))
     shapes = [graph.input_shapes[name] for name in graph.inputs]
-    counted = saved_bytes(program, shapes, fake=fake)
+    counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy)
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
     for name, nbytes in counted.per_node.items():

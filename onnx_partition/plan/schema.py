@@ -361,6 +361,7 @@ class CostsSchema(BaseModel):
     source: str | None = None  # "profile", "profile --mode train"
     mode: Literal["infer", "train"] | None = None  # train: torch eager forward and backward
     executor: str | None = None  # train: "torch <version> eager"
+    precision: Literal["fp32", "bf16", "fp16"] | None = None  # train: autocast (None: fp32)
     onnxruntime: str | None = None
     fingerprint: str | None = None  # sha256:<hex> of the graph's structure
     input_shapes: dict[str, list[Any]] | None = None  # checked by cost.costs_file

@@ -68,8 +68,10 @@ def plan_table(plan: Plan) -> str:
                    if "devices_used" in total else "")
         bottleneck = (f", bottleneck {total['bottleneck_ms']:.3f} ms" if "devices_used" not in total
                       and "bottleneck_ms" in total else "")
+        precision = plan.extra.get("precision") if plan.mode == "train" else None
+        mode = f"{plan.mode} in {precision}" if precision not in (None, "fp32") else plan.mode
         lines.append(
-            f"{plan.mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
+            f"{mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
             f"{_count(plan.microbatches, 'micro-batch')} per "
             f"iteration of {total['iteration_ms']:.3f} ms (simulated, {default_schedule(plan)}),"
             f" bubble {total.get('bubble_fraction', 0) * 100:.1f}%, {rates}{bottleneck}"

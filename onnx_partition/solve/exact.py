@@ -15,7 +15,8 @@ cut optimal, cheapest proof first:
    of :data:`EXACT_ROUNDS_FROM` units or more it may run up to :data:`EXACT_ROUNDS` rounds, each
    restarted from the best plan so far (whose bottleneck narrows CP-SAT's precedence windows),
    while each round betters the plan and none proves it, then polishes the last plan by the
-   local search of :mod:`.refine`.
+   local search of :mod:`.refine` and, still unproven, by CP-SAT on the nodes of a few
+   adjacent stages around the slowest, the rest fixed (:func:`stage_neighbourhoods`).
 
 Pure: plain arrays in, plain data out.
 """
@@ -32,8 +33,9 @@ from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 from onnx_partition.solve.search import split_order
 
-__all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "EXACT_ROUNDS", "EXACT_ROUNDS_FROM", "Proof",
-           "exact_rounds", "exact_split", "one_order", "trivial_bound_ms"]
+__all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "EXACT_ROUNDS", "EXACT_ROUNDS_FROM", "LNS_SOLVES",
+           "LNS_WIDTH", "Proof", "exact_rounds", "exact_split", "one_order",
+           "stage_neighbourhoods", "trivial_bound_ms"]
 
 #: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
 EXACT_BUDGET_S = 1.0
@@ -53,6 +55,12 @@ EXACT_NODES = 600
 #: suite's graphs (150 units at most) keep one round. See docs/benchmarks.md.
 EXACT_ROUNDS = 3
 EXACT_ROUNDS_FROM = 160
+#: ... and then, still unproven, CP-SAT on the nodes of LNS_WIDTH adjacent stages around the
+#: slowest, the others fixed, each for half the budget, at most LNS_SOLVES times
+#: (:func:`stage_neighbourhoods`): encdec small at S = 8 from 22.7723 to 22.7074 ms in 4
+#: solves (widths 3 and 5, and 3 then 4, stopped higher or took longer; docs/benchmarks.md).
+LNS_WIDTH = 4
+LNS_SOLVES = 12
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
 # integer costs may rank two plans of nearly equal float cost the other way.
 _BETTER = 1e-9
@@ -183,7 +191,51 @@ def exact_split(
         polished_ms = problem.bottleneck_ms(polished, num_stages)
         if polished_ms < best_ms * (1 - _BETTER):
             best, best_ms = polished, polished_ms
+    if many > 1 and not optimal:  # then neighbourhoods of a few stages, each solved exactly
+        best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2)
+        best_ms = problem.bottleneck_ms(best, num_stages)
     lower = min(best_ms, lower)
     gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
     return Proof(best, best_ms, lower, optimal, "cp-sat" if optimal else "budget",
                  gap, dp_ms, time.perf_counter() - started, rounding)
+
+
+def stage_neighbourhoods(
+    problem: DagProblem, num_stages: int, stage_of: Sequence[int], *, budget_s: float,
+    width: int = LNS_WIDTH, solves: int = LNS_SOLVES,
+) -> list[int]:
+    """Large-neighbourhood search over adjacent stages (Shaw, CP 1998): the nodes of ``width``
+    adjacent stages that hold the slowest one may move (to any stage a valid plan allows),
+    every other node keeps its stage, and CP-SAT (:func:`~onnx_partition.solve.ilp.solve_ilp`,
+    one worker, ``budget_s`` deterministic seconds) places them; a window must hold the
+    slowest stage for its nodes to leave it. The first window that lowers the bottleneck is
+    taken, and the search starts again from the new slowest stage; at most ``solves`` solves.
+    Never worse than ``stage_of``."""
+    best = [int(s) for s in stage_of]
+    best_ms = problem.bottleneck_ms(best, num_stages)
+    width = min(width, num_stages - 1)  # all the stages would be the plain search
+    if width < 2:
+        return best
+    from onnx_partition.solve.ilp import solve_ilp
+
+    spent, improved = 0, True
+    while improved and spent < solves:
+        improved = False
+        times = problem.stage_times(best, num_stages)
+        slowest = max(range(num_stages), key=times.__getitem__)
+        for first in sorted({max(0, min(num_stages - width, slowest - k))
+                             for k in range(width)}):
+            if spent == solves:
+                break
+            spent += 1
+            free = [first <= s < first + width for s in best]
+            try:
+                found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10,
+                                  workers=1, hint=best, deterministic_s=budget_s,
+                                  windows=False, free=free)
+            except PartitionError:  # nothing within the limits: this window stands
+                continue
+            if found.bottleneck_ms < best_ms * (1 - _BETTER):
+                best, best_ms, improved = found.stage_of, found.bottleneck_ms, True
+                break
+    return best

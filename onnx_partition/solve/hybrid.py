@@ -64,7 +64,7 @@ from onnx_partition.pipeline.memory import (
 from onnx_partition.values import fmt_bytes
 
 __all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
-           "replica_choices", "stage_memory", "stage_period"]
+           "price_stages", "replica_choices", "stage_memory", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -703,3 +703,12 @@ def _span_name(costs: SequenceCosts, lo: int, hi: int) -> str:
     first = costs.labels[lo]
     last = (costs.last_labels or costs.labels)[hi - 1]
     return first if first == last else f"{first} to {last}"
+
+
+def price_stages(costs: SequenceCosts, config: HybridConfig,
+                 spans: Sequence[tuple[int, int, int]]) -> list[HybridStage]:
+    """Stages ``(start, end, replicas)`` of the sequence priced as the DP prices them, each with
+    its memory per device (:func:`memory_per_device`): a plan found elsewhere, in the DP's
+    model."""
+    tables = _Tables(costs, config)
+    return tables.with_memory([tables.stage(i, j, r) for i, j, r in spans])

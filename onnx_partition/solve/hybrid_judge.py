@@ -42,13 +42,17 @@ _SCALE_TOP = 10**6
 
 @dataclass(frozen=True)
 class JudgeResult:
-    """The judge's answer: the least bottleneck period (inf: no plan fits), whether CP-SAT
-    proved it, and a plan reaching it as ``(start, end, replicas)`` per stage."""
+    """The judge's answer: the least bottleneck period (inf: no plan fits; nan: none found
+    within the limits), whether CP-SAT proved it, a plan reaching it as ``(start, end,
+    replicas)`` per stage, and ``bound_ms``: no plan of the sequence has a smaller period.
+    Asked for a plan below a period (``below_ms``), ``period_ms`` is the plan found (never
+    ``optimal``), or inf when CP-SAT proved there is none (``bound_ms``: that period)."""
 
     period_ms: float
     optimal: bool
     stages: tuple[tuple[int, int, int], ...] = ()
     tolerance_ms: float = 0.0  # the integer model's rounding: no plan is faster by more
+    bound_ms: float = 0.0
 
 
 def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
@@ -89,9 +93,19 @@ def _allreduce(config: HybridConfig, params: float, r: int) -> float:
 
 
 def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: float = 30.0,
-                 workers: int = 1) -> JudgeResult:
+                 workers: int = 1, deterministic_s: float | None = None,
+                 below_ms: float | None = None) -> JudgeResult:
     """The least bottleneck period over every plan of the sequence that fits (see the module
-    docstring), by CP-SAT; ``config.depth`` fixes the number of stages."""
+    docstring), by CP-SAT; ``config.depth`` fixes the number of stages. ``deterministic_s``
+    also limits CP-SAT's deterministic time (work counted, not time elapsed: with one worker
+    the same answer at any load).
+
+    ``below_ms``: instead, is there a plan whose every stage's period is below ``below_ms``?
+    (A proof that a heuristic's period is least: ask below it.) Then only the stages and
+    replica counts under it are in the model, with no objective, and each stage's replica
+    count is at least the fewest that bring it under: with the contiguity constraints (a
+    path in a layered DAG, whose linear relaxation is integral) the relaxation alone already
+    counts the fewest devices any plan below ``below_ms`` needs, memory aside."""
     n, m, devices = len(costs.forward_ms), config.microbatches, config.devices
     most = min(devices, m)
     reps = range(1, most + 1)
@@ -102,6 +116,13 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
     numbers = {p: _stage_numbers(costs, config, *p) for p in pairs}
     period = {(p, r): stage_period(numbers[p][0], r, _allreduce(config, numbers[p][1], r), m)
               for p in pairs for r in reps}
+    fewest: dict[tuple[int, int], int] = {}  # below_ms: the fewest replicas under it
+    if below_ms is not None:
+        for p in pairs:
+            under = [r for r in reps if period[p, r] < below_ms]
+            if under:
+                fewest[p] = under[0]
+        pairs = list(fewest)
     top = max(period.values())
     scale = _SCALE_TOP / top if top > 0 else 1.0
     cap: dict[tuple[int, int], int] = {}
@@ -116,8 +137,11 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
             cap[p] = min(m, math.floor(room / stash))
 
     model = cp_model.CpModel()
+    # slot 0 ends at n, slot k > 0 before it with room for the k stages after it; the last
+    # slot starts at 0 (implied by the constraints below: said here, the relaxation is a path)
     x = [{p: model.new_bool_var(f"x{k}_{p[0]}_{p[1]}") for p in pairs
-          if (k > 0 or p[1] == n) and cap[p] >= 1} for k in range(slots)]
+          if (k == 0) == (p[1] == n) and n - p[1] >= k and (k < slots - 1 or p[0] == 0)
+          and cap[p] >= 1} for k in range(slots)]
     y = [{r: model.new_bool_var(f"y{k}_{r}") for r in reps} for k in range(slots)]
     active = [model.new_bool_var(f"a{k}") for k in range(slots)]
     rep = [model.new_int_var(0, most, f"r{k}") for k in range(slots)]
@@ -125,24 +149,33 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
     held = [model.new_int_var(0, m, f"h{k}") for k in range(slots)]
     big = math.ceil(top * scale) + 1
     bottleneck = model.new_int_var(0, big, "period")
+    # [k][b]: the choices of slot k that end (start) at boundary b
+    ending: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)] for _ in range(slots)]
+    starting: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)]
+                                                   for _ in range(slots)]
+    for k in range(slots):
+        for (i, j), v in x[k].items():
+            ending[k][j].append(v)
+            starting[k][i].append(v)
     for k in range(slots):
         model.add(sum(x[k].values()) == active[k])
         model.add(sum(y[k].values()) == active[k])
         model.add(rep[k] == sum(r * v for r, v in y[k].items()))
         if k > 0:  # slot k ends where slot k - 1 starts; none after the first stage
             for b in range(1, n):
-                model.add(sum(v for (i, j), v in x[k].items() if j == b)
-                          == sum(v for (i, j), v in x[k - 1].items() if i == b))
-            model.add(active[k] + sum(v for (i, _), v in x[k - 1].items() if i == 0) <= 1)
+                model.add(sum(ending[k][b]) == sum(starting[k - 1][b]))
+            model.add(active[k] + sum(starting[k - 1][0]) <= 1)
     model.add(active[0] == 1)
-    model.add(sum(v for k in range(slots) for (i, _), v in x[k].items() if i == 0) == 1)
+    model.add(sum(v for k in range(slots) for v in starting[k][0]) == 1)
     if config.depth:
         model.add(sum(active) == config.depth)
     model.add(sum(rep) <= devices)
-    # 1F1B: warm-ups from the end, micro-batches in flight per replica
+    # 1F1B: warm-ups from the end, micro-batches in flight per replica (where memory binds:
+    # a stage that fits with every micro-batch in flight needs no count)
+    binds = config.train and any(cap[p] < m for p in pairs)
     model.add(warm[0] == 0)
     steps = [(a, b, boundary_step(a, b)) for a in reps for b in reps]
-    for k in range(1, slots):
+    for k in range(1, slots if binds else 0):
         step = model.new_int_var(0, 2 * most, f"s{k}")
         model.add_allowed_assignments(
             [rep[k], rep[k - 1], step],
@@ -151,23 +184,41 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
         model.add(raw == warm[k - 1] + step)
         model.add_min_equality(warm[k], [raw, m])
     for k in range(slots):
-        table = [(w, r, (-(-min(w + 1, m) // r)) if config.train else 1)
-                 for w in range(m + 1) for r in reps] + [(w, 0, 0) for w in range(m + 1)]
-        model.add_allowed_assignments([warm[k], rep[k], held[k]], table)
-        for p, v in x[k].items():
-            if cap[p] < m:
-                model.add(held[k] <= cap[p]).only_enforce_if(v)
+        if binds:
+            table = [(w, r, -(-min(w + 1, m) // r)) for w in range(m + 1) for r in reps]
+            model.add_allowed_assignments([warm[k], rep[k], held[k]],
+                                          table + [(w, 0, 0) for w in range(m + 1)])
+            for p, v in x[k].items():
+                if cap[p] < m:
+                    model.add(held[k] <= cap[p]).only_enforce_if(v)
+        if below_ms is not None:  # a stage and a replica count over below_ms exclude
+            for r, v in y[k].items():  # each other; the fewest replicas under it, a cut
+                over = [xv for p, xv in x[k].items() if period[p, r] >= below_ms]
+                if over:
+                    model.add(sum(over) + v <= 1)
+            model.add(rep[k] >= sum(fewest[p] * xv for p, xv in x[k].items()))
+            continue
         for r, v in y[k].items():
             model.add(bottleneck >= sum(math.ceil(period[p, r] * scale) * xv
                                         for p, xv in x[k].items())).only_enforce_if(v)
-    model.minimize(bottleneck)
+    if below_ms is None:
+        model.minimize(bottleneck)
+    else:
+        model.add(sum(fewest[p] * xv for k in range(slots) for p, xv in x[k].items())
+                  <= devices)
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     solver.parameters.max_time_in_seconds = time_limit_s
+    if deterministic_s is not None:
+        solver.parameters.max_deterministic_time = deterministic_s
+    if below_ms is not None:  # the relaxation decides: the whole of it at the root, not
+        solver.parameters.linearization_level = 2  # probing first (it took the budget)
+        solver.parameters.add_lp_constraints_lazily = False
+        solver.parameters.cp_model_probing_level = 0
     status = solver.solve(model)
     if status == cp_model.INFEASIBLE:
-        return JudgeResult(math.inf, True)
+        return JudgeResult(math.inf, True, bound_ms=math.inf if below_ms is None else below_ms)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return JudgeResult(math.nan, False)
     stages = []
@@ -176,4 +227,8 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
             if solver.value(v):
                 stages.append((p[0], p[1], solver.value(rep[k])))
     best = max(period[(s, e), r] for s, e, r in stages)
-    return JudgeResult(best, status == cp_model.OPTIMAL, tuple(stages), 1.0 / scale)
+    if below_ms is not None:
+        return JudgeResult(best, False, tuple(stages))
+    # every plan's integer period is at least CP-SAT's bound: its float one, less one unit
+    bound = min(best, max(0.0, (solver.best_objective_bound - 1) / scale))
+    return JudgeResult(best, status == cp_model.OPTIMAL, tuple(stages), 1.0 / scale, bound)

@@ -136,6 +136,7 @@ def solve_ilp(
     hint: Sequence[int] | None = None,
     deterministic_s: float | None = None,
     windows: bool = True,
+    free: Sequence[bool] | None = None,
 ) -> IlpResult:
     """Split ``problem`` into exactly ``num_stages`` convex stages minimising the slowest stage.
 
@@ -155,6 +156,9 @@ def solve_ilp(
     ``windows`` fixes each node's stage outside its :func:`stage_windows` under the start
     plan's bottleneck (valid for every plan at least as fast, so the optimum stays; it changes
     the path of a search stopped early, for better on most problems, not on all).
+
+    ``free``: only these nodes move; every other keeps its stage in ``hint`` (a neighbourhood
+    of the hint searched exactly, large-neighbourhood search by hand).
     """
     started = time.perf_counter()
     n, big_s = problem.num_nodes, num_stages
@@ -165,6 +169,10 @@ def solve_ilp(
     if workers < 1:
         raise PartitionError(f"workers must be >= 1, got {workers}")
     start_plan = _start_plan(problem, big_s, hint)
+    if free is not None:  # a neighbourhood of the hint: it is the start, whatever is better
+        if hint is None or len(free) != n:
+            raise PartitionError("free needs a hint and one flag per node")
+        start_plan = [int(s) for s in hint]
     if big_s == 1:
         value = problem.bottleneck_ms(start_plan, 1)
         return IlpResult(stage_of=start_plan, bottleneck_ms=value, lower_bound_ms=value,
@@ -181,6 +189,8 @@ def solve_ilp(
     enc.add_redundant_bounds(max(start_units))
     if windows:
         enc.add_stage_windows(max(start_units))
+    if free is not None:
+        enc.fix_outside(start_plan, free)
     enc.model.minimize(enc.makespan)
     enc.add_hint(start_plan, max(start_units))
 
@@ -406,6 +416,13 @@ class _Encoding:
                     self.model.add(var == 0)
                 elif b >= last:
                     self.model.add(var == 1)
+
+    def fix_outside(self, plan: Sequence[int], free: Sequence[bool]) -> None:
+        """Every node not ``free`` keeps its stage in ``plan``."""
+        for row, stage, movable in zip(self.y, plan, free, strict=True):
+            if not movable:
+                for b, var in enumerate(row):
+                    self.model.add(var == int(stage <= b))
 
     def add_hint(self, plan: Sequence[int], plan_units: int) -> None:
         """The starting plan, complete (every variable) so CP-SAT can take it at once."""

@@ -43,8 +43,8 @@ from onnx_partition.solve.scoring import (
     HybridPlan,
     NodeArrays,
     RunSpec,
+    StageTotals,
     lower_bound_ms,
-    pipeline_costs,
     simulated,
     stage_totals,
     totals_costs,
@@ -52,8 +52,9 @@ from onnx_partition.solve.scoring import (
 from onnx_partition.solve.search import polish_split, sequence_for
 
 __all__ = ["DEVICE_SLACK", "DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH",
-           "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "Proposal",
-           "devices_notes", "downset_candidates", "dp_candidates", "estimate_ms",
+           "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "DpSequence",
+           "Proposal", "devices_notes", "downset_candidates", "dp_candidates", "dp_sequence",
+           "estimate_ms",
            "fewest_devices", "grid_candidates",
            "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for",
            "sequence_costs"]
@@ -117,19 +118,27 @@ def estimate_ms(stages: Sequence[HybridStage], run: RunSpec) -> float:
     return fill + rest + max(s.allreduce_ms for s in stages)
 
 
-def dp_candidates(
-    problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
-    num_stages: int | None = None, order: Sequence[int] | None = None,
-) -> list[Proposal]:
-    """The hybrid DP's best proposals for one ordering (by the closed form), unscored.
+@dataclass(frozen=True)
+class DpSequence:
+    """What the hybrid DP plans over for one ordering: the ordering's sequence, its
+    narrow-point block bounds, the blocks' costs and the cluster as the DP's numbers."""
 
-    Also on the first 1, 2, 4, ... machines alone: the DP prices every boundary and replica
-    group at its own link, not at where the plan will sit, so a plan that keeps off a slow
-    inter-machine network is found by planning without it (PipeDream's "use fewer machines").
-    Every proposal is then simulated on the real cluster."""
-    order = list(sequence_for(problem, ordering) if order is None else order)
+    order: list[int]
+    bounds: list[int]
+    costs: SequenceCosts
+    config: HybridConfig
+
+
+def dp_sequence(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, order: Sequence[int],
+    num_stages: int | None = None,
+) -> DpSequence:
+    """The hybrid DP's input for the sequence ``order``: :func:`_coarse_blocks`' blocks, each
+    block's sums, every boundary priced at the intra-machine link and every replica group at
+    its own (:meth:`Cluster.link`)."""
+    order = list(order)
     blocks = _coarse_blocks(order, problem, run.cluster.devices)
-    bounds = blocks.bounds
+    bounds = list(blocks.bounds)
     cluster = run.cluster
     choices = replica_choices(cluster.devices)
     group_bw = [math.inf] * (cluster.devices + 1)
@@ -152,7 +161,25 @@ def dp_candidates(
         depth=num_stages,
         budgets=machine_budgets(cluster),
     )
-    seq = sequence_costs(problem, arrays, blocks)
+    return DpSequence(order, bounds, sequence_costs(problem, arrays, blocks), config)
+
+
+def dp_candidates(
+    problem: DagProblem, arrays: NodeArrays, run: RunSpec, ordering: str,
+    num_stages: int | None = None, order: Sequence[int] | None = None,
+) -> list[Proposal]:
+    """The hybrid DP's best proposals for one ordering (by the closed form), unscored.
+
+    Also on the first 1, 2, 4, ... machines alone: the DP prices every boundary and replica
+    group at its own link, not at where the plan will sit, so a plan that keeps off a slow
+    inter-machine network is found by planning without it (PipeDream's "use fewer machines").
+    Every proposal is then simulated on the real cluster."""
+    sequence = dp_sequence(problem, arrays, run,
+                           sequence_for(problem, ordering) if order is None else order,
+                           num_stages)
+    order, bounds, seq, config = (sequence.order, sequence.bounds, sequence.costs,
+                                  sequence.config)
+    cluster = run.cluster
     proposals = [p for p in _dp_plans(seq, config, run)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
@@ -164,7 +191,8 @@ def dp_candidates(
         per_machines[machines] = per_machines.get(machines, 0) + 1
         if per_machines[machines] <= SIMULATED:
             kept.append(proposal)
-    return [Proposal(assign(order, [bounds[s.start] for s in proposal] + [len(order)]),
+    at = np.asarray(order, dtype=np.int64)  # converted once, not per proposal (100k nodes)
+    return [Proposal(assign(at, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal],
                      f"dp{RECOMPUTED if proposal[0].recompute else ''}:{ordering}")
             for proposal in kept]
@@ -223,6 +251,7 @@ def grid_candidates(
         nbytes = [2.0 * b for b in nbytes]
     base = [c / run.cluster.speed for c in base]
     order = list(sequence_for(problem, "dfs") if order is None else order)
+    at = np.asarray(order, dtype=np.int64)  # converted once, not per grid (100k nodes)
     cuts = cut_bytes(problem, order, nbytes)
     blocks = cluster_blocks(problem, order, base, max(pp for _, pp in grids))
     plans = []
@@ -240,7 +269,7 @@ def grid_candidates(
         split = split_sequence(block_compute, block_cuts, pp,  # a proposal: 0.0001% will do
                                bandwidth_bytes_per_ms=problem.bandwidth_bytes_per_ms,
                                latency_ms=problem.latency_ms, precision=1e-6)
-        stage_of = assign(order, blocks.expand(split.bounds))
+        stage_of = assign(at, blocks.expand(split.bounds))
         short = problem.num_nodes <= LONG_GRAPH
         polish = None
         if short and devices == run.cluster.devices:  # splits no sequence holds
@@ -344,6 +373,8 @@ class _Tournament:
     by_machines: dict[int, HybridPlan] = field(default_factory=dict)
     reporter: Reporter = SILENT  # each proposal weighed
     played: list[HybridPlan] = field(default_factory=list)  # every plan simulated
+    #: each cut's per-stage sums, shared by its proposals on other replica counts
+    totals: dict[tuple[tuple[int, ...], int], StageTotals] = field(default_factory=dict)
 
     def play(self, batch: list[Proposal]) -> list[tuple[float, Proposal]]:
         """Simulate a batch's new plans best bound first, skipping what cannot beat
@@ -352,14 +383,18 @@ class _Tournament:
         run = self.run
         pool = []
         for proposal in batch:
-            key = (tuple(proposal.stage_of), tuple(proposal.replicas))
+            cut = tuple(proposal.stage_of)
+            key = (cut, tuple(proposal.replicas))
             if key in self.bounds:
                 continue
             if max(proposal.replicas) > run.microbatches:  # a replica beyond the M-th would
                 self.bounds[key] = None  # get no micro-batch: not weighed
                 continue
-            costs, memory = pipeline_costs(self.problem, self.arrays, proposal.stage_of,
-                                           proposal.replicas, run)
+            depth = len(proposal.replicas)
+            if (cut, depth) not in self.totals:
+                self.totals[cut, depth] = stage_totals(self.problem, self.arrays,
+                                                       proposal.stage_of, depth)
+            costs, memory = totals_costs(self.totals[cut, depth], proposal.replicas, run)
             self.bounds[key] = None
             if RECOMPUTED in proposal.source and run.recompute == "auto" and not any(
                     s.recompute for s in costs.stages):

@@ -42,6 +42,7 @@ order), the unit's other nodes 0, untagged FX nodes on the node that runs them (
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.costs_file import provenance
 from onnx_partition.cost.engine import measure_engine
-from onnx_partition.cost.saved import program_inputs, unit_homes
+from onnx_partition.cost.saved import HALF_DTYPES, check_precision, program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.values import device_index
@@ -103,11 +104,14 @@ def profile_train(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
+    precision: str = "fp32",
     engine: bool = True,
 ) -> TrainProfile:
     """Measure every FX unit of ``program`` in torch eager on ``device`` at ``graph``'s input
-    shapes (the module docstring), and, with ``engine``, the engine's own work (the optimizer steps;
-    on CPU the two-process hops and barrier)."""
+    shapes (the module docstring), under autocast to ``precision``'s half dtype unless fp32
+    (as ``train --precision`` runs it: each op's casts timed with it), and, with ``engine``,
+    the engine's own work (the optimizer steps on the fp32 master weights; on CPU the
+    two-process hops and barrier)."""
     import torch
 
     if repeats < 1 or warmup < 0 or threads < 1:
@@ -119,17 +123,20 @@ def profile_train(
     target = torch.device("cpu" if index is None else f"cuda:{index}")
     if not isinstance(program, torch.export.ExportedProgram):
         program = torch.export.load(str(program))
+    region = (contextlib.nullcontext() if check_precision(precision) == "fp32" else
+              torch.autocast(target.type, dtype=getattr(torch, HALF_DTYPES[precision])))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        timer = _Timer(target, repeats, warmup)
-        inputs, values = _record(program, graph, target)
-        measured, unique, reused = _time_units(program, values, timer, progress)
-        import operator as _op
+        with region:
+            timer = _Timer(target, repeats, warmup)
+            inputs, values = _record(program, graph, target)
+            measured, unique, reused = _time_units(program, values, timer, progress)
+            import operator as _op
 
-        floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0), {},
-                         timer)[:2]
-        whole_fwd, whole_bwd = _time_whole(program, inputs, target, timer)
+            floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0),
+                             {}, timer)[:2]
+            whole_fwd, whole_bwd = _time_whole(program, inputs, target, timer)
         sig = program.graph_signature
         params = [program.state_dict[n].to(target) for n in sig.parameters
                   if n in program.state_dict]
@@ -160,6 +167,7 @@ def profile_train(
     name = "cpu" if index is None else f"cuda:{index}"
     settings: dict[str, object] = {
         "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
+        "precision": precision,
         "whole_forward_ms": whole_fwd, "whole_backward_ms": whole_bwd,
         "forward_scale": fscale, "backward_scale": bscale,
         "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
@@ -184,9 +192,11 @@ def profile_train_to_file(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
+    precision: str = "fp32",
 ) -> TrainProfile:
     """:func:`profile_train` of the program beside ``model`` (``model.pt2``), written to
-    ``output`` (atomically, never over the model)."""
+    ``output`` (atomically, never over the model), the ``precision`` it was measured in
+    recorded (``partition`` warns when a plan is priced for another)."""
     model = Path(model)
     program = model.with_suffix(".pt2")
     if not program.is_file():
@@ -197,14 +207,14 @@ def profile_train_to_file(
         raise PartitionError(f"-o {output} would overwrite the model")
     graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
     result = profile_train(graph, program, device=device, repeats=repeats, warmup=warmup,
-                           threads=threads, progress=progress)
+                           threads=threads, progress=progress, precision=precision)
     nodes = {k: {"forward_ms": result.forward_ms[k], "backward_ms": result.backward_ms[k],
                  "backward_input_ms": result.backward_input_ms[k],
                  "backward_weight_ms": round(result.backward_ms[k]
                                              - result.backward_input_ms[k], 6)}
              for k in result.forward_ms}
     write_costs(Path(output), nodes, device=result.device, source="profile --mode train",
-                mode="train", executor=result.executor,
+                mode="train", executor=result.executor, precision=precision,
                 whole_model_ms=round(result.whole_forward_ms + result.whole_backward_ms, 6),
                 raw_sum_ms=round(result.raw_forward_ms + result.raw_backward_ms, 6),
                 unique_signatures=result.unique_signatures, reused=result.reused,

@@ -301,6 +301,10 @@ def check_options(*, optimizer: str, weight_decay: float | None, momentum: float
                              f"{', '.join(LR_SCHEDULES)}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise PartitionError(f"--clip-grad-norm must be positive, got {clip_grad_norm}")
+    if precision == "fp16":  # a plan priced for fp16 (partition --precision fp16)
+        raise PartitionError("--precision fp16 is not run by train: fp16 needs loss scaling "
+                             "(its gradients underflow), which train does not do; give "
+                             "--precision bf16 (same memory and speed on GPUs with bf16) or fp32")
     if precision not in PRECISIONS:
         raise PartitionError(f"unknown --precision {precision!r}; choose {', '.join(PRECISIONS)}")
     for name, value in (("--checkpoint-every", checkpoint_every), ("--eval-every", eval_every)):

@@ -55,8 +55,9 @@ def cut_bytes(
     return crossing(first, last, sizes, len(order))
 
 
-def assign(order: Sequence[int], bounds: Sequence[int]) -> list[int]:
-    """Node -> stage for stage boundaries ``bounds`` (``0 .. n``) over the sequence ``order``."""
+def assign(order: Sequence[int] | np.ndarray, bounds: Sequence[int]) -> list[int]:
+    """Node -> stage for stage boundaries ``bounds`` (``0 .. n``) over the sequence ``order``
+    (an int64 array is taken as is: callers assigning many splits of one order convert once)."""
     stage_of = np.empty(len(order), dtype=np.int64)
     stage_of[np.asarray(order, dtype=np.int64)] = np.repeat(np.arange(len(bounds) - 1),
                                                            np.diff(bounds))

@@ -1,0 +1,61 @@
+"""The exact pass's large-neighbourhood search (:func:`~onnx_partition.solve.exact.
+stage_neighbourhoods`) and CP-SAT with only some nodes free (``solve_ilp(free=...)``): fixed
+nodes stay, free ones are placed optimally, never worse than the start."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.problems import chain, dags
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.solve.brute import brute_force
+from onnx_partition.solve.exact import stage_neighbourhoods
+from onnx_partition.solve.ilp import solve_ilp
+from onnx_partition.solve.search import best_split
+
+
+def test_the_window_around_the_slowest_stage_is_recut() -> None:
+    """Six nodes of 2 ms, free transfers, cut 4 | 1 | 1: the slowest stage (8 ms) and its
+    neighbour are re-cut with the last node fixed, reaching the optimum 2 | 2 | 2 (4 ms)."""
+    problem, _ = chain([2.0] * 6, nbytes=0.0)
+    start = [0, 0, 0, 0, 1, 2]
+    assert problem.bottleneck_ms(start, 3) == 8.0
+    found = stage_neighbourhoods(problem, 3, start, budget_s=1.0)
+    assert problem.bottleneck_ms(found, 3) == 4.0 and found[5] == 2
+
+
+def test_two_stages_have_no_smaller_window() -> None:
+    problem, _ = chain([2.0] * 4, nbytes=0.0)
+    assert stage_neighbourhoods(problem, 2, [0, 0, 0, 1], budget_s=1.0) == [0, 0, 0, 1]
+
+
+def test_free_needs_a_hint() -> None:
+    problem, _ = chain([1.0] * 3)
+    with pytest.raises(PartitionError, match="free needs a hint"):
+        solve_ilp(problem, 2, free=[True] * 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=dags(max_nodes=8), data=st.data())
+def test_fixed_nodes_stay_and_free_ones_are_placed_optimally(case, data) -> None:
+    problem, _ = case
+    stages = data.draw(st.integers(2, min(3, problem.num_nodes)))
+    start = best_split(problem, stages)[0].stage_of
+    free = data.draw(st.lists(st.booleans(), min_size=problem.num_nodes,
+                              max_size=problem.num_nodes))
+    found = solve_ilp(problem, stages, workers=1, hint=start, free=free, windows=False)
+    assert problem.is_valid(found.stage_of, stages)
+    assert all(f or a == b for f, a, b in zip(free, found.stage_of, start, strict=True))
+    assert found.bottleneck_ms <= problem.bottleneck_ms(start, stages) * (1 + 1e-9)
+    everything = solve_ilp(problem, stages, workers=1, hint=start,
+                           free=[True] * problem.num_nodes, windows=False)
+    assert found.optimal and everything.optimal  # 8 nodes: always proven
+    _, optimum = brute_force(problem, stages)
+    assert everything.bottleneck_ms == pytest.approx(optimum, rel=1e-6, abs=1e-9)
+    assert found.bottleneck_ms >= optimum * (1 - 1e-6) - 1e-9
+    neighbourhoods = stage_neighbourhoods(problem, stages, start, budget_s=1.0)
+    assert problem.is_valid(neighbourhoods, stages)
+    assert (problem.bottleneck_ms(neighbourhoods, stages)
+            <= problem.bottleneck_ms(start, stages) * (1 + 1e-9))
