@@ -22,8 +22,8 @@ from typing import Any
 
 from onnx_partition import __version__, values
 from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.cost.autocast import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
-from onnx_partition.cost.saved import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
 from onnx_partition.runtime.train.choices import (

@@ -37,7 +37,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CPU_POLICY", "CUDA_POLICY", "POLICIES", "AutocastPolicy", "cast_call"]
+__all__ = ["CPU_POLICY", "CUDA_POLICY", "POLICIES", "PRECISIONS", "AutocastPolicy", "cast_call"]
+
+#: The precisions a train plan is priced for (fp32, or autocast to a half dtype).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

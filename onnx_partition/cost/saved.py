@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onnx_partition.cost.autocast import POLICIES, AutocastPolicy, cast_call
+from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, cast_call
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
@@ -70,10 +70,9 @@ __all__ = [
 ]
 
 
-#: Training precisions a plan can be priced for: fp32, or autocast to a half dtype over fp32
-#: parameters (``partition --precision``; ``train --precision`` runs fp32 and bf16).
-PRECISIONS = ("fp32", "bf16", "fp16")
-#: The torch dtype (by name) autocast computes in, per half precision.
+#: Training precisions a plan can be priced for (:data:`PRECISIONS`): fp32, or autocast to a
+#: half dtype over fp32 parameters (``partition --precision``; ``train --precision`` runs fp32
+#: and bf16). The torch dtype (by name) autocast computes in, per half precision.
 HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
