@@ -386,3 +386,22 @@ def test_validate_interleaved_layout() -> None:
         validate(s, 4, 2, train=True)
     with pytest.raises(ScheduleError, match=r"stages \[0, 2\] share device 0 but have replica"):
         validate(interleaved(4, 2, 2), 4, 2, train=True, replicas=[1, 1, 2, 1])
+
+
+def test_at_rows_scales_the_per_row_terms_only() -> None:
+    """One stage, two micro-batches (F0 B0 F1 B1): at twice the rows the forwards, backwards
+    and hops double; the per-step term, the accumulation and the all-reduce do not (issue 20
+    item 3: ``train`` at another batch size scaled the whole iteration, 33 ms here)."""
+    one = PipelineCosts([StageCosts(1.0, 2.0, step_ms=10.0, accumulate_ms=0.5)], [])
+    assert simulate(one_f_one_b(1, 2), one).iteration_ms == pytest.approx(16.5)
+    assert simulate(one_f_one_b(1, 2), one.at_rows(2.0)).iteration_ms == pytest.approx(22.5)
+    assert one.at_rows(1.0) is one
+    two = PipelineCosts([StageCosts(1.0, 2.0, backward_input_ms=0.5, allreduce_ms=3.0,
+                                    activation_bytes=8.0, static_bytes=5.0, input_bytes=2.0),
+                         StageCosts(1.0, 2.0)], [0.25])
+    got = two.at_rows(3.0)
+    assert got.send_ms == [0.75]
+    assert (got.stages[0].forward_ms, got.stages[0].backward_ms, got.stages[0].split(),
+            got.stages[0].allreduce_ms, got.stages[0].activation_bytes,
+            got.stages[0].static_bytes, got.stages[0].input_bytes) == (
+        3.0, 6.0, (1.5, 4.5), 3.0, 24.0, 5.0, 6.0)

@@ -15,11 +15,18 @@ import torch
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.schedules import one_f_one_b
+from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import stage_modules
-from onnx_partition.runtime.train.rank import SavedCounter
+from onnx_partition.runtime.train.rank import RankResult, SavedCounter, TrainConfig
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import predicted_stages, train_json, train_plan
+from onnx_partition.runtime.train.trainer import (
+    predicted_stages,
+    summarize,
+    train_json,
+    train_plan,
+)
 
 ROWS = 2
 KEYS = {"stage", "forward_ms", "backward_ms", "activation_bytes", "memory_bytes"}
@@ -150,6 +157,26 @@ def test_predictions_scale_with_the_rows(gpt_plan: Path) -> None:
         fixed = (pred.weights_bytes or 0) + (pred.grad_bytes or 0) + (pred.optimizer_bytes or 0)
         assert two.memory_bytes == fixed + 2 * (pred.inflight * pred.activation_bytes
                                                 + (pred.buffer_bytes or 0))
+
+
+def test_predicted_step_scales_the_per_row_terms_only(gpt_plan: Path) -> None:
+    """At twice the plan's rows the predicted step is the simulation of the costs at twice the
+    rows (:meth:`PipelineCosts.at_rows`): the optimizer step and barriers (``step_ms``) and the
+    accumulation are not doubled (issue 20 item 3: the whole iteration was)."""
+    plan = read_plan(gpt_plan)
+    result, costs = simulate_plan(plan, schedule="1f1b", microbatches=4)
+    step = max(s.step_ms for s in costs.stages)
+    assert step > 0
+    ranks = [RankResult(rank=k, stage=k, replica=0, actions=[], peak_inflight=1, step_ms=[1.0],
+                        forward_ms=[1.0], backward_ms=[1.0], loss=[0.0]) for k in (0, 1)]
+    config = TrainConfig(steps=1, microbatches=4, schedule="1f1b")
+    same = summarize(plan, ranks, config, 4 * ROWS, "ours")
+    assert same.simulated_ms == pytest.approx(result.iteration_ms)
+    double = summarize(plan, ranks, config, 4 * 2 * ROWS, "ours")
+    assert double.scaled_from_batch_size == ROWS
+    want = simulate(one_f_one_b(2, 4), costs.at_rows(2.0)).iteration_ms
+    assert double.simulated_ms == pytest.approx(want)
+    assert double.simulated_ms < 2 * result.iteration_ms - step  # the step term counted once
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device peak is CUDA's")

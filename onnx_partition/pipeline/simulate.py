@@ -14,7 +14,7 @@ backward per stage (:mod:`.from_plan`) take its figure for an operator of unknow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from onnx_partition.pipeline.memory import device_bytes
 from onnx_partition.pipeline.schedules import (
@@ -99,6 +99,26 @@ class PipelineCosts:
 
     stages: Sequence[StageCosts]
     send_ms: Sequence[float]
+
+    def at_rows(self, scale: float) -> PipelineCosts:
+        """These costs at ``scale`` times the rows per micro-batch: what grows with the rows
+        (compute, activations, received bytes, hops) is multiplied by ``scale``; what does not
+        (the per-step ``step_ms``, the gradients' ``accumulate_ms`` and ``allreduce_ms``, the
+        parameters' ``static_bytes``) is kept. Linear in the
+        batch, the assumption ``partition`` makes for costs files."""
+        if scale == 1.0:
+            return self
+
+        def times(x: float | None) -> float | None:
+            return None if x is None else x * scale
+
+        return PipelineCosts(
+            [replace(s, forward_ms=s.forward_ms * scale, backward_ms=s.backward_ms * scale,
+                     backward_input_ms=times(s.backward_input_ms),
+                     backward_weight_ms=times(s.backward_weight_ms),
+                     activation_bytes=s.activation_bytes * scale,
+                     input_bytes=s.input_bytes * scale) for s in self.stages],
+            [x * scale for x in self.send_ms])
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class TrainStats:
     step_ms: list[float]  # per step, rank 0: start of the step to the optimizer step done
     forward_ms: list[float]  # per stage, measured
     backward_ms: list[float]  # per stage, measured
-    simulated_ms: float  # the simulator on the plan's predicted costs
+    simulated_ms: float  # the simulator on the plan's predicted costs (at the run's rows: at_rows)
     calibrated_ms: float  # the simulator on the measured stage times (plan's send times)
     mismatches: list[str] = field(default_factory=list)  # --check: "stage k parameter p: ..."
     checked_steps: tuple[int, ...] = ()
@@ -597,6 +597,9 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
     planned = plan.rows_per_microbatch
     scale = rows / count / planned if planned else 1.0
     base = plan_costs(plan, train=True)
+    if scale != 1.0:  # the per-row terms scale, the per-step and per-parameter ones do not
+        simulated = simulate(schedules.build(config.schedule, [s.replicas for s in costs.stages],
+                                             count), costs.at_rows(scale))
     measured = PipelineCosts(
         [StageCosts(fwd[k], bwd[k], s.replicas, s.allreduce_ms) for k, s in
          enumerate(base.stages)], [x * scale for x in base.send_ms])
@@ -613,7 +616,7 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=config.schedule, engine=engine, loss=rank0.loss,
                       step_ms=rank0.step_ms, forward_ms=fwd, backward_ms=bwd,
-                      simulated_ms=simulated.iteration_ms * scale,
+                      simulated_ms=simulated.iteration_ms,
                       calibrated_ms=calibrated.iteration_ms,
                       activation_bytes=acts, memory_bytes=peaks,
                       forward_cpu_ms=fwd_cpu if on_cpu else [],
@@ -763,7 +766,7 @@ def comparison_table(stats: TrainStats) -> list[str]:
                 continue  # CPU: no peak kept; CUDA: no thread CPU time
             rows.append((f"stage {m['stage']} {label}", m[key], p[against], r[key], unit))
     scaled = predicted["scaled_from_batch_size"]
-    note = (f"; predicted scaled linearly from the plan's {scaled} rows per micro-batch"
+    note = (f"; predicted per-row terms scaled from the plan's {scaled} rows per micro-batch"
             if scaled else "")
     lines = [f"measured against predicted (stage figures per micro-batch on one replica; CPU ms: "
              f"the rank's thread CPU time, against the predicted wall time; activation: bytes "
