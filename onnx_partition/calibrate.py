@@ -263,6 +263,7 @@ def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
     sim["accumulate_ms"] = [round(t, 6) for t in engine["accumulate_ms"]]
     sim["send_ms"] = [round(t, 6) for t in engine["send_ms"]]
     sim["hop_bytes"] = [float(b) for b in engine["hop_bytes"]]
+    sim.pop("split_ms", None)  # the stages' I and W were timed as the engine runs them
     plan.extra["engine_costs"] = {
         "step_ms": f"calibrated: {engine['optimizer']} step on each stage module's parameters "
                    f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms"

@@ -431,7 +431,9 @@ def partition(
                                                     for v in costs.nodes.values())
             else ANALYTIC_BACKWARD if aten else "estimated")
         price_engine(plan, costs=costs, device=device, tied=tied_bytes(
-            [c.initializers for c in cuts], graph.initializer_bytes, trainable))
+            [c.initializers for c in cuts], graph.initializer_bytes, trainable),
+            tensors=[len(set(c.initializers) if trainable is None
+                         else set(c.initializers) & set(trainable)) for c in cuts])
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch

@@ -17,12 +17,16 @@ from onnx_partition import export
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.engine import (
     BARRIERS_PER_STEP,
+    SPLIT_CALL_MS,
     analytic_accumulate_ms,
     analytic_step_ms,
     fit_link,
     hop_ms,
+    measure_engine,
     measured_step_ms,
     price_engine,
+    split_groups,
+    split_ms,
     tied_bytes,
 )
 from onnx_partition.errors import PartitionError
@@ -32,6 +36,7 @@ from onnx_partition.pipeline.schedules import Action, Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.plan.contracts import COSTS_FORMAT
+from onnx_partition.runtime.train.passes import split_call_ms
 
 
 def _two_stages(step: tuple[float, float]) -> PipelineCosts:
@@ -177,3 +182,63 @@ def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) ->
                                   priced.simulator_costs["step_ms"])] == pytest.approx(
         [1.5, 0.0], abs=1e-6)
     assert priced.extra["engine_costs"]["send_ms"].startswith("measured")
+
+
+def test_the_split_overhead_goes_half_to_i_and_half_to_w() -> None:
+    """``split_ms`` lengthens ZB-H1's ``I`` and ``W`` by half each, not 1F1B's ``B``; one stage,
+    one micro-batch: F (1) + I (1.5 + 0.25) + W (0.5 + 0.25) = 3.5 ms."""
+    stage = StageCosts(1.0, 2.0, backward_input_ms=1.5, split_ms=0.5)
+    assert (stage.duration(Kind.B), stage.duration(Kind.I), stage.duration(Kind.W)) == (
+        2.0, 1.75, 0.75)
+    one = PipelineCosts([stage], [])
+    assert simulate(build("zb-h1", [1], 1), one).iteration_ms == pytest.approx(3.5)
+    assert simulate(build("1f1b", [1], 1), one).iteration_ms == pytest.approx(3.0)
+    assert one.at_rows(2.0).stages[0].split_ms == 0.5  # per call, not per row
+
+
+def test_split_groups_and_per_stage_overhead() -> None:
+    assert [split_groups(n) for n in (0, 1, 2, 5, 6)] == [0, 1, 1, 3, 3]
+    assert split_ms([4, 1, 0], 0.5) == [1.0, 0.5, 0.0]
+
+
+def test_a_zb_h1_plan_prices_the_split_and_a_1f1b_plan_does_not(mlp: Path,
+                                                                 tmp_path: Path) -> None:
+    """Analytic: :data:`SPLIT_CALL_MS` per group; a costs file's ``split_call_ms`` where it
+    measured one; read back by the simulation, which it lengthens."""
+    zb = partition(mlp, 2, tmp_path / "zb", mode="train", check=False, batch_size=2,
+                   schedule="zb-h1")
+    got = zb.simulator_costs["split_ms"]
+    assert len(got) == 2 and all(x > 0 for x in got)
+    assert zb.extra["engine_costs"]["split_ms"].startswith("analytic")
+    priced = copy.deepcopy(zb)
+    price_engine(priced, costs=None, device=None, tensors=[4, 2])
+    assert priced.simulator_costs["split_ms"] == pytest.approx(
+        [2 * SPLIT_CALL_MS, SPLIT_CALL_MS])
+    nodes = {key: {"forward_ms": 0.1, "backward_ms": 0.2} for st in zb.stages for key in st.nodes}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms", "mode": "train",
+                                 "device": "cpu", "nodes": nodes,
+                                 "engine": {"parameter_bytes": 1000, "split_call_ms": 0.25,
+                                            "optimizer_ms": {"adamw": 2.0}}}))
+    price_engine(priced, costs=load_costs(costs), device=None, tensors=[4, 2])
+    assert priced.simulator_costs["split_ms"] == pytest.approx([0.5, 0.25])
+    assert priced.extra["engine_costs"]["split_ms"].startswith("measured")
+    back = read_plan(tmp_path / "zb")
+    bare = copy.deepcopy(back)
+    bare.simulator_costs.pop("split_ms")
+    assert simulate_plan(back)[0].iteration_ms > simulate_plan(bare)[0].iteration_ms
+    plain = partition(mlp, 2, tmp_path / "1f1b", mode="train", check=False, batch_size=2,
+                      schedule="1f1b")
+    assert "split_ms" not in plain.simulator_costs
+    assert "split_ms" not in plain.extra["engine_costs"]
+
+
+def test_measure_engine_keeps_the_split_timers_figure() -> None:
+    params = [torch.zeros(4, 4)]
+    assert measure_engine(params, repeats=1, hops=False, split=lambda: 0.125)[
+        "split_call_ms"] == 0.125
+    assert measure_engine(params, repeats=1, hops=False, split=lambda: -1.0)[
+        "split_call_ms"] == 0.0
+    assert "split_call_ms" not in measure_engine(params, repeats=1, hops=False)
+    got = split_call_ms(layers=2, repeats=2)
+    assert got >= 0.0 and got == got  # a figure, never negative (no timing asserted)

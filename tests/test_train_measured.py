@@ -5,6 +5,7 @@ ending with the same table, and the plan's predictions scaled to the run's rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.schedules import one_f_one_b
-from onnx_partition.pipeline.simulate import simulate
+from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import stage_modules
 from onnx_partition.runtime.train.rank import RankResult, SavedCounter, TrainConfig
@@ -157,6 +158,12 @@ def test_predictions_scale_with_the_rows(gpt_plan: Path) -> None:
         fixed = (pred.weights_bytes or 0) + (pred.grad_bytes or 0) + (pred.optimizer_bytes or 0)
         assert two.memory_bytes == fixed + 2 * (pred.inflight * pred.activation_bytes
                                                 + (pred.buffer_bytes or 0))
+    # run in I and W (ZB-H1), each backward gains the split's overhead, not scaled by rows
+    split = PipelineCosts([dataclasses.replace(s, split_ms=0.5) for s in costs.stages],
+                          costs.send_ms)
+    for one, two in zip(predicted_stages(plan, costs, 2.0),
+                        predicted_stages(plan, split, 2.0, split=True), strict=True):
+        assert two.backward_ms == pytest.approx(one.backward_ms + 0.5)
 
 
 def test_predicted_step_scales_the_per_row_terms_only(gpt_plan: Path) -> None:

@@ -171,11 +171,13 @@ def _profile(args: argparse.Namespace) -> int:
                              "it needs --mode train")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.train import profile_train_to_file
+        from onnx_partition.runtime.train.passes import split_call_ms
 
         trained = profile_train_to_file(
             args.model, args.output, device=args.device, batch_size=args.batch_size,
             input_shapes=input_shapes_of(args), repeats=args.repeats, threads=args.threads,
-            progress=_progress_bar("profiling"), precision=args.precision)
+            progress=_progress_bar("profiling"), precision=args.precision,
+            split=lambda: split_call_ms(device=args.device))
         _say(f"wrote {args.output}: {len(trained.forward_ms)} nodes on {trained.device} "
              f"({trained.executor}), whole program forward {trained.whole_forward_ms:.3f} ms + "
              f"backward {trained.whole_backward_ms:.3f} ms, {trained.unique_signatures} "

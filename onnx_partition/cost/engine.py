@@ -23,6 +23,17 @@ written: SGD reads the weight and its gradient and writes the weight, 12 B; Adam
 writes both moments, 28 B) at the device's memory bandwidth, the accumulation
 :data:`ACCUMULATE_BYTES`, and each barrier costs the link's latency; the hops keep the link
 model. Never zero in training.
+
+**The split backward** (ZB-H1's ``I`` and ``W``, :mod:`onnx_partition.runtime.train.passes`):
+``I + W`` costs more than the whole backward ``B`` by a fixed amount per weight group, not per
+row: the graph walk and one ``torch.autograd.backward`` call per group of parameters hanging
+from the same nodes of the input path (a linear layer's weight and bias, a layer norm's). A
+ZB-H1 plan priced by per-node profiles or analytically (whose ``I`` and ``W`` add up to ``B``)
+gets ``split_ms`` per stage: :func:`split_groups` of its trainable tensors times a per-group
+cost, measured by ``profile --mode train`` (``engine.split_call_ms``: ``(I + W - B) / groups``
+on a small stage run as the engine runs it, where the calls are all there is) or
+:data:`SPLIT_CALL_MS`; the simulator adds half to each ``I`` and ``W``. ``profile --plan``
+times the stages' ``I`` and ``W`` themselves and drops the term.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +61,7 @@ __all__ = [
     "BARRIERS_PER_STEP",
     "BYTES_PER_PARAMETER",
     "HOP_SIZES",
+    "SPLIT_CALL_MS",
     "analytic_accumulate_ms",
     "analytic_step_ms",
     "fit_link",
@@ -59,6 +71,8 @@ __all__ = [
     "measured_step_ms",
     "price_engine",
     "shared_out",
+    "split_groups",
+    "split_ms",
     "tied_bytes",
     "time_accumulate",
     "time_optimizer",
@@ -73,6 +87,25 @@ ACCUMULATE_BYTES = 12.0
 BARRIERS_PER_STEP = 2
 #: Payload bytes of the ping-pong (:func:`measure_hops`).
 HOP_SIZES = (4_096, 65_536, 524_288, 2_097_152, 8_388_608)
+
+
+#: ms the split backward adds per weight group (one more autograd call and its share of the
+#: walk): ``(I + W - B) / groups`` of gpt tiny's middle stages, where compute is negligible
+#: (``tools/bench_split_backward.py --size tiny``, one torch thread, the 2-core CPU VM).
+SPLIT_CALL_MS = 0.06
+
+
+def split_groups(tensors: int) -> int:
+    """The weight groups of a stage with ``tensors`` trainable tensors, estimated: a weight and
+    its bias hang from one node (linear, convolution, layer and batch norm), so half,
+    rounded up."""
+    return (max(tensors, 0) + 1) // 2
+
+
+def split_ms(tensors: Sequence[int], per_group_ms: float) -> list[float]:
+    """Each stage's split overhead: :func:`split_groups` of its trainable tensors times
+    ``per_group_ms``."""
+    return [split_groups(n) * per_group_ms for n in tensors]
 
 
 def analytic_step_ms(weights_bytes: Sequence[float], optimizer: str, mem_gbps: float,
@@ -288,11 +321,14 @@ def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
 
 
 def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
-                   threads: int = 1, hops: bool = True) -> dict[str, Any]:
+                   threads: int = 1, hops: bool = True,
+                   split: Callable[[], float] | None = None) -> dict[str, Any]:
     """The costs file's ``engine``: ``parameter_bytes``, ``optimizer_ms`` (each optimizer's
-    step on ``params``), ``accumulate_ms`` (their gradients' accumulation), and with ``hops``
+    step on ``params``), ``accumulate_ms`` (their gradients' accumulation), with ``hops``
     the two-process ``link`` (the ``sizes`` and their ``one_way_ms``, summarised as
-    ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and ``barrier_ms``."""
+    ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and ``barrier_ms``, and with
+    ``split`` (the engine's timer, ms per weight group: ``runtime.train.passes.
+    split_call_ms``, given by the caller above this layer) ``split_call_ms``."""
     body: dict[str, Any] = {
         "parameter_bytes": int(sum(p.numel() * 4 for p in params if p.is_floating_point())),
         "optimizer_ms": {name: round(time_optimizer(params, name, repeats=repeats), 6)
@@ -308,6 +344,8 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                           "sizes": list(HOP_SIZES), "one_way_ms": [round(x, 6) for x in one_way],
                           "source": "gloo ping-pong between two processes, header + payload"},
                     barrier_ms=round(barrier, 6))
+    if split is not None:
+        body["split_call_ms"] = round(max(float(split()), 0.0), 6)
     return body
 
 
@@ -328,7 +366,8 @@ def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, flo
 
 
 def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None,
-                 tied: Sequence[float] | None = None) -> None:
+                 tied: Sequence[float] | None = None,
+                 tensors: Sequence[int] | None = None) -> None:
     """Price a train plan's engine work into plan.json: ``simulator_costs.step_ms`` per stage
     (measured from the costs file's ``engine``, :func:`measure_engine`, where it has the plan's
     optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
@@ -336,7 +375,10 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     and the plan keeps ``simulator_costs.hop_bytes``, ``send_ms`` per boundary at those bytes;
     ``simulator_costs.accumulate_ms`` per stage likewise; a stage holding ``tied`` bytes (per
     stage, :func:`tied_bytes`) adds one hop of them to its ``step_ms`` for their all-reduce,
-    priced as the hops are; ``engine_costs`` says which. Inference plans are left alone."""
+    priced as the hops are; a ZB-H1 plan with ``tensors`` (per stage, its trainable tensors)
+    gets ``simulator_costs.split_ms`` (:func:`split_ms`, per group the costs file's
+    ``split_call_ms`` or :data:`SPLIT_CALL_MS`); ``engine_costs`` says which. Inference plans
+    are left alone."""
     if plan.mode != "train":
         return
     from onnx_partition.cost.analytic import DeviceSpec
@@ -395,4 +437,13 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                            "linear in the hop's bytes")
     else:
         said["send_ms"] = "the plan's link model"
+    if plan.extra.get("schedule") == "zb-h1" and tensors is not None \
+            and len(tensors) == len(plan.stages):
+        call = (engine or {}).get("split_call_ms")
+        per_group = float(call) if call is not None else SPLIT_CALL_MS
+        sim["split_ms"] = [round(x, 6) for x in split_ms(tensors, per_group)]
+        said["split_ms"] = (("measured: " if call is not None else "analytic: ")
+                            + f"{per_group:g} ms per weight group (half the stage's trainable "
+                            "tensors), the split backward's walk and autograd calls"
+                            + (" (profile --mode train)" if call is not None else ""))
     plan.extra["engine_costs"] = said

@@ -67,6 +67,9 @@ class StageCosts:
     # added to a B (W under zero bubble) of every micro-batch but a replica's first: adding its
     # parameters' gradients to those of the earlier micro-batches (the first sets them)
     accumulate_ms: float = 0.0
+    # what the engine's split backward adds to a micro-batch's I + W over its B (one more graph
+    # walk and one autograd call per weight group, cost.engine.split_ms): half to each
+    split_ms: float = 0.0
 
     def split(self) -> tuple[float, float]:
         """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
@@ -89,7 +92,7 @@ class StageCosts:
         if kind is Kind.B:
             return self.backward_ms + again
         i, w = self.split()
-        return i + again if kind is Kind.I else w
+        return (i + again if kind is Kind.I else w) + self.split_ms / 2.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class PipelineCosts:
         """These costs at ``scale`` times the rows per micro-batch: what grows with the rows
         (compute, activations, received bytes, hops) is multiplied by ``scale``; what does not
         (the per-step ``step_ms``, the gradients' ``accumulate_ms`` and ``allreduce_ms``, the
-        parameters' ``static_bytes``) is kept. Linear in the
+        parameters' ``static_bytes``, the split's per-call ``split_ms``) is kept. Linear in the
         batch, the assumption ``partition`` makes for costs files."""
         if scale == 1.0:
             return self

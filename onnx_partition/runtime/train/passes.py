@@ -54,7 +54,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["RngState", "WeightPass", "input_pass", "kept_forward", "rebuild", "weight_pass"]
+__all__ = ["RngState", "WeightPass", "input_pass", "kept_forward", "rebuild", "split_call_ms",
+           "weight_pass"]
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -226,6 +227,38 @@ def weight_pass(held: WeightPass) -> None:
     held.kept.clear()
     held.roots.clear()
     held.root_grads.clear()
+
+
+def split_call_ms(*, layers: int = 4, width: int = 32, rows: int = 4, repeats: int = 20,
+                  device: str = "cpu") -> float:
+    """What the split adds per weight group on this machine: ``(I + W - B) / groups``, medians
+    of ``repeats``, on a stage of ``layers`` blocks (linear, GELU, layer norm; ``width``
+    features, ``rows`` rows; two groups each) fed a received tensor, as a rank runs it; small
+    enough that the walk and the calls are all there is (``cost.engine.split_ms``)."""
+    from statistics import median
+    from time import perf_counter
+
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
+    stage = torch.nn.Sequential(*blocks).to(device)
+    params = list(stage.parameters())
+    seed = torch.randn(rows, width, device=device)
+    whole, split = [], []
+    for _ in range(repeats + 2):
+        x = seed.clone().requires_grad_()
+        out = stage(x)
+        began = perf_counter()
+        torch.autograd.backward([out], [torch.ones_like(out)])
+        whole.append(perf_counter() - began)
+        x = seed.clone().requires_grad_()
+        out = stage(x)
+        began = perf_counter()
+        _, later = input_pass([out], [torch.ones_like(out)], [x], params)
+        weight_pass(later)
+        split.append(perf_counter() - began)
+    extra = median(split[2:]) - median(whole[2:])
+    return max(extra, 0.0) * 1000.0 / (2 * layers)
 
 
 def _putter(grads: Grads) -> Callable[[Grads], Grads]:

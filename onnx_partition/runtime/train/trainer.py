@@ -149,10 +149,11 @@ class StagePrediction:
 
 
 def predicted_stages(plan: Plan, costs: PipelineCosts, scale: float = 1.0,
-                     microbatches: int = 1) -> list[StagePrediction]:
+                     microbatches: int = 1, split: bool = False) -> list[StagePrediction]:
     """Per stage: the simulator's forward and backward ms (``costs``, rebuilt from plan.json;
     the backward with its share of the gradients' accumulation, which every micro-batch of
-    ``microbatches`` but each replica's first pays) and plan.json's ``activation_bytes`` and
+    ``microbatches`` but each replica's first pays, and, run ``split`` in ``I`` and ``W``, the
+    split's ``split_ms``) and plan.json's ``activation_bytes`` and
     ``memory_bytes``, each scaled by ``scale`` (rows of the run / rows of the plan) where it
     grows with the rows: times, activations and receive buffers; weights, gradients, optimizer
     state and the accumulation do not."""
@@ -170,7 +171,8 @@ def predicted_stages(plan: Plan, costs: PipelineCosts, scale: float = 1.0,
                 memory = None  # no parts to scale by: no prediction at this size
         adds = max(microbatches - cost.replicas, 0) / max(microbatches, 1)
         out.append(StagePrediction(cost.forward_ms * scale,
-                                   cost.backward_ms * scale + cost.accumulate_ms * adds,
+                                   cost.backward_ms * scale + cost.accumulate_ms * adds
+                                   + (cost.split_ms if split else 0.0),
                                    None if acts is None else round(acts * scale), memory))
     return out
 
@@ -621,7 +623,8 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                       activation_bytes=acts, memory_bytes=peaks,
                       forward_cpu_ms=fwd_cpu if on_cpu else [],
                       backward_cpu_ms=bwd_cpu if on_cpu else [],
-                      predicted_stages=predicted_stages(plan, costs, scale, count),
+                      predicted_stages=predicted_stages(plan, costs, scale, count,
+                                                        config.schedule == "zb-h1"),
                       scaled_from_batch_size=planned if scale != 1.0 else None,
                       start_step=config.start_step, eval_loss=rank0.eval_loss,
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
