@@ -149,6 +149,7 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     assert len(sim["step_ms"]) == 2 and all(t > 0 for t in sim["step_ms"])
     assert len(sim["accumulate_ms"]) == 2 and all(t > 0 for t in sim["accumulate_ms"])
     assert plan.extra["engine_costs"]["step_ms"].startswith("calibrated")
+    assert "split_ms" not in sim  # the passes were timed as the engine runs them
     if plan.extra["schedule"] == "zb-h1":  # the backward timed as the engine's two passes
         assert len(sim["backward_input_ms"]) == 2
         assert all(0 <= i <= b for i, b in zip(sim["backward_input_ms"], backward, strict=True))
