@@ -71,11 +71,12 @@ def test_one_plan_one_figure(exported, tmp_path: Path, capsys: pytest.CaptureFix
             s.predicted.forward_ms + s.predicted.backward_ms, abs=2e-6) for s in plan.stages)
         # busy: 4 micro-batches' compute, and 3 gradient accumulations (the first sets them);
         # under ZB-H1, 4 times the split backward's overhead
-        split = plan.simulator_costs.get("split_ms", [0.0])[0]
-        assert (split > 0) == (plan.extra["schedule"] == "zb-h1")
-        assert sim["stages"][0]["busy_ms"] == pytest.approx(
-            4 * plan.stages[0].predicted.compute_ms
-            + 3 * plan.simulator_costs["accumulate_ms"][0] + 4 * split, rel=1e-5)
+        split = plan.simulator_costs.get("split_ms", [0.0, 0.0])
+        assert (split[-1] > 0) == (plan.extra["schedule"] == "zb-h1") and split[0] == 0.0
+        for k in (0, len(plan.stages) - 1):
+            assert sim["stages"][k]["busy_ms"] == pytest.approx(
+                4 * plan.stages[k].predicted.compute_ms
+                + 3 * plan.simulator_costs["accumulate_ms"][k] + 4 * split[k], rel=1e-5)
         # train prices the step it runs by the same simulation (the plan's defaults)
         trained = _json(capsys, ["train", plan_dir, "--steps", "1", "--json"])
         assert trained["predicted"]["iteration_ms"] == plan.predicted["iteration_ms"]

@@ -24,15 +24,15 @@ writes both moments, 28 B) at the device's memory bandwidth, the accumulation
 :data:`ACCUMULATE_BYTES`, and each barrier costs the link's latency; the hops keep the link
 model. Never zero in training.
 
-**The split backward** (ZB-H1's ``I`` and ``W``, :mod:`onnx_partition.runtime.train.passes`):
-``I + W`` costs more than the whole backward ``B`` by a fixed amount per weight group, not per
-row: the graph walk and one ``torch.autograd.backward`` call per group of parameters hanging
-from the same nodes of the input path (a linear layer's weight and bias, a layer norm's). A
-ZB-H1 plan priced by per-node profiles or analytically (whose ``I`` and ``W`` add up to ``B``)
-gets ``split_ms`` per stage: :func:`split_groups` of its trainable tensors times a per-group
-cost, measured by ``profile --mode train`` (``engine.split_call_ms``: ``(I + W - B) / groups``
-on a small stage run as the engine runs it, where the calls are all there is) or
-:data:`SPLIT_CALL_MS`; the simulator adds half to each ``I`` and ``W``. ``profile --plan``
+**The split backward** (ZB-H1's ``I`` and ``W``, :mod:`onnx_partition.runtime.train.passes`): ``I +
+W`` costs more than the whole backward ``B`` by a fixed amount per weight group, not per row: the
+graph walk and one ``torch.autograd.backward`` call per group of parameters hanging from the same
+nodes of the input path (a linear layer's weight and bias, a layer norm's). A ZB-H1 plan priced by
+per-node profiles or analytically (whose ``I`` and ``W`` add up to ``B``) gets ``split_ms`` per
+stage but the first (whose ``W`` is one whole backward): :func:`split_groups` of its trainable
+tensors times a per-group cost, measured by ``profile --mode train`` (``engine.split_call_ms``:
+``(I + W - B) / groups`` on a small stage run as the engine runs it, where the calls are all there
+is) or :data:`SPLIT_CALL_MS`; the simulator adds half to each ``I`` and ``W``. ``profile --plan``
 times the stages' ``I`` and ``W`` themselves and drops the term.
 """
 
@@ -104,8 +104,9 @@ def split_groups(tensors: int) -> int:
 
 def split_ms(tensors: Sequence[int], per_group_ms: float) -> list[float]:
     """Each stage's split overhead: :func:`split_groups` of its trainable tensors times
-    ``per_group_ms``."""
-    return [split_groups(n) * per_group_ms for n in tensors]
+    ``per_group_ms``; none for the first stage, which receives no tensor needing a gradient
+    (the model's inputs): its ``I`` is empty and its ``W`` one whole backward."""
+    return [0.0 if k == 0 else split_groups(n) * per_group_ms for k, n in enumerate(tensors)]
 
 
 def analytic_step_ms(weights_bytes: Sequence[float], optimizer: str, mem_gbps: float,
