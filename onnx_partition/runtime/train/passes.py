@@ -126,7 +126,9 @@ def _hung(params: Sequence[torch.Tensor], parents: dict[Node, list[Node]],
     hung = []
     for p in params:
         node = accumulators.get(id(p))
-        if node is None:
+        if node is None:  # a view of it, only where the walk did not find its accumulator
+            node = _node(p)
+        if node not in parents:
             continue  # not used by this micro-batch's graph
         _, met = _above([node], parents, path)
         if met:  # else reached only from roots off the input path
