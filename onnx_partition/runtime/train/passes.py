@@ -9,23 +9,22 @@ nodes on a path from a root to a leaf, and in each of them only the outputs thos
 a linear layer computes ``dX``, not ``dW``). Before it runs, a pre-hook is put on each *frontier*
 node: a node on the input path from which a path that leaves it reaches a parameter; the hook
 keeps the gradient that reached the node. :func:`weight_pass` later starts ``torch.autograd.
-grad`` from those nodes with those gradients, towards the parameters, and adds the results to
-their ``.grad``: no node of the input path is run twice. The parameters are grouped by the
-frontier nodes they hang from (union-find), one call per group, so a call never runs a node of
-the input path on its way to its own parameters unless that node is in its group too; there a
-second pre-hook puts back the gradient the node had in the input pass (the whole of it: the
-part arriving through the group's other nodes is already in it), so nothing is counted twice.
-One call over all the groups would be as exact but not cheaper: from an upper group's frontier
-node the engine would run the whole input path down to the lower groups' frontier nodes again
-(measured on gpt small's middle stage: the weight pass then costs a whole backward, 70 ms
-against 42). The cost the split adds is kept off the input pass where it can be: the grouping
-runs in the weight pass (``W`` fills the pipeline's bubbles, ``I`` is on its critical path),
-the parameters' accumulators are found in the graph walk the input pass makes anyway (not by
-a view per parameter), and each call accumulates into ``.grad`` in place
-(``torch.autograd.backward`` with ``inputs``, as the whole backward does) instead of adding a
-returned gradient into a new tensor. The walk is made for every micro-batch: the graph is
-built anew by every forward, and a key telling that two graphs have the same shape would need
-the same walk.
+backward`` from those nodes with those gradients, towards the parameters, adding to their
+``.grad``: no node of the input path is run twice. The parameters are grouped by the frontier nodes
+they hang from (union-find), one call per group, so a call never runs a node of the input path on
+its way to its own parameters unless that node is in its group too; there a second pre-hook puts
+back the gradient the node had in the input pass (the whole of it: the part arriving through the
+group's other nodes is already in it), so nothing is counted twice. One call over all the groups
+would be as exact but not cheaper: from an upper group's frontier node the engine would run the
+whole input path down to the lower groups' frontier nodes again (measured on gpt small's middle
+stage: the weight pass then costs a whole backward, 70 ms against 42). The cost the split adds is
+kept off the input pass where it can be: the grouping runs in the weight pass (``W`` fills the
+pipeline's bubbles, ``I`` is on its critical path), the parameters' accumulators are found in the
+graph walk the input pass makes anyway (not by a view per parameter), and each call accumulates
+into ``.grad`` in place (``torch.autograd.backward`` with ``inputs``, as the whole backward does;
+entered past its argument checks, :func:`_accumulate`) instead of adding a returned gradient into a
+new tensor. The walk is made for every micro-batch: the graph is built anew by every forward, and a
+key telling that two graphs have the same shape would need the same walk.
 Roots that reach no leaf (a stage with no received floating tensor, such as the first, or an
 output made from parameters alone) have no input pass: :func:`weight_pass` runs their whole
 backward. torch's pipelining (``stage_backward_input``/``stage_backward_weight``) splits the
@@ -219,7 +218,7 @@ def weight_pass(held: WeightPass) -> None:
                 if got is not None:
                     handles.append(node.register_prehook(_putter(got)))
         try:
-            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=group.params)
+            _accumulate(edges, seeds, group.params)
         finally:
             for handle in handles:
                 handle.remove()
@@ -261,6 +260,24 @@ def split_call_ms(*, layers: int = 4, width: int = 32, rows: int = 4, repeats: i
         split.append(perf_counter() - began)
     extra = median(split[2:]) - median(whole[2:])
     return max(extra, 0.0) * 1000.0 / (2 * layers)
+
+
+def _accumulate(edges: Sequence[GradientEdge], seeds: Sequence[torch.Tensor],
+                params: Sequence[torch.Tensor]) -> None:
+    """``torch.autograd.backward(edges, seeds, retain_graph=True, inputs=params)`` without its
+    Python-side checks of the seeds against the edges (``_make_grads``: a third of a small
+    stage's weight pass, measured on gpt tiny): the seeds are the gradients autograd itself
+    gave those edges in the input pass. Through torch's engine entry
+    (``torch.autograd.graph._engine_run_backward``, which ``backward`` calls) where this torch
+    has it, else ``backward`` itself."""
+    if _ENGINE is None:
+        torch.autograd.backward(list(edges), list(seeds), retain_graph=True, inputs=list(params))
+        return
+    _ENGINE(tuple(edges), tuple(seeds), True, False, tuple(params), allow_unreachable=True,
+            accumulate_grad=True)
+
+
+_ENGINE: Callable[..., Any] | None = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _putter(grads: Grads) -> Callable[[Grads], Grads]:
