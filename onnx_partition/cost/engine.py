@@ -91,8 +91,9 @@ HOP_SIZES = (4_096, 65_536, 524_288, 2_097_152, 8_388_608)
 
 #: ms the split backward adds per weight group (one more autograd call and its share of the
 #: walk): ``(I + W - B) / groups`` of gpt tiny's middle stages, where compute is negligible
-#: (``tools/bench_split_backward.py --size tiny``, one torch thread, the 2-core CPU VM).
-SPLIT_CALL_MS = 0.06
+#: (0.035-0.055, ``tools/bench_split_backward.py --size tiny --clock cpu``; the small stage of
+#: ``runtime.train.passes.split_call_ms``: 0.031-0.032), one torch thread, the 2-core CPU VM.
+SPLIT_CALL_MS = 0.04
 
 
 def split_groups(tensors: int) -> int:
