@@ -187,3 +187,28 @@ def test_command_line_schedule_and_recompute(tmp_path: Path,
     assert main(["simulate", str(out)]) == 0
     text = capsys.readouterr().out
     assert "simulated zb-h1 iteration" in text and "stages 0, 1 recompute" in text
+
+
+
+def test_auto_schedule_pays_the_split_backward(tmp_path: Path) -> None:
+    """ZB-H1 runs each backward as two passes, which costs ``split_call_ms`` per weight group
+    (``engine`` in the costs file): ``--schedule auto`` weighs it, on plain and cluster plans
+    alike, keeping ZB-H1 while it wins (free split) and 1F1B once it does not."""
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    for call_ms, expected in ((0.0, "zb-h1"), (50.0, "1f1b")):
+        costs = tmp_path / f"costs-{call_ms}.json"
+        write_costs(costs, {k: {"forward_ms": 1.0, "backward_ms": 2.0, "backward_input_ms": 1.0,
+                                "backward_weight_ms": 1.0} for k in "abdefy"}, mode="train",
+                    engine={"split_call_ms": call_ms})
+        plain = partition(model, 3, tmp_path / f"plain-{call_ms}", batch_size=4, mode="train",
+                          costs=costs)
+        cluster = partition(model, 3, tmp_path / f"cluster-{call_ms}", batch_size=4,
+                            mode="train", costs=costs, cluster=Cluster(devices_per_machine=3))
+        assert [s.replicas for s in cluster.stages] == [1, 1, 1]
+        assert plain.extra["schedule"] == cluster.extra["schedule"] == expected
+        if expected == "zb-h1":  # the split is priced, and free here
+            assert plain.extra["simulator_costs"]["split_ms"] == [0.0, 0.0, 0.0]
+        else:  # 1F1B: no split, and its replay is what was predicted
+            assert "split_ms" not in plain.extra["simulator_costs"]
+            replay, _ = simulate_plan(read_plan(tmp_path / f"plain-{call_ms}"))
+            assert replay.iteration_ms == pytest.approx(plain.predicted["iteration_ms"])

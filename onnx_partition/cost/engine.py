@@ -71,6 +71,7 @@ __all__ = [
     "measured_step_ms",
     "price_engine",
     "shared_out",
+    "split_call_ms",
     "split_groups",
     "split_ms",
     "tied_bytes",
@@ -101,6 +102,13 @@ def split_groups(tensors: int) -> int:
     its bias hang from one node (linear, convolution, layer and batch norm), so half,
     rounded up."""
     return (max(tensors, 0) + 1) // 2
+
+
+def split_call_ms(costs: CostsFile | None) -> float:
+    """ms per weight group of the split backward: the costs file's measured
+    ``engine.split_call_ms``, else :data:`SPLIT_CALL_MS`."""
+    call = ((costs.body.get("engine") if costs is not None else None) or {}).get("split_call_ms")
+    return float(call) if call is not None else SPLIT_CALL_MS
 
 
 def split_ms(tensors: Sequence[int], per_group_ms: float) -> list[float]:
