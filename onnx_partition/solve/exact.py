@@ -224,9 +224,10 @@ def stage_neighbourhoods(
 
     ``spread``: when the stages tie near the top the bottleneck cannot fall by re-cutting a
     few of them, so each solve instead minimises the slowest stage of its window, every stage
-    kept within the bottleneck (``solve_ilp(focus=...)``), and a plan is taken when its stage
-    times, slowest first, are lexicographically lower: a descent that spreads the slack, each
-    step never raising the bottleneck, until the tied stages can all fall together."""
+    kept within the bottleneck (``solve_ilp(focus=...)``, with the precedence windows of that
+    bottleneck, which hold for every such plan), and a plan is taken when its stage times,
+    slowest first, are lexicographically lower: a descent that spreads the slack, each step
+    never raising the bottleneck, until the tied stages can all fall together."""
     best = [int(s) for s in stage_of]
     best_ms = problem.bottleneck_ms(best, num_stages)
     width = min(width, num_stages - 1)  # all the stages would be the plain search
@@ -252,7 +253,7 @@ def stage_neighbourhoods(
             try:
                 found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10,
                                   workers=1, hint=best, deterministic_s=budget_s,
-                                  windows=False, free=free,
+                                  windows=spread, free=free,
                                   focus=range(first, first + width) if spread else None)
             except PartitionError:  # nothing within the limits: this window stands
                 continue

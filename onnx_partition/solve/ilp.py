@@ -161,8 +161,8 @@ def solve_ilp(
     ``free``: only these nodes move; every other keeps its stage in ``hint`` (a neighbourhood
     of the hint searched exactly, large-neighbourhood search by hand).
 
-    ``focus``: minimise the slowest of these stages instead, every stage kept within the
-    start plan's bottleneck (a descent on the sorted stage times when several stages tie at
+    ``focus``: minimise the slowest of these stages instead, every other stage kept within its
+    time in the start plan (a descent on the sorted stage times when several stages tie at
     the top, where the bottleneck itself cannot move); ``optimal`` then says that objective was
     proven, and ``lower_bound_ms`` is the trivial bound.
     """
@@ -202,6 +202,8 @@ def solve_ilp(
         top = enc.model.new_int_var(0, max(start_units), "focus")
         for k in focus:
             enc.model.add(enc.stage_time[k] <= top)
+        for k in set(range(big_s)) - set(focus):
+            enc.model.add(enc.stage_time[k] <= start_units[k])
         enc.model.add_hint(top, max(start_units[k] for k in focus))
         enc.model.minimize(top)
     else:
