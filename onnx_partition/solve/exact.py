@@ -35,7 +35,7 @@ from onnx_partition.solve.refine import refine
 from onnx_partition.solve.search import split_order
 
 __all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "EXACT_ROUNDS", "EXACT_ROUNDS_FROM", "LNS_SOLVES",
-           "LNS_WIDTH", "SPREAD_SOLVES", "SPREAD_WIDTH", "Proof", "exact_rounds", "exact_split",
+           "LNS_WIDTH", "SPREAD_SOLVES", "Proof", "exact_rounds", "exact_split",
            "one_order", "stage_neighbourhoods", "trivial_bound_ms"]
 
 #: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
@@ -62,11 +62,10 @@ EXACT_ROUNDS_FROM = 160
 #: solves (widths 3 and 5, and 3 then 4, stopped higher or took longer; docs/benchmarks.md).
 LNS_WIDTH = 4
 LNS_SOLVES = 12
-#: ... and then the lexicographic descent (``stage_neighbourhoods(spread=True)``) over windows
-#: of SPREAD_WIDTH stages, at most SPREAD_SOLVES solves of half the budget: encdec small at
-#: S = 8 from 22.7074 to 22.6626 ms (docs/benchmarks.md; 4 stages went slower, 2 stopped
-#: higher, a quarter of the budget per solve stopped higher).
-SPREAD_WIDTH = 3
+#: ... and then the lexicographic descent (``stage_neighbourhoods(spread=True)``) over the
+#: same windows, at most SPREAD_SOLVES solves of half the budget: encdec small at S = 8 from
+#: 22.7074 to 22.6450 ms, the best plan CP-SAT finds with 2 workers in 10-20 s (windows of 3
+#: and 5 stages reach it too, slower; of 2, stop at 22.7060; docs/benchmarks.md).
 SPREAD_SOLVES = 12
 # A plan counts as better only when it beats the DP's by more than this (relative): the ILP's
 # integer costs may rank two plans of nearly equal float cost the other way.
@@ -200,9 +199,9 @@ def exact_split(
             best, best_ms = polished, polished_ms
     if many > 1 and not optimal:  # then neighbourhoods of a few stages, each solved exactly
         best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2)
-        # ... and, where they stop, the lexicographic descent over narrower windows
+        # ... and, where they stop, the lexicographic descent over the same windows
         best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2,
-                                    width=SPREAD_WIDTH, solves=SPREAD_SOLVES, spread=True)
+                                    solves=SPREAD_SOLVES, spread=True)
         best_ms = problem.bottleneck_ms(best, num_stages)
     lower = min(best_ms, lower)
     gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
@@ -223,10 +222,10 @@ def stage_neighbourhoods(
     Never worse than ``stage_of``.
 
     ``spread``: when the stages tie near the top the bottleneck cannot fall by re-cutting a
-    few of them, so each solve instead minimises the slowest stage of its window, every stage
-    kept within the bottleneck (``solve_ilp(focus=...)``, with the precedence windows of that
+    few of them, so each solve instead minimises the slowest stage of its window, every other
+    stage no slower than now (``solve_ilp(focus=...)``, with the precedence windows of the
     bottleneck, which hold for every such plan), and a plan is taken when its stage times,
-    slowest first, are lexicographically lower: a descent that spreads the slack, each step
+    slowest first, are lexicographically lower: a descent on the sorted stage times, each step
     never raising the bottleneck, until the tied stages can all fall together."""
     best = [int(s) for s in stage_of]
     best_ms = problem.bottleneck_ms(best, num_stages)
