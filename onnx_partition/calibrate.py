@@ -243,7 +243,8 @@ def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float])
     train = plan.mode == "train"
     for stage, f, b in zip(plan.stages, forward, backward, strict=True):
         if stage.predicted is not None:
-            stage.predicted.compute_ms = round(f + b, 6)
+            # the sum of the parts as stored (each rounded), so compute = forward + backward
+            stage.predicted.compute_ms = round(round(f, 6) + round(b, 6), 6)
             if train:
                 stage.predicted.forward_ms, stage.predicted.backward_ms = round(f, 6), round(b, 6)
     if train and isinstance(plan.simulator_costs, dict):
