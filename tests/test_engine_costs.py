@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from onnx_partition import export
+from onnx_partition.cli import main
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.engine import (
     BARRIERS_PER_STEP,
@@ -144,6 +145,27 @@ def test_an_analytic_train_plan_carries_a_nonzero_step_term(mlp: Path, tmp_path:
     # inference plans: no engine terms
     infer = partition(mlp, 2, tmp_path / "infer", check=False, batch_size=2)
     assert "step_ms" not in infer.simulator_costs and "engine_costs" not in infer.extra
+
+
+def test_simulate_at_other_rows_keeps_the_per_step_work(mlp: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """``simulate --batch-size`` at twice a train plan's rows: the costs at those rows
+    (compute, activations, hops doubled), the optimizer step and barriers as planned; an
+    iteration below twice the plan's by at least the step term."""
+    partition(mlp, 2, tmp_path / "plan", mode="train", check=False, batch_size=2)
+    plan = read_plan(tmp_path / "plan")
+    assert main(["simulate", str(tmp_path / "plan"), "--json", "--batch-size", "4"]) == 0
+    doubled = json.loads(capsys.readouterr().out)
+    expected = simulate_plan(plan, rows_scale=2.0)[0]
+    assert doubled["iteration_ms"] == pytest.approx(expected.iteration_ms, abs=1e-6)
+    assert doubled["scaled_from_batch_size"] == 2 and doubled["rows"] == 4 * plan.microbatches
+    step = max(plan.simulator_costs["step_ms"])
+    assert doubled["iteration_ms"] <= 2 * plan.predicted["iteration_ms"] - step + 1e-5
+    bare = copy.deepcopy(plan)
+    bare.simulator_costs.pop("step_ms")
+    assert expected.iteration_ms == pytest.approx(
+        simulate_plan(bare, rows_scale=2.0)[0].iteration_ms + step, abs=1e-9)
 
 
 def test_a_costs_files_engine_prices_step_and_hops(mlp: Path, tmp_path: Path) -> None:

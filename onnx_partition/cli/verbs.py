@@ -442,21 +442,23 @@ def _train(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from onnx_partition.pipeline.from_plan import format_simulation, simulate_plan
-    from onnx_partition.pipeline.predict import dumps, simulate_json
+    from onnx_partition.pipeline.predict import dumps, rows_scale, simulate_json
     from onnx_partition.plan.folder import verify
 
     plan = read_plan(args.plan)
     verify(args.plan, plan, hashes=not args.no_verify)
     result, _ = simulate_plan(plan, schedule=args.schedule, microbatches=args.microbatches,
-                              chunks=chunks_of(args))
+                              chunks=chunks_of(args),
+                              rows_scale=rows_scale(plan, args.batch_size))
     body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, at_rows=True)
     if args.json:
         print(dumps(body))
         return 0
     print(format_simulation(plan, result))
     if body["samples_per_s"]:
-        scaled = (f", times scaled linearly from the plan's {body['scaled_from_batch_size']}"
+        scaled = (f", costs scaled from the plan's {body['scaled_from_batch_size']} rows "
+                  "(compute, activations and hops with the rows; per-step work as planned)"
                   if body.get("scaled_from_batch_size") else "")
         print(f"{body['samples_per_s']:.1f} samples/s ({body['microbatches']} micro-batches x "
               f"{body['batch_size']} rows per iteration of {body['iteration_ms']:.3f} ms"

@@ -194,7 +194,7 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
 
 def simulate_plan(
     plan: Plan, *, schedule: str | None = None, microbatches: int | None = None,
-    chunks: int | None = None,
+    chunks: int | None = None, rows_scale: float = 1.0,
 ) -> tuple[SimResult, PipelineCosts]:
     """Simulate ``plan`` from plan.json alone: ``schedule`` one of
     :data:`~onnx_partition.pipeline.schedules.NAMES` (default: 1F1B for training plans,
@@ -204,12 +204,14 @@ def simulate_plan(
     :func:`~onnx_partition.pipeline.schedules.build`'s. Returns the result and the rebuilt costs.
     Raises :class:`PartitionError` for an unknown schedule, a bad count, or an interleaving
     the plan does not allow (chunks not dividing the stage count, micro-batches not a multiple
-    of devices x replicas, unequal replicas)."""
+    of devices x replicas, unequal replicas). ``rows_scale``: the run's rows per micro-batch
+    over the plan's, the costs taken at those rows (:meth:`PipelineCosts.at_rows`: what grows
+    with the rows scaled, the per-step and per-parameter terms kept)."""
     name = checked_name(schedule or default_schedule(plan), chunks)
     m = microbatches if microbatches is not None else plan.microbatches
     if m < 1:
         raise PartitionError(f"need at least one micro-batch, got {m}")
-    costs = plan_costs(plan, train=name != "infer")
+    costs = plan_costs(plan, train=name != "infer").at_rows(rows_scale)
     sched = build(name, [s.replicas for s in costs.stages], m, chunks=chunks)
     return dataclasses.replace(simulate(sched, costs), schedule=name), costs
 

@@ -39,7 +39,8 @@ from onnx_partition.plan.contracts import RUN_FORMAT
 
 __all__ = ["RUN_FORMAT", "SHARED", "SHARED_STAGE", "RunShape", "dumps", "format_comparison",
            "idle_replicas_note", "measured_json", "partition_json", "predict", "ratios",
-           "read_run", "run_json", "run_shape", "simulate_json", "simulation_json"]
+           "read_run", "rows_scale", "run_json", "run_shape", "simulate_json",
+           "simulation_json"]
 
 
 
@@ -207,18 +208,41 @@ def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, An
     return body
 
 
-def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
-                  microbatches: int | None, batch_size: int | None = None) -> dict[str, Any]:
-    """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
-    rows per micro-batch with every duration scaled linearly from the plan's."""
-    count = microbatches if microbatches is not None else plan.microbatches
-    planned = plan.rows_per_microbatch
+def rows_scale(plan: Plan, batch_size: int | None) -> float:
+    """``batch_size`` rows per micro-batch over the plan's (1 when either is unknown)."""
     if batch_size is not None and batch_size < 1:
         raise PartitionError(f"--batch-size must be at least 1, got {batch_size}")
+    planned = plan.rows_per_microbatch
+    return batch_size / planned if batch_size and planned else 1.0
+
+
+def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
+                  microbatches: int | None, batch_size: int | None = None,
+                  at_rows: bool = False) -> dict[str, Any]:
+    """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
+    rows per micro-batch: ``result`` simulated at those rows (``at_rows``:
+    :func:`~onnx_partition.pipeline.from_plan.simulate_plan` with ``rows_scale``; a train
+    plan's per-step work does not grow with the rows), else every duration scaled linearly
+    from the plan's."""
+    count = microbatches if microbatches is not None else plan.microbatches
+    planned = plan.rows_per_microbatch
+    scale = rows_scale(plan, batch_size)
     size = batch_size if batch_size is not None else planned
-    scale = size / planned if size and planned else 1.0
     body = simulation_json(plan, result, schedule=schedule or default_schedule(plan),
                            microbatches=count, batch_size=size, scale=scale)
+    if at_rows and scale != 1.0:  # the result is at the run's rows already
+        iteration = result.iteration_ms
+        rows = (size or 0) * count
+        by_device = {(d["stage"], d["replica"]): d for d in body["devices"]}
+        for dev, busy in result.busy_ms.items():
+            by_device[dev]["busy_ms"] = round(busy, 6)
+        for stage in body["stages"]:
+            mine = [d for d in body["devices"] if d["stage"] == stage["index"]]
+            stage["busy_ms"] = round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6)
+        body.update(
+            iteration_ms=round(iteration, 6),
+            throughput_per_s=round(count / iteration * 1000.0, 3) if iteration else 0.0,
+            samples_per_s=round(rows / iteration * 1000.0, 3) if iteration and rows else 0.0)
     body["scaled_from_batch_size"] = planned if scale != 1.0 else None
     return body
 
