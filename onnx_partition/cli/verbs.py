@@ -451,7 +451,7 @@ def _simulate(args: argparse.Namespace) -> int:
                               chunks=chunks_of(args),
                               rows_scale=rows_scale(plan, args.batch_size))
     body = simulate_json(plan, result, schedule=args.schedule, microbatches=args.microbatches,
-                         batch_size=args.batch_size, at_rows=True)
+                         batch_size=args.batch_size)
     if args.json:
         print(dumps(body))
         return 0

@@ -84,8 +84,13 @@ def idle_replicas_note(plan: Plan, microbatches: int) -> str | None:
 
 
 def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatches: int,
-                    batch_size: int | None, scale: float = 1.0) -> dict[str, Any]:
-    """A simulation as plain data (durations multiplied by ``scale``)."""
+                    batch_size: int | None, scale: float = 1.0,
+                    simulated_at_rows: bool = False) -> dict[str, Any]:
+    """A simulation as plain data: the plan's per-stage figures multiplied by ``scale``, and
+    the result's durations too unless it was ``simulated_at_rows`` (its costs already
+    scaled)."""
+    plan_scale = scale
+    scale = 1.0 if simulated_at_rows else scale
     iteration = result.iteration_ms * scale
     rows = (batch_size or 0) * microbatches
     devices = [{"stage": dev[0], "replica": dev[1], "busy_ms": round(busy * scale, 6),
@@ -102,8 +107,8 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
         stages.append({
             "index": stage.index, "replicas": stage.replicas,
             "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6),
-            "compute_ms": round(compute * scale, 6),
-            "comm_ms": round(pred.comm_ms * scale, 6) if pred else 0.0,
+            "compute_ms": round(compute * plan_scale, 6),
+            "comm_ms": round(pred.comm_ms * plan_scale, 6) if pred else 0.0,
             "memory_bytes": max((d["memory_bytes"] for d in mine), default=0),
         })
     return {
@@ -217,32 +222,19 @@ def rows_scale(plan: Plan, batch_size: int | None) -> float:
 
 
 def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
-                  microbatches: int | None, batch_size: int | None = None,
-                  at_rows: bool = False) -> dict[str, Any]:
+                  microbatches: int | None, batch_size: int | None = None) -> dict[str, Any]:
     """What ``simulate --json`` prints: at the plan's micro-batch size, or at ``batch_size``
-    rows per micro-batch: ``result`` simulated at those rows (``at_rows``:
-    :func:`~onnx_partition.pipeline.from_plan.simulate_plan` with ``rows_scale``; a train
-    plan's per-step work does not grow with the rows), else every duration scaled linearly
-    from the plan's."""
+    rows per micro-batch, ``result`` then being simulated at those rows
+    (:func:`~onnx_partition.pipeline.from_plan.simulate_plan` with :func:`rows_scale`: a train
+    plan's per-step work does not grow with the rows) and the plan's per-stage figures scaled
+    linearly."""
     count = microbatches if microbatches is not None else plan.microbatches
     planned = plan.rows_per_microbatch
     scale = rows_scale(plan, batch_size)
     size = batch_size if batch_size is not None else planned
     body = simulation_json(plan, result, schedule=schedule or default_schedule(plan),
-                           microbatches=count, batch_size=size, scale=scale)
-    if at_rows and scale != 1.0:  # the result is at the run's rows already
-        iteration = result.iteration_ms
-        rows = (size or 0) * count
-        by_device = {(d["stage"], d["replica"]): d for d in body["devices"]}
-        for dev, busy in result.busy_ms.items():
-            by_device[dev]["busy_ms"] = round(busy, 6)
-        for stage in body["stages"]:
-            mine = [d for d in body["devices"] if d["stage"] == stage["index"]]
-            stage["busy_ms"] = round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6)
-        body.update(
-            iteration_ms=round(iteration, 6),
-            throughput_per_s=round(count / iteration * 1000.0, 3) if iteration else 0.0,
-            samples_per_s=round(rows / iteration * 1000.0, 3) if iteration and rows else 0.0)
+                           microbatches=count, batch_size=size, scale=scale,
+                           simulated_at_rows=True)
     body["scaled_from_batch_size"] = planned if scale != 1.0 else None
     return body
 
