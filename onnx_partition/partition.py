@@ -433,8 +433,7 @@ def partition(
             else ANALYTIC_BACKWARD if aten else "estimated")
         price_engine(plan, costs=costs, device=device, tied=tied_bytes(
             [c.initializers for c in cuts], graph.initializer_bytes, trainable),
-            tensors=[len(set(c.initializers) if trainable is None
-                         else set(c.initializers) & set(trainable)) for c in cuts])
+            tensors=trainable_tensors(cuts, trainable))
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
@@ -927,6 +926,13 @@ def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, flo
     return schedules[times.index(min(times))]
 
 
+def trainable_tensors(cuts: Sequence[StageCut], trainable: Collection[str] | None) -> list[int]:
+    """Per stage, how many trainable tensors it holds (``trainable`` None: every initializer):
+    the weight groups of ZB-H1's split backward (``cost.engine.split_ms``)."""
+    return [len(set(c.initializers) if trainable is None
+                else set(c.initializers) & set(trainable)) for c in cuts]
+
+
 def priced_as_run(plan: Plan) -> None:
     """Put the plan's own simulation into ``plan.predicted``: ``iteration_ms``,
     ``throughput_per_s`` (micro-batches per second of that iteration) and ``bubble_fraction``
@@ -1020,8 +1026,7 @@ def _describe(
     schedule = "infer"
     if train:
         assert split is not None
-        tensors = [len(set(c.initializers) if trainable is None
-                       else set(c.initializers) & set(trainable)) for c in cuts]
+        tensors = trainable_tensors(cuts, trainable)
         schedule = _fastest_schedule(schedules, split, grad_input_split, flags, replicas,
                                      extra.get("simulator_costs", {}).get("send_ms"),
                                      microbatches, split_ms(tensors, split_call_ms))
