@@ -38,9 +38,9 @@ import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, annotate, load_costs
@@ -52,6 +52,9 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.partition import SOLVERS, partition, priced_as_run
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.folder import publish
+
+if TYPE_CHECKING:
+    from onnx_partition.runtime.train.overheads import RunCosts
 
 __all__ = ["MIN_GAIN", "Calibration", "calibrate_plan", "hop_overhead", "measure_plan",
            "pipeline_times", "stage_keys"]
@@ -276,6 +279,60 @@ def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
     priced_as_run(plan)
 
 
+def _run_calibrated(plan: Plan, run: RunCosts, schedule: str, microbatches: int,
+                    sends: Sequence[float], input_share: Sequence[float] | None) -> dict[str, Any]:
+    """``plan`` priced by its own run in the engine (:func:`~onnx_partition.calibrate_train.
+    measure_train_run`): its stages' forward and backward per micro-batch there (the backward
+    less the gradients' accumulation, which the simulator adds back; under ZB-H1 split in
+    ``input_share``, the side-by-side timing's ``I`` share), ``simulator_costs.action_ms`` and
+    ``step_ms`` (tail and barriers) from the run, ``send_ms`` the idle hops (``sends``) plus
+    the extra per hop that makes the run's simulation last its measured step
+    (:func:`~onnx_partition.runtime.train.overheads.fit_hop_ms`). Returns what ``calibrated``
+    records of the run."""
+    from onnx_partition.pipeline import schedules
+    from onnx_partition.runtime.train.overheads import fit_hop_ms, run_pipeline
+
+    sim = plan.extra.setdefault("simulator_costs", {})
+    if input_share is not None:
+        run = replace(run, backward_input_ms=[b * s for b, s in
+                                              zip(run.backward_ms, input_share, strict=True)])
+    grid = schedules.build(schedule, run.replicas, microbatches)
+    hop = fit_hop_ms(grid, run_pipeline(run, sends), run.measured_ms)
+    accumulate = [float(a) for a in sim.get("accumulate_ms") or [0.0] * len(run.replicas)]
+    adds = [max(microbatches - r, 0) / microbatches for r in run.replicas]
+    backward = [max(b - a * n, 0.0) for b, a, n in zip(run.backward_ms, accumulate, adds,
+                                                       strict=True)]
+    _calibrated(plan, run.forward_ms, backward)
+    if input_share is not None:
+        sim["backward_input_ms"] = [round(b * s, 6) for b, s in
+                                    zip(backward, input_share, strict=True)]
+    sim["action_ms"] = [round(a, 6) for a in run.action_ms]
+    sim["step_ms"] = [round(t, 6) for t in run.step_ms()]
+    sim["send_ms"] = [round(s + hop, 6) for s in sends]
+    said = plan.extra.setdefault("engine_costs", {})
+    said.update({
+        "step_ms": "calibrated: the plan run in the engine (profile --plan): each stage's "
+                   "optimizer step, gradient sums and sends awaited, + 2 barriers of "
+                   f"{run.barrier_ms:.4g} ms",
+        "action_ms": "calibrated: the engine's work per action outside compute and receives, "
+                     "the plan run in the engine (profile --plan)",
+        "send_ms": "calibrated: each hop's bytes there and back between two idle processes "
+                   f"over gloo, one way, + {hop:.4g} ms per hop fitted so the run's "
+                   "simulation lasts its measured step (profile --plan)"})
+    priced_as_run(plan)
+    return {"by": "train (the engine), synthetic batches", "schedule": schedule,
+            "microbatches": microbatches, "measured_ms": round(run.measured_ms, 6),
+            "forward_ms": [round(f, 6) for f in run.forward_ms],
+            "backward_ms": [round(b, 6) for b in run.backward_ms],
+            "action_ms": sim["action_ms"], "barrier_ms": round(run.barrier_ms, 6),
+            "idle_send_ms": [round(s, 6) for s in sends], "hop_ms": round(hop, 6),
+            "measured_where": {
+                "forward_ms, backward_ms, action_ms, step_ms, hop_ms": "the plan run in the "
+                "engine", "backward_input_ms": "the I share of the stages timed side by side",
+                "accumulate_ms": "the stage modules' gradients added in place",
+                "send_ms": "an idle two-process ping-pong at each hop's bytes + hop_ms"}}
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -410,22 +467,28 @@ def calibrate_plan(
         _, source, chosen, fwd, bwd = measured[best]
         result.chosen = best
         _calibrated(chosen, fwd, bwd)
+        engine_run: dict[str, Any] = {}
         if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
-            from onnx_partition.calibrate_train import measure_train_engine
+            from onnx_partition.calibrate_train import measure_train_engine, measure_train_run
 
             if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
                 chosen.simulator_costs["backward_input_ms"] = [
                     round(t, 6) for t in splits[best] or []]
 
-            _engine_calibrated(chosen, measure_train_engine(
-                source, threads=threads_per_stage, repeats=repeats))
+            engine = measure_train_engine(source, threads=threads_per_stage, repeats=repeats)
+            _engine_calibrated(chosen, engine)
+            run, schedule, count = measure_train_run(source)
+            share = None if splits[best] is None else [
+                i / b if b > 0 else 0.5 for i, b in zip(splits[best] or [], bwd, strict=True)]
+            engine_run = _run_calibrated(chosen, run, schedule, count, engine["send_ms"],
+                                         share)
         chosen.extra["calibrated"] = {
             "by": "profile --plan", "executor": _executor(train), "device": device,
             "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
             "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
                              if train else "threads, one per stage replica, as run"),
             "converged": result.converged, "chosen_round": best + 1,
-            "rounds": result.rounds}
+            "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})}
         _publish(source, chosen, target)
         result.plan = chosen
     finally:

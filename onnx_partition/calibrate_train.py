@@ -11,6 +11,14 @@ after. Alone: in this process, one stage after another. Side by side: one
 spawned process per stage (a rank's own process: its own torch thread pool), all released at
 once by a barrier, each stepping until every one has made ``warmup + repeats`` steps; medians
 of each process's steps after its warmup, the last left out.
+
+In the engine (:func:`measure_train_run`): the plan itself trained by ``train``'s engine
+(:func:`~onnx_partition.runtime.train.trainer.train_plan`: synthetic batches, the schedule,
+optimizer and micro-batches plan.json records, one process per stage replica, one torch thread
+each) for a few steps, the first left out, read by
+:func:`~onnx_partition.runtime.train.overheads.run_costs`: each stage's compute per micro-batch
+there, its work per action, its tail (optimizer step, gradient sums, sends awaited) and the
+barriers, and the measured step.
 """
 
 from __future__ import annotations
@@ -20,11 +28,18 @@ import os
 import time
 from collections.abc import Sequence
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnx_partition.errors import PartitionError
 
-__all__ = ["TrainTimes", "measure_train_engine", "measure_train_plan"]
+if TYPE_CHECKING:
+    from onnx_partition.runtime.train.overheads import RunCosts
+
+__all__ = ["RUN_STEPS", "TrainTimes", "measure_train_engine", "measure_train_plan",
+           "measure_train_run"]
+
+#: Steps of the engine run (:func:`measure_train_run`), the first left out.
+RUN_STEPS = 4
 
 TrainTimes = dict[str, list[float]]  # alone/together forward_ms and backward_ms per stage
 
@@ -107,6 +122,22 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
                         for t, b in zip(steps, tied_bytes, strict=True)],
             "accumulate_ms": accumulate,
             "hop_bytes": hop_bytes, "send_ms": one_way[:len(hop_bytes)]}
+
+
+def measure_train_run(folder: str | os.PathLike[str], *, steps: int = RUN_STEPS,
+                      timeout_s: float = 300.0) -> tuple[RunCosts, str, int]:
+    """The train plan in ``folder`` run in the engine for ``steps`` steps (module docstring):
+    (its :class:`~onnx_partition.runtime.train.overheads.RunCosts`, the schedule, the
+    micro-batches per step)."""
+    from onnx_partition.runtime.train.overheads import run_costs
+    from onnx_partition.runtime.train.trainer import train_plan
+
+    if steps < 2:
+        raise PartitionError(f"the engine run needs at least 2 steps (the first is left out), "
+                             f"got {steps}")
+    stats = train_plan(folder, steps=steps, timeout_s=timeout_s)
+    run = run_costs(stats.ranks, stats.microbatches, split=stats.schedule == "zb-h1")
+    return run, stats.schedule, stats.microbatches
 
 
 def _stepper(module: Any, inputs: Sequence[Any], device: str, split: bool = False) -> Any:

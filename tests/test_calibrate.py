@@ -131,10 +131,16 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     plan = read_plan(folder)
     record = plan.extra["calibrated"]
     assert record["executor"].startswith("torch ") and "processes" in record["side_by_side"]
-    measured = record["rounds"][0]
+    # the stages' compute is the plan's own run in the engine: forward as there, backward less
+    # the gradients' accumulation (which the simulator adds to every micro-batch but the first)
+    run = record["engine_run"]
     forward = [s.predicted.forward_ms for s in plan.stages]
     backward = [s.predicted.backward_ms for s in plan.stages]
-    assert forward == measured["forward_ms"] and backward == measured["backward_ms"]
+    assert forward == run["forward_ms"]
+    adds = (run["microbatches"] - 1) / run["microbatches"]
+    for b, got, acc in zip(backward, run["backward_ms"], plan.simulator_costs["accumulate_ms"],
+                           strict=True):
+        assert b == pytest.approx(max(got - acc * adds, 0.0), abs=2e-6)
     assert plan.simulator_costs["forward_ms"] == forward
     assert plan.simulator_costs["backward_ms"] == backward
     for stage, f, b in zip(plan.stages, forward, backward, strict=True):
@@ -149,6 +155,11 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     assert len(sim["step_ms"]) == 2 and all(t > 0 for t in sim["step_ms"])
     assert len(sim["accumulate_ms"]) == 2 and all(t > 0 for t in sim["accumulate_ms"])
     assert plan.extra["engine_costs"]["step_ms"].startswith("calibrated")
+    # the engine's work per action, one figure per stage; each hop the idle ping-pong's plus
+    # the extra fitted to the run's step
+    assert len(sim["action_ms"]) == 2 and all(a > 0 for a in sim["action_ms"])
+    assert run["hop_ms"] >= 0 and sim["send_ms"] == [
+        round(s + run["hop_ms"], 6) for s in run["idle_send_ms"]]
     assert "split_ms" not in sim  # the passes were timed as the engine runs them
     if plan.extra["schedule"] == "zb-h1":  # the backward timed as the engine's two passes
         assert len(sim["backward_input_ms"]) == 2

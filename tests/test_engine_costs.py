@@ -254,6 +254,16 @@ def test_a_zb_h1_plan_prices_the_split_and_a_1f1b_plan_does_not(mlp: Path,
     assert "split_ms" not in plain.extra["engine_costs"]
 
 
+def test_measure_engine_keeps_the_probes_figures_with_the_hops() -> None:
+    params = [torch.zeros(4, 4)]
+    figures = {"action_ms": 0.25, "barrier_ms": 1.5, "hop_ms": 0.75, "source": "by hand"}
+    # no hops measured (a GPU's costs): the probe, a CPU pipeline, is not run
+    assert "probe" not in measure_engine(params, repeats=1, hops=False,
+                                         probe=lambda: pytest.fail("run without hops"))
+    got = measure_engine(params, repeats=1, probe=lambda: figures)
+    assert got["probe"] == figures and "link" in got
+
+
 def test_measure_engine_keeps_the_split_timers_figure() -> None:
     params = [torch.zeros(4, 4)]
     assert measure_engine(params, repeats=1, hops=False, split=lambda: 0.125)[

@@ -163,7 +163,11 @@ def test_a_costs_file_records_its_precision(gpt: Path, tmp_path: Path) -> None:
     costs = tmp_path / "bf16.json"
     assert main(["profile", str(gpt), "--mode", "train", "--precision", "bf16", "--batch-size",
                  "2", "--repeats", "1", "-o", str(costs)]) == 0
-    assert json.loads(costs.read_text())["precision"] == "bf16"
+    body = json.loads(costs.read_text())
+    assert body["precision"] == "bf16"
+    # on CPU the command line runs the engine probe into the costs file's engine
+    probe = body["engine"]["probe"]
+    assert probe["action_ms"] > 0 and probe["hop_ms"] >= 0 and probe["barrier_ms"] >= 0
     for precision, warned in (("fp32", True), ("bf16", False)):
         plan = partition(gpt, 2, tmp_path / precision, costs=costs, mode="train",
                          precision=precision, exact_budget_s=0, check=False)

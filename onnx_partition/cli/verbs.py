@@ -172,12 +172,13 @@ def _profile(args: argparse.Namespace) -> int:
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.train import profile_train_to_file
         from onnx_partition.runtime.train.passes import split_call_ms
+        from onnx_partition.runtime.train.probe import probe_engine
 
         trained = profile_train_to_file(
             args.model, args.output, device=args.device, batch_size=args.batch_size,
             input_shapes=input_shapes_of(args), repeats=args.repeats, threads=args.threads,
             progress=_progress_bar("profiling"), precision=args.precision,
-            split=lambda: split_call_ms(device=args.device))
+            split=lambda: split_call_ms(device=args.device), probe=probe_engine)
         _say(f"wrote {args.output}: {len(trained.forward_ms)} nodes on {trained.device} "
              f"({trained.executor}), whole program forward {trained.whole_forward_ms:.3f} ms + "
              f"backward {trained.whole_backward_ms:.3f} ms, {trained.unique_signatures} "

@@ -24,6 +24,12 @@ writes both moments, 28 B) at the device's memory bandwidth, the accumulation
 :data:`ACCUMULATE_BYTES`, and each barrier costs the link's latency; the hops keep the link
 model. Never zero in training.
 
+**The engine probe** (``profile --mode train`` on CPU, ``engine.probe``): the engine itself
+run on a small two-stage pipeline (:mod:`onnx_partition.runtime.train.probe`) for what the idle
+figures above miss: its work per action outside compute and receives (``action_ms``), a barrier
+as the step's all-reduces cost it inside the engine (``barrier_ms``) and what a hop costs beyond
+the idle ping-pong while both cores compute (``hop_ms``).
+
 **The split backward** (ZB-H1's ``I`` and ``W``, :mod:`onnx_partition.runtime.train.passes`): ``I +
 W`` costs more than the whole backward ``B`` by a fixed amount per weight group, not per row: the
 graph walk and one ``torch.autograd.backward`` call per group of parameters hanging from the same
@@ -332,13 +338,18 @@ def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
 
 def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                    threads: int = 1, hops: bool = True,
-                   split: Callable[[], float] | None = None) -> dict[str, Any]:
+                   split: Callable[[], float] | None = None,
+                   probe: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The costs file's ``engine``: ``parameter_bytes``, ``optimizer_ms`` (each optimizer's
     step on ``params``), ``accumulate_ms`` (their gradients' accumulation), with ``hops``
     the two-process ``link`` (the ``sizes`` and their ``one_way_ms``, summarised as
-    ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and ``barrier_ms``, and with
+    ``latency_ms`` and ``bandwidth_gbps`` by :func:`fit_link`) and ``barrier_ms``, with
     ``split`` (the engine's timer, ms per weight group: ``runtime.train.passes.
-    split_call_ms``, given by the caller above this layer) ``split_call_ms``."""
+    split_call_ms``, given by the caller above this layer) ``split_call_ms``, and with ``hops``
+    and ``probe`` (the engine run on a small pipeline: ``runtime.train.probe.probe_engine``,
+    given likewise) ``probe``: its ``action_ms``, ``barrier_ms`` and ``hop_ms`` (what the
+    engine costs per action, per barrier and per hop beyond the idle ping-pong, measured while
+    both cores compute) and how they were measured."""
     body: dict[str, Any] = {
         "parameter_bytes": int(sum(p.numel() * 4 for p in params if p.is_floating_point())),
         "optimizer_ms": {name: round(time_optimizer(params, name, repeats=repeats), 6)
@@ -356,6 +367,8 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                     barrier_ms=round(barrier, 6))
     if split is not None:
         body["split_call_ms"] = round(max(float(split()), 0.0), 6)
+    if hops and probe is not None:
+        body["probe"] = dict(probe())
     return body
 
 

@@ -107,12 +107,14 @@ def profile_train(
     precision: str = "fp32",
     engine: bool = True,
     split: Callable[[], float] | None = None,
+    probe: Callable[[], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:
     """Measure every FX unit of ``program`` in torch eager on ``device`` at ``graph``'s input
     shapes (the module docstring), under autocast to ``precision``'s half dtype unless fp32
     (as ``train --precision`` runs it: each op's casts timed with it), and, with ``engine``,
     the engine's own work (the optimizer steps on the fp32 master weights; on CPU the
-    two-process hops and barrier; with ``split``, the engine's split backward per weight group:
+    two-process hops and barrier; with ``split``, the engine's split backward per weight group;
+    on CPU with ``probe``, the engine run on a small pipeline:
     :func:`~onnx_partition.cost.engine.measure_engine`)."""
     import torch
 
@@ -143,7 +145,7 @@ def profile_train(
         params = [program.state_dict[n].to(target) for n in sig.parameters
                   if n in program.state_dict]
         work = measure_engine(params, repeats=repeats, threads=threads,
-                              hops=index is None, split=split) if engine else {}
+                              hops=index is None, split=split, probe=probe) if engine else {}
     finally:
         torch.set_num_threads(before)
     # what timing one op alone adds (a one-element add's forward and backward), off each unit
@@ -196,10 +198,12 @@ def profile_train_to_file(
     progress: Progress | None = None,
     precision: str = "fp32",
     split: Callable[[], float] | None = None,
+    probe: Callable[[], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:
     """:func:`profile_train` of the program beside ``model`` (``model.pt2``), written to
     ``output`` (atomically, never over the model), the ``precision`` it was measured in
-    recorded (``partition`` warns when a plan is priced for another); ``split`` as there."""
+    recorded (``partition`` warns when a plan is priced for another); ``split`` and ``probe``
+    as there."""
     model = Path(model)
     program = model.with_suffix(".pt2")
     if not program.is_file():
@@ -211,7 +215,7 @@ def profile_train_to_file(
     graph = load(model, input_shapes=input_shapes, batch_size=batch_size)
     result = profile_train(graph, program, device=device, repeats=repeats, warmup=warmup,
                            threads=threads, progress=progress, precision=precision,
-                           split=split)
+                           split=split, probe=probe)
     nodes = {k: {"forward_ms": result.forward_ms[k], "backward_ms": result.backward_ms[k],
                  "backward_input_ms": result.backward_input_ms[k],
                  "backward_weight_ms": round(result.backward_ms[k]

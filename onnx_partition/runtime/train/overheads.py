@@ -17,16 +17,33 @@ Per rank and steady step (the first step left out: it warms the caches and count
 
 A barrier's own cost (``barrier_ms``) is what the rank arriving last pays: the least over ranks
 of each of the two all-reduces, the mean of the two. Pure Python over the results' numbers.
+
+**The run as the simulator's costs** (:func:`run_costs`, :func:`run_pipeline`): per stage and
+micro-batch the run's compute (forward, backward; under ZB-H1 the backward's ``I`` share), the
+work per action (added to each action's duration, as plan.json's ``simulator_costs.action_ms``)
+and the tail (``optimizer_ms + grad_sum_ms + sends_ms`` plus 2 barriers, as ``step_ms``). What
+that simulation leaves of the measured step is what hops cost while the cores compute beyond an
+idle ping-pong's ``send_ms``: :func:`fit_hop_ms` finds that extra per hop by bisection (the
+simulator is monotone in ``send_ms``). ``engine.probe`` (:mod:`~onnx_partition.runtime.train.
+probe`) and ``profile --plan`` (:mod:`onnx_partition.calibrate_train`) both read a run so.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import mean
 from typing import Protocol
 
-__all__ = ["RankOverheads", "SpanSource", "barrier_ms", "rank_overheads"]
+from onnx_partition.cost.engine import BARRIERS_PER_STEP
+from onnx_partition.pipeline.schedules import Schedule
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+
+__all__ = ["RankOverheads", "RunCosts", "SpanSource", "barrier_ms", "fit_hop_ms",
+           "rank_overheads", "run_costs", "run_pipeline"]
+
+_KIND = re.compile(r"^\d+([FBIW])\d+$")
 
 
 class SpanSource(Protocol):
@@ -100,3 +117,108 @@ def barrier_ms(ranks: Sequence[RankOverheads]) -> float:
     if not ranks:
         return 0.0
     return (min(r.norm_ms for r in ranks) + min(r.closing_ms for r in ranks)) / 2.0
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """A training run read as the simulator's costs, per stage (ms, per micro-batch on one
+    replica, steady steps): compute (``backward_input_ms``: the backward's ``I`` share under
+    ZB-H1, from the ``I`` and ``W`` spans; None otherwise), engine work per action, the tail
+    after the last action (optimizer, gradient sums, sends awaited), the barrier and the
+    measured step (mean over ranks)."""
+
+    forward_ms: list[float]
+    backward_ms: list[float]
+    backward_input_ms: list[float] | None
+    action_ms: list[float]
+    tail_ms: list[float]
+    replicas: list[int]
+    barrier_ms: float
+    measured_ms: float
+
+    def step_ms(self) -> list[float]:
+        """Each stage's per-step work: its tail plus the step's two barriers."""
+        return [t + BARRIERS_PER_STEP * self.barrier_ms for t in self.tail_ms]
+
+
+def _input_share(results: Sequence[SpanSource]) -> float:
+    """Of the ``I`` and ``W`` actions' time outside receives, the ``I`` share (0.5 with none)."""
+    spent = {"I": 0.0, "W": 0.0}
+    for result in results:
+        for spans in result.spans[1:] or result.spans:
+            for name, start, end, blocked in spans:
+                found = _KIND.match(name)
+                if found and found.group(1) in spent:
+                    spent[found.group(1)] += max(end - start - blocked, 0.0)
+    total = spent["I"] + spent["W"]
+    return spent["I"] / total if total > 0 else 0.5
+
+
+def run_costs(results: Sequence[SpanSource], microbatches: int, *, split: bool) -> RunCosts:
+    """``results`` (every rank of one run) as :class:`RunCosts`: a stage's compute is the sum
+    over its replicas of their steady means over ``microbatches`` (all replicas together ran
+    them all); ``action_ms`` and the tail the mean over its replicas; ``split``: a ZB-H1 run
+    (``backward_input_ms`` from its spans)."""
+    if not results or microbatches < 1:
+        raise ValueError("a run's rank results and at least one micro-batch are needed")
+    ranks = [rank_overheads(r) for r in results]
+    stages = max(r.stage for r in ranks) + 1
+    mine = [[i for i, r in enumerate(ranks) if r.stage == k] for k in range(stages)]
+    if not all(mine):
+        raise ValueError("every stage needs at least one rank's result")
+
+    def steady(values: Sequence[float]) -> float:
+        kept = values[1:] or values
+        return mean(kept)
+
+    fwd = [sum(steady(results[i].forward_ms) for i in ids) / microbatches for ids in mine]
+    bwd = [sum(steady(results[i].backward_ms) for i in ids) / microbatches for ids in mine]
+    share = [_input_share([results[i] for i in ids]) for ids in mine]
+    return RunCosts(
+        forward_ms=fwd, backward_ms=bwd,
+        backward_input_ms=[b * s for b, s in zip(bwd, share, strict=True)] if split else None,
+        action_ms=[mean(ranks[i].action_ms for i in ids) for ids in mine],
+        tail_ms=[mean(ranks[i].optimizer_ms + ranks[i].grad_sum_ms + ranks[i].sends_ms
+                      for i in ids) for ids in mine],
+        replicas=[len(ids) for ids in mine], barrier_ms=barrier_ms(ranks),
+        measured_ms=mean(r.step_ms for r in ranks))
+
+
+def run_pipeline(run: RunCosts, send_ms: Sequence[float], *, hop_ms: float = 0.0
+                 ) -> PipelineCosts:
+    """The simulator's costs of ``run`` with ``send_ms`` per boundary plus ``hop_ms`` each: every
+    action's duration takes the stage's ``action_ms`` (an ``F``, a ``B``, an ``I`` and a ``W``
+    one each), the stage's ``step_ms`` its tail and barriers; no accumulation or split terms
+    (the run's compute has them)."""
+    stages = []
+    for k, (f, b, a) in enumerate(zip(run.forward_ms, run.backward_ms, run.action_ms,
+                                      strict=True)):
+        i = run.backward_input_ms[k] if run.backward_input_ms is not None else None
+        stages.append(StageCosts(
+            f + a, b + (2.0 * a if i is not None else a), run.replicas[k],
+            backward_input_ms=None if i is None else i + a, step_ms=run.step_ms()[k]))
+    return PipelineCosts(stages, [s + hop_ms for s in send_ms])
+
+
+def fit_hop_ms(schedule: Schedule, costs: PipelineCosts, measured_ms: float, *,
+               tolerance_ms: float = 1e-6) -> float:
+    """The extra ms per hop ``h >= 0`` that makes ``simulate(schedule, costs)``, with ``h``
+    added to every ``send_ms``, last ``measured_ms``: bisection on ``h`` (the iteration never
+    shrinks as a send grows), to ``tolerance_ms``; 0 when the costs already reach it or there
+    is no hop."""
+    def iteration(extra: float) -> float:
+        sends = [s + extra for s in costs.send_ms]
+        return simulate(schedule, replace(costs, send_ms=sends)).iteration_ms
+
+    if not costs.send_ms or iteration(0.0) >= measured_ms:
+        return 0.0
+    low, high = 0.0, max(measured_ms, tolerance_ms)
+    while iteration(high) < measured_ms:  # every pipeline's path crosses a hop: few doublings
+        low, high = high, 2.0 * high
+    while high - low > tolerance_ms:
+        middle = (low + high) / 2.0
+        if iteration(middle) < measured_ms:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2.0
