@@ -3,21 +3,10 @@ on hand-made steps, and the identity that puts a real run's step back together."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
+from support.spans import Result
 
 from onnx_partition.runtime.train.overheads import RankOverheads, barrier_ms, rank_overheads
-
-
-@dataclass
-class Result:
-    stage: int
-    step_ms: list[float]
-    forward_ms: list[float]
-    backward_ms: list[float]
-    spans: list[list[tuple[str, float, float, float]]]
-    tail: list[dict[str, float]] = field(default_factory=list)
 
 
 def _tail(norm: float) -> dict[str, float]:

@@ -5,24 +5,14 @@ extra per hop fitted to the measured step, exact on hand-made cases."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
+from support.spans import Result
 
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.runtime.train.overheads import RunCosts, fit_hop_ms, run_costs, run_pipeline
 from onnx_partition.runtime.train.probe import probe_engine
-
-
-@dataclass
-class Result:
-    stage: int
-    step_ms: list[float]
-    forward_ms: list[float]
-    backward_ms: list[float]
-    spans: list[list[tuple[str, float, float, float]]]
-    tail: list[dict[str, float]] = field(default_factory=list)
 
 
 def test_the_hop_fit_is_exact_on_two_stages() -> None:
