@@ -120,14 +120,16 @@ def test_bad_requests_are_one_line_and_write_nothing(chain_plan, tmp_path, capsy
     assert not list(tmp_path.glob(".*calibrating"))
 
 
-def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None:
+def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path, capsys) -> None:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
                                  torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
     model = export(module, (torch.randn(2, 8),), tmp_path / "block.onnx", input_names=["x"])
     folder = tmp_path / "plan"
     partition(model, 2, folder, batch_size=4, mode="train")
-    calibrate_plan(folder, rounds=1, repeats=2, warmup=0)
+    assert main(["profile", "--plan", str(folder), "--rounds", "1", "--repeats", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "in the engine (" in captured.out + captured.err
     plan = read_plan(folder)
     record = plan.extra["calibrated"]
     assert record["executor"].startswith("torch ") and "processes" in record["side_by_side"]
@@ -158,8 +160,8 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path) -> None
     # the engine's work per action, one figure per stage; each hop the idle ping-pong's plus
     # the extra fitted to the run's step
     assert len(sim["action_ms"]) == 2 and all(a > 0 for a in sim["action_ms"])
-    assert run["hop_ms"] >= 0 and sim["send_ms"] == [
-        round(s + run["hop_ms"], 6) for s in run["idle_send_ms"]]
+    assert run["hop_ms"] >= 0 and sim["send_ms"] == pytest.approx(
+        [s + run["hop_ms"] for s in run["idle_send_ms"]], abs=2e-6)
     assert "split_ms" not in sim  # the passes were timed as the engine runs them
     if plan.extra["schedule"] == "zb-h1":  # the backward timed as the engine's two passes
         assert len(sim["backward_input_ms"]) == 2

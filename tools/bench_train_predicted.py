@@ -20,7 +20,9 @@ that fails prints its one-line error and the table goes on. Times are of this ma
 is: say its load with the figures. Each row also sets the run against the plan priced without
 the engine's own work (no ``step_ms`` or ``accumulate_ms``, hops by the link model: how plans
 were priced before ``cost/engine.py``). ``--calibrate``: a second row per model, the plan after
-``profile --plan``. ``--breakdown``: a second table, where each rank's step went.
+``profile --plan``, and a last table: that plan's step simulated with its
+``simulator_costs.action_ms`` on every action (``profile --plan`` measures it in the engine),
+against the run. ``--breakdown``: a second table, where each rank's step went.
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
     ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
     if args.breakdown:
         BREAKDOWNS.append(breakdown(name, stats))
+    acted = with_action_ms(plan_dir, stats.schedule, m)
+    if acted is not None:
+        ACTIONS.append(f"| {name} | {measured['iteration_ms']:.1f} | "
+                       f"{predicted['iteration_ms']:.1f} | {ratio['iteration_ms']:.2f} | "
+                       f"{acted:.1f} | **{measured['iteration_ms'] / acted:.2f}** |")
 
     def fmt(values: list[float | None]) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
@@ -135,6 +142,32 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
 
 
 BREAKDOWNS: list[str] = []
+ACTIONS: list[str] = []
+
+
+def with_action_ms(plan_dir: Path, schedule: str, microbatches: int) -> float | None:
+    """The plan's simulated step with plan.json's ``simulator_costs.action_ms`` added to every
+    action of each stage (None without it; the simulation as is where the simulator's
+    ``StageCosts`` prices ``action_ms`` itself)."""
+    plan = read_plan(plan_dir)
+    acts = plan.simulator_costs.get("action_ms")
+    if not acts:
+        return None
+    name = schedule if schedule in TRAIN_NAMES else "1f1b"
+    result, costs = simulate_plan(plan, schedule=name, microbatches=microbatches)
+    if hasattr(costs.stages[0], "action_ms"):
+        return result.iteration_ms
+    split = name == "zb-h1"
+    stages = []
+    for st, a in zip(costs.stages, acts):
+        i, w = st.split()
+        again = a if st.recompute else 0.0  # B and I run the forward again: once more is all
+        stages.append(replace(st, forward_ms=st.forward_ms + a,
+                              backward_ms=st.backward_ms + (2.0 if split else 1.0) * a - again,
+                              backward_input_ms=i + a - again if split else st.backward_input_ms,
+                              backward_weight_ms=w + a if split else st.backward_weight_ms))
+    sched = build(name, [s.replicas for s in costs.stages], microbatches)
+    return simulate(sched, PipelineCosts(stages, costs.send_ms)).iteration_ms
 
 
 def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
@@ -241,6 +274,11 @@ def main() -> int:
         print(measure(name, args, work), flush=True)
         if args.calibrate:
             print(measure(name, args, work, calibrated=True), flush=True)
+    if ACTIONS:
+        print("\n| model | measured ms/step | predicted ms/step | m/p | predicted with "
+              "action_ms on every action | m/p with action_ms |")
+        print("| --- |" + " ---: |" * 5)
+        print("\n".join(ACTIONS))
     if BREAKDOWNS:
         print("\n| model | stage | step | forward | backward | blocked in receives | other "
               "action work | between actions | sends awaited | gradient sums | norm all-reduce "

@@ -215,6 +215,14 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
         _say(f"round {i + 1}: stages of {'/'.join(map(str, r['stages']))} nodes: priced "
              f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, {beside}; re-cut: "
              f"{r['resolved']}")
+    run = (done.plan.extra.get("calibrated") or {}).get("engine_run")
+    if run:
+        _say(f"in the engine ({run['schedule']}, {run['microbatches']} micro-batches): step "
+             f"{run['measured_ms']:.3f} ms, work per action "
+             f"{' / '.join(f'{a:.3f}' for a in run['action_ms'])} ms, barrier "
+             f"{run['barrier_ms']:.3f} ms, hop "
+             f"{' / '.join(f'{s:.3f}' for s in run['idle_send_ms'])} ms idle + "
+             f"{run['hop_ms']:.3f} ms")
     predicted = done.plan.predicted
     _say(f"wrote {done.out}: calibrated (round {done.chosen + 1} of {len(done.rounds)}, "
          f"{'optimum held' if done.converged else 'stopped at --rounds'}), bottleneck "
