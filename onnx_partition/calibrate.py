@@ -28,7 +28,12 @@ repeats and warmup, and whether the optimum held. The folder is published atomic
 
 A train plan's stages are torch modules: :mod:`onnx_partition.calibrate_train` times each
 one's forward and backward (alone, and side by side in one process per stage as the ranks run),
-and forward and backward are re-priced apart.
+and forward and backward are re-priced apart. The rounds choose the cut on those times; the plan
+written is then run in the engine itself (:func:`~onnx_partition.calibrate_train.
+measure_train_run`, a few steps of ``train``), which prices it (:func:`_run_calibrated`): its
+stages' compute per micro-batch there, the engine's work per action (``simulator_costs.
+action_ms``), each stage's tail and barriers (``step_ms``) and the hops (``send_ms``: the idle
+ping-pong plus the extra fitted to the run's step); ``calibrated.engine_run`` records it.
 """
 
 from __future__ import annotations
