@@ -18,9 +18,10 @@ same predictions (what other processes on a busy machine do not stretch) and
 ``activation_bytes`` (the saved-tensor hook's count in the run against plan.json's). A model
 that fails prints its one-line error and the table goes on. Times are of this machine as it
 is: say its load with the figures. Each row also sets the run against the plan priced without
-the engine's own work (no ``step_ms`` or ``accumulate_ms``, hops by the link model: how plans
-were priced before ``cost/engine.py``). ``--calibrate``: a second row per model, the plan after
-``profile --plan``. ``--breakdown``: a second table, where each rank's step went.
+the engine's own work (no ``step_ms``, ``accumulate_ms`` or ``action_ms``, hops by the link
+model: how plans were priced before ``cost/engine.py``). ``--calibrate``: a second row per model,
+the plan after ``profile --plan``. ``--breakdown``: a second table, where each rank's step
+went.
 """
 
 from __future__ import annotations
@@ -160,13 +161,15 @@ def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
 
 
 def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
-    """The plan's simulated step as priced before the engine's work was (no ``step_ms`` or
-    ``accumulate_ms``; ``send_ms`` from the plan's link model at each hop's bytes): the "before"
-    column (for a calibrated plan, its measured stage times without the engine's work)."""
+    """The plan's simulated step as priced before the engine's work was (no ``step_ms``,
+    ``accumulate_ms`` or ``action_ms``; ``send_ms`` from the plan's link model at each hop's
+    bytes): the "before" column (for a calibrated plan, its measured stage times without the
+    engine's work)."""
     plan = read_plan(plan_dir)
     sim = plan.simulator_costs
     sim.pop("step_ms", None)
     sim.pop("accumulate_ms", None)
+    sim.pop("action_ms", None)
     link = plan.extra.get("link") or {}
     if "hop_bytes" in sim and link:
         bw = float(link["bandwidth_gbps"])

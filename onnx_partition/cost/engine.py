@@ -34,6 +34,16 @@ tensors times a per-group cost, measured by ``profile --mode train`` (``engine.s
 ``(I + W - B) / groups`` on a small stage run as the engine runs it, where the calls are all there
 is) or :data:`SPLIT_CALL_MS`; the simulator adds half to each ``I`` and ``W``. ``profile --plan``
 times the stages' ``I`` and ``W`` themselves and drops the term.
+
+**The work per action** (:func:`action_ms`): around each action (``F``, ``B``, ``I``, ``W``) a
+rank receives headers, copies and posts its sends, stashes and frees graphs, outside the compute
+and outside the time blocked in receives (``runtime.train.overheads`` reads it from a run's
+spans). Every train plan gets ``simulator_costs.action_ms`` per stage, which the simulator adds
+to each action and counts busy: measured where the costs file's ``engine`` has a ``probe`` with
+``action_ms`` (the probe's ``barrier_ms`` then prices the step's barriers and its ``hop_ms`` is
+added to every hop), else :data:`ACTION_MS` on a CPU and 0 on CUDA (the kernels run
+asynchronously: the host's work per action overlaps the device's compute unless the stages are
+tiny; not measured here).
 """
 
 from __future__ import annotations
