@@ -45,6 +45,7 @@ from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.schedules import TRAIN_NAMES, build
 from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.overheads import rank_overheads
 from onnx_partition.runtime.train.trainer import comparison, train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
@@ -116,6 +117,8 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
     ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
     if args.breakdown:
         BREAKDOWNS.append(breakdown(name, stats))
+        ACTIONS.append(per_action(name, plan_dir, stats, measured["iteration_ms"],
+                                  predicted["iteration_ms"], m))
 
     def fmt(values: list[float | None]) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
@@ -136,6 +139,25 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
 
 
 BREAKDOWNS: list[str] = []
+ACTIONS: list[str] = []
+
+
+def per_action(name: str, plan_dir: Path, stats: Any, measured: float, predicted: float,
+               microbatches: int) -> str:
+    """The engine's work per action: each rank's "other action work" and "between actions"
+    (:func:`breakdown`) over its actions a step (``runtime.train.overheads``), against the
+    plan's ``action_ms``; and the predicted step with and without ``action_ms`` against the
+    measured one."""
+    plan = read_plan(plan_dir)
+    priced = plan.simulator_costs.get("action_ms") or [0.0] * len(plan.stages)
+    plan.simulator_costs.pop("action_ms", None)
+    sched = stats.schedule if stats.schedule in TRAIN_NAMES else "1f1b"
+    bare = simulate_plan(plan, schedule=sched, microbatches=microbatches)[0].iteration_ms
+    work = [rank_overheads(r) for r in stats.ranks]
+    measured_work = " / ".join(f"{o.action_ms:.2f} ({o.actions})" for o in work)
+    return (f"| {name} | {stats.schedule} | {measured_work} | "
+            f"{' / '.join(f'{a:g}' for a in priced)} | {measured:.1f} | {bare:.1f} | "
+            f"{measured / bare:.2f} | {predicted:.1f} | **{measured / predicted:.2f}** |")
 
 
 def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
@@ -250,6 +272,11 @@ def main() -> int:
               "| optimizer | closing all-reduce |")
         print("| --- |" + " ---: |" * 12)
         print("\n".join(BREAKDOWNS))
+        print("\n| model | schedule | measured work per action, ms (actions) per rank | "
+              "action_ms priced | measured ms/step | predicted without action_ms | m/p | "
+              "predicted with | **m/p** |")
+        print("| --- |" + " ---: |" * 8)
+        print("\n".join(ACTIONS))
     return 0
 
 
