@@ -112,8 +112,12 @@ HOP_SIZES = (4_096, 65_536, 524_288, 2_097_152, 8_388_608)
 SPLIT_CALL_MS = 0.04
 
 #: ms of the engine's own work per action (F, B, I, W) on a CPU rank, outside compute and outside
-#: receives: TODO.
-ACTION_MS = 0.3
+#: receives ("other action work" + "between actions" over the rank's actions a step,
+#: ``tools/bench_train_predicted.py --breakdown --steps 6``, 2 stages, 4 micro-batches x 2 rows):
+#: hf-gpt2 under ZB-H1 (12 actions) 0.23 and 0.30, inception under 1F1B (8) 0.25 and 0.26, one
+#: torch thread per rank, the 2-core CPU VM quiet but for the run (load 1.8); 0.2-0.4 in the
+#: quiet run of docs/benchmarks.md's "Train measured against predicted on a quiet machine".
+ACTION_MS = 0.25
 
 
 def split_groups(tensors: int) -> int:
