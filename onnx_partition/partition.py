@@ -27,7 +27,13 @@ from onnx_partition.cost.costs_file import (
     rescale,
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, for_precision, measured_cpu
-from onnx_partition.cost.engine import price_engine, split_call_ms, split_ms, tied_bytes
+from onnx_partition.cost.engine import (
+    action_call_ms,
+    price_engine,
+    split_call_ms,
+    split_ms,
+    tied_bytes,
+)
 from onnx_partition.cost.saved import check_precision
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
@@ -404,7 +410,8 @@ def partition(
                                  mode=mode, microbatches=microbatches, activation_bytes=saved,
                                  reporter=reporter, schedules=schedules, recompute=recompute,
                                  grad_input=grad_input_ms(graph, node_costs, costs),
-                                 trainable=trainable, split_call_ms=split_call_ms(costs))
+                                 trainable=trainable, split_call_ms=split_call_ms(costs),
+                                 action_ms=action_call_ms(costs, device))
     else:
         if solver != "dp":
             raise PartitionError(f"--solver {solver} plans pipelines without replicas: drop "
@@ -416,7 +423,8 @@ def partition(
                                      grad_input=grad_input_ms(graph, node_costs, costs),
                                      kinds=kinds, trainable=trainable,
                                      exact_budget_s=exact_budget_s,
-                                     split_call_ms=split_call_ms(costs))
+                                     split_call_ms=split_call_ms(costs),
+                                     action_ms=action_call_ms(costs, device))
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
@@ -643,14 +651,16 @@ def plan_stages(
     grad_input: Sequence[float] | None = None,
     trainable: Collection[str] | None = None,
     split_call_ms: float = 0.0,
+    action_ms: float = 0.0,
 ) -> tuple[Plan, list[StageCut]]:
     """Sequence the graph (every ordering for ``auto``), cut by DP, then prove the cut optimal
     or better it by CP-SAT (``exact_budget_s`` deterministic seconds, or the full ILP for
     ``time_limit_s`` with ``solver="ilp"``), and describe the stages. A train plan is for the
     fastest simulated of ``schedules`` on that split (``grad_input``: each node's
-    input-gradient ms; ``split_call_ms``: ZB-H1's split backward per weight group), every
-    stage recomputing if ``recompute`` is ``all`` (no memory limit:
-    ``auto`` recomputes none). Inference is balanced on forward times, training on forward +
+    input-gradient ms; ``split_call_ms``: ZB-H1's split backward per weight group;
+    ``action_ms``: the engine's work per action, :func:`~onnx_partition.cost.engine.action_ms`),
+    every stage recomputing if ``recompute`` is ``all`` (no memory limit: ``auto`` recomputes
+    none). Inference is balanced on forward times, training on forward +
     backward (what a train step runs); a train plan's memory is its schedule's peak of
     ``microbatches``, its activations ``activation_bytes`` per OpGraph node where given (bytes
     saved for backward), else every output; its gradients and optimizer state those of the
@@ -715,7 +725,7 @@ def plan_stages(
                      predicted=predicted, extra=extra, microbatches=microbatches,
                      activation_bytes=activation_bytes, schedules=schedules,
                      recomputed=[recompute == "all"] * num_stages, grad_input=grad_input,
-                     trainable=trainable, split_call_ms=split_call_ms)
+                     trainable=trainable, split_call_ms=split_call_ms, action_ms=action_ms)
 
 
 def plan_on_cluster(
@@ -735,6 +745,7 @@ def plan_on_cluster(
     trainable: Collection[str] | None = None,
     exact_budget_s: float = EXACT_BUDGET_S,
     split_call_ms: float = 0.0,
+    action_ms: float = 0.0,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
@@ -750,8 +761,9 @@ def plan_on_cluster(
     plan.json's ``exact`` says what is proven of the hybrid DP's objective within
     ``exact_budget_s`` deterministic seconds
     (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`). The planner does not price
-    ZB-H1's split backward (``split_call_ms`` per weight group): a ZB-H1 plan is run under
-    1F1B where that is faster on its split (as :func:`plan_stages` chooses; 1F1B holds no more
+    ZB-H1's split backward (``split_call_ms`` per weight group) nor the engine's work per action
+    (``action_ms``, as it prices no engine term): a ZB-H1 plan is run under 1F1B where that is
+    faster on its split with them (as :func:`plan_stages` chooses; 1F1B holds no more
     micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
@@ -848,9 +860,10 @@ def plan_on_cluster(
                      split=[(s.forward_ms, s.backward_ms)
                                          for s in best.costs.stages],
                      schedules=(("zb-h1", "1f1b") if run.schedule == "zb-h1"
-                                and "1f1b" in schedules and split_call_ms > 0
+                                and "1f1b" in schedules
+                                and (split_call_ms > 0 or action_ms > 0)
                                 else (run.schedule,)),
-                     recomputed=recomputed, split_call_ms=split_call_ms,
+                     recomputed=recomputed, split_call_ms=split_call_ms, action_ms=action_ms,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])
     for stage, gpu in zip(plan.stages, gpus or []):
         stage.gpu = gpu
@@ -906,17 +919,19 @@ def _plan_per_schedule(
 def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, float]],
                       grad_input: Sequence[float] | None, recompute: Sequence[bool],
                       replicas: Sequence[int], send_ms: Sequence[float] | None,
-                      microbatches: int, split_cost: Sequence[float] | None = None) -> str:
+                      microbatches: int, split_cost: Sequence[float] | None = None,
+                      action_ms: float = 0.0) -> str:
     """The schedule of ``schedules`` whose simulation of these stage costs is fastest (the
     first on a tie; one given: that one); ZB-H1 pays ``split_cost`` per stage (its split
-    backward's overhead)."""
+    backward's overhead), every schedule ``action_ms`` per action (the engine's work: ZB-H1
+    runs three actions per micro-batch and stage, 1F1B two)."""
     if len(schedules) == 1:
         return schedules[0]
 
     def costs(name: str) -> PipelineCosts:
         extra = split_cost if name == "zb-h1" and split_cost else [0.0] * len(split)
         stages = [StageCosts(f, b, r, backward_input_ms=grad_input[k] if grad_input else None,
-                             recompute=rc, split_ms=extra[k])
+                             recompute=rc, split_ms=extra[k], action_ms=action_ms)
                   for k, ((f, b), r, rc) in enumerate(zip(split, replicas, recompute,
                                                           strict=True))]
         return PipelineCosts(stages, list(send_ms or [0.0] * (len(stages) - 1)))
@@ -1002,6 +1017,7 @@ def _describe(
     grad_input: Sequence[float] | None = None,
     grad_input_split: Sequence[float] | None = None,
     split_call_ms: float = 0.0,
+    action_ms: float = 0.0,
 ) -> tuple[Plan, list[StageCut]]:
     """The Plan and stage cuts of an assignment of the solvers' nodes to stages. Every plan gets
     the memory model's peak per stage, train plans its parts too, of the one count
@@ -1011,7 +1027,8 @@ def _describe(
     per OpGraph node), the stages that recompute (``recomputed``) and the schedule: the one of
     ``schedules`` whose simulation of these costs is fastest (the first on a tie; ZB-H1 with
     its split backward's ``split_call_ms`` per weight group, :func:`~onnx_partition.cost.
-    engine.split_ms`, as ``price_engine`` prices it after)."""
+    engine.split_ms`, as ``price_engine`` prices it after) and every schedule ``action_ms`` per
+    action."""
     num_stages = len(replicas)
     train = mode == "train"
     cuts = cut_stages(graph, {nodes[i]: k for i, k in enumerate(local_stage)}, num_stages)
@@ -1029,7 +1046,8 @@ def _describe(
         tensors = trainable_tensors(cuts, trainable)
         schedule = _fastest_schedule(schedules, split, grad_input_split, flags, replicas,
                                      extra.get("simulator_costs", {}).get("send_ms"),
-                                     microbatches, split_ms(tensors, split_call_ms))
+                                     microbatches, split_ms(tensors, split_call_ms),
+                                     action_ms)
     # inference: one micro-batch at a time; training: the schedule's peak of the micro-batches
     memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
                                 recompute=flags, optimizer_factor=optimizer_factor) if train

@@ -70,13 +70,17 @@ def test_one_plan_one_figure(exported, tmp_path: Path, capsys: pytest.CaptureFix
         assert all(s.predicted and s.predicted.compute_ms == pytest.approx(
             s.predicted.forward_ms + s.predicted.backward_ms, abs=2e-6) for s in plan.stages)
         # busy: 4 micro-batches' compute, and 3 gradient accumulations (the first sets them);
-        # under ZB-H1, 4 times the split backward's overhead
+        # under ZB-H1, 4 times the split backward's overhead; the engine's work on each of the
+        # 8 actions (12 under ZB-H1: F, I and W per micro-batch)
         split = plan.simulator_costs.get("split_ms", [0.0, 0.0])
-        assert (split[-1] > 0) == (plan.extra["schedule"] == "zb-h1") and split[0] == 0.0
+        zb = plan.extra["schedule"] == "zb-h1"
+        assert (split[-1] > 0) == zb and split[0] == 0.0
+        actions = 12 if zb else 8
         for k in (0, len(plan.stages) - 1):
             assert sim["stages"][k]["busy_ms"] == pytest.approx(
                 4 * plan.stages[k].predicted.compute_ms
-                + 3 * plan.simulator_costs["accumulate_ms"][k] + 4 * split[k], rel=1e-5)
+                + 3 * plan.simulator_costs["accumulate_ms"][k] + 4 * split[k]
+                + actions * plan.simulator_costs["action_ms"][k], rel=1e-5)
         # train prices the step it runs by the same simulation (the plan's defaults)
         trained = _json(capsys, ["train", plan_dir, "--steps", "1", "--json"])
         assert trained["predicted"]["iteration_ms"] == plan.predicted["iteration_ms"]

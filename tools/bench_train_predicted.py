@@ -18,11 +18,10 @@ same predictions (what other processes on a busy machine do not stretch) and
 ``activation_bytes`` (the saved-tensor hook's count in the run against plan.json's). A model
 that fails prints its one-line error and the table goes on. Times are of this machine as it
 is: say its load with the figures. Each row also sets the run against the plan priced without
-the engine's own work (no ``step_ms`` or ``accumulate_ms``, hops by the link model: how plans
-were priced before ``cost/engine.py``). ``--calibrate``: a second row per model, the plan after
-``profile --plan``, and a last table: that plan's step simulated with its
-``simulator_costs.action_ms`` on every action (``profile --plan`` measures it in the engine),
-against the run. ``--breakdown``: a second table, where each rank's step went.
+the engine's own work (no ``step_ms``, ``accumulate_ms`` or ``action_ms``, hops by the link
+model: how plans were priced before ``cost/engine.py``). ``--calibrate``: a second row per model,
+the plan after ``profile --plan``. ``--breakdown``: a second table, where each rank's step
+went.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.schedules import TRAIN_NAMES, build
 from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.overheads import rank_overheads
 from onnx_partition.runtime.train.trainer import comparison, train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
@@ -117,11 +117,8 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
     ratio, measured, predicted = body["ratio"], body["measured"], body["predicted"]
     if args.breakdown:
         BREAKDOWNS.append(breakdown(name, stats))
-    acted = with_action_ms(plan_dir, stats.schedule, m)
-    if acted is not None:
-        ACTIONS.append(f"| {name} | {measured['iteration_ms']:.1f} | "
-                       f"{predicted['iteration_ms']:.1f} | {ratio['iteration_ms']:.2f} | "
-                       f"{acted:.1f} | **{measured['iteration_ms'] / acted:.2f}** |")
+        ACTIONS.append(per_action(name, plan_dir, stats, measured["iteration_ms"],
+                                  predicted["iteration_ms"], m))
 
     def fmt(values: list[float | None]) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in values)
@@ -145,29 +142,22 @@ BREAKDOWNS: list[str] = []
 ACTIONS: list[str] = []
 
 
-def with_action_ms(plan_dir: Path, schedule: str, microbatches: int) -> float | None:
-    """The plan's simulated step with plan.json's ``simulator_costs.action_ms`` added to every
-    action of each stage (None without it; the simulation as is where the simulator's
-    ``StageCosts`` prices ``action_ms`` itself)."""
+def per_action(name: str, plan_dir: Path, stats: Any, measured: float, predicted: float,
+               microbatches: int) -> str:
+    """The engine's work per action: each rank's "other action work" and "between actions"
+    (:func:`breakdown`) over its actions a step (``runtime.train.overheads``), against the
+    plan's ``action_ms``; and the predicted step with and without ``action_ms`` against the
+    measured one."""
     plan = read_plan(plan_dir)
-    acts = plan.simulator_costs.get("action_ms")
-    if not acts:
-        return None
-    name = schedule if schedule in TRAIN_NAMES else "1f1b"
-    result, costs = simulate_plan(plan, schedule=name, microbatches=microbatches)
-    if hasattr(costs.stages[0], "action_ms"):
-        return result.iteration_ms
-    split = name == "zb-h1"
-    stages = []
-    for st, a in zip(costs.stages, acts):
-        i, w = st.split()
-        again = a if st.recompute else 0.0  # B and I run the forward again: once more is all
-        stages.append(replace(st, forward_ms=st.forward_ms + a,
-                              backward_ms=st.backward_ms + (2.0 if split else 1.0) * a - again,
-                              backward_input_ms=i + a - again if split else st.backward_input_ms,
-                              backward_weight_ms=w + a if split else st.backward_weight_ms))
-    sched = build(name, [s.replicas for s in costs.stages], microbatches)
-    return simulate(sched, PipelineCosts(stages, costs.send_ms)).iteration_ms
+    priced = plan.simulator_costs.get("action_ms") or [0.0] * len(plan.stages)
+    plan.simulator_costs.pop("action_ms", None)
+    sched = stats.schedule if stats.schedule in TRAIN_NAMES else "1f1b"
+    bare = simulate_plan(plan, schedule=sched, microbatches=microbatches)[0].iteration_ms
+    work = [rank_overheads(r) for r in stats.ranks]
+    measured_work = " / ".join(f"{o.action_ms:.2f} ({o.actions})" for o in work)
+    return (f"| {name} | {stats.schedule} | {measured_work} | "
+            f"{' / '.join(f'{a:g}' for a in priced)} | {measured:.1f} | {bare:.1f} | "
+            f"{measured / bare:.2f} | {predicted:.1f} | **{measured / predicted:.2f}** |")
 
 
 def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
@@ -193,13 +183,15 @@ def on_cpu_compute(plan_dir: Path, stats: Any, microbatches: int) -> float:
 
 
 def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
-    """The plan's simulated step as priced before the engine's work was (no ``step_ms`` or
-    ``accumulate_ms``; ``send_ms`` from the plan's link model at each hop's bytes): the "before"
-    column (for a calibrated plan, its measured stage times without the engine's work)."""
+    """The plan's simulated step as priced before the engine's work was (no ``step_ms``,
+    ``accumulate_ms`` or ``action_ms``; ``send_ms`` from the plan's link model at each hop's
+    bytes): the "before" column (for a calibrated plan, its measured stage times without the
+    engine's work)."""
     plan = read_plan(plan_dir)
     sim = plan.simulator_costs
     sim.pop("step_ms", None)
     sim.pop("accumulate_ms", None)
+    sim.pop("action_ms", None)
     link = plan.extra.get("link") or {}
     if "hop_bytes" in sim and link:
         bw = float(link["bandwidth_gbps"])
@@ -274,17 +266,17 @@ def main() -> int:
         print(measure(name, args, work), flush=True)
         if args.calibrate:
             print(measure(name, args, work, calibrated=True), flush=True)
-    if ACTIONS:
-        print("\n| model | measured ms/step | predicted ms/step | m/p | predicted with "
-              "action_ms on every action | m/p with action_ms |")
-        print("| --- |" + " ---: |" * 5)
-        print("\n".join(ACTIONS))
     if BREAKDOWNS:
         print("\n| model | stage | step | forward | backward | blocked in receives | other "
               "action work | between actions | sends awaited | gradient sums | norm all-reduce "
               "| optimizer | closing all-reduce |")
         print("| --- |" + " ---: |" * 12)
         print("\n".join(BREAKDOWNS))
+        print("\n| model | schedule | measured work per action, ms (actions) per rank | "
+              "action_ms priced | measured ms/step | predicted without action_ms | m/p | "
+              "predicted with | **m/p** |")
+        print("| --- |" + " ---: |" * 8)
+        print("\n".join(ACTIONS))
     return 0
 
 

@@ -40,6 +40,16 @@ tensors times a per-group cost, measured by ``profile --mode train`` (``engine.s
 ``(I + W - B) / groups`` on a small stage run as the engine runs it, where the calls are all there
 is) or :data:`SPLIT_CALL_MS`; the simulator adds half to each ``I`` and ``W``. ``profile --plan``
 times the stages' ``I`` and ``W`` themselves and drops the term.
+
+**The work per action** (:func:`action_ms`): around each action (``F``, ``B``, ``I``, ``W``) a
+rank receives headers, copies and posts its sends, stashes and frees graphs, outside the compute
+and outside the time blocked in receives (``runtime.train.overheads`` reads it from a run's
+spans). Every train plan gets ``simulator_costs.action_ms`` per stage, which the simulator adds
+to each action and counts busy: measured where the costs file's ``engine`` has a ``probe`` with
+``action_ms`` (the probe's ``barrier_ms`` then prices the step's barriers and its ``hop_ms`` is
+added to every hop), else :data:`ACTION_MS` on a CPU and 0 on CUDA (the kernels run
+asynchronously: the host's work per action overlaps the device's compute unless the stages are
+tiny; not measured here).
 """
 
 from __future__ import annotations
@@ -64,10 +74,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCUMULATE_BYTES",
+    "ACTION_MS",
     "BARRIERS_PER_STEP",
     "BYTES_PER_PARAMETER",
     "HOP_SIZES",
     "SPLIT_CALL_MS",
+    "action_call_ms",
+    "action_ms",
     "analytic_accumulate_ms",
     "analytic_step_ms",
     "fit_link",
@@ -75,7 +88,9 @@ __all__ = [
     "measure_engine",
     "measure_hops",
     "measured_step_ms",
+    "on_cuda",
     "price_engine",
+    "probe_of",
     "shared_out",
     "split_call_ms",
     "split_groups",
@@ -102,6 +117,14 @@ HOP_SIZES = (4_096, 65_536, 524_288, 2_097_152, 8_388_608)
 #: ``runtime.train.passes.split_call_ms``: 0.031-0.032), one torch thread, the 2-core CPU VM.
 SPLIT_CALL_MS = 0.04
 
+#: ms of the engine's own work per action (F, B, I, W) on a CPU rank, outside compute and outside
+#: receives ("other action work" + "between actions" over the rank's actions a step,
+#: ``tools/bench_train_predicted.py --breakdown --steps 6``, 2 stages, 4 micro-batches x 2 rows):
+#: hf-gpt2 under ZB-H1 (12 actions) 0.23 and 0.30, inception under 1F1B (8) 0.25 and 0.26, one
+#: torch thread per rank, the 2-core CPU VM quiet but for the run (load 1.8); 0.2-0.4 in the
+#: quiet run of docs/benchmarks.md's "Train measured against predicted on a quiet machine".
+ACTION_MS = 0.25
+
 
 def split_groups(tensors: int) -> int:
     """The weight groups of a stage with ``tensors`` trainable tensors, estimated: a weight and
@@ -122,6 +145,58 @@ def split_ms(tensors: Sequence[int], per_group_ms: float) -> list[float]:
     ``per_group_ms``; none for the first stage, which receives no tensor needing a gradient
     (the model's inputs): its ``I`` is empty and its ``W`` one whole backward."""
     return [0.0 if k == 0 else split_groups(n) * per_group_ms for k, n in enumerate(tensors)]
+
+
+def probe_of(engine: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """A costs file ``engine``'s ``probe`` (the engine's own work timed as ``train`` runs it:
+    ``action_ms`` per action, ``barrier_ms`` per barrier, ``hop_ms`` per hop beyond the
+    ping-pong), where it is an object with an ``action_ms`` number; else None."""
+    probe = (engine or {}).get("probe")
+    if not isinstance(probe, Mapping):
+        return None
+    value = probe.get("action_ms")
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return probe if ok else None
+
+
+def _number(probe: Mapping[str, Any] | None, key: str) -> float | None:
+    """``probe[key]`` as a float where it is a number, else None."""
+    value = (probe or {}).get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def action_ms(engine: Mapping[str, Any] | None, *, cuda: bool) -> tuple[float, str]:
+    """(ms of the engine's work per action of every stage, how it was priced): the costs
+    file's measured ``engine.probe.action_ms`` (:func:`probe_of`); else :data:`ACTION_MS` on a
+    CPU, 0 on CUDA, whose kernels run asynchronously: the host's per-action work (headers,
+    posting sends, stashing) overlaps the device's compute unless the stages are tiny (not
+    measured here)."""
+    probe = probe_of(engine)
+    if probe is not None:
+        return max(float(probe["action_ms"]), 0.0), (
+            "measured: the engine's work per action outside compute and receives "
+            "(profile --mode train's probe)")
+    if cuda:
+        return 0.0, ("analytic: 0 on CUDA, the host's work per action overlapping the "
+                     "asynchronous kernels")
+    return ACTION_MS, (f"analytic: {ACTION_MS:g} ms per action on a CPU rank (receive "
+                       "headers, send copies and posts, stashing, freeing graphs)")
+
+
+def on_cuda(costs: CostsFile | None, device: DeviceSpec | None) -> bool:
+    """Whether a plan is priced for CUDA: ``device``'s kind, else the costs file's device."""
+    if device is not None:
+        return device.kind == "cuda"
+    return costs is not None and str(costs.device or "").startswith("cuda")
+
+
+def action_call_ms(costs: CostsFile | None, device: DeviceSpec | None) -> float:
+    """ms per action the plan will be priced with (:func:`action_ms`), for the planner's choice
+    of schedule before :func:`price_engine` writes it."""
+    engine = costs.body.get("engine") if costs is not None else None
+    return action_ms(engine, cuda=on_cuda(costs, device))[0]
 
 
 def analytic_step_ms(weights_bytes: Sequence[float], optimizer: str, mem_gbps: float,
@@ -172,12 +247,15 @@ def measured_step_ms(weights_bytes: Sequence[float], optimizer: str,
                      engine: Mapping[str, Any]) -> list[float] | None:
     """Each stage's per-step work from a costs file's ``engine`` (:func:`measure_engine`): the
     optimizer's measured step on ``parameter_bytes`` scaled to the stage's bytes, plus the
-    barriers; None when the file did not measure ``optimizer``."""
+    barriers (each the probe's ``barrier_ms`` where :func:`probe_of` finds one: the collective
+    as ``train`` meets it, else the two-process ``barrier_ms``); None when the file did not
+    measure ``optimizer``."""
     total = float(engine.get("parameter_bytes") or 0.0)
     step = (engine.get("optimizer_ms") or {}).get(optimizer)
     if step is None or total <= 0:
         return None
-    barrier = float(engine.get("barrier_ms") or 0.0)
+    probed = _number(probe_of(engine), "barrier_ms")
+    barrier = probed if probed is not None else float(engine.get("barrier_ms") or 0.0)
     return [t + BARRIERS_PER_STEP * barrier
             for t in shared_out(float(step), weights_bytes, total)]
 
@@ -400,8 +478,12 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     stage, :func:`tied_bytes`) adds one hop of them to its ``step_ms`` for their all-reduce,
     priced as the hops are; a ZB-H1 plan with ``tensors`` (per stage, its trainable tensors)
     gets ``simulator_costs.split_ms`` (:func:`split_ms`, per group the costs file's
-    ``split_call_ms`` or :data:`SPLIT_CALL_MS`); ``engine_costs`` says which. Inference plans
-    are left alone."""
+    ``split_call_ms`` or :data:`SPLIT_CALL_MS`); every train plan gets
+    ``simulator_costs.action_ms`` per stage (:func:`action_ms`: the probe's, else
+    :data:`ACTION_MS` on a CPU, 0 on CUDA). Where ``engine`` has a probe (:func:`probe_of`), its
+    ``barrier_ms`` is each barrier of the measured ``step_ms`` and its ``hop_ms`` is added to every
+    ``send_ms`` (to be priced once: a plan as ``partition`` writes it). ``engine_costs`` says which.
+    Inference plans are left alone."""
     if plan.mode != "train":
         return
     from onnx_partition.cost.analytic import DeviceSpec
@@ -411,6 +493,8 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     engine = costs.body.get("engine") if costs is not None else None
     if device is None and costs is not None and (costs.device or "").startswith("cuda"):
         device = device_for("cuda")
+    probe = probe_of(engine)
+    per_action, action_how = action_ms(engine, cuda=on_cuda(costs, device))
 
     sim = plan.extra.setdefault("simulator_costs", {})
     optimizer = str(plan.extra.get("optimizer") or "adamw")
@@ -423,7 +507,9 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     if step is not None:
         how = (f"measured: {optimizer} step on the program's parameters (profile --mode "
                "train), per stage by parameter bytes, + "
-               f"{BARRIERS_PER_STEP} two-process barriers")
+               f"{BARRIERS_PER_STEP} "
+               + ("barriers as train meets them (the probe)"
+                  if _number(probe, "barrier_ms") is not None else "two-process barriers"))
     else:
         spec = device
         barrier = float(link.get("latency_ms", 0.02)) if link else 0.02
@@ -460,6 +546,10 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                            "linear in the hop's bytes")
     else:
         said["send_ms"] = "the plan's link model"
+    hop = _number(probe, "hop_ms")
+    if hop is not None and isinstance(sim.get("send_ms"), list):
+        sim["send_ms"] = [round(float(x) + hop, 6) for x in sim["send_ms"]]
+        said["send_ms"] += f", + {hop:g} ms of the engine's work per hop (the probe)"
     if plan.extra.get("schedule") == "zb-h1" and tensors is not None \
             and len(tensors) == len(plan.stages):
         call = (engine or {}).get("split_call_ms")
@@ -469,4 +559,6 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                             + f"{per_group:g} ms per weight group (half the stage's trainable "
                             "tensors), the split backward's walk and autograd calls"
                             + (" (profile --mode train)" if call is not None else ""))
+    sim["action_ms"] = [round(per_action, 6)] * len(plan.stages)
+    said["action_ms"] = action_how
     plan.extra["engine_costs"] = said

@@ -34,13 +34,14 @@ The planner keeps the exact split; a plan may carry it as ``simulator_costs`` (a
 optional, one entry per stage, ``send_ms`` one per boundary): ``{"forward_ms": [...],
 "backward_ms": [...], "send_ms": [...], "activation_bytes": [...], "static_bytes": [...],
 "backward_input_ms": [...], "input_bytes": [...], "step_ms": [...], "accumulate_ms": [...],
-"split_ms": [...], "hop_bytes": [...]}`` (the input-gradient part of each backward, which
-zero-bubble schedules run apart, half of it where absent; the bytes a recomputing stage keeps per
-micro-batch; each stage's work once per training step, its optimizer step and the step's barriers,
-added after the last device is done, and its gradients' accumulation, added to the backward of
-every micro-batch but a replica's first, and what splitting a backward into ``I`` and ``W`` adds to
-them, half to each (:mod:`onnx_partition.cost.engine`); the bytes crossing each boundary per
-micro-batch, which ``send_ms`` prices). A stage whose ``recompute`` is true recomputes its forward
+"split_ms": [...], "action_ms": [...], "hop_bytes": [...]}`` (the input-gradient part of each
+backward, which zero-bubble schedules run apart, half of it where absent; the bytes a recomputing
+stage keeps per micro-batch; each stage's work once per training step, its optimizer step and the
+step's barriers, added after the last device is done, and its gradients' accumulation, added to
+the backward of every micro-batch but a replica's first, what splitting a backward into ``I`` and
+``W`` adds to them, half to each, and the engine's own work per action, added to every action of
+the stage (:mod:`onnx_partition.cost.engine`); the bytes crossing each boundary per micro-batch,
+which ``send_ms`` prices). A stage whose ``recompute`` is true recomputes its forward
 in the simulation.
 Given them, the rebuild is the planner's own costs. Without them, a hybrid plan's simulated
 iteration equals ``predicted.iteration_ms`` when backward really is 2 x forward in every
@@ -179,6 +180,7 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     step = _given(plan, "step_ms", p) or [0.0] * p
     accumulate = _given(plan, "accumulate_ms", p) or [0.0] * p
     split_cost = _given(plan, "split_ms", p) or [0.0] * p
+    per_action = _given(plan, "action_ms", p) or [0.0] * p
     stages = [
         StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),
                    allreduce[k] if train else 0.0, acts[k], static[k],
@@ -186,7 +188,8 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
                    recompute=bool(s.recompute) and train, input_bytes=kept[k],
                    step_ms=step[k] if train else 0.0,
                    accumulate_ms=accumulate[k] if train else 0.0,
-                   split_ms=split_cost[k] if train else 0.0)
+                   split_ms=split_cost[k] if train else 0.0,
+                   action_ms=per_action[k] if train else 0.0)
         for k, s in enumerate(plan.stages)
     ]
     return PipelineCosts(stages, send)

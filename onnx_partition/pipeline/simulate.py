@@ -51,7 +51,11 @@ class StageCosts:
     that zero-bubble schedules run as separate ``I`` and ``W`` actions; where not given the
     backward splits in half (:meth:`split`). ``recompute``: the stage keeps only its
     ``input_bytes`` per micro-batch in flight and runs its forward again at the start of its
-    backward (``B`` or ``I``), holding one micro-batch's activations then (until ``W``)."""
+    backward (``B`` or ``I``), holding one micro-batch's activations then (until ``W``).
+    ``action_ms``: the engine's fixed work per action (receiving headers, copying and posting
+    sends, stashing, freeing graphs; :mod:`onnx_partition.cost.engine`), added to every action
+    of the stage (``F``, ``B``, ``I``, ``W``; inference's ``F`` too where given) and counted as
+    busy time: it occupies the device. It does not grow with the rows."""
 
     forward_ms: float
     backward_ms: float
@@ -70,6 +74,7 @@ class StageCosts:
     # what the engine's split backward adds to a micro-batch's I + W over its B (one more graph
     # walk and one autograd call per weight group, cost.engine.split_ms): half to each
     split_ms: float = 0.0
+    action_ms: float = 0.0  # the engine's work per action, whatever its kind
 
     def split(self) -> tuple[float, float]:
         """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
@@ -85,7 +90,11 @@ class StageCosts:
         return i, w
 
     def duration(self, kind: Kind) -> float:
-        """The time of one action of ``kind`` (recomputation adds a forward to B and I)."""
+        """The time of one action of ``kind`` (recomputation adds a forward to B and I), with
+        the engine's ``action_ms``."""
+        return self._compute(kind) + self.action_ms
+
+    def _compute(self, kind: Kind) -> float:
         if kind is Kind.F:
             return self.forward_ms
         again = self.forward_ms if self.recompute else 0.0
@@ -107,7 +116,8 @@ class PipelineCosts:
         """These costs at ``scale`` times the rows per micro-batch: what grows with the rows
         (compute, activations, received bytes, hops) is multiplied by ``scale``; what does not
         (the per-step ``step_ms``, the gradients' ``accumulate_ms`` and ``allreduce_ms``, the
-        parameters' ``static_bytes``, the split's per-call ``split_ms``) is kept. Linear in the
+        parameters' ``static_bytes``, the split's per-call ``split_ms``, the engine's
+        per-action ``action_ms``) is kept. Linear in the
         batch, the assumption ``partition`` makes for costs files."""
         if scale == 1.0:
             return self
@@ -128,8 +138,9 @@ class PipelineCosts:
 class SimResult:
     """Outcome of :func:`simulate`.
 
-    ``busy_ms`` counts forward/backward compute only (with the gradients' accumulation); the
-    all-reduce, the per-step work and waiting are idle, so
+    ``busy_ms`` counts forward/backward compute (with the gradients' accumulation) and the
+    engine's work per action (``action_ms``); the all-reduce, the per-step work and waiting
+    are idle, so
     ``bubble_fraction = 1 - sum(busy_ms) / (num_devices * iteration_ms)``.
     ``peak_inflight`` is the most micro-batch chunks (a micro-batch on one hosted stage) whose
     forward ran but backward has not (0 for inference). ``peak_memory_bytes`` is the hosted
@@ -174,7 +185,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     ``sB m`` (or ``sI m``) needs ``sF m`` and, below the last stage, ``(s+1)B m`` (or
     ``(s+1)I m``) + ``send_ms[s]``; ``sW m`` needs ``sI m``. A micro-batch's activations are
     held from its ``F`` to its ``B`` or ``W``. A ``B`` or ``W`` takes ``accumulate_ms`` more
-    for every micro-batch but each replica's first (gradients added to the earlier ones').
+    for every micro-batch but each replica's first (gradients added to the earlier ones'),
+    and every action its stage's ``action_ms`` (the engine's own work around it, busy time).
     Sends overlap compute (pure latency). In training each stage's replicas then all-reduce
     gradients for ``allreduce_ms``, starting when all of the group's devices are free: after
     their last backward and, when a device hosts several stages (interleaved), after the

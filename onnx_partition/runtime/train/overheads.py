@@ -186,17 +186,13 @@ def run_costs(results: Sequence[SpanSource], microbatches: int, *, split: bool) 
 
 def run_pipeline(run: RunCosts, send_ms: Sequence[float], *, hop_ms: float = 0.0
                  ) -> PipelineCosts:
-    """The simulator's costs of ``run`` with ``send_ms`` per boundary plus ``hop_ms`` each: every
-    action's duration takes the stage's ``action_ms`` (an ``F``, a ``B``, an ``I`` and a ``W``
-    one each), the stage's ``step_ms`` its tail and barriers; no accumulation or split terms
-    (the run's compute has them)."""
-    stages = []
-    for k, (f, b, a) in enumerate(zip(run.forward_ms, run.backward_ms, run.action_ms,
-                                      strict=True)):
-        i = run.backward_input_ms[k] if run.backward_input_ms is not None else None
-        stages.append(StageCosts(
-            f + a, b + (2.0 * a if i is not None else a), run.replicas[k],
-            backward_input_ms=None if i is None else i + a, step_ms=run.step_ms()[k]))
+    """The simulator's costs of ``run`` with ``send_ms`` per boundary plus ``hop_ms`` each: each
+    stage's ``action_ms`` on every action, its ``step_ms`` its tail and barriers; no
+    accumulation or split terms (the run's compute has them)."""
+    inputs: Sequence[float | None] = run.backward_input_ms or [None] * len(run.forward_ms)
+    stages = [StageCosts(f, b, r, backward_input_ms=i, step_ms=t, action_ms=a)
+              for f, b, r, i, t, a in zip(run.forward_ms, run.backward_ms, run.replicas, inputs,
+                                          run.step_ms(), run.action_ms, strict=True)]
     return PipelineCosts(stages, [s + hop_ms for s in send_ms])
 
 
