@@ -9,7 +9,7 @@ targets: step within 15%, activation bytes within 5%).
 Per model: export it with its program (recipes at ``--size``; ``hf-gpt2``, ``hf-bert``,
 ``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights),
 ``profile --mode train`` it (torch eager per FX unit, one thread: what each rank uses, at the
-micro-batch's rows), ``partition --mode train --stages S --costs`` with those costs
+micro-batch's rows; the engine probe, ``engine.probe``, as the command line runs it), ``partition --mode train --stages S --costs`` with those costs
 (``--no-profile``: the analytic costs, for comparison), then ``train`` the plan with one
 process per stage over gloo for ``--steps`` steps (the first left out of the times) and print
 ``train --json``'s ``ratio``: measured / predicted for the step (``iteration_ms``) and, per
@@ -46,6 +46,7 @@ from onnx_partition.pipeline.schedules import TRAIN_NAMES, build
 from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.overheads import rank_overheads
+from onnx_partition.runtime.train.probe import probe_engine
 from onnx_partition.runtime.train.trainer import comparison, train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
@@ -100,7 +101,7 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
             costs = work / f"{model.stem}-train-costs-b{b}.json"
             if not costs.exists():
                 profile_train_to_file(model, costs, batch_size=b, repeats=args.repeats,
-                                      threads=1)
+                                      threads=1, probe=probe_engine)
         plan_dir = work / f"{model.stem}-plan-{'profiled' if costs else 'analytic'}"
         if not calibrated or not plan_dir.is_dir():
             partition(model, args.stages, plan_dir, costs=costs, batch_size=b, mode="train",
