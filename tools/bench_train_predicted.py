@@ -9,9 +9,10 @@ targets: step within 15%, activation bytes within 5%).
 Per model: export it with its program (recipes at ``--size``; ``hf-gpt2``, ``hf-bert``,
 ``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights),
 ``profile --mode train`` it (torch eager per FX unit, one thread: what each rank uses, at the
-micro-batch's rows; the engine probe, ``engine.probe``, as the command line runs it), ``partition --mode train --stages S --costs`` with those costs
-(``--no-profile``: the analytic costs, for comparison), then ``train`` the plan with one
-process per stage over gloo for ``--steps`` steps (the first left out of the times) and print
+micro-batch's rows; the engine probe, ``engine.probe``, as the command line runs it),
+``partition --mode train --stages S --costs`` with those costs (``--no-profile``: the
+analytic costs, for comparison), then ``train`` the plan with one process per stage over
+gloo for ``--steps`` steps (the first left out of the times) and print
 ``train --json``'s ``ratio``: measured / predicted for the step (``iteration_ms``) and, per
 stage, ``forward_ms``, ``backward_ms`` (wall), the same compute's thread CPU time against the
 same predictions (what other processes on a busy machine do not stretch) and
