@@ -259,9 +259,11 @@ def test_measure_engine_keeps_the_probes_figures_with_the_hops() -> None:
     figures = {"action_ms": 0.25, "barrier_ms": 1.5, "hop_ms": 0.75, "source": "by hand"}
     # no hops measured (a GPU's costs): the probe, a CPU pipeline, is not run
     assert "probe" not in measure_engine(params, repeats=1, hops=False,
-                                         probe=lambda: pytest.fail("run without hops"))
-    got = measure_engine(params, repeats=1, probe=lambda: figures)
-    assert got["probe"] == figures and "link" in got
+                                         probe=lambda link: pytest.fail("run without hops"))
+    links = []
+    got = measure_engine(params, repeats=1, probe=lambda link: links.append(link) or figures)
+    # called with the link just measured: its hop_ms is what a hop adds to that link's
+    assert got["probe"] == figures and links == [got["link"]]
 
 
 def test_measure_engine_keeps_the_split_timers_figure() -> None:

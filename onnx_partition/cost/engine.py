@@ -417,7 +417,8 @@ def measure_hops(sizes: Sequence[int] = HOP_SIZES, *, repeats: int = 10,
 def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
                    threads: int = 1, hops: bool = True,
                    split: Callable[[], float] | None = None,
-                   probe: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                   probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+                   ) -> dict[str, Any]:
     """The costs file's ``engine``: ``parameter_bytes``, ``optimizer_ms`` (each optimizer's
     step on ``params``), ``accumulate_ms`` (their gradients' accumulation), with ``hops``
     the two-process ``link`` (the ``sizes`` and their ``one_way_ms``, summarised as
@@ -425,9 +426,9 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
     ``split`` (the engine's timer, ms per weight group: ``runtime.train.passes.
     split_call_ms``, given by the caller above this layer) ``split_call_ms``, and with ``hops``
     and ``probe`` (the engine run on a small pipeline: ``runtime.train.probe.probe_engine``,
-    given likewise) ``probe``: its ``action_ms``, ``barrier_ms`` and ``hop_ms`` (what the
-    engine costs per action, per barrier and per hop beyond the idle ping-pong, measured while
-    both cores compute) and how they were measured."""
+    given likewise, called with the ``link`` just measured) ``probe``: its ``action_ms``,
+    ``barrier_ms`` and ``hop_ms`` (what the engine costs per action, per barrier and per hop
+    beyond that link's, measured while both cores compute) and how they were measured."""
     body: dict[str, Any] = {
         "parameter_bytes": int(sum(p.numel() * 4 for p in params if p.is_floating_point())),
         "optimizer_ms": {name: round(time_optimizer(params, name, repeats=repeats), 6)
@@ -446,7 +447,7 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
     if split is not None:
         body["split_call_ms"] = round(max(float(split()), 0.0), 6)
     if hops and probe is not None:
-        body["probe"] = dict(probe())
+        body["probe"] = dict(probe(body["link"]))
     return body
 
 

@@ -107,7 +107,7 @@ def profile_train(
     precision: str = "fp32",
     engine: bool = True,
     split: Callable[[], float] | None = None,
-    probe: Callable[[], Mapping[str, Any]] | None = None,
+    probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:
     """Measure every FX unit of ``program`` in torch eager on ``device`` at ``graph``'s input
     shapes (the module docstring), under autocast to ``precision``'s half dtype unless fp32
@@ -198,7 +198,7 @@ def profile_train_to_file(
     progress: Progress | None = None,
     precision: str = "fp32",
     split: Callable[[], float] | None = None,
-    probe: Callable[[], Mapping[str, Any]] | None = None,
+    probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:
     """:func:`profile_train` of the program beside ``model`` (``model.pt2``), written to
     ``output`` (atomically, never over the model), the ``precision`` it was measured in

@@ -13,15 +13,17 @@ compute while the hops cross, as in a real run. From the ranks' results
 
 * ``action_ms``: the engine's work per action, the mean over ranks;
 * ``barrier_ms``: one of the step's barriers as the rank arriving last pays it;
-* ``hop_ms``: what a hop costs beyond an idle ping-pong of the same bytes (``send_ms``, two
-  more processes): :func:`~onnx_partition.runtime.train.overheads.fit_hop_ms` of the run's
-  costs (its compute per micro-batch, ``action_ms`` on every action, the tail and barriers as
-  ``step_ms``) against the measured step.
+* ``hop_ms``: what a hop costs beyond an idle ping-pong of the same bytes (``send_ms``: the
+  costs file's link at those bytes, or two more processes):
+  :func:`~onnx_partition.runtime.train.overheads.fit_hop_ms` of the run's costs (its compute
+  per micro-batch, ``action_ms`` on every action, the tail and barriers as ``step_ms``)
+  against the measured step.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -97,12 +99,15 @@ def _job() -> tuple[list[_Stage], Any, Plan, Any]:
     return stages, _loss, _plan(), functools.partial(_batch, rows=ROWS * MICROBATCHES)
 
 
-def probe_engine(*, steps: int = STEPS, timeout_s: float = 120.0) -> dict[str, Any]:
+def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
+                 timeout_s: float = 120.0) -> dict[str, Any]:
     """Run the probe (module docstring): ``{"action_ms", "barrier_ms", "hop_ms", "send_ms",
     "step_ms", "simulated_ms", "schedule", "microbatches", "steps", "hop_bytes", "source"}``
-    (ms; ``send_ms`` the idle ping-pong's one way, ``step_ms`` the measured step,
-    ``simulated_ms`` the fit's)."""
-    from onnx_partition.cost.engine import measure_hops
+    (ms; ``send_ms`` the idle hop, ``step_ms`` the measured step, ``simulated_ms`` the fit's).
+    The idle hop is ``link``'s (a costs file's ``engine.link``: its ping-pong's ``sizes`` and
+    ``one_way_ms``, priced at the probe's bytes as ``partition`` prices every hop, so that
+    ``hop_ms`` is what to add to those), else a ping-pong of the probe's bytes."""
+    from onnx_partition.cost.engine import hop_ms, measure_hops
 
     if steps < 2:
         raise ValueError("the probe needs at least 2 steps (the first is left out)")
@@ -111,7 +116,11 @@ def probe_engine(*, steps: int = STEPS, timeout_s: float = 120.0) -> dict[str, A
                          optimizer="adamw", lr=1e-4, threads=1)
     ranks = launch_training(plan, _job, config, backend="gloo", timeout_s=timeout_s)
     hop_bytes = ROWS * WIDTH * 4
-    (send,), _ = measure_hops([hop_bytes], repeats=10, threads=1)
+    idle = "the link" if link is not None else "a ping-pong"
+    if link is not None:
+        send = hop_ms(hop_bytes, link["sizes"], link["one_way_ms"])
+    else:
+        (send,), _ = measure_hops([hop_bytes], repeats=10, threads=1)
     run = run_costs(ranks, MICROBATCHES, split=True)
     schedule = schedules.build(SCHEDULE, run.replicas, MICROBATCHES)
     hop = fit_hop_ms(schedule, run_pipeline(run, [send]), run.measured_ms)
@@ -124,4 +133,4 @@ def probe_engine(*, steps: int = STEPS, timeout_s: float = 120.0) -> dict[str, A
             "source": (f"the engine on 2 gloo processes, one thread each: 2 stages of "
                        f"{LAYERS} x Linear({WIDTH}) + GELU at {ROWS} rows, {SCHEDULE}, "
                        f"{MICROBATCHES} micro-batches, {steps} steps (first left out); hop_ms "
-                       "fitted over an idle ping-pong's send_ms to the measured step")}
+                       f"fitted over the idle hop ({idle}'s send_ms) to the measured step")}
