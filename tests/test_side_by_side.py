@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from onnx_partition import export
+from onnx_partition.calibrate import calibrate_plan
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import provenance
@@ -20,7 +21,7 @@ from onnx_partition.cost.profile.side_by_side import cpus, measure_side_by_side
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import partition
-from onnx_partition.plan import Plan
+from onnx_partition.plan import Plan, read_plan
 
 FACTORS = {"forward": 1.25, "backward": 1.5}
 
@@ -112,3 +113,20 @@ def test_the_co_run_measures_finite_factors(model: Path) -> None:
         assert math.isfinite(side[key]) and side[key] > 0
     assert set(side["cpu_ms"]) == {"alone-tight", "alone-interleaved", "together-tight",
                                    "together-interleaved"}
+
+
+def test_profile_plan_replaces_the_scaled_times_once(model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "plan"
+    plan_of(model, costs_file(model, tmp_path / "side.json", FACTORS), folder)
+    before = read_plan(folder)
+    priced = [(s.predicted.forward_ms or 0.0) + (s.predicted.backward_ms or 0.0)
+              for s in before.stages if s.predicted]
+    calibrate_plan(folder, rounds=1, repeats=2, warmup=0)
+    plan = read_plan(folder)
+    measured = plan.extra["calibrated"]["rounds"][0]
+    # the round's "as priced" is the plan's scaled price; the plan's times are the measured
+    # ones, side by side already, with no compute_scale left to apply
+    assert measured["priced_ms"] == pytest.approx(priced, rel=1e-6)
+    assert [s.predicted.forward_ms for s in plan.stages] == measured["forward_ms"]
+    assert [s.predicted.backward_ms for s in plan.stages] == measured["backward_ms"]
+    assert "compute_scale" not in plan.extra

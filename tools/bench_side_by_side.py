@@ -3,7 +3,9 @@ the whole program's forward and backward (thread CPU time, medians) alone in the
 against (a) the same loop beside a co-runner process, (b) the interleaved pattern alone (two
 forwards, then their backwards) and (c) both, set against the run's own ratio: a 2-stage
 1F1B ``train`` of the plan priced by the profile *unscaled*, its stages' thread CPU time over
-their predicted time, summed over the stages (per stage after it).
+their predicted time, summed over the stages (per stage after it), and (last column) the same
+CPU time over the profile's own alone-tight CPU time: both CPU times, so that a load on the
+machine while profiling (which stretches the prediction's wall times) does not enter it.
 
     python tools/bench_side_by_side.py [--models gpt bert ... hf-gpt2] [--size small]
         [--batch-size 2] [--microbatches 4] [--steps 6] [--repeats 5] [--workdir DIR]
@@ -44,9 +46,9 @@ def unscaled(costs: Path) -> Path:
 
 
 def in_run(model: Path, costs: Path, args: argparse.Namespace, work: Path
-           ) -> tuple[float, float, str]:
-    """The run's forward and backward thread CPU time over the prediction (sums over stages)
-    and the per-stage ratios as text."""
+           ) -> tuple[float, float, str, list[float]]:
+    """The run's forward and backward thread CPU time over the prediction (sums over stages),
+    the per-stage ratios as text and the sums themselves (CPU ms per micro-batch)."""
     plan_dir = work / f"{model.stem}-plan-unscaled"
     partition(model, 2, plan_dir, costs=unscaled(costs), batch_size=args.batch_size,
               mode="train", microbatches=args.microbatches, schedule="1f1b", check=False,
@@ -59,7 +61,8 @@ def in_run(model: Path, costs: Path, args: argparse.Namespace, work: Path
     bwd = sum(s["backward_cpu_ms"] for s in got) / sum(s["backward_ms"] for s in want)
     per = " / ".join(f"{s['forward_cpu_ms']:.2f}" for s in body["ratio"]["stages"]) + ", " + \
         " / ".join(f"{s['backward_cpu_ms']:.2f}" for s in body["ratio"]["stages"])
-    return fwd, bwd, per
+    sums = [sum(s["forward_cpu_ms"] for s in got), sum(s["backward_cpu_ms"] for s in got)]
+    return fwd, bwd, per, sums
 
 
 def row(name: str, args: argparse.Namespace, work: Path) -> str:
@@ -82,8 +85,9 @@ def row(name: str, args: argparse.Namespace, work: Path) -> str:
                  ratio("alone-interleaved"), ratio("together-interleaved"),
                  f"{side['forward']:.2f} / {side['backward']:.2f}"]
         if not args.no_run:
-            fwd, bwd, per = in_run(model, costs, args, work)
-            cells += [f"**{fwd:.2f} / {bwd:.2f}**", per]
+            fwd, bwd, per, sums = in_run(model, costs, args, work)
+            cells += [f"{fwd:.2f} / {bwd:.2f}", per,
+                      f"**{sums[0] / base[0]:.2f} / {sums[1] / base[1]:.2f}**"]
         return f"| {name} | " + " | ".join(cells) + " |"
     except Exception as exc:  # one model's failure is one row
         return f"| {name} | failed: {one_line(exc)} |"
@@ -109,8 +113,8 @@ def main() -> int:
           f"torch {torch.__version__}")
     print("\n| model | alone tight ms fwd / bwd | co-run / alone | interleaved / alone | "
           "co-run interleaved / alone | recorded factor | in the run (CPU time / predicted) "
-          "| in the run per stage (fwd, bwd) |")
-    print("| --- |" + " ---: |" * 7)
+          "| in the run per stage (fwd, bwd) | in the run (CPU time / alone tight CPU time) |")
+    print("| --- |" + " ---: |" * 8)
     for name in args.models:
         print(row(name, args, work), flush=True)
     return 0
