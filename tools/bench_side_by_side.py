@@ -104,13 +104,12 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--no-run", action="store_true", help="the profile's columns only")
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-side-by-side-"))
-    work.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"whole program, one torch thread, {args.batch_size} rows, thread CPU time, medians "
           f"of {args.repeats}; run: 2 stages, 1F1B, {args.microbatches} micro-batches, "
-          f"{args.steps} steps; {os.cpu_count()} CPUs, load average {load:.1f} at the start, "
-          f"torch {torch.__version__}")
+          f"{args.steps} steps; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at the start, torch {torch.__version__}")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-side-by-side-"))
+    work.mkdir(parents=True, exist_ok=True)
     print("\n| model | alone tight ms fwd / bwd | co-run / alone | interleaved / alone | "
           "co-run interleaved / alone | recorded factor | in the run (CPU time / predicted) "
           "| in the run per stage (fwd, bwd) | in the run (CPU time / alone tight CPU time) |")
