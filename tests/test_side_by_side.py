@@ -17,7 +17,8 @@ from onnx_partition.calibrate import calibrate_plan
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import provenance
-from onnx_partition.cost.profile.side_by_side import cpus, measure_side_by_side
+from onnx_partition.cost.profile.side_by_side import cpus
+from onnx_partition.cost.profile.train import profile_train
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import partition
@@ -103,14 +104,17 @@ def test_skipped_cuda_or_bad_figures(model: Path, tmp_path: Path) -> None:
 
 
 def test_the_co_run_measures_finite_factors(model: Path) -> None:
-    program = torch.export.load(str(model.with_suffix(".pt2")))
-    side = measure_side_by_side(program, [torch.randn(2, 8)], repeats=3, warmup=1, threads=1)
+    measured = profile_train(load(model, batch_size=2), model.with_suffix(".pt2"), repeats=2,
+                             warmup=1, engine=False)
+    side = measured.settings["side_by_side"]
+    assert isinstance(side, dict)
     if cpus() < 2:
         assert "skipped" in side
         return
     assert side["processes"] == 2
     for key in ("forward", "backward"):
-        assert math.isfinite(side[key]) and side[key] > 0
+        assert math.isfinite(side[key]) and side[key] >= 1.0
+        assert math.isfinite(side["measured"][key]) and side["measured"][key] > 0
     assert set(side["cpu_ms"]) == {"alone-tight", "alone-interleaved", "together-tight",
                                    "together-interleaved"}
 

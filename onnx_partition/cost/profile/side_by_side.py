@@ -15,7 +15,7 @@ scheduling does not stretch) in two patterns:
 * ``interleaved``: two forwards, then their two backwards (1F1B's steady state on a first stage);
 
 each alone and ``together``: while a co-runner (a spawned process with the same torch threads
-and its own copy of the program and inputs, warmed up first) steps the program in the
+and its own copy of the program, weights and inputs, warmed up first) steps the program in the
 interleaved pattern, as the neighbour stage would. Alone and together take turns, round by
 round (the co-runner paused and resumed by events; each turn's first round untimed, so that an
 alone round starts from its own caches, as the profile's loop does), so that whatever else
@@ -35,7 +35,6 @@ import io
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable, Sequence
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +57,6 @@ def cpus() -> int:
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
-
-ArgsOf = Callable[["ExportedProgram", Sequence["torch.Tensor"], "torch.device"], list[Any]]
 
 
 class _Stepper:
@@ -102,17 +99,16 @@ class _Stepper:
         self.clear()
 
 
-def _co_run(blob: bytes, inputs: list[Any], threads: int, events: dict[str, Any]) -> None:
+def _co_run(blob: bytes, args: list[tuple[Any, bool]], threads: int,
+            events: dict[str, Any]) -> None:
     """The co-runner (a spawned process): load the program, warm up, say ``ready``, then step
-    it in the interleaved pattern while ``go`` is set, ``idle`` (set) while it is not, until
-    ``stop``."""
+    it on its copy of ``args`` (each with whether it needs a gradient) in the interleaved
+    pattern while ``go`` is set, ``idle`` (set) while it is not, until ``stop``."""
     import torch
-
-    from onnx_partition.cost.profile.train import _program_args
 
     torch.set_num_threads(threads)
     program = torch.export.load(io.BytesIO(blob))
-    stepper = _Stepper(program, _program_args(program, inputs, torch.device("cpu")))
+    stepper = _Stepper(program, [a.requires_grad_(True) if grad else a for a, grad in args])
     stepper.run("interleaved")
     events["ready"].set()
     while not events["stop"].is_set():
@@ -125,30 +121,26 @@ def _co_run(blob: bytes, inputs: list[Any], threads: int, events: dict[str, Any]
     events["idle"].set()
 
 
-def measure_side_by_side(program: ExportedProgram, inputs: Sequence[torch.Tensor],
-                         args: list[Any] | None = None, *, repeats: int, warmup: int,
-                         threads: int) -> dict[str, Any]:
+def measure_side_by_side(program: ExportedProgram, args: list[Any], *, repeats: int,
+                         warmup: int, threads: int) -> dict[str, Any]:
     """The whole program's forward and backward CPU ms (medians) per pattern alone and beside a
     co-runner (module docstring), and the factor: ``forward`` and ``backward`` = together /
-    alone in :data:`PATTERN`. ``args``: the program's arguments (weights needing gradients and
-    ``inputs``, on CPU; made from them where not given). With fewer than 2 CPUs:
-    ``{"skipped": why}``."""
+    alone in :data:`PATTERN`, at least 1. ``args``: the graph module's arguments on CPU
+    (weights needing gradients, then the user inputs); the co-runner gets a copy. With fewer
+    than 2 CPUs: ``{"skipped": why}``."""
     import torch
 
     if cpus() < 2:
         return {"skipped": "1 CPU: no other core for a second process to share"}
-    if args is None:
-        from onnx_partition.cost.profile.train import _program_args
-
-        args = _program_args(program, inputs, torch.device("cpu"))
     stepper = _Stepper(program, args)
     blob = io.BytesIO()
     torch.export.save(program, blob)
     ctx = mp.get_context("spawn")
     events = {name: ctx.Event() for name in ("ready", "go", "idle", "stop")}
     neighbour = ctx.Process(target=_co_run, daemon=True,
-                            args=(blob.getvalue(), [t.detach().cpu() for t in inputs],
-                                  threads, events))
+                            args=(blob.getvalue(), [
+                                (a.detach(), a.requires_grad) if isinstance(a, torch.Tensor)
+                                else (a, False) for a in args], threads, events))
     neighbour.start()
     times: dict[str, tuple[list[float], list[float]]] = {
         f"{w}-{p}": ([], []) for w in ("alone", "together") for p in PATTERNS}

@@ -449,5 +449,5 @@ def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
         if isinstance(a, torch.Tensor):
             a.grad = None
     side = None if device.type != "cpu" else measure_side_by_side(
-        program, inputs, args, repeats=timer.repeats, warmup=timer.warmup, threads=threads)
+        program, args, repeats=timer.repeats, warmup=timer.warmup, threads=threads)
     return median(forward_times), median(backward_times), side
