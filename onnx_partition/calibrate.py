@@ -186,6 +186,10 @@ def _base_costs(plan: Plan, graph: OpGraph) -> tuple[dict[str, float], dict[str,
         node_costs = annotate(graph, costs=costs)
         node_costs = rescale(node_costs, graph, list(costs.nodes), check_costs(costs,
                                                                                graph).scale)
+        shared = plan.extra.get("compute_scale")  # as partition priced it beside the others
+        if isinstance(shared, dict):
+            node_costs = rescale(node_costs, graph, list(costs.nodes),
+                                 float(shared["forward"]), backward=float(shared["backward"]))
     else:
         device = DeviceSpec.cpu()
         if model.get("source") == "analytic" and model.get("peak_tflops"):
@@ -475,6 +479,8 @@ def calibrate_plan(
         _, source, chosen, fwd, bwd = measured[best]
         result.chosen = best
         _calibrated(chosen, fwd, bwd)
+        # its stage times are now measured side by side: partition's scaling no longer applies
+        chosen.extra.pop("compute_scale", None)
         engine_run: dict[str, Any] = {}
         if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
             from onnx_partition.calibrate_train import measure_train_engine, measure_train_run

@@ -23,6 +23,7 @@ from onnx_partition.cost.costs_file import (
     CostsCheck,
     batch_size_of,
     check_costs,
+    compute_scale,
     recorded_shapes,
     rescale,
 )
@@ -387,6 +388,11 @@ def partition(
     node_costs = annotate(graph, device=device, costs=costs)
     if costs is not None and checked is not None:
         node_costs = rescale(node_costs, graph, list(costs.nodes), checked.scale)
+    shared = compute_scale(costs, _processes_per_machine(cluster, num_stages)) \
+        if costs is not None and mode == "train" else None
+    if costs is not None and shared is not None:  # beside the other stages' processes
+        node_costs = rescale(node_costs, graph, list(costs.nodes), shared["forward"],
+                             backward=shared["backward"])
     priced = device_model(device, costs, cluster, strict=strict_costs)
     kinds = None
     if files is not None:
@@ -449,10 +455,23 @@ def partition(
     priced_as_run(plan)
     if checked is not None:
         plan.extra["costs"]["check"] = checked.to_json()
+    if shared is not None:
+        plan.extra["compute_scale"] = shared
     plan.device_model = {**priced, **({"sources": dict(sources)} if sources else {})}
     plan.partition_s = round(time.perf_counter() - started, 4)
     _record_program(plan, Path(model), Path(out))
     return emit(graph, cuts, plan, Path(out), force=force, check=check, reporter=reporter)
+
+
+def _processes_per_machine(cluster: Cluster | Fleet | None, num_stages: int | None) -> int:
+    """How many training processes a CPU plan runs on one machine: one per stage without a
+    cluster (``train`` runs them all here), a CPU cluster's devices per machine (the most its
+    stages and replicas put on one); 1 on GPUs (each process its own device)."""
+    if cluster is None:
+        return num_stages or 1
+    if isinstance(cluster, Fleet) or cluster.kind != "cpu":
+        return 1
+    return cluster.devices_per_machine
 
 
 def _load_for_costs(

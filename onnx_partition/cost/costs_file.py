@@ -36,8 +36,8 @@ from onnx_partition.cost.annotate import CostsLike, NodeCosts, load_costs
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 
-__all__ = ["MIN_COVERAGE", "CostsCheck", "batch_size_of", "check_costs", "device_name",
-           "fingerprint", "provenance", "recorded_shapes", "rescale"]
+__all__ = ["MIN_COVERAGE", "CostsCheck", "batch_size_of", "check_costs", "compute_scale",
+           "device_name", "fingerprint", "provenance", "recorded_shapes", "rescale"]
 
 #: A costs file covering fewer of the compute nodes than this is warned about.
 MIN_COVERAGE = 0.9
@@ -191,16 +191,44 @@ def _fmt(shapes: Mapping[str, Any]) -> str:
 
 
 def rescale(node_costs: NodeCosts, graph: OpGraph, given: Sequence[str],
-            scale: float) -> NodeCosts:
+            scale: float, *, backward: float | None = None) -> NodeCosts:
     """``node_costs`` with the times of the nodes named in ``given`` (a costs file's keys)
-    multiplied by ``scale``; analytic ones are already priced at the planned shapes."""
-    if scale == 1.0:
+    multiplied by ``scale`` (their backward by ``backward`` where given); analytic ones are
+    already priced at the planned shapes."""
+    backward = scale if backward is None else backward
+    if scale == 1.0 and backward == 1.0:
         return node_costs
     names = set(given)
     fwd, bwd = list(node_costs.forward_ms), list(node_costs.backward_ms)
     for node in graph.nodes:
         if node.key in names and not node.free:
             fwd[node.index] *= scale
-            bwd[node.index] *= scale
+            bwd[node.index] *= backward
     return replace(node_costs, forward_ms=fwd, backward_ms=bwd)
+
+
+def compute_scale(costs: CostsLike, processes: int) -> dict[str, Any] | None:
+    """How much a train costs file's compute times grow when ``processes`` training processes
+    share one CPU machine: its settings' ``side_by_side`` factors (``profile --mode train``,
+    :mod:`onnx_partition.cost.profile.side_by_side`) as ``{"forward": x, "backward": y,
+    "why": ...}``; None (priced as measured, alone) for one process, a CUDA file, or a file that
+    did not measure them. A factor that is not a positive number is a PartitionError."""
+    costs = load_costs(costs)
+    settings = costs.body.get("settings")
+    side = settings.get("side_by_side") if isinstance(settings, dict) else None
+    if processes < 2 or not isinstance(side, dict) or "skipped" in side \
+            or str(costs.device or "cpu") != "cpu":
+        return None
+    factors: dict[str, float] = {}
+    for key in ("forward", "backward"):
+        value = side.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+                or value == float("inf"):
+            raise PartitionError(f"costs file {costs.path}: settings.side_by_side.{key} must "
+                                 f"be a positive number, got {value!r}")
+        factors[key] = float(value)
+    return {**factors,
+            "why": f"{processes} training processes share one CPU machine: the compute times "
+                   "the profile measured alone, scaled by what they measured beside a second "
+                   "process (the costs file's settings.side_by_side)"}
 
