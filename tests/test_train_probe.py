@@ -54,6 +54,20 @@ def test_a_run_reads_as_the_simulators_costs() -> None:
     assert costs.stages[0].step_ms == pytest.approx(2.75 + 2 * 1.125)
 
 
+def test_the_tied_all_reduce_costs_what_its_last_holder_pays() -> None:
+    # stage 0 waited 3 ms in the tied gradients' all-reduce for stage 1, which paid 0.5 for the
+    # collective itself; a third stage holds no tied parameter
+    spans = [[("kF0", 0.0, 2.0, 0.0)]] * 2
+
+    def tail(tied: float) -> dict[str, float]:
+        return {"sends_ms": 0.0, "grad_sum_ms": tied, "norm_ms": 1.0, "optimizer_ms": 1.0}
+
+    ranks = [Result(k, [20.0, 20.0], [1.0, 1.0], [0.5, 0.5], spans, [tail(t), tail(t)])
+             for k, t in enumerate((3.5, 0.5, 0.0))]
+    run = run_costs(ranks, 1, split=False)
+    assert run.tail_ms == [1.5, 1.5, 1.0]
+
+
 def test_the_probe_measures_the_engine() -> None:
     got = probe_engine(steps=3)
     for key in ("action_ms", "barrier_ms", "hop_ms", "send_ms", "step_ms", "simulated_ms"):

@@ -21,7 +21,8 @@ of each of the two all-reduces, the mean of the two. Pure Python over the result
 **The run as the simulator's costs** (:func:`run_costs`, :func:`run_pipeline`): per stage and
 micro-batch the run's compute (forward, backward; under ZB-H1 the backward's ``I`` share), the
 work per action (added to each action's duration, as plan.json's ``simulator_costs.action_ms``)
-and the tail (``optimizer_ms + grad_sum_ms + sends_ms`` plus 2 barriers, as ``step_ms``). What
+and the tail (``optimizer_ms + sends_ms``, the tied gradients' all-reduce at what its last
+holder pays, plus 2 barriers, as ``step_ms``). What
 that simulation leaves of the measured step is what hops cost while the cores compute beyond an
 idle ping-pong's ``send_ms``: :func:`fit_hop_ms` finds that extra per hop by bisection (the
 simulator is monotone in ``send_ms``). ``engine.probe`` (:mod:`~onnx_partition.runtime.train.
@@ -154,6 +155,16 @@ def _input_share(results: Sequence[SpanSource]) -> float:
     return spent["I"] / total if total > 0 else 0.5
 
 
+def _tied_ms(ranks: Sequence[RankOverheads], mine: Sequence[Sequence[int]]) -> list[float]:
+    """Per stage, what the all-reduce of tied gradients costs it: the least ``grad_sum_ms``
+    over the ranks that ran one (a collective: the holder arriving last waits for nobody, the
+    others' figures include their wait for it, which the simulator sees as their idle time),
+    0 for a stage whose ranks ran none."""
+    ran = [r.grad_sum_ms for r in ranks if r.grad_sum_ms > 0]
+    least = min(ran, default=0.0)
+    return [least if any(ranks[i].grad_sum_ms > 0 for i in ids) else 0.0 for ids in mine]
+
+
 def run_costs(results: Sequence[SpanSource], microbatches: int, *, split: bool) -> RunCosts:
     """``results`` (every rank of one run) as :class:`RunCosts`: a stage's compute is the sum
     over its replicas of their steady means over ``microbatches`` (all replicas together ran
@@ -178,8 +189,9 @@ def run_costs(results: Sequence[SpanSource], microbatches: int, *, split: bool) 
         forward_ms=fwd, backward_ms=bwd,
         backward_input_ms=[b * s for b, s in zip(bwd, share, strict=True)] if split else None,
         action_ms=[mean(ranks[i].action_ms for i in ids) for ids in mine],
-        tail_ms=[mean(ranks[i].optimizer_ms + ranks[i].grad_sum_ms + ranks[i].sends_ms
-                      for i in ids) for ids in mine],
+        tail_ms=[mean(ranks[i].optimizer_ms + tied + ranks[i].sends_ms
+                      for i in ids) for ids, tied in zip(mine, _tied_ms(ranks, mine),
+                                                         strict=True)],
         replicas=[len(ids) for ids in mine], barrier_ms=barrier_ms(ranks),
         measured_ms=mean(r.step_ms for r in ranks))
 
