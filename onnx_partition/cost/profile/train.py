@@ -26,7 +26,11 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
 4. **Calibration.** The whole program's forward and its backward (from a loss that is the sum
    of its outputs) are timed apart, medians of ``repeats``; the units' forward times are scaled
    to sum to the whole forward and their backward times to the whole backward, which takes in
-   what one op alone cannot show (allocation, autograd's bookkeeping, cache effects).
+   what one op alone cannot show (allocation, autograd's bookkeeping, cache effects). On CPU
+   two factors for a pipeline of processes on one machine go beside them (plan.json's
+   ``compute_scale`` applies them): ``side_by_side`` (:mod:`.side_by_side`) and
+   ``cold_cache``, the whole program from caches evicted before each pass, as a rank's are
+   after its wait for a peer (:mod:`.cold_cache`; at least ``COLD_ROUNDS`` rounds).
 5. **The engine.** The optimizer step (SGD and AdamW) on the program's parameters, and on CPU
    the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine.
    measure_engine`): the costs file's ``engine``, which prices a train plan's per-step work and
@@ -67,6 +71,8 @@ if TYPE_CHECKING:
 __all__ = ["TrainProfile", "executor", "profile_train", "profile_train_to_file"]
 
 Progress = Callable[[int, int], None]
+#: Fewest rounds of the cold-cache factor: a ratio of two medians wanders by 0.1 over 5 rounds.
+COLD_ROUNDS = 20
 
 
 @dataclass(frozen=True)
@@ -455,8 +461,8 @@ def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
 
     backward_times = timer.times(prepared, lambda loss: loss.backward())
     cold = None if device.type != "cpu" else measure_cold_cache(
-        lambda: prepared(), lambda loss: loss.backward(), repeats=timer.repeats,
-        warmup=timer.warmup)
+        lambda: prepared(), lambda loss: loss.backward(),
+        repeats=max(timer.repeats, COLD_ROUNDS), warmup=timer.warmup)
     for a in args:
         if isinstance(a, torch.Tensor):
             a.grad = None
