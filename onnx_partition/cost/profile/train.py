@@ -30,7 +30,8 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
    two factors for a pipeline of processes on one machine go beside them (plan.json's
    ``compute_scale`` applies them): ``side_by_side`` (:mod:`.side_by_side`) and
    ``cold_cache``, the whole program from caches evicted before each pass, as a rank's are
-   after its wait for a peer (:mod:`.cold_cache`; at least ``COLD_ROUNDS`` rounds).
+   after its wait for a peer (:mod:`.cold_cache`; ``COLD_ROUNDS`` rounds at least for a short
+   program).
 5. **The engine.** The optimizer step (SGD and AdamW) on the program's parameters, and on CPU
    the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine.
    measure_engine`): the costs file's ``engine``, which prices a train plan's per-step work and
@@ -71,8 +72,11 @@ if TYPE_CHECKING:
 __all__ = ["TrainProfile", "executor", "profile_train", "profile_train_to_file"]
 
 Progress = Callable[[int, int], None]
-#: Fewest rounds of the cold-cache factor: a ratio of two medians wanders by 0.1 over 5 rounds.
+#: Fewest rounds of the cold-cache factor for a program whose forward and backward take under
+#: COLD_SHORT_MS (inception's ratio of two medians wandered by 0.1 over 5 rounds; a longer
+#: program keeps ``repeats``: it is both steadier and less sensitive, gpt's 1.00-1.02).
 COLD_ROUNDS = 20
+COLD_SHORT_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -462,7 +466,8 @@ def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
     backward_times = timer.times(prepared, lambda loss: loss.backward())
     cold = None if device.type != "cpu" else measure_cold_cache(
         lambda: prepared(), lambda loss: loss.backward(),
-        repeats=max(timer.repeats, COLD_ROUNDS), warmup=timer.warmup)
+        repeats=max(timer.repeats, COLD_ROUNDS) if median(forward_times) + median(
+            backward_times) < COLD_SHORT_MS else timer.repeats, warmup=timer.warmup)
     for a in args:
         if isinstance(a, torch.Tensor):
             a.grad = None
