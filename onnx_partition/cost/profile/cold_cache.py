@@ -18,7 +18,9 @@ The factor is cold over warm (medians), at least 1 (evicting the caches cannot m
 faster). Measured on a 2-core AMD EPYC VM (32 MiB shared L3; ``tools/bench_cold_cache.py``,
 docs/benchmarks.md): inception 1.14 / 1.16 (forward / backward), resnet 1.08 / 1.07, gpt 1.02 /
 1.00 -- the order in which their engine runs stretched past the uncalibrated price; evicting only
-twice the L2 (4 MiB) or idling 3-10 ms without evicting costs 1.00-1.06.
+4 MiB (four L2s) or idling 3-10 ms without evicting costs 1.00-1.06. The factor depends on the
+machine's moment: inception's measured 1.02-1.17 over one half hour (when the host's cache is
+already under pressure from outside, warm is cold too).
 """
 
 from __future__ import annotations
