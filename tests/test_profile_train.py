@@ -85,10 +85,14 @@ def test_a_train_costs_file_prices_a_train_plan(mlp: Path, costs: Path,
     per_stage = [(s.predicted.forward_ms, s.predicted.backward_ms) for s in plan.stages
                  if s.predicted]
     # two stages, two processes on this machine: priced as the profile measured them side by
-    # side (settings.side_by_side; alone on a 1-CPU machine, which measures none)
+    # side (settings.side_by_side; none on a 1-CPU machine) and from cold caches
+    # (settings.cold_cache, measured on every CPU)
     side = body["settings"]["side_by_side"]
-    scale = plan.extra.get("compute_scale") or {"forward": 1.0, "backward": 1.0}
-    assert ("skipped" in side) == ("compute_scale" not in plan.extra)
+    cold = body["settings"]["cold_cache"]
+    scale = plan.extra["compute_scale"]
+    for key in ("forward", "backward"):
+        assert scale[key] == pytest.approx(
+            cold[key] * (1.0 if "skipped" in side else side[key]), rel=1e-9)
     assert sum(f for f, _ in per_stage) == pytest.approx(
         body["settings"]["whole_forward_ms"] * scale["forward"], rel=1e-3, abs=1e-5)
     assert sum(b for _, b in per_stage) == pytest.approx(

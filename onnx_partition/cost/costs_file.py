@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -209,26 +210,37 @@ def rescale(node_costs: NodeCosts, graph: OpGraph, given: Sequence[str],
 
 def compute_scale(costs: CostsLike, processes: int) -> dict[str, Any] | None:
     """How much a train costs file's compute times grow when ``processes`` training processes
-    share one CPU machine: its settings' ``side_by_side`` factors (``profile --mode train``,
-    :mod:`onnx_partition.cost.profile.side_by_side`) as ``{"forward": x, "backward": y,
-    "why": ...}``; None (priced as measured, alone) for one process, a CUDA file, or a file that
-    did not measure them. A factor that is not a positive number is a PartitionError."""
+    share one CPU machine: the product of its settings' ``side_by_side`` factors (beside a
+    second process: :mod:`onnx_partition.cost.profile.side_by_side`) and ``cold_cache`` factors
+    (each action starting from caches the other processes replaced while it waited:
+    :mod:`onnx_partition.cost.profile.cold_cache`), each where measured, as ``{"forward": x,
+    "backward": y, "parts": {name: factors}, "why": ...}``; None (priced
+    as measured, alone) for one process, a CUDA file, or a file that measured neither. A factor
+    that is not a positive number is a PartitionError."""
     costs = load_costs(costs)
     settings = costs.body.get("settings")
-    side = settings.get("side_by_side") if isinstance(settings, dict) else None
-    if processes < 2 or not isinstance(side, dict) or "skipped" in side \
-            or str(costs.device or "cpu") != "cpu":
+    if processes < 2 or not isinstance(settings, dict) or str(costs.device or "cpu") != "cpu":
         return None
-    factors: dict[str, float] = {}
-    for key in ("forward", "backward"):
-        value = side.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
-                or value == float("inf"):
-            raise PartitionError(f"costs file {costs.path}: settings.side_by_side.{key} must "
-                                 f"be a positive number, got {value!r}")
-        factors[key] = float(value)
-    return {**factors,
+    parts: dict[str, dict[str, float]] = {}
+    for name in ("side_by_side", "cold_cache"):
+        part = settings.get(name)
+        if not isinstance(part, dict) or "skipped" in part:
+            continue
+        parts[name] = {}
+        for key in ("forward", "backward"):
+            value = part.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+                    or value == float("inf"):
+                raise PartitionError(f"costs file {costs.path}: settings.{name}.{key} must "
+                                     f"be a positive number, got {value!r}")
+            parts[name][key] = float(value)
+    if not parts:
+        return None
+    factors = {key: math.prod(p[key] for p in parts.values()) for key in ("forward", "backward")}
+    what = {"side_by_side": "beside a second process", "cold_cache": "from cold caches"}
+    return {**factors, "parts": parts,
             "why": f"{processes} training processes share one CPU machine: the compute times "
-                   "the profile measured alone, scaled by what they measured beside a second "
-                   "process (the costs file's settings.side_by_side)"}
+                   "the profile measured alone, scaled by what they measured "
+                   + " and ".join(what[n] for n in parts) + " (the costs file's "
+                   + " and ".join(f"settings.{n}" for n in parts) + ")"}
 

@@ -260,7 +260,7 @@ class PlanSchema(BaseModel):
     allreduce_ms: list[Ms] | None = None
     simulator_costs: Anything | None = None  # checked by pipeline.from_plan
     engine_costs: Anything | None = None  # train: how step_ms and send_ms were priced
-    compute_scale: Anything | None = None  # train, CPU: profiled compute x side_by_side
+    compute_scale: Anything | None = None  # train, CPU: side_by_side x cold_cache
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> PlanSchema:

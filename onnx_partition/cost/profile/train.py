@@ -26,7 +26,12 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
 4. **Calibration.** The whole program's forward and its backward (from a loss that is the sum
    of its outputs) are timed apart, medians of ``repeats``; the units' forward times are scaled
    to sum to the whole forward and their backward times to the whole backward, which takes in
-   what one op alone cannot show (allocation, autograd's bookkeeping, cache effects).
+   what one op alone cannot show (allocation, autograd's bookkeeping, cache effects). On CPU
+   two factors for a pipeline of processes on one machine go beside them (plan.json's
+   ``compute_scale`` applies them): ``side_by_side`` (:mod:`.side_by_side`) and
+   ``cold_cache``, the whole program from caches evicted before each pass, as a rank's are
+   after its wait for a peer (:mod:`.cold_cache`; ``COLD_ROUNDS`` rounds at least for a short
+   program).
 5. **The engine.** The optimizer step (SGD and AdamW) on the program's parameters, and on CPU
    the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine.
    measure_engine`): the costs file's ``engine``, which prices a train plan's per-step work and
@@ -53,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.costs_file import provenance
 from onnx_partition.cost.engine import measure_engine
+from onnx_partition.cost.profile.cold_cache import measure_cold_cache
 from onnx_partition.cost.profile.side_by_side import measure_side_by_side
 from onnx_partition.cost.saved import HALF_DTYPES, check_precision, program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
@@ -66,6 +72,11 @@ if TYPE_CHECKING:
 __all__ = ["TrainProfile", "executor", "profile_train", "profile_train_to_file"]
 
 Progress = Callable[[int, int], None]
+#: Fewest rounds of the cold-cache factor for a program whose forward and backward take under
+#: COLD_SHORT_MS (inception's ratio of two medians wandered by 0.1 over 5 rounds; a longer
+#: program keeps ``repeats``: it is both steadier and less sensitive, gpt's 1.00-1.02).
+COLD_ROUNDS = 20
+COLD_SHORT_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +152,8 @@ def profile_train(
 
             floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0),
                              {}, timer)[:2]
-            whole_fwd, whole_bwd, side = _time_whole(program, inputs, target, timer, threads)
+            whole_fwd, whole_bwd, side, cold = _time_whole(program, inputs, target, timer,
+                                                           threads)
         sig = program.graph_signature
         params = [program.state_dict[n].to(target) for n in sig.parameters
                   if n in program.state_dict]
@@ -177,6 +189,7 @@ def profile_train(
         "forward_scale": fscale, "backward_scale": bscale,
         "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
         **({"side_by_side": side} if side is not None else {}),
+        **({"cold_cache": cold} if cold is not None else {}),
         "calibration": "shortest unit time scaled so forward and backward each sum to the "
                        "median whole-program forward and backward"}
     return TrainProfile({k: round(v, 6) for k, v in fwd.items()},
@@ -424,10 +437,12 @@ def _time_op(target: Any, args: Any, kwargs: Any, timer: _Timer,
 
 def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
                 device: torch.device, timer: _Timer, threads: int = 1
-                ) -> tuple[float, float, dict[str, Any] | None]:
+                ) -> tuple[float, float, dict[str, Any] | None, dict[str, Any] | None]:
     """Median ms of the whole program's forward and of its backward (loss: sum of outputs),
     and on CPU how much slower both are beside a second training process
-    (:func:`~onnx_partition.cost.profile.side_by_side.measure_side_by_side`; None on CUDA)."""
+    (:func:`~onnx_partition.cost.profile.side_by_side.measure_side_by_side`) and from cold
+    caches (:func:`~onnx_partition.cost.profile.cold_cache.measure_cold_cache`); None, None
+    on CUDA."""
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -449,9 +464,13 @@ def _time_whole(program: ExportedProgram, inputs: Sequence[torch.Tensor],
         return sum((o.float().sum() for o in outs), torch.zeros((), device=device))
 
     backward_times = timer.times(prepared, lambda loss: loss.backward())
+    cold = None if device.type != "cpu" else measure_cold_cache(
+        lambda: prepared(), lambda loss: loss.backward(),
+        repeats=max(timer.repeats, COLD_ROUNDS) if median(forward_times) + median(
+            backward_times) < COLD_SHORT_MS else timer.repeats, warmup=timer.warmup)
     for a in args:
         if isinstance(a, torch.Tensor):
             a.grad = None
     side = None if device.type != "cpu" else measure_side_by_side(
         program, args, repeats=timer.repeats, warmup=timer.warmup, threads=threads)
-    return median(forward_times), median(backward_times), side
+    return median(forward_times), median(backward_times), side, cold
