@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 __all__ = ["RUN_STEPS", "TrainTimes", "measure_train_engine", "measure_train_plan",
            "measure_train_run"]
 
-#: Steps of the engine run (:func:`measure_train_run`), the first left out.
-RUN_STEPS = 4
+#: Steps of the engine run (:func:`measure_train_run`), the first left out: 7 steady steps, as
+#: the mean of 3 moved by up to 17% between two runs of one plan minutes apart on the 2-core VM
+#: (hf-gpt2: 71.0 against 58.9 ms, docs/benchmarks.md); a step of a small model is tens of ms.
+RUN_STEPS = 8
 
 TrainTimes = dict[str, list[float]]  # alone/together forward_ms and backward_ms per stage
 
