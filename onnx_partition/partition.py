@@ -29,7 +29,9 @@ from onnx_partition.cost.costs_file import (
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, for_precision, measured_cpu
 from onnx_partition.cost.engine import (
+    EngineTerms,
     action_call_ms,
+    engine_terms,
     price_engine,
     split_call_ms,
     split_ms,
@@ -430,7 +432,10 @@ def partition(
                                      kinds=kinds, trainable=trainable,
                                      exact_budget_s=exact_budget_s,
                                      split_call_ms=split_call_ms(costs),
-                                     action_ms=action_call_ms(costs, device))
+                                     action_ms=action_call_ms(costs, device),
+                                     engine=engine_terms(costs, device,
+                                                         TRAIN_ASSUMPTIONS["optimizer"])
+                                     if mode == "train" else None)
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
@@ -765,6 +770,7 @@ def plan_on_cluster(
     exact_budget_s: float = EXACT_BUDGET_S,
     split_call_ms: float = 0.0,
     action_ms: float = 0.0,
+    engine: EngineTerms | None = None,
 ) -> tuple[Plan, list[StageCut]]:
     """Hybrid-parallel plan on ``cluster``: the fastest simulated plan of the hybrid DP
     (``activation_bytes``: a train plan's saved bytes per OpGraph node, see
@@ -780,10 +786,14 @@ def plan_on_cluster(
     plan.json's ``exact`` says what is proven of the hybrid DP's objective within
     ``exact_budget_s`` deterministic seconds
     (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`). The planner does not price
-    ZB-H1's split backward (``split_call_ms`` per weight group) nor the engine's work per action
-    (``action_ms``, as it prices no engine term): a ZB-H1 plan is run under 1F1B where that is
-    faster on its split with them (as :func:`plan_stages` chooses; 1F1B holds no more
-    micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
+    ZB-H1's split backward (``split_call_ms`` per weight group): a ZB-H1 plan is run under 1F1B
+    where that is faster on its split with it and ``action_ms`` per action (as
+    :func:`plan_stages` chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where
+    ZB-H1 did). A train plan on a cluster of one kind is chosen among its candidates with
+    ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step,
+    accumulation and work per action, the work per hop), the terms
+    :func:`~onnx_partition.cost.engine.price_engine` prices its final figure with but the tied
+    parameters' all-reduce and ZB-H1's split; a fleet's candidates are scored without them."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
     link = cluster.intra
@@ -825,7 +835,7 @@ def plan_on_cluster(
         best, per_ordering, run = _plan_per_schedule(
             problem, arrays, cluster, num_stages=num_stages, microbatches=microbatches,
             schedules=schedules if mode == "train" else ("infer",), recompute=recompute,
-            train=mode == "train", reporter=reporter)
+            train=mode == "train", reporter=reporter, engine=engine)
         proof = prove_hybrid(problem, arrays, run, best, num_stages=num_stages,
                              budget_s=exact_budget_s)
     compute = [s.forward_ms + s.backward_ms for s in best.costs.stages]
@@ -900,7 +910,7 @@ def plan_on_cluster(
 def _plan_per_schedule(
     problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
     microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
-    reporter: Reporter,
+    reporter: Reporter, engine: EngineTerms | None = None,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
@@ -919,7 +929,7 @@ def _plan_per_schedule(
         run = RunSpec(cluster, train=train, microbatches=microbatches,
                       max_stages=max(16, num_stages or 0),
                       train_schedule=name if train else "1f1b",
-                      recompute=recompute if train else "none")
+                      recompute=recompute if train else "none", engine=engine)
         try:
             if proposals is None and len(schedules) > 1:
                 proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)

@@ -60,6 +60,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -79,10 +80,12 @@ __all__ = [
     "BYTES_PER_PARAMETER",
     "HOP_SIZES",
     "SPLIT_CALL_MS",
+    "EngineTerms",
     "action_call_ms",
     "action_ms",
     "analytic_accumulate_ms",
     "analytic_step_ms",
+    "engine_terms",
     "fit_link",
     "hop_ms",
     "measure_engine",
@@ -451,6 +454,76 @@ def measure_engine(params: Sequence[torch.Tensor], *, repeats: int = 5,
     return body
 
 
+@dataclass(frozen=True)
+class EngineTerms:
+    """The engine work :func:`price_engine` writes into a train plan, as plain numbers a planner
+    prices candidate plans with before any plan is written (:func:`engine_terms`): each stage's
+    ``step_ms`` and ``accumulate_ms`` are linear in its parameter bytes, ``action_ms`` is per
+    action and ``hop_ms`` (the probe's) is added to every hop. ``said``: how each was priced,
+    plan.json's ``engine_costs``."""
+
+    step_per_byte: float  # ms of the optimizer step per parameter byte
+    step_fixed_ms: float  # ms of the step's barriers
+    accumulate_per_byte: float  # ms of a micro-batch's gradient accumulation per byte
+    action_ms: float
+    hop_ms: float
+    said: Mapping[str, str]
+
+    def step_ms(self, weights_bytes: Sequence[float]) -> list[float]:
+        """Each stage's per-step work: its optimizer step and the barriers."""
+        return [w * self.step_per_byte + self.step_fixed_ms for w in weights_bytes]
+
+    def accumulate_ms(self, weights_bytes: Sequence[float]) -> list[float]:
+        """Each stage's gradient accumulation per micro-batch (but a replica's first)."""
+        return [w * self.accumulate_per_byte for w in weights_bytes]
+
+
+def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: str, *,
+                 barrier_ms: float = 0.02) -> EngineTerms:
+    """The engine's terms for a train plan priced by ``costs`` on ``device`` with ``optimizer``
+    (unknown: ``adamw``): the step measured (:func:`measured_step_ms`) where the costs file's
+    ``engine`` timed the optimizer, else analytic (:func:`analytic_step_ms`, barriers of
+    ``barrier_ms``: the link's latency) on ``device``'s memory bandwidth (none: the default GPU's
+    for a costs file measured on CUDA, else the CPU default); accumulation likewise;
+    :func:`action_ms`; the probe's ``hop_ms`` (0 without a probe). Both step functions are linear
+    in bytes, so they are read at 0 and 1 byte."""
+    from onnx_partition.cost.analytic import DeviceSpec
+    from onnx_partition.cost.devices import device_for
+
+    engine = costs.body.get("engine") if costs is not None else None
+    if device is None and costs is not None and (costs.device or "").startswith("cuda"):
+        device = device_for("cuda")
+    probe = probe_of(engine)
+    per_action, action_how = action_ms(engine, cuda=on_cuda(costs, device))
+    optimizer = optimizer if optimizer in BYTES_PER_PARAMETER else "adamw"
+    spec = device or DeviceSpec.cpu()
+    step = measured_step_ms([0.0, 1.0], optimizer, engine) if engine else None
+    if step is not None:
+        how = (f"measured: {optimizer} step on the program's parameters (profile --mode "
+               "train), per stage by parameter bytes, + "
+               f"{BARRIERS_PER_STEP} "
+               + ("barriers as train meets them (the probe)"
+                  if _number(probe, "barrier_ms") is not None else "two-process barriers"))
+    else:
+        step = analytic_step_ms([0.0, 1.0], optimizer, spec.mem_gbps, barrier_ms)
+        how = (f"analytic: {BYTES_PER_PARAMETER[optimizer]:g} B per parameter ({optimizer}) at "
+               f"{spec.mem_gbps:g} GB/s ({spec.name}) + {BARRIERS_PER_STEP} barriers at the "
+               f"link's latency {barrier_ms:g} ms")
+    said = {"step_ms": how}
+    if engine and engine.get("accumulate_ms") is not None:
+        accumulate = shared_out(float(engine["accumulate_ms"]), [1.0],
+                                float(engine.get("parameter_bytes") or 0.0))[0]
+        said["accumulate_ms"] = ("measured: in-place gradient adds over the program's "
+                                 "parameters, per stage by parameter bytes")
+    else:
+        accumulate = analytic_accumulate_ms([1.0], spec.mem_gbps)[0]
+        said["accumulate_ms"] = (f"analytic: {ACCUMULATE_BYTES:g} B per parameter at "
+                                 f"{spec.mem_gbps:g} GB/s ({spec.name})")
+    said["action_ms"] = action_how
+    hop = _number(probe, "hop_ms")
+    return EngineTerms(step[1] - step[0], step[0], accumulate, per_action, hop or 0.0, said)
+
+
 def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, float],
                trainable: Collection[str] | None) -> list[float]:
     """Per stage, the bytes of its trainable parameters that another stage also holds (a tied
@@ -487,37 +560,17 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     Inference plans are left alone."""
     if plan.mode != "train":
         return
-    from onnx_partition.cost.analytic import DeviceSpec
-    from onnx_partition.cost.devices import device_for
     from onnx_partition.plan.contracts import Link
 
     engine = costs.body.get("engine") if costs is not None else None
-    if device is None and costs is not None and (costs.device or "").startswith("cuda"):
-        device = device_for("cuda")
-    probe = probe_of(engine)
-    per_action, action_how = action_ms(engine, cuda=on_cuda(costs, device))
-
     sim = plan.extra.setdefault("simulator_costs", {})
-    optimizer = str(plan.extra.get("optimizer") or "adamw")
-    optimizer = optimizer if optimizer in BYTES_PER_PARAMETER else "adamw"
+    link = plan.extra.get("link") or {}
+    terms = engine_terms(costs, device, str(plan.extra.get("optimizer") or "adamw"),
+                         barrier_ms=float(link.get("latency_ms", 0.02)) if link else 0.02)
     weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
                for s in plan.stages]
-    step = measured_step_ms(weights, optimizer, engine) if engine else None
-    device = device or DeviceSpec.cpu()
-    link = plan.extra.get("link") or {}
-    if step is not None:
-        how = (f"measured: {optimizer} step on the program's parameters (profile --mode "
-               "train), per stage by parameter bytes, + "
-               f"{BARRIERS_PER_STEP} "
-               + ("barriers as train meets them (the probe)"
-                  if _number(probe, "barrier_ms") is not None else "two-process barriers"))
-    else:
-        spec = device
-        barrier = float(link.get("latency_ms", 0.02)) if link else 0.02
-        step = analytic_step_ms(weights, optimizer, spec.mem_gbps, barrier)
-        how = (f"analytic: {BYTES_PER_PARAMETER[optimizer]:g} B per parameter ({optimizer}) at "
-               f"{spec.mem_gbps:g} GB/s ({spec.name}) + {BARRIERS_PER_STEP} barriers at the "
-               f"link's latency {barrier:g} ms")
+    step = terms.step_ms(weights)
+    said: dict[str, Any] = dict(terms.said)
     fitted = (engine or {}).get("link")
     if tied and any(tied):
         bw = float(link.get("bandwidth_gbps", Link().bandwidth_gbps))
@@ -525,19 +578,9 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
         step = [t + (0.0 if not b else hop_ms(b, fitted["sizes"], fitted["one_way_ms"])
                      if fitted else lat + (b / (bw * 1e6) if bw > 0 else 0.0))
                 for t, b in zip(step, tied, strict=True)]
-        how += "; + one hop of the parameters tied across stages (their all-reduce)"
+        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
     sim["step_ms"] = [round(x, 6) for x in step]
-    said: dict[str, Any] = {"step_ms": how}
-    if engine and engine.get("accumulate_ms") is not None:
-        accumulate = shared_out(float(engine["accumulate_ms"]), weights,
-                                float(engine.get("parameter_bytes") or 0.0))
-        said["accumulate_ms"] = ("measured: in-place gradient adds over the program's "
-                                 "parameters, per stage by parameter bytes")
-    else:
-        accumulate = analytic_accumulate_ms(weights, device.mem_gbps)
-        said["accumulate_ms"] = (f"analytic: {ACCUMULATE_BYTES:g} B per parameter at "
-                                 f"{device.mem_gbps:g} GB/s ({device.name})")
-    sim["accumulate_ms"] = [round(x, 6) for x in accumulate]
+    sim["accumulate_ms"] = [round(x, 6) for x in terms.accumulate_ms(weights)]
     hop_bytes = sim.get("hop_bytes")
     if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(plan.stages) - 1:
         sizes, times = fitted["sizes"], fitted["one_way_ms"]
@@ -547,10 +590,9 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                            "linear in the hop's bytes")
     else:
         said["send_ms"] = "the plan's link model"
-    hop = _number(probe, "hop_ms")
-    if hop is not None and isinstance(sim.get("send_ms"), list):
-        sim["send_ms"] = [round(float(x) + hop, 6) for x in sim["send_ms"]]
-        said["send_ms"] += f", + {hop:g} ms of the engine's work per hop (the probe)"
+    if _number(probe_of(engine), "hop_ms") is not None and isinstance(sim.get("send_ms"), list):
+        sim["send_ms"] = [round(float(x) + terms.hop_ms, 6) for x in sim["send_ms"]]
+        said["send_ms"] += f", + {terms.hop_ms:g} ms of the engine's work per hop (the probe)"
     if plan.extra.get("schedule") == "zb-h1" and tensors is not None \
             and len(tensors) == len(plan.stages):
         call = (engine or {}).get("split_call_ms")
@@ -560,6 +602,5 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                             + f"{per_group:g} ms per weight group (half the stage's trainable "
                             "tensors), the split backward's walk and autograd calls"
                             + (" (profile --mode train)" if call is not None else ""))
-    sim["action_ms"] = [round(per_action, 6)] * len(plan.stages)
-    said["action_ms"] = action_how
+    sim["action_ms"] = [round(terms.action_ms, 6)] * len(plan.stages)
     plan.extra["engine_costs"] = said

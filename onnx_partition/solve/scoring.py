@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +35,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCost
 from onnx_partition.solve.problem import DagProblem
 
 if TYPE_CHECKING:
+    from onnx_partition.cost.engine import EngineTerms
     from onnx_partition.solve.order.blocks import Blocks
 
 __all__ = ["LAST", "HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
@@ -123,6 +124,9 @@ class RunSpec:
     max_stages: int = 16
     train_schedule: str = "1f1b"  # a planned schedule (schedules.PLANNED_NAMES)
     recompute: str = "none"  # which stages recompute (pipeline.memory.RECOMPUTE_MODES)
+    #: the engine's work a train plan is priced with after (cost.engine.price_engine): its
+    #: step, accumulation and work per action per stage, its extra per hop; None: not priced
+    engine: EngineTerms | None = None
 
     @property
     def schedule(self) -> str:
@@ -250,6 +254,10 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                              memory_bytes=cluster.memory_bytes, mode=run.recompute,
                              optimizer_factor=run.optimizer_factor)
+    engine = run.engine if run.train else None
+    weighed = [float(x) for x in (totals.param_bytes if weights is None else weights)]
+    step = engine.step_ms(weighed) if engine else [0.0] * num_stages
+    accumulate = engine.accumulate_ms(weighed) if engine else [0.0] * num_stages
     stages = []
     for k, r in enumerate(replicas):
         allreduce = (ring_allreduce_ms(float(totals.param_bytes[k]), r, groups[k].bytes_per_ms,
@@ -261,7 +269,9 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
             float(totals.forward_ms[k]) / cluster.speed, backward, r, allreduce,
             stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
-            backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received))
+            backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received,
+            step_ms=step[k], accumulate_ms=accumulate[k],
+            action_ms=engine.action_ms if engine else 0.0))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags)
     return PipelineCosts(stages, send), memory
@@ -286,7 +296,12 @@ def score(
 
 def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineCosts,
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
-    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
+    """Simulate ``costs`` under the run's schedule, each hop with the engine's work per hop
+    where a train run prices it (:attr:`RunSpec.engine`; ``costs`` keep the link's sends, as
+    plan.json states them before :func:`~onnx_partition.cost.engine.price_engine` adds it)."""
+    hop = run.engine.hop_ms if run.train and run.engine else 0.0
+    played = replace(costs, send_ms=[s + hop for s in costs.send_ms]) if hop else costs
+    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
 
