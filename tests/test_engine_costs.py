@@ -275,3 +275,30 @@ def test_measure_engine_keeps_the_split_timers_figure() -> None:
     assert "split_call_ms" not in measure_engine(params, repeats=1, hops=False)
     got = split_call_ms(layers=2, repeats=2)
     assert got >= 0.0 and got == got  # a figure, never negative (no timing asserted)
+
+
+def test_a_hybrid_train_plan_is_chosen_by_its_final_figure(mlp: Path, tmp_path: Path) -> None:
+    """On a cluster, with a costs file whose probe prices the engine's work per action and per
+    hop (1F1B only, no tied weights): the iteration the planner chose the plan by is the one
+    it prints, simulated from plan.json after ``price_engine``."""
+    from onnx_partition.cost.cluster import Cluster
+
+    plan = partition(mlp, 2, tmp_path / "plain", mode="train", check=False, batch_size=2)
+    nodes = {key: {"forward_ms": 0.1, "backward_ms": 0.2}
+             for stage in plan.stages for key in stage.nodes}
+    engine = {"parameter_bytes": 1000, "optimizer_ms": {"adamw": 2.0, "sgd": 1.0},
+              "accumulate_ms": 0.5, "barrier_ms": 0.25,
+              "link": {"latency_ms": 0.5, "bandwidth_gbps": 1.0, "sizes": [1, 1_000_001],
+                       "one_way_ms": [0.5, 1.5]},
+              "probe": {"action_ms": 0.3, "barrier_ms": 0.25, "hop_ms": 2.0}}
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms", "mode": "train",
+                                 "device": "cpu", "engine": engine, "nodes": nodes}))
+    for stages in (None, 2):
+        hybrid = partition(mlp, stages, tmp_path / f"hybrid{stages}", mode="train",
+                           check=False, batch_size=2, costs=costs, schedule="1f1b",
+                           cluster=Cluster(1, 2, memory_gb=80.0, kind="cpu"))
+        assert len(hybrid.stages) == (stages or len(hybrid.stages))
+        chosen = min(v["iteration_ms"] for v in hybrid.extra["orderings"].values()
+                     if "iteration_ms" in v)
+        assert chosen == pytest.approx(hybrid.predicted["iteration_ms"], abs=1e-5)
