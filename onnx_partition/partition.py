@@ -220,7 +220,10 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
     every stage with a holder; a graph output that is an initializer, or a constant made from
     some, the last stage file holds: those initializers are ``shared`` with the holder
     :data:`~onnx_partition.solve.scoring.LAST`; ``input_bytes`` the graph inputs some node
-    reads or the outputs name, which stage 0 receives (:func:`stage_sizes`)."""
+    reads or the outputs name, which stage 0 receives (:func:`stage_sizes`);
+    ``trainable_tensors`` the trainable initializers each unit alone holds and ``ties_train``
+    whether ``trainable`` is known (what :func:`trainable_tensors` and
+    :func:`~onnx_partition.cost.engine.tied_bytes` count per stage)."""
     producer = graph.producer_of()
     copied: dict[int, frozenset[str]] = {}  # a free node's and those of the free ones it reads
     for node in graph.nodes:  # topological order: a producer before its readers
@@ -248,6 +251,7 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
             if LAST not in holders.setdefault(init, []):
                 holders[init].append(LAST)
     weights, trained = [0.0] * len(members), [0.0] * len(members)
+    tensors = [0] * len(members)
     shared: list[tuple[float, float, tuple[int, ...]]] = []
     for name in sorted(holders):
         units = holders[name]
@@ -256,13 +260,15 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
         if len(units) == 1 and units[0] != LAST:
             weights[units[0]] += nbytes
             trained[units[0]] += train_bytes
+            tensors[units[0]] += trainable is None or name in trainable
         else:
             shared.append((nbytes, train_bytes, tuple(units)))
     outputs = set(graph.outputs)
     inputs = float(sum(graph.tensors[t].nbytes for t in graph.inputs if t in graph.tensors
                        and (graph.tensors[t].consumers or t in outputs)))
     return {"weight_bytes": weights, "trainable_bytes": trained, "shared": shared,
-            "input_bytes": inputs}
+            "input_bytes": inputs, "trainable_tensors": tensors,
+            "ties_train": trainable is not None}
 
 
 def grad_input_ms(graph: OpGraph, node_costs: NodeCosts,
@@ -786,14 +792,14 @@ def plan_on_cluster(
     plan.json's ``exact`` says what is proven of the hybrid DP's objective within
     ``exact_budget_s`` deterministic seconds
     (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`). The planner does not price
-    ZB-H1's split backward (``split_call_ms`` per weight group): a ZB-H1 plan is run under 1F1B
-    where that is faster on its split with it and ``action_ms`` per action (as
-    :func:`plan_stages` chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where
-    ZB-H1 did). A train plan on a cluster of one kind is chosen among its candidates with
-    ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step,
-    accumulation and work per action, the work per hop), the terms
-    :func:`~onnx_partition.cost.engine.price_engine` prices its final figure with but the tied
-    parameters' all-reduce and ZB-H1's split; a fleet's candidates are scored without them."""
+    A train plan on a cluster of one kind is chosen among its candidates (and schedules) with
+    ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
+    tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
+    work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
+    figure with. Without ``engine`` (and on a fleet, whose candidates are scored without
+    them) a ZB-H1 plan is run under 1F1B where that is faster on its split with
+    ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
+    chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
     link = cluster.intra
@@ -891,6 +897,7 @@ def plan_on_cluster(
                      schedules=(("zb-h1", "1f1b") if run.schedule == "zb-h1"
                                 and "1f1b" in schedules
                                 and (split_call_ms > 0 or action_ms > 0)
+                                and run.engine is None  # else the planner weighed both
                                 else (run.schedule,)),
                      recomputed=recomputed, split_call_ms=split_call_ms, action_ms=action_ms,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])

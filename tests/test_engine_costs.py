@@ -279,8 +279,8 @@ def test_measure_engine_keeps_the_split_timers_figure() -> None:
 
 def test_a_hybrid_train_plan_is_chosen_by_its_final_figure(mlp: Path, tmp_path: Path) -> None:
     """On a cluster, with a costs file whose probe prices the engine's work per action and per
-    hop (1F1B only, no tied weights): the iteration the planner chose the plan by is the one
-    it prints, simulated from plan.json after ``price_engine``."""
+    hop, 1F1B or the schedule chosen (ZB-H1 with its split backward): the iteration the planner
+    chose the plan by is the one it prints, simulated from plan.json after ``price_engine``."""
     from onnx_partition.cost.cluster import Cluster
 
     plan = partition(mlp, 2, tmp_path / "plain", mode="train", check=False, batch_size=2)
@@ -294,9 +294,9 @@ def test_a_hybrid_train_plan_is_chosen_by_its_final_figure(mlp: Path, tmp_path: 
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms", "mode": "train",
                                  "device": "cpu", "engine": engine, "nodes": nodes}))
-    for stages in (None, 2):
-        hybrid = partition(mlp, stages, tmp_path / f"hybrid{stages}", mode="train",
-                           check=False, batch_size=2, costs=costs, schedule="1f1b",
+    for stages, schedule in ((None, "1f1b"), (2, "1f1b"), (2, "auto")):
+        hybrid = partition(mlp, stages, tmp_path / f"hybrid{stages}{schedule}", mode="train",
+                           check=False, batch_size=2, costs=costs, schedule=schedule,
                            cluster=Cluster(1, 2, memory_gb=80.0, kind="cpu"))
         assert len(hybrid.stages) == (stages or len(hybrid.stages))
         chosen = min(v["iteration_ms"] for v in hybrid.extra["orderings"].values()

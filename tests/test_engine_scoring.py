@@ -90,3 +90,30 @@ def test_the_terms_are_a_costs_files_engine_as_price_engine_reads_it(tmp_path: P
     assert (terms.action_ms, terms.hop_ms) == (0.3, 2.0)
     sgd = engine_terms(load_costs(path), None, "sgd")
     assert sgd.step_ms([1000.0]) == pytest.approx([1.0 + BARRIERS_PER_STEP * 0.75])
+
+
+def test_tied_parameters_and_the_split_backward_are_priced_per_stage() -> None:
+    """Three nodes holding 1, 2 and 3 trainable tensors of their own and one 1 MB tied
+    parameter read by nodes 0 and 2: cut after node 1, each stage holds the tied one (tied
+    bytes 1e6 each: one hop of 0.5 + 1 ms on a 1 GB/s, 0.5 ms link) and 4 trainable tensors
+    (2 weight groups, 0.25 ms each under ZB-H1; none for stage 0, whose I is empty); cut
+    nowhere, nothing is tied."""
+    problem, arrays = chain([1.0, 1.0, 1.0], nbytes=0.0)
+    arrays = dataclasses.replace(arrays, weight_bytes=[0.0] * 3, trainable_bytes=[0.0] * 3,
+                                 shared=[(1e6, 1e6, (0, 2))], trainable_tensors=[1, 2, 3],
+                                 ties_train=True)
+    tied, tensors = arrays.stage_engine([0, 0, 1], 2)
+    assert (list(tied), list(tensors)) == ([1e6, 1e6], [4.0, 4.0])
+    tied, tensors = arrays.stage_engine([0, 0, 0], 1)
+    assert (list(tied), list(tensors)) == ([0.0], [7.0])
+    terms = EngineTerms(0.0, 0.0, 0.0, 0.0, 0.0, {}, split_call_ms=0.25,
+                        link_latency_ms=0.5, link_gbps=1.0)
+    run = dataclasses.replace(RUN, engine=terms, train_schedule="zb-h1")
+    costs = score(problem, arrays, [0, 0, 1], [1, 1], run, "pp").costs
+    assert [s.step_ms for s in costs.stages] == [1.5, 1.5]
+    assert [s.split_ms for s in costs.stages] == [0.0, 0.5]
+    costs = score(problem, arrays, [0, 0, 1], [1, 1],
+                  dataclasses.replace(run, train_schedule="1f1b"), "pp").costs
+    assert [s.split_ms for s in costs.stages] == [0.0, 0.0]
+    untied = dataclasses.replace(arrays, ties_train=False)  # no program: nothing trains
+    assert list(untied.stage_engine([0, 0, 1], 2)[0]) == [0.0, 0.0]

@@ -468,6 +468,24 @@ class EngineTerms:
     action_ms: float
     hop_ms: float
     said: Mapping[str, str]
+    #: ZB-H1's split backward per weight group (:func:`split_ms`)
+    split_call_ms: float = SPLIT_CALL_MS
+    #: a hop of tied parameters' all-reduce: the measured ping-pong (sizes, one-way ms) where
+    #: fitted, else the link's latency and bandwidth
+    link_sizes: tuple[float, ...] = ()
+    link_one_way_ms: tuple[float, ...] = ()
+    link_latency_ms: float = 0.0
+    link_gbps: float = 0.0
+
+    def tied_ms(self, nbytes: float) -> float:
+        """One hop of ``nbytes`` tied parameters (their all-reduce, added to the step of each
+        stage holding them): :func:`hop_ms` of the measured link, else the link model."""
+        if not nbytes:
+            return 0.0
+        if self.link_sizes:
+            return hop_ms(nbytes, self.link_sizes, self.link_one_way_ms)
+        return self.link_latency_ms + (nbytes / (self.link_gbps * 1e6)
+                                       if self.link_gbps > 0 else 0.0)
 
     def step_ms(self, weights_bytes: Sequence[float]) -> list[float]:
         """Each stage's per-step work: its optimizer step and the barriers."""
@@ -479,16 +497,22 @@ class EngineTerms:
 
 
 def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: str, *,
-                 barrier_ms: float = 0.02) -> EngineTerms:
+                 link: Mapping[str, Any] | None = None) -> EngineTerms:
     """The engine's terms for a train plan priced by ``costs`` on ``device`` with ``optimizer``
     (unknown: ``adamw``): the step measured (:func:`measured_step_ms`) where the costs file's
     ``engine`` timed the optimizer, else analytic (:func:`analytic_step_ms`, barriers of
-    ``barrier_ms``: the link's latency) on ``device``'s memory bandwidth (none: the default GPU's
-    for a costs file measured on CUDA, else the CPU default); accumulation likewise;
-    :func:`action_ms`; the probe's ``hop_ms`` (0 without a probe). Both step functions are linear
-    in bytes, so they are read at 0 and 1 byte."""
+    ``link``'s latency, plan.json's ``link``; none: 0.02 ms) on ``device``'s memory bandwidth
+    (none: the default GPU's for a costs file measured on CUDA, else the CPU default);
+    accumulation likewise; :func:`action_ms`; the probe's ``hop_ms`` (0 without a probe);
+    :func:`split_call_ms`; the tied parameters' hop over the ``engine``'s measured link, else
+    ``link`` (none: the default :class:`~onnx_partition.plan.contracts.Link`). Both step
+    functions are linear in bytes, so they are read at 0 and 1 byte."""
     from onnx_partition.cost.analytic import DeviceSpec
     from onnx_partition.cost.devices import device_for
+    from onnx_partition.plan.contracts import Link
+
+    link = link or {}
+    barrier_ms = float(link.get("latency_ms", 0.02)) if link else 0.02
 
     engine = costs.body.get("engine") if costs is not None else None
     if device is None and costs is not None and (costs.device or "").startswith("cuda"):
@@ -521,7 +545,13 @@ def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: 
                                  f"{spec.mem_gbps:g} GB/s ({spec.name})")
     said["action_ms"] = action_how
     hop = _number(probe, "hop_ms")
-    return EngineTerms(step[1] - step[0], step[0], accumulate, per_action, hop or 0.0, said)
+    fitted = (engine or {}).get("link") or {}
+    return EngineTerms(step[1] - step[0], step[0], accumulate, per_action, hop or 0.0, said,
+                       split_call_ms=split_call_ms(costs),
+                       link_sizes=tuple(float(x) for x in fitted.get("sizes", ())),
+                       link_one_way_ms=tuple(float(x) for x in fitted.get("one_way_ms", ())),
+                       link_latency_ms=float(link.get("latency_ms", Link().latency_ms)),
+                       link_gbps=float(link.get("bandwidth_gbps", Link().bandwidth_gbps)))
 
 
 def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, float],
@@ -560,24 +590,17 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     Inference plans are left alone."""
     if plan.mode != "train":
         return
-    from onnx_partition.plan.contracts import Link
-
     engine = costs.body.get("engine") if costs is not None else None
     sim = plan.extra.setdefault("simulator_costs", {})
-    link = plan.extra.get("link") or {}
     terms = engine_terms(costs, device, str(plan.extra.get("optimizer") or "adamw"),
-                         barrier_ms=float(link.get("latency_ms", 0.02)) if link else 0.02)
+                         link=plan.extra.get("link"))
     weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
                for s in plan.stages]
     step = terms.step_ms(weights)
     said: dict[str, Any] = dict(terms.said)
     fitted = (engine or {}).get("link")
     if tied and any(tied):
-        bw = float(link.get("bandwidth_gbps", Link().bandwidth_gbps))
-        lat = float(link.get("latency_ms", Link().latency_ms))
-        step = [t + (0.0 if not b else hop_ms(b, fitted["sizes"], fitted["one_way_ms"])
-                     if fitted else lat + (b / (bw * 1e6) if bw > 0 else 0.0))
-                for t, b in zip(step, tied, strict=True)]
+        step = [t + terms.tied_ms(b) for t, b in zip(step, tied, strict=True)]
         said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
     sim["step_ms"] = [round(x, 6) for x in step]
     sim["accumulate_ms"] = [round(x, 6) for x in terms.accumulate_ms(weights)]
@@ -596,7 +619,7 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     if plan.extra.get("schedule") == "zb-h1" and tensors is not None \
             and len(tensors) == len(plan.stages):
         call = (engine or {}).get("split_call_ms")
-        per_group = float(call) if call is not None else SPLIT_CALL_MS
+        per_group = terms.split_call_ms
         sim["split_ms"] = [round(x, 6) for x in split_ms(tensors, per_group)]
         said["split_ms"] = (("measured: " if call is not None else "analytic: ")
                             + f"{per_group:g} ms per weight group (half the stage's trainable "

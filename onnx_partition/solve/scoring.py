@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.engine import split_ms
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
@@ -69,6 +70,12 @@ class NodeArrays:
     shared: Sequence[tuple[float, float, tuple[int, ...]]] = ()
     #: what stage 0 receives per micro-batch: the graph inputs
     input_bytes: float = 0.0
+    #: trainable tensors only this node reads (with :attr:`shared`'s trainable ones: each
+    #: stage's weight groups of ZB-H1's split backward, cost.engine.split_ms); empty: unknown
+    trainable_tensors: Sequence[int] = ()
+    #: whether a program names what trains, so tied parameters are all-reduced every step
+    #: (without one, cost.engine.tied_bytes counts none)
+    ties_train: bool = False
 
     @property
     def counted(self) -> bool:
@@ -91,6 +98,25 @@ class NodeArrays:
             np.add.at(weights, held, nbytes)
             np.add.at(trained, held, train_bytes)
         return weights, trained
+
+    def stage_engine(self, stage_of: Sequence[int], num_stages: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage of an assignment, the trainable bytes of the :attr:`shared` initializers
+        another stage holds too (a tied parameter, all-reduced over its holders every step:
+        cost.engine.tied_bytes) and its trainable tensors (the nodes' own and every shared
+        trainable one it holds: partition.trainable_tensors)."""
+        stages_np = np.asarray(stage_of, dtype=np.int64)
+        tied = np.zeros(num_stages)
+        tensors: np.ndarray = np.bincount(
+            stages_np, np.asarray(self.trainable_tensors, dtype=float), minlength=num_stages)
+        for _, train_bytes, readers in self.shared:
+            held = np.unique([num_stages - 1 if v == LAST else int(stages_np[v])
+                              for v in readers])
+            if train_bytes > 0:
+                np.add.at(tensors, held, 1.0)
+                if len(held) > 1 and self.ties_train:
+                    np.add.at(tied, held, train_bytes)
+        return tied, tensors
 
     def shared_in(self, blocks: Blocks) -> list[tuple[float, float, list[int]]]:
         """:attr:`shared` over the positions of a sequence cut into ``blocks``: each
@@ -215,6 +241,9 @@ class StageTotals:
     weight_bytes: np.ndarray | None = None
     trainable_bytes: np.ndarray | None = None
     input_bytes: float = 0.0  # received by stage 0 (the graph inputs)
+    #: :meth:`NodeArrays.stage_engine`'s tied bytes and trainable tensors (None: not counted)
+    tied_bytes: np.ndarray | None = None
+    trainable_tensors: np.ndarray | None = None
 
 
 def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
@@ -228,10 +257,13 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
     columns = arrays.columns
     weights, trained = (arrays.stage_weights(stage_of, num_stages) if arrays.counted
                         else (None, None))
+    tied, tensors = (arrays.stage_engine(stage_of, num_stages) if arrays.counted
+                     else (None, None))
     return StageTotals(per_stage(problem.compute_array), per_stage(columns[0]),
                        per_stage(columns[1]), per_stage(columns[2]), cross,
                        per_stage(columns[3]) if len(columns) > 3 else None,
-                       weights, trained, arrays.input_bytes)
+                       weights, trained, arrays.input_bytes, tied,
+                       tensors if len(arrays.trainable_tensors) else None)
 
 
 def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
@@ -257,7 +289,12 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     engine = run.engine if run.train else None
     weighed = [float(x) for x in (totals.param_bytes if weights is None else weights)]
     step = engine.step_ms(weighed) if engine else [0.0] * num_stages
+    if engine and totals.tied_bytes is not None:
+        step = [t + engine.tied_ms(float(b)) for t, b in zip(step, totals.tied_bytes)]
     accumulate = engine.accumulate_ms(weighed) if engine else [0.0] * num_stages
+    split = (split_ms([int(n) for n in totals.trainable_tensors], engine.split_call_ms)
+             if engine and run.schedule == "zb-h1" and totals.trainable_tensors is not None
+             else [0.0] * num_stages)
     stages = []
     for k, r in enumerate(replicas):
         allreduce = (ring_allreduce_ms(float(totals.param_bytes[k]), r, groups[k].bytes_per_ms,
@@ -270,7 +307,7 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
             stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
             backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received,
-            step_ms=step[k], accumulate_ms=accumulate[k],
+            step_ms=step[k], accumulate_ms=accumulate[k], split_ms=split[k],
             action_ms=engine.action_ms if engine else 0.0))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags)
