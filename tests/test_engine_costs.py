@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.engine import probed_engine, write_train_costs
 
 from onnx_partition import export
 from onnx_partition.cli import main
@@ -286,14 +287,7 @@ def test_a_hybrid_train_plan_is_chosen_by_its_final_figure(mlp: Path, tmp_path: 
     plan = partition(mlp, 2, tmp_path / "plain", mode="train", check=False, batch_size=2)
     nodes = {key: {"forward_ms": 0.1, "backward_ms": 0.2}
              for stage in plan.stages for key in stage.nodes}
-    engine = {"parameter_bytes": 1000, "optimizer_ms": {"adamw": 2.0, "sgd": 1.0},
-              "accumulate_ms": 0.5, "barrier_ms": 0.25,
-              "link": {"latency_ms": 0.5, "bandwidth_gbps": 1.0, "sizes": [1, 1_000_001],
-                       "one_way_ms": [0.5, 1.5]},
-              "probe": {"action_ms": 0.3, "barrier_ms": 0.25, "hop_ms": 2.0}}
-    costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms", "mode": "train",
-                                 "device": "cpu", "engine": engine, "nodes": nodes}))
+    costs = write_train_costs(tmp_path / "costs.json", probed_engine(), nodes)
     for stages, schedule in ((None, "1f1b"), (2, "1f1b"), (2, "auto")):
         hybrid = partition(mlp, stages, tmp_path / f"hybrid{stages}{schedule}", mode="train",
                            check=False, batch_size=2, costs=costs, schedule=schedule,

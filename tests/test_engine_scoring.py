@@ -6,10 +6,10 @@ plans ignore them; the terms are those ``price_engine`` writes."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
+from support.engine import probed_engine, write_train_costs
 from support.problems import chain
 
 from onnx_partition.cost.annotate import load_costs
@@ -20,7 +20,6 @@ from onnx_partition.cost.engine import (
     engine_terms,
     measured_step_ms,
 )
-from onnx_partition.plan.contracts import COSTS_FORMAT
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.scoring import RunSpec, score
 
@@ -73,14 +72,8 @@ def test_inference_ignores_the_engine_terms() -> None:
 
 def test_the_terms_are_a_costs_files_engine_as_price_engine_reads_it(tmp_path: Path) -> None:
     """A probe's barrier and hop, the optimizer step shared out by bytes, the accumulation."""
-    engine = {"parameter_bytes": 1000, "optimizer_ms": {"adamw": 2.0, "sgd": 1.0},
-              "accumulate_ms": 0.5, "barrier_ms": 0.25,
-              "link": {"latency_ms": 0.5, "bandwidth_gbps": 1.0, "sizes": [1, 1_000_001],
-                       "one_way_ms": [0.5, 1.5]},
-              "probe": {"action_ms": 0.3, "barrier_ms": 0.75, "hop_ms": 2.0}}
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps({"format": COSTS_FORMAT, "unit": "ms", "mode": "train",
-                                "device": "cpu", "engine": engine, "nodes": {}}))
+    engine = probed_engine(probe_barrier_ms=0.75)
+    path = write_train_costs(tmp_path / "costs.json", engine, {})
     terms = engine_terms(load_costs(path), None, "adamw")
     weights = [100.0, 900.0]
     assert terms.step_ms(weights) == pytest.approx(measured_step_ms(weights, "adamw", engine))
