@@ -791,7 +791,7 @@ def plan_on_cluster(
     memory so counted, which the planner should never return, is noted as a warning.
     plan.json's ``exact`` says what is proven of the hybrid DP's objective within
     ``exact_budget_s`` deterministic seconds
-    (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`). The planner does not price
+    (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`).
     A train plan on a cluster of one kind is chosen among its candidates (and schedules) with
     ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the

@@ -104,6 +104,10 @@ def test_the_probe_prices_actions_barriers_and_hops(exported, tmp_path: Path) ->
     said = priced.extra["engine_costs"]
     assert said["action_ms"].startswith("measured") and "probe" in said["send_ms"]
     assert "probe" in said["step_ms"]
+    # priced again: sends from the measured link are priced afresh, the probe's hop once
+    price_engine(priced, costs=probed, device=None)
+    assert priced.simulator_costs["send_ms"] == pytest.approx(
+        [0.5 + (hop - 1) / 1e6 + 0.125], abs=1e-6)
     # the same file without the probe: the CPU default, the two-process barrier, the bare hop
     plain = copy.deepcopy(plan)
     price_engine(plain, costs=load_costs(_costs_file(tmp_path / "plain.json", keys, "cpu",

@@ -155,11 +155,8 @@ def probe_of(engine: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     ``action_ms`` per action, ``barrier_ms`` per barrier, ``hop_ms`` per hop beyond the
     ping-pong), where it is an object with an ``action_ms`` number; else None."""
     probe = (engine or {}).get("probe")
-    if not isinstance(probe, Mapping):
-        return None
-    value = probe.get("action_ms")
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return probe if ok else None
+    return probe if isinstance(probe, Mapping) and _number(probe, "action_ms") is not None \
+        else None
 
 
 def _number(probe: Mapping[str, Any] | None, key: str) -> float | None:
@@ -586,7 +583,8 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     ``simulator_costs.action_ms`` per stage (:func:`action_ms`: the probe's, else
     :data:`ACTION_MS` on a CPU, 0 on CUDA). Where ``engine`` has a probe (:func:`probe_of`), its
     ``barrier_ms`` is each barrier of the measured ``step_ms`` and its ``hop_ms`` is added to every
-    ``send_ms`` (to be priced once: a plan as ``partition`` writes it). ``engine_costs`` says which.
+    ``send_ms`` (to be priced once: a plan as ``partition`` writes it; sends priced from the
+    measured link are priced afresh each time). ``engine_costs`` says which.
     Inference plans are left alone."""
     if plan.mode != "train":
         return
