@@ -569,7 +569,20 @@ def priced_by(plan: Plan) -> str:
 
 
 def devices_line(plan: Plan) -> str:
-    """One line: the device memory and links the plan assumed, and where each came from."""
+    """One line: the device memory and links the plan assumed, and where each came from; a
+    train plan whose hops the engine's measurements price (plan.json's ``engine_costs``) says
+    so, with the ``send_ms`` the simulator plays (the link above it shaped only the cut)."""
+    line = _links_line(plan)
+    said = str((plan.extra.get("engine_costs") or {}).get("send_ms") or "")
+    sends = (plan.simulator_costs or {}).get("send_ms") if plan.mode == "train" else None
+    if sends and said.startswith(("measured", "calibrated")):
+        hops = " / ".join(f"{float(x):.3g}" for x in sends)
+        line += (f"; train hops priced as measured: {hops} ms "
+                 f"({said.split(':', 1)[0]}, plan.json engine_costs.send_ms)")
+    return line
+
+
+def _links_line(plan: Plan) -> str:
     sources = (plan.device_model or {}).get("sources") or {}
     if not sources:
         link = plan.extra.get("link") or {}

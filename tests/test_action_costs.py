@@ -21,7 +21,7 @@ from onnx_partition.cost.engine import (
     price_engine,
     probe_of,
 )
-from onnx_partition.partition import partition
+from onnx_partition.partition import devices_line, partition
 from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
@@ -104,6 +104,12 @@ def test_the_probe_prices_actions_barriers_and_hops(exported, tmp_path: Path) ->
     said = priced.extra["engine_costs"]
     assert said["action_ms"].startswith("measured") and "probe" in said["send_ms"]
     assert "probe" in said["step_ms"]
+    # the summary says which hop time the simulation plays, not only the link that cut it
+    sends = priced.simulator_costs["send_ms"][0]
+    assert devices_line(priced).endswith(
+        f"; train hops priced as measured: {sends:.3g} ms (measured, plan.json "
+        "engine_costs.send_ms)")
+    assert "hops priced" not in devices_line(plan)  # partition's own plan: the CPU default
     # priced again: sends from the measured link are priced afresh, the probe's hop once
     price_engine(priced, costs=probed, device=None)
     assert priced.simulator_costs["send_ms"] == pytest.approx(
