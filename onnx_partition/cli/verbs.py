@@ -365,6 +365,12 @@ def _run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     planned = (plan.rows_per_microbatch, plan.microbatches)
     default = "" if "microbatches" in plan.predicted else " by default"
+    if plan.mode == "train":  # its stage times are torch's, its run is onnxruntime's
+        print("note: a train plan is priced for training (its forward and backward as `train` runs "
+              "them in torch, the training engine's hops); `run` executes its stage files in "
+              "onnxruntime, so measured/predicted compares two executors: for an inference price, "
+              "partition with --mode infer (and `profile --plan` the inference plan)",
+              file=sys.stderr)
     print(f"{_plural(len(plan.stages), 'stage')} "
           f"({' + '.join(str(s.replicas) for s in plan.stages)} "
           f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
