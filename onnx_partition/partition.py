@@ -360,6 +360,13 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
+    if mode == "train" and isinstance(cluster, Fleet):  # plan_fleet: 1F1B, none rebuilt
+        asked = [f"--schedule {schedule}"] * (schedule not in (AUTO, "1f1b")) \
+            + [f"--recompute {recompute}"] * (recompute == "all")
+        if asked:
+            raise PartitionError(f"a mixed fleet (cluster.json with groups) is planned for 1F1B "
+                                 f"with every stage keeping its activations: drop "
+                                 f"{' and '.join(asked)}")
     check_precision(precision)
     if precision != "fp32" and mode != "train":
         raise PartitionError(f"--precision {precision} prices mixed-precision training: it "

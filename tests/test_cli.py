@@ -345,3 +345,15 @@ def test_train_help_says_where_data_and_loss_come_from(capsys):
     assert "synthetic batches" in text and "synthetic loss" in text
     assert "cross-entropy" in text and "mean squared error" in text
     assert "default: one per stage replica" in text
+
+
+def test_json_keeps_stdout_for_the_one_object(capsys, tmp_path, chain):
+    """--json: progress and status lines (here the --device-memory reading) go to stderr, so
+    stdout parses as one JSON object; without --json they stay on stdout."""
+    argv = ["partition", chain, "--devices", "2", "--device-memory", "1GB", "--batch-size", "4",
+            "-o", tmp_path / "plan"]
+    assert main([str(a) for a in [*argv, "--json"]]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["stages"] and "device memory '1GB' read as" in err
+    assert main([str(a) for a in [*argv, "--force"]]) == 0
+    assert "device memory '1GB' read as" in capsys.readouterr().out

@@ -212,3 +212,90 @@ def test_auto_schedule_pays_the_split_backward(tmp_path: Path) -> None:
             assert "split_ms" not in plain.extra["simulator_costs"]
             replay, _ = simulate_plan(read_plan(tmp_path / f"plain-{call_ms}"))
             assert replay.iteration_ms == pytest.approx(plain.predicted["iteration_ms"])
+
+
+def test_every_verb_names_the_recomputing_stages(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """partition's summary, simulate (text and --json), report and train's summary (text and
+    --json) name the stages plan.json marks recomputing, in one wording; partition --json and
+    simulate --json mark the same stages."""
+    from onnx_partition.pipeline.from_plan import recompute_line
+    from onnx_partition.report.page import write_report
+    from onnx_partition.runtime.train.rank import RankResult, TrainConfig
+    from onnx_partition.runtime.train.trainer import format_train, summarize, train_json
+
+    assert recompute_line([]) is None
+    assert recompute_line([1]) == ("stage 1 recomputes its forward in backward (keeping only "
+                                   "its inputs per micro-batch in flight)")
+    line = recompute_line([0, 1])
+    assert line == ("stages 0, 1 recompute their forward in backward (keeping only their "
+                    "inputs per micro-batch in flight)")
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    out = tmp_path / "plan"
+    argv = ["partition", str(model), "--stages", "2", "--batch-size", "4", "--mode", "train",
+            "--no-program", "--schedule", "1f1b", "--recompute", "all", "-o", str(out)]
+    assert main(argv) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert main([*argv, "--force", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["simulate", str(out)]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert main(["simulate", str(out), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert [s.get("recompute") for s in simulated["stages"]] == [True, True] == [
+        s.get("recompute") for s in planned["stages"]]
+    assert simulated["iteration_ms"] == planned["iteration_ms"]
+    assert line[0].upper() + line[1:] in write_report(out).read_text()  # a sentence there
+    plan = read_plan(out)
+    ranks = [RankResult(rank=k, stage=k, replica=0, actions=[], peak_inflight=1, step_ms=[1.0],
+                        forward_ms=[1.0], backward_ms=[1.0], loss=[0.0]) for k in (0, 1)]
+    stats = summarize(plan, ranks, TrainConfig(steps=1, microbatches=8, schedule="1f1b"),
+                      32, "ours")
+    assert f"  {line}" in format_train(stats).splitlines()
+    assert train_json(stats)["recompute"] == [0, 1]
+    assert stats.simulated_ms == pytest.approx(planned["iteration_ms"])
+    # a plan that keeps every activation says nothing of it
+    kept = tmp_path / "kept"
+    assert main([*argv[:-3], "none", "-o", str(kept)]) == 0
+    assert "recompute" not in capsys.readouterr().out
+    assert main(["simulate", str(kept), "--json"]) == 0
+    assert not any("recompute" in s for s in json.loads(capsys.readouterr().out)["stages"])
+
+
+def test_recompute_needs_train_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--recompute of an inference plan is refused, not ignored."""
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    one_error(capsys, ["partition", model, "--stages", "2", "--batch-size", "4",
+                       "--recompute", "all", "-o", tmp_path / "x"],
+              "--recompute trades a training stage's memory for time: it needs --mode train")
+    assert not (tmp_path / "x").exists()
+
+
+FLEET = {"format": "onnx-partition/cluster@2", "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
+         "groups": [{"gpu": "a100-80gb", "machines": 1, "devices_per_machine": 1},
+                    {"gpu": "v100", "machines": 1, "devices_per_machine": 1}]}
+
+
+def test_a_fleet_refuses_what_its_planner_does_not_plan(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """A mixed fleet is planned for 1F1B with every stage keeping its activations: asking for
+    ZB-H1 or every stage recomputing is a one-line error, not a silently different plan; the
+    defaults and what the planner does plan are taken."""
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    cluster = tmp_path / "fleet.json"
+    cluster.write_text(json.dumps(FLEET))
+    base = ["partition", model, "--batch-size", "4", "--mode", "train", "--no-program",
+            "--cluster", cluster, "-q"]
+    for extra, asked in ((["--schedule", "zb-h1"], "drop --schedule zb-h1"),
+                         (["--recompute", "all"], "drop --recompute all"),
+                         (["--schedule", "zb-h1", "--recompute", "all"],
+                          "drop --schedule zb-h1 and --recompute all")):
+        one_error(capsys, [*base, *extra, "-o", tmp_path / "x"],
+                  f"a mixed fleet (cluster.json with groups) is planned for 1F1B with every "
+                  f"stage keeping its activations: {asked}")
+        assert not (tmp_path / "x").exists()
+    for k, extra in enumerate(([], ["--schedule", "1f1b", "--recompute", "none"])):
+        assert main([str(a) for a in [*base, *extra, "-o", tmp_path / f"ok{k}"]]) == 0
+        plan = read_plan(tmp_path / f"ok{k}")
+        assert plan.extra["schedule"] == "1f1b" and not any(s.recompute for s in plan.stages)

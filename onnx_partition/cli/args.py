@@ -446,8 +446,9 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                       help="number of pipeline stages (with a cluster: fix the depth, else "
                            "chosen)")
     plan.add_argument("--mode", default="infer", choices=("infer", "train"),
-                      help="infer: forward only; train: forward, backward, all-reduce, 1F1B "
-                           "memory (needs the model's program MODEL.pt2, see --no-program)")
+                      help="infer: forward only; train: forward, backward, all-reduce, the "
+                           "schedule's memory (needs the model's program MODEL.pt2, see "
+                           "--no-program)")
     plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
     plan.add_argument("--schedule", choices=("auto", *schedules.PLANNED_NAMES),
                       help="--mode train: the pipeline schedule to plan for (default auto: "
@@ -458,10 +459,10 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                            "bf16/fp16: autocast over fp32 parameters, activations counted as "
                            "autocast saves them, a GPU's matrix products at its half peak); "
                            "plan.json records it and `train` defaults to it")
-    plan.add_argument("--recompute", default="auto", choices=("auto", "none", "all"),
+    plan.add_argument("--recompute", choices=("auto", "none", "all"),
                       help="--mode train: which stages keep only their inputs and recompute "
-                           "their forward in backward (auto: those that would not fit the "
-                           "device memory otherwise)")
+                           "their forward in backward (default auto: those that would not fit "
+                           "the device memory otherwise); plan.json marks them")
     plan.add_argument("--bandwidth", type=float,
                       help="link bandwidth between stages in GB/s, and between the devices of "
                            "a machine with --devices (0 = free; default: a named GPU's "

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    _configure_logging(args.verbose - args.quiet)
+    _configure_logging(args.verbose - args.quiet, bool(getattr(args, "json", False)))
     log.debug("onnx-partition %s, python %s, arguments %s", __version__,
               sys.version.split()[0], {k: v for k, v in vars(args).items() if k != "func"})
     began = time.perf_counter()
@@ -94,22 +94,29 @@ def guarded(command: Callable[[], int]) -> int:
 
 class _StdoutHandler(logging.Handler):
     """Messages to the current ``sys.stdout`` (looked up per message, so redirection and
-    pytest's capture see them)."""
+    pytest's capture see them); all to ``sys.stderr`` while ``quiet_stdout`` (``--json``:
+    stdout holds the one JSON object)."""
+
+    quiet_stdout = False
 
     def emit(self, record: logging.LogRecord) -> None:
         text = self.format(record)
         if record.levelno != logging.INFO:  # debug: ..., warning: ...
             text = f"{record.levelname.lower()}: {text}"
-        print(text, file=sys.stdout if record.levelno < logging.WARNING else sys.stderr,
-              flush=True)
+        to_stdout = record.levelno < logging.WARNING and not self.quiet_stdout
+        print(text, file=sys.stdout if to_stdout else sys.stderr, flush=True)
 
 
-def _configure_logging(verbosity: int) -> None:
-    """-q: warnings and errors only; default: progress lines; -v: debug lines too."""
+def _configure_logging(verbosity: int, json_out: bool = False) -> None:
+    """-q: warnings and errors only; default: progress lines; -v: debug lines too; with
+    ``json_out`` (``--json``) every line goes to stderr."""
     level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
-    if not any(isinstance(h, _StdoutHandler) for h in log.handlers):
-        log.addHandler(_StdoutHandler())
+    handler = next((h for h in log.handlers if isinstance(h, _StdoutHandler)), None)
+    if handler is None:
+        handler = _StdoutHandler()
+        log.addHandler(handler)
         log.propagate = False
+    handler.quiet_stdout = json_out
     log.setLevel(level)
 
 
@@ -257,6 +264,9 @@ def _partition(args: argparse.Namespace) -> int:
         raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
     if args.schedule is not None and args.mode != "train":
         raise PartitionError("--schedule plans a training schedule: it needs --mode train")
+    if args.recompute is not None and args.mode != "train":
+        raise PartitionError("--recompute trades a training stage's memory for time: it needs "
+                             "--mode train")
     program = Path(args.model).with_suffix(".pt2")
     if args.mode == "train" and not args.no_program and not program.is_file():
         raise PartitionError(
@@ -287,7 +297,7 @@ def _partition(args: argparse.Namespace) -> int:
         exact_budget_s=args.exact_budget,
         force=args.force,
         schedule=args.schedule or "auto",
-        recompute=args.recompute,
+        recompute=args.recompute or "auto",
         precision=args.precision,
         reporter=_bars(),
     )

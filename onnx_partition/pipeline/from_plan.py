@@ -89,6 +89,7 @@ __all__ = [
     "hosted_stages",
     "interleaving_note",
     "plan_costs",
+    "recompute_line",
     "recompute_note",
     "schedule_name",
     "schedule_of",
@@ -248,12 +249,22 @@ def interleaving_note(plan: Plan, result: SimResult) -> str | None:
 
 def recompute_note(plan: Plan) -> str | None:
     """One line naming the stages that recompute their forward in backward, or None."""
-    recomputing = [s.index for s in plan.stages if s.recompute]
-    if not recomputing or plan.mode != "train":
+    if plan.mode != "train":
+        return None
+    return recompute_line([s.index for s in plan.stages if s.recompute])
+
+
+def recompute_line(recomputing: Sequence[int]) -> str | None:
+    """:func:`recompute_note`'s line for the stages ``recomputing`` (None for none): the one
+    wording of every verb (partition, simulate, report, train)."""
+    if not recomputing:
         return None
     named = ", ".join(map(str, recomputing))
-    return (f"stage{'s' * (len(recomputing) > 1)} {named} recompute their forward in backward "
-            "(keeping only their inputs per micro-batch in flight)")
+    if len(recomputing) == 1:
+        return (f"stage {named} recomputes its forward in backward (keeping only its inputs "
+                "per micro-batch in flight)")
+    return (f"stages {named} recompute their forward in backward (keeping only their inputs "
+            "per micro-batch in flight)")
 
 
 def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) -> str:

@@ -110,6 +110,9 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
             "compute_ms": round(compute * plan_scale, 6),
             "comm_ms": round(pred.comm_ms * plan_scale, 6) if pred else 0.0,
             "memory_bytes": max((d["memory_bytes"] for d in mine), default=0),
+            # as plan.json marks it: a stage rebuilding its forward in backward
+            **({"recompute": True} if stage.recompute and plan.mode == "train"
+               and not forward_only else {}),
         })
     return {
         "schedule": schedule, "microbatches": microbatches, "batch_size": batch_size,

@@ -11,7 +11,12 @@ from typing import Any
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.partition import devices_line, priced_by
-from onnx_partition.pipeline.from_plan import default_schedule, schedule_name, simulate_plan
+from onnx_partition.pipeline.from_plan import (
+    default_schedule,
+    recompute_note,
+    schedule_name,
+    simulate_plan,
+)
 from onnx_partition.pipeline.predict import dumps, simulate_json
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
@@ -76,6 +81,9 @@ def plan_table(plan: Plan) -> str:
             f"iteration of {total['iteration_ms']:.3f} ms (simulated, {default_schedule(plan)}),"
             f" bubble {total.get('bubble_fraction', 0) * 100:.1f}%, {rates}{bottleneck}"
         )
+        note = recompute_note(plan)
+        if note:
+            lines.append(note)
     elif total:
         lines.append(
             f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "

@@ -38,7 +38,7 @@ import torch
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.fileio import atomic_write
 from onnx_partition.pipeline import schedules
-from onnx_partition.pipeline.from_plan import plan_costs, simulate_plan
+from onnx_partition.pipeline.from_plan import plan_costs, recompute_line, simulate_plan
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan, read_plan
@@ -126,6 +126,7 @@ class TrainStats:
     # run's rows per micro-batch: scaled linearly from the plan's when they differ)
     predicted_stages: list[StagePrediction] = field(default_factory=list)
     scaled_from_batch_size: int | None = None  # the plan's rows, when the run's differ
+    recompute: list[int] = field(default_factory=list)  # stages rebuilding their forward
 
     @property
     def measured_ms(self) -> float:
@@ -629,7 +630,8 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                       start_step=config.start_step, eval_loss=rank0.eval_loss,
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
                       checkpoint=None if config.checkpoint_dir is None
-                      else Path(config.checkpoint_dir))
+                      else Path(config.checkpoint_dir),
+                      recompute=[s.index for s in plan.stages if s.recompute])
 
 
 def compare_with_reference(folder: Path, ranks: Sequence[RankResult], config: TrainConfig,
@@ -795,6 +797,9 @@ def format_train(stats: TrainStats) -> str:
         f"{ratio:.2f}); "
         f"{stats.calibrated_ms:.2f} ms from the measured stage times ({cal:.2f})",
     ]
+    note = recompute_line(stats.recompute)
+    if note:  # as partition, simulate and report say it
+        lines.insert(1, f"  {note}")
     if stats.checked_steps:
         verdict = "OK" if not stats.mismatches else f"MISMATCH ({len(stats.mismatches)})"
         steps = " and ".join(map(str, stats.checked_steps))
@@ -819,6 +824,7 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
     the final and best validation loss."""
     evals = [v for _, v in stats.eval_loss]
     return {"format": TRAIN_FORMAT, "engine": stats.engine, "schedule": stats.schedule,
+            "recompute": stats.recompute,
             "ranks": len(stats.ranks), "microbatches": stats.microbatches, "rows": stats.rows,
             "start_step": stats.start_step, "steps": stats.start_step + len(stats.loss),
             "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
