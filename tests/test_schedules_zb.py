@@ -149,3 +149,33 @@ def test_lower_bound_holds_for_split_backwards_and_recomputation() -> None:
         for name, split in (("1f1b", False), ("zb-h1", True)):
             sim = simulate(schedules.build(name, replicas, m), costs)
             assert lower_bound_ms(costs, m, True, split=split) <= sim.iteration_ms + 1e-9
+
+
+def test_backward_split_analytic_and_measured(tmp_path) -> None:
+    """Each node's input-gradient share (``partition.grad_input_ms``): without a measured
+    split a node without weights is all ``I`` and one with weights half and half; a costs
+    file's ``backward_input_ms``/``backward_weight_ms`` split its backward in their ratio."""
+    from support.graphs import CHAIN, save
+
+    from onnx_partition.cost.annotate import annotate, load_costs, write_costs
+    from onnx_partition.cost.devices import device_for
+    from onnx_partition.graph import load
+    from onnx_partition.partition import grad_input_ms
+
+    graph = load(save(CHAIN, tmp_path / "chain.onnx"), batch_size=4)
+    node_costs = annotate(graph, device=device_for("cuda", "h100"))
+    got = grad_input_ms(graph, node_costs, None)
+    weighted = [node.param_bytes > 0 for node in graph.nodes]
+    assert any(w and b > 0 for w, b in zip(weighted, node_costs.backward_ms, strict=True))
+    assert any(not w and b > 0 for w, b in zip(weighted, node_costs.backward_ms, strict=True))
+    assert got == [b / 2 if w else b
+                   for w, b in zip(weighted, node_costs.backward_ms, strict=True)]
+    path = tmp_path / "costs.json"
+    keys = [node.key for node in graph.nodes if node.op_type != "Constant"]
+    write_costs(path, {k: {"forward_ms": 1.0, "backward_ms": 2.0, "backward_input_ms": 1.0,
+                           "backward_weight_ms": 3.0} for k in keys}, mode="train")
+    costs = load_costs(path)
+    measured = annotate(graph, costs=costs)
+    assert grad_input_ms(graph, measured, costs) == [
+        b / 4 if node.key in keys else b
+        for node, b in zip(graph.nodes, measured.backward_ms, strict=True)]
