@@ -54,7 +54,8 @@ from onnx_partition.cost.costs_file import check_costs, provenance, rescale
 from onnx_partition.cost.profile.stages import StageTimes, reprice, time_stages
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.partition import SOLVERS, partition, priced_as_run
+from onnx_partition.partition import AUTO, SOLVERS, partition, priced_as_run
+from onnx_partition.pipeline.schedules import PLANNED_NAMES
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.folder import publish
 
@@ -226,14 +227,22 @@ def _cluster_of(plan: Plan) -> Cluster | None:
 
 
 def _resolve(model: Path, plan: Plan, graph: OpGraph, costs: CostsFile, out: Path) -> Plan:
+    """``plan`` cut again on ``costs``: the same depth, cluster, micro-batches and, in
+    training, the schedule it was planned for, its precision and its ``--recompute`` (plan.json
+    ``schedule``, ``precision``, ``recompute``; ``auto`` where it records none)."""
     link = plan.extra.get("link")
     cluster = _cluster_of(plan)
+    train = plan.mode == "train"
+    schedule = plan.extra.get("schedule")
     return partition(
         model, len(plan.stages), out, costs=costs, input_shapes=plan.input_shapes,
         mode=plan.mode, microbatches=plan.microbatches, ordering="auto",
         solver=plan.solver if plan.solver in SOLVERS and cluster is None else "dp",
         link=Link(**link) if isinstance(link, dict) and cluster is None else None,
-        cluster=cluster, force=True, check=False)
+        cluster=cluster, force=True, check=False,
+        schedule=schedule if train and schedule in PLANNED_NAMES else AUTO,
+        recompute=str(plan.extra.get("recompute", AUTO)) if train else AUTO,
+        precision=str(plan.extra.get("precision") or "fp32") if train else "fp32")
 
 
 def _score(plan: Plan) -> float:

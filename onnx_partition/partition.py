@@ -72,7 +72,7 @@ from onnx_partition.solve.scoring import (
 )
 from onnx_partition.solve.search import best_split
 
-__all__ = ["BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
+__all__ = ["AUTO", "BASELINES", "SOLVERS", "TRAIN_ASSUMPTIONS", "dag_problem", "device_model",
            "devices_line", "partition", "plan_on_cluster", "plan_stages", "priced_as_run",
            "priced_by", "proof_line", "saved_activations", "unit_problem"]
 
@@ -452,6 +452,8 @@ def partition(
     if mode == "train":
         chosen = plan.extra.pop("schedule")
         plan.extra.update(TRAIN_ASSUMPTIONS, schedule=chosen, precision=precision)
+        if recompute != AUTO:  # what a re-cut (profile --plan) asks for again
+            plan.extra["recompute"] = recompute
         plan.extra["activations"] = (
             {"source": "saved-tensors", "program": Path(model).with_suffix(".pt2").name,
              "total_bytes": int(sum(saved)),  # in half precision: by whose autocast policy

@@ -172,3 +172,33 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path, capsys)
     bare.simulator_costs.pop("step_ms")
     assert plan.predicted["iteration_ms"] == pytest.approx(
         simulate_plan(bare)[0].iteration_ms + max(sim["step_ms"]), abs=1e-5)
+
+
+def test_a_re_cut_keeps_the_schedule_precision_and_recompute(tmp_path: Path) -> None:
+    """profile --plan cuts a train plan again for what it was planned for: its schedule
+    (auto takes ZB-H1 on these costs), its precision and its --recompute (recorded in
+    plan.json only when not auto, so default plans are unchanged)."""
+    from onnx_partition.calibrate import _resolve
+    from onnx_partition.cost.annotate import load_costs, write_costs
+    from onnx_partition.graph import load
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    model = export(module, (torch.randn(2, 8),), tmp_path / "block.onnx", input_names=["x"])
+    graph = load(model, batch_size=4)
+    costs = tmp_path / "costs.json"
+    write_costs(costs, {n.key: {"forward_ms": 1.0, "backward_ms": 2.0, "backward_input_ms": 1.0,
+                                "backward_weight_ms": 1.0}
+                        for n in graph.nodes if n.op_type != "Constant"}, mode="train")
+    default = partition(model, 2, tmp_path / "auto", batch_size=4, mode="train", costs=costs)
+    assert default.extra["schedule"] == "zb-h1" and "recompute" not in default.extra
+    plan = partition(model, 2, tmp_path / "plan", batch_size=4, mode="train", costs=costs,
+                     schedule="1f1b", recompute="all", precision="bf16")
+    assert read_plan(tmp_path / "plan").extra["recompute"] == "all"
+    again = _resolve(model, read_plan(tmp_path / "plan"), graph, load_costs(costs),
+                     tmp_path / "again")
+    assert (again.extra["schedule"], again.extra["precision"], again.extra["recompute"]) == (
+        "1f1b", "bf16", "all")
+    assert [s.recompute for s in again.stages] == [True, True]
+    assert [s.nodes for s in again.stages] == [s.nodes for s in plan.stages]

@@ -246,6 +246,7 @@ class PlanSchema(BaseModel):
     optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments
     precision: str | None = None  # "fp32"
     schedule: str | None = None  # planned for: "1f1b", "zb-h1" (train), "infer"
+    recompute: Literal["none", "all"] | None = None  # train: --recompute when not auto
     activations: Anything | None = None  # source of activation_bytes, whole-program total
     # ---- pipeline plans
     link: LinkSchema | None = None
