@@ -850,10 +850,16 @@ def plan_on_cluster(
         assert kinds is not None
         run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
                       max_stages=max(16, num_stages or 0))
-        best, per_ordering = plan_fleet(problem, arrays, {
-            gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
-                           _per_unit([c.backward_ms[g] for g in nodes], members))
-            for gpu, c in kinds.items()}, cluster, run)
+        try:
+            best, per_ordering = plan_fleet(problem, arrays, {
+                gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
+                               _per_unit([c.backward_ms[g] for g in nodes], members))
+                for gpu, c in kinds.items()}, cluster, run)
+        except PartitionError as exc:  # say what a cluster of one kind would try beyond it
+            if mode != "train" or recompute == "none" or "no plan fits" not in str(exc):
+                raise
+            raise PartitionError(f"{exc} (a fleet's stages keep their activations: "
+                                 "recomputation is planned on a cluster of one kind)") from None
         gpus = best.gpus
         proof = HybridProof(False, "fleet")
     else:

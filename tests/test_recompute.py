@@ -295,6 +295,14 @@ def test_a_fleet_refuses_what_its_planner_does_not_plan(tmp_path: Path,
                   f"a mixed fleet (cluster.json with groups) is planned for 1F1B with every "
                   f"stage keeping its activations: {asked}")
         assert not (tmp_path / "x").exists()
+    small = json.loads(json.dumps(FLEET))
+    for group in small["groups"]:
+        group["memory_gb"] = 1e-7  # 100 bytes: no stage fits
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    one_error(capsys, [*base[:-3], "--cluster", tmp_path / "small.json", "-o", tmp_path / "x"],
+              "no plan fits the fleet's memory: no stage of the model fits any group's devices "
+              "(a fleet's stages keep their activations: recomputation is planned on a "
+              "cluster of one kind)")
     for k, extra in enumerate(([], ["--schedule", "1f1b", "--recompute", "none"])):
         assert main([str(a) for a in [*base, *extra, "-o", tmp_path / f"ok{k}"]]) == 0
         plan = read_plan(tmp_path / f"ok{k}")
