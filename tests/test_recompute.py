@@ -307,3 +307,30 @@ def test_a_fleet_refuses_what_its_planner_does_not_plan(tmp_path: Path,
         assert main([str(a) for a in [*base, *extra, "-o", tmp_path / f"ok{k}"]]) == 0
         plan = read_plan(tmp_path / f"ok{k}")
         assert plan.extra["schedule"] == "1f1b" and not any(s.recompute for s in plan.stages)
+
+
+def test_simulate_warns_a_what_if_schedule_over_the_device_memory(tmp_path: Path) -> None:
+    """simulate --schedule gpipe of a 1F1B plan holds every micro-batch: over the cluster's
+    device memory, the text names the devices and the schedule planned for; the planned
+    schedule within it says nothing."""
+    from onnx_partition.pipeline.from_plan import format_simulation
+
+    model = save(CHAIN, tmp_path / "chain.onnx")
+    out = tmp_path / "plan"
+    partition(model, 2, out, batch_size=4, mode="train", schedule="1f1b", recompute="none",
+              cluster=Cluster(devices_per_machine=2))
+    body = json.loads((out / "plan.json").read_text())
+    plan = read_plan(out)
+    planned, _ = simulate_plan(plan)
+    gpipe, _ = simulate_plan(plan, schedule="gpipe")
+    low, high = max(planned.peak_memory_bytes.values()), max(gpipe.peak_memory_bytes.values())
+    assert low < high
+    body["cluster"]["memory_gb"] = (low + high) / 2e9
+    (out / "plan.json").write_text(json.dumps(body))
+    plan = read_plan(out)
+    assert "warning" not in format_simulation(plan, simulate_plan(plan)[0])
+    text = format_simulation(plan, simulate_plan(plan, schedule="gpipe")[0])
+    warning = [line for line in text.splitlines() if line.startswith("warning:")]
+    over = [dev for dev, peak in gpipe.peak_memory_bytes.items() if peak > (low + high) / 2]
+    assert len(warning) == 1 and warning[0].count(" replica ") == len(over) >= 1
+    assert "under gpipe:" in warning[0] and warning[0].endswith("the plan was made for 1f1b")

@@ -88,6 +88,7 @@ __all__ = [
     "format_simulation",
     "hosted_stages",
     "interleaving_note",
+    "over_memory_note",
     "plan_costs",
     "recompute_line",
     "recompute_note",
@@ -267,6 +268,25 @@ def recompute_line(recomputing: Sequence[int]) -> str | None:
             "per micro-batch in flight)")
 
 
+def over_memory_note(plan: Plan, result: SimResult) -> str | None:
+    """A warning naming the devices whose simulated peak is over the device memory of the
+    plan's cluster (one kind; None within it or without a limit): a what-if schedule that
+    holds more than the one planned for (GPipe; ZB-H1 where the planner kept 1F1B)."""
+    limit_gb = plan.cluster.get("memory_gb")
+    if not isinstance(limit_gb, int | float):
+        return None
+    limit = float(limit_gb) * 1e9
+    over = [(dev, peak) for dev, peak in sorted(result.peak_memory_bytes.items())
+            if peak > limit * (1.0 + 1e-9)]
+    if not over:
+        return None
+    named = ", ".join(f"{device_name(plan, dev)} {fmt_bytes(peak)}" for dev, peak in over)
+    planned = default_schedule(plan)
+    why = (f"; the plan was made for {planned}" if schedule_name(result) != planned else "")
+    return (f"warning: over the device memory of {fmt_bytes(limit)} under "
+            f"{schedule_name(result)}: {named}{why}")
+
+
 def device_name(plan: Plan, dev: Device, stages: Sequence[int] | None = None) -> str:
     """``stage s replica r`` plus the device id from plan.json when it names one; with
     several hosted ``stages`` (interleaved) ``device d replica r (stages ...)``."""
@@ -324,6 +344,9 @@ def format_simulation(plan: Plan, result: SimResult) -> str:
     table += [r[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
                                                          zip(r[1:], widths[1:])) for r in rows[1:]]
     lines += ["", *table]
+    note = over_memory_note(plan, result)
+    if note:
+        lines.append(note)
     for stage, (t0, t1) in sorted(result.allreduce.items()):
         lines.append(f"stage {stage} all-reduce: {t0:.3f} -> {t1:.3f} ms")
     sched = schedule_of(result)
