@@ -121,39 +121,45 @@ def test_memory_error_names_operators_and_never_a_negative_overflow():
 
 
 def brute(costs: SequenceCosts, config: HybridConfig) -> float:
-    """Best bottleneck period over every split and replica assignment whose memory per device
-    (the one memory model, whole plan) fits (no power-of-two rule: used only with <= 8
-    devices, where the DP also tries every count; no stage more replicas than micro-batches)."""
+    """Best bottleneck period over every split, replica assignment and (``config.recompute``
+    ``auto``) per-stage recompute flags whose memory per device (the one memory model, whole
+    plan) fits (no power-of-two rule: used only with <= 8 devices, where the DP also tries
+    every count; no stage more replicas than micro-batches)."""
     n = len(costs.forward_ms)
     best = math.inf
     for q in range(1, min(n, config.devices) + 1):
+        ways = ([(False,) * q] if config.recompute == "none" or not config.train else
+                [(True,) * q] if config.recompute == "all" else
+                list(itertools.product((False, True), repeat=q)))
         for inner in itertools.combinations(range(1, n), q - 1):
             bounds = [0, *inner, n]
             most = min(config.devices, config.microbatches)
             for reps in itertools.product(range(1, most + 1), repeat=q):
                 if sum(reps) > config.devices:
                     continue
-                if max(plan_memory(costs, config, bounds, reps)) > config.memory_bytes:
-                    continue
-                best = min(best, max(plan_stage(costs, config, i, j, reps[k])
-                                     for k, (i, j) in enumerate(itertools.pairwise(bounds))))
+                for flags in ways:
+                    if max(plan_memory(costs, config, bounds, reps, flags)) > config.memory_bytes:
+                        continue
+                    best = min(best, max(plan_stage(costs, config, i, j, reps[k], flags[k])
+                                         for k, (i, j) in enumerate(itertools.pairwise(bounds))))
     return best
 
 
-def plan_memory(costs, config, bounds, reps):
+def plan_memory(costs, config, bounds, reps, flags=None):
     sizes = [StageBytes(sum(costs.param_bytes[i:j]), sum(costs.activation_bytes[i:j]),
                         costs.cut_bytes[i], costs.cut_bytes[j])
              for i, j in itertools.pairwise(bounds)]
     return memory_per_device(sizes, reps, config.microbatches,
                              schedule="1f1b" if config.train else "infer",
-                             optimizer_factor=config.optimizer_factor)
+                             optimizer_factor=config.optimizer_factor, recompute=flags)
 
 
-def plan_stage(costs, config, i, j, r):
+def plan_stage(costs, config, i, j, r, recompute=False):
     n = len(costs.forward_ms)
     cut = [0.0] + [c / config.link_bytes_per_ms + config.link_latency_ms
                    for c in costs.cut_bytes[1:n]] + [0.0]
     compute = sum(costs.forward_ms[i:j]) + (sum(costs.backward_ms[i:j]) if config.train else 0)
+    compute += sum(costs.forward_ms[i:j]) if recompute and config.train else 0
     comm = (cut[i] + cut[j]) * (2 if config.train else 1)
     params = sum(costs.param_bytes[i:j])
     allreduce = 0.0
@@ -237,3 +243,39 @@ def test_inference_memory_error_holds_one_microbatch():
                                              r"in stage 0 \(positions 0..1\) needs 14 B, 7 B "
                                              r"over; stage 1 \(positions 2..3\) needs 12 B"):
         plan_hybrid(costs, HybridConfig(devices=2, memory_bytes=7.0, microbatches=8))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 5), devices=st.integers(1, 4), data=st.data())
+def test_recompute_per_stage_matches_brute_force(n, devices, data):
+    """Recomputation chosen per stage inside the DP (``auto``): its least period within memory
+    is the least over every split, replica count and per-stage flag; every plan's stages fit
+    as flagged, and a stage recomputes exactly where keeping would not fit."""
+    floats = st.integers(0, 9).map(float)
+    costs = SequenceCosts(
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
+    )
+    config = HybridConfig(devices=devices, train=True, recompute="auto",
+                          microbatches=data.draw(st.sampled_from([2, 3, 4])),
+                          memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0])),
+                          link_bytes_per_ms=data.draw(st.sampled_from([math.inf, 2.0])))
+    expected = brute(costs, config)
+    if math.isinf(expected):
+        with pytest.raises(PartitionError, match="no plan fits"):
+            plan_hybrid(costs, config)
+        return
+    plans = plan_hybrid(costs, config)
+    for plan in plans:
+        bounds = [s.start for s in plan] + [n]
+        reps, flags = [s.replicas for s in plan], [s.recompute for s in plan]
+        assert [s.memory_bytes for s in plan] == plan_memory(costs, config, bounds, reps, flags)
+        assert max(s.memory_bytes for s in plan) <= config.memory_bytes
+        kept = plan_memory(costs, config, bounds, reps, [False] * len(plan))
+        assert flags == [k > config.memory_bytes for k in kept]  # keeping is never slower
+        assert [s.period_ms for s in plan] == pytest.approx(
+            [plan_stage(costs, config, s.start, s.end, s.replicas, s.recompute) for s in plan])
+    assert max(s.period_ms for s in plans[0]) == pytest.approx(expected, rel=1e-9, abs=1e-12)

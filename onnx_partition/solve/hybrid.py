@@ -53,12 +53,14 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import (
+    RECOMPUTE_MODES,
     StageBytes,
     boundary_step,
     device_bytes,
     held_in_front,
     memory_per_device,
     peak_inflight,
+    recompute_choice,
     ring_allreduce_ms,
 )
 from onnx_partition.values import fmt_bytes
@@ -107,7 +109,9 @@ class HybridConfig:
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
     budgets: Sequence[int] = ()  # also propose plans on at most this many devices
     precision: float = 0.0  # unused: the bisection over the stages' periods is exact
-    recompute: bool = False  # train: every stage keeps only its inputs (recompute_stage)
+    #: train: which stages keep only their inputs (recompute_stage): ``none``, ``all``, or
+    #: ``auto``, chosen per stage inside the DP (:func:`_exact_fewest`)
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class HybridStage:
     allreduce_ms: float
     memory_bytes: float  # per device
     period_ms: float
-    recompute: bool = False  # planned keeping only its inputs (HybridConfig.recompute)
+    recompute: bool = False  # keeps only its inputs, recomputes its forward in backward
 
 
 def recompute_stage(compute: np.ndarray, forward: np.ndarray, static: np.ndarray,
@@ -207,10 +211,17 @@ class _Tables:
             self.static = (config.optimizer_factor * self.params + self.sent if config.train
                            else self.params)
         self.stash = self.acts + self.received
-        if config.recompute and config.train:
-            self.compute, self.static, self.stash = recompute_stage(
-                self.compute, span(costs.forward_ms) / config.speed, self.static, self.acts,
-                self.received)
+        if config.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                             f"got {config.recompute!r}")
+        #: the stages' own tables keeping their activations, and recomputing (training)
+        self.keep = (self.compute, self.static, self.stash)
+        self.forward = span(costs.forward_ms) / config.speed
+        self.rebuilt = recompute_stage(self.compute, self.forward, self.static, self.acts,
+                                       self.received) if config.train else self.keep
+        self.mode = config.recompute if config.train else "none"
+        if self.mode == "all":
+            self.compute, self.static, self.stash = self.rebuilt
         # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             room = config.memory_bytes - self.static
@@ -239,6 +250,13 @@ class _Tables:
         self.needed = np.where(narrow > needed, np.nextafter(narrow, np.float32(-np.inf)),
                                narrow)
         self.lookup = np.asarray([*self.choices, _NONE], dtype=_COUNT)
+        # auto: period_rc[c, i, j], the same stage recomputing (one more forward)
+        self.period_rc: np.ndarray | None = None
+        if self.mode == "auto":
+            latency_rc = np.where(valid, self.rebuilt[0] + self.comm, np.inf)
+            self.period_rc = np.stack([stage_period(latency_rc, r, self.allreduce(r),
+                                                    config.microbatches)
+                                       for r in self.choices])
 
     def allreduce(self, r: int, params: Any = None) -> Any:
         """Ring all-reduce time of every stage's gradients (or of ``params`` bytes) among
@@ -257,28 +275,35 @@ class _Tables:
         held = min(q, self.c.microbatches) if self.c.train else 1
         return device_bytes(self.static, self.stash, held)
 
-    def stage(self, i: int, j: int, r: int) -> HybridStage:
-        """Stage ``[i, j)`` on ``r`` replicas; its memory is set by :meth:`with_memory`."""
+    def stage(self, i: int, j: int, r: int, recompute: bool | None = None) -> HybridStage:
+        """Stage ``[i, j)`` on ``r`` replicas, recomputing or not (None: as the mode says,
+        ``all`` or not); its memory is set by :meth:`with_memory`."""
         c = self.c
+        flag = self.mode == "all" if recompute is None else recompute and self.mode != "none"
         allreduce = float(self.allreduce(r, float(self.params[i, j])))
-        latency = float(self.latency[i, j])
-        return HybridStage(i, j, r, latency, float(self.compute[i, j]), float(self.comm[i, j]),
-                           allreduce, math.nan,
-                           stage_period(latency, r, allreduce, c.microbatches))
+        compute = float((self.rebuilt if flag else self.keep)[0][i, j])
+        comm = float(self.comm[i, j])
+        latency = compute + comm if i < j else math.inf
+        return HybridStage(i, j, r, latency, compute, comm, allreduce, math.nan,
+                           stage_period(latency, r, allreduce, c.microbatches), flag)
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
-        """The stages with their exact memory per device (:func:`memory_per_device`)."""
-        weights = self.params if self.weights is None else self.weights
-        sizes = [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
-                            float(self.received[s.start, s.end]),
-                            float(self.sent[s.start, s.end]),
-                            None if self.trained is None
-                            else float(self.trained[s.start, s.end])) for s in stages]
-        memory = memory_per_device(sizes, [s.replicas for s in stages], self.c.microbatches,
+        """The stages with their exact memory per device (:func:`memory_per_device`), each
+        recomputing as its flag says."""
+        memory = memory_per_device(self.sizes(stages), [s.replicas for s in stages],
+                                   self.c.microbatches,
                                    schedule="1f1b" if self.c.train else "infer",
                                    optimizer_factor=self.c.optimizer_factor,
-                                   recompute=[self.c.recompute] * len(stages))
+                                   recompute=[s.recompute for s in stages])
         return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
+
+    def sizes(self, stages: Sequence[HybridStage]) -> list[StageBytes]:
+        """The stages' bytes for :mod:`~onnx_partition.pipeline.memory`."""
+        weights = self.params if self.weights is None else self.weights
+        return [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
+                           float(self.received[s.start, s.end]), float(self.sent[s.start, s.end]),
+                           None if self.trained is None else float(self.trained[s.start, s.end]))
+                for s in stages]
 
     def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:
         """Give devices the DP left unused to the slowest stages, while that helps."""
@@ -290,11 +315,18 @@ class _Tables:
             more = [r for r in self.choices if slow.replicas < r <= slow.replicas + spare]
             if not more:
                 break
-            wider = self.stage(slow.start, slow.end, more[-1])
+            wider = self.stage(slow.start, slow.end, more[-1], slow.recompute)
             if wider.period_ms >= slow.period_ms:
                 break
             spare -= wider.replicas - slow.replicas
             stages[k] = wider
+        if self.mode == "auto":  # the warm-ups moved: each stage keeps where that fits
+            flags = recompute_choice(self.sizes(stages), [s.replicas for s in stages],
+                                     self.c.microbatches, schedule="1f1b",
+                                     memory_bytes=self.c.memory_bytes,
+                                     optimizer_factor=self.c.optimizer_factor)
+            stages = [s if s.recompute == f else self.stage(s.start, s.end, s.replicas, f)
+                      for s, f in zip(stages, flags, strict=True)]
         return self.with_memory(stages)
 
 
@@ -364,11 +396,16 @@ class _Exact:
     ``<= tau`` and within memory, whose first stage has ``choices[c]`` replicas and 1F1B
     global warm-up ``w`` (``_INF``: none). ``end[q, i, c, w]`` is that first stage's end and
     ``after[q, i, c, w]`` the state ``c' * (M + 1) + w'`` of the suffix from that end it was
-    placed in front of (-1: none, the stage is last)."""
+    placed in front of (-1: none, the stage is last). With recomputation chosen per stage
+    (``keeps``, the micro-batches each stage may hold keeping its activations where its keep
+    period is within ``tau``, else -1), a stage recomputes exactly where keeping does not
+    fit: where its ``held[c][w]`` micro-batches exceed ``keeps``."""
 
     h: np.ndarray
     end: np.ndarray
     after: np.ndarray
+    held: Sequence[Sequence[int]] = ()
+    keeps: Sequence[np.ndarray] = ()  # per replica choice c: (n + 1) x (n + 1)
 
     def fewest(self, q: int) -> int:
         return int(self.h[q, 0].min())
@@ -381,14 +418,16 @@ class _Exact:
         stages, i = [], 0
         for left in range(q, 0, -1):
             j = int(self.end[left, i, c, w])
-            stages.append(tables.stage(i, j, tables.choices[c]))
+            flag = bool(self.keeps[c][i, j] < self.held[c][w]) if len(self.keeps) else None
+            stages.append(tables.stage(i, j, tables.choices[c], flag))
             if left > 1:
                 c, w = divmod(int(self.after[left, i, c, w]), w_count)
             i = j
         return stages
 
 
-def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> _Exact:
+def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray,
+                  capi_rc: np.ndarray | None = None) -> _Exact:
     """The exact DP over (position, depth, first stage's replicas, its warm-up).
 
     Under 1F1B a stage's memory depends on its own replica count and warm-up, and its warm-up
@@ -402,7 +441,16 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
                         of h[q-1, j, c', w'],   stage [i, j) on r_c within tau and memory
 
     ``capi[i, j]`` is how many micro-batches stage ``[i, j)`` may hold within memory. Exact:
-    every split of the sequence and every replica count of ``tables.choices``."""
+    every split of the sequence and every replica count of ``tables.choices``.
+
+    Recomputation per stage (``capi_rc``: the same recomputing, priced by
+    ``tables.period_rc``; AdaPipe, Sun et al. ASPLOS 2024, and Mist, Zhu et al. EuroSys 2025,
+    choose it inside the search): a stage's micro-batches in flight depend on replica counts
+    and warm-ups only, not on what it keeps, so the states are unchanged and a stage fits at
+    ``(c, w)`` iff it keeps within ``tau`` and memory or recomputes within both: per
+    ``(c, i, j)`` the most it may hold either way within ``tau`` is compared once with
+    ``held[c][w]``; it recomputes exactly where keeping does not fit (keeping is never
+    slower), recovered in :meth:`_Exact.stages`."""
     n, m = tables.n, tables.c.microbatches
     choices = tables.choices
     rc, wc = len(choices), m + 1
@@ -415,14 +463,20 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
     rows = np.arange(n + 1)
     # Each replica count's stages within tau, as bands: ok[c][i, k] for the stage [i, i+1+k)
     bands = []
+    keeps = []
     for c in range(rc):
         ok = tables.period[c] <= tau  # inf (i >= j) never
+        cap = capi
+        if capi_rc is not None and tables.period_rc is not None:
+            ok_rc = tables.period_rc[c] <= tau  # keep periods are never above these
+            keeps.append(np.where(ok, capi, -1))
+            cap = np.maximum(keeps[-1], np.where(ok_rc, capi_rc, -1))
         last = np.where(ok.any(axis=1), (n - np.argmax(ok[:, ::-1], axis=1)) - rows, 0)
         width = max(int(last.max()), 1)
         ends = rows[:, None] + 1 + np.arange(width)[None, :]
         inside = ends <= n
         ends = np.minimum(ends, n)
-        bands.append((ends, ok[rows[:, None], ends] & inside, capi[rows[:, None], ends]))
+        bands.append((ends, ok[rows[:, None], ends] & inside, cap[rows[:, None], ends]))
     # The warm-up transfer as one gather over rows of ``ext``: the suffix states (c', w'),
     # then per c' the best state of warm-up at least t (a stage in front of w' >= M - step
     # saturates at M), then a row of no plan. Row of target (c, w): (c', w - step) for w < M,
@@ -479,16 +533,17 @@ def _exact_fewest(tables: _Tables, tau: float, max_q: int, capi: np.ndarray) -> 
             h[q, :, c, live] = np.where(value < _INF, total, _INF)
             end[q, :, c, live] = at
             after[q, :, c, live] = np.take_along_axis(tail_arg[c, live], at, axis=1)
-    return _Exact(h, end, after)
+    return _Exact(h, end, after, held, keeps)
 
 
-def _held_caps(tables: _Tables, memory: float) -> np.ndarray:
+def _held_caps(tables: _Tables, memory: float, rebuilt: bool = False) -> np.ndarray:
     """capi[i, j]: the most micro-batches stage ``[i, j)`` may hold within ``memory`` per
-    device (-1: not even its weights fit), at most ``M``."""
+    device (-1: not even its weights fit), at most ``M``; ``rebuilt``: recomputing."""
     m = tables.c.microbatches
+    _, static, stash = tables.rebuilt if rebuilt else (None, tables.static, tables.stash)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        room = memory - tables.static
-        cap = np.where(tables.stash > 0, room / np.where(tables.stash > 0, tables.stash, 1.0),
+        room = memory - static
+        cap = np.where(stash > 0, room / np.where(stash > 0, stash, 1.0),
                        np.where(room >= 0, m, -1.0))
     cap = np.where(room < 0, -1.0, cap)
     return np.clip(np.floor(cap), -1, m).astype(np.int32)
@@ -519,6 +574,9 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                                        <= config.memory_bytes)):
         fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
     capi = _held_caps(tables, config.memory_bytes) if fits is None else None
+    # auto: every stage may recompute instead (not needed where nothing could overflow)
+    capi_rc = (_held_caps(tables, config.memory_bytes, rebuilt=True)
+               if capi is not None and tables.period_rc is not None else None)
     depths = [config.depth] if config.depth else list(range(1, max_q + 1))
     depths = [q for q in depths if q <= max_q]
 
@@ -535,11 +593,13 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
             if capi is None:
                 cache[tau] = fast(tau, fits)
             else:
-                exact = _exact_fewest(tables, tau, max_q, capi)
+                exact = _exact_fewest(tables, tau, max_q, capi, capi_rc)
                 cache[tau] = ([exact.fewest(q) for q in depths], exact)
         return cache[tau]
 
-    values = np.unique(tables.period[np.isfinite(tables.period)])
+    periods = [tables.period] + ([tables.period_rc] if tables.period_rc is not None
+                                 and capi_rc is not None else [])
+    values = np.unique(np.concatenate([p[np.isfinite(p)] for p in periods]))
     if not values.size or not depths:
         raise PartitionError(f"no plan fits: {config.depth} stages need {config.depth} "
                              f"positions and devices; the sequence has {n}, the cluster "
@@ -558,7 +618,8 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
         # suffix per device count checked in front of (its plans fit: where it suffices, so
         # does the exact DP, checked once below).
         low = {b: [-1, len(values) - 1] for b in budgets}
-        _bisect(low, values, lambda tau: fast(tau, capi >= 1)[0])
+        one = capi >= 1 if capi_rc is None else (capi >= 1) | (capi_rc >= 1)
+        _bisect(low, values, lambda tau: fast(tau, one)[0])
         high = {b: [-1, len(values) - 1] for b in budgets}
         _bisect(high, values, lambda tau: fast(tau, None)[0])
         for b, bracket in brackets.items():
@@ -614,15 +675,19 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
 
 
 def stage_memory(costs: SequenceCosts, config: HybridConfig,
-                 stages: Sequence[tuple[int, int, int]]) -> list[float]:
+                 stages: Sequence[tuple[int, int, int]],
+                 recompute: Sequence[bool] = ()) -> list[float]:
     """Bytes per device of a plan's stages ``(start, end, replicas)`` as the DP checks them:
-    its ``static + held * stash`` tables at ``[start, end)``, ``held`` 1F1B's (one in
+    its ``static + held * stash`` tables at ``[start, end)`` (the recomputing ones where
+    ``recompute`` flags a stage, else as ``config.recompute`` says), ``held`` 1F1B's (one in
     inference); the tests hold them to the stage files' count."""
     tables = _Tables(costs, config)
     held = peak_inflight("1f1b" if config.train else "infer", [r for _, _, r in stages],
                          config.microbatches)
-    return [float(device_bytes(tables.static[i, j], tables.stash[i, j], h))
-            for (i, j, _), h in zip(stages, held, strict=True)]
+    flags = list(recompute) or [tables.mode == "all"] * len(stages)
+    ways = [tables.keep, tables.rebuilt]
+    return [float(device_bytes(ways[f][1][i, j], ways[f][2][i, j], h))
+            for (i, j, _), h, f in zip(stages, held, flags, strict=True)]
 
 
 def _bisect(brackets: dict[int, list[int]], values: np.ndarray,
@@ -652,18 +717,24 @@ def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
                    costs: SequenceCosts) -> str:
     """Why nothing fits: the plan whose fullest device needs the least memory (the exact DP
     at every period, bisected on the memory per device), and each of its stages over the
-    limit: index, first and last operator, bytes over."""
+    limit: index, first and last operator, bytes over (each stage recomputing where that is
+    chosen per stage, ``auto``, and keeping does not fit)."""
     depths = [config.depth] if config.depth else list(range(1, max_q + 1))
-    top = float(np.nanmax(np.where(np.isfinite(tables.period), tables.period, np.nan)))
+    auto = tables.period_rc is not None
+    periods = tables.period_rc if tables.period_rc is not None else tables.period
+    top = float(np.nanmax(np.where(np.isfinite(periods), periods, np.nan)))
     # every figure a stage could need: static + held * stash for held 1..M
     held = np.arange(1, (config.microbatches if config.train else 1) + 1)
     valid = np.isfinite(tables.latency)
-    needs = np.unique(device_bytes(tables.static[valid][:, None],
-                                   tables.stash[valid][:, None], held[None, :]))
+    ways = [(tables.static, tables.stash)] + [tables.rebuilt[1:]] * auto
+    needs = np.unique(np.concatenate([
+        device_bytes(static[valid][:, None], stash[valid][:, None], held[None, :]).ravel()
+        for static, stash in ways]))
     needs = needs[needs > config.memory_bytes]
 
     def plan_within(memory: float) -> list[HybridStage] | None:
-        exact = _exact_fewest(tables, top, max_q, _held_caps(tables, memory))
+        exact = _exact_fewest(tables, top, max_q, _held_caps(tables, memory),
+                              _held_caps(tables, memory, rebuilt=True) if auto else None)
         fit = [(exact.fewest(q), q) for q in depths if exact.fewest(q) <= config.devices]
         return exact.stages(tables, min(fit)[1]) if fit else None
 
@@ -706,9 +777,13 @@ def _span_name(costs: SequenceCosts, lo: int, hi: int) -> str:
 
 
 def price_stages(costs: SequenceCosts, config: HybridConfig,
-                 spans: Sequence[tuple[int, int, int]]) -> list[HybridStage]:
+                 spans: Sequence[tuple[int, int, int]],
+                 recompute: Sequence[bool] = ()) -> list[HybridStage]:
     """Stages ``(start, end, replicas)`` of the sequence priced as the DP prices them, each with
     its memory per device (:func:`memory_per_device`): a plan found elsewhere, in the DP's
-    model."""
+    model; recomputing where ``recompute`` flags a stage (empty: as ``config.recompute``
+    says, ``all`` or none)."""
     tables = _Tables(costs, config)
-    return tables.with_memory([tables.stage(i, j, r) for i, j, r in spans])
+    flags: Sequence[bool | None] = list(recompute) or [None] * len(spans)
+    return tables.with_memory([tables.stage(i, j, r, f)
+                               for (i, j, r), f in zip(spans, flags, strict=True)])

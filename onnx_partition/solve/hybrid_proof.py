@@ -32,7 +32,7 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.hybrid import plan_hybrid, price_stages
-from onnx_partition.solve.planner import HYBRID_ORDERINGS, RECOMPUTED, DpSequence, dp_sequence
+from onnx_partition.solve.planner import HYBRID_ORDERINGS, DpSequence, dp_sequence
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 from onnx_partition.solve.search import sequence_for
@@ -66,11 +66,12 @@ class HybridProof:
     why not: ``"budget"`` (CP-SAT ran out; ``gap`` is ``(period_ms - lower_bound_ms) /
     period_ms`` with the bound of all compute over all devices), ``"size"`` (more than
     :data:`PROOF_CELLS` stage choices or :data:`PROOF_DEVICES` devices), ``"off"`` (budget 0),
-    ``"recompute"`` (every stage recomputes: the judge models none), ``"fleet"`` (mixed device
-    kinds), ``"none-fits"`` (no plan of the sequence fits without recomputation) or
+    ``"recompute"`` (a stage of the plan recomputes, or every stage may: the judge models no
+    recomputation), ``"fleet"`` (mixed device kinds), ``"none-fits"`` (no plan of the
+    sequence fits without recomputation) or
     ``"disagree"`` (CP-SAT found a smaller period than the DP's: a bug, said, never hidden).
     ``plan_period_ms``: the chosen plan's period in the same model, where its stages are
-    blocks of the sequence and none recomputes (None otherwise).
+    blocks of the sequence (None otherwise).
     """
 
     proven: bool
@@ -132,8 +133,8 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     the plan's ordering when the DP proposed it, else of the planner's first ordering."""
     if budget_s <= 0:
         return HybridProof(False, "off")
-    if run.train and run.recompute == "all":
-        return HybridProof(False, "recompute")
+    if run.train and (run.recompute == "all" or any(s.recompute for s in plan.costs.stages)):
+        return HybridProof(False, "recompute")  # the judge models no recomputation
     ordering = plan.source.partition(":")[2] if plan.source.startswith("dp") else ""
     ordering = ordering or HYBRID_ORDERINGS[0]
     devices = run.cluster.devices
@@ -150,8 +151,7 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     started = time.perf_counter()
     spans = plan_spans(sequence, plan.stage_of, plan.replicas)
     plan_ms = None
-    if spans is not None and RECOMPUTED not in plan.source and not any(
-            s.recompute for s in plan.costs.stages):
+    if spans is not None:
         priced = price_stages(sequence.costs, sequence.config, spans)
         plan_ms = max(s.period_ms for s in priced)
     try:

@@ -194,34 +194,25 @@ def dp_candidates(
     at = np.asarray(order, dtype=np.int64)  # converted once, not per proposal (100k nodes)
     return [Proposal(assign(at, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal],
-                     f"dp{RECOMPUTED if proposal[0].recompute else ''}:{ordering}")
+                     f"dp{RECOMPUTED if any(s.recompute for s in proposal) else ''}:{ordering}")
             for proposal in kept]
 
 
-#: The source tag of the hybrid DP's plans priced with recomputation (``dp+rc:ORDERING``).
+#: The source tag of the hybrid DP's plans with a stage the DP chose to recompute
+#: (``dp+rc:ORDERING``).
 RECOMPUTED = "+rc"
 
 
 def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec
               ) -> list[list[HybridStage]]:
-    """The hybrid DP's plans, and where ``run.recompute`` allows it and memory binds, the
-    plans of the same DP with every stage recomputing (which stages really recompute is then
-    chosen per stage where memory is checked, :func:`~.scoring.totals_costs`): ``all``
-    only those, ``auto`` both (a plan is kept only if one of its stages must recompute)."""
+    """The hybrid DP's plans, its stages recomputing as ``run.recompute`` says: ``all``
+    every stage, ``auto`` chosen per stage inside the DP where memory binds (a stage
+    recomputes exactly where keeping its activations does not fit), ``none`` never. Where
+    each proposal's stages really recompute is decided again where memory is checked
+    (:func:`~.scoring.totals_costs`), by the same rule."""
     if not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes):
         return plan_hybrid(seq, config)
-    plans: list[list[HybridStage]] = []
-    failed: PartitionError | None = None
-    for recompute in ((True,) if run.recompute == "all" else (False, True)):
-        try:
-            found = plan_hybrid(seq, replace(config, recompute=recompute))
-        except PartitionError as exc:  # nothing fits this way: the other may
-            failed = failed or exc
-            continue
-        plans += [[replace(s, recompute=recompute) for s in p] for p in found]
-    if not plans and failed is not None:
-        raise failed
-    return plans
+    return plan_hybrid(seq, replace(config, recompute=run.recompute))
 
 
 def grid_candidates(
@@ -396,9 +387,6 @@ class _Tournament:
                                                        proposal.stage_of, depth)
             costs, memory = totals_costs(self.totals[cut, depth], proposal.replicas, run)
             self.bounds[key] = None
-            if RECOMPUTED in proposal.source and run.recompute == "auto" and not any(
-                    s.recompute for s in costs.stages):
-                continue  # fits without recomputing: the plain DP's plans cover it
             if max(memory) <= run.cluster.memory_bytes:
                 bound = lower_bound_ms(costs, run.microbatches, run.train,
                                        split=run.schedule == "zb-h1")
