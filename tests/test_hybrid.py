@@ -279,3 +279,28 @@ def test_recompute_per_stage_matches_brute_force(n, devices, data):
         assert [s.period_ms for s in plan] == pytest.approx(
             [plan_stage(costs, config, s.start, s.end, s.replicas, s.recompute) for s in plan])
     assert max(s.period_ms for s in plans[0]) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_mixed_recompute_flags_beat_all_keep_and_all_recompute():
+    """Forward (4, 3, 4) ms, backward twice that, activations (4, 1, 4) B, no weights or
+    transfers, 6 B per device, 3 devices, 4 micro-batches. Best: [0, 2) on 2 replicas
+    recomputing, [2, 3) on 1 keeping. The last stage holds 1 micro-batch (4 B, keeps: 3 x 4 =
+    12 ms). The first, 2 replicas in front of 1, warms up 2 (boundary step max(2, 1)) and holds
+    ceil(3 / 2) = 2: keeping 2 x 5 = 10 B is over, recomputing 5 B + 2 x 0 fits, at
+    (3 + 1) x 7 = 28 ms per micro-batch, each replica taking 2 of 4: 14 ms. Keeping everywhere
+    nothing fits (a stage holding position 0 or 2 with more than one micro-batch in flight is
+    over 6 B); recomputing everywhere the last stage costs 16 ms, and every plan's bottleneck
+    is 16 ms, so two DP passes (all keep, all recompute) then flags per stage end at 16."""
+    costs = SequenceCosts([4.0, 3.0, 4.0], [8.0, 6.0, 8.0], [0.0] * 3, [4.0, 1.0, 4.0],
+                          [0.0] * 4)
+    config = HybridConfig(devices=3, memory_bytes=6.0, microbatches=4, train=True,
+                          recompute="auto")
+    best = plan_hybrid(costs, config)[0]
+    assert [(s.start, s.end, s.replicas, s.recompute, s.memory_bytes, s.period_ms)
+            for s in best] == [(0, 2, 2, True, 5.0, 14.0), (2, 3, 1, False, 4.0, 12.0)]
+    with pytest.raises(PartitionError, match="no plan fits"):
+        plan_hybrid(costs, replace(config, recompute="none"))
+    every = plan_hybrid(costs, replace(config, recompute="all"))
+    assert max(s.period_ms for s in every[0]) == 16.0
+    assert all(s.recompute for p in every for s in p)
+    assert brute(costs, config) == 14.0
