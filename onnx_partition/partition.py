@@ -403,10 +403,21 @@ def partition(
                              backward=shared["backward"])
     priced = device_model(device, costs, cluster, strict=strict_costs)
     kinds = None
-    if files is not None:
-        kinds, priced = price_kinds(graph, files, strict=strict_costs)
     aten = None
-    if mode == "train" and costs is None and device is not None and device.kind == "cuda":
+    kind_engines: dict[str, EngineTerms] | None = None
+    kind_grad_input: dict[str, list[float]] | None = None
+    if files is not None:
+        from onnx_partition.cost.kinds import kind_devices
+
+        kinds, priced = price_kinds(graph, files, strict=strict_costs, precision=precision,
+                                    model=Path(model) if mode == "train" else None)
+        aten = any(m.get("backward") for m in priced["kinds"].values())
+        if mode == "train":  # each kind's engine and ZB-H1 split, as one kind's plan has
+            devices = kind_devices(files, precision)
+            kind_engines = {k: engine_terms(files[k], devices[k], TRAIN_ASSUMPTIONS["optimizer"])
+                            for k in files}
+            kind_grad_input = {k: grad_input_ms(graph, kinds[k], files[k]) for k in files}
+    elif mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     on_gpu = device.kind == "cuda" if device is not None else (
         (cluster is not None and cluster.kind == "cuda")
@@ -435,7 +446,8 @@ def partition(
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
                                      grad_input=grad_input_ms(graph, node_costs, costs),
-                                     kinds=kinds, trainable=trainable,
+                                     kinds=kinds, kind_engines=kind_engines,
+                                     kind_grad_input=kind_grad_input, trainable=trainable,
                                      exact_budget_s=exact_budget_s,
                                      split_call_ms=split_call_ms(costs),
                                      action_ms=action_call_ms(costs, device),
@@ -458,7 +470,7 @@ def partition(
             else ANALYTIC_BACKWARD if aten else "estimated")
         price_engine(plan, costs=costs, device=device, tied=tied_bytes(
             [c.initializers for c in cuts], graph.initializer_bytes, trainable),
-            tensors=trainable_tensors(cuts, trainable))
+            tensors=trainable_tensors(cuts, trainable), kinds=kind_engines)
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
@@ -785,6 +797,8 @@ def plan_on_cluster(
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
     kinds: Mapping[str, NodeCosts] | None = None,
+    kind_engines: Mapping[str, EngineTerms] | None = None,
+    kind_grad_input: Mapping[str, Sequence[float]] | None = None,
     trainable: Collection[str] | None = None,
     exact_budget_s: float = EXACT_BUDGET_S,
     split_call_ms: float = 0.0,
@@ -843,7 +857,10 @@ def plan_on_cluster(
                       max_stages=max(16, num_stages or 0))
         best, per_ordering = plan_fleet(problem, arrays, {
             gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
-                           _per_unit([c.backward_ms[g] for g in nodes], members))
+                           _per_unit([c.backward_ms[g] for g in nodes], members),
+                           (kind_engines or {}).get(gpu),
+                           _per_unit([kind_grad_input[gpu][g] for g in nodes], members)
+                           if kind_grad_input is not None else [])
             for gpu, c in kinds.items()}, cluster, run)
         gpus = best.gpus
         proof = HybridProof(False, "fleet")

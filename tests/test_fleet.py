@@ -20,7 +20,12 @@ from support.problems import chain, dags
 
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
+from onnx_partition.cost.engine import EngineTerms
+from onnx_partition.cost.kinds import price_kinds
 from onnx_partition.errors import PartitionError
+from onnx_partition.graph import load
+from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import Plan, plan_text, read_plan
 from onnx_partition.plan.contracts import FLEET_FORMAT
 from onnx_partition.solve.fleet import (
@@ -347,3 +352,64 @@ def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
             in capsys.readouterr().err)
     one_error(capsys, [*base, "--force", "--costs", f"v100={cpu}", "--strict-costs"],
               "measured on cpu, not a GPU: its times may not fit it (--strict-costs)")
+
+
+# --------------------------------------------------------------------------- engine terms
+
+
+def terms(step_ms: float, hop_ms: float = 0.0) -> EngineTerms:
+    """Engine terms of a kind whose step takes ``step_ms`` and each hop ``hop_ms`` more."""
+    return EngineTerms(0.0, step_ms, 0.0, 0.0, hop_ms, {})
+
+
+def test_each_stage_is_scored_with_its_own_kinds_engine():
+    """The A100's step 1 ms, the V100's 5 ms and 0.5 ms per hop: a stage on the V100 steps in
+    5 ms, a stage over both kinds in the slower's 5, the boundary plays 0.5 ms more; the
+    simulated iteration is that of the costs with those hops (what ``simulate`` replays)."""
+    problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
+    fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
+    kinds = {"a100-80gb": KindCosts(fwd, bwd, terms(1.0)),
+             "v100": KindCosts([3 * f for f in fwd], [3 * b for b in bwd], terms(5.0, 0.5))}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2), GpuGroup("v100", 1, 2)),
+                  inter=Link(1.0, 0.01))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=4)
+    split = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
+                        place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
+    assert split is not None
+    assert [s.step_ms for s in split.costs.stages] == [1.0, 5.0]
+    played = replace(split.costs, send_ms=[s + 0.5 for s in split.costs.send_ms])
+    assert split.sim.iteration_ms == simulate(build("1f1b", [1, 1], 4), played).iteration_ms
+    both = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 0, 0], [[0, 2]], "x")
+    assert both is not None and both.gpus == ["a100-80gb+v100"]
+    assert both.costs.stages[0].step_ms == 5.0
+    best, families = plan_fleet(problem, arrays, kinds, fleet, run)
+    assert best.sim.iteration_ms == pytest.approx(
+        min(f["iteration_ms"] for f in families.values()), abs=1e-6)
+
+
+def test_a_fleet_train_plan_prints_the_figure_it_was_ranked_by(tmp_path, capsys):
+    """``partition --mode train`` on a fleet: the iteration printed and replayed by
+    ``simulate`` (with the engine's step, priced per kind) is the best candidate's figure."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "4096", "--cluster",
+                 str(write(tmp_path, A100_V100)), "-o", str(out), "--mode", "train",
+                 "--no-program"]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
+    assert all(x > 0 for x in plan.extra["simulator_costs"]["step_ms"])
+    assert main(["simulate", str(out)]) == 0
+    assert f"iteration of 8 micro-batches: {plan.predicted['iteration_ms']:.3f} ms" in \
+        capsys.readouterr().out
+
+
+def test_a_fleet_is_priced_in_the_plans_precision(tmp_path):
+    """``--precision bf16`` prices each kind's products at its half-precision peak, as one
+    kind's plan is (the V100's 125 TFLOP/s, not its 15.7 of fp32)."""
+    graph = load(save(CHAIN, tmp_path / "m.onnx"), batch_size=65536)
+    files = {"a100-80gb": None, "v100": None}
+    _, body = price_kinds(graph, files, precision="bf16")
+    assert [body["kinds"][k]["name"] for k in files] == ["a100-80gb:bf16", "v100:bf16"]
+    assert body["kinds"]["v100"]["peak_tflops"] == 125.0

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
+from onnx_partition.cost.engine import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
@@ -83,10 +84,16 @@ ALL_ORDERINGS = 4
 
 @dataclass(frozen=True)
 class KindCosts:
-    """Per node (the solvers' nodes), one GPU kind's forward and backward times."""
+    """Per node (the solvers' nodes), one GPU kind's forward and backward times; in training
+    also its engine's work (:func:`~onnx_partition.cost.engine.engine_terms` on that kind:
+    the step, accumulation, work per action and per hop that ``partition`` prices the plan
+    with after; None: not priced) and the input-gradient part of each backward (ZB-H1's;
+    empty: half)."""
 
     forward_ms: Sequence[float]
     backward_ms: Sequence[float]
+    engine: EngineTerms | None = None
+    backward_input_ms: Sequence[float] = ()
 
 
 @dataclass
@@ -386,8 +393,45 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     if any(mem > limit for mem, limit in zip(memory, limits)):
         return None
     replicas = [len(where) for where in placed]
-    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
+    played = costs
+    if run.train:
+        costs, played = _with_engine(costs, kinds, gpus, arrays, stage_of, sizes,
+                                     run.schedule, lambda values: per_stage(values).tolist())
+    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
     return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus)
+
+
+def _with_engine(costs: PipelineCosts, kinds: Mapping[str, KindCosts], gpus: Sequence[str],
+                 arrays: NodeArrays, stage_of: Sequence[int], sizes: Sequence[StageBytes],
+                 schedule: str, per_stage: Callable[[Sequence[float]], list[float]]
+                 ) -> tuple[PipelineCosts, PipelineCosts]:
+    """A train plan's costs with each stage's input-gradient time (its kinds' larger, where
+    every kind has them) and its engine's work on its own kinds
+    (:class:`~onnx_partition.cost.engine.FleetEngine`, where every kind has
+    :attr:`KindCosts.engine`), and the costs as simulated: each send plus its boundary's work
+    per hop (plan.json's sends are the links', as price_engine adds that after)."""
+    on = [gpu.split("+") for gpu in gpus]
+    stages = list(costs.stages)
+    if all(len(kinds[k].backward_input_ms) for ks in on for k in ks):
+        grad = {k: per_stage(kinds[k].backward_input_ms) for ks in on for k in ks}
+        stages = [replace(c, backward_input_ms=max(grad[k][i] for k in ks))
+                  for i, (c, ks) in enumerate(zip(stages, on))]
+    terms = [[kinds[k].engine for k in ks] for ks in on]
+    if not all(t is not None for ts in terms for t in ts):
+        return replace(costs, stages=stages), replace(costs, stages=stages)
+    s = len(stages)
+    tied, tensors = (arrays.stage_engine(stage_of, s) if arrays.counted  # as totals_costs
+                     else (None, None))
+    work = FleetEngine.of(terms, [size.params for size in sizes],  # type: ignore[arg-type]
+                          tied=None if tied is None else tied.tolist(),
+                          tensors=None if tensors is None or not len(arrays.trainable_tensors)
+                          else [int(n) for n in tensors], split=schedule == "zb-h1")
+    stages = [replace(c, step_ms=work.step_ms[i], accumulate_ms=work.accumulate_ms[i],
+                      split_ms=work.split_ms[i], action_ms=work.action_ms[i])
+              for i, c in enumerate(stages)]
+    priced = replace(costs, stages=stages)
+    return priced, replace(priced, send_ms=[x + h for x, h in zip(costs.send_ms,
+                                                                  work.hop_ms)])
 
 
 # --------------------------------------------------------------------------- the planner
@@ -429,7 +473,8 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
                  ) -> tuple[DagProblem, NodeArrays]:
     """The problem and node arrays priced on one kind (for the one-kind planner)."""
     return (problem.reweighted(costs.forward_ms, problem.nbytes),
-            replace(arrays, backward_ms=list(costs.backward_ms), backward_input_ms=()))
+            replace(arrays, backward_ms=list(costs.backward_ms),
+                    backward_input_ms=list(costs.backward_input_ms)))
 
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
@@ -484,9 +529,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     if alone:
         for g, group in enumerate(fleet.groups):
             sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
-            sub_run = RunSpec(group.cluster(fleet.inter), train=run.train,
-                              microbatches=run.microbatches,
-                              optimizer_factor=run.optimizer_factor, max_stages=run.max_stages)
+            sub_run = replace(run, cluster=group.cluster(fleet.inter),
+                              engine=kinds[group.gpu].engine)
             try:
                 alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
             except PartitionError:
@@ -560,12 +604,18 @@ def _group_moves(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
 
 def slowest_costs(kinds: Mapping[str, KindCosts]) -> KindCosts:
     """Every node at its slowest kind's times (node by node: the slowest GPU where one GPU is
-    slower at everything, as a V100 beside an A100)."""
+    slower at everything, as a V100 beside an A100), with the engine of the kind of most
+    work."""
     table = list(kinds.values())
+    slowest = max(table, key=lambda c: float(sum(c.forward_ms) + sum(c.backward_ms)))
     return KindCosts([max(c.forward_ms[v] for c in table) for v in
                       range(len(table[0].forward_ms))],
                      [max(c.backward_ms[v] for c in table) for v in
-                      range(len(table[0].backward_ms))])
+                      range(len(table[0].backward_ms))],
+                     slowest.engine,  # the engine of the kind of most work
+                     [max(c.backward_input_ms[v] for c in table) for v in
+                      range(len(table[0].backward_input_ms))]
+                     if all(len(c.backward_input_ms) for c in table) else [])
 
 
 def slowest_cluster(fleet: Fleet) -> Cluster:
@@ -593,9 +643,8 @@ def as_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
 
     cluster = slowest_cluster(fleet)
     sub_problem, sub_arrays = kind_problem(problem, arrays, slowest_costs(kinds))
-    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
-        cluster, train=run.train, microbatches=run.microbatches,
-        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    plan, _ = plan_cluster(sub_problem, sub_arrays, replace(run, cluster=cluster,
+                                                            engine=slowest_costs(kinds).engine))
     return plan, cluster
 
 
@@ -611,8 +660,8 @@ def fastest_alone(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, K
         return float(total) / fleet.groups[g].devices
 
     g = min(range(len(fleet.groups)), key=work)
-    sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[fleet.groups[g].gpu])
-    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
-        fleet.groups[g].cluster(fleet.inter), train=run.train, microbatches=run.microbatches,
-        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    gpu = fleet.groups[g].gpu
+    sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[gpu])
+    plan, _ = plan_cluster(sub_problem, sub_arrays, replace(
+        run, cluster=fleet.groups[g].cluster(fleet.inter), engine=kinds[gpu].engine))
     return plan
