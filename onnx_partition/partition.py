@@ -811,7 +811,9 @@ def plan_on_cluster(
     the first on a tie), stages recomputing per ``recompute`` (chosen per stage where memory
     is checked, :func:`~onnx_partition.solve.scoring.totals_costs`). A fleet's plan
     (``kinds``: per GPU kind, every node's costs) comes from
-    :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
+    :func:`~onnx_partition.solve.fleet.plan_fleet` (for each of ``schedules``, its stages
+    recomputing per ``recompute`` each against its kind's memory, each stage's engine work on
+    its own kind: ``kind_engines``, and ZB-H1's split by ``kind_grad_input``) and names each
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
     :func:`plan_stages`), the count plain pipelines state and the one the planner checks
     (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
@@ -823,8 +825,7 @@ def plan_on_cluster(
     ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
     work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
-    figure with. Without ``engine`` (and on a fleet, whose candidates are scored without
-    them) a ZB-H1 plan is run under 1F1B where that is faster on its split with
+    figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that is faster on its split with
     ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
     chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
@@ -854,14 +855,17 @@ def plan_on_cluster(
                                  "fleet's planner chooses it: drop --stages")
         assert kinds is not None
         run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
-                      max_stages=max(16, num_stages or 0))
+                      max_stages=max(16, num_stages or 0),
+                      recompute=recompute if mode == "train" else "none")
         best, per_ordering = plan_fleet(problem, arrays, {
             gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
                            _per_unit([c.backward_ms[g] for g in nodes], members),
                            (kind_engines or {}).get(gpu),
                            _per_unit([kind_grad_input[gpu][g] for g in nodes], members)
                            if kind_grad_input is not None else [])
-            for gpu, c in kinds.items()}, cluster, run)
+            for gpu, c in kinds.items()}, cluster, run,
+            schedules=schedules if mode == "train" else ())
+        run = replace(run, train_schedule=best.schedule) if mode == "train" else run
         gpus = best.gpus
         proof = HybridProof(False, "fleet")
     else:
@@ -927,7 +931,8 @@ def plan_on_cluster(
                      schedules=(("zb-h1", "1f1b") if run.schedule == "zb-h1"
                                 and "1f1b" in schedules
                                 and (split_call_ms > 0 or action_ms > 0)
-                                and run.engine is None  # else the planner weighed both
+                                and run.engine is None and gpus is None  # else the
+                                # planner weighed both (a fleet's with each kind's engine)
                                 else (run.schedule,)),
                      recomputed=recomputed, split_call_ms=split_call_ms, action_ms=action_ms,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])

@@ -413,3 +413,27 @@ def test_a_fleet_is_priced_in_the_plans_precision(tmp_path):
     _, body = price_kinds(graph, files, precision="bf16")
     assert [body["kinds"][k]["name"] for k in files] == ["a100-80gb:bf16", "v100:bf16"]
     assert body["kinds"]["v100"]["peak_tflops"] == 125.0
+
+
+@pytest.mark.parametrize(("option", "schedule", "recomputed"), [
+    (["--schedule", "zb-h1"], "zb-h1", None),
+    (["--recompute", "all"], "1f1b", True),
+])
+def test_a_fleet_plans_the_schedule_and_recomputation_asked(tmp_path, capsys, option,
+                                                           schedule, recomputed):
+    """``--schedule zb-h1`` and ``--recompute all`` shape a fleet's plan as they do one kind's
+    (they were dropped: a 1F1B plan keeping every activation), its figure still the one it
+    was ranked by."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "65536", "--cluster",
+                 str(write(tmp_path, A100_V100)), "-o", str(out), "--mode", "train",
+                 "--no-program", *option]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    assert plan.extra["schedule"] == schedule
+    assert all(s.recompute is recomputed for s in plan.stages)
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
+    if schedule == "zb-h1":
+        assert "backward_input_ms" in plan.extra["simulator_costs"]

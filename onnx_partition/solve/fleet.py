@@ -55,6 +55,7 @@ from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
+    recompute_choice,
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
@@ -102,6 +103,7 @@ class FleetPlan(HybridPlan):
     ``gpus[k]`` (``a+b``: replicas on two kinds, only in the "as slowest" baseline's plan)."""
 
     gpus: list[str] = field(default_factory=list)
+    schedule: str = "1f1b"  # the schedule it was scored under (RunSpec.schedule)
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,8 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
                       for mb in range(min(run.microbatches, math.lcm(len(here), len(there)))))
         link = fleet.inter if crosses else fleet.groups[group(here[0])].intra
         send.append(b / link.bytes_per_ms + link.latency_ms)
+    limits = [min(fleet.groups[g].memory for g in gs) * 1e9 for gs in stage_groups]
+    flags = _recomputed(sizes, replicas, limits, run)
     stages = []
     for k, where in enumerate(placed):
         one = len({machine(d) for d in where}) == 1
@@ -357,13 +361,25 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             max(float(per_kind_fwd[g][k]) for g in kinds[k]),
             max(float(per_kind_bwd[g][k]) for g in kinds[k]) if run.train else 0.0,
             len(where), allreduce, stash_bytes(sizes[k]),
-            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
+            recompute=flags[k], input_bytes=sizes[k].received))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
-                               optimizer_factor=run.optimizer_factor)
+                               optimizer_factor=run.optimizer_factor, recompute=flags)
     devices = [[fleet.device_name(group(d), d - starts[group(d)]) for d in where]
                for where in placed]
-    limits = [min(fleet.groups[g].memory for g in gs) * 1e9 for gs in stage_groups]
     return PipelineCosts(stages, send), memory, devices, ["+".join(k) for k in kinds], limits
+
+
+def _recomputed(sizes: Sequence[StageBytes], replicas: Sequence[int],
+                limits: Sequence[float], run: RunSpec) -> list[bool]:
+    """Which stages recompute under ``run.recompute``
+    (:func:`~onnx_partition.pipeline.memory.recompute_choice`), each against its own kind's
+    memory ``limits[k]``."""
+    chosen = {limit: recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
+                                      memory_bytes=limit, mode=run.recompute,
+                                      optimizer_factor=run.optimizer_factor)
+              for limit in set(limits)}
+    return [chosen[limit][k] for k, limit in enumerate(limits)]
 
 
 def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
@@ -398,7 +414,8 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
         costs, played = _with_engine(costs, kinds, gpus, arrays, stage_of, sizes,
                                      run.schedule, lambda values: per_stage(values).tolist())
     sim = simulate(build(run.schedule, replicas, run.microbatches), played)
-    return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus)
+    return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus,
+                     schedule=run.schedule)
 
 
 def _with_engine(costs: PipelineCosts, kinds: Mapping[str, KindCosts], gpus: Sequence[str],
@@ -479,7 +496,7 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs", "topo"),
-               alone: bool = True, slowest: bool = True
+               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = ()
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
     family its best ``iteration_ms`` on the fleet (``as-slowest`` also ``planned_ms``, its
@@ -487,9 +504,15 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     each group's GPU; ``alone``: also plan each group by itself with the one-kind planner (the
     baseline "only the fastest group" among them); ``slowest``: also the one-kind plan of
     every device as the slowest kind (:func:`as_slowest`), placed on the fleet's devices in
-    file order (there a stage may hold replicas of two kinds, priced at the slower)."""
+    file order (there a stage may hold replicas of two kinds, priced at the slower). A train
+    plan is planned for each of ``schedules`` (none: ``run``'s), every candidate scored under
+    each (the DP's splits do not depend on it) and the fastest kept, the first schedule on a
+    tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
+    its own kind's memory (the DP itself places stages that fit without)."""
     from onnx_partition.solve.planner import plan_cluster
 
+    runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
+            ] if run.train else [run]
     work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
             for gpu, c in kinds.items()}
     speed = [1.0 / max(work[g.gpu], 1e-12) for g in fleet.groups]
@@ -503,7 +526,7 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
-    dp_plans: list[tuple[FleetPlan, list[int]]] = []  # with each stage's group
+    dp_plans: list[tuple[FleetPlan, list[int], RunSpec]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
         sequences.setdefault(tuple(sequence_for(problem, name)), name)
@@ -516,48 +539,58 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                     continue
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
-                scored = score_fleet(problem, arrays, kinds, fleet, run, stage_of,
-                                     place_on_groups(fleet, groups, [s[3] for s in stages]),
-                                     f"fleet:{name}")
-                weigh(scored, f"fleet:{name}")
-                if scored is not None:
-                    dp_plans.append((scored, groups))
+                placed = place_on_groups(fleet, groups, [s[3] for s in stages])
+                for each in runs:
+                    scored = score_fleet(problem, arrays, kinds, fleet, each, stage_of, placed,
+                                         f"fleet:{name}")
+                    weigh(scored, f"fleet:{name}")
+                    if scored is not None:
+                        dp_plans.append((scored, groups, each))
     # the best DP plan's replica counts, hill-climbed on the simulated iteration itself
     if dp_plans:
-        plan, groups = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
-        weigh(polish_fleet(problem, arrays, kinds, fleet, run, plan, groups), plan.source)
-    if alone:
-        for g, group in enumerate(fleet.groups):
-            sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
-            sub_run = replace(run, cluster=group.cluster(fleet.inter),
-                              engine=kinds[group.gpu].engine)
-            try:
-                alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
-            except PartitionError:
-                continue
-            placed = place_on_groups(fleet, [g] * alone_plan.num_stages, alone_plan.replicas)
-            weigh(score_fleet(problem, arrays, kinds, fleet, run, alone_plan.stage_of, placed,
-                              f"alone:{group.gpu}"), f"alone:{group.gpu}")
-    if slowest:
-        try:
-            uniform = as_slowest(problem, arrays, kinds, fleet, run)
-        except PartitionError:
-            uniform = None
-        if uniform is not None:
-            # the same devices in file order: never slower than there (each of its stages
-            # at its own devices' kinds, memory no smaller, links no slower: the same
-            # machines, or each device its own machine and no machine link below inter)
-            weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
-                              uniform[1].place(uniform[0].replicas), "as-slowest"),
-                  "as-slowest")
-            # and what the one-kind planner predicted for it there (the baseline's figure)
-            families.setdefault("as-slowest", {})["planned_ms"] = round(
-                uniform[0].sim.iteration_ms, 6)
+        plan, groups, each = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
+        weigh(polish_fleet(problem, arrays, kinds, fleet, each, plan, groups), plan.source)
+    for each in runs:
+        if alone:
+            for g, group in enumerate(fleet.groups):
+                sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
+                sub_run = replace(each, cluster=group.cluster(fleet.inter),
+                                  engine=kinds[group.gpu].engine)
+                try:
+                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
+                except PartitionError:
+                    continue
+                placed = place_on_groups(fleet, [g] * alone_plan.num_stages,
+                                         alone_plan.replicas)
+                weigh(score_fleet(problem, arrays, kinds, fleet, each, alone_plan.stage_of,
+                                  placed, f"alone:{group.gpu}"), f"alone:{group.gpu}")
+        if slowest:
+            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families)
     if not candidates:
         raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
                              "any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
+
+
+def _weigh_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+                   fleet: Fleet, run: RunSpec, weigh: Callable[[FleetPlan | None, str], None],
+                   families: dict[str, dict[str, float]]) -> None:
+    """The "as slowest" candidate (:func:`as_slowest`) under ``run``, and its ``planned_ms``
+    (the least over the schedules weighed)."""
+    try:
+        uniform = as_slowest(problem, arrays, kinds, fleet, run)
+    except PartitionError:
+        return
+    # the same devices in file order: never slower than there (each of its stages at its own
+    # devices' kinds, memory no smaller, links no slower: the same machines, or each device
+    # its own machine and no machine link below inter)
+    weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
+                      uniform[1].place(uniform[0].replicas), "as-slowest"), "as-slowest")
+    # and what the one-kind planner predicted for it there (the baseline's figure)
+    family = families.setdefault("as-slowest", {})
+    family["planned_ms"] = round(min(family.get("planned_ms", math.inf),
+                                     uniform[0].sim.iteration_ms), 6)
 
 
 def polish_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
