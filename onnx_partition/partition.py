@@ -825,8 +825,8 @@ def plan_on_cluster(
     ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
     work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
-    figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that is faster on its split with
-    ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
+    figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that
+    is faster on its split with ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
     chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
