@@ -826,8 +826,9 @@ def plan_on_cluster(
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
     work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
     figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that
-    is faster on its split with ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
-    chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
+    is faster on its split with ``split_call_ms`` per weight group and ``action_ms`` per
+    action (as :func:`plan_stages` chooses; 1F1B holds no more micro-batches than ZB-H1, so it
+    fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
     link = cluster.intra
