@@ -437,3 +437,12 @@ def test_a_fleet_plans_the_schedule_and_recomputation_asked(tmp_path, capsys, op
     assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
     if schedule == "zb-h1":
         assert "backward_input_ms" in plan.extra["simulator_costs"]
+
+
+def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    tiny = {**A100_V100, "groups": [{**g, "memory_gb": 1e-9} for g in A100_V100["groups"]]}
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--mode", "train",
+                       "--no-program", "--cluster", str(write(tmp_path, tiny)),
+                       "-o", str(tmp_path / "o")],
+              "no plan fits the fleet's memory under 1f1b or zb-h1: no stage of the model")

@@ -567,8 +567,9 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
         if slowest:
             _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families)
     if not candidates:
-        raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
-                             "any group's devices")
+        under = f" under {' or '.join(r.schedule for r in runs)}" if run.train else ""
+        raise PartitionError(f"no plan fits the fleet's memory{under}: no stage of the model "
+                             "fits any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
 
