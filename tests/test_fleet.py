@@ -24,6 +24,7 @@ from onnx_partition.cost.engine import EngineTerms
 from onnx_partition.cost.kinds import price_kinds
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
+from onnx_partition.pipeline.schedules import PLANNED_NAMES as PLANNED
 from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import Plan, plan_text, read_plan
@@ -238,26 +239,34 @@ def test_a_faster_kind_gets_the_longer_stage():
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=dags(max_nodes=7), fast=st.integers(1, 3), slow=st.integers(1, 3),
        ratio=st.floats(1.0, 4.0), train=st.booleans(),
-       inter=st.sampled_from([0.05, 1.0]), memory=st.sampled_from([None, 0.2]))
+       inter=st.sampled_from([0.05, 1.0]), memory=st.sampled_from([None, 0.2]),
+       engine=st.sampled_from([None, (0.3, 0.05)]), schedules=st.sampled_from([(), PLANNED]))
 def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, ratio, train,
-                                                             inter, memory):
+                                                             inter, memory, engine, schedules):
     """Only the fastest group, or every device as the slowest kind: the fleet's plan is at
-    least as fast as both (links between machines no faster than inside one)."""
+    least as fast as both (links between machines no faster than inside one), also with each
+    kind's engine work (the slower kind's ``ratio`` times more) and over several schedules."""
     problem, arrays = case
     fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
-    kinds = {"a100-80gb": KindCosts(fwd, bwd),
-             "v100": KindCosts([f * ratio for f in fwd], [b * ratio for b in bwd])}
+    fast_engine, slow_engine = ((terms(engine[0], engine[1]),
+                                 terms(engine[0] * ratio, engine[1] * ratio))
+                                if engine else (None, None))
+    kinds = {"a100-80gb": KindCosts(fwd, bwd, fast_engine),
+             "v100": KindCosts([f * ratio for f in fwd], [b * ratio for b in bwd],
+                               slow_engine)}
     fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, fast, memory, Link(10.0, 0.01)),
                           GpuGroup("v100", 1, slow, memory, Link(5.0, 0.01))),
                   inter=Link(inter, 0.02))
     run = RunSpec(fleet.clusters[0], train=train, microbatches=4)
     baselines = []
-    for baseline in (lambda: fastest_alone(problem, arrays, kinds, fleet, run),
-                     lambda: as_slowest(problem, arrays, kinds, fleet, run)[0]):
+    for name in schedules or ("1f1b",):
+        each = replace(run, train_schedule=name)
         with contextlib.suppress(PartitionError):
-            baselines.append(baseline().sim.iteration_ms)
+            baselines.append(fastest_alone(problem, arrays, kinds, fleet, each).sim.iteration_ms)
+        with contextlib.suppress(PartitionError):
+            baselines.append(as_slowest(problem, arrays, kinds, fleet, each)[0].sim.iteration_ms)
     try:
-        best, families = plan_fleet(problem, arrays, kinds, fleet, run)
+        best, families = plan_fleet(problem, arrays, kinds, fleet, run, schedules=schedules)
     except PartitionError:
         assert not baselines  # nothing fits anywhere
         return
