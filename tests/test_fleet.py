@@ -42,7 +42,8 @@ from onnx_partition.solve.fleet import (
     stage_period,
 )
 from onnx_partition.solve.hybrid import replica_choices
-from onnx_partition.solve.scoring import RunSpec
+from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import NodeArrays, RunSpec
 
 A100_V100 = {
     "format": FLEET_FORMAT, "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
@@ -276,14 +277,28 @@ def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, r
                                                    for f in families.values()), abs=1e-6)
 
 
-def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+def terms(step_ms: float, hop_ms: float = 0.0) -> EngineTerms:
+    """Engine terms of a kind whose step takes ``step_ms`` and each hop ``hop_ms`` more."""
+    return EngineTerms(0.0, step_ms, 0.0, 0.0, hop_ms, {})
+
+
+def chain_on_two_kinds(a100s: int, microbatches: int, fast: EngineTerms | None = None,
+                       slow: EngineTerms | None = None
+                       ) -> tuple[DagProblem, NodeArrays, dict[str, KindCosts], Fleet, RunSpec]:
+    """A four-node chain (4, 4, 1, 1 ms) on ``a100s`` A100s and two V100s 3x slower, in
+    training; ``fast`` and ``slow``: the kinds' engine terms."""
     problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
-    kinds = {"a100-80gb": KindCosts(list(problem.compute_ms), list(arrays.backward_ms)),
-             "v100": KindCosts([3 * c for c in problem.compute_ms],
-                               [3 * b for b in arrays.backward_ms])}
-    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 3), GpuGroup("v100", 1, 2)),
+    fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
+    kinds = {"a100-80gb": KindCosts(fwd, bwd, fast),
+             "v100": KindCosts([3 * f for f in fwd], [3 * b for b in bwd], slow)}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, a100s), GpuGroup("v100", 1, 2)),
                   inter=Link(1.0, 0.01))
-    run = RunSpec(fleet.clusters[0], train=True, microbatches=6)
+    return problem, arrays, kinds, fleet, RunSpec(fleet.clusters[0], train=True,
+                                                  microbatches=microbatches)
+
+
+def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+    problem, arrays, kinds, fleet, run = chain_on_two_kinds(3, 6)
     start = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
                         place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
     assert start is not None
@@ -366,22 +381,11 @@ def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
 # --------------------------------------------------------------------------- engine terms
 
 
-def terms(step_ms: float, hop_ms: float = 0.0) -> EngineTerms:
-    """Engine terms of a kind whose step takes ``step_ms`` and each hop ``hop_ms`` more."""
-    return EngineTerms(0.0, step_ms, 0.0, 0.0, hop_ms, {})
-
-
 def test_each_stage_is_scored_with_its_own_kinds_engine():
     """The A100's step 1 ms, the V100's 5 ms and 0.5 ms per hop: a stage on the V100 steps in
     5 ms, a stage over both kinds in the slower's 5, the boundary plays 0.5 ms more; the
     simulated iteration is that of the costs with those hops (what ``simulate`` replays)."""
-    problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
-    fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
-    kinds = {"a100-80gb": KindCosts(fwd, bwd, terms(1.0)),
-             "v100": KindCosts([3 * f for f in fwd], [3 * b for b in bwd], terms(5.0, 0.5))}
-    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2), GpuGroup("v100", 1, 2)),
-                  inter=Link(1.0, 0.01))
-    run = RunSpec(fleet.clusters[0], train=True, microbatches=4)
+    problem, arrays, kinds, fleet, run = chain_on_two_kinds(2, 4, terms(1.0), terms(5.0, 0.5))
     split = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
                         place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
     assert split is not None
