@@ -12,18 +12,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cli import one_error
 from support.graphs import CHAIN, save
 from support.problems import chain, dags
 
+from onnx_partition import export
 from onnx_partition.cli import main
+from onnx_partition.cost.aten import ANALYTIC_BACKWARD, backward_per_node
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
+from onnx_partition.cost.devices import gpu
 from onnx_partition.cost.engine import EngineTerms
 from onnx_partition.cost.kinds import price_kinds
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
+from onnx_partition.partition import partition
 from onnx_partition.pipeline.schedules import PLANNED_NAMES as PLANNED
 from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import simulate
@@ -459,3 +464,26 @@ def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
                        "--no-program", "--cluster", str(write(tmp_path, tiny)),
                        "-o", str(tmp_path / "o")],
               "no plan fits the fleet's memory under 1f1b or zb-h1: no stage of the model")
+
+
+def test_a_fleet_train_plan_prices_each_kinds_backward_per_aten_op(tmp_path):
+    """With the program beside the model, each kind's backward is the aten ops' roofline on
+    that kind (as one kind's train plan is priced), not the forward's estimate: each stage's
+    backward is its kinds' larger sum over its nodes."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    model = export(module, (torch.randn(2, 8),), tmp_path / "block.onnx", input_names=["x"])
+    plan = partition(model, None, tmp_path / "plan", batch_size=4, mode="train",
+                     cluster=load_cluster(write(tmp_path, A100_V100)))
+    assert plan.extra["costs"]["backward"] == ANALYTIC_BACKWARD
+    graph = load(model, batch_size=4)
+    index = {n.key: n.index for n in graph.nodes}
+    per_kind = {k: backward_per_node(graph, model.with_suffix(".pt2"), gpu(k))
+                for k in ("a100-80gb", "v100")}
+    for stage in plan.stages:
+        expected = max(sum(per_kind[k][index[n]] for n in stage.nodes
+                           if not graph.nodes[index[n]].free)
+                       for k in str(stage.gpu).split("+"))
+        assert stage.predicted is not None
+        assert stage.predicted.backward_ms == pytest.approx(expected, abs=1e-6)
