@@ -413,7 +413,8 @@ def partition(
                                     model=Path(model) if mode == "train" else None)
         aten = any(m.get("backward") for m in priced["kinds"].values())
         if mode == "train":  # each kind's engine and ZB-H1 split, as one kind's plan has
-            devices = kind_devices(files, precision)
+            devices = kind_devices(dict.fromkeys(files), precision)  # each kind's GPU, also
+            # where a costs file prices its nodes: the step's bandwidth, unless it measured one
             kind_engines = {k: engine_terms(files[k], devices[k], TRAIN_ASSUMPTIONS["optimizer"])
                             for k in files}
             kind_grad_input = {k: grad_input_ms(graph, kinds[k], files[k]) for k in files}

@@ -487,3 +487,20 @@ def test_a_fleet_train_plan_prices_each_kinds_backward_per_aten_op(tmp_path):
                        for k in str(stage.gpu).split("+"))
         assert stage.predicted is not None
         assert stage.predicted.backward_ms == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_kind_priced_by_a_costs_file_steps_at_its_own_gpus_bandwidth(tmp_path, capsys):
+    """A costs file without an ``engine`` leaves the optimizer step analytic: on the V100's
+    900 GB/s for the group whose gpu keys it, not the default GPU's."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    costs = write(tmp_path, {"format": "onnx-partition/costs@1", "unit": "ms",
+                             "device": "cuda:0", "nodes": {
+                                 k: {"forward_ms": 1.0} for k in "abdef"}}, "v.json")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "2", "--mode", "train",
+                 "--no-program", "--cluster", str(write(tmp_path, A100_V100)), "-o", str(out),
+                 "--costs", f"v100={costs}"]) == 0
+    capsys.readouterr()
+    said = read_plan(out).extra["engine_costs"]["step_ms"]
+    assert "v100: analytic: 28 B per parameter (adamw) at 900 GB/s (v100:fp32)" in said
+    assert "a100-80gb: analytic: 28 B per parameter (adamw) at 2039 GB/s" in said
