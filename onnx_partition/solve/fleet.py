@@ -36,7 +36,10 @@ then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-ki
 the one-kind plan of every device as the slowest kind (:func:`as_slowest`) are simulated on
 the fleet (:func:`fleet_costs`: each stage's times on its kind, each transfer and all-reduce
 on the link it crosses once placed) and the fastest wins; the last makes it never slower than
-that baseline (the same schedule, no action longer, no link slower).
+that baseline (the same schedule, no action longer, no link slower). A train candidate is
+scored under each schedule asked, with each stage's engine work (step, accumulation, work per
+action and per hop: :class:`~onnx_partition.cost.engine.FleetEngine`) on its own kind, the
+figure ``partition`` then prints.
 """
 
 from __future__ import annotations
