@@ -143,7 +143,7 @@ def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
 
 
 def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
-                ordering: tuple[int, ...]) -> float:
+                ordering: tuple[int, ...], recompute: bool = False) -> float:
     """The least bottleneck over every split, group assignment along ``ordering`` (each group
     one run of stages or none) and replica counts, by enumeration."""
     n, best = seq.n, math.inf
@@ -165,7 +165,8 @@ def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
                         fleet.groups[g].intra if pos[k - 1] == pos[k] else fleet.inter)
                     leave = None if k == len(spans) - 1 else (
                         fleet.groups[g].intra if pos[k + 1] == pos[k] else fleet.inter)
-                    worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+                    worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave,
+                                                    recompute=recompute))
                 best = min(best, worst)
     return best
 
@@ -202,9 +203,10 @@ def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]
 @pytest.mark.parametrize("seed", range(80))
 def test_the_fleet_dp_is_exact_against_brute_force(seed):
     seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
+    recompute = seed % 4 == 3  # every stage recomputing (its own memory and forward again)
     for ordering in [(0, 1), (1, 0)]:
-        value, stages = fleet_dp(seq, fleet, run, ordering)
-        expected = brute_force(seq, fleet, run, ordering)
+        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute)
+        expected = brute_force(seq, fleet, run, ordering, recompute)
         if math.isinf(expected):
             assert math.isinf(value) and stages == []
             continue
@@ -220,7 +222,8 @@ def test_the_fleet_dp_is_exact_against_brute_force(seed):
                 fleet.groups[g].intra if stages[k - 1][2] == g else fleet.inter)
             leave = None if k == len(stages) - 1 else (
                 fleet.groups[g].intra if stages[k + 1][2] == g else fleet.inter)
-            periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+            periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave,
+                                        recompute=recompute))
         assert max(periods) == pytest.approx(value, rel=1e-9)
 
 
@@ -504,3 +507,21 @@ def test_a_kind_priced_by_a_costs_file_steps_at_its_own_gpus_bandwidth(tmp_path,
     said = read_plan(out).extra["engine_costs"]["step_ms"]
     assert "v100: analytic: 28 B per parameter (adamw) at 900 GB/s (v100:fp32)" in said
     assert "a100-80gb: analytic: 28 B per parameter (adamw) at 2039 GB/s" in said
+
+
+def test_under_recompute_all_the_fleet_dp_also_splits_for_the_recomputed_times():
+    """``--recompute all``: every stage runs its forward twice, which moves the best split
+    (the backward here is not proportional to the forward). The DP also splits for those
+    times and memory, so the plan is 46.2925 ms; split as if keeping activations: 49.042."""
+    problem, arrays = chain([2.0, 4.0, 1.0, 1.0], [0.0, 500.0, 0.0, 500.0], 1000.0)
+    fwd, bwd = list(problem.compute_ms), [8.0, 2.0, 1.0, 0.5]
+    kinds = {"a100-80gb": KindCosts(fwd, bwd),
+             "v100": KindCosts([1.5 * f for f in fwd], [1.5 * b for b in bwd])}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2, 2e-5, Link(1.0, 0.01)),
+                          GpuGroup("v100", 1, 2, 2e-5, Link(1.0, 0.01))),
+                  inter=Link(1.0, 0.01))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=4, recompute="all")
+    best, _ = plan_fleet(problem, arrays, kinds, fleet, run, alone=False, slowest=False)
+    assert best.sim.iteration_ms == pytest.approx(46.2925, abs=1e-6)
+    assert all(s.recompute for s in best.costs.stages)
+    assert all(m <= 2e4 for m in best.memory_bytes)

@@ -153,17 +153,23 @@ def _send_ms(nbytes: float, link: Link | None) -> float:
 
 def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: int, j: int,
                  r: int, link_in: Link | None, link_out: Link | None,
-                 held: Callable[[int], int] | None = None) -> float:
+                 held: Callable[[int], int] | None = None, recompute: bool = False) -> float:
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
-    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. The scalar
-    statement of what :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
+    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training
+    with ``recompute`` the stage keeps only its inputs per micro-batch in flight and one
+    micro-batch's activations, and runs its forward twice (the one-kind DP's
+    :func:`~.hybrid.recompute_stage`). The scalar statement of what :func:`fleet_dp` computes
+    in bulk (the brute-force tests use it)."""
     g = fleet.groups[group]
     compute = float(sum(seq.forward_ms[group][i:j]))
     comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
     if run.train:
         compute += float(sum(seq.backward_ms[group][i:j]))
         comm *= 2.0
+    rebuilt = recompute and run.train
+    if rebuilt:
+        compute += float(sum(seq.forward_ms[group][i:j]))
     params = float(sum(seq.param_bytes[i:j]))
     link = g.cluster(fleet.inter).link(r)
     allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
@@ -178,7 +184,7 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                       float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
     memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
-              + count * stash_bytes(size))
+              + count * stash_bytes(size, rebuilt) + (size.activations if rebuilt else 0.0))
     if memory > g.memory * 1e9:
         return math.inf
     return (compute + comm) / r + allreduce / run.microbatches
@@ -197,12 +203,13 @@ def _span(values: Sequence[float]) -> np.ndarray:
 
 
 def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-             held: Callable[[int], int] | None = None
+             held: Callable[[int], int] | None = None, recompute: bool = False
              ) -> tuple[float, list[tuple[int, int, int, int]]]:
     """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
     in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
     ``(start, end, group, replicas)``; ``(inf, [])`` when nothing fits in memory. See the
-    module docstring for the recurrence."""
+    module docstring for the recurrence; ``recompute``: every stage recomputing, as
+    :func:`stage_period` prices it."""
     n, m = seq.n, run.microbatches
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
@@ -228,8 +235,9 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
     N[:, n] = 0.0
     for t in range(k):
         A[t][n, :] = 0.0
-    spans = {g: _span(seq.forward_ms[g]) + (_span(seq.backward_ms[g]) if run.train else 0.0)
-             for g in set(ordering)}
+    rebuilt = recompute and run.train
+    spans = {g: _span(seq.forward_ms[g]) * (2.0 if rebuilt else 1.0)
+             + (_span(seq.backward_ms[g]) if run.train else 0.0) for g in set(ordering)}
     for i in range(n - 1, -1, -1):
         for t in range(k - 1, -1, -1):
             g = ordering[t]
@@ -243,6 +251,8 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             else:
                 static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                           if run.train else weights[i])
+            if rebuilt:  # inputs per micro-batch in flight, one micro-batch's activations
+                static, stash = static + acts[i], np.full(n + 1, received[i])
             d = group.devices
             best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
@@ -511,7 +521,7 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     plan is planned for each of ``schedules`` (none: ``run``'s), every candidate scored under
     each (the DP's splits do not depend on it) and the fastest kept, the first schedule on a
     tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
-    its own kind's memory (the DP itself places stages that fit without)."""
+    its own kind's memory (under ``all`` the DP also splits for every stage recomputing)."""
     from onnx_partition.solve.planner import plan_cluster
 
     runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
@@ -529,6 +539,11 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
+    # under --recompute all also the splits for every stage recomputing (its forward twice
+    # moves the best split where the backward is not proportional to it), as the one-kind
+    # planner; auto keeps the DP's splits keeping activations (its candidates then recompute
+    # per stage where memory asks, and the one-kind candidates split for recomputing)
+    recomputes = [False, True] if run.train and run.recompute == "all" else [False]
     dp_plans: list[tuple[FleetPlan, list[int], RunSpec]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
@@ -536,8 +551,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
-            for held in helds:
-                _, stages = fleet_dp(seq, fleet, run, ordering, held)
+            for held, recompute in itertools.product(helds, recomputes):
+                _, stages = fleet_dp(seq, fleet, run, ordering, held, recompute)
                 if not stages:
                     continue
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
