@@ -360,13 +360,6 @@ def partition(
         raise PartitionError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                              f"got {recompute!r}")
     schedules = PLANNED_NAMES if schedule == AUTO else (schedule,)
-    if mode == "train" and isinstance(cluster, Fleet):  # plan_fleet: 1F1B, none rebuilt
-        asked = [f"--schedule {schedule}"] * (schedule not in (AUTO, "1f1b")) \
-            + [f"--recompute {recompute}"] * (recompute == "all")
-        if asked:
-            raise PartitionError(f"a mixed fleet (cluster.json with groups) is planned for 1F1B "
-                                 f"with every stage keeping its activations: drop "
-                                 f"{' and '.join(asked)}")
     check_precision(precision)
     if precision != "fp32" and mode != "train":
         raise PartitionError(f"--precision {precision} prices mixed-precision training: it "
@@ -410,10 +403,22 @@ def partition(
                              backward=shared["backward"])
     priced = device_model(device, costs, cluster, strict=strict_costs)
     kinds = None
-    if files is not None:
-        kinds, priced = price_kinds(graph, files, strict=strict_costs)
     aten = None
-    if mode == "train" and costs is None and device is not None and device.kind == "cuda":
+    kind_engines: dict[str, EngineTerms] | None = None
+    kind_grad_input: dict[str, list[float]] | None = None
+    if files is not None:
+        from onnx_partition.cost.kinds import kind_devices
+
+        kinds, priced = price_kinds(graph, files, strict=strict_costs, precision=precision,
+                                    model=Path(model) if mode == "train" else None)
+        aten = any(m.get("backward") for m in priced["kinds"].values())
+        if mode == "train":  # each kind's engine and ZB-H1 split, as one kind's plan has
+            devices = kind_devices(dict.fromkeys(files), precision)  # each kind's GPU, also
+            # where a costs file prices its nodes: the step's bandwidth, unless it measured one
+            kind_engines = {k: engine_terms(files[k], devices[k], TRAIN_ASSUMPTIONS["optimizer"])
+                            for k in files}
+            kind_grad_input = {k: grad_input_ms(graph, kinds[k], files[k]) for k in files}
+    elif mode == "train" and costs is None and device is not None and device.kind == "cuda":
         node_costs, aten = with_aten_backward(graph, node_costs, Path(model), device)
     on_gpu = device.kind == "cuda" if device is not None else (
         (cluster is not None and cluster.kind == "cuda")
@@ -442,7 +447,8 @@ def partition(
                                      activation_bytes=saved, reporter=reporter,
                                      schedules=schedules, recompute=recompute,
                                      grad_input=grad_input_ms(graph, node_costs, costs),
-                                     kinds=kinds, trainable=trainable,
+                                     kinds=kinds, kind_engines=kind_engines,
+                                     kind_grad_input=kind_grad_input, trainable=trainable,
                                      exact_budget_s=exact_budget_s,
                                      split_call_ms=split_call_ms(costs),
                                      action_ms=action_call_ms(costs, device),
@@ -467,7 +473,7 @@ def partition(
             else ANALYTIC_BACKWARD if aten else "estimated")
         price_engine(plan, costs=costs, device=device, tied=tied_bytes(
             [c.initializers for c in cuts], graph.initializer_bytes, trainable),
-            tensors=trainable_tensors(cuts, trainable))
+            tensors=trainable_tensors(cuts, trainable), kinds=kind_engines)
     else:
         plan.extra["schedule"] = "infer"  # what simulate, report and run default to
     plan.batch_size = batch_size_of(graph)  # rows per micro-batch
@@ -794,6 +800,8 @@ def plan_on_cluster(
     recompute: str = "none",
     grad_input: Sequence[float] | None = None,
     kinds: Mapping[str, NodeCosts] | None = None,
+    kind_engines: Mapping[str, EngineTerms] | None = None,
+    kind_grad_input: Mapping[str, Sequence[float]] | None = None,
     trainable: Collection[str] | None = None,
     exact_budget_s: float = EXACT_BUDGET_S,
     split_call_ms: float = 0.0,
@@ -806,7 +814,9 @@ def plan_on_cluster(
     the first on a tie), stages recomputing per ``recompute`` (chosen per stage where memory
     is checked, :func:`~onnx_partition.solve.scoring.totals_costs`). A fleet's plan
     (``kinds``: per GPU kind, every node's costs) comes from
-    :func:`~onnx_partition.solve.fleet.plan_fleet` (1F1B, no recomputation) and names each
+    :func:`~onnx_partition.solve.fleet.plan_fleet` (for each of ``schedules``, its stages
+    recomputing per ``recompute`` each against its kind's memory, each stage's engine work on
+    its own kind: ``kind_engines``, and ZB-H1's split by ``kind_grad_input``) and names each
     stage's ``gpu``. The plan states the memory of :func:`stage_sizes` (``trainable``: see
     :func:`plan_stages`), the count plain pipelines state and the one the planner checks
     (:func:`unit_weights`; docs/design.md, "One memory count"); a stage over the device
@@ -818,10 +828,10 @@ def plan_on_cluster(
     ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
     work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
-    figure with. Without ``engine`` (and on a fleet, whose candidates are scored without
-    them) a ZB-H1 plan is run under 1F1B where that is faster on its split with
-    ``split_call_ms`` per weight group and ``action_ms`` per action (as :func:`plan_stages`
-    chooses; 1F1B holds no more micro-batches than ZB-H1, so it fits where ZB-H1 did)."""
+    figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that
+    is faster on its split with ``split_call_ms`` per weight group and ``action_ms`` per
+    action (as :func:`plan_stages` chooses; 1F1B holds no more micro-batches than ZB-H1, so it
+    fits where ZB-H1 did)."""
     from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid  # a cluster's only
 
     link = cluster.intra
@@ -849,17 +859,17 @@ def plan_on_cluster(
                                  "fleet's planner chooses it: drop --stages")
         assert kinds is not None
         run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
-                      max_stages=max(16, num_stages or 0))
-        try:
-            best, per_ordering = plan_fleet(problem, arrays, {
-                gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
-                               _per_unit([c.backward_ms[g] for g in nodes], members))
-                for gpu, c in kinds.items()}, cluster, run)
-        except PartitionError as exc:  # say what a cluster of one kind would try beyond it
-            if mode != "train" or recompute == "none" or "no plan fits" not in str(exc):
-                raise
-            raise PartitionError(f"{exc} (a fleet's stages keep their activations: "
-                                 "recomputation is planned on a cluster of one kind)") from None
+                      max_stages=max(16, num_stages or 0),
+                      recompute=recompute if mode == "train" else "none")
+        best, per_ordering = plan_fleet(problem, arrays, {
+            gpu: KindCosts(_per_unit([c.forward_ms[g] for g in nodes], members),
+                           _per_unit([c.backward_ms[g] for g in nodes], members),
+                           (kind_engines or {}).get(gpu),
+                           _per_unit([kind_grad_input[gpu][g] for g in nodes], members)
+                           if kind_grad_input is not None else [])
+            for gpu, c in kinds.items()}, cluster, run,
+            schedules=schedules if mode == "train" else ())
+        run = replace(run, train_schedule=best.schedule) if mode == "train" else run
         gpus = best.gpus
         proof = HybridProof(False, "fleet")
     else:
@@ -925,7 +935,8 @@ def plan_on_cluster(
                      schedules=(("zb-h1", "1f1b") if run.schedule == "zb-h1"
                                 and "1f1b" in schedules
                                 and (split_call_ms > 0 or action_ms > 0)
-                                and run.engine is None  # else the planner weighed both
+                                and run.engine is None and gpus is None  # else the
+                                # planner weighed both (a fleet's with each kind's engine)
                                 else (run.schedule,)),
                      recomputed=recomputed, split_call_ms=split_call_ms, action_ms=action_ms,
                      grad_input_split=[s.split()[0] for s in best.costs.stages])

@@ -12,15 +12,26 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.cli import one_error
 from support.graphs import CHAIN, save
 from support.problems import chain, dags
 
+from onnx_partition import export
 from onnx_partition.cli import main
+from onnx_partition.cost.aten import ANALYTIC_BACKWARD, backward_per_node
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
+from onnx_partition.cost.devices import gpu
+from onnx_partition.cost.engine import EngineTerms
+from onnx_partition.cost.kinds import price_kinds
 from onnx_partition.errors import PartitionError
+from onnx_partition.graph import load
+from onnx_partition.partition import partition
+from onnx_partition.pipeline.schedules import PLANNED_NAMES as PLANNED
+from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import Plan, plan_text, read_plan
 from onnx_partition.plan.contracts import FLEET_FORMAT
 from onnx_partition.solve.fleet import (
@@ -36,7 +47,8 @@ from onnx_partition.solve.fleet import (
     stage_period,
 )
 from onnx_partition.solve.hybrid import replica_choices
-from onnx_partition.solve.scoring import RunSpec
+from onnx_partition.solve.problem import DagProblem
+from onnx_partition.solve.scoring import NodeArrays, RunSpec
 
 A100_V100 = {
     "format": FLEET_FORMAT, "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
@@ -131,7 +143,7 @@ def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
 
 
 def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
-                ordering: tuple[int, ...]) -> float:
+                ordering: tuple[int, ...], recompute: bool = False) -> float:
     """The least bottleneck over every split, group assignment along ``ordering`` (each group
     one run of stages or none) and replica counts, by enumeration."""
     n, best = seq.n, math.inf
@@ -153,7 +165,8 @@ def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
                         fleet.groups[g].intra if pos[k - 1] == pos[k] else fleet.inter)
                     leave = None if k == len(spans) - 1 else (
                         fleet.groups[g].intra if pos[k + 1] == pos[k] else fleet.inter)
-                    worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+                    worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave,
+                                                    recompute=recompute))
                 best = min(best, worst)
     return best
 
@@ -190,9 +203,10 @@ def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]
 @pytest.mark.parametrize("seed", range(80))
 def test_the_fleet_dp_is_exact_against_brute_force(seed):
     seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
+    recompute = seed % 4 == 3  # every stage recomputing (its own memory and forward again)
     for ordering in [(0, 1), (1, 0)]:
-        value, stages = fleet_dp(seq, fleet, run, ordering)
-        expected = brute_force(seq, fleet, run, ordering)
+        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute)
+        expected = brute_force(seq, fleet, run, ordering, recompute)
         if math.isinf(expected):
             assert math.isinf(value) and stages == []
             continue
@@ -208,7 +222,8 @@ def test_the_fleet_dp_is_exact_against_brute_force(seed):
                 fleet.groups[g].intra if stages[k - 1][2] == g else fleet.inter)
             leave = None if k == len(stages) - 1 else (
                 fleet.groups[g].intra if stages[k + 1][2] == g else fleet.inter)
-            periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave))
+            periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave,
+                                        recompute=recompute))
         assert max(periods) == pytest.approx(value, rel=1e-9)
 
 
@@ -233,26 +248,34 @@ def test_a_faster_kind_gets_the_longer_stage():
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=dags(max_nodes=7), fast=st.integers(1, 3), slow=st.integers(1, 3),
        ratio=st.floats(1.0, 4.0), train=st.booleans(),
-       inter=st.sampled_from([0.05, 1.0]), memory=st.sampled_from([None, 0.2]))
+       inter=st.sampled_from([0.05, 1.0]), memory=st.sampled_from([None, 0.2]),
+       engine=st.sampled_from([None, (0.3, 0.05)]), schedules=st.sampled_from([(), PLANNED]))
 def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, ratio, train,
-                                                             inter, memory):
+                                                             inter, memory, engine, schedules):
     """Only the fastest group, or every device as the slowest kind: the fleet's plan is at
-    least as fast as both (links between machines no faster than inside one)."""
+    least as fast as both (links between machines no faster than inside one), also with each
+    kind's engine work (the slower kind's ``ratio`` times more) and over several schedules."""
     problem, arrays = case
     fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
-    kinds = {"a100-80gb": KindCosts(fwd, bwd),
-             "v100": KindCosts([f * ratio for f in fwd], [b * ratio for b in bwd])}
+    fast_engine, slow_engine = ((terms(engine[0], engine[1]),
+                                 terms(engine[0] * ratio, engine[1] * ratio))
+                                if engine else (None, None))
+    kinds = {"a100-80gb": KindCosts(fwd, bwd, fast_engine),
+             "v100": KindCosts([f * ratio for f in fwd], [b * ratio for b in bwd],
+                               slow_engine)}
     fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, fast, memory, Link(10.0, 0.01)),
                           GpuGroup("v100", 1, slow, memory, Link(5.0, 0.01))),
                   inter=Link(inter, 0.02))
     run = RunSpec(fleet.clusters[0], train=train, microbatches=4)
     baselines = []
-    for baseline in (lambda: fastest_alone(problem, arrays, kinds, fleet, run),
-                     lambda: as_slowest(problem, arrays, kinds, fleet, run)[0]):
+    for name in schedules or ("1f1b",):
+        each = replace(run, train_schedule=name)
         with contextlib.suppress(PartitionError):
-            baselines.append(baseline().sim.iteration_ms)
+            baselines.append(fastest_alone(problem, arrays, kinds, fleet, each).sim.iteration_ms)
+        with contextlib.suppress(PartitionError):
+            baselines.append(as_slowest(problem, arrays, kinds, fleet, each)[0].sim.iteration_ms)
     try:
-        best, families = plan_fleet(problem, arrays, kinds, fleet, run)
+        best, families = plan_fleet(problem, arrays, kinds, fleet, run, schedules=schedules)
     except PartitionError:
         assert not baselines  # nothing fits anywhere
         return
@@ -262,14 +285,28 @@ def test_the_fleet_plan_is_never_slower_than_either_baseline(case, fast, slow, r
                                                    for f in families.values()), abs=1e-6)
 
 
-def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+def terms(step_ms: float, hop_ms: float = 0.0) -> EngineTerms:
+    """Engine terms of a kind whose step takes ``step_ms`` and each hop ``hop_ms`` more."""
+    return EngineTerms(0.0, step_ms, 0.0, 0.0, hop_ms, {})
+
+
+def chain_on_two_kinds(a100s: int, microbatches: int, fast: EngineTerms | None = None,
+                       slow: EngineTerms | None = None
+                       ) -> tuple[DagProblem, NodeArrays, dict[str, KindCosts], Fleet, RunSpec]:
+    """A four-node chain (4, 4, 1, 1 ms) on ``a100s`` A100s and two V100s 3x slower, in
+    training; ``fast`` and ``slow``: the kinds' engine terms."""
     problem, arrays = chain([4.0, 4.0, 1.0, 1.0])
-    kinds = {"a100-80gb": KindCosts(list(problem.compute_ms), list(arrays.backward_ms)),
-             "v100": KindCosts([3 * c for c in problem.compute_ms],
-                               [3 * b for b in arrays.backward_ms])}
-    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 3), GpuGroup("v100", 1, 2)),
+    fwd, bwd = list(problem.compute_ms), list(arrays.backward_ms)
+    kinds = {"a100-80gb": KindCosts(fwd, bwd, fast),
+             "v100": KindCosts([3 * f for f in fwd], [3 * b for b in bwd], slow)}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, a100s), GpuGroup("v100", 1, 2)),
                   inter=Link(1.0, 0.01))
-    run = RunSpec(fleet.clusters[0], train=True, microbatches=6)
+    return problem, arrays, kinds, fleet, RunSpec(fleet.clusters[0], train=True,
+                                                  microbatches=microbatches)
+
+
+def test_the_replica_polish_keeps_each_stage_on_its_group_and_only_gains():
+    problem, arrays, kinds, fleet, run = chain_on_two_kinds(3, 6)
     start = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
                         place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
     assert start is not None
@@ -347,3 +384,144 @@ def test_costs_per_kind_are_keyed_by_the_groups_gpu(tmp_path, capsys):
             in capsys.readouterr().err)
     one_error(capsys, [*base, "--force", "--costs", f"v100={cpu}", "--strict-costs"],
               "measured on cpu, not a GPU: its times may not fit it (--strict-costs)")
+
+
+# --------------------------------------------------------------------------- engine terms
+
+
+def test_each_stage_is_scored_with_its_own_kinds_engine():
+    """The A100's step 1 ms, the V100's 5 ms and 0.5 ms per hop: a stage on the V100 steps in
+    5 ms, a stage over both kinds in the slower's 5, the boundary plays 0.5 ms more; the
+    simulated iteration is that of the costs with those hops (what ``simulate`` replays)."""
+    problem, arrays, kinds, fleet, run = chain_on_two_kinds(2, 4, terms(1.0), terms(5.0, 0.5))
+    split = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 1, 1],
+                        place_on_groups(fleet, [0, 1], [1, 1]), "fleet:test")
+    assert split is not None
+    assert [s.step_ms for s in split.costs.stages] == [1.0, 5.0]
+    played = replace(split.costs, send_ms=[s + 0.5 for s in split.costs.send_ms])
+    assert split.sim.iteration_ms == simulate(build("1f1b", [1, 1], 4), played).iteration_ms
+    both = score_fleet(problem, arrays, kinds, fleet, run, [0, 0, 0, 0], [[0, 2]], "x")
+    assert both is not None and both.gpus == ["a100-80gb+v100"]
+    assert both.costs.stages[0].step_ms == 5.0
+    best, families = plan_fleet(problem, arrays, kinds, fleet, run)
+    assert best.sim.iteration_ms == pytest.approx(
+        min(f["iteration_ms"] for f in families.values()), abs=1e-6)
+
+
+def test_a_fleet_train_plan_prints_the_figure_it_was_ranked_by(tmp_path, capsys):
+    """``partition --mode train`` on a fleet: the iteration printed and replayed by
+    ``simulate`` (with the engine's step, priced per kind) is the best candidate's figure."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "4096", "--cluster",
+                 str(write(tmp_path, A100_V100)), "-o", str(out), "--mode", "train",
+                 "--no-program"]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
+    assert all(x > 0 for x in plan.extra["simulator_costs"]["step_ms"])
+    assert main(["simulate", str(out)]) == 0
+    assert f"iteration of 8 micro-batches: {plan.predicted['iteration_ms']:.3f} ms" in \
+        capsys.readouterr().out
+
+
+def test_a_fleet_is_priced_in_the_plans_precision(tmp_path):
+    """``--precision bf16`` prices each kind's products at its half-precision peak, as one
+    kind's plan is (the V100's 125 TFLOP/s, not its 15.7 of fp32)."""
+    graph = load(save(CHAIN, tmp_path / "m.onnx"), batch_size=65536)
+    files = {"a100-80gb": None, "v100": None}
+    _, body = price_kinds(graph, files, precision="bf16")
+    assert [body["kinds"][k]["name"] for k in files] == ["a100-80gb:bf16", "v100:bf16"]
+    assert body["kinds"]["v100"]["peak_tflops"] == 125.0
+
+
+@pytest.mark.parametrize(("option", "schedule", "recomputed"), [
+    (["--schedule", "zb-h1"], "zb-h1", None),
+    (["--recompute", "all"], "1f1b", True),
+])
+def test_a_fleet_plans_the_schedule_and_recomputation_asked(tmp_path, capsys, option,
+                                                           schedule, recomputed):
+    """``--schedule zb-h1`` and ``--recompute all`` shape a fleet's plan as they do one kind's
+    (they were dropped: a 1F1B plan keeping every activation), its figure still the one it
+    was ranked by."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "65536", "--cluster",
+                 str(write(tmp_path, A100_V100)), "-o", str(out), "--mode", "train",
+                 "--no-program", *option]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    assert plan.extra["schedule"] == schedule
+    assert all(s.recompute is recomputed for s in plan.stages)
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
+    if schedule == "zb-h1":
+        assert "backward_input_ms" in plan.extra["simulator_costs"]
+
+
+def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    tiny = {**A100_V100, "groups": [{**g, "memory_gb": 1e-9} for g in A100_V100["groups"]]}
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--mode", "train",
+                       "--no-program", "--cluster", str(write(tmp_path, tiny)),
+                       "-o", str(tmp_path / "o")],
+              "no plan fits the fleet's memory under 1f1b or zb-h1: no stage of the model")
+
+
+def test_a_fleet_train_plan_prices_each_kinds_backward_per_aten_op(tmp_path):
+    """With the program beside the model, each kind's backward is the aten ops' roofline on
+    that kind (as one kind's train plan is priced), not the forward's estimate: each stage's
+    backward is its kinds' larger sum over its nodes."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    model = export(module, (torch.randn(2, 8),), tmp_path / "block.onnx", input_names=["x"])
+    plan = partition(model, None, tmp_path / "plan", batch_size=4, mode="train",
+                     cluster=load_cluster(write(tmp_path, A100_V100)))
+    assert plan.extra["costs"]["backward"] == ANALYTIC_BACKWARD
+    graph = load(model, batch_size=4)
+    index = {n.key: n.index for n in graph.nodes}
+    per_kind = {k: backward_per_node(graph, model.with_suffix(".pt2"), gpu(k))
+                for k in ("a100-80gb", "v100")}
+    for stage in plan.stages:
+        expected = max(sum(per_kind[k][index[n]] for n in stage.nodes
+                           if not graph.nodes[index[n]].free)
+                       for k in str(stage.gpu).split("+"))
+        assert stage.predicted is not None
+        assert stage.predicted.backward_ms == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_kind_priced_by_a_costs_file_steps_at_its_own_gpus_bandwidth(tmp_path, capsys):
+    """A costs file without an ``engine`` leaves the optimizer step analytic: on the V100's
+    900 GB/s for the group whose gpu keys it, not the default GPU's."""
+    model = save(CHAIN, tmp_path / "m.onnx")
+    costs = write(tmp_path, {"format": "onnx-partition/costs@1", "unit": "ms",
+                             "device": "cuda:0", "nodes": {
+                                 k: {"forward_ms": 1.0} for k in "abdef"}}, "v.json")
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "2", "--mode", "train",
+                 "--no-program", "--cluster", str(write(tmp_path, A100_V100)), "-o", str(out),
+                 "--costs", f"v100={costs}"]) == 0
+    capsys.readouterr()
+    said = read_plan(out).extra["engine_costs"]["step_ms"]
+    assert "v100: analytic: 28 B per parameter (adamw) at 900 GB/s (v100:fp32)" in said
+    assert "a100-80gb: analytic: 28 B per parameter (adamw) at 2039 GB/s" in said
+
+
+def test_under_recompute_all_the_fleet_dp_also_splits_for_the_recomputed_times():
+    """``--recompute all``: every stage runs its forward twice, which moves the best split
+    (the backward here is not proportional to the forward). The DP also splits for those
+    times and memory, so the plan is 46.2925 ms; split as if keeping activations: 49.042."""
+    problem, arrays = chain([2.0, 4.0, 1.0, 1.0], [0.0, 500.0, 0.0, 500.0], 1000.0)
+    fwd, bwd = list(problem.compute_ms), [8.0, 2.0, 1.0, 0.5]
+    kinds = {"a100-80gb": KindCosts(fwd, bwd),
+             "v100": KindCosts([1.5 * f for f in fwd], [1.5 * b for b in bwd])}
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2, 2e-5, Link(1.0, 0.01)),
+                          GpuGroup("v100", 1, 2, 2e-5, Link(1.0, 0.01))),
+                  inter=Link(1.0, 0.01))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=4, recompute="all")
+    best, _ = plan_fleet(problem, arrays, kinds, fleet, run, alone=False, slowest=False)
+    assert best.sim.iteration_ms == pytest.approx(46.2925, abs=1e-6)
+    assert all(s.recompute for s in best.costs.stages)
+    assert all(m <= 2e4 for m in best.memory_bytes)

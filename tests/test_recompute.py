@@ -271,44 +271,6 @@ def test_recompute_needs_train_mode(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "x").exists()
 
 
-FLEET = {"format": "onnx-partition/cluster@2", "inter": {"bandwidth_gbps": 25, "latency_ms": 0.02},
-         "groups": [{"gpu": "a100-80gb", "machines": 1, "devices_per_machine": 1},
-                    {"gpu": "v100", "machines": 1, "devices_per_machine": 1}]}
-
-
-def test_a_fleet_refuses_what_its_planner_does_not_plan(tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]
-                                                        ) -> None:
-    """A mixed fleet is planned for 1F1B with every stage keeping its activations: asking for
-    ZB-H1 or every stage recomputing is a one-line error, not a silently different plan; the
-    defaults and what the planner does plan are taken."""
-    model = save(CHAIN, tmp_path / "chain.onnx")
-    cluster = tmp_path / "fleet.json"
-    cluster.write_text(json.dumps(FLEET))
-    base = ["partition", model, "--batch-size", "4", "--mode", "train", "--no-program",
-            "--cluster", cluster, "-q"]
-    for extra, asked in ((["--schedule", "zb-h1"], "drop --schedule zb-h1"),
-                         (["--recompute", "all"], "drop --recompute all"),
-                         (["--schedule", "zb-h1", "--recompute", "all"],
-                          "drop --schedule zb-h1 and --recompute all")):
-        one_error(capsys, [*base, *extra, "-o", tmp_path / "x"],
-                  f"a mixed fleet (cluster.json with groups) is planned for 1F1B with every "
-                  f"stage keeping its activations: {asked}")
-        assert not (tmp_path / "x").exists()
-    small = json.loads(json.dumps(FLEET))
-    for group in small["groups"]:
-        group["memory_gb"] = 1e-7  # 100 bytes: no stage fits
-    (tmp_path / "small.json").write_text(json.dumps(small))
-    one_error(capsys, [*base[:-3], "--cluster", tmp_path / "small.json", "-o", tmp_path / "x"],
-              "no plan fits the fleet's memory: no stage of the model fits any group's devices "
-              "(a fleet's stages keep their activations: recomputation is planned on a "
-              "cluster of one kind)")
-    for k, extra in enumerate(([], ["--schedule", "1f1b", "--recompute", "none"])):
-        assert main([str(a) for a in [*base, *extra, "-o", tmp_path / f"ok{k}"]]) == 0
-        plan = read_plan(tmp_path / f"ok{k}")
-        assert plan.extra["schedule"] == "1f1b" and not any(s.recompute for s in plan.stages)
-
-
 def test_simulate_warns_a_what_if_schedule_over_the_device_memory(tmp_path: Path) -> None:
     """simulate --schedule gpipe of a 1F1B plan holds every micro-batch: over the cluster's
     device memory, the text names the devices and the schedule planned for; the planned

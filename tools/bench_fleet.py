@@ -1,7 +1,7 @@
 """Mixed fleets: the fleet planner against its two baselines, simulated, one run.
 
     python tools/bench_fleet.py [--size realistic|small] [--recipes gpt resnet ...]
-        [--modes train infer] [--precisions tf32 half] [--cache DIR]
+        [--modes train infer] [--precisions tf32 half] [--cache DIR] [--engine]
 
 The fleet: 4 A100-80GB on one machine (NVLink, 300 GB/s) and 4 V100-32GB on another (NVLink,
 150 GB/s), 25 GB/s (200 Gb/s InfiniBand) between them (cluster@2 ``groups``). Every node is
@@ -19,6 +19,11 @@ Ours: ``solve.fleet.plan_fleet`` (its DP over group orderings, each group alone,
 as-slowest plan placed on the fleet, all simulated on the fleet). Columns: simulated
 iteration ms (lower is better), ours / baseline speed-up, our plan (stages as
 ``replicas x gpu``), planning seconds. Invoked by ``tools/bench_planner.py --fleet``.
+
+``--engine``: train rows priced as ``partition --mode train`` prices a fleet: each stage's
+optimizer step, accumulation and engine work on its own kind (``cost.engine.engine_terms`` on
+the kind's roofline, AdamW), planned for 1F1B and ZB-H1 (each kind's input-gradient split), the
+faster kept; the baselines likewise (our plan then names its schedule).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
 from onnx_partition.cost.devices import gpu
+from onnx_partition.cost.engine import engine_terms
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.partition import dag_problem
+from onnx_partition.partition import dag_problem, grad_input_ms
+from onnx_partition.pipeline.schedules import PLANNED_NAMES
 from onnx_partition.solve.fleet import FleetPlan, KindCosts, plan_fleet
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import NodeArrays, RunSpec, node_arrays
@@ -50,9 +57,10 @@ def fleet_for(precision: str) -> Fleet:
                  inter=Link(25.0, 0.02))
 
 
-def recipe(name: str, size: str, cache: Path, fleet: Fleet
+def recipe(name: str, size: str, cache: Path, fleet: Fleet, engine: bool = False
            ) -> tuple[DagProblem, NodeArrays, dict[str, KindCosts]]:
-    """Export (cached), load at batch 8, every node priced on each kind of ``fleet``."""
+    """Export (cached), load at batch 8, every node priced on each kind of ``fleet``
+    (``engine``: with each kind's engine terms and input-gradient split)."""
     path = cache / f"{name}-{size}.onnx"
     if not path.exists():
         models.export(name, path, size=size)
@@ -63,15 +71,19 @@ def recipe(name: str, size: str, cache: Path, fleet: Fleet
     arrays = node_arrays(problem, [first.backward_ms[g] for g in nodes],
                          [float(graph.nodes[g].param_bytes) for g in nodes],
                          [graph.nodes[g].key for g in nodes])
-    kinds = {k: KindCosts([c.forward_ms[g] for g in nodes], [c.backward_ms[g] for g in nodes])
+    kinds = {k: KindCosts([c.forward_ms[g] for g in nodes], [c.backward_ms[g] for g in nodes],
+                          engine_terms(None, gpu(k), "adamw") if engine else None,
+                          [grad_input_ms(graph, c, None)[g] for g in nodes] if engine else [])
              for k, c in priced.items()}
     return problem, arrays, kinds
 
 
-def shape(plan: FleetPlan) -> str:
-    """``4xa100-80gb > 4xv100``: each stage's replicas and kind, in pipeline order."""
+def shape(plan: FleetPlan, schedule: bool = False) -> str:
+    """``4xa100-80gb > 4xv100``: each stage's replicas and kind, in pipeline order (and
+    ``schedule``: ``, zb-h1``)."""
     return " > ".join(f"{r}x" + "+".join(k.split(":")[0] for k in g.split("+"))
-                      for r, g in zip(plan.replicas, plan.gpus))
+                      for r, g in zip(plan.replicas, plan.gpus)) + (
+        f", {plan.schedule}" if schedule else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS),
                         choices=list(PRECISIONS))
     parser.add_argument("--cache", type=Path, default=None, help="keep exports here")
+    parser.add_argument("--engine", action="store_true",
+                        help="price train rows as partition does: each kind's engine work, "
+                             "1F1B and ZB-H1")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
@@ -92,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(args: argparse.Namespace, cache: Path) -> None:
-    print(f"### Mixed fleet: 4 A100-80GB + 4 V100-32GB\n\nSize {args.size}; batch {BATCH} per "
+    print(f"### Mixed fleet: 4 A100-80GB + 4 V100-32GB\n\nSize {args.size}"
+          + ("; train rows with each kind's engine work, 1F1B or ZB-H1" if args.engine else "")
+          + f"; batch {BATCH} per "
           f"micro-batch, {MICROBATCHES} micro-batches per iteration; simulated iteration ms "
           "(1F1B in training, forward streaming in inference); speed-up = baseline ms / ours "
           "ms (>= 1: ours at least as fast).\n")
@@ -105,13 +122,15 @@ def run_all(args: argparse.Namespace, cache: Path) -> None:
     for name in args.recipes:
         for precision in args.precisions:
             fleet = fleet_for(precision)
-            problem, arrays, kinds = recipe(name, args.size, cache, fleet)
+            problem, arrays, kinds = recipe(name, args.size, cache, fleet, args.engine)
             for mode in args.modes:
                 run = RunSpec(fleet.clusters[0], train=mode == "train",
                               microbatches=MICROBATCHES)
                 began = time.perf_counter()
                 try:
-                    ours, families = plan_fleet(problem, arrays, kinds, fleet, run)
+                    ours, families = plan_fleet(
+                        problem, arrays, kinds, fleet, run,
+                        schedules=PLANNED_NAMES if args.engine and run.train else ())
                 except PartitionError:
                     ours, families = None, {}
                 spent = time.perf_counter() - began
@@ -129,10 +148,10 @@ def run_all(args: argparse.Namespace, cache: Path) -> None:
                     wins[label] += ratio > 1.001
                     cells.append(f"{ratio:.2f}x")
                 rows += 1
+                ours_shape = shape(ours, args.engine and run.train) if ours else "none fits"
                 print(f"| {name} | {precision} | {mode} | {ms:.3f} | "
                       f"{base['fastest group']:.3f} | {base['as slowest']:.3f} | "
-                      f"{' | '.join(cells)} | {shape(ours) if ours else 'none fits'} | "
-                      f"{spent:.2f} |", flush=True)
+                      f"{' | '.join(cells)} | {ours_shape} | {spent:.2f} |", flush=True)
     print()
     for label in worst:
         print(f"vs {label}: worst speed-up {worst[label]:.3f}x (target >= 1), faster in "

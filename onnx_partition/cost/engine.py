@@ -81,6 +81,7 @@ __all__ = [
     "HOP_SIZES",
     "SPLIT_CALL_MS",
     "EngineTerms",
+    "FleetEngine",
     "action_call_ms",
     "action_ms",
     "analytic_accumulate_ms",
@@ -551,6 +552,41 @@ def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: 
                        link_gbps=float(link.get("bandwidth_gbps", Link().bandwidth_gbps)))
 
 
+@dataclass(frozen=True)
+class FleetEngine:
+    """A mixed fleet's train plan's engine work (cluster@2 ``groups``), per stage priced on its
+    own GPU kind's :class:`EngineTerms` (a stage whose replicas span two kinds, each term the
+    larger: its replicas meet at the step): the planner's yardstick
+    (:func:`~onnx_partition.solve.fleet.score_fleet`) and :func:`price_engine`'s figures, one
+    computation."""
+
+    step_ms: list[float]
+    accumulate_ms: list[float]
+    split_ms: list[float]  # ZB-H1's split backward; zeros under other schedules
+    action_ms: list[float]
+    hop_ms: list[float]  # per boundary: the larger of its two stages' kinds' work per hop
+
+    @classmethod
+    def of(cls, terms: Sequence[Sequence[EngineTerms]], weights_bytes: Sequence[float], *,
+           tied: Sequence[float] | None = None, tensors: Sequence[int] | None = None,
+           split: bool = False) -> FleetEngine:
+        """Stage ``k`` runs on the kinds ``terms[k]`` holding ``weights_bytes[k]`` (``tied``:
+        its bytes tied to another stage, all-reduced at the step, :func:`tied_bytes`;
+        ``tensors``: its trainable tensors, for ZB-H1's split backward when ``split``)."""
+        count = len(terms)
+        tied = tied if tied is not None else [0.0] * count
+        step = [max(t.step_ms([w])[0] + t.tied_ms(b) for t in ts)
+                for ts, w, b in zip(terms, weights_bytes, tied, strict=True)]
+        accumulate = [max(t.accumulate_ms([w])[0] for t in ts)
+                      for ts, w in zip(terms, weights_bytes, strict=True)]
+        splits = ([0.0 if k == 0 else split_groups(int(n)) * max(t.split_call_ms for t in ts)
+                   for k, (ts, n) in enumerate(zip(terms, tensors, strict=True))]
+                  if split and tensors is not None else [0.0] * count)
+        return cls(step, accumulate, splits, [max(t.action_ms for t in ts) for ts in terms],
+                   [max(t.hop_ms for t in (*here, *there))
+                    for here, there in itertools.pairwise(terms)])
+
+
 def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, float],
                trainable: Collection[str] | None) -> list[float]:
     """Per stage, the bytes of its trainable parameters that another stage also holds (a tied
@@ -569,7 +605,8 @@ def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, flo
 
 def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None,
                  tied: Sequence[float] | None = None,
-                 tensors: Sequence[int] | None = None) -> None:
+                 tensors: Sequence[int] | None = None,
+                 kinds: Mapping[str, EngineTerms] | None = None) -> None:
     """Price a train plan's engine work into plan.json: ``simulator_costs.step_ms`` per stage
     (measured from the costs file's ``engine``, :func:`measure_engine`, where it has the plan's
     optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
@@ -585,8 +622,14 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
     ``barrier_ms`` is each barrier of the measured ``step_ms`` and its ``hop_ms`` is added to every
     ``send_ms`` (to be priced once: a plan as ``partition`` writes it; sends priced from the
     measured link are priced afresh each time). ``engine_costs`` says which.
+    A mixed fleet's plan (``kinds``: each GPU kind's terms, :func:`engine_terms` of its own
+    costs file or device) prices each stage on the kinds of its ``gpu`` (:class:`FleetEngine`,
+    as its planner did), its sends on the fleet's links plus each boundary's work per hop.
     Inference plans are left alone."""
     if plan.mode != "train":
+        return
+    if kinds is not None:
+        _price_fleet_engine(plan, kinds, tied, tensors)
         return
     engine = costs.body.get("engine") if costs is not None else None
     sim = plan.extra.setdefault("simulator_costs", {})
@@ -624,4 +667,35 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
                             "tensors), the split backward's walk and autograd calls"
                             + (" (profile --mode train)" if call is not None else ""))
     sim["action_ms"] = [round(terms.action_ms, 6)] * len(plan.stages)
+    plan.extra["engine_costs"] = said
+
+
+def _price_fleet_engine(plan: Plan, kinds: Mapping[str, EngineTerms],
+                        tied: Sequence[float] | None, tensors: Sequence[int] | None) -> None:
+    """:func:`price_engine` for a fleet's plan: each stage by its kinds' terms."""
+    sim = plan.extra.setdefault("simulator_costs", {})
+    terms = [[kinds[k] for k in str(s.gpu).split("+")] for s in plan.stages]
+    weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
+               for s in plan.stages]
+    zb = plan.extra.get("schedule") == "zb-h1" and tensors is not None \
+        and len(tensors) == len(plan.stages)
+    work = FleetEngine.of(terms, weights, tied=tied if tied and any(tied) else None,
+                          tensors=tensors, split=zb)
+    sim["step_ms"] = [round(x, 6) for x in work.step_ms]
+    sim["accumulate_ms"] = [round(x, 6) for x in work.accumulate_ms]
+    said: dict[str, str] = {"send_ms": "the fleet's links"}
+    if zb:
+        sim["split_ms"] = [round(x, 6) for x in work.split_ms]
+        said["split_ms"] = ("each stage on its GPU kind: per weight group (half the stage's "
+                            "trainable tensors) " + "; ".join(
+                                f"{kind}: {t.split_call_ms:g} ms" for kind, t in kinds.items()))
+    sim["action_ms"] = [round(x, 6) for x in work.action_ms]
+    if any(work.hop_ms) and isinstance(sim.get("send_ms"), list):
+        sim["send_ms"] = [round(float(x) + h, 6) for x, h in zip(sim["send_ms"], work.hop_ms)]
+        said["send_ms"] += ", + each boundary's engine work per hop (its kinds' probes)"
+    for what in ("step_ms", "accumulate_ms", "action_ms"):
+        said[what] = "each stage on its GPU kind: " + "; ".join(
+            f"{kind}: {t.said.get(what, '')}" for kind, t in kinds.items())
+    if tied and any(tied):
+        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
     plan.extra["engine_costs"] = said

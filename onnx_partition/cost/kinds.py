@@ -8,16 +8,19 @@ fleet has one kind only), else the datasheet roofline of :mod:`onnx_partition.co
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, CostsLike, NodeCosts, annotate, load_costs
+from onnx_partition.cost.aten import with_aten_backward
 from onnx_partition.cost.cluster import Fleet
 from onnx_partition.cost.costs_file import check_costs, rescale
-from onnx_partition.cost.devices import gpu
+from onnx_partition.cost.devices import for_precision, gpu
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 
-__all__ = ["costs_by_kind", "price_kinds"]
+__all__ = ["costs_by_kind", "kind_devices", "price_kinds"]
 
 
 def costs_by_kind(fleet: Fleet, costs: CostsLike | None,
@@ -40,22 +43,39 @@ def costs_by_kind(fleet: Fleet, costs: CostsLike | None,
     return {k: load_costs(keyed[k]) if k in keyed else None for k in kinds}
 
 
+def kind_devices(files: Mapping[str, CostsFile | None], precision: str = "fp32"
+                 ) -> dict[str, DeviceSpec | None]:
+    """Each kind's roofline as a run in ``precision`` uses it
+    (:func:`~onnx_partition.cost.devices.for_precision`), None where a costs file prices it."""
+    return {kind: None if file is not None else for_precision(gpu(kind), precision)
+            for kind, file in files.items()}
+
+
 def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None], *,
-                strict: bool = False) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
+                strict: bool = False, precision: str = "fp32", model: Path | None = None
+                ) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
     """Per kind, the per-node costs (its file checked against ``graph`` and rescaled to its
-    shapes, or its GPU's roofline) and plan.json's ``device_model`` (a ``warning`` where a
-    file was measured on no GPU; :class:`PartitionError` then if ``strict``)."""
+    shapes, or its GPU's roofline in ``precision``, the backward per aten op of ``model``'s
+    program where given, :func:`~onnx_partition.cost.aten.with_aten_backward`, as a train
+    plan of one kind is priced) and plan.json's ``device_model`` (a ``warning`` where a file
+    was measured on no GPU; :class:`PartitionError` then if ``strict``)."""
     priced: dict[str, NodeCosts] = {}
     models: dict[str, Any] = {}
     warnings = []
+    devices = kind_devices(files, precision)
     for kind, file in files.items():
-        if file is None:
-            spec = gpu(kind)
+        spec = devices[kind]
+        if spec is not None:
             priced[kind] = annotate(graph, device=spec)
+            aten = False
+            if model is not None:
+                priced[kind], aten = with_aten_backward(graph, priced[kind], model, spec)
             models[kind] = {"source": "analytic", "name": spec.name, "kind": "cuda",
                             "peak_tflops": spec.peak_gflops / 1e3, "mem_gbps": spec.mem_gbps,
-                            "launch_overhead_ms": spec.launch_overhead_ms}
+                            "launch_overhead_ms": spec.launch_overhead_ms,
+                            **({"backward": "per aten op"} if aten else {})}
             continue
+        assert file is not None  # kind_devices: no spec where a file prices the kind
         checked = check_costs(file, graph)
         priced[kind] = rescale(annotate(graph, device=gpu(kind), costs=file), graph,
                                list(file.nodes), checked.scale)

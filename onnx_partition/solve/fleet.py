@@ -36,7 +36,10 @@ then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-ki
 the one-kind plan of every device as the slowest kind (:func:`as_slowest`) are simulated on
 the fleet (:func:`fleet_costs`: each stage's times on its kind, each transfer and all-reduce
 on the link it crosses once placed) and the fastest wins; the last makes it never slower than
-that baseline (the same schedule, no action longer, no link slower).
+that baseline (the same schedule, no action longer, no link slower). A train candidate is
+scored under each schedule asked, with each stage's engine work (step, accumulation, work per
+action and per hop: :class:`~onnx_partition.cost.engine.FleetEngine`) on its own kind, the
+figure ``partition`` then prints.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
+from onnx_partition.cost.engine import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
     memory_per_device,
+    recompute_choice,
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
@@ -83,10 +88,16 @@ ALL_ORDERINGS = 4
 
 @dataclass(frozen=True)
 class KindCosts:
-    """Per node (the solvers' nodes), one GPU kind's forward and backward times."""
+    """Per node (the solvers' nodes), one GPU kind's forward and backward times; in training
+    also its engine's work (:func:`~onnx_partition.cost.engine.engine_terms` on that kind:
+    the step, accumulation, work per action and per hop that ``partition`` prices the plan
+    with after; None: not priced) and the input-gradient part of each backward (ZB-H1's;
+    empty: half)."""
 
     forward_ms: Sequence[float]
     backward_ms: Sequence[float]
+    engine: EngineTerms | None = None
+    backward_input_ms: Sequence[float] = ()
 
 
 @dataclass
@@ -95,6 +106,7 @@ class FleetPlan(HybridPlan):
     ``gpus[k]`` (``a+b``: replicas on two kinds, only in the "as slowest" baseline's plan)."""
 
     gpus: list[str] = field(default_factory=list)
+    schedule: str = "1f1b"  # the schedule it was scored under (RunSpec.schedule)
 
 
 @dataclass(frozen=True)
@@ -141,17 +153,23 @@ def _send_ms(nbytes: float, link: Link | None) -> float:
 
 def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: int, j: int,
                  r: int, link_in: Link | None, link_out: Link | None,
-                 held: Callable[[int], int] | None = None) -> float:
+                 held: Callable[[int], int] | None = None, recompute: bool = False) -> float:
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
-    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. The scalar
-    statement of what :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
+    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training
+    with ``recompute`` the stage keeps only its inputs per micro-batch in flight and one
+    micro-batch's activations, and runs its forward twice (the one-kind DP's
+    :func:`~.hybrid.recompute_stage`). The scalar statement of what :func:`fleet_dp` computes
+    in bulk (the brute-force tests use it)."""
     g = fleet.groups[group]
     compute = float(sum(seq.forward_ms[group][i:j]))
     comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
     if run.train:
         compute += float(sum(seq.backward_ms[group][i:j]))
         comm *= 2.0
+    rebuilt = recompute and run.train
+    if rebuilt:
+        compute += float(sum(seq.forward_ms[group][i:j]))
     params = float(sum(seq.param_bytes[i:j]))
     link = g.cluster(fleet.inter).link(r)
     allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
@@ -166,7 +184,7 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                       float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
     memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
-              + count * stash_bytes(size))
+              + count * stash_bytes(size, rebuilt) + (size.activations if rebuilt else 0.0))
     if memory > g.memory * 1e9:
         return math.inf
     return (compute + comm) / r + allreduce / run.microbatches
@@ -185,12 +203,13 @@ def _span(values: Sequence[float]) -> np.ndarray:
 
 
 def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-             held: Callable[[int], int] | None = None
+             held: Callable[[int], int] | None = None, recompute: bool = False
              ) -> tuple[float, list[tuple[int, int, int, int]]]:
     """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
     in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
     ``(start, end, group, replicas)``; ``(inf, [])`` when nothing fits in memory. See the
-    module docstring for the recurrence."""
+    module docstring for the recurrence; ``recompute``: every stage recomputing, as
+    :func:`stage_period` prices it."""
     n, m = seq.n, run.microbatches
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
@@ -216,8 +235,9 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
     N[:, n] = 0.0
     for t in range(k):
         A[t][n, :] = 0.0
-    spans = {g: _span(seq.forward_ms[g]) + (_span(seq.backward_ms[g]) if run.train else 0.0)
-             for g in set(ordering)}
+    rebuilt = recompute and run.train
+    spans = {g: _span(seq.forward_ms[g]) * (2.0 if rebuilt else 1.0)
+             + (_span(seq.backward_ms[g]) if run.train else 0.0) for g in set(ordering)}
     for i in range(n - 1, -1, -1):
         for t in range(k - 1, -1, -1):
             g = ordering[t]
@@ -231,6 +251,8 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             else:
                 static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                           if run.train else weights[i])
+            if rebuilt:  # inputs per micro-batch in flight, one micro-batch's activations
+                static, stash = static + acts[i], np.full(n + 1, received[i])
             d = group.devices
             best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
@@ -339,6 +361,8 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
                       for mb in range(min(run.microbatches, math.lcm(len(here), len(there)))))
         link = fleet.inter if crosses else fleet.groups[group(here[0])].intra
         send.append(b / link.bytes_per_ms + link.latency_ms)
+    limits = [min(fleet.groups[g].memory for g in gs) * 1e9 for gs in stage_groups]
+    flags = _recomputed(sizes, replicas, limits, run)
     stages = []
     for k, where in enumerate(placed):
         one = len({machine(d) for d in where}) == 1
@@ -350,13 +374,25 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             max(float(per_kind_fwd[g][k]) for g in kinds[k]),
             max(float(per_kind_bwd[g][k]) for g in kinds[k]) if run.train else 0.0,
             len(where), allreduce, stash_bytes(sizes[k]),
-            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor)))
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
+            recompute=flags[k], input_bytes=sizes[k].received))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
-                               optimizer_factor=run.optimizer_factor)
+                               optimizer_factor=run.optimizer_factor, recompute=flags)
     devices = [[fleet.device_name(group(d), d - starts[group(d)]) for d in where]
                for where in placed]
-    limits = [min(fleet.groups[g].memory for g in gs) * 1e9 for gs in stage_groups]
     return PipelineCosts(stages, send), memory, devices, ["+".join(k) for k in kinds], limits
+
+
+def _recomputed(sizes: Sequence[StageBytes], replicas: Sequence[int],
+                limits: Sequence[float], run: RunSpec) -> list[bool]:
+    """Which stages recompute under ``run.recompute``
+    (:func:`~onnx_partition.pipeline.memory.recompute_choice`), each against its own kind's
+    memory ``limits[k]``."""
+    chosen = {limit: recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
+                                      memory_bytes=limit, mode=run.recompute,
+                                      optimizer_factor=run.optimizer_factor)
+              for limit in set(limits)}
+    return [chosen[limit][k] for k, limit in enumerate(limits)]
 
 
 def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
@@ -386,8 +422,46 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     if any(mem > limit for mem, limit in zip(memory, limits)):
         return None
     replicas = [len(where) for where in placed]
-    sim = simulate(build(run.schedule, replicas, run.microbatches), costs)
-    return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus)
+    played = costs
+    if run.train:
+        costs, played = _with_engine(costs, kinds, gpus, arrays, stage_of, sizes,
+                                     run.schedule, lambda values: per_stage(values).tolist())
+    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
+    return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus,
+                     schedule=run.schedule)
+
+
+def _with_engine(costs: PipelineCosts, kinds: Mapping[str, KindCosts], gpus: Sequence[str],
+                 arrays: NodeArrays, stage_of: Sequence[int], sizes: Sequence[StageBytes],
+                 schedule: str, per_stage: Callable[[Sequence[float]], list[float]]
+                 ) -> tuple[PipelineCosts, PipelineCosts]:
+    """A train plan's costs with each stage's input-gradient time (its kinds' larger, where
+    every kind has them) and its engine's work on its own kinds
+    (:class:`~onnx_partition.cost.engine.FleetEngine`, where every kind has
+    :attr:`KindCosts.engine`), and the costs as simulated: each send plus its boundary's work
+    per hop (plan.json's sends are the links', as price_engine adds that after)."""
+    on = [gpu.split("+") for gpu in gpus]
+    stages = list(costs.stages)
+    if all(len(kinds[k].backward_input_ms) for ks in on for k in ks):
+        grad = {k: per_stage(kinds[k].backward_input_ms) for ks in on for k in ks}
+        stages = [replace(c, backward_input_ms=max(grad[k][i] for k in ks))
+                  for i, (c, ks) in enumerate(zip(stages, on))]
+    terms = [[kinds[k].engine for k in ks] for ks in on]
+    if not all(t is not None for ts in terms for t in ts):
+        return replace(costs, stages=stages), replace(costs, stages=stages)
+    s = len(stages)
+    tied, tensors = (arrays.stage_engine(stage_of, s) if arrays.counted  # as totals_costs
+                     else (None, None))
+    work = FleetEngine.of(terms, [size.params for size in sizes],  # type: ignore[arg-type]
+                          tied=None if tied is None else tied.tolist(),
+                          tensors=None if tensors is None or not len(arrays.trainable_tensors)
+                          else [int(n) for n in tensors], split=schedule == "zb-h1")
+    stages = [replace(c, step_ms=work.step_ms[i], accumulate_ms=work.accumulate_ms[i],
+                      split_ms=work.split_ms[i], action_ms=work.action_ms[i])
+              for i, c in enumerate(stages)]
+    priced = replace(costs, stages=stages)
+    return priced, replace(priced, send_ms=[x + h for x, h in zip(costs.send_ms,
+                                                                  work.hop_ms)])
 
 
 # --------------------------------------------------------------------------- the planner
@@ -429,12 +503,13 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
                  ) -> tuple[DagProblem, NodeArrays]:
     """The problem and node arrays priced on one kind (for the one-kind planner)."""
     return (problem.reweighted(costs.forward_ms, problem.nbytes),
-            replace(arrays, backward_ms=list(costs.backward_ms), backward_input_ms=()))
+            replace(arrays, backward_ms=list(costs.backward_ms),
+                    backward_input_ms=list(costs.backward_input_ms)))
 
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs", "topo"),
-               alone: bool = True, slowest: bool = True
+               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = ()
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
     family its best ``iteration_ms`` on the fleet (``as-slowest`` also ``planned_ms``, its
@@ -442,9 +517,15 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     each group's GPU; ``alone``: also plan each group by itself with the one-kind planner (the
     baseline "only the fastest group" among them); ``slowest``: also the one-kind plan of
     every device as the slowest kind (:func:`as_slowest`), placed on the fleet's devices in
-    file order (there a stage may hold replicas of two kinds, priced at the slower)."""
+    file order (there a stage may hold replicas of two kinds, priced at the slower). A train
+    plan is planned for each of ``schedules`` (none: ``run``'s), every candidate scored under
+    each (the DP's splits do not depend on it) and the fastest kept, the first schedule on a
+    tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
+    its own kind's memory (under ``all`` the DP also splits for every stage recomputing)."""
     from onnx_partition.solve.planner import plan_cluster
 
+    runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
+            ] if run.train else [run]
     work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
             for gpu, c in kinds.items()}
     speed = [1.0 / max(work[g.gpu], 1e-12) for g in fleet.groups]
@@ -458,62 +539,77 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
-    dp_plans: list[tuple[FleetPlan, list[int]]] = []  # with each stage's group
+    # under --recompute all also the splits for every stage recomputing (its forward twice
+    # moves the best split where the backward is not proportional to it), as the one-kind
+    # planner; auto keeps the DP's splits keeping activations (its candidates then recompute
+    # per stage where memory asks, and the one-kind candidates split for recomputing)
+    recomputes = [False, True] if run.train and run.recompute == "all" else [False]
+    dp_plans: list[tuple[FleetPlan, list[int], RunSpec]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
         sequences.setdefault(tuple(sequence_for(problem, name)), name)
     for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
-            for held in helds:
-                _, stages = fleet_dp(seq, fleet, run, ordering, held)
+            for held, recompute in itertools.product(helds, recomputes):
+                _, stages = fleet_dp(seq, fleet, run, ordering, held, recompute)
                 if not stages:
                     continue
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
-                scored = score_fleet(problem, arrays, kinds, fleet, run, stage_of,
-                                     place_on_groups(fleet, groups, [s[3] for s in stages]),
-                                     f"fleet:{name}")
-                weigh(scored, f"fleet:{name}")
-                if scored is not None:
-                    dp_plans.append((scored, groups))
+                placed = place_on_groups(fleet, groups, [s[3] for s in stages])
+                for each in runs:
+                    scored = score_fleet(problem, arrays, kinds, fleet, each, stage_of, placed,
+                                         f"fleet:{name}")
+                    weigh(scored, f"fleet:{name}")
+                    if scored is not None:
+                        dp_plans.append((scored, groups, each))
     # the best DP plan's replica counts, hill-climbed on the simulated iteration itself
     if dp_plans:
-        plan, groups = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
-        weigh(polish_fleet(problem, arrays, kinds, fleet, run, plan, groups), plan.source)
-    if alone:
-        for g, group in enumerate(fleet.groups):
-            sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
-            sub_run = RunSpec(group.cluster(fleet.inter), train=run.train,
-                              microbatches=run.microbatches,
-                              optimizer_factor=run.optimizer_factor, max_stages=run.max_stages)
-            try:
-                alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
-            except PartitionError:
-                continue
-            placed = place_on_groups(fleet, [g] * alone_plan.num_stages, alone_plan.replicas)
-            weigh(score_fleet(problem, arrays, kinds, fleet, run, alone_plan.stage_of, placed,
-                              f"alone:{group.gpu}"), f"alone:{group.gpu}")
-    if slowest:
-        try:
-            uniform = as_slowest(problem, arrays, kinds, fleet, run)
-        except PartitionError:
-            uniform = None
-        if uniform is not None:
-            # the same devices in file order: never slower than there (each of its stages
-            # at its own devices' kinds, memory no smaller, links no slower: the same
-            # machines, or each device its own machine and no machine link below inter)
-            weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
-                              uniform[1].place(uniform[0].replicas), "as-slowest"),
-                  "as-slowest")
-            # and what the one-kind planner predicted for it there (the baseline's figure)
-            families.setdefault("as-slowest", {})["planned_ms"] = round(
-                uniform[0].sim.iteration_ms, 6)
+        plan, groups, each = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
+        weigh(polish_fleet(problem, arrays, kinds, fleet, each, plan, groups), plan.source)
+    for each in runs:
+        if alone:
+            for g, group in enumerate(fleet.groups):
+                sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[group.gpu])
+                sub_run = replace(each, cluster=group.cluster(fleet.inter),
+                                  engine=kinds[group.gpu].engine)
+                try:
+                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
+                except PartitionError:
+                    continue
+                placed = place_on_groups(fleet, [g] * alone_plan.num_stages,
+                                         alone_plan.replicas)
+                weigh(score_fleet(problem, arrays, kinds, fleet, each, alone_plan.stage_of,
+                                  placed, f"alone:{group.gpu}"), f"alone:{group.gpu}")
+        if slowest:
+            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families)
     if not candidates:
-        raise PartitionError("no plan fits the fleet's memory: no stage of the model fits "
-                             "any group's devices")
+        under = f" under {' or '.join(r.schedule for r in runs)}" if run.train else ""
+        raise PartitionError(f"no plan fits the fleet's memory{under}: no stage of the model "
+                             "fits any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
+
+
+def _weigh_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
+                   fleet: Fleet, run: RunSpec, weigh: Callable[[FleetPlan | None, str], None],
+                   families: dict[str, dict[str, float]]) -> None:
+    """The "as slowest" candidate (:func:`as_slowest`) under ``run``, and its ``planned_ms``
+    (the least over the schedules weighed)."""
+    try:
+        uniform = as_slowest(problem, arrays, kinds, fleet, run)
+    except PartitionError:
+        return
+    # the same devices in file order: never slower than there (each of its stages at its own
+    # devices' kinds, memory no smaller, links no slower: the same machines, or each device
+    # its own machine and no machine link below inter)
+    weigh(score_fleet(problem, arrays, kinds, fleet, run, uniform[0].stage_of,
+                      uniform[1].place(uniform[0].replicas), "as-slowest"), "as-slowest")
+    # and what the one-kind planner predicted for it there (the baseline's figure)
+    family = families.setdefault("as-slowest", {})
+    family["planned_ms"] = round(min(family.get("planned_ms", math.inf),
+                                     uniform[0].sim.iteration_ms), 6)
 
 
 def polish_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
@@ -560,12 +656,18 @@ def _group_moves(fleet: Fleet, groups: Sequence[int], replicas: Sequence[int]
 
 def slowest_costs(kinds: Mapping[str, KindCosts]) -> KindCosts:
     """Every node at its slowest kind's times (node by node: the slowest GPU where one GPU is
-    slower at everything, as a V100 beside an A100)."""
+    slower at everything, as a V100 beside an A100), with the engine of the kind of most
+    work."""
     table = list(kinds.values())
+    slowest = max(table, key=lambda c: float(sum(c.forward_ms) + sum(c.backward_ms)))
     return KindCosts([max(c.forward_ms[v] for c in table) for v in
                       range(len(table[0].forward_ms))],
                      [max(c.backward_ms[v] for c in table) for v in
-                      range(len(table[0].backward_ms))])
+                      range(len(table[0].backward_ms))],
+                     slowest.engine,  # the engine of the kind of most work
+                     [max(c.backward_input_ms[v] for c in table) for v in
+                      range(len(table[0].backward_input_ms))]
+                     if all(len(c.backward_input_ms) for c in table) else [])
 
 
 def slowest_cluster(fleet: Fleet) -> Cluster:
@@ -593,9 +695,8 @@ def as_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
 
     cluster = slowest_cluster(fleet)
     sub_problem, sub_arrays = kind_problem(problem, arrays, slowest_costs(kinds))
-    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
-        cluster, train=run.train, microbatches=run.microbatches,
-        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    plan, _ = plan_cluster(sub_problem, sub_arrays, replace(run, cluster=cluster,
+                                                            engine=slowest_costs(kinds).engine))
     return plan, cluster
 
 
@@ -611,8 +712,8 @@ def fastest_alone(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, K
         return float(total) / fleet.groups[g].devices
 
     g = min(range(len(fleet.groups)), key=work)
-    sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[fleet.groups[g].gpu])
-    plan, _ = plan_cluster(sub_problem, sub_arrays, RunSpec(
-        fleet.groups[g].cluster(fleet.inter), train=run.train, microbatches=run.microbatches,
-        optimizer_factor=run.optimizer_factor, max_stages=run.max_stages))
+    gpu = fleet.groups[g].gpu
+    sub_problem, sub_arrays = kind_problem(problem, arrays, kinds[gpu])
+    plan, _ = plan_cluster(sub_problem, sub_arrays, replace(
+        run, cluster=fleet.groups[g].cluster(fleet.inter), engine=kinds[gpu].engine))
     return plan
