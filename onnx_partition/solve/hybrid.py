@@ -18,7 +18,9 @@ DP builds plans from the pipeline's end; under a memory limit in training it kee
 and depth, the fewest devices for each first replica count and warm-up (:func:`_exact_fewest`),
 so it checks every stage's memory exactly in front of every suffix it could be placed before;
 the plans it returns carry each stage's exact memory (``memory_per_device``), and the planner
-checks again after widening.
+checks again after widening. With ``recompute="auto"`` a stage may instead keep only its
+inputs (one more forward, :func:`recompute_stage`), chosen per stage by the same exact DP
+where keeping does not fit.
 
 The DP runs over suffixes with the number of stages in the state (table shape written as in
 Alpa's ``training_dp_impl``)::
@@ -33,11 +35,12 @@ gives a plan; the caller scores each one with the event simulator, which counts 
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
 Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
-from :func:`replica_choices` up to ``M``, every stage within memory (a bisection over the sorted
-stage periods; float32 period tables, about 1e-7 relative); "no plan fits" exactly when none
-does, checked against the CP-SAT judge :mod:`.hybrid_judge`. Not for the problem over the DAG
-with any replica counts, strongly NP-hard with a fixed depth, a memory bound or all-reduce
-costs (``docs/np_completeness.md``). The code counts the fewest devices per bound
+from :func:`replica_choices` up to ``M`` (and recomputation flags per stage, ``auto``: checked
+against brute force), every stage within memory (a bisection over the sorted stage periods;
+float32 period tables, about 1e-7 relative); "no plan fits" exactly when none does, checked
+against the CP-SAT judge :mod:`.hybrid_judge` (without recomputation). Not for the problem
+over the DAG with any replica counts, strongly NP-hard with a fixed depth, a memory bound or
+all-reduce costs (``docs/np_completeness.md``). The code counts the fewest devices per bound
 (:func:`plan_hybrid`) instead of indexing a table by ``d``, so its time is polynomial in
 ``log D``, not in ``D``.
 """
