@@ -30,6 +30,7 @@ from onnx_partition.pipeline.memory import (
 from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import read_plan
+from onnx_partition.solve.hybrid_proof import HybridProof, prove_hybrid
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.scoring import RunSpec
 
@@ -126,6 +127,9 @@ def test_planner_recomputes_only_when_memory_needs_it() -> None:
     assert [s.recompute for s in plan.costs.stages] == [True, False]
     assert max(plan.sim.peak_memory_bytes.values()) <= 3e9
     assert plan.memory_bytes == pytest.approx([3e9, 3e9])
+    # the CP-SAT judge models no recomputation: no proof claimed for a recomputing plan
+    assert prove_hybrid(problem, arrays, _run(3.0, "auto"), plan) == HybridProof(
+        False, "recompute")
     every, _ = plan_cluster(problem, arrays, _run(3.0, "all"))
     assert [s.recompute for s in every.costs.stages] == [True, True]
     assert every.sim.iteration_ms > plan.sim.iteration_ms
