@@ -170,6 +170,18 @@ def plan_stage(costs, config, i, j, r, recompute=False):
     return (compute + comm) * math.ceil(m / r) / m + allreduce / m
 
 
+def draw_costs(n: int, data: st.DataObject) -> SequenceCosts:
+    """Whole-number costs 0..9 of ``n`` positions, transfers at the inner boundaries."""
+    floats = st.integers(0, 9).map(float)
+    return SequenceCosts(
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        data.draw(st.lists(floats, min_size=n, max_size=n)),
+        [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 5),
@@ -178,14 +190,7 @@ def plan_stage(costs, config, i, j, r, recompute=False):
     data=st.data(),
 )
 def test_hybrid_dp_matches_brute_force(n, devices, train, data):
-    floats = st.integers(0, 9).map(float)
-    costs = SequenceCosts(
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
-    )
+    costs = draw_costs(n, data)
     config = HybridConfig(devices=devices, train=train,
                           microbatches=data.draw(st.sampled_from([2, 3, 4])),
                           memory_bytes=data.draw(st.sampled_from([math.inf, 60.0, 150.0])),
@@ -251,14 +256,7 @@ def test_recompute_per_stage_matches_brute_force(n, devices, data):
     """Recomputation chosen per stage inside the DP (``auto``): its least period within memory
     is the least over every split, replica count and per-stage flag; every plan's stages fit
     as flagged, and a stage recomputes exactly where keeping would not fit."""
-    floats = st.integers(0, 9).map(float)
-    costs = SequenceCosts(
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        data.draw(st.lists(floats, min_size=n, max_size=n)),
-        [0.0, *data.draw(st.lists(floats, min_size=n - 1, max_size=n - 1)), 0.0],
-    )
+    costs = draw_costs(n, data)
     config = HybridConfig(devices=devices, train=True, recompute="auto",
                           microbatches=data.draw(st.sampled_from([2, 3, 4])),
                           memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0])),
