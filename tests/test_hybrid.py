@@ -302,3 +302,23 @@ def test_mixed_recompute_flags_beat_all_keep_and_all_recompute():
     assert max(s.period_ms for s in every[0]) == 16.0
     assert all(s.recompute for p in every for s in p)
     assert brute(costs, config) == 14.0
+
+
+def test_memory_error_names_the_recomputing_stages():
+    """Two positions of 4 B activations, 1 B sent between them, 4 B per device, 2 devices, 8
+    micro-batches. Keeping: one stage needs 8 B, a pipeline's first stage (2 in flight)
+    1 + 2 x 4 = 9 B: the least is one stage. Recomputing per stage: that first stage needs
+    1 + 4 + 2 x 0 = 5 B and the last 4 + 1 = 5 B (keeping it, 1 in flight, is the same): the
+    least is the pipeline, its recomputing stage named so."""
+    costs = SequenceCosts([1.0] * 2, [1.0] * 2, [0.0] * 2, [4.0, 4.0], [0.0, 1.0, 0.0])
+    config = HybridConfig(devices=2, memory_bytes=4.0, microbatches=8, train=True,
+                          recompute="auto")
+    with pytest.raises(PartitionError, match=r"least \(2 stages, replicas \[1, 1\]\) is over "
+                                             r"it in stage 0 \(position 0\) needs 5 B "
+                                             r"recomputing, 1 B over; stage 1 \(position 1\) "
+                                             r"needs 5 B, 1 B over$"):
+        plan_hybrid(costs, config)
+    with pytest.raises(PartitionError, match=r"least \(1 stage, replicas \[1\]\) is over it "
+                                             r"in stage 0 \(positions 0..1\) needs 8 B, 4 B "
+                                             r"over$"):
+        plan_hybrid(costs, replace(config, recompute="none"))

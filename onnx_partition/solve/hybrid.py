@@ -758,7 +758,8 @@ def _memory_report(tables: _Tables, config: HybridConfig, max_q: int,
     more = len(over) - _NAMED
     over = sorted(sorted(over, key=lambda e: -e[1].memory_bytes)[:_NAMED], key=lambda e: e[0])
     parts = "; ".join(
-        f"stage {k} ({_span_name(costs, s.start, s.end)}) needs {fmt_bytes(s.memory_bytes)}, "
+        f"stage {k} ({_span_name(costs, s.start, s.end)}) needs {fmt_bytes(s.memory_bytes)}"
+        f"{' recomputing' * s.recompute}, "
         f"{fmt_bytes(math.ceil(s.memory_bytes - config.memory_bytes))} over" for k, s in over)
     return (
         f"no plan fits in {fmt_bytes(config.memory_bytes)} per device on {config.devices} "
