@@ -69,7 +69,7 @@ from onnx_partition.pipeline.memory import (
 from onnx_partition.values import fmt_bytes
 
 __all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
-           "price_stages", "replica_choices", "stage_memory", "stage_period"]
+           "price_plans", "price_stages", "replica_choices", "stage_memory", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,13 @@ class _Tables:
                 break
             spare -= wider.replicas - slow.replicas
             stages[k] = wider
-        if self.mode == "auto":  # the warm-ups moved: each stage keeps where that fits
+        return self.decide(stages)  # the warm-ups moved
+
+    def decide(self, stages: list[HybridStage]) -> list[HybridStage]:
+        """The stages with their memory, each (``auto``) recomputing exactly where it is over
+        the memory keeping and within it recomputing
+        (:func:`~onnx_partition.pipeline.memory.recompute_choice`)."""
+        if self.mode == "auto":
             flags = recompute_choice(self.sizes(stages), [s.replicas for s in stages],
                                      self.c.microbatches, schedule="1f1b",
                                      memory_bytes=self.c.memory_bytes,
@@ -786,8 +792,16 @@ def price_stages(costs: SequenceCosts, config: HybridConfig,
     """Stages ``(start, end, replicas)`` of the sequence priced as the DP prices them, each with
     its memory per device (:func:`memory_per_device`): a plan found elsewhere, in the DP's
     model; recomputing where ``recompute`` flags a stage (empty: as ``config.recompute``
-    says, ``all`` or none)."""
+    says: ``all``, none, or per stage where keeping does not fit, ``auto``)."""
     tables = _Tables(costs, config)
-    flags: Sequence[bool | None] = list(recompute) or [None] * len(spans)
-    return tables.with_memory([tables.stage(i, j, r, f)
-                               for (i, j, r), f in zip(spans, flags, strict=True)])
+    if recompute:
+        return tables.with_memory([tables.stage(i, j, r, f)
+                                   for (i, j, r), f in zip(spans, recompute, strict=True)])
+    return tables.decide([tables.stage(i, j, r) for i, j, r in spans])
+
+
+def price_plans(costs: SequenceCosts, config: HybridConfig,
+                plans: Sequence[Sequence[tuple[int, int, int]]]) -> list[list[HybridStage]]:
+    """:func:`price_stages` of each of ``plans`` (the tables built once)."""
+    tables = _Tables(costs, config)
+    return [tables.decide([tables.stage(i, j, r) for i, j, r in spans]) for spans in plans]

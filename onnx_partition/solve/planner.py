@@ -34,6 +34,7 @@ from onnx_partition.solve.hybrid import (
     HybridStage,
     SequenceCosts,
     plan_hybrid,
+    price_plans,
     replica_choices,
 )
 from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
@@ -207,12 +208,31 @@ def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec
               ) -> list[list[HybridStage]]:
     """The hybrid DP's plans, its stages recomputing as ``run.recompute`` says: ``all``
     every stage, ``auto`` chosen per stage inside the DP where memory binds (a stage
-    recomputes exactly where keeping its activations does not fit), ``none`` never. Where
+    recomputes exactly where keeping its activations does not fit), ``none`` never. Under
+    ``auto`` the plans of the DP with every stage recomputing join as proposals where one of
+    their stages must recompute (each stage then keeping where that fits): other cuts at the
+    same or a larger bottleneck, which the simulator may find faster (fill, drain). Where
     each proposal's stages really recompute is decided again where memory is checked
     (:func:`~.scoring.totals_costs`), by the same rule."""
     if not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes):
         return plan_hybrid(seq, config)
-    return plan_hybrid(seq, replace(config, recompute=run.recompute))
+    auto = replace(config, recompute=run.recompute)
+    plans = plan_hybrid(seq, auto)
+    if run.recompute == "auto":
+        try:
+            every = plan_hybrid(seq, replace(config, recompute="all"))
+        except PartitionError:  # fitting only where some stage keeps
+            every = []
+        seen = {tuple((s.start, s.end, s.replicas) for s in p) for p in plans}
+        spans = []  # the DP's order, each plan once
+        for p in every:
+            key = tuple((s.start, s.end, s.replicas) for s in p)
+            if key not in seen:
+                seen.add(key)
+                spans.append(key)
+        plans += [p for p in price_plans(seq, auto, spans) if any(s.recompute for s in p)
+                  and max(s.memory_bytes for s in p) <= config.memory_bytes]
+    return plans
 
 
 def grid_candidates(
