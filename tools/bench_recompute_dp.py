@@ -5,8 +5,10 @@ keeping its activations and every stage recomputing, and chose which stages real
 afterwards (:func:`~onnx_partition.pipeline.memory.recompute_choice`, as the planner's scoring
 does); ``recompute="auto"`` chooses it per stage inside one DP (issue 23). Per recipe and
 memory share (of one device's need: the whole model on one device under 1F1B): the DP's
-seconds both ways and the least bottleneck period each reaches (the DP's objective, the
-two-pass plans re-flagged per stage), on the planner's first ordering's sequence. Run::
+seconds both ways (and of what the planner runs under ``auto``: the per-stage DP, then the
+all-recomputing one for more proposals) and the least bottleneck period each reaches (the
+DP's objective, the two-pass plans re-flagged per stage), on the planner's first ordering's
+sequence. Run::
 
     python tools/bench_recompute_dp.py --size realistic --recipes inception gpt
 """
@@ -60,11 +62,13 @@ def period(plan: list[HybridStage]) -> float:
     return max(s.period_ms for s in plan)
 
 
-def two_passes(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
+def two_passes(costs: SequenceCosts, config: HybridConfig,
+               modes: tuple[str, str] = ("none", "all")) -> list[list[HybridStage]]:
     """The approach replaced: every stage keeping, then every stage recomputing; which
-    stages really recompute is chosen afterwards (:func:`reflagged`)."""
+    stages really recompute is chosen afterwards (:func:`reflagged`). With ``("auto",
+    "all")``: what the planner runs now (``planner._dp_plans``)."""
     found = []
-    for mode in ("none", "all"):
+    for mode in modes:
         with contextlib.suppress(PartitionError):
             found += plan_hybrid(costs, replace(config, recompute=mode))
     return found
@@ -101,12 +105,16 @@ def row(name: str, share: float, need: float, problem: DagProblem, arrays: NodeA
     old = [timed(partial(two_passes, costs, config)) for _ in range(args.repeats)]
     new = [timed(partial(plan_hybrid, costs, replace(config, recompute="auto")))
            for _ in range(args.repeats)]
+    both = [timed(partial(two_passes, costs, config, ("auto", "all")))
+            for _ in range(args.repeats)]
     old_s, new_s = min(t for _, t in old), min(t for _, t in new)
+    both_s = min(t for _, t in both)
     was = min(map(period, reflagged(costs, config, old[0][0])), default=math.inf)
     now = min(map(period, new[0][0]), default=math.inf)
     best = min(new[0][0], key=period) if new[0][0] else []
     print(f"| {name} | {share:.0%} | {share * need / 1e9:.3g} GB | {len(costs.forward_ms)} | "
-          f"{old_s:.3f} | {new_s:.3f} | {new_s / old_s:.2f}x | {was:.4f} | {now:.4f} | "
+          f"{old_s:.3f} | {new_s:.3f} | {new_s / old_s:.2f}x | {both_s / old_s:.2f}x | "
+          f"{was:.4f} | {now:.4f} | "
           f"{was / now if math.isfinite(now) else math.nan:.4f}x | "
           f"{[k for k, s in enumerate(best) if s.recompute]} |", flush=True)
 
@@ -126,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats}; period: the DP's least bottleneck period in ms (two passes: "
           "their plans re-flagged per stage; ratio > 1: per stage lower)\n")
     print("| recipe | share | limit | blocks | two passes s | per stage s | time ratio | "
-          "two-pass period | per-stage period | period ratio | recomputing |")
-    print("| --- " * 11 + "|")
+          "planner's (+ all) ratio | two-pass period | per-stage period | period ratio | "
+          "recomputing |")
+    print("| --- " * 12 + "|")
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
         cache.mkdir(parents=True, exist_ok=True)
