@@ -20,6 +20,7 @@ from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.reference import reference_train
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import synthetic_batch, train_plan
@@ -187,3 +188,29 @@ def test_bad_options_are_one_line_before_any_process(
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_log_appends_only_to_a_training_log(gpt_plan: Path, tmp_path: Path,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """--log appends: over the model, inside the plan folder or onto a file that is not a
+    training log it exits 2 before any process and leaves every file as it was; an earlier
+    log (a resumed run's) or an empty file is taken."""
+    plan = read_plan(gpt_plan)
+    model = (gpt_plan / plan.model).resolve()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    before = {p: p.read_bytes() for p in (model, notes)}
+    listing = sorted(p.name for p in gpt_plan.iterdir())
+    for log, message in ((model, "that is the plan's model file"),
+                         (gpt_plan / "train.jsonl", "inside the plan folder"),
+                         (notes, "exists and is not a training log")):
+        assert main(["train", str(gpt_plan), "--steps", "1", "--log", str(log)]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in gpt_plan.iterdir()) == listing
+    earlier = tmp_path / "train.jsonl"
+    earlier.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
+    check_log_path(gpt_plan, plan, earlier)
+    (tmp_path / "empty.jsonl").touch()
+    check_log_path(gpt_plan, plan, tmp_path / "empty.jsonl")

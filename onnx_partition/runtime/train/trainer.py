@@ -68,7 +68,7 @@ from onnx_partition.runtime.train.data import (
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.loss import LOSSES
 from onnx_partition.runtime.train.loss import LossFn as UserLoss
-from onnx_partition.runtime.train.paths import check_output_path
+from onnx_partition.runtime.train.paths import check_log_path, check_output_path
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,
@@ -561,8 +561,8 @@ def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, row
                   checkpoint_every=checkpoint_every, eval_every=eval_every)
     ckpt = resume_request(folder, plan, rows=rows, steps=steps, resume=resume,
                           checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
-    if log is not None and Path(log).exists() and not Path(log).is_file():
-        raise PartitionError(f"--log {log}: exists and is not a file")
+    if log is not None:
+        check_log_path(folder, plan, Path(log))
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
     return TrainConfig(steps=steps, microbatches=microbatches, schedule=schedule,
                        optimizer=optimizer, lr=lr, check_steps=checks, keep_state=keep_state,
