@@ -197,6 +197,37 @@ def test_only_the_first_and_last_stage_read_data(exported: Callable[..., Path],
     assert len([p for p in calls.iterdir() if p.name != str(os.getpid())]) == 2
 
 
+def test_validation_loss_is_over_every_whole_step_of_the_eval_data(gpt_plan: Path,
+                                                                     tmp_path: Path) -> None:
+    """--eval-data of 14 rows at 4 rows a step: the validation loss after step 1 is the mean of
+    its 3 whole steps' cross-entropy (rows 0-11; rows 12-13 left out), under the parameters
+    single-process training reaches after the same step (not the first step's rows alone)."""
+    ids, labels = byte_rows(30, SEQ)
+    np.savez(tmp_path / "train.npz", input_ids=ids[:16], labels=labels[:16])
+    np.savez(tmp_path / "valid.npz", input_ids=ids[16:], labels=labels[16:])
+    stats = train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, lr=LR,
+                       data=tmp_path / "train.npz", eval_data=tmp_path / "valid.npz",
+                       eval_every=1, optimizer="sgd", check=True)
+    assert stats.mismatches == []
+    batch = ({"input_ids": torch.from_numpy(ids[:4])}, {"labels": torch.from_numpy(labels[:4])})
+    trained = reference_train(gpt_plan, [batch], lr=LR, microbatches=2,
+                              task=task_for(gpt_plan, kind="cross_entropy"))
+    whole = whole_module(gpt_plan, deterministic=True)
+    with torch.no_grad():
+        for name, param in whole.named_parameters():
+            param.copy_(trained[name])
+        losses = []
+        for k in range(3):
+            rows = slice(16 + 4 * k, 20 + 4 * k)
+            (logits,) = whole(torch.from_numpy(ids[rows]))
+            losses.append(float(F.cross_entropy(logits.reshape(-1, 128),
+                                                torch.from_numpy(labels[rows]).reshape(-1),
+                                                ignore_index=-100)))
+    assert [s for s, _ in stats.eval_loss] == [1]
+    assert stats.eval_loss[0][1] == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert stats.eval_loss[0][1] != pytest.approx(losses[0], rel=1e-3)
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -126,7 +126,7 @@ class TrainConfig:
     checkpoint_manifest: str = ""  # JSON of the manifest's fixed part (plan, rows per step)
     # evaluation and logs (rank 0)
     eval_every: int = 0
-    eval_batches: int = 1  # batches per evaluation
+    eval_batches: int = 1  # batches per evaluation (--eval-data: every whole step of its rows)
     log: str | None = None  # append one JSON object per step
     progress: bool = False  # a progress bar on a terminal
     engine: str = "ours"  # or "torch": torch.distributed.pipelining (train.torch_engine)
@@ -416,7 +416,8 @@ def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: 
 def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResult,
               step: int) -> None:
     """A forward-only pass over ``config.eval_batches`` validation batches (dropout off), each
-    rank serving its micro-batches in order; rank 0 learns the mean loss (and prints it)."""
+    rank serving its micro-batches in order; rank 0 learns the mean of the batches' losses
+    (each the step loss over its B x M rows) and prints it."""
     lay, k = me.lay, me.k
     me.module.eval()
     total = 0.0

@@ -194,6 +194,8 @@ class DataPlan:
     kind: str | None = None
     described: str = "synthetic batches"
     evals: ArrayBatches | None = None  # --eval-data, by the same order contract
+    eval_steps: int = 1  # batches of B x M rows per evaluation: every whole one of --eval-data
+    eval_described: str = ""  # what the validation loss is taken over
 
     def eval_batches(self) -> Batches | None:
         """Validation batches from ``--eval-data`` (None: synthetic ones of another seed)."""
@@ -239,11 +241,17 @@ def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
     if eval_data is None:
         return spec
     source = ArraySource(eval_data, "--eval-data")
-    info = check_data(plan, source, per_step=per_step, steps=1, shuffle=None,
+    # every whole step of rows is evaluated (and scanned); the rows past the last are left out
+    shape = source.headers().get(plan.inputs[0].name, ((), None))[0] if plan.inputs else ()
+    batches = max((shape[0] if shape else 0) // per_step, 1)
+    info = check_data(plan, source, per_step=per_step, steps=batches, shuffle=None,
                       loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data")
     evals = ArrayBatches(source, [s.name for s in plan.inputs], info.targets, info.rows,
                          per_step, None)
-    return replace(spec, evals=evals)
+    left = info.rows - batches * per_step
+    described = (f"{source.describe()} ({batches} x {per_step} rows"
+                 f"{f'; the last {left} left out' if left else ''})")
+    return replace(spec, evals=evals, eval_steps=batches, eval_described=described)
 
 
 def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
@@ -484,9 +492,12 @@ def train_plan(
 
         config = replace(config, engine=engine)
         check_torch_engine(plan, config)
+    config = replace(config, eval_batches=spec.eval_steps)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
-              f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
+              f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}"
+              f"{f'; validation on {spec.eval_described}' if spec.eval_described else ''}",
+              flush=True)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
@@ -923,6 +934,7 @@ def train_rank(
     config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
                           schedule=schedule, optimizer=optimizer, lr=lr, check=check,
                           keep_state=False, verbose=True, seed=seed, **options)
+    config = replace(config, eval_batches=spec.eval_steps)
     checks = config.check_steps
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               config.eval_every > 0)
