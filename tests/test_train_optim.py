@@ -6,7 +6,9 @@ validation loss and ``train --json``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
+from onnx_partition.runtime.train.choices import PlannedChoiceWarning
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.reference import reference_train
@@ -144,6 +147,19 @@ def test_a_checkpoint_of_another_plan_is_refused(gpt_plan: Path, tmp_path: Path,
         train_plan(gpt_plan, steps=1, checkpoint_dir=gpt_plan / "ck", checkpoint_every=1)
     with pytest.raises(PartitionError, match="already at step 1"):
         train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, resume=out)
+    # the optimizer state is AdamW's (the plan's, weight decay 0.01): SGD, or other options
+    # that loading the state would silently put back, are refused before any process
+    for options, asks in (({"optimizer": "sgd"}, "--optimizer sgd --weight-decay 0.0 "
+                                                 "--momentum 0.0"),
+                          ({"weight_decay": 0.1}, "--optimizer adamw --weight-decay 0.1 "
+                                                  "--betas 0.9 0.999")):
+        expected = re.escape("written with --optimizer adamw --weight-decay 0.01 --betas 0.9 "
+                             f"0.999; this run asks {asks}")
+        warns = (pytest.warns(PlannedChoiceWarning) if "optimizer" in options
+                 else contextlib.nullcontext())
+        with warns, pytest.raises(PartitionError, match=expected):
+            train_plan(gpt_plan, steps=2, microbatches=2, batch_size=2, resume=out,
+                       **options)  # type: ignore[arg-type]
 
 
 def test_log_eval_and_json(gpt_plan: Path, tmp_path: Path,

@@ -570,8 +570,11 @@ def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, row
                   betas=betas, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
                   clip_grad_norm=clip_grad_norm, precision=precision,
                   checkpoint_every=checkpoint_every, eval_every=eval_every)
+    from onnx_partition.runtime.train.checkpoint import optimizer_record
+
     ckpt = resume_request(folder, plan, rows=rows, steps=steps, resume=resume,
-                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                          optimizer=optimizer_record(optimizer, weight_decay, momentum, betas))
     if log is not None:
         check_log_path(folder, plan, Path(log))
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
@@ -856,11 +859,15 @@ class CheckpointRequest:
 def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
                    resume: str | os.PathLike[str] | None,
                    checkpoint_dir: str | os.PathLike[str] | None,
-                   checkpoint_every: int) -> CheckpointRequest:
+                   checkpoint_every: int, optimizer: Mapping[str, Any] | None = None
+                   ) -> CheckpointRequest:
     """Check ``--checkpoint-dir/--checkpoint-every/--resume`` against the plan (a checkpoint of
-    another plan, or of another batch, is refused) before any process starts."""
+    another plan, of another batch, or of another ``optimizer``, as
+    :func:`~onnx_partition.runtime.train.checkpoint.optimizer_record` describes it, is
+    refused) before any process starts."""
     from onnx_partition.runtime.train.checkpoint import (
         check_checkpoint_dir,
+        check_optimizer,
         latest_checkpoint,
         plan_fingerprint,
     )
@@ -873,6 +880,8 @@ def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
         if manifest.get("rows_per_step") != rows:
             raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
                                  f" rows per step, this run takes {rows}")
+        if optimizer is not None:
+            check_optimizer(found, manifest, optimizer)
         if start >= steps:
             raise PartitionError(f"--resume {found}: already at step {start}; --steps {steps} "
                                  "(steps in all) leaves nothing to train")
@@ -885,7 +894,7 @@ def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
     elif checkpoint_every:
         raise PartitionError("--checkpoint-every needs --checkpoint-dir DIR")
     fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
-             "checkpoint_every": every}
+             "checkpoint_every": every, **({} if optimizer is None else {"optimizer": optimizer})}
     return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
                              resume_from, json.dumps(fixed))
 
