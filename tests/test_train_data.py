@@ -199,16 +199,17 @@ def test_only_the_first_and_last_stage_read_data(exported: Callable[..., Path],
 
 def test_validation_loss_is_over_every_whole_step_of_the_eval_data(gpt_plan: Path,
                                                                      tmp_path: Path) -> None:
-    """--eval-data of 14 rows at 4 rows a step: the validation loss after step 1 is the mean of
-    its 3 whole steps' cross-entropy (rows 0-11; rows 12-13 left out), under the parameters
-    single-process training reaches after the same step (not the first step's rows alone)."""
+    """Training data given as a mapping of arrays; --eval-data of 14 rows at 4 rows a step:
+    the validation loss after step 1 is the mean of its 3 whole steps' cross-entropy (rows
+    0-11; rows 12-13 left out), under the parameters single-process training reaches after the
+    same step (not the first step's rows alone)."""
     ids, labels = byte_rows(30, SEQ)
-    np.savez(tmp_path / "train.npz", input_ids=ids[:16], labels=labels[:16])
     np.savez(tmp_path / "valid.npz", input_ids=ids[16:], labels=labels[16:])
     stats = train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, lr=LR,
-                       data=tmp_path / "train.npz", eval_data=tmp_path / "valid.npz",
-                       eval_every=1, optimizer="sgd", check=True)
-    assert stats.mismatches == []
+                       data={"input_ids": ids[:16], "labels": labels[:16]},
+                       eval_data=tmp_path / "valid.npz", eval_every=1, optimizer="sgd",
+                       check=True)
+    assert stats.mismatches == [] and stats.data == "the arrays given (16 rows, in order)"
     batch = ({"input_ids": torch.from_numpy(ids[:4])}, {"labels": torch.from_numpy(labels[:4])})
     trained = reference_train(gpt_plan, [batch], lr=LR, microbatches=2,
                               task=task_for(gpt_plan, kind="cross_entropy"))
@@ -249,7 +250,10 @@ def _gpt_data(tmp_path: Path, **change: np.ndarray) -> Path:
     ({"labels": np.zeros((8, SEQ), np.float32)}, ["--loss", "cross_entropy"],
      "cross-entropy takes integer labels"),
     ({"labels": np.zeros((7, SEQ), np.int64)}, [], "disagree on the rows"),
-    ({"labels": np.zeros(0)}, [], "no array 'labels'"),
+    ({"labels": np.zeros(0)}, [], "no array 'labels' (nor one named as an output: logits) to "
+                                  "train against"),
+    ({"labels": np.zeros(0)}, ["--loss", "mse"], "no array 'labels' (nor one named as an output:"
+                                                 " logits) for --loss mse"),
 ])
 def test_bad_data_refused_before_any_process(gpt_plan: Path, tmp_path: Path,
                                              capfd: pytest.CaptureFixture[str],

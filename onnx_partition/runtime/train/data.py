@@ -269,8 +269,9 @@ def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
     kind = "custom" if custom else resolve_loss(loss, first.shape, integer)
     targets: list[str] = []
     if kind in ("cross_entropy", "mse") and not labels and not output_targets:
+        why = f"for --loss {kind}" if loss != "auto" else "to train against"
         raise PartitionError(f"{where}: no array 'labels' (nor one named as an output: "
-                             f"{', '.join(o.name for o in plan.outputs)}) for --loss {kind}")
+                             f"{', '.join(o.name for o in plan.outputs)}) {why}")
     if kind == "cross_entropy":
         name = "labels" if labels else first.name
         shape, dtype = headers[name]
