@@ -18,8 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["SILENT", "Bars", "Reporter", "Silent", "iterate", "loss_bar", "progress_callback",
-           "shown", "timed"]
+__all__ = ["SILENT", "Bars", "Reporter", "Silent", "echo", "iterate", "loss_bar",
+           "progress_callback", "shown", "timed"]
 
 T = TypeVar("T")
 
@@ -65,6 +65,13 @@ def loss_bar(label: str, total: int, *, start: int = 0,
             bar.close()
 
     return update
+
+
+def echo(text: str) -> None:
+    """Print ``text`` (a line) on stdout, flushed, above this process's bars: tqdm clears them,
+    writes, and draws them again below (a plain print lands on the bar's own line)."""
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def iterate(items: Iterable[T], label: str, *, total: int | None = None,

@@ -69,6 +69,7 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.pipeline.microbatch import rows_of
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
+from onnx_partition.progress import echo
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.train import passes
@@ -441,7 +442,7 @@ def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResu
     if result.rank == 0:
         result.eval_loss.append((step, loss))
         if config.verbose:
-            print(f"eval after step {step}: validation loss {loss:.4f}", flush=True)
+            echo(f"eval after step {step}: validation loss {loss:.4f}")
 
 
 def _log_step(config: TrainConfig, result: RankResult, st: _Step, step: int) -> None:
@@ -656,8 +657,7 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
         result.table.append([float(v) for v in table[:, :2].reshape(-1)])
         if verbose:
             rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
-            print(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows),
-                  flush=True)
+            echo(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows))
 
 
 def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]], lay: Layout,
