@@ -58,6 +58,7 @@ def test_unequal_replicas_check(gpt_plan: Path, tmp_path: Path,
     out = capfd.readouterr().out
     assert code == 0, out
     assert "3 ranks" in out
+    assert "training on synthetic batches (seed 0)" in out  # no --data: said so
     assert "after step 1 and 3: OK" in out
     times = json.loads(record.read_text())["simulator_costs"]
     assert len(times["forward_ms"]) == len(times["backward_ms"]) == 2

@@ -273,9 +273,14 @@ def test_bad_paths_and_options_refused(gpt_plan: Path, tmp_path: Path,
                                        capfd: pytest.CaptureFixture[str]) -> None:
     model = (gpt_plan / read_plan(gpt_plan).model).resolve()
     before = sorted(p.name for p in gpt_plan.iterdir())
+    model_bytes = model.read_bytes()
     for options, message in (
             (["--save", str(gpt_plan / "trained")], "inside the plan folder"),
             (["--save", str(model)], "that is the plan's model file"),
+            (["--checkpoint-dir", str(gpt_plan / "ckpt"), "--checkpoint-every", "1"],
+             "--checkpoint-dir {}: inside the plan folder".format(gpt_plan / "ckpt")),
+            (["--checkpoint-dir", str(model), "--checkpoint-every", "1"],
+             "exists and is not a folder"),
             (["--shuffle", "3"], "--shuffle orders the rows of --data; there is no --data"),
             (["--data", str(tmp_path / "none.npz")], "no such file or folder"),
             (["--data", str(model)], "expected a .npz file or a folder of .npy")):
@@ -283,6 +288,7 @@ def test_bad_paths_and_options_refused(gpt_plan: Path, tmp_path: Path,
         err = capfd.readouterr().err
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
     assert sorted(p.name for p in gpt_plan.iterdir()) == before
+    assert model.read_bytes() == model_bytes
 
 
 def test_auto_loss_and_targets_from_the_data(gpt_plan: Path) -> None:
