@@ -55,7 +55,11 @@ def progress_callback(label: str, *, enabled: bool = True) -> Callable[[int, int
 def loss_bar(label: str, total: int, *, start: int = 0,
              enabled: bool = True) -> Callable[[int, float], None]:
     """A ``update(done, loss)`` callback driving a bar of ``total`` steps (from ``start``: a
-    resumed run) that shows the last loss beside the rate and ETA; closed at ``total``."""
+    resumed run) that shows the last loss beside the rate and ETA; closed at ``total``. Drawn in
+    a training rank, so tqdm's lock there is a thread lock: its default, a multiprocessing lock,
+    is a named semaphore that a rank ending in ``os._exit`` (a failed step, ^C) leaves behind,
+    and the resource tracker warned of it under the run's one-line error."""
+    tqdm.set_lock(threading.RLock())  # one process draws these bars; none shares them
     bar = _bar(label, total, enabled, unit="step", initial=start)
 
     def update(done: int, loss: float) -> None:

@@ -274,6 +274,19 @@ def test_train_lines_print_above_the_bar(monkeypatch):
     assert "train:" in terminal.getvalue() and "loss 4.0000" in terminal.getvalue()
 
 
+def test_a_rank_ending_abruptly_leaves_no_semaphore_behind():
+    """A training rank makes its loss bar (drawn or not) and ends in ``os._exit`` as a failed
+    rank does: no 'leaked semaphore' warning from the resource tracker (tqdm's default lock is
+    a multiprocessing one; a failed run printed the warning under its one-line error)."""
+    code = ("import multiprocessing, os\nfrom onnx_partition.progress import loss_bar\n"
+            "multiprocessing.set_start_method('forkserver')  # as the ranks are started\n"
+            "bar = loss_bar('train', 2)\nbar(1, 1.0)\nos._exit(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert done.returncode == 1
+    assert "leaked semaphore" not in done.stderr, done.stderr
+
+
 def test_gpu_extra_replaces_onnxruntime():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
