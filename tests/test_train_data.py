@@ -247,6 +247,9 @@ def _gpt_data(tmp_path: Path, **change: np.ndarray) -> Path:
     ({"labels": np.zeros((8, SEQ), np.int64)}, ["--microbatches", "8"],
      "8 rows, fewer than one step's 16"),
     ({"labels": np.full((8, SEQ), 128)}, [], "labels outside the vocabulary 0..127"),
+    ({"input_ids": np.full((8, SEQ), 128)}, [], "holds ids outside 0..127, the rows of the "
+                                                "table it indexes (tok.weight)"),
+    ({"input_ids": np.full((8, SEQ), -1)}, [], "holds ids outside 0..127"),
     ({"labels": np.zeros((8, SEQ), np.float32)}, ["--loss", "cross_entropy"],
      "cross-entropy takes integer labels"),
     ({"labels": np.zeros((7, SEQ), np.int64)}, [], "disagree on the rows"),

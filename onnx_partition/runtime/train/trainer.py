@@ -232,13 +232,20 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
 
 def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
                  shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int,
-                 eval_data: str | os.PathLike[str] | None = None) -> DataPlan:
+                 eval_data: str | os.PathLike[str] | None = None,
+                 folder: Path | None = None) -> DataPlan:
     """Check the data (and ``eval_data``, validation batches by the same order contract)
     against the plan and the loss (before any process starts) and say what the run trains
     on: a PartitionError for data it cannot train on
-    (:func:`~onnx_partition.runtime.train.data.check_data`)."""
+    (:func:`~onnx_partition.runtime.train.data.check_data`; with the plan ``folder``, ids too
+    against the embeddings they index, :func:`~onnx_partition.runtime.train.vocab.index_ranges`)."""
+    from onnx_partition.runtime.train.vocab import index_ranges
+
+    files = data is not None and (isinstance(data, Mapping) or not callable(data))
+    ranges = (index_ranges(folder, plan) if folder is not None and (files or eval_data)
+              else None)
     spec = _training_data(plan, data, per_step=per_step, steps=steps, shuffle=shuffle,
-                          loss=loss, loss_fn=loss_fn, seed=seed)
+                          loss=loss, loss_fn=loss_fn, seed=seed, ranges=ranges)
     if eval_data is None:
         return spec
     source = ArraySource(eval_data, "--eval-data")
@@ -246,7 +253,8 @@ def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
     shape = source.headers().get(plan.inputs[0].name, ((), None))[0] if plan.inputs else ()
     batches = max((shape[0] if shape else 0) // per_step, 1)
     info = check_data(plan, source, per_step=per_step, steps=batches, shuffle=None,
-                      loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data")
+                      loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data",
+                      ranges=ranges)
     evals = ArrayBatches(source, [s.name for s in plan.inputs], info.targets, info.rows,
                          per_step, None)
     left = info.rows - batches * per_step
@@ -256,8 +264,8 @@ def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
 
 
 def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
-                   shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int
-                   ) -> DataPlan:
+                   shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int,
+                   ranges: Mapping[str, tuple[int, str]] | None = None) -> DataPlan:
     from onnx_partition.runtime.train.loss import resolve_loss
     from onnx_partition.runtime.train.task import synthetic_kind
 
@@ -280,7 +288,7 @@ def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: in
         return DataPlan(factory, loss, loss_fn, kind, "batches from the data factory")
     source = ArraySource(data)
     info = check_data(plan, source, per_step=per_step, steps=steps, shuffle=shuffle, loss=loss,
-                      custom=loss_fn is not None)
+                      custom=loss_fn is not None, ranges=ranges)
     batches = ArrayBatches(source, inputs, info.targets, info.rows, per_step, shuffle)
     order = "in order" if shuffle is None else f"shuffled with seed {shuffle}"
     return DataPlan(batches, loss, loss_fn, info.loss,
@@ -479,7 +487,8 @@ def train_plan(
     if record is not None:
         check_record(Path(record))
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data,
+                        folder=folder)
     config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
                           schedule=schedule, optimizer=optimizer, lr=lr, check=check,
                           keep_state=save is not None, verbose=verbose, hook=hook, seed=seed,
@@ -944,7 +953,8 @@ def train_rank(
     check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     eval_data = options.pop("eval_data", None)
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data,
+                        folder=folder)
     config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
                           schedule=schedule, optimizer=optimizer, lr=lr, check=check,
                           keep_state=False, verbose=True, seed=seed, **options)
