@@ -56,7 +56,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,6 +76,7 @@ from onnx_partition.runtime.train import passes
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
 __all__ = ["Batches", "LossFn", "RankResult", "SavedCounter", "StageLike", "TrainConfig",
@@ -283,6 +284,10 @@ def train_stages(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     bar = _progress(config) if rank == 0 else None
+    # validation runs the stage as model.eval() would (dropout off, running statistics, no
+    # buffer update), on the same parameters: .eval() alone changes nothing in an FX program
+    judge = (replace(me, module=eval_module(module))
+             if config.eval_every and eval_batches is not None else None)
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
     for step in range(config.start_step, config.steps):
@@ -332,7 +337,7 @@ def train_stages(
             result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
         if config.eval_every and eval_batches is not None and (
                 (step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-            _evaluate(me, eval_batches, config, result, step + 1)
+            _evaluate(judge or me, eval_batches, config, result, step + 1)
         if rank == 0:
             _log_step(config, result, st, step)
             if bar is not None:
@@ -416,9 +421,10 @@ def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: 
 
 def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResult,
               step: int) -> None:
-    """A forward-only pass over ``config.eval_batches`` validation batches (dropout off), each
-    rank serving its micro-batches in order; rank 0 learns the mean of the batches' losses
-    (each the step loss over its B x M rows) and prints it."""
+    """A forward-only pass over ``config.eval_batches`` validation batches (``me.module``: the
+    stage as :func:`~onnx_partition.runtime.train.modules.eval_module` runs it), each rank
+    serving its micro-batches in order; rank 0 learns the mean of the batches' losses (each the
+    step loss over its B x M rows) and prints it."""
     lay, k = me.lay, me.k
     me.module.eval()
     total = 0.0
