@@ -116,6 +116,28 @@ def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> 
             torch.testing.assert_close(g[name], w[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_resumed_run_keeps_the_validation_losses_before_it(gpt_plan: Path,
+                                                           tmp_path: Path) -> None:
+    """The checkpoint carries the validation losses so far: 2 steps, then resumed to 4, give
+    the 4 evaluations of 4 steps straight (final and best over the whole run, not only the
+    resumed part's)."""
+    common = dict(microbatches=2, batch_size=2, eval_every=1,
+                  checkpoint_every=2)
+    straight = train_plan(gpt_plan, steps=4, checkpoint_dir=tmp_path / "straight",
+                          **common)  # type: ignore[arg-type]
+    assert [s for s, _ in straight.eval_loss] == [1, 2, 3, 4]
+    out = tmp_path / "ckpt"
+    first = train_plan(gpt_plan, steps=2, checkpoint_dir=out, **common)  # type: ignore[arg-type]
+    manifest = latest_checkpoint(out, read_plan(gpt_plan))[1]
+    assert manifest["eval_loss"] == [[s, pytest.approx(v)] for s, v in first.eval_loss]
+    resumed = train_plan(gpt_plan, steps=4, resume=out, **common)  # type: ignore[arg-type]
+    assert [s for s, _ in resumed.eval_loss] == [1, 2, 3, 4]
+    assert [v for _, v in resumed.eval_loss] == pytest.approx(
+        [v for _, v in straight.eval_loss], rel=1e-6)
+    again = latest_checkpoint(out, read_plan(gpt_plan))[1]
+    assert [s for s, _ in again["eval_loss"]] == [1, 2, 3, 4]
+
+
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(gpt_plan: Path,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "ckpt"

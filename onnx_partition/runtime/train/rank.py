@@ -126,6 +126,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     checkpoint_manifest: str = ""  # JSON of the manifest's fixed part (plan, rows per step)
+    earlier_evals: tuple[tuple[int, float], ...] = ()  # resumed: the checkpoint's (step, loss)
     # evaluation and logs (rank 0)
     eval_every: int = 0
     eval_batches: int = 1  # batches per evaluation (--eval-data: every whole step of its rows)
@@ -344,7 +345,8 @@ def train_stages(
                 bar(step + 1, result.loss[-1])
         if config.checkpoint_dir and config.checkpoint_every and (
                 (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
-            _checkpoint(config, lay, rank, step + 1, module, optimizer, device)
+            _checkpoint(config, lay, rank, step + 1, module, optimizer, device,
+                        result.eval_loss)
     if device.type == "cuda":
         result.memory_bytes = int(torch.cuda.max_memory_allocated(device))
     if config.keep_state and replica == 0:
@@ -396,8 +398,10 @@ def _load_checkpoint(folder: Path, rank: int, module: torch.nn.Module,
 
 
 def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it)."""
+                optimizer: torch.optim.Optimizer, device: torch.device,
+                evals: Sequence[tuple[int, float]] = ()) -> None:
+    """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it, with
+    every validation loss of the run so far, the resumed segments' included)."""
     from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
 
     def save(path: Path) -> None:
@@ -412,6 +416,7 @@ def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: 
         rows = int(fixed.get("rows_per_step", 0))
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "steps": config.steps,
                     "data_position": {"step": step, "rows": step * rows}, **fixed,
+                    "eval_loss": [[s, v] for s, v in (*config.earlier_evals, *evals)],
                     "ranks": [{"rank": q, "stage": lay.place(q)[0], "replica": lay.place(q)[1],
                                "file": f"rank-{q:05d}.pt"} for q in range(lay.world_size)]}
     hook = config.hook

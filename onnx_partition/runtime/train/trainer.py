@@ -597,7 +597,8 @@ def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, row
                        clip_grad_norm=clip_grad_norm, precision=precision,
                        start_step=ckpt.start, resume_from=ckpt.resume_from,
                        checkpoint_dir=ckpt.directory, checkpoint_every=ckpt.every,
-                       checkpoint_manifest=ckpt.manifest, eval_every=eval_every,
+                       checkpoint_manifest=ckpt.manifest, earlier_evals=ckpt.evals,
+                       eval_every=eval_every,
                        log=None if log is None else str(Path(log).resolve()),
                        progress=progress)
 
@@ -652,7 +653,8 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                                                         config.schedule == "zb-h1"),
                       scaled_from_batch_size=planned if scale != 1.0 else None,
                       optimizer=config.optimizer,
-                      start_step=config.start_step, eval_loss=rank0.eval_loss,
+                      start_step=config.start_step,
+                      eval_loss=[*config.earlier_evals, *rank0.eval_loss],
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
                       checkpoint=None if config.checkpoint_dir is None
                       else Path(config.checkpoint_dir),
@@ -874,6 +876,7 @@ class CheckpointRequest:
     start: int = 0  # steps already done
     resume_from: str | None = None  # the checkpoint folder to load
     manifest: str = ""  # JSON: the manifest's fixed part
+    evals: tuple[tuple[int, float], ...] = ()  # the checkpoint's validation losses (step, loss)
 
 
 def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
@@ -893,10 +896,12 @@ def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
     )
 
     start, resume_from, every = 0, None, checkpoint_every
+    evals: tuple[tuple[int, float], ...] = ()
     target = None if checkpoint_dir is None else Path(checkpoint_dir)
     if resume is not None:
         found, manifest = latest_checkpoint(Path(resume), plan)
         start, resume_from = int(manifest["step"]), str(found.resolve())
+        evals = tuple((int(s), float(v)) for s, v in manifest.get("eval_loss", ()))
         if manifest.get("rows_per_step") != rows:
             raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
                                  f" rows per step, this run takes {rows}")
@@ -916,7 +921,7 @@ def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
     fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
              "checkpoint_every": every, **({} if optimizer is None else {"optimizer": optimizer})}
     return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
-                             resume_from, json.dumps(fixed))
+                             resume_from, json.dumps(fixed), evals)
 
 
 # ---------------------------------------------------------------- one rank under torchrun
