@@ -18,8 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
-__all__ = ["SILENT", "Bars", "Reporter", "Silent", "iterate", "loss_bar", "progress_callback",
-           "shown", "timed"]
+__all__ = ["SILENT", "Bars", "Reporter", "Silent", "echo", "iterate", "loss_bar",
+           "progress_callback", "shown", "timed"]
 
 T = TypeVar("T")
 
@@ -55,7 +55,11 @@ def progress_callback(label: str, *, enabled: bool = True) -> Callable[[int, int
 def loss_bar(label: str, total: int, *, start: int = 0,
              enabled: bool = True) -> Callable[[int, float], None]:
     """A ``update(done, loss)`` callback driving a bar of ``total`` steps (from ``start``: a
-    resumed run) that shows the last loss beside the rate and ETA; closed at ``total``."""
+    resumed run) that shows the last loss beside the rate and ETA; closed at ``total``. Drawn in
+    a training rank, so tqdm's lock there is a thread lock: its default, a multiprocessing lock,
+    is a named semaphore that a rank ending in ``os._exit`` (a failed step, ^C) leaves behind,
+    and the resource tracker warned of it under the run's one-line error."""
+    tqdm.set_lock(threading.RLock())  # one process draws these bars; none shares them
     bar = _bar(label, total, enabled, unit="step", initial=start)
 
     def update(done: int, loss: float) -> None:
@@ -65,6 +69,13 @@ def loss_bar(label: str, total: int, *, start: int = 0,
             bar.close()
 
     return update
+
+
+def echo(text: str) -> None:
+    """Print ``text`` (a line) on stdout, flushed, above this process's bars: tqdm clears them,
+    writes, and draws them again below (a plain print lands on the bar's own line)."""
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def iterate(items: Iterable[T], label: str, *, total: int | None = None,

@@ -27,7 +27,7 @@ def test_two_stages_check_save_and_serve(gpt_plan: Path, tmp_path: Path,
                                         capfd: pytest.CaptureFixture[str]):
     trained = tmp_path / "trained"
     code = main(["train", str(gpt_plan), "--nproc", "2", "--steps", "2", "--microbatches", "4",
-                 "--batch-size", "2", "--check", "--save", str(trained)])
+                 "--batch-size", "2", "--optimizer", "sgd", "--check", "--save", str(trained)])
     out = capfd.readouterr().out
     assert code == 0, out
     assert len(out.split("loss per step: ")[1].split("\n")[0].split()) == 2
@@ -41,7 +41,8 @@ def test_two_stages_check_save_and_serve(gpt_plan: Path, tmp_path: Path,
 
 def test_unequal_replicas_check(gpt_plan: Path, tmp_path: Path,
                                 capfd: pytest.CaptureFixture[str]):
-    """Stage 0 on 2 replicas, stage 1 on 1: 3 ranks, AdamW, checked after step 3."""
+    """Stage 0 on 2 replicas, stage 1 on 1: 3 ranks, SGD with momentum, the parameters
+    checked after steps 1 and 3 (AdamW's are not compared, only its gradients)."""
     plan_dir = tmp_path / "plan"
     shutil.copytree(gpt_plan, plan_dir)
     body = json.loads((plan_dir / "plan.json").read_text())
@@ -51,11 +52,13 @@ def test_unequal_replicas_check(gpt_plan: Path, tmp_path: Path,
     (plan_dir / "plan.json").write_text(json.dumps(body))
     record = tmp_path / "times.json"
     code = main(["train", str(plan_dir), "--nproc", "3", "--steps", "3", "--microbatches", "4",
-                 "--batch-size", "1", "--optimizer", "adamw", "--lr", "0.001", "--check",
+                 "--batch-size", "1", "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1",
+                 "--check",
                  "--record", str(record)])
     out = capfd.readouterr().out
     assert code == 0, out
     assert "3 ranks" in out
+    assert "training on synthetic batches (seed 0)" in out  # no --data: said so
     assert "after step 1 and 3: OK" in out
     times = json.loads(record.read_text())["simulator_costs"]
     assert len(times["forward_ms"]) == len(times["backward_ms"]) == 2

@@ -21,10 +21,16 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.graph.fxtag import fx_node_name, fx_unit
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.runtime.train.modules import require_trainable, stage_modules, whole_module
+from onnx_partition.runtime.train.modules import (
+    eval_module,
+    require_trainable,
+    stage_modules,
+    whole_module,
+)
 from onnx_partition.runtime.train.reference import make_optimizer, reference_train, split_rows
 from onnx_partition.runtime.train.save import _replace, save_trained
 from onnx_partition.runtime.train.task import task_for
+from onnx_partition.runtime.train.trainer import train_plan
 
 
 class Net(nn.Module):
@@ -166,6 +172,33 @@ def test_train_semantics_dropout_and_batch_norm(plan3: Path) -> None:
         for name, value in stage.module.named_buffers():
             torch.testing.assert_close(value, dict(once.named_buffers())[name])
     assert not torch.equal(dict(once.named_buffers())["bn.running_mean"], initial)
+
+
+def test_validation_runs_the_model_as_eval_mode_does(net: tuple[Net, Path], plan3: Path) -> None:
+    """``eval_module``: the train-mode program as ``model.eval()`` runs it (dropout off, batch
+    norm on its running statistics, which stay as they were), whole and stage by stage, on the
+    same parameters; and a run that evaluates every step trains exactly as one that does not
+    (its dropout draws from the same random stream; evaluation dropped masks before)."""
+    x = torch.randn(4, 3, 6, 6)
+    whole = whole_module(plan3)
+    before = {n: b.clone() for n, b in whole.named_buffers()}
+    judge = eval_module(whole)
+    with torch.no_grad():
+        want = net[0](x)
+        torch.testing.assert_close(judge(x)[0], want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(judge(x)[0], judge(x)[0])
+        env = {"x": x}
+        for stage in stage_modules(plan3):
+            env.update(zip(stage.outputs,
+                           eval_module(stage.module)(*[env[n] for n in stage.inputs])))
+        torch.testing.assert_close(env["y"], want, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(before[n], b) for n, b in whole.named_buffers())
+    assert dict(judge.named_parameters()).keys() == dict(whole.named_parameters()).keys()
+    assert all(p is dict(whole.named_parameters())[n] for n, p in judge.named_parameters())
+    plain = train_plan(plan3, steps=3, microbatches=2, batch_size=2, optimizer="sgd", lr=0.1)
+    evaluated = train_plan(plan3, steps=3, microbatches=2, batch_size=2, optimizer="sgd",
+                           lr=0.1, eval_every=1)
+    assert len(evaluated.eval_loss) == 3 and evaluated.loss == plain.loss
 
 
 def test_only_some_stages(plan3: Path) -> None:

@@ -197,6 +197,38 @@ def test_only_the_first_and_last_stage_read_data(exported: Callable[..., Path],
     assert len([p for p in calls.iterdir() if p.name != str(os.getpid())]) == 2
 
 
+def test_validation_loss_is_over_every_whole_step_of_the_eval_data(gpt_plan: Path,
+                                                                     tmp_path: Path) -> None:
+    """Training data given as a mapping of arrays; --eval-data of 14 rows at 4 rows a step:
+    the validation loss after step 1 is the mean of its 3 whole steps' cross-entropy (rows
+    0-11; rows 12-13 left out), under the parameters single-process training reaches after the
+    same step (not the first step's rows alone)."""
+    ids, labels = byte_rows(30, SEQ)
+    np.savez(tmp_path / "valid.npz", input_ids=ids[16:], labels=labels[16:])
+    stats = train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, lr=LR,
+                       data={"input_ids": ids[:16], "labels": labels[:16]},
+                       eval_data=tmp_path / "valid.npz", eval_every=1, optimizer="sgd",
+                       check=True)
+    assert stats.mismatches == [] and stats.data == "the arrays given (16 rows, in order)"
+    batch = ({"input_ids": torch.from_numpy(ids[:4])}, {"labels": torch.from_numpy(labels[:4])})
+    trained = reference_train(gpt_plan, [batch], lr=LR, microbatches=2,
+                              task=task_for(gpt_plan, kind="cross_entropy"))
+    whole = whole_module(gpt_plan, deterministic=True)
+    with torch.no_grad():
+        for name, param in whole.named_parameters():
+            param.copy_(trained[name])
+        losses = []
+        for k in range(3):
+            rows = slice(16 + 4 * k, 20 + 4 * k)
+            (logits,) = whole(torch.from_numpy(ids[rows]))
+            losses.append(float(F.cross_entropy(logits.reshape(-1, 128),
+                                                torch.from_numpy(labels[rows]).reshape(-1),
+                                                ignore_index=-100)))
+    assert [s for s, _ in stats.eval_loss] == [1]
+    assert stats.eval_loss[0][1] == pytest.approx(sum(losses) / 3, rel=1e-5)
+    assert stats.eval_loss[0][1] != pytest.approx(losses[0], rel=1e-3)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -215,10 +247,16 @@ def _gpt_data(tmp_path: Path, **change: np.ndarray) -> Path:
     ({"labels": np.zeros((8, SEQ), np.int64)}, ["--microbatches", "8"],
      "8 rows, fewer than one step's 16"),
     ({"labels": np.full((8, SEQ), 128)}, [], "labels outside the vocabulary 0..127"),
+    ({"input_ids": np.full((8, SEQ), 128)}, [], "holds ids outside 0..127, the rows of the "
+                                                "table it indexes (tok.weight)"),
+    ({"input_ids": np.full((8, SEQ), -1)}, [], "holds ids outside 0..127"),
     ({"labels": np.zeros((8, SEQ), np.float32)}, ["--loss", "cross_entropy"],
      "cross-entropy takes integer labels"),
     ({"labels": np.zeros((7, SEQ), np.int64)}, [], "disagree on the rows"),
-    ({"labels": np.zeros(0)}, [], "no array 'labels'"),
+    ({"labels": np.zeros(0)}, [], "no array 'labels' (nor one named as an output: logits) to "
+                                  "train against"),
+    ({"labels": np.zeros(0)}, ["--loss", "mse"], "no array 'labels' (nor one named as an output:"
+                                                 " logits) for --loss mse"),
 ])
 def test_bad_data_refused_before_any_process(gpt_plan: Path, tmp_path: Path,
                                              capfd: pytest.CaptureFixture[str],
@@ -238,9 +276,14 @@ def test_bad_paths_and_options_refused(gpt_plan: Path, tmp_path: Path,
                                        capfd: pytest.CaptureFixture[str]) -> None:
     model = (gpt_plan / read_plan(gpt_plan).model).resolve()
     before = sorted(p.name for p in gpt_plan.iterdir())
+    model_bytes = model.read_bytes()
     for options, message in (
             (["--save", str(gpt_plan / "trained")], "inside the plan folder"),
             (["--save", str(model)], "that is the plan's model file"),
+            (["--checkpoint-dir", str(gpt_plan / "ckpt"), "--checkpoint-every", "1"],
+             "--checkpoint-dir {}: inside the plan folder".format(gpt_plan / "ckpt")),
+            (["--checkpoint-dir", str(model), "--checkpoint-every", "1"],
+             "exists and is not a folder"),
             (["--shuffle", "3"], "--shuffle orders the rows of --data; there is no --data"),
             (["--data", str(tmp_path / "none.npz")], "no such file or folder"),
             (["--data", str(model)], "expected a .npz file or a folder of .npy")):
@@ -248,6 +291,7 @@ def test_bad_paths_and_options_refused(gpt_plan: Path, tmp_path: Path,
         err = capfd.readouterr().err
         assert err.startswith("error: ") and len(err.splitlines()) == 1 and message in err, err
     assert sorted(p.name for p in gpt_plan.iterdir()) == before
+    assert model.read_bytes() == model_bytes
 
 
 def test_auto_loss_and_targets_from_the_data(gpt_plan: Path) -> None:

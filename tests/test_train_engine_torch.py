@@ -47,14 +47,14 @@ def _with_replicas(plan: Path, out: Path, replicas: list[int]) -> Path:
 
 def test_two_stages_two_replicas_equal_one_process(gpt_plan: Path, tmp_path: Path,
                                                   capfd: pytest.CaptureFixture[str]) -> None:
-    """2 pipelines of 2 stages (4 ranks, a DP group per stage), GPipe, clipping on: gradients
-    after step 1 and parameters after steps 1 and 3 equal single-process training; the saved
-    plan serves."""
+    """2 pipelines of 2 stages (4 ranks, a DP group per stage), GPipe, SGD, clipping on:
+    gradients after step 1 and parameters after steps 1 and 3 (clipped) equal single-process
+    training; the saved plan serves."""
     plan = _with_replicas(gpt_plan, tmp_path / "plan", [2, 2])
     trained = tmp_path / "trained"
     code = main(["train", str(plan), "--engine", "torch", "--schedule", "gpipe", "--steps", "3",
                  "--microbatches", "4", "--batch-size", "2", "--clip-grad-norm", "0.5",
-                 "--check", "--save", str(trained)])
+                 "--optimizer", "sgd", "--check", "--save", str(trained)])
     out = capfd.readouterr().out
     assert code == 0, out
     assert "4 ranks (torch engine, gpipe), batch 8 = 4 micro-batches x 2 rows" in out

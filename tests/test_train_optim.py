@@ -6,7 +6,9 @@ validation loss and ``train --json``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
+from onnx_partition.runtime.train.choices import PlannedChoiceWarning
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.reference import reference_train
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import synthetic_batch, train_plan
@@ -78,10 +82,11 @@ def _params(folder: Path, ranks: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> None:
-    """4 steps straight (AdamW, warm-up, cosine, clipping: equal to single-process training
-    under the same options, clip_grad_norm_ there; the clip is far below the gradient norm, so
-    every step is clipped) vs 4 steps killed during step 3 (after the checkpoint of step 2)
-    and resumed with --steps 4: the same parameters, bit for bit."""
+    """4 steps straight (AdamW, warm-up, cosine, clipping: each step's loss equals
+    single-process training under the same options, clip_grad_norm_ there, within 1e-5
+    relative; the clip is far below the gradient norm, so every step is clipped) vs 4 steps
+    killed during step 3 (after the checkpoint of step 2) and resumed with --steps 4: the same
+    parameters, bit for bit."""
     common = dict(steps=4, microbatches=2, batch_size=2, checkpoint_every=2, **OPTIM)
     straight = tmp_path / "straight"
     stats = train_plan(gpt_plan, checkpoint_dir=straight, check=True,
@@ -89,6 +94,11 @@ def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> 
     assert stats.mismatches == [] and stats.checked_steps == (1, 3), stats.mismatches
     assert all(n > 0.05 for n in stats.grad_norm)
     assert stats.lr == pytest.approx([0.01 * lr_factor("cosine", s, 1, 4) for s in range(4)])
+    task = task_for(gpt_plan)
+    want: list[float] = []
+    reference_train(gpt_plan, [synthetic_batch(task.make_batch, 4, 0, s) for s in range(4)],
+                    microbatches=2, total_steps=4, losses=want, **OPTIM)  # type: ignore[arg-type]
+    assert stats.loss == pytest.approx(want, rel=1e-5)
     broken = tmp_path / "broken"
     with pytest.raises(StageFailed, match="exited with code 1"):
         train_plan(gpt_plan, checkpoint_dir=broken, hook=ExitAt(0, "forward", nth=5),
@@ -104,6 +114,28 @@ def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> 
         assert w.keys() == g.keys()
         for name in w:
             torch.testing.assert_close(g[name], w[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_resumed_run_keeps_the_validation_losses_before_it(gpt_plan: Path,
+                                                           tmp_path: Path) -> None:
+    """The checkpoint carries the validation losses so far: 2 steps, then resumed to 4, give
+    the 4 evaluations of 4 steps straight (final and best over the whole run, not only the
+    resumed part's)."""
+    common = dict(microbatches=2, batch_size=2, eval_every=1,
+                  checkpoint_every=2)
+    straight = train_plan(gpt_plan, steps=4, checkpoint_dir=tmp_path / "straight",
+                          **common)  # type: ignore[arg-type]
+    assert [s for s, _ in straight.eval_loss] == [1, 2, 3, 4]
+    out = tmp_path / "ckpt"
+    first = train_plan(gpt_plan, steps=2, checkpoint_dir=out, **common)  # type: ignore[arg-type]
+    manifest = latest_checkpoint(out, read_plan(gpt_plan))[1]
+    assert manifest["eval_loss"] == [[s, pytest.approx(v)] for s, v in first.eval_loss]
+    resumed = train_plan(gpt_plan, steps=4, resume=out, **common)  # type: ignore[arg-type]
+    assert [s for s, _ in resumed.eval_loss] == [1, 2, 3, 4]
+    assert [v for _, v in resumed.eval_loss] == pytest.approx(
+        [v for _, v in straight.eval_loss], rel=1e-6)
+    again = latest_checkpoint(out, read_plan(gpt_plan))[1]
+    assert [s for s, _ in again["eval_loss"]] == [1, 2, 3, 4]
 
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(gpt_plan: Path,
@@ -143,6 +175,19 @@ def test_a_checkpoint_of_another_plan_is_refused(gpt_plan: Path, tmp_path: Path,
         train_plan(gpt_plan, steps=1, checkpoint_dir=gpt_plan / "ck", checkpoint_every=1)
     with pytest.raises(PartitionError, match="already at step 1"):
         train_plan(gpt_plan, steps=1, microbatches=2, batch_size=2, resume=out)
+    # the optimizer state is AdamW's (the plan's, weight decay 0.01): SGD, or other options
+    # that loading the state would silently put back, are refused before any process
+    for options, asks in (({"optimizer": "sgd"}, "--optimizer sgd --weight-decay 0.0 "
+                                                 "--momentum 0.0"),
+                          ({"weight_decay": 0.1}, "--optimizer adamw --weight-decay 0.1 "
+                                                  "--betas 0.9 0.999")):
+        expected = re.escape("written with --optimizer adamw --weight-decay 0.01 --betas 0.9 "
+                             f"0.999; this run asks {asks}")
+        warns = (pytest.warns(PlannedChoiceWarning) if "optimizer" in options
+                 else contextlib.nullcontext())
+        with warns, pytest.raises(PartitionError, match=expected):
+            train_plan(gpt_plan, steps=2, microbatches=2, batch_size=2, resume=out,
+                       **options)  # type: ignore[arg-type]
 
 
 def test_log_eval_and_json(gpt_plan: Path, tmp_path: Path,
@@ -187,3 +232,29 @@ def test_bad_options_are_one_line_before_any_process(
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_log_appends_only_to_a_training_log(gpt_plan: Path, tmp_path: Path,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """--log appends: over the model, inside the plan folder or onto a file that is not a
+    training log it exits 2 before any process and leaves every file as it was; an earlier
+    log (a resumed run's) or an empty file is taken."""
+    plan = read_plan(gpt_plan)
+    model = (gpt_plan / plan.model).resolve()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    before = {p: p.read_bytes() for p in (model, notes)}
+    listing = sorted(p.name for p in gpt_plan.iterdir())
+    for log, message in ((model, "that is the plan's model file"),
+                         (gpt_plan / "train.jsonl", "inside the plan folder"),
+                         (notes, "exists and is not a training log")):
+        assert main(["train", str(gpt_plan), "--steps", "1", "--log", str(log)]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in gpt_plan.iterdir()) == listing
+    earlier = tmp_path / "train.jsonl"
+    earlier.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
+    check_log_path(gpt_plan, plan, earlier)
+    (tmp_path / "empty.jsonl").touch()
+    check_log_path(gpt_plan, plan, tmp_path / "empty.jsonl")

@@ -24,7 +24,7 @@ from onnx_partition.cli.verbs import main, timing_line
 from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
-from onnx_partition.progress import Bars, iterate, progress_callback
+from onnx_partition.progress import Bars, echo, iterate, loss_bar, progress_callback
 from onnx_partition.report.page import plan_table
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.distributed import run_distributed
@@ -255,6 +255,36 @@ def test_progress_bars_only_on_a_terminal_with_eta(monkeypatch):
     monkeypatch.setattr(sys, "stderr", quiet)
     list(iterate(range(3), "run", total=3, enabled=False))
     assert quiet.getvalue() == ""
+
+
+def test_train_lines_print_above_the_bar(monkeypatch):
+    """train's step lines (:func:`echo`) go above rank 0's loss bar on one terminal (stdout and
+    stderr alike): the bar is cleared first, so a line starts a line of its own (a plain print
+    ran on after the bar's text: 'train: 33%|...| 1/3 [...]step 1: loss ...')."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    bar = loss_bar("train", 3)
+    for step in (1, 2, 3):
+        bar(step, 4.0)
+        echo(f"step {step}: loss 4.0")
+    lines = [line.split("\r")[-1] for line in terminal.getvalue().split("\n")]
+    assert [line for line in lines if "step " in line] == [
+        f"step {step}: loss 4.0" for step in (1, 2, 3)]
+    assert "train:" in terminal.getvalue() and "loss 4.0000" in terminal.getvalue()
+
+
+def test_a_rank_ending_abruptly_leaves_no_semaphore_behind():
+    """A training rank makes its loss bar (drawn or not) and ends in ``os._exit`` as a failed
+    rank does: no 'leaked semaphore' warning from the resource tracker (tqdm's default lock is
+    a multiprocessing one; a failed run printed the warning under its one-line error)."""
+    code = ("import multiprocessing, os\nfrom onnx_partition.progress import loss_bar\n"
+            "multiprocessing.set_start_method('forkserver')  # as the ranks are started\n"
+            "bar = loss_bar('train', 2)\nbar(1, 1.0)\nos._exit(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert done.returncode == 1
+    assert "leaked semaphore" not in done.stderr, done.stderr
 
 
 def test_gpu_extra_replaces_onnxruntime():

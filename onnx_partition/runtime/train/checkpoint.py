@@ -40,8 +40,8 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_path, atomic_write, sha256_file
 from onnx_partition.plan import Plan
 
-__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_dir", "latest_checkpoint", "plan_fingerprint",
-           "rank_file", "write_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_dir", "check_optimizer", "latest_checkpoint",
+           "optimizer_record", "plan_fingerprint", "rank_file", "write_checkpoint"]
 
 CHECKPOINT_FORMAT = "onnx-partition-checkpoint/1"
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -54,6 +54,35 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
                         "sha256": s.sha256} for s in plan.stages],
             "program_sha256": plan.program_sha256,
             "replicas": [s.replicas for s in plan.stages]}
+
+
+def optimizer_record(optimizer: str, weight_decay: float | None, momentum: float,
+                     betas: tuple[float, float]) -> dict[str, Any]:
+    """The optimizer a checkpoint's state belongs to, with the options its state dict carries
+    (``torch.optim``'s defaults resolved as ``make_optimizer`` resolves them: weight decay 0
+    for SGD, 0.01 for AdamW)."""
+    if optimizer == "sgd":
+        return {"name": "sgd", "weight_decay": 0.0 if weight_decay is None else weight_decay,
+                "momentum": momentum}
+    return {"name": optimizer, "weight_decay": 0.01 if weight_decay is None else weight_decay,
+            "betas": [float(b) for b in betas]}
+
+
+def _spelled(record: Mapping[str, Any]) -> str:
+    extra = (f"--momentum {record.get('momentum')}" if record.get("name") == "sgd"
+             else f"--betas {' '.join(map(str, record.get('betas', [])))}")
+    return (f"--optimizer {record.get('name')} --weight-decay {record.get('weight_decay')} "
+            f"{extra}")
+
+
+def check_optimizer(folder: Path, manifest: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    """Refuse to resume a checkpoint whose optimizer state is another optimizer's, or was
+    written with other options (loading it would fail in the ranks, or silently put the
+    checkpoint's options back); a manifest without the record (an earlier format) passes."""
+    saved = manifest.get("optimizer")
+    if saved is not None and dict(saved) != dict(want):
+        raise PartitionError(f"--resume {folder}: written with {_spelled(saved)}; this run "
+                             f"asks {_spelled(want)} (resume with the checkpoint's optimizer)")
 
 
 def step_folder(root: Path, step: int) -> Path:

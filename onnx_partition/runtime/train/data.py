@@ -21,12 +21,13 @@ must see the same rows. A factory's data is not checked before the processes sta
 
 **Checks** (:func:`check_data`, before any process starts, one line each): every array the
 model and the loss need, dtypes and trailing shapes, at least one step of rows, no NaN in float
-inputs, labels inside the vocabulary (or ``-100``); the last two scan in chunks only the rows the
-run will read.
+inputs, labels inside the vocabulary (or ``-100``), ids inside the embedding they index; the
+last three scan in chunks only the rows the run will read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -244,9 +245,11 @@ class DataInfo:
 
 def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
                shuffle: int | None, loss: str, custom: bool = False, start: int = 0,
-               flag: str = "--data") -> DataInfo:
+               flag: str = "--data",
+               ranges: Mapping[str, tuple[int, str]] | None = None) -> DataInfo:
     """Refuse data the run cannot train on (see the module docstring); the loss ``auto``
-    stands for and the targets read."""
+    stands for and the targets read. ``ranges``: integer input -> (rows, name) of the table it
+    indexes (:func:`~onnx_partition.runtime.train.vocab.index_ranges`), its ids scanned."""
     where = f"{flag} {source.describe()}"
     headers = source.headers()
     fixed = plan.input_shapes
@@ -269,8 +272,9 @@ def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
     kind = "custom" if custom else resolve_loss(loss, first.shape, integer)
     targets: list[str] = []
     if kind in ("cross_entropy", "mse") and not labels and not output_targets:
+        why = f"for --loss {kind}" if loss != "auto" else "to train against"
         raise PartitionError(f"{where}: no array 'labels' (nor one named as an output: "
-                             f"{', '.join(o.name for o in plan.outputs)}) for --loss {kind}")
+                             f"{', '.join(o.name for o in plan.outputs)}) {why}")
     if kind == "cross_entropy":
         name = "labels" if labels else first.name
         shape, dtype = headers[name]
@@ -304,6 +308,11 @@ def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
             _scan(source.array(spec.name), index,
                   lambda a: bool(np.isnan(a).any()),
                   f"{where}: array {spec.name!r} holds NaN in the rows this run reads")
+        elif ranges and spec.name in ranges and np.issubdtype(headers[spec.name][1], np.integer):
+            size, table = ranges[spec.name]
+            _scan(source.array(spec.name), index, functools.partial(_outside, size=size),
+                  f"{where}: array {spec.name!r} holds ids outside 0..{size - 1}, the rows of "
+                  f"the table it indexes ({table}), in the rows this run reads")
     if kind == "cross_entropy":
         name = targets[0]
         classes = first.shape[-1]
@@ -313,6 +322,11 @@ def check_data(plan: Plan, source: ArraySource, *, per_step: int, steps: int,
                   f"{where}: array {name!r} holds labels outside the vocabulary "
                   f"0..{classes - 1} (or {IGNORE_INDEX}, ignored)")
     return DataInfo(kind, targets, int(rows))
+
+
+def _outside(array: np.ndarray, size: int) -> bool:
+    """Whether ``array`` holds an id outside ``0 .. size - 1``."""
+    return bool(((array < 0) | (array >= size)).any())
 
 
 def _trailing(where: str, name: str, shape: tuple[int, ...], want: list[Any], what: str

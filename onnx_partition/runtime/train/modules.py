@@ -44,12 +44,16 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.fxtag import fx_node_name
 from onnx_partition.plan import Plan, read_plan
 
-__all__ = ["LazyStage", "StageModule", "lazy_stages", "load_program", "require_trainable",
-           "stage_modules", "whole_module"]
+__all__ = ["LazyStage", "StageModule", "eval_module", "lazy_stages", "load_program",
+           "require_trainable", "stage_modules", "whole_module"]
 
 #: Ops that draw dropout masks, with the position of their ``train`` flag or probability.
 _DROPOUT_FLAG = {torch.ops.aten.native_dropout.default: 2, torch.ops.aten.dropout.default: 2}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+#: Batch norm ops, each with its ``training`` flag at argument 5.
+_BATCH_NORM = (torch.ops.aten._native_batch_norm_legit_functional.default,
+               torch.ops.aten._native_batch_norm_legit.default,
+               torch.ops.aten.native_batch_norm.default, torch.ops.aten.batch_norm.default)
 #: The empty buffer whose device the tensor-creating nodes of a stage module follow.
 DEVICE_ANCHOR = "_device_anchor"
 
@@ -476,6 +480,30 @@ def _is_tensor(node: torch.fx.Node) -> bool:
 def _identifier(name: str) -> str:
     text = "".join(c if c.isalnum() else "_" for c in name)
     return text if text and not text[0].isdigit() else f"v_{text}"
+
+
+def eval_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as ``model.eval()`` would run it, sharing its parameters and buffers: the
+    exported train-mode program has dropout and batch statistics written into its graph, so
+    ``.eval()`` changes nothing in it. The copy's graph has dropout off, batch norm on its
+    running statistics, and no buffer updates (a validation pass must neither draw from the
+    training's random stream nor move the running statistics). A module that is not an FX
+    graph is taken to honour ``.eval()`` and returned as it is."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return module
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _assign:
+            graph.erase_node(node)
+        elif node.target in _BATCH_NORM and len(node.args) > 5:
+            node.args = (*node.args[:5], False, *node.args[6:])
+        else:
+            _no_dropout(node)
+    graph.eliminate_dead_code()
+    return torch.fx.GraphModule(module, graph)
 
 
 def _no_dropout(node: torch.fx.Node) -> None:

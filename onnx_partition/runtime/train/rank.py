@@ -56,7 +56,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,12 +69,14 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.pipeline.microbatch import rows_of
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
+from onnx_partition.progress import echo
 from onnx_partition.runtime.dist.hooks import RankHook
 from onnx_partition.runtime.dist.launcher import RankFailure
 from onnx_partition.runtime.train import passes
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
 __all__ = ["Batches", "LossFn", "RankResult", "SavedCounter", "StageLike", "TrainConfig",
@@ -124,9 +126,10 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     checkpoint_manifest: str = ""  # JSON of the manifest's fixed part (plan, rows per step)
+    earlier_evals: tuple[tuple[int, float], ...] = ()  # resumed: the checkpoint's (step, loss)
     # evaluation and logs (rank 0)
     eval_every: int = 0
-    eval_batches: int = 1  # batches per evaluation
+    eval_batches: int = 1  # batches per evaluation (--eval-data: every whole step of its rows)
     log: str | None = None  # append one JSON object per step
     progress: bool = False  # a progress bar on a terminal
     engine: str = "ours"  # or "torch": torch.distributed.pipelining (train.torch_engine)
@@ -282,6 +285,10 @@ def train_stages(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     bar = _progress(config) if rank == 0 else None
+    # validation runs the stage as model.eval() would (dropout off, running statistics, no
+    # buffer update), on the same parameters: .eval() alone changes nothing in an FX program
+    judge = (replace(me, module=eval_module(module))
+             if config.eval_every and eval_batches is not None else None)
 
     result = RankResult(rank, k, replica, [], 0, [], [], [], [])
     for step in range(config.start_step, config.steps):
@@ -331,14 +338,15 @@ def train_stages(
             result.states[step + 1] = {n: p.detach().cpu().clone() for n, p in params.items()}
         if config.eval_every and eval_batches is not None and (
                 (step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-            _evaluate(me, eval_batches, config, result, step + 1)
+            _evaluate(judge or me, eval_batches, config, result, step + 1)
         if rank == 0:
             _log_step(config, result, st, step)
             if bar is not None:
                 bar(step + 1, result.loss[-1])
         if config.checkpoint_dir and config.checkpoint_every and (
                 (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
-            _checkpoint(config, lay, rank, step + 1, module, optimizer, device)
+            _checkpoint(config, lay, rank, step + 1, module, optimizer, device,
+                        result.eval_loss)
     if device.type == "cuda":
         result.memory_bytes = int(torch.cuda.max_memory_allocated(device))
     if config.keep_state and replica == 0:
@@ -390,8 +398,10 @@ def _load_checkpoint(folder: Path, rank: int, module: torch.nn.Module,
 
 
 def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it)."""
+                optimizer: torch.optim.Optimizer, device: torch.device,
+                evals: Sequence[tuple[int, float]] = ()) -> None:
+    """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it, with
+    every validation loss of the run so far, the resumed segments' included)."""
     from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
 
     def save(path: Path) -> None:
@@ -406,6 +416,7 @@ def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: 
         rows = int(fixed.get("rows_per_step", 0))
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "steps": config.steps,
                     "data_position": {"step": step, "rows": step * rows}, **fixed,
+                    "eval_loss": [[s, v] for s, v in (*config.earlier_evals, *evals)],
                     "ranks": [{"rank": q, "stage": lay.place(q)[0], "replica": lay.place(q)[1],
                                "file": f"rank-{q:05d}.pt"} for q in range(lay.world_size)]}
     hook = config.hook
@@ -415,8 +426,10 @@ def _checkpoint(config: TrainConfig, lay: Layout, rank: int, step: int, module: 
 
 def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResult,
               step: int) -> None:
-    """A forward-only pass over ``config.eval_batches`` validation batches (dropout off), each
-    rank serving its micro-batches in order; rank 0 learns the mean loss (and prints it)."""
+    """A forward-only pass over ``config.eval_batches`` validation batches (``me.module``: the
+    stage as :func:`~onnx_partition.runtime.train.modules.eval_module` runs it), each rank
+    serving its micro-batches in order; rank 0 learns the mean of the batches' losses (each the
+    step loss over its B x M rows) and prints it."""
     lay, k = me.lay, me.k
     me.module.eval()
     total = 0.0
@@ -440,7 +453,7 @@ def _evaluate(me: _Rank, batches: Batches, config: TrainConfig, result: RankResu
     if result.rank == 0:
         result.eval_loss.append((step, loss))
         if config.verbose:
-            print(f"eval after step {step}: validation loss {loss:.4f}", flush=True)
+            echo(f"eval after step {step}: validation loss {loss:.4f}")
 
 
 def _log_step(config: TrainConfig, result: RankResult, st: _Step, step: int) -> None:
@@ -655,8 +668,7 @@ def _record_step(me: _Rank, st: _Step, result: RankResult, step: int, began: flo
         result.table.append([float(v) for v in table[:, :2].reshape(-1)])
         if verbose:
             rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
-            print(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows),
-                  flush=True)
+            echo(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows))
 
 
 def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]], lay: Layout,

@@ -68,7 +68,7 @@ from onnx_partition.runtime.train.data import (
 from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.loss import LOSSES
 from onnx_partition.runtime.train.loss import LossFn as UserLoss
-from onnx_partition.runtime.train.paths import check_output_path
+from onnx_partition.runtime.train.paths import check_log_path, check_output_path
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,
@@ -106,7 +106,8 @@ class TrainStats:
     simulated_ms: float  # the simulator on the plan's predicted costs (at the run's rows: at_rows)
     calibrated_ms: float  # the simulator on the measured stage times (plan's send times)
     mismatches: list[str] = field(default_factory=list)  # --check: "stage k parameter p: ..."
-    checked_steps: tuple[int, ...] = ()
+    checked_steps: tuple[int, ...] = ()  # steps whose parameters --check compares (SGD)
+    optimizer: str = "sgd"  # what stepped: --check compares parameters for SGD only
     saved: Path | None = None
     data: str = "synthetic batches"  # what the run trained on
     loss_kind: str = ""  # the loss (auto resolved)
@@ -195,6 +196,8 @@ class DataPlan:
     kind: str | None = None
     described: str = "synthetic batches"
     evals: ArrayBatches | None = None  # --eval-data, by the same order contract
+    eval_steps: int = 1  # batches of B x M rows per evaluation: every whole one of --eval-data
+    eval_described: str = ""  # what the validation loss is taken over
 
     def eval_batches(self) -> Batches | None:
         """Validation batches from ``--eval-data`` (None: synthetic ones of another seed)."""
@@ -230,26 +233,40 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
 
 def prepare_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
                  shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int,
-                 eval_data: str | os.PathLike[str] | None = None) -> DataPlan:
+                 eval_data: str | os.PathLike[str] | None = None,
+                 folder: Path | None = None) -> DataPlan:
     """Check the data (and ``eval_data``, validation batches by the same order contract)
     against the plan and the loss (before any process starts) and say what the run trains
     on: a PartitionError for data it cannot train on
-    (:func:`~onnx_partition.runtime.train.data.check_data`)."""
+    (:func:`~onnx_partition.runtime.train.data.check_data`; with the plan ``folder``, ids too
+    against the embeddings they index, :func:`~onnx_partition.runtime.train.vocab.index_ranges`)."""
+    from onnx_partition.runtime.train.vocab import index_ranges
+
+    files = data is not None and (isinstance(data, Mapping) or not callable(data))
+    ranges = (index_ranges(folder, plan) if folder is not None and (files or eval_data)
+              else None)
     spec = _training_data(plan, data, per_step=per_step, steps=steps, shuffle=shuffle,
-                          loss=loss, loss_fn=loss_fn, seed=seed)
+                          loss=loss, loss_fn=loss_fn, seed=seed, ranges=ranges)
     if eval_data is None:
         return spec
     source = ArraySource(eval_data, "--eval-data")
-    info = check_data(plan, source, per_step=per_step, steps=1, shuffle=None,
-                      loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data")
+    # every whole step of rows is evaluated (and scanned); the rows past the last are left out
+    shape = source.headers().get(plan.inputs[0].name, ((), None))[0] if plan.inputs else ()
+    batches = max((shape[0] if shape else 0) // per_step, 1)
+    info = check_data(plan, source, per_step=per_step, steps=batches, shuffle=None,
+                      loss=spec.kind or loss, custom=loss_fn is not None, flag="--eval-data",
+                      ranges=ranges)
     evals = ArrayBatches(source, [s.name for s in plan.inputs], info.targets, info.rows,
                          per_step, None)
-    return replace(spec, evals=evals)
+    left = info.rows - batches * per_step
+    described = (f"{source.describe()} ({batches} x {per_step} rows"
+                 f"{f'; the last {left} left out' if left else ''})")
+    return replace(spec, evals=evals, eval_steps=batches, eval_described=described)
 
 
 def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: int,
-                   shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int
-                   ) -> DataPlan:
+                   shuffle: int | None, loss: str, loss_fn: UserLoss | None, seed: int,
+                   ranges: Mapping[str, tuple[int, str]] | None = None) -> DataPlan:
     from onnx_partition.runtime.train.loss import resolve_loss
     from onnx_partition.runtime.train.task import synthetic_kind
 
@@ -272,7 +289,7 @@ def _training_data(plan: Plan, data: DataArg | None, *, per_step: int, steps: in
         return DataPlan(factory, loss, loss_fn, kind, "batches from the data factory")
     source = ArraySource(data)
     info = check_data(plan, source, per_step=per_step, steps=steps, shuffle=shuffle, loss=loss,
-                      custom=loss_fn is not None)
+                      custom=loss_fn is not None, ranges=ranges)
     batches = ArrayBatches(source, inputs, info.targets, info.rows, per_step, shuffle)
     order = "in order" if shuffle is None else f"shuffled with seed {shuffle}"
     return DataPlan(batches, loss, loss_fn, info.loss,
@@ -471,7 +488,8 @@ def train_plan(
     if record is not None:
         check_record(Path(record))
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data,
+                        folder=folder)
     config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
                           schedule=schedule, optimizer=optimizer, lr=lr, check=check,
                           keep_state=save is not None, verbose=verbose, hook=hook, seed=seed,
@@ -485,9 +503,12 @@ def train_plan(
 
         config = replace(config, engine=engine)
         check_torch_engine(plan, config)
+    config = replace(config, eval_batches=spec.eval_steps)
     if verbose:
         print(f"training on {spec.described}; loss {spec.kind}"
-              f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}", flush=True)
+              f"{' (auto)' if loss == 'auto' and loss_fn is None else ''}"
+              f"{f'; validation on {spec.eval_described}' if spec.eval_described else ''}",
+              flush=True)
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               eval_every > 0)
     ranks = launch_training(plan, build, config, backend=backend, timeout_s=timeout_s)
@@ -560,10 +581,13 @@ def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, row
                   betas=betas, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
                   clip_grad_norm=clip_grad_norm, precision=precision,
                   checkpoint_every=checkpoint_every, eval_every=eval_every)
+    from onnx_partition.runtime.train.checkpoint import optimizer_record
+
     ckpt = resume_request(folder, plan, rows=rows, steps=steps, resume=resume,
-                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
-    if log is not None and Path(log).exists() and not Path(log).is_file():
-        raise PartitionError(f"--log {log}: exists and is not a file")
+                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                          optimizer=optimizer_record(optimizer, weight_decay, momentum, betas))
+    if log is not None:
+        check_log_path(folder, plan, Path(log))
     checks = tuple(s for s in CHECK_STEPS if s <= steps) if check and not ckpt.start else ()
     return TrainConfig(steps=steps, microbatches=microbatches, schedule=schedule,
                        optimizer=optimizer, lr=lr, check_steps=checks, keep_state=keep_state,
@@ -573,7 +597,8 @@ def train_config(folder: Path, plan: Plan, *, steps: int, microbatches: int, row
                        clip_grad_norm=clip_grad_norm, precision=precision,
                        start_step=ckpt.start, resume_from=ckpt.resume_from,
                        checkpoint_dir=ckpt.directory, checkpoint_every=ckpt.every,
-                       checkpoint_manifest=ckpt.manifest, eval_every=eval_every,
+                       checkpoint_manifest=ckpt.manifest, earlier_evals=ckpt.evals,
+                       eval_every=eval_every,
                        log=None if log is None else str(Path(log).resolve()),
                        progress=progress)
 
@@ -627,7 +652,9 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], config: TrainConfig, rows
                       predicted_stages=predicted_stages(plan, costs, scale, count,
                                                         config.schedule == "zb-h1"),
                       scaled_from_batch_size=planned if scale != 1.0 else None,
-                      start_step=config.start_step, eval_loss=rank0.eval_loss,
+                      optimizer=config.optimizer,
+                      start_step=config.start_step,
+                      eval_loss=[*config.earlier_evals, *rank0.eval_loss],
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
                       checkpoint=None if config.checkpoint_dir is None
                       else Path(config.checkpoint_dir),
@@ -803,7 +830,10 @@ def format_train(stats: TrainStats) -> str:
     if stats.checked_steps:
         verdict = "OK" if not stats.mismatches else f"MISMATCH ({len(stats.mismatches)})"
         steps = " and ".join(map(str, stats.checked_steps))
-        lines.append(f"check against single-process training after step {steps}: {verdict}")
+        what = (f"after step {steps}" if stats.optimizer == "sgd" else
+                f"of the gradients of step 1 ({stats.optimizer}'s parameters are not compared: "
+                "its first step turns rounding in a tiny gradient into +-lr)")
+        lines.append(f"check against single-process training {what}: {verdict}")
         lines += [f"  {m}" for m in stats.mismatches[:10]]
     if stats.eval_loss:
         best = min(v for _, v in stats.eval_loss)
@@ -846,28 +876,37 @@ class CheckpointRequest:
     start: int = 0  # steps already done
     resume_from: str | None = None  # the checkpoint folder to load
     manifest: str = ""  # JSON: the manifest's fixed part
+    evals: tuple[tuple[int, float], ...] = ()  # the checkpoint's validation losses (step, loss)
 
 
 def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
                    resume: str | os.PathLike[str] | None,
                    checkpoint_dir: str | os.PathLike[str] | None,
-                   checkpoint_every: int) -> CheckpointRequest:
+                   checkpoint_every: int, optimizer: Mapping[str, Any] | None = None
+                   ) -> CheckpointRequest:
     """Check ``--checkpoint-dir/--checkpoint-every/--resume`` against the plan (a checkpoint of
-    another plan, or of another batch, is refused) before any process starts."""
+    another plan, of another batch, or of another ``optimizer``, as
+    :func:`~onnx_partition.runtime.train.checkpoint.optimizer_record` describes it, is
+    refused) before any process starts."""
     from onnx_partition.runtime.train.checkpoint import (
         check_checkpoint_dir,
+        check_optimizer,
         latest_checkpoint,
         plan_fingerprint,
     )
 
     start, resume_from, every = 0, None, checkpoint_every
+    evals: tuple[tuple[int, float], ...] = ()
     target = None if checkpoint_dir is None else Path(checkpoint_dir)
     if resume is not None:
         found, manifest = latest_checkpoint(Path(resume), plan)
         start, resume_from = int(manifest["step"]), str(found.resolve())
+        evals = tuple((int(s), float(v)) for s, v in manifest.get("eval_loss", ()))
         if manifest.get("rows_per_step") != rows:
             raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
                                  f" rows per step, this run takes {rows}")
+        if optimizer is not None:
+            check_optimizer(found, manifest, optimizer)
         if start >= steps:
             raise PartitionError(f"--resume {found}: already at step {start}; --steps {steps} "
                                  "(steps in all) leaves nothing to train")
@@ -880,9 +919,9 @@ def resume_request(folder: Path, plan: Plan, *, rows: int, steps: int,
     elif checkpoint_every:
         raise PartitionError("--checkpoint-every needs --checkpoint-dir DIR")
     fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
-             "checkpoint_every": every}
+             "checkpoint_every": every, **({} if optimizer is None else {"optimizer": optimizer})}
     return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
-                             resume_from, json.dumps(fixed))
+                             resume_from, json.dumps(fixed), evals)
 
 
 # ---------------------------------------------------------------- one rank under torchrun
@@ -925,10 +964,12 @@ def train_rank(
     check_placement(env, [d for stage in lay.devices for d in stage], lay.name)
     eval_data = options.pop("eval_data", None)
     spec = prepare_data(plan, data, per_step=rows * count, steps=steps, shuffle=shuffle,
-                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data)
+                        loss=loss, loss_fn=loss_fn, seed=seed, eval_data=eval_data,
+                        folder=folder)
     config = train_config(folder, plan, steps=steps, microbatches=count, rows=rows * count,
                           schedule=schedule, optimizer=optimizer, lr=lr, check=check,
                           keep_state=False, verbose=True, seed=seed, **options)
+    config = replace(config, eval_batches=spec.eval_steps)
     checks = config.check_steps
     build = functools.partial(plan_job, str(folder), rows * count, seed, check, spec,
                               config.eval_every > 0)
