@@ -90,6 +90,8 @@ __all__ = [
     "interleaving_note",
     "over_memory_note",
     "plan_costs",
+    "played_comm",
+    "played_comm_note",
     "recompute_line",
     "recompute_note",
     "schedule_name",
@@ -195,6 +197,36 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
         for k, s in enumerate(plan.stages)
     ]
     return PipelineCosts(stages, send)
+
+
+def played_comm(plan: Plan) -> list[float] | None:
+    """Each stage's hops per micro-batch as a train plan's simulation plays them: both of its
+    boundaries at the simulator's ``send_ms`` (plan.json ``simulator_costs.send_ms``, else
+    decoded from ``comm_ms``), each crossed twice (the activation forward, the gradient back),
+    :func:`stage_comm`'s encoding with ``f = 2``. None for an inference plan, or where that is
+    plan.json's ``predicted.comm_ms`` already (to its 6 decimals): it differs where the plan's
+    hops are priced apart from the link model that balanced the cut (measured, ``engine_costs
+    .send_ms``), or where a plain pipeline's planner counted each boundary once."""
+    if plan.mode != "train":
+        return None
+    played = stage_comm(plan_costs(plan, train=True).send_ms, comm_factor(True))
+    stated = [s.predicted.comm_ms if s.predicted else 0.0 for s in plan.stages]
+    if all(abs(p - c) <= 1e-5 * max(1.0, abs(c)) for p, c in zip(played, stated, strict=True)):
+        return None
+    return played
+
+
+def played_comm_note(plan: Plan) -> str | None:
+    """What tells the two communication figures apart, where :func:`played_comm` differs: the
+    one wording of ``partition``'s table and ``report``'s; None where they agree."""
+    if played_comm(plan) is None:
+        return None
+    said = str((plan.extra.get("engine_costs") or {}).get("send_ms") or "")
+    source = said.split(":", 1)[0] if said else "the link model"
+    return ("comm: the link model the cut was balanced on (plan.json predicted.comm_ms; total "
+            "and bottleneck count it); comm (played): the same boundaries as the simulated "
+            "iteration plays them, each hop twice per micro-batch (activation forward, gradient "
+            f"back) at plan.json simulator_costs.send_ms ({source})")
 
 
 def simulate_plan(

@@ -18,7 +18,9 @@ the assumption ``partition`` makes for costs files).
 Field names are plan.json's where they mean the same: ``iteration_ms``, ``throughput_per_s``
 (micro-batches per second), ``microbatches``, ``batch_size``, per-stage ``compute_ms``,
 ``comm_ms``, ``memory_bytes``, ``replicas``; new: ``samples_per_s`` (rows per second),
-``rows`` (per iteration), ``busy_ms`` (compute per iteration on one replica).
+``rows`` (per iteration), ``busy_ms`` (compute per iteration on one replica), and, for a train
+plan whose simulation plays other hops than its ``comm_ms`` (measured ones), ``comm_played_ms``
+per stage (:func:`~onnx_partition.pipeline.from_plan.played_comm`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.pipeline.from_plan import default_schedule, simulate_plan
+from onnx_partition.pipeline.from_plan import default_schedule, played_comm, simulate_plan
 from onnx_partition.pipeline.simulate import SimResult
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import RUN_FORMAT
@@ -99,6 +101,7 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
                for dev, busy in sorted(result.busy_ms.items())]
     stages = []
     forward_only = plan.mode == "train" and schedule == "infer"  # a train plan's forward pass
+    played = None if forward_only else played_comm(plan)
     for stage in plan.stages:
         mine = [d for d in devices if d["stage"] == stage.index]
         pred = stage.predicted
@@ -109,6 +112,9 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
             "busy_ms": round(sum(d["busy_ms"] for d in mine) / max(1, len(mine)), 6),
             "compute_ms": round(compute * plan_scale, 6),
             "comm_ms": round(pred.comm_ms * plan_scale, 6) if pred else 0.0,
+            # the hops the simulation plays, where they are not comm_ms (measured hops)
+            **({"comm_played_ms": round(played[len(stages)] * plan_scale, 6)}
+               if played is not None else {}),
             "memory_bytes": max((d["memory_bytes"] for d in mine), default=0),
             # as plan.json marks it: a stage rebuilding its forward in backward
             **({"recompute": True} if stage.recompute and plan.mode == "train"
@@ -210,7 +216,7 @@ def partition_json(plan: Plan, plan_dir: str | os.PathLike[str]) -> dict[str, An
     for stage, sim in zip(body["stages"], figures["stages"]):
         stage["nodes"] = len(stage["nodes"])
         stage["constants"] = len(stage.get("constants", []))
-        stage.update({k: sim[k] for k in SHARED_STAGE})
+        stage.update({k: sim[k] for k in (*SHARED_STAGE, "comm_played_ms") if k in sim})
     body["plan_dir"] = str(plan_dir)
     body.update({k: figures[k] for k in SHARED})
     return body

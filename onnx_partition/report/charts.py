@@ -6,6 +6,7 @@ from __future__ import annotations
 from onnx_partition.pipeline.from_plan import (
     hosted_stages,
     interleaving_note,
+    played_comm,
     recompute_note,
     schedule_name,
 )
@@ -36,18 +37,23 @@ def html_note(text: str) -> str:
 
 
 def time_chart(plan: Plan) -> str:
-    """Each stage's predicted compute and communication per micro-batch."""
+    """Each stage's predicted compute and communication per micro-batch; a train plan whose
+    simulation plays other hop times than its ``comm_ms`` (:func:`played_comm`) shows those,
+    and says so."""
     labels = [f"stage {s.index}" for s in plan.stages]
+    played = played_comm(plan)
+    what = "communication (played)" if played is not None else "communication"
     rows, totals = [], []
-    for s in plan.stages:
+    for k, s in enumerate(plan.stages):
         c, m = (s.predicted.compute_ms, s.predicted.comm_ms) if s.predicted else (0.0, 0.0)
+        m = played[k] if played is not None else m
         rows.append([Segment(c, stage_colour(s.index), f"stage {s.index} compute {fmt_ms(c)}"),
-                     Segment(m, COMM, f"stage {s.index} communication {fmt_ms(m)}")])
+                     Segment(m, COMM, f"stage {s.index} {what} {fmt_ms(m)}")])
         totals.append(f"{sig3(c)} + {sig3(m)} = {fmt_ms(c + m)}")
     return hbar_chart(labels, rows, unit="time per micro-batch (ms)", value_text=totals,
                       legend_items=[("compute (in the stage's colour)", stage_colour(0)),
-                                    ("communication", COMM)],
-                      title="time per stage: compute + communication (ms)", row_title="stage")
+                                    (what, COMM)],
+                      title=f"time per stage: compute + {what} (ms)", row_title="stage")
 
 
 def memory_chart(plan: Plan) -> str:

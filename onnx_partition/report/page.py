@@ -13,6 +13,8 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.partition import devices_line, priced_by
 from onnx_partition.pipeline.from_plan import (
     default_schedule,
+    played_comm,
+    played_comm_note,
     recompute_note,
     schedule_name,
     simulate_plan,
@@ -45,19 +47,24 @@ def _mb(nbytes: float) -> str:
 
 
 def plan_table(plan: Plan) -> str:
-    """One row per stage: operators, predicted compute and communication, memory, cut tensors."""
+    """One row per stage: operators, predicted compute and communication (and, for a train
+    plan whose simulation plays other hop times, those: :func:`played_comm`), memory, cut
+    tensors."""
+    played = played_comm(plan)
     header: tuple[str, ...] = ("stage", "ops", "copied consts", "compute ms", "comm ms",
+                               *("comm ms (played)",) * (played is not None),
                                "total ms", "memory MB", "in", "out", "replicas", "devices")
     fleet = any(stage.gpu for stage in plan.stages)  # a mixed fleet: which kind runs what
     header += ("gpu",) * fleet
     rows: list[tuple[str, ...]] = [header]
-    for stage in plan.stages:
+    for k, stage in enumerate(plan.stages):
         pred = stage.predicted
         compute = pred.compute_ms if pred else 0.0
         comm = pred.comm_ms if pred else 0.0
         rows.append((
             str(stage.index), str(len(stage.nodes)), str(len(stage.constants)),
-            f"{compute:.3f}", f"{comm:.3f}", f"{compute + comm:.3f}",
+            f"{compute:.3f}", f"{comm:.3f}",
+            *((f"{played[k]:.3f}",) if played is not None else ()), f"{compute + comm:.3f}",
             _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
             str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
         ) + (str(stage.gpu or ""),) * fleet)
@@ -92,6 +99,9 @@ def plan_table(plan: Plan) -> str:
         )
     lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
                  "not cut); comm: both of a stage's boundaries; times per micro-batch.")
+    note = played_comm_note(plan)
+    if note:
+        lines.append(note + ".")
     return "\n".join(lines)
 
 
@@ -380,7 +390,9 @@ def _summary(plan: Plan, result: SimResult) -> str:
 
 
 def _stage_table(plan: Plan) -> str:
+    played = played_comm(plan)
     head = ["stage", "operators", "first … last", "copied consts", "compute ms", "comm ms",
+            *["comm ms (played)"] * (played is not None),
             "total ms", "memory", "in", "out", "replicas", "devices"]
     load = [(s.predicted.compute_ms + s.predicted.comm_ms) / max(s.replicas, 1)
             if s.predicted else 0.0 for s in plan.stages]
@@ -395,6 +407,7 @@ def _stage_table(plan: Plan) -> str:
             f"{s.index}</td>", f"<td>{len(s.nodes)}</td>",
             f'<td class="l" title="{esc(", ".join(s.nodes))}">{esc(_short(span, 48))}</td>',
             f"<td>{len(s.constants)}</td>", f"<td>{sig3(compute)}</td>", f"<td>{sig3(comm)}</td>",
+            *([f"<td>{sig3(played[k])}</td>"] if played is not None else []),
             f"<td>{sig3(compute + comm)}</td>",
             f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
             f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
@@ -404,11 +417,13 @@ def _stage_table(plan: Plan) -> str:
         rows.append(f'<tr{" class=hot" if k == hot else ""}>' + "".join(cells) + "</tr>")
     header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'
                      f"{esc(h)}</th>" for h in head)
+    note = played_comm_note(plan)
     return (f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
             '<p class="note">Highlighted: the slowest stage per replica. Times are one '
             "micro-batch on one replica, in ms; comm counts both of a stage's boundaries. "
             "Copied consts: constant nodes copied into the stages that read them (not cut, so "
-            "not counted as operators); memory: the planner's predicted peak per device.</p>")
+            "not counted as operators); memory: the planner's predicted peak per device.</p>"
+            + (html_note(note[0].upper() + note[1:] + ".") if note else ""))
 
 
 def _short(text: str, n: int) -> str:
