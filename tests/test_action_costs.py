@@ -22,11 +22,13 @@ from onnx_partition.cost.engine import (
     probe_of,
 )
 from onnx_partition.partition import devices_line, partition
-from onnx_partition.pipeline.from_plan import simulate_plan
+from onnx_partition.pipeline.from_plan import played_comm, simulate_plan
+from onnx_partition.pipeline.predict import simulation_json
 from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.plan.contracts import COSTS_FORMAT
+from onnx_partition.report.page import plan_table
 
 
 def _stages(n: int, action: float, **more: float) -> PipelineCosts:
@@ -110,6 +112,18 @@ def test_the_probe_prices_actions_barriers_and_hops(exported, tmp_path: Path) ->
         f"; train hops priced as measured: {sends:.3g} ms (measured, plan.json "
         "engine_costs.send_ms)")
     assert "hops priced" not in devices_line(plan)  # partition's own plan: the CPU default
+    # ... and so does the table: each stage's boundary played both ways at the measured hop,
+    # beside the link model's comm that shaped the cut
+    assert played_comm(priced) == pytest.approx([2 * sends, 2 * sends])
+    table = plan_table(priced)
+    assert "comm ms  comm ms (played)  total ms" in table
+    comm = priced.stages[0].predicted.comm_ms
+    assert f"  {comm:.3f}  {2 * sends:16.3f}  " in table.splitlines()[2]
+    assert table.endswith("at plan.json simulator_costs.send_ms (measured).")
+    result, _ = simulate_plan(priced)
+    figures = simulation_json(priced, result, schedule="1f1b", microbatches=8, batch_size=2)
+    assert [s["comm_played_ms"] for s in figures["stages"]] == pytest.approx([2 * sends] * 2)
+    assert [s["comm_ms"] for s in figures["stages"]] == [comm, comm]
     # priced again: sends from the measured link are priced afresh, the probe's hop once
     price_engine(priced, costs=probed, device=None)
     assert priced.simulator_costs["send_ms"] == pytest.approx(

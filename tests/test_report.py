@@ -14,6 +14,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.partition import Link, partition
 from onnx_partition.pipeline.from_plan import (
     format_simulation,
+    played_comm,
     schedule_name,
     send_times,
     simulate_plan,
@@ -23,8 +24,11 @@ from onnx_partition.pipeline.simulate import (
     bubble_closed_form_interleaved,
     pipeline_time_closed_form,
 )
+from onnx_partition.pipeline.predict import simulation_json
 from onnx_partition.plan import read_plan
 from onnx_partition.report import write_report
+from onnx_partition.report.charts import time_chart
+from onnx_partition.report.page import plan_table, report_figures, report_html
 
 CHAIN_NODES = ("a", "b", "d", "e", "f", "y")  # the cut (non-constant) nodes of CHAIN
 
@@ -325,3 +329,42 @@ def test_report_of_an_interleaved_hybrid_plan(tmp_path, chain):
     assert text.count("gradient all-reduce, ") == 4  # 2 stages x 2 replicas
     with pytest.raises(PartitionError, match="multiples of 1 device x 2 replicas = 2, got 3"):
         write_report(out, schedule="interleaved", microbatches=3)
+
+
+def test_train_table_shows_the_hops_the_simulation_plays(tmp_path, chain):
+    """A plain train pipeline's planner counts each boundary once (latency 0.5 ms: comm
+    [0.5, 1.0, 0.5]); its simulation plays each hop twice per micro-batch (the activation
+    forward, the gradient back): [1, 2, 1], shown beside it as ``comm ms (played)`` in the
+    table, the report's table and time chart and ``simulate --json``. A hybrid train plan's
+    comm already counts both ways: one column."""
+    plan = partition(chain, 3, tmp_path / "out", batch_size=3, costs=unit_costs(tmp_path),
+                     link=Link(bandwidth_gbps=0, latency_ms=0.5), mode="train")
+    assert [s.predicted.comm_ms for s in plan.stages] == [0.5, 1.0, 0.5]
+    assert played_comm(plan) == pytest.approx([1.0, 2.0, 1.0])
+    table = plan_table(plan).splitlines()
+    assert "compute ms  comm ms  comm ms (played)  total ms" in table[0]
+    assert [row.split()[3:7] for row in table[2:5]] == [
+        ["6.000", "0.500", "1.000", "6.500"], ["6.000", "1.000", "2.000", "7.000"],
+        ["6.000", "0.500", "1.000", "6.500"]]
+    assert "comm (played): the same boundaries as the simulated iteration plays them" in \
+        plan_table(plan)
+    assert "simulator_costs.send_ms (the plan's link model)." in plan_table(plan)
+    result, costs = simulate_plan(plan)
+    page = report_html(plan, tmp_path / "out", result, costs)
+    assert '<th class="">comm ms (played)</th>' in page
+    assert "Comm: the link model the cut was balanced on" in page
+    assert "<td>6</td><td>0.5</td><td>1</td><td>6.5</td>" in page  # stage 0
+    assert "6 + 2 = 8 ms" in time_chart(plan)  # stage 1's compute + played comm
+    figures = report_figures(page)
+    assert [s["comm_played_ms"] for s in figures["stages"]] == [1.0, 2.0, 1.0]
+    # forward only (run's prediction): no played field (each hop once, as comm_ms)
+    forward = simulation_json(plan, simulate_plan(plan, schedule="infer")[0], schedule="infer",
+                              microbatches=8, batch_size=3)
+    assert all("comm_played_ms" not in s for s in forward["stages"])
+    hybrid = partition(chain, 3, tmp_path / "hybrid", batch_size=3, costs=unit_costs(tmp_path),
+                       cluster=Cluster(devices_per_machine=4), mode="train")
+    assert played_comm(hybrid) is None and "(played)" not in plan_table(hybrid)
+    assert "(played)" not in time_chart(hybrid)
+    infer = partition(chain, 3, tmp_path / "infer", batch_size=3, costs=unit_costs(tmp_path),
+                      link=Link(bandwidth_gbps=0, latency_ms=0.5))
+    assert played_comm(infer) is None and "(played)" not in plan_table(infer)
