@@ -19,12 +19,12 @@ from onnx_partition.pipeline.from_plan import (
     send_times,
     simulate_plan,
 )
+from onnx_partition.pipeline.predict import simulation_json
 from onnx_partition.pipeline.simulate import (
     bubble_closed_form,
     bubble_closed_form_interleaved,
     pipeline_time_closed_form,
 )
-from onnx_partition.pipeline.predict import simulation_json
 from onnx_partition.plan import read_plan
 from onnx_partition.report import write_report
 from onnx_partition.report.charts import time_chart

@@ -99,7 +99,7 @@ def simulation_json(plan: Plan, result: SimResult, *, schedule: str, microbatche
                 "peak_inflight": result.peak_inflight.get(dev, 0),
                 "memory_bytes": int(result.peak_memory_bytes.get(dev, 0.0))}
                for dev, busy in sorted(result.busy_ms.items())]
-    stages = []
+    stages: list[dict[str, Any]] = []
     forward_only = plan.mode == "train" and schedule == "infer"  # a train plan's forward pass
     played = None if forward_only else played_comm(plan)
     for stage in plan.stages:
