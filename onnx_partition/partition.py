@@ -586,14 +586,17 @@ def priced_by(plan: Plan) -> str:
 def devices_line(plan: Plan) -> str:
     """One line: the device memory and links the plan assumed, and where each came from; a
     train plan whose hops the engine's measurements price (plan.json's ``engine_costs``) says
-    so, with the ``send_ms`` the simulator plays (the link above it shaped only the cut)."""
+    so, with the ``send_ms`` the simulator plays (the link above it shaped only the cut), as
+    does one whose link-model hops carry the probe's measured work per hop."""
     line = _links_line(plan)
     said = str((plan.extra.get("engine_costs") or {}).get("send_ms") or "")
     sends = (plan.simulator_costs or {}).get("send_ms") if plan.mode == "train" else None
-    if sends and said.startswith(("measured", "calibrated")):
+    measured = said.startswith(("measured", "calibrated"))
+    if sends and (measured or "(the probe)" in said):  # the probe: link + measured work per hop
         hops = " / ".join(f"{float(x):.3g}" for x in sends)
+        how = said.split(":", 1)[0] if measured else "the link model + the probe's work per hop"
         line += (f"; train hops priced as measured: {hops} ms "
-                 f"({said.split(':', 1)[0]}, plan.json engine_costs.send_ms)")
+                 f"({how}, plan.json engine_costs.send_ms)")
     return line
 
 

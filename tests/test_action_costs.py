@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from onnx_partition.cost.annotate import load_costs
+from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.engine import (
     ACTION_MS,
     BARRIERS_PER_STEP,
@@ -156,6 +157,28 @@ def test_probe_reading_is_strict_about_numbers() -> None:
     assert measured_step_ms([100.0], "adamw", engine) == pytest.approx([11.0])
     assert measured_step_ms([100.0], "adamw", {**engine, "probe": {
         "action_ms": 0.1, "barrier_ms": 2.0}}) == pytest.approx([14.0])
+
+
+def test_a_hybrid_plans_probed_hops_are_said_and_shown(exported, tmp_path: Path) -> None:
+    """A hybrid train plan keeps the link model's sends (no ``hop_bytes``): the probe adds its
+    ``hop_ms`` to each; the summary line names those hops, and the table shows each stage's
+    boundary played both ways at them beside the link model's ``comm_ms`` (2 x the link)."""
+    plan = partition(exported("gpt"), 2, tmp_path / "plan", mode="train", check=False,
+                     batch_size=2, cluster=Cluster(devices_per_machine=2))
+    link = plan.simulator_costs["send_ms"][0]
+    assert played_comm(plan) is None and "(played)" not in plan_table(plan)
+    assert "hops priced" not in devices_line(plan)
+    keys = [key for stage in plan.stages for key in stage.nodes]
+    probed = load_costs(_costs_file(tmp_path / "probed.json", keys, "cpu", {
+        **_ENGINE, "probe": {"action_ms": 0.375, "barrier_ms": 1.5, "hop_ms": 0.125}}))
+    price_engine(plan, costs=probed, device=None)
+    assert plan.simulator_costs["send_ms"] == pytest.approx([link + 0.125], abs=1e-6)
+    assert devices_line(plan).endswith(
+        f"; train hops priced as measured: {link + 0.125:.3g} ms (the link model + the probe's "
+        "work per hop, plan.json engine_costs.send_ms)")
+    assert [s.predicted.comm_ms for s in plan.stages] == pytest.approx([2 * link] * 2, abs=1e-6)
+    assert played_comm(plan) == pytest.approx([2 * (link + 0.125)] * 2, abs=1e-6)
+    assert "comm ms  comm ms (played)  total ms" in plan_table(plan)
 
 
 def test_a_cpu_train_plan_round_trips_its_action_work(exported, tmp_path: Path) -> None:
