@@ -143,9 +143,10 @@ def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
 
 
 def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
-                ordering: tuple[int, ...], recompute: bool = False) -> float:
+                ordering: tuple[int, ...], recompute: str = "none") -> float:
     """The least bottleneck over every split, group assignment along ``ordering`` (each group
-    one run of stages or none) and replica counts, by enumeration."""
+    one run of stages or none), replica counts and (``auto``) each stage keeping or
+    recomputing, by enumeration."""
     n, best = seq.n, math.inf
     for cuts in itertools.product([False, True], repeat=n - 1):
         bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
@@ -155,18 +156,21 @@ def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
                 continue
             groups = [ordering[p] for p in pos]
             options = [replica_choices(fleet.groups[g].devices) for g in groups]
-            for reps in itertools.product(*options):
+            flags = [[recompute]] * len(spans) if recompute != "auto" else [["none", "all"]] * \
+                len(spans)
+            for reps, each in itertools.product(itertools.product(*options),
+                                                itertools.product(*flags)):
                 used = {g: sum(r for r, h in zip(reps, groups) if h == g) for g in groups}
                 if any(used[g] > fleet.groups[g].devices for g in used):
                     continue
                 worst = 0.0
-                for k, ((i, j), g, r) in enumerate(zip(spans, groups, reps)):
+                for k, ((i, j), g, r, flag) in enumerate(zip(spans, groups, reps, each)):
                     enter = None if k == 0 else (
                         fleet.groups[g].intra if pos[k - 1] == pos[k] else fleet.inter)
                     leave = None if k == len(spans) - 1 else (
                         fleet.groups[g].intra if pos[k + 1] == pos[k] else fleet.inter)
                     worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave,
-                                                    recompute=recompute))
+                                                    recompute=flag))
                 best = min(best, worst)
     return best
 
@@ -201,9 +205,11 @@ def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]
 
 
 @pytest.mark.parametrize("seed", range(80))
-def test_the_fleet_dp_is_exact_against_brute_force(seed):
+@pytest.mark.parametrize("recompute", ["none", "all", "auto"])
+def test_the_fleet_dp_is_exact_against_brute_force(seed, recompute):
+    """Every mode: keeping activations, every stage recomputing (its own memory and forward
+    again), and each stage's choice (the brute force tries both for every stage)."""
     seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
-    recompute = seed % 4 == 3  # every stage recomputing (its own memory and forward again)
     for ordering in [(0, 1), (1, 0)]:
         value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute)
         expected = brute_force(seq, fleet, run, ordering, recompute)
@@ -217,13 +223,17 @@ def test_the_fleet_dp_is_exact_against_brute_force(seed):
         runs = [g for g, _ in itertools.groupby(s[2] for s in stages)]
         assert len(runs) == len(set(runs))
         periods = []
-        for k, (i, j, g, r) in enumerate(stages):
+        for k, (i, j, g, r, rebuilt) in enumerate(stages):
             enter = None if k == 0 else (
                 fleet.groups[g].intra if stages[k - 1][2] == g else fleet.inter)
             leave = None if k == len(stages) - 1 else (
                 fleet.groups[g].intra if stages[k + 1][2] == g else fleet.inter)
             periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave,
-                                        recompute=recompute))
+                                        recompute="all" if rebuilt else "none"))
+            # a stage recomputes as the mode says; under auto exactly where keeping does not fit
+            keeping = stage_period(seq, fleet, run, g, i, j, r, enter, leave)
+            assert rebuilt == (run.train and (recompute == "all" or (
+                recompute == "auto" and math.isinf(keeping))))
         assert max(periods) == pytest.approx(value, rel=1e-9)
 
 
@@ -237,9 +247,30 @@ def test_a_faster_kind_gets_the_longer_stage():
     seq = FleetSequence([[1.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]], [[0.0] * 4] * 2,
                         [0.0] * 4, [0.0] * 4, [0.0] * 5)
     value, stages = fleet_dp(seq, fleet, run, (0, 1))
-    assert value == 3.0 and stages == [(0, 3, 0, 1), (3, 4, 1, 1)]  # 3 fast, 1 slow
+    assert value == 3.0 and stages == [(0, 3, 0, 1, False), (3, 4, 1, 1, False)]  # 3 fast
     value, stages = fleet_dp(seq, fleet, run, (1, 0))
-    assert value == 3.0 and stages == [(0, 1, 1, 1), (1, 4, 0, 1)]
+    assert value == 3.0 and stages == [(0, 1, 1, 1, False), (1, 4, 0, 1, False)]
+
+
+def test_under_auto_the_fleet_dp_recomputes_only_the_stage_that_must():
+    """Two positions (forward 3, 3 ms on the A100, 6, 6 on the V100, backward twice that), the
+    first with 2000 B of weights and 3000 B of activations, the second 1000 B of activations;
+    2 A100s and 2 V100s of 12000 B each, free links, 4 micro-batches (2 in flight on 2
+    replicas). The first position keeping holds 4 * 2000 + 2 * 3000 = 14000 B: it never fits,
+    on 2 replicas recomputing 8000 + 3000 = 11000 B (period (3 + 6 + 3) / 2 = 6). So keeping
+    everything fits nothing; recomputing everything is 12 ms at best (one stage per A100,
+    each (3 + 6 + 3) / 1); recomputing the first on the A100s and keeping the second on the
+    V100s ((6 + 12) / 2 = 9 ms) is the least, 9 ms."""
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2, 1.2e-5, Link(0.0, 0.0)),
+                          GpuGroup("v100", 1, 2, 1.2e-5, Link(0.0, 0.0))),
+                  inter=Link(0.0, 0.0))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=4)
+    seq = FleetSequence([[3.0, 3.0], [6.0, 6.0]], [[6.0, 6.0], [12.0, 12.0]],
+                        [2000.0, 0.0], [3000.0, 1000.0], [0.0, 0.0, 0.0])
+    assert fleet_dp(seq, fleet, run, (0, 1), recompute="none") == (math.inf, [])
+    assert fleet_dp(seq, fleet, run, (0, 1), recompute="all")[0] == 12.0
+    value, stages = fleet_dp(seq, fleet, run, (0, 1), recompute="auto")
+    assert value == 9.0 and stages == [(0, 1, 0, 2, True), (1, 2, 1, 2, False)]
 
 
 # --------------------------------------------------------------------------- the planner

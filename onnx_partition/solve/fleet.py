@@ -26,9 +26,16 @@ pipeline enters or leaves a group, ``in(0)``; the group's own link inside it) an
 all-reduce on the group's link; a stage whose memory per device (the one memory model with
 ``held`` micro-batches in flight: 1 in inference; in training ``ceil(M / r)``, GPipe's bound,
 never below 1F1B's, or 1 for an optimistic pass checked afterwards) exceeds its group's memory
-is out. Exact for that objective over every split of the sequence, replica counts from
-:func:`~.hybrid.replica_choices` and group assignment along the ordering (``tests/test_fleet.py``
-checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j`` loop in numpy.
+is out. In training a stage may instead recompute (``--recompute``: keep only its inputs per
+micro-batch in flight and one micro-batch's activations, ``F_t`` once more); under ``auto`` it
+does exactly where keeping does not fit, as the one-kind DP chooses it per stage (AdaPipe, Sun
+et al., ASPLOS'24): ``held`` depends on ``r`` alone, so ``P_t`` is the keep period where that
+fits, else the recompute period where that fits, else infinite, a pointwise choice per ``(t,
+i, j, r)`` (keeping is never slower) and the recurrence is unchanged. Exact for that objective
+over every split of the sequence, replica counts from :func:`~.hybrid.replica_choices`, group
+assignment along the ordering and (``auto``) each stage's keep-or-recompute
+(``tests/test_fleet.py`` checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j``
+loop in numpy.
 
 **The choice** (:func:`plan_fleet`): every ordering's DP plan (the best one's replica counts
 then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-kind planner
@@ -56,6 +63,7 @@ from onnx_partition.cost.engine import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
+    RECOMPUTE_MODES,
     StageBytes,
     memory_per_device,
     recompute_choice,
@@ -147,29 +155,36 @@ class FleetSequence:
         return cut
 
 
+#: A stage of :func:`fleet_dp`'s plan: ``(start, end, group, replicas, recomputes)``.
+FleetStage = tuple[int, int, int, int, bool]
+
+
 def _send_ms(nbytes: float, link: Link | None) -> float:
     return 0.0 if link is None or nbytes == 0 else nbytes / link.bytes_per_ms + link.latency_ms
 
 
 def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: int, j: int,
                  r: int, link_in: Link | None, link_out: Link | None,
-                 held: Callable[[int], int] | None = None, recompute: bool = False) -> float:
+                 held: Callable[[int], int] | None = None, recompute: str = "none") -> float:
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
-    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training
-    with ``recompute`` the stage keeps only its inputs per micro-batch in flight and one
-    micro-batch's activations, and runs its forward twice (the one-kind DP's
-    :func:`~.hybrid.recompute_stage`). The scalar statement of what :func:`fleet_dp` computes
-    in bulk (the brute-force tests use it)."""
+    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training a
+    recomputing stage keeps only its inputs per micro-batch in flight and one micro-batch's
+    activations, and runs its forward twice (the one-kind DP's :func:`~.hybrid.recompute_stage`):
+    ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
+    (keeping is never slower: the least feasible of the two). The scalar statement of what
+    :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                         f"got {recompute!r}")
+    flags = {"none": [False], "all": [True], "auto": [False, True]}[recompute]
     g = fleet.groups[group]
-    compute = float(sum(seq.forward_ms[group][i:j]))
+    forward = float(sum(seq.forward_ms[group][i:j]))
     comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
+    compute = forward
     if run.train:
         compute += float(sum(seq.backward_ms[group][i:j]))
         comm *= 2.0
-    rebuilt = recompute and run.train
-    if rebuilt:
-        compute += float(sum(seq.forward_ms[group][i:j]))
     params = float(sum(seq.param_bytes[i:j]))
     link = g.cluster(fleet.inter).link(r)
     allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
@@ -183,11 +198,15 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                       float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
                       float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
-    memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
-              + count * stash_bytes(size, rebuilt) + (size.activations if rebuilt else 0.0))
-    if memory > g.memory * 1e9:
-        return math.inf
-    return (compute + comm) / r + allreduce / run.microbatches
+    static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
+    for flag in flags:
+        rebuilt = flag and run.train
+        memory = (static + count * stash_bytes(size, rebuilt)
+                  + (size.activations if rebuilt else 0.0))
+        if memory <= g.memory * 1e9:
+            return ((compute + (forward if rebuilt else 0.0) + comm) / r
+                    + allreduce / run.microbatches)
+    return math.inf
 
 
 def _held_safe(run: RunSpec) -> Callable[[int], int]:
@@ -203,13 +222,19 @@ def _span(values: Sequence[float]) -> np.ndarray:
 
 
 def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-             held: Callable[[int], int] | None = None, recompute: bool = False
-             ) -> tuple[float, list[tuple[int, int, int, int]]]:
+             held: Callable[[int], int] | None = None, recompute: str = "none"
+             ) -> tuple[float, list[FleetStage]]:
     """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
     in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
-    ``(start, end, group, replicas)``; ``(inf, [])`` when nothing fits in memory. See the
-    module docstring for the recurrence; ``recompute``: every stage recomputing, as
-    :func:`stage_period` prices it."""
+    ``(start, end, group, replicas, recomputes)``; ``(inf, [])`` when nothing fits in memory.
+    See the module docstring for the recurrence; each stage keeps or recomputes per
+    ``recompute`` as :func:`stage_period` prices it (``auto``: recomputes exactly where
+    keeping does not fit its memory; held depends on ``r`` only, so that is a pointwise
+    choice per ``(group, i, j, r)`` and the DP stays exact)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                         f"got {recompute!r}")
+    mode = recompute if run.train else "none"
     n, m = seq.n, run.microbatches
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
@@ -231,13 +256,14 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
     ch_j = [np.zeros((n + 1, fleet.groups[g].devices + 1), dtype=np.int64) for g in ordering]
     ch_r = [np.zeros_like(c) for c in ch_j]
     ch_same = [np.zeros(c.shape, dtype=bool) for c in ch_j]
+    ch_rc = [np.zeros(c.shape, dtype=bool) for c in ch_j]  # the chosen stage recomputes
     N = np.full((k + 1, n + 1), inf)
     N[:, n] = 0.0
     for t in range(k):
         A[t][n, :] = 0.0
-    rebuilt = recompute and run.train
-    spans = {g: _span(seq.forward_ms[g]) * (2.0 if rebuilt else 1.0)
-             + (_span(seq.backward_ms[g]) if run.train else 0.0) for g in set(ordering)}
+    forwards = {g: _span(seq.forward_ms[g]) for g in set(ordering)}
+    spans = {g: forwards[g] + (_span(seq.backward_ms[g]) if run.train else 0.0)
+             for g in set(ordering)}
     for i in range(n - 1, -1, -1):
         for t in range(k - 1, -1, -1):
             g = ordering[t]
@@ -251,22 +277,28 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             else:
                 static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                           if run.train else weights[i])
-            if rebuilt:  # inputs per micro-batch in flight, one micro-batch's activations
-                static, stash = static + acts[i], np.full(n + 1, received[i])
+            limit = group.memory * 1e9
             d = group.devices
             best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
                 us = np.arange(d - r + 1)  # devices already used, u + r <= d
-                memory = static + held(r) * stash
+                # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
+                # flight and one micro-batch's activations, its forward once more
+                keeps = (valid[i] & (static + held(r) * stash <= limit) if mode != "all"
+                         else np.zeros(n + 1, dtype=bool))
+                rebuilt = (~keeps & valid[i] & (static + acts[i] + held(r) * received[i]
+                                                <= limit) if mode != "none"
+                           else np.zeros(n + 1, dtype=bool))
+                stage = compute + np.where(rebuilt, forwards[g][i], 0.0)
                 link = own.link(r)
                 allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,
                                                          link.latency_ms) / m if run.train
                                        else np.zeros(n + 1), (n + 1, 1))
-                fits = (valid[i] & (memory <= group.memory * 1e9))[:, None]
+                fits = (keeps | rebuilt)[:, None]
                 for same in (True, False):
                     leave = sides["intra" if same else "inter"]
                     enter = np.where(us == 0, sides["inter"][i], sides["intra"][i])
-                    period = (compute[:, None] + factor * (enter[None, :] + leave[:, None])) / r
+                    period = (stage[:, None] + factor * (enter[None, :] + leave[:, None])) / r
                     rest = A[t][:, us + r] if same else np.repeat(N[t + 1][:, None], len(us), 1)
                     value = np.where(fits, np.maximum(period + allreduce, rest), inf)
                     if same:  # the last stage is taken once, on the "later group" branch
@@ -277,18 +309,19 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
                     at = us[better]
                     best[at] = reach[better]
                     ch_j[t][i, at], ch_r[t][i, at], ch_same[t][i, at] = j[better], r, same
+                    ch_rc[t][i, at] = rebuilt[j[better]]
             A[t][i, :d] = best
             N[t, i] = min(A[t][i, 0], N[t + 1, i])
     if not math.isfinite(N[0, 0]):
         return inf, []
-    stages: list[tuple[int, int, int, int]] = []
+    stages: list[FleetStage] = []
     i, t, u = 0, 0, 0
     while i < n:
         if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
             while A[t][i, 0] > N[t, i]:
                 t += 1
         j, r, same = int(ch_j[t][i, u]), int(ch_r[t][i, u]), bool(ch_same[t][i, u])
-        stages.append((i, j, ordering[t], r))
+        stages.append((i, j, ordering[t], r, bool(ch_rc[t][i, u])))
         i, u = j, u + r
         if not same:
             t, u = t + 1, 0
@@ -521,7 +554,9 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     plan is planned for each of ``schedules`` (none: ``run``'s), every candidate scored under
     each (the DP's splits do not depend on it) and the fastest kept, the first schedule on a
     tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
-    its own kind's memory (under ``all`` the DP also splits for every stage recomputing)."""
+    its own kind's memory under the schedule scored (under ``auto`` the DP splits knowing
+    which stages must recompute, :func:`fleet_dp`; under ``all`` it also splits for every
+    stage recomputing)."""
     from onnx_partition.solve.planner import plan_cluster
 
     runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
@@ -539,11 +574,6 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
-    # under --recompute all also the splits for every stage recomputing (its forward twice
-    # moves the best split where the backward is not proportional to it), as the one-kind
-    # planner; auto keeps the DP's splits keeping activations (its candidates then recompute
-    # per stage where memory asks, and the one-kind candidates split for recomputing)
-    recomputes = [False, True] if run.train and run.recompute == "all" else [False]
     dp_plans: list[tuple[FleetPlan, list[int], RunSpec]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
@@ -551,10 +581,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
-            for held, recompute in itertools.product(helds, recomputes):
-                _, stages = fleet_dp(seq, fleet, run, ordering, held, recompute)
-                if not stages:
-                    continue
+            for stages in (s for held in helds for s in _dp_plans(seq, fleet, run, ordering,
+                                                                  held)):
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
                 placed = place_on_groups(fleet, groups, [s[3] for s in stages])
@@ -590,6 +618,25 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                              "fits any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
+
+
+def _dp_plans(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
+              held: Callable[[int], int] | None) -> list[list[FleetStage]]:
+    """The fleet DP's plans :func:`plan_fleet` scores for one ordering: its stages recomputing
+    per ``run.recompute``. Under ``auto`` exactly where keeping does not fit (the cuts chosen
+    knowing which stages pay the extra forward), and where that plan recomputes a stage also
+    the keep-only plan (the schedule scored may hold fewer micro-batches than the DP's bound,
+    so keeping there may fit and simulate faster: never fewer candidates than keeping alone;
+    where memory does not bind, one pass, the keep-only plan itself). Under ``all`` also the
+    keep-only splits (the scoring recomputes every stage either way; the forward twice moves
+    the best split where the backward is not proportional to it)."""
+    mode = run.recompute if run.train else "none"
+    first = fleet_dp(seq, fleet, run, ordering, held, "none" if mode == "all" else mode)[1]
+    plans = [first] if first else []
+    if mode == "all" or (mode == "auto" and any(s[4] for s in first)):
+        again = fleet_dp(seq, fleet, run, ordering, held, "all" if mode == "all" else "none")[1]
+        plans += [again] if again else []
+    return plans
 
 
 def _weigh_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
