@@ -11,10 +11,13 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 from support.cli import one_error
 from support.graphs import CHAIN, save
 from support.problems import chain, dags
@@ -489,6 +492,55 @@ def test_a_fleet_plans_the_schedule_and_recomputation_asked(tmp_path, capsys, op
     assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
     if schedule == "zb-h1":
         assert "backward_input_ms" in plan.extra["simulator_costs"]
+
+
+def matmul_relu_chain(path: Path, width: int, layers: int) -> Path:
+    """``layers`` times MatMul by a ``width`` x ``width`` weight then Relu: weights and
+    activations of a size where memory binds a fleet."""
+    nodes, weights, last = [], [], "x"
+    for k in range(layers):
+        weights.append(numpy_helper.from_array(np.zeros((width, width), np.float32), f"w{k}"))
+        out = "y" if k == layers - 1 else f"r{k}"
+        nodes += [helper.make_node("MatMul", [last, f"w{k}"], [f"m{k}"], name=f"mm{k}"),
+                  helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}")]
+        last = out
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_a_fleet_at_tight_memory_gets_a_dp_plan_whose_stages_recompute(tmp_path, capsys):
+    """``--recompute auto`` (the default) at 0.22 GB per device: four 1024-wide layers of
+    8192 rows, 2 micro-batches. Keeping activations, the fleet DP's best fitting plan runs
+    a stage on both V100s then one on each A100 (22.398 ms simulated); knowing a stage may
+    recompute, it puts the first two stages on one A100 each, recomputing, and the rest on
+    both V100s, keeping, faster.
+    plan.json marks those stages, and ``simulate`` replays the iteration ``partition``
+    printed."""
+    model = matmul_relu_chain(tmp_path / "m.onnx", 1024, 4)
+    body = {**A100_V100, "groups": [
+        {"gpu": "a100-80gb", "devices_per_machine": 2, "memory_gb": 0.22},
+        {"gpu": "v100", "devices_per_machine": 2, "memory_gb": 0.22}]}
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "8192", "--cluster",
+                 str(write(tmp_path, body)), "-o", str(out), "--mode", "train",
+                 "--no-program", "--microbatches", "2"]) == 0
+    printed = capsys.readouterr().out
+    plan = read_plan(out)
+    assert plan.solver == "hybrid-fleet"  # the fleet DP's plan won
+    raw = json.loads((out / "plan.json").read_text())
+    assert [s.get("recompute", False) for s in raw["stages"]] == [True, True, False]
+    assert [s["gpu"] for s in raw["stages"]] == ["a100-80gb", "a100-80gb", "v100"]
+    assert [len(s["devices"]) for s in raw["stages"]] == [1, 1, 2]
+    iteration = plan.predicted["iteration_ms"]
+    assert iteration < 22.397606  # the keep-only DP's plan
+    assert f"{iteration:.3f} ms" in printed
+    assert main(["simulate", str(out)]) == 0
+    assert f"iteration of 2 micro-batches: {iteration:.3f} ms" in capsys.readouterr().out
 
 
 def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
