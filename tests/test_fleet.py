@@ -126,14 +126,32 @@ def test_the_readme_fleet_example_reads(tmp_path):
     assert isinstance(fleet, Fleet) and fleet.kinds == ["a100-80gb", "v100"]
 
 
-def test_a_fleet_takes_no_fixed_depth(tmp_path, capsys):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_fleet_takes_a_fixed_depth(tmp_path, capsys, depth):
+    """``--stages N`` on a fleet: the plan has exactly N stages (the fleet DP's fixed depth,
+    each group alone and the as-slowest plan at that depth), its figure the one ranked by;
+    more stages than the model has operators is one line, exit 2."""
     model = save(CHAIN, tmp_path / "m.onnx")
-    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "2",
-                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
-              "a fleet's planner chooses it: drop --stages")
+    cluster = str(write(tmp_path, A100_V100))
+    out = tmp_path / f"o{depth}"
+    assert main(["partition", str(model), "--batch-size", "4096", "--stages", str(depth),
+                 "--cluster", cluster, "-o", str(out), "--mode", "train",
+                 "--no-program"]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    assert len(plan.stages) == depth
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
     one_error(capsys, ["partition", str(model), "--batch-size", "2", "--gpu", "h100",
-                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+                       "--cluster", cluster, "-o", str(tmp_path / "o")],
               "--gpu prices one kind of GPU; a fleet's groups name theirs")
+
+
+def test_a_fleet_takes_no_more_stages_than_it_can_cut(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "40",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "--stages 40 is not possible: the model has 6 operators to cut")
 
 
 def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
@@ -146,14 +164,17 @@ def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
 
 
 def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
-                ordering: tuple[int, ...], recompute: str = "none") -> float:
-    """The least bottleneck over every split, group assignment along ``ordering`` (each group
-    one run of stages or none), replica counts and (``auto``) each stage keeping or
-    recomputing, by enumeration."""
+                ordering: tuple[int, ...], recompute: str = "none",
+                depth: int | None = None) -> float:
+    """The least bottleneck over every split (of ``depth`` stages where given), group
+    assignment along ``ordering`` (each group one run of stages or none), replica counts and
+    (``auto``) each stage keeping or recomputing, by enumeration."""
     n, best = seq.n, math.inf
     for cuts in itertools.product([False, True], repeat=n - 1):
         bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
         spans = list(itertools.pairwise(bounds))
+        if depth is not None and len(spans) != depth:
+            continue
         for pos in itertools.product(range(len(ordering)), repeat=len(spans)):
             if any(a > b for a, b in itertools.pairwise(pos)):
                 continue
@@ -211,11 +232,13 @@ def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]
 @pytest.mark.parametrize("recompute", ["none", "all", "auto"])
 def test_the_fleet_dp_is_exact_against_brute_force(seed, recompute):
     """Every mode: keeping activations, every stage recomputing (its own memory and forward
-    again), and each stage's choice (the brute force tries both for every stage)."""
+    again), and each stage's choice (the brute force tries both for every stage); any depth,
+    or (every fourth seed) a fixed one."""
     seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
+    depth = None if seed % 4 else 1 + seed // 4 % 3
     for ordering in [(0, 1), (1, 0)]:
-        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute)
-        expected = brute_force(seq, fleet, run, ordering, recompute)
+        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute, depth=depth)
+        expected = brute_force(seq, fleet, run, ordering, recompute, depth)
         if math.isinf(expected):
             assert math.isinf(value) and stages == []
             continue
@@ -223,6 +246,7 @@ def test_the_fleet_dp_is_exact_against_brute_force(seed, recompute):
         # the stages it returns reach that value, cover the sequence, each group one run
         assert [s[0] for s in stages] == [0, *(s[1] for s in stages[:-1])]
         assert stages[-1][1] == seq.n
+        assert depth is None or len(stages) == depth
         runs = [g for g, _ in itertools.groupby(s[2] for s in stages)]
         assert len(runs) == len(set(runs))
         periods = []
@@ -550,6 +574,10 @@ def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
                        "--no-program", "--cluster", str(write(tmp_path, tiny)),
                        "-o", str(tmp_path / "o")],
               "no plan fits the fleet's memory under 1f1b or zb-h1: no stage of the model")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--mode", "train",
+                       "--no-program", "--cluster", str(write(tmp_path, tiny)), "--stages", "2",
+                       "-o", str(tmp_path / "o")],
+              "no 2-stage plan fits the fleet under 1f1b or zb-h1")
 
 
 def test_a_fleet_train_plan_prices_each_kinds_backward_per_aten_op(tmp_path):

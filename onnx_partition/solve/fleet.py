@@ -35,7 +35,9 @@ i, j, r)`` (keeping is never slower) and the recurrence is unchanged. Exact for 
 over every split of the sequence, replica counts from :func:`~.hybrid.replica_choices`, group
 assignment along the ordering and (``auto``) each stage's keep-or-recompute
 (``tests/test_fleet.py`` checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j``
-loop in numpy.
+loop in numpy. A fixed depth ``S`` (``partition --stages``) adds the stages left to place to
+every table, ``A[t, i, u, q]`` (a stage at ``q`` leads to the suffix at ``q - 1``; only ``q =
+0`` is 0 at ``n``): ``S`` times the work.
 
 **The choice** (:func:`plan_fleet`): every ordering's DP plan (the best one's replica counts
 then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-kind planner
@@ -222,15 +224,16 @@ def _span(values: Sequence[float]) -> np.ndarray:
 
 
 def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-             held: Callable[[int], int] | None = None, recompute: str = "none"
-             ) -> tuple[float, list[FleetStage]]:
+             held: Callable[[int], int] | None = None, recompute: str = "none",
+             depth: int | None = None) -> tuple[float, list[FleetStage]]:
     """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
     in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
     ``(start, end, group, replicas, recomputes)``; ``(inf, [])`` when nothing fits in memory.
     See the module docstring for the recurrence; each stage keeps or recomputes per
     ``recompute`` as :func:`stage_period` prices it (``auto``: recomputes exactly where
     keeping does not fit its memory; held depends on ``r`` only, so that is a pointwise
-    choice per ``(group, i, j, r)`` and the DP stays exact)."""
+    choice per ``(group, i, j, r)`` and the DP stays exact). ``depth``: exactly that many
+    stages (each table gains a dimension, the stages left to place)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                          f"got {recompute!r}")
@@ -251,16 +254,22 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
 
     k = len(ordering)
     inf = math.inf
-    # A[t][i, u]; the choice reaching it: next boundary j, replicas r, next stage on group t
-    A = [np.full((n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
-    ch_j = [np.zeros((n + 1, fleet.groups[g].devices + 1), dtype=np.int64) for g in ordering]
+    # slot q of each table: any depth (one slot, q = 0), or exactly q stages from i on; the
+    # slot after the last stays inf (what q = 0 leads to before the end); prev[q]: the slot
+    # of the suffix after a stage placed at slot q
+    slots = 1 if depth is None else depth + 1
+    prev = np.asarray([0] if depth is None else [slots, *range(slots - 1)])
+    # A[t][i, u, q]; the choice reaching it: next boundary j, replicas r, next stage on
+    # group t, whether the stage recomputes
+    A = [np.full((n + 1, fleet.groups[g].devices + 1, slots + 1), inf) for g in ordering]
+    ch_j = [np.zeros(a.shape, dtype=np.int64) for a in A]
     ch_r = [np.zeros_like(c) for c in ch_j]
     ch_same = [np.zeros(c.shape, dtype=bool) for c in ch_j]
-    ch_rc = [np.zeros(c.shape, dtype=bool) for c in ch_j]  # the chosen stage recomputes
-    N = np.full((k + 1, n + 1), inf)
-    N[:, n] = 0.0
+    ch_rc = [np.zeros(c.shape, dtype=bool) for c in ch_j]
+    N = np.full((k + 1, n + 1, slots + 1), inf)
+    N[:, n, 0] = 0.0
     for t in range(k):
-        A[t][n, :] = 0.0
+        A[t][n, :, 0] = 0.0
     forwards = {g: _span(seq.forward_ms[g]) for g in set(ordering)}
     spans = {g: forwards[g] + (_span(seq.backward_ms[g]) if run.train else 0.0)
              for g in set(ordering)}
@@ -279,7 +288,7 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
                           if run.train else weights[i])
             limit = group.memory * 1e9
             d = group.devices
-            best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
+            best = np.full((d, slots), inf)  # per u in 0..d-1 and q, vectorised over j
             for r in replica_choices(d):
                 us = np.arange(d - r + 1)  # devices already used, u + r <= d
                 # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
@@ -294,38 +303,44 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
                 allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,
                                                          link.latency_ms) / m if run.train
                                        else np.zeros(n + 1), (n + 1, 1))
-                fits = (keeps | rebuilt)[:, None]
+                fits = (keeps | rebuilt)[:, None, None]
                 for same in (True, False):
                     leave = sides["intra" if same else "inter"]
                     enter = np.where(us == 0, sides["inter"][i], sides["intra"][i])
                     period = (stage[:, None] + factor * (enter[None, :] + leave[:, None])) / r
-                    rest = A[t][:, us + r] if same else np.repeat(N[t + 1][:, None], len(us), 1)
-                    value = np.where(fits, np.maximum(period + allreduce, rest), inf)
+                    rest = (A[t][:, us + r][:, :, prev] if same
+                            else np.broadcast_to(N[t + 1][:, None, prev],
+                                                 (n + 1, len(us), slots)))
+                    value = np.where(fits, np.maximum((period + allreduce)[:, :, None], rest),
+                                     inf)
                     if same:  # the last stage is taken once, on the "later group" branch
-                        value[n, :] = inf
-                    j = np.argmin(value, axis=0)
-                    reach = value[j, np.arange(len(us))]
+                        value[n] = inf
+                    j = np.argmin(value, axis=0)  # [u, q]
+                    reach = np.take_along_axis(value, j[None], axis=0)[0]
                     better = reach < best[us]
-                    at = us[better]
-                    best[at] = reach[better]
-                    ch_j[t][i, at], ch_r[t][i, at], ch_same[t][i, at] = j[better], r, same
-                    ch_rc[t][i, at] = rebuilt[j[better]]
-            A[t][i, :d] = best
-            N[t, i] = min(A[t][i, 0], N[t + 1, i])
-    if not math.isfinite(N[0, 0]):
+                    best[us] = np.where(better, reach, best[us])
+                    for table, chosen in ((ch_j, j), (ch_r, r), (ch_same, same),
+                                          (ch_rc, rebuilt[j])):
+                        table[t][i, us, :slots] = np.where(better, chosen,
+                                                           table[t][i, us, :slots])
+            A[t][i, :d, :slots] = best
+            N[t, i, :slots] = np.minimum(A[t][i, 0, :slots], N[t + 1, i, :slots])
+    q = slots - 1  # any depth, or all ``depth`` stages left
+    if not math.isfinite(N[0, 0, q]):
         return inf, []
     stages: list[FleetStage] = []
     i, t, u = 0, 0, 0
     while i < n:
         if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
-            while A[t][i, 0] > N[t, i]:
+            while A[t][i, 0, q] > N[t, i, q]:
                 t += 1
-        j, r, same = int(ch_j[t][i, u]), int(ch_r[t][i, u]), bool(ch_same[t][i, u])
-        stages.append((i, j, ordering[t], r, bool(ch_rc[t][i, u])))
-        i, u = j, u + r
+        at = (i, u, q)
+        j, r, same = int(ch_j[t][at]), int(ch_r[t][at]), bool(ch_same[t][at])
+        stages.append((i, j, ordering[t], r, bool(ch_rc[t][at])))
+        i, u, q = j, u + r, int(prev[q])
         if not same:
             t, u = t + 1, 0
-    return float(N[0, 0]), stages
+    return float(N[0, 0, slots - 1]), stages
 
 
 def group_orderings(fleet: Fleet, speed: Sequence[float]) -> list[tuple[int, ...]]:
@@ -542,7 +557,8 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs", "topo"),
-               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = ()
+               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = (),
+               num_stages: int | None = None
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
     family its best ``iteration_ms`` on the fleet (``as-slowest`` also ``planned_ms``, its
@@ -556,7 +572,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
     its own kind's memory under the schedule scored (under ``auto`` the DP splits knowing
     which stages must recompute, :func:`fleet_dp`; under ``all`` it also splits for every
-    stage recomputing)."""
+    stage recomputing). ``num_stages``: every candidate exactly that deep (the DP's fixed
+    depth, the one-kind planner's)."""
     from onnx_partition.solve.planner import plan_cluster
 
     runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
@@ -582,7 +599,7 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
             for stages in (s for held in helds for s in _dp_plans(seq, fleet, run, ordering,
-                                                                  held)):
+                                                                  held, num_stages)):
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
                 placed = place_on_groups(fleet, groups, [s[3] for s in stages])
@@ -603,7 +620,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 sub_run = replace(each, cluster=group.cluster(fleet.inter),
                                   engine=kinds[group.gpu].engine)
                 try:
-                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
+                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run,
+                                                 num_stages=num_stages)
                 except PartitionError:
                     continue
                 placed = place_on_groups(fleet, [g] * alone_plan.num_stages,
@@ -611,9 +629,12 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 weigh(score_fleet(problem, arrays, kinds, fleet, each, alone_plan.stage_of,
                                   placed, f"alone:{group.gpu}"), f"alone:{group.gpu}")
         if slowest:
-            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families)
+            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families, num_stages)
     if not candidates:
         under = f" under {' or '.join(r.schedule for r in runs)}" if run.train else ""
+        if num_stages is not None:
+            raise PartitionError(f"no {num_stages}-stage plan fits the fleet{under}: too few "
+                                 "positions or devices, or a stage over its group's memory")
         raise PartitionError(f"no plan fits the fleet's memory{under}: no stage of the model "
                              "fits any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
@@ -621,7 +642,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
 
 
 def _dp_plans(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-              held: Callable[[int], int] | None) -> list[list[FleetStage]]:
+              held: Callable[[int], int] | None, depth: int | None = None
+              ) -> list[list[FleetStage]]:
     """The fleet DP's plans :func:`plan_fleet` scores for one ordering: its stages recomputing
     per ``run.recompute``. Under ``auto`` exactly where keeping does not fit (the cuts chosen
     knowing which stages pay the extra forward), and where that plan recomputes a stage also
@@ -629,23 +651,27 @@ def _dp_plans(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence
     so keeping there may fit and simulate faster: never fewer candidates than keeping alone;
     where memory does not bind, one pass, the keep-only plan itself). Under ``all`` also the
     keep-only splits (the scoring recomputes every stage either way; the forward twice moves
-    the best split where the backward is not proportional to it)."""
+    the best split where the backward is not proportional to it). ``depth``: exactly that
+    many stages."""
     mode = run.recompute if run.train else "none"
-    first = fleet_dp(seq, fleet, run, ordering, held, "none" if mode == "all" else mode)[1]
+    first = fleet_dp(seq, fleet, run, ordering, held, "none" if mode == "all" else mode,
+                     depth)[1]
     plans = [first] if first else []
     if mode == "all" or (mode == "auto" and any(s[4] for s in first)):
-        again = fleet_dp(seq, fleet, run, ordering, held, "all" if mode == "all" else "none")[1]
+        again = fleet_dp(seq, fleet, run, ordering, held, "all" if mode == "all" else "none",
+                         depth)[1]
         plans += [again] if again else []
     return plans
 
 
 def _weigh_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                    fleet: Fleet, run: RunSpec, weigh: Callable[[FleetPlan | None, str], None],
-                   families: dict[str, dict[str, float]]) -> None:
+                   families: dict[str, dict[str, float]], num_stages: int | None = None
+                   ) -> None:
     """The "as slowest" candidate (:func:`as_slowest`) under ``run``, and its ``planned_ms``
     (the least over the schedules weighed)."""
     try:
-        uniform = as_slowest(problem, arrays, kinds, fleet, run)
+        uniform = as_slowest(problem, arrays, kinds, fleet, run, num_stages)
     except PartitionError:
         return
     # the same devices in file order: never slower than there (each of its stages at its own
@@ -734,16 +760,19 @@ def slowest_cluster(fleet: Fleet) -> Cluster:
 
 
 def as_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
-               fleet: Fleet, run: RunSpec) -> tuple[HybridPlan, Cluster]:
+               fleet: Fleet, run: RunSpec, num_stages: int | None = None
+               ) -> tuple[HybridPlan, Cluster]:
     """Baseline: the one-kind planner's plan with every device treated as the slowest kind
     (:func:`slowest_costs` on :func:`slowest_cluster`), as a cluster@1 of the slowest GPU
-    would be planned; its ``sim`` is that plan's time there."""
+    would be planned (``num_stages`` deep where given); its ``sim`` is that plan's time
+    there."""
     from onnx_partition.solve.planner import plan_cluster
 
     cluster = slowest_cluster(fleet)
     sub_problem, sub_arrays = kind_problem(problem, arrays, slowest_costs(kinds))
     plan, _ = plan_cluster(sub_problem, sub_arrays, replace(run, cluster=cluster,
-                                                            engine=slowest_costs(kinds).engine))
+                                                            engine=slowest_costs(kinds).engine),
+                           num_stages=num_stages)
     return plan, cluster
 
 
