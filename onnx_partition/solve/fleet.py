@@ -254,22 +254,22 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
 
     k = len(ordering)
     inf = math.inf
-    # slot q of each table: any depth (one slot, q = 0), or exactly q stages from i on; the
-    # slot after the last stays inf (what q = 0 leads to before the end); prev[q]: the slot
-    # of the suffix after a stage placed at slot q
+    # slot q of each table: any depth (one slot, q = 0), or exactly q stages from i on; slot
+    # ``slots`` stays inf (what q = 0 leads to before the end); prev[q]: the slot of the
+    # suffix after a stage placed at slot q
     slots = 1 if depth is None else depth + 1
-    prev = np.asarray([0] if depth is None else [slots, *range(slots - 1)])
-    # A[t][i, u, q]; the choice reaching it: next boundary j, replicas r, next stage on
+    prev = [0] if depth is None else [slots, *range(slots - 1)]
+    # A[t][q, i, u]; the choice reaching it: next boundary j, replicas r, next stage on
     # group t, whether the stage recomputes
-    A = [np.full((n + 1, fleet.groups[g].devices + 1, slots + 1), inf) for g in ordering]
+    A = [np.full((slots + 1, n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
     ch_j = [np.zeros(a.shape, dtype=np.int64) for a in A]
     ch_r = [np.zeros_like(c) for c in ch_j]
     ch_same = [np.zeros(c.shape, dtype=bool) for c in ch_j]
     ch_rc = [np.zeros(c.shape, dtype=bool) for c in ch_j]
-    N = np.full((k + 1, n + 1, slots + 1), inf)
-    N[:, n, 0] = 0.0
+    N = np.full((slots + 1, k + 1, n + 1), inf)
+    N[0, :, n] = 0.0
     for t in range(k):
-        A[t][n, :, 0] = 0.0
+        A[t][0, n, :] = 0.0
     forwards = {g: _span(seq.forward_ms[g]) for g in set(ordering)}
     spans = {g: forwards[g] + (_span(seq.backward_ms[g]) if run.train else 0.0)
              for g in set(ordering)}
@@ -288,7 +288,7 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
                           if run.train else weights[i])
             limit = group.memory * 1e9
             d = group.devices
-            best = np.full((d, slots), inf)  # per u in 0..d-1 and q, vectorised over j
+            best = np.full((slots, d), inf)  # per q and u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
                 us = np.arange(d - r + 1)  # devices already used, u + r <= d
                 # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
@@ -303,44 +303,43 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
                 allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,
                                                          link.latency_ms) / m if run.train
                                        else np.zeros(n + 1), (n + 1, 1))
-                fits = (keeps | rebuilt)[:, None, None]
+                fits = (keeps | rebuilt)[:, None]
                 for same in (True, False):
                     leave = sides["intra" if same else "inter"]
                     enter = np.where(us == 0, sides["inter"][i], sides["intra"][i])
                     period = (stage[:, None] + factor * (enter[None, :] + leave[:, None])) / r
-                    rest = (A[t][:, us + r][:, :, prev] if same
-                            else np.broadcast_to(N[t + 1][:, None, prev],
-                                                 (n + 1, len(us), slots)))
-                    value = np.where(fits, np.maximum((period + allreduce)[:, :, None], rest),
-                                     inf)
-                    if same:  # the last stage is taken once, on the "later group" branch
-                        value[n] = inf
-                    j = np.argmin(value, axis=0)  # [u, q]
-                    reach = np.take_along_axis(value, j[None], axis=0)[0]
-                    better = reach < best[us]
-                    best[us] = np.where(better, reach, best[us])
-                    for table, chosen in ((ch_j, j), (ch_r, r), (ch_same, same),
-                                          (ch_rc, rebuilt[j])):
-                        table[t][i, us, :slots] = np.where(better, chosen,
-                                                           table[t][i, us, :slots])
-            A[t][i, :d, :slots] = best
-            N[t, i, :slots] = np.minimum(A[t][i, 0, :slots], N[t + 1, i, :slots])
+                    own_period = np.where(fits, period + allreduce, inf)
+                    for q in range(slots):
+                        rest = (A[t][prev[q]][:, us + r] if same
+                                else N[prev[q], t + 1][:, None])
+                        value = np.maximum(own_period, rest)
+                        if same:  # the last stage is taken once, on the "later group" branch
+                            value[n, :] = inf
+                        j = np.argmin(value, axis=0)
+                        reach = value[j, np.arange(len(us))]
+                        better = reach < best[q, us]
+                        at = us[better]
+                        best[q, at] = reach[better]
+                        ch_j[t][q, i, at], ch_r[t][q, i, at] = j[better], r
+                        ch_same[t][q, i, at], ch_rc[t][q, i, at] = same, rebuilt[j[better]]
+            A[t][:slots, i, :d] = best
+            N[:slots, t, i] = np.minimum(A[t][:slots, i, 0], N[:slots, t + 1, i])
     q = slots - 1  # any depth, or all ``depth`` stages left
-    if not math.isfinite(N[0, 0, q]):
+    if not math.isfinite(N[q, 0, 0]):
         return inf, []
     stages: list[FleetStage] = []
     i, t, u = 0, 0, 0
     while i < n:
         if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
-            while A[t][i, 0, q] > N[t, i, q]:
+            while A[t][q, i, 0] > N[q, t, i]:
                 t += 1
-        at = (i, u, q)
+        at = (q, i, u)
         j, r, same = int(ch_j[t][at]), int(ch_r[t][at]), bool(ch_same[t][at])
         stages.append((i, j, ordering[t], r, bool(ch_rc[t][at])))
-        i, u, q = j, u + r, int(prev[q])
+        i, u, q = j, u + r, prev[q]
         if not same:
             t, u = t + 1, 0
-    return float(N[0, 0, slots - 1]), stages
+    return float(N[slots - 1, 0, 0]), stages
 
 
 def group_orderings(fleet: Fleet, speed: Sequence[float]) -> list[tuple[int, ...]]:
