@@ -857,9 +857,6 @@ def plan_on_cluster(
     if isinstance(cluster, Fleet):
         from onnx_partition.solve.fleet import KindCosts, plan_fleet
 
-        if num_stages is not None:
-            raise PartitionError("--stages fixes the depth on a cluster of one kind; a "
-                                 "fleet's planner chooses it: drop --stages")
         assert kinds is not None
         run = RunSpec(cluster.clusters[0], train=mode == "train", microbatches=microbatches,
                       max_stages=max(16, num_stages or 0),
@@ -871,7 +868,7 @@ def plan_on_cluster(
                            _per_unit([kind_grad_input[gpu][g] for g in nodes], members)
                            if kind_grad_input is not None else [])
             for gpu, c in kinds.items()}, cluster, run,
-            schedules=schedules if mode == "train" else ())
+            schedules=schedules if mode == "train" else (), num_stages=num_stages)
         run = replace(run, train_schedule=best.schedule) if mode == "train" else run
         gpus = best.gpus
         proof = HybridProof(False, "fleet")

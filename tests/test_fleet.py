@@ -11,10 +11,13 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 from support.cli import one_error
 from support.graphs import CHAIN, save
 from support.problems import chain, dags
@@ -123,14 +126,32 @@ def test_the_readme_fleet_example_reads(tmp_path):
     assert isinstance(fleet, Fleet) and fleet.kinds == ["a100-80gb", "v100"]
 
 
-def test_a_fleet_takes_no_fixed_depth(tmp_path, capsys):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_fleet_takes_a_fixed_depth(tmp_path, capsys, depth):
+    """``--stages N`` on a fleet: the plan has exactly N stages (the fleet DP's fixed depth,
+    each group alone and the as-slowest plan at that depth), its figure the one ranked by;
+    more stages than the model has operators is one line, exit 2."""
     model = save(CHAIN, tmp_path / "m.onnx")
-    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "2",
-                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
-              "a fleet's planner chooses it: drop --stages")
+    cluster = str(write(tmp_path, A100_V100))
+    out = tmp_path / f"o{depth}"
+    assert main(["partition", str(model), "--batch-size", "4096", "--stages", str(depth),
+                 "--cluster", cluster, "-o", str(out), "--mode", "train",
+                 "--no-program"]) == 0
+    capsys.readouterr()
+    plan = read_plan(out)
+    assert len(plan.stages) == depth
+    ranked = min(f["iteration_ms"] for f in plan.extra["orderings"].values())
+    assert plan.predicted["iteration_ms"] == pytest.approx(ranked, abs=2e-6)
     one_error(capsys, ["partition", str(model), "--batch-size", "2", "--gpu", "h100",
-                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+                       "--cluster", cluster, "-o", str(tmp_path / "o")],
               "--gpu prices one kind of GPU; a fleet's groups name theirs")
+
+
+def test_a_fleet_takes_no_more_stages_than_it_can_cut(tmp_path, capsys):
+    model = save(CHAIN, tmp_path / "m.onnx")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--stages", "40",
+                       "--cluster", str(write(tmp_path, A100_V100)), "-o", str(tmp_path / "o")],
+              "--stages 40 is not possible: the model has 6 operators to cut")
 
 
 def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
@@ -143,30 +164,37 @@ def test_groups_in_a_cluster_at_1_shape_are_never_silently_ignored(tmp_path):
 
 
 def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
-                ordering: tuple[int, ...], recompute: bool = False) -> float:
-    """The least bottleneck over every split, group assignment along ``ordering`` (each group
-    one run of stages or none) and replica counts, by enumeration."""
+                ordering: tuple[int, ...], recompute: str = "none",
+                depth: int | None = None) -> float:
+    """The least bottleneck over every split (of ``depth`` stages where given), group
+    assignment along ``ordering`` (each group one run of stages or none), replica counts and
+    (``auto``) each stage keeping or recomputing, by enumeration."""
     n, best = seq.n, math.inf
     for cuts in itertools.product([False, True], repeat=n - 1):
         bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
         spans = list(itertools.pairwise(bounds))
+        if depth is not None and len(spans) != depth:
+            continue
         for pos in itertools.product(range(len(ordering)), repeat=len(spans)):
             if any(a > b for a, b in itertools.pairwise(pos)):
                 continue
             groups = [ordering[p] for p in pos]
             options = [replica_choices(fleet.groups[g].devices) for g in groups]
-            for reps in itertools.product(*options):
+            flags = [[recompute]] * len(spans) if recompute != "auto" else [["none", "all"]] * \
+                len(spans)
+            for reps, each in itertools.product(itertools.product(*options),
+                                                itertools.product(*flags)):
                 used = {g: sum(r for r, h in zip(reps, groups) if h == g) for g in groups}
                 if any(used[g] > fleet.groups[g].devices for g in used):
                     continue
                 worst = 0.0
-                for k, ((i, j), g, r) in enumerate(zip(spans, groups, reps)):
+                for k, ((i, j), g, r, flag) in enumerate(zip(spans, groups, reps, each)):
                     enter = None if k == 0 else (
                         fleet.groups[g].intra if pos[k - 1] == pos[k] else fleet.inter)
                     leave = None if k == len(spans) - 1 else (
                         fleet.groups[g].intra if pos[k + 1] == pos[k] else fleet.inter)
                     worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave,
-                                                    recompute=recompute))
+                                                    recompute=flag))
                 best = min(best, worst)
     return best
 
@@ -201,12 +229,16 @@ def counted_instance(rng: random.Random) -> tuple[FleetSequence, Fleet, RunSpec]
 
 
 @pytest.mark.parametrize("seed", range(80))
-def test_the_fleet_dp_is_exact_against_brute_force(seed):
+@pytest.mark.parametrize("recompute", ["none", "all", "auto"])
+def test_the_fleet_dp_is_exact_against_brute_force(seed, recompute):
+    """Every mode: keeping activations, every stage recomputing (its own memory and forward
+    again), and each stage's choice (the brute force tries both for every stage); any depth,
+    or (every fourth seed) a fixed one."""
     seq, fleet, run = (random_instance if seed < 40 else counted_instance)(random.Random(seed))
-    recompute = seed % 4 == 3  # every stage recomputing (its own memory and forward again)
+    depth = None if seed % 4 else 1 + seed // 4 % 3
     for ordering in [(0, 1), (1, 0)]:
-        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute)
-        expected = brute_force(seq, fleet, run, ordering, recompute)
+        value, stages = fleet_dp(seq, fleet, run, ordering, recompute=recompute, depth=depth)
+        expected = brute_force(seq, fleet, run, ordering, recompute, depth)
         if math.isinf(expected):
             assert math.isinf(value) and stages == []
             continue
@@ -214,16 +246,21 @@ def test_the_fleet_dp_is_exact_against_brute_force(seed):
         # the stages it returns reach that value, cover the sequence, each group one run
         assert [s[0] for s in stages] == [0, *(s[1] for s in stages[:-1])]
         assert stages[-1][1] == seq.n
+        assert depth is None or len(stages) == depth
         runs = [g for g, _ in itertools.groupby(s[2] for s in stages)]
         assert len(runs) == len(set(runs))
         periods = []
-        for k, (i, j, g, r) in enumerate(stages):
+        for k, (i, j, g, r, rebuilt) in enumerate(stages):
             enter = None if k == 0 else (
                 fleet.groups[g].intra if stages[k - 1][2] == g else fleet.inter)
             leave = None if k == len(stages) - 1 else (
                 fleet.groups[g].intra if stages[k + 1][2] == g else fleet.inter)
             periods.append(stage_period(seq, fleet, run, g, i, j, r, enter, leave,
-                                        recompute=recompute))
+                                        recompute="all" if rebuilt else "none"))
+            # a stage recomputes as the mode says; under auto exactly where keeping does not fit
+            keeping = stage_period(seq, fleet, run, g, i, j, r, enter, leave)
+            assert rebuilt == (run.train and (recompute == "all" or (
+                recompute == "auto" and math.isinf(keeping))))
         assert max(periods) == pytest.approx(value, rel=1e-9)
 
 
@@ -237,9 +274,30 @@ def test_a_faster_kind_gets_the_longer_stage():
     seq = FleetSequence([[1.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]], [[0.0] * 4] * 2,
                         [0.0] * 4, [0.0] * 4, [0.0] * 5)
     value, stages = fleet_dp(seq, fleet, run, (0, 1))
-    assert value == 3.0 and stages == [(0, 3, 0, 1), (3, 4, 1, 1)]  # 3 fast, 1 slow
+    assert value == 3.0 and stages == [(0, 3, 0, 1, False), (3, 4, 1, 1, False)]  # 3 fast
     value, stages = fleet_dp(seq, fleet, run, (1, 0))
-    assert value == 3.0 and stages == [(0, 1, 1, 1), (1, 4, 0, 1)]
+    assert value == 3.0 and stages == [(0, 1, 1, 1, False), (1, 4, 0, 1, False)]
+
+
+def test_under_auto_the_fleet_dp_recomputes_only_the_stage_that_must():
+    """Two positions (forward 3, 3 ms on the A100, 6, 6 on the V100, backward twice that), the
+    first with 2000 B of weights and 3000 B of activations, the second 1000 B of activations;
+    2 A100s and 2 V100s of 12000 B each, free links, 4 micro-batches (2 in flight on 2
+    replicas). The first position keeping holds 4 * 2000 + 2 * 3000 = 14000 B: it never fits,
+    on 2 replicas recomputing 8000 + 3000 = 11000 B (period (3 + 6 + 3) / 2 = 6). So keeping
+    everything fits nothing; recomputing everything is 12 ms at best (one stage per A100,
+    each (3 + 6 + 3) / 1); recomputing the first on the A100s and keeping the second on the
+    V100s ((6 + 12) / 2 = 9 ms) is the least, 9 ms."""
+    fleet = Fleet(groups=(GpuGroup("a100-80gb", 1, 2, 1.2e-5, Link(0.0, 0.0)),
+                          GpuGroup("v100", 1, 2, 1.2e-5, Link(0.0, 0.0))),
+                  inter=Link(0.0, 0.0))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=4)
+    seq = FleetSequence([[3.0, 3.0], [6.0, 6.0]], [[6.0, 6.0], [12.0, 12.0]],
+                        [2000.0, 0.0], [3000.0, 1000.0], [0.0, 0.0, 0.0])
+    assert fleet_dp(seq, fleet, run, (0, 1), recompute="none") == (math.inf, [])
+    assert fleet_dp(seq, fleet, run, (0, 1), recompute="all")[0] == 12.0
+    value, stages = fleet_dp(seq, fleet, run, (0, 1), recompute="auto")
+    assert value == 9.0 and stages == [(0, 1, 0, 2, True), (1, 2, 1, 2, False)]
 
 
 # --------------------------------------------------------------------------- the planner
@@ -460,6 +518,55 @@ def test_a_fleet_plans_the_schedule_and_recomputation_asked(tmp_path, capsys, op
         assert "backward_input_ms" in plan.extra["simulator_costs"]
 
 
+def matmul_relu_chain(path: Path, width: int, layers: int) -> Path:
+    """``layers`` times MatMul by a ``width`` x ``width`` weight then Relu: weights and
+    activations of a size where memory binds a fleet."""
+    nodes, weights, last = [], [], "x"
+    for k in range(layers):
+        weights.append(numpy_helper.from_array(np.zeros((width, width), np.float32), f"w{k}"))
+        out = "y" if k == layers - 1 else f"r{k}"
+        nodes += [helper.make_node("MatMul", [last, f"w{k}"], [f"m{k}"], name=f"mm{k}"),
+                  helper.make_node("Relu", [f"m{k}"], [out], name=f"relu{k}")]
+        last = out
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_a_fleet_at_tight_memory_gets_a_dp_plan_whose_stages_recompute(tmp_path, capsys):
+    """``--recompute auto`` (the default) at 0.22 GB per device: four 1024-wide layers of
+    8192 rows, 2 micro-batches. Keeping activations, the fleet DP's best fitting plan runs
+    a stage on both V100s then one on each A100 (22.398 ms simulated); knowing a stage may
+    recompute, it puts the first two stages on one A100 each, recomputing, and the rest on
+    both V100s, keeping, faster.
+    plan.json marks those stages, and ``simulate`` replays the iteration ``partition``
+    printed."""
+    model = matmul_relu_chain(tmp_path / "m.onnx", 1024, 4)
+    body = {**A100_V100, "groups": [
+        {"gpu": "a100-80gb", "devices_per_machine": 2, "memory_gb": 0.22},
+        {"gpu": "v100", "devices_per_machine": 2, "memory_gb": 0.22}]}
+    out = tmp_path / "plan"
+    assert main(["partition", str(model), "--batch-size", "8192", "--cluster",
+                 str(write(tmp_path, body)), "-o", str(out), "--mode", "train",
+                 "--no-program", "--microbatches", "2"]) == 0
+    printed = capsys.readouterr().out
+    plan = read_plan(out)
+    assert plan.solver == "hybrid-fleet"  # the fleet DP's plan won
+    raw = json.loads((out / "plan.json").read_text())
+    assert [s.get("recompute", False) for s in raw["stages"]] == [True, True, False]
+    assert [s["gpu"] for s in raw["stages"]] == ["a100-80gb", "a100-80gb", "v100"]
+    assert [len(s["devices"]) for s in raw["stages"]] == [1, 1, 2]
+    iteration = plan.predicted["iteration_ms"]
+    assert iteration < 22.397606  # the keep-only DP's plan
+    assert f"{iteration:.3f} ms" in printed
+    assert main(["simulate", str(out)]) == 0
+    assert f"iteration of 2 micro-batches: {iteration:.3f} ms" in capsys.readouterr().out
+
+
 def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
     model = save(CHAIN, tmp_path / "m.onnx")
     tiny = {**A100_V100, "groups": [{**g, "memory_gb": 1e-9} for g in A100_V100["groups"]]}
@@ -467,6 +574,10 @@ def test_a_fleet_where_nothing_fits_names_the_schedules_tried(tmp_path, capsys):
                        "--no-program", "--cluster", str(write(tmp_path, tiny)),
                        "-o", str(tmp_path / "o")],
               "no plan fits the fleet's memory under 1f1b or zb-h1: no stage of the model")
+    one_error(capsys, ["partition", str(model), "--batch-size", "2", "--mode", "train",
+                       "--no-program", "--cluster", str(write(tmp_path, tiny)), "--stages", "2",
+                       "-o", str(tmp_path / "o")],
+              "no 2-stage plan fits the fleet under 1f1b or zb-h1")
 
 
 def test_a_fleet_train_plan_prices_each_kinds_backward_per_aten_op(tmp_path):

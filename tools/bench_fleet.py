@@ -2,6 +2,7 @@
 
     python tools/bench_fleet.py [--size realistic|small] [--recipes gpt resnet ...]
         [--modes train infer] [--precisions tf32 half] [--cache DIR] [--engine]
+        [--memory-gb G]
 
 The fleet: 4 A100-80GB on one machine (NVLink, 300 GB/s) and 4 V100-32GB on another (NVLink,
 150 GB/s), 25 GB/s (200 Gb/s InfiniBand) between them (cluster@2 ``groups``). Every node is
@@ -24,6 +25,9 @@ iteration ms (lower is better), ours / baseline speed-up, our plan (stages as
 optimizer step, accumulation and engine work on its own kind (``cost.engine.engine_terms`` on
 the kind's roofline, AdamW), planned for 1F1B and ZB-H1 (each kind's input-gradient split), the
 faster kept; the baselines likewise (our plan then names its schedule).
+
+``--memory-gb G``: every device holds ``G`` GB, where memory binds; train rows recompute per
+stage where keeping does not fit (``--recompute auto``), our plan marking such a stage ``*``.
 """
 
 from __future__ import annotations
@@ -50,10 +54,11 @@ BATCH, MICROBATCHES = 8, 16
 PRECISIONS = {"tf32": ("a100-80gb", "v100"), "half": ("a100-80gb:bf16", "v100:fp16")}
 
 
-def fleet_for(precision: str) -> Fleet:
+def fleet_for(precision: str, memory_gb: float | None = None) -> Fleet:
+    """The fleet; ``memory_gb``: every device's memory (None: each datasheet's)."""
     fast, slow = PRECISIONS[precision]
-    return Fleet(groups=(GpuGroup(fast, 1, 4, None, Link(300.0, 0.005)),
-                         GpuGroup(slow, 1, 4, None, Link(150.0, 0.005))),
+    return Fleet(groups=(GpuGroup(fast, 1, 4, memory_gb, Link(300.0, 0.005)),
+                         GpuGroup(slow, 1, 4, memory_gb, Link(150.0, 0.005))),
                  inter=Link(25.0, 0.02))
 
 
@@ -79,10 +84,11 @@ def recipe(name: str, size: str, cache: Path, fleet: Fleet, engine: bool = False
 
 
 def shape(plan: FleetPlan, schedule: bool = False) -> str:
-    """``4xa100-80gb > 4xv100``: each stage's replicas and kind, in pipeline order (and
-    ``schedule``: ``, zb-h1``)."""
+    """``4xa100-80gb > 4xv100``: each stage's replicas and kind, in pipeline order, ``*``
+    after a stage that recomputes (and ``schedule``: ``, zb-h1``)."""
     return " > ".join(f"{r}x" + "+".join(k.split(":")[0] for k in g.split("+"))
-                      for r, g in zip(plan.replicas, plan.gpus)) + (
+                      + ("*" if c.recompute else "")
+                      for r, g, c in zip(plan.replicas, plan.gpus, plan.costs.stages)) + (
         f", {plan.schedule}" if schedule else "")
 
 
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", action="store_true",
                         help="price train rows as partition does: each kind's engine work, "
                              "1F1B and ZB-H1")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="every device's memory (default: each datasheet's), where "
+                             "memory binds and stages recompute (--recompute auto)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.cache or Path(tmp)
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_all(args: argparse.Namespace, cache: Path) -> None:
     print(f"### Mixed fleet: 4 A100-80GB + 4 V100-32GB\n\nSize {args.size}"
           + ("; train rows with each kind's engine work, 1F1B or ZB-H1" if args.engine else "")
+          + (f"; {args.memory_gb} GB per device (`*`: the stage recomputes)"
+             if args.memory_gb else "")
           + f"; batch {BATCH} per "
           f"micro-batch, {MICROBATCHES} micro-batches per iteration; simulated iteration ms "
           "(1F1B in training, forward streaming in inference); speed-up = baseline ms / ours "
@@ -121,11 +132,12 @@ def run_all(args: argparse.Namespace, cache: Path) -> None:
     rows = 0
     for name in args.recipes:
         for precision in args.precisions:
-            fleet = fleet_for(precision)
+            fleet = fleet_for(precision, args.memory_gb)
             problem, arrays, kinds = recipe(name, args.size, cache, fleet, args.engine)
             for mode in args.modes:
                 run = RunSpec(fleet.clusters[0], train=mode == "train",
-                              microbatches=MICROBATCHES)
+                              microbatches=MICROBATCHES,
+                              recompute="auto" if args.memory_gb else "none")
                 began = time.perf_counter()
                 try:
                     ours, families = plan_fleet(

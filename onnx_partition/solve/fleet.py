@@ -26,9 +26,18 @@ pipeline enters or leaves a group, ``in(0)``; the group's own link inside it) an
 all-reduce on the group's link; a stage whose memory per device (the one memory model with
 ``held`` micro-batches in flight: 1 in inference; in training ``ceil(M / r)``, GPipe's bound,
 never below 1F1B's, or 1 for an optimistic pass checked afterwards) exceeds its group's memory
-is out. Exact for that objective over every split of the sequence, replica counts from
-:func:`~.hybrid.replica_choices` and group assignment along the ordering (``tests/test_fleet.py``
-checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j`` loop in numpy.
+is out. In training a stage may instead recompute (``--recompute``: keep only its inputs per
+micro-batch in flight and one micro-batch's activations, ``F_t`` once more); under ``auto`` it
+does exactly where keeping does not fit, as the one-kind DP chooses it per stage (AdaPipe, Sun
+et al., ASPLOS'24): ``held`` depends on ``r`` alone, so ``P_t`` is the keep period where that
+fits, else the recompute period where that fits, else infinite, a pointwise choice per ``(t,
+i, j, r)`` (keeping is never slower) and the recurrence is unchanged. Exact for that objective
+over every split of the sequence, replica counts from :func:`~.hybrid.replica_choices`, group
+assignment along the ordering and (``auto``) each stage's keep-or-recompute
+(``tests/test_fleet.py`` checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j``
+loop in numpy. A fixed depth ``S`` (``partition --stages``) adds the stages left to place to
+every table, ``A[t, i, u, q]`` (a stage at ``q`` leads to the suffix at ``q - 1``; only ``q =
+0`` is 0 at ``n``): ``S`` times the work.
 
 **The choice** (:func:`plan_fleet`): every ordering's DP plan (the best one's replica counts
 then hill-climbed, :func:`polish_fleet`), each group alone planned by the one-kind planner
@@ -56,6 +65,7 @@ from onnx_partition.cost.engine import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
+    RECOMPUTE_MODES,
     StageBytes,
     memory_per_device,
     recompute_choice,
@@ -147,29 +157,36 @@ class FleetSequence:
         return cut
 
 
+#: A stage of :func:`fleet_dp`'s plan: ``(start, end, group, replicas, recomputes)``.
+FleetStage = tuple[int, int, int, int, bool]
+
+
 def _send_ms(nbytes: float, link: Link | None) -> float:
     return 0.0 if link is None or nbytes == 0 else nbytes / link.bytes_per_ms + link.latency_ms
 
 
 def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: int, j: int,
                  r: int, link_in: Link | None, link_out: Link | None,
-                 held: Callable[[int], int] | None = None, recompute: bool = False) -> float:
+                 held: Callable[[int], int] | None = None, recompute: str = "none") -> float:
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
-    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training
-    with ``recompute`` the stage keeps only its inputs per micro-batch in flight and one
-    micro-batch's activations, and runs its forward twice (the one-kind DP's
-    :func:`~.hybrid.recompute_stage`). The scalar statement of what :func:`fleet_dp` computes
-    in bulk (the brute-force tests use it)."""
+    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training a
+    recomputing stage keeps only its inputs per micro-batch in flight and one micro-batch's
+    activations, and runs its forward twice (the one-kind DP's :func:`~.hybrid.recompute_stage`):
+    ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
+    (keeping is never slower: the least feasible of the two). The scalar statement of what
+    :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                         f"got {recompute!r}")
+    flags = {"none": [False], "all": [True], "auto": [False, True]}[recompute]
     g = fleet.groups[group]
-    compute = float(sum(seq.forward_ms[group][i:j]))
+    forward = float(sum(seq.forward_ms[group][i:j]))
     comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
+    compute = forward
     if run.train:
         compute += float(sum(seq.backward_ms[group][i:j]))
         comm *= 2.0
-    rebuilt = recompute and run.train
-    if rebuilt:
-        compute += float(sum(seq.forward_ms[group][i:j]))
     params = float(sum(seq.param_bytes[i:j]))
     link = g.cluster(fleet.inter).link(r)
     allreduce = (ring_allreduce_ms(params, r, link.bytes_per_ms, link.latency_ms)
@@ -183,11 +200,15 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                       float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
                       float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
-    memory = (static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
-              + count * stash_bytes(size, rebuilt) + (size.activations if rebuilt else 0.0))
-    if memory > g.memory * 1e9:
-        return math.inf
-    return (compute + comm) / r + allreduce / run.microbatches
+    static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
+    for flag in flags:
+        rebuilt = flag and run.train
+        memory = (static + count * stash_bytes(size, rebuilt)
+                  + (size.activations if rebuilt else 0.0))
+        if memory <= g.memory * 1e9:
+            return ((compute + (forward if rebuilt else 0.0) + comm) / r
+                    + allreduce / run.microbatches)
+    return math.inf
 
 
 def _held_safe(run: RunSpec) -> Callable[[int], int]:
@@ -203,13 +224,20 @@ def _span(values: Sequence[float]) -> np.ndarray:
 
 
 def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
-             held: Callable[[int], int] | None = None, recompute: bool = False
-             ) -> tuple[float, list[tuple[int, int, int, int]]]:
+             held: Callable[[int], int] | None = None, recompute: str = "none",
+             depth: int | None = None) -> tuple[float, list[FleetStage]]:
     """The least bottleneck period over the splits of ``seq`` into stages on the groups, visited
     in ``ordering`` (each group one contiguous run of stages, or skipped), and its stages
-    ``(start, end, group, replicas)``; ``(inf, [])`` when nothing fits in memory. See the
-    module docstring for the recurrence; ``recompute``: every stage recomputing, as
-    :func:`stage_period` prices it."""
+    ``(start, end, group, replicas, recomputes)``; ``(inf, [])`` when nothing fits in memory.
+    See the module docstring for the recurrence; each stage keeps or recomputes per
+    ``recompute`` as :func:`stage_period` prices it (``auto``: recomputes exactly where
+    keeping does not fit its memory; held depends on ``r`` only, so that is a pointwise
+    choice per ``(group, i, j, r)`` and the DP stays exact). ``depth``: exactly that many
+    stages (each table gains a dimension, the stages left to place)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                         f"got {recompute!r}")
+    mode = recompute if run.train else "none"
     n, m = seq.n, run.microbatches
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
@@ -226,18 +254,25 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
 
     k = len(ordering)
     inf = math.inf
-    # A[t][i, u]; the choice reaching it: next boundary j, replicas r, next stage on group t
-    A = [np.full((n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
-    ch_j = [np.zeros((n + 1, fleet.groups[g].devices + 1), dtype=np.int64) for g in ordering]
+    # slot q of each table: any depth (one slot, q = 0), or exactly q stages from i on; slot
+    # ``slots`` stays inf (what q = 0 leads to before the end); prev[q]: the slot of the
+    # suffix after a stage placed at slot q
+    slots = 1 if depth is None else depth + 1
+    prev = [0] if depth is None else [slots, *range(slots - 1)]
+    # A[t][q, i, u]; the choice reaching it: next boundary j, replicas r, next stage on
+    # group t, whether the stage recomputes
+    A = [np.full((slots + 1, n + 1, fleet.groups[g].devices + 1), inf) for g in ordering]
+    ch_j = [np.zeros(a.shape, dtype=np.int64) for a in A]
     ch_r = [np.zeros_like(c) for c in ch_j]
     ch_same = [np.zeros(c.shape, dtype=bool) for c in ch_j]
-    N = np.full((k + 1, n + 1), inf)
-    N[:, n] = 0.0
+    ch_rc = [np.zeros(c.shape, dtype=bool) for c in ch_j]
+    N = np.full((slots + 1, k + 1, n + 1), inf)
+    N[0, :, n] = 0.0
     for t in range(k):
-        A[t][n, :] = 0.0
-    rebuilt = recompute and run.train
-    spans = {g: _span(seq.forward_ms[g]) * (2.0 if rebuilt else 1.0)
-             + (_span(seq.backward_ms[g]) if run.train else 0.0) for g in set(ordering)}
+        A[t][0, n, :] = 0.0
+    forwards = {g: _span(seq.forward_ms[g]) for g in set(ordering)}
+    spans = {g: forwards[g] + (_span(seq.backward_ms[g]) if run.train else 0.0)
+             for g in set(ordering)}
     for i in range(n - 1, -1, -1):
         for t in range(k - 1, -1, -1):
             g = ordering[t]
@@ -251,48 +286,60 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
             else:
                 static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                           if run.train else weights[i])
-            if rebuilt:  # inputs per micro-batch in flight, one micro-batch's activations
-                static, stash = static + acts[i], np.full(n + 1, received[i])
+            limit = group.memory * 1e9
             d = group.devices
-            best = np.full(d, inf)  # per u in 0..d-1, vectorised over u and j
+            best = np.full((slots, d), inf)  # per q and u in 0..d-1, vectorised over u and j
             for r in replica_choices(d):
                 us = np.arange(d - r + 1)  # devices already used, u + r <= d
-                memory = static + held(r) * stash
+                # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
+                # flight and one micro-batch's activations, its forward once more
+                keeps = (valid[i] & (static + held(r) * stash <= limit) if mode != "all"
+                         else np.zeros(n + 1, dtype=bool))
+                rebuilt = (~keeps & valid[i] & (static + acts[i] + held(r) * received[i]
+                                                <= limit) if mode != "none"
+                           else np.zeros(n + 1, dtype=bool))
+                stage = compute + np.where(rebuilt, forwards[g][i], 0.0)
                 link = own.link(r)
                 allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,
                                                          link.latency_ms) / m if run.train
                                        else np.zeros(n + 1), (n + 1, 1))
-                fits = (valid[i] & (memory <= group.memory * 1e9))[:, None]
+                fits = (keeps | rebuilt)[:, None]
                 for same in (True, False):
                     leave = sides["intra" if same else "inter"]
                     enter = np.where(us == 0, sides["inter"][i], sides["intra"][i])
-                    period = (compute[:, None] + factor * (enter[None, :] + leave[:, None])) / r
-                    rest = A[t][:, us + r] if same else np.repeat(N[t + 1][:, None], len(us), 1)
-                    value = np.where(fits, np.maximum(period + allreduce, rest), inf)
-                    if same:  # the last stage is taken once, on the "later group" branch
-                        value[n, :] = inf
-                    j = np.argmin(value, axis=0)
-                    reach = value[j, np.arange(len(us))]
-                    better = reach < best[us]
-                    at = us[better]
-                    best[at] = reach[better]
-                    ch_j[t][i, at], ch_r[t][i, at], ch_same[t][i, at] = j[better], r, same
-            A[t][i, :d] = best
-            N[t, i] = min(A[t][i, 0], N[t + 1, i])
-    if not math.isfinite(N[0, 0]):
+                    period = (stage[:, None] + factor * (enter[None, :] + leave[:, None])) / r
+                    own_period = np.where(fits, period + allreduce, inf)
+                    for q in range(slots):
+                        rest = (A[t][prev[q]][:, us + r] if same
+                                else N[prev[q], t + 1][:, None])
+                        value = np.maximum(own_period, rest)
+                        if same:  # the last stage is taken once, on the "later group" branch
+                            value[n, :] = inf
+                        j = np.argmin(value, axis=0)
+                        reach = value[j, np.arange(len(us))]
+                        better = reach < best[q, us]
+                        at = us[better]
+                        best[q, at] = reach[better]
+                        ch_j[t][q, i, at], ch_r[t][q, i, at] = j[better], r
+                        ch_same[t][q, i, at], ch_rc[t][q, i, at] = same, rebuilt[j[better]]
+            A[t][:slots, i, :d] = best
+            N[:slots, t, i] = np.minimum(A[t][:slots, i, 0], N[:slots, t + 1, i])
+    q = slots - 1  # any depth, or all ``depth`` stages left
+    if not math.isfinite(N[q, 0, 0]):
         return inf, []
-    stages: list[tuple[int, int, int, int]] = []
+    stages: list[FleetStage] = []
     i, t, u = 0, 0, 0
     while i < n:
         if u == 0:  # a fresh group: the first of t, t+1, ... that reaches N[t, i]
-            while A[t][i, 0] > N[t, i]:
+            while A[t][q, i, 0] > N[q, t, i]:
                 t += 1
-        j, r, same = int(ch_j[t][i, u]), int(ch_r[t][i, u]), bool(ch_same[t][i, u])
-        stages.append((i, j, ordering[t], r))
-        i, u = j, u + r
+        at = (q, i, u)
+        j, r, same = int(ch_j[t][at]), int(ch_r[t][at]), bool(ch_same[t][at])
+        stages.append((i, j, ordering[t], r, bool(ch_rc[t][at])))
+        i, u, q = j, u + r, prev[q]
         if not same:
             t, u = t + 1, 0
-    return float(N[0, 0]), stages
+    return float(N[slots - 1, 0, 0]), stages
 
 
 def group_orderings(fleet: Fleet, speed: Sequence[float]) -> list[tuple[int, ...]]:
@@ -509,7 +556,8 @@ def kind_problem(problem: DagProblem, arrays: NodeArrays, costs: KindCosts
 
 def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                fleet: Fleet, run: RunSpec, *, orderings: Sequence[str] = ("dfs", "topo"),
-               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = ()
+               alone: bool = True, slowest: bool = True, schedules: Sequence[str] = (),
+               num_stages: int | None = None
                ) -> tuple[FleetPlan, dict[str, dict[str, float]]]:
     """The fastest simulated plan on ``fleet`` (see the module docstring) and per candidate
     family its best ``iteration_ms`` on the fleet (``as-slowest`` also ``planned_ms``, its
@@ -521,7 +569,10 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     plan is planned for each of ``schedules`` (none: ``run``'s), every candidate scored under
     each (the DP's splits do not depend on it) and the fastest kept, the first schedule on a
     tie (:attr:`FleetPlan.schedule`); its stages recompute per ``run.recompute``, each against
-    its own kind's memory (under ``all`` the DP also splits for every stage recomputing)."""
+    its own kind's memory under the schedule scored (under ``auto`` the DP splits knowing
+    which stages must recompute, :func:`fleet_dp`; under ``all`` it also splits for every
+    stage recomputing). ``num_stages``: every candidate exactly that deep (the DP's fixed
+    depth, the one-kind planner's)."""
     from onnx_partition.solve.planner import plan_cluster
 
     runs = [replace(run, train_schedule=name) for name in (schedules or [run.train_schedule])
@@ -539,11 +590,6 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
             families[family] = {"iteration_ms": round(min(done, plan.sim.iteration_ms), 6)}
 
     helds = [None, (lambda r: 1)] if run.train else [None]
-    # under --recompute all also the splits for every stage recomputing (its forward twice
-    # moves the best split where the backward is not proportional to it), as the one-kind
-    # planner; auto keeps the DP's splits keeping activations (its candidates then recompute
-    # per stage where memory asks, and the one-kind candidates split for recomputing)
-    recomputes = [False, True] if run.train and run.recompute == "all" else [False]
     dp_plans: list[tuple[FleetPlan, list[int], RunSpec]] = []  # with each stage's group
     sequences: dict[tuple[int, ...], str] = {}  # an ordering equal to an earlier one adds nothing
     for name in orderings:
@@ -551,10 +597,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
     for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
-            for held, recompute in itertools.product(helds, recomputes):
-                _, stages = fleet_dp(seq, fleet, run, ordering, held, recompute)
-                if not stages:
-                    continue
+            for stages in (s for held in helds for s in _dp_plans(seq, fleet, run, ordering,
+                                                                  held, num_stages)):
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
                 placed = place_on_groups(fleet, groups, [s[3] for s in stages])
@@ -575,7 +619,8 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 sub_run = replace(each, cluster=group.cluster(fleet.inter),
                                   engine=kinds[group.gpu].engine)
                 try:
-                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run)
+                    alone_plan, _ = plan_cluster(sub_problem, sub_arrays, sub_run,
+                                                 num_stages=num_stages)
                 except PartitionError:
                     continue
                 placed = place_on_groups(fleet, [g] * alone_plan.num_stages,
@@ -583,22 +628,49 @@ def plan_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kind
                 weigh(score_fleet(problem, arrays, kinds, fleet, each, alone_plan.stage_of,
                                   placed, f"alone:{group.gpu}"), f"alone:{group.gpu}")
         if slowest:
-            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families)
+            _weigh_slowest(problem, arrays, kinds, fleet, each, weigh, families, num_stages)
     if not candidates:
         under = f" under {' or '.join(r.schedule for r in runs)}" if run.train else ""
+        if num_stages is not None:
+            raise PartitionError(f"no {num_stages}-stage plan fits the fleet{under}: too few "
+                                 "positions or devices, or a stage over its group's memory")
         raise PartitionError(f"no plan fits the fleet's memory{under}: no stage of the model "
                              "fits any group's devices")
     best = min(candidates, key=lambda p: p.sim.iteration_ms)
     return best, families
 
 
+def _dp_plans(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[int],
+              held: Callable[[int], int] | None, depth: int | None = None
+              ) -> list[list[FleetStage]]:
+    """The fleet DP's plans :func:`plan_fleet` scores for one ordering: its stages recomputing
+    per ``run.recompute``. Under ``auto`` exactly where keeping does not fit (the cuts chosen
+    knowing which stages pay the extra forward), and where that plan recomputes a stage also
+    the keep-only plan (the schedule scored may hold fewer micro-batches than the DP's bound,
+    so keeping there may fit and simulate faster: never fewer candidates than keeping alone;
+    where memory does not bind, one pass, the keep-only plan itself). Under ``all`` also the
+    keep-only splits (the scoring recomputes every stage either way; the forward twice moves
+    the best split where the backward is not proportional to it). ``depth``: exactly that
+    many stages."""
+    mode = run.recompute if run.train else "none"
+    first = fleet_dp(seq, fleet, run, ordering, held, "none" if mode == "all" else mode,
+                     depth)[1]
+    plans = [first] if first else []
+    if mode == "all" or (mode == "auto" and any(s[4] for s in first)):
+        again = fleet_dp(seq, fleet, run, ordering, held, "all" if mode == "all" else "none",
+                         depth)[1]
+        plans += [again] if again else []
+    return plans
+
+
 def _weigh_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
                    fleet: Fleet, run: RunSpec, weigh: Callable[[FleetPlan | None, str], None],
-                   families: dict[str, dict[str, float]]) -> None:
+                   families: dict[str, dict[str, float]], num_stages: int | None = None
+                   ) -> None:
     """The "as slowest" candidate (:func:`as_slowest`) under ``run``, and its ``planned_ms``
     (the least over the schedules weighed)."""
     try:
-        uniform = as_slowest(problem, arrays, kinds, fleet, run)
+        uniform = as_slowest(problem, arrays, kinds, fleet, run, num_stages)
     except PartitionError:
         return
     # the same devices in file order: never slower than there (each of its stages at its own
@@ -687,16 +759,19 @@ def slowest_cluster(fleet: Fleet) -> Cluster:
 
 
 def as_slowest(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],
-               fleet: Fleet, run: RunSpec) -> tuple[HybridPlan, Cluster]:
+               fleet: Fleet, run: RunSpec, num_stages: int | None = None
+               ) -> tuple[HybridPlan, Cluster]:
     """Baseline: the one-kind planner's plan with every device treated as the slowest kind
     (:func:`slowest_costs` on :func:`slowest_cluster`), as a cluster@1 of the slowest GPU
-    would be planned; its ``sim`` is that plan's time there."""
+    would be planned (``num_stages`` deep where given); its ``sim`` is that plan's time
+    there."""
     from onnx_partition.solve.planner import plan_cluster
 
     cluster = slowest_cluster(fleet)
     sub_problem, sub_arrays = kind_problem(problem, arrays, slowest_costs(kinds))
     plan, _ = plan_cluster(sub_problem, sub_arrays, replace(run, cluster=cluster,
-                                                            engine=slowest_costs(kinds).engine))
+                                                            engine=slowest_costs(kinds).engine),
+                           num_stages=num_stages)
     return plan, cluster
 
 
