@@ -368,3 +368,65 @@ def test_train_table_shows_the_hops_the_simulation_plays(tmp_path, chain):
     infer = partition(chain, 3, tmp_path / "infer", batch_size=3, costs=unit_costs(tmp_path),
                       link=Link(bandwidth_gbps=0, latency_ms=0.5))
     assert played_comm(infer) is None and "(played)" not in plan_table(infer)
+
+
+def _stage_memory(page: str) -> tuple[str, list[str]]:
+    """The stage table's memory column of a report page: its header and one cell per stage."""
+    import re
+
+    table = page[page.index("<h2>Stages</h2>"):]
+    table = table[:table.index("</table>")]
+    head = [re.sub("<[^>]+>", "", h) for h in re.findall(r"<th[^>]*>(.*?)</th>", table)]
+    col = next(i for i, h in enumerate(head) if h.startswith("memory"))
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr")[2:]]
+    return head[col], [row[col] for row in rows]
+
+
+def test_what_if_report_shows_the_memory_of_the_schedule_it_simulates(tmp_path, chain):
+    """report --schedule gpipe of a 1F1B train plan: GPipe holds all 8 micro-batches, so each
+    stage's memory is static + 8 x stash (2496 B and 3328 B, not the plan's 960 B and 640 B),
+    over a limit the 1F1B plan fits, and the page carries simulate's warning; --microbatches 1
+    holds one (704 B, 640 B). The planned report keeps plan.json's figures and no warning."""
+    from onnx_partition.pipeline.from_plan import over_memory_note
+    from onnx_partition.pipeline.memory import device_bytes, peak_inflight
+    from onnx_partition.values import fmt_bytes
+
+    out = tmp_path / "plan"
+    partition(chain, 2, out, batch_size=4, mode="train", schedule="1f1b", recompute="none",
+              cluster=Cluster(devices_per_machine=2))
+    body = json.loads((out / "plan.json").read_text())
+    body["cluster"]["memory_gb"] = 2000 / 1e9  # 1F1B fits, GPipe does not
+    (out / "plan.json").write_text(json.dumps(body))
+    plan = read_plan(out)
+    sim = plan.simulator_costs
+    replicas = [s.replicas for s in plan.stages]
+    assert replicas == [1, 1] and plan.microbatches == 8
+
+    def closed_form(schedule: str, m: int) -> tuple[list[float], list[int]]:
+        held = peak_inflight(schedule, replicas, m)
+        return [device_bytes(st, stash, h) for st, stash, h in
+                zip(sim["static_bytes"], sim["activation_bytes"], held, strict=True)], held
+
+    planned = [s.predicted.memory_bytes for s in plan.stages]
+    assert closed_form("1f1b", 8)[0] == planned == [960, 640]
+    cases = {("gpipe", None): ([2496, 3328], [8, 8]), ("1f1b", 1): ([704, 640], [1, 1])}
+    for (schedule, m), (want, held) in cases.items():
+        assert closed_form(schedule, m or 8) == (want, held)
+        path = write_report(out, tmp_path / f"{schedule}.html", schedule=schedule,
+                            microbatches=m)
+        page = path.read_text()
+        text = " ".join(parse(path).text)
+        header, cells = _stage_memory(page)
+        assert header == f"memory ({schedule})" and cells == [fmt_bytes(b) for b in want]
+        for b, h in zip(want, held, strict=True):
+            assert f"{fmt_bytes(b)}, {h} in flight ({b / 20:.3g}% of limit)" in text
+        assert f"memory per device under {schedule}, {m or 8} micro-batch" in text
+        warning = over_memory_note(plan, simulate_plan(plan, schedule=schedule,
+                                                       microbatches=m)[0])
+        assert (warning is not None) == (schedule == "gpipe")
+        assert text.count("warning: ") == (2 if warning else 0)  # the top and the chart
+        if warning:
+            assert warning in text and warning.endswith("the plan was made for 1f1b")
+    page = write_report(out).read_text()
+    assert _stage_memory(page) == ("memory", [fmt_bytes(b) for b in planned])
+    assert "warning" not in page and "in flight (" not in page

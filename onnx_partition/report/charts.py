@@ -4,13 +4,15 @@ simulated schedule as a Gantt chart."""
 from __future__ import annotations
 
 from onnx_partition.pipeline.from_plan import (
+    default_schedule,
     hosted_stages,
     interleaving_note,
+    over_memory_note,
     played_comm,
     recompute_note,
     schedule_name,
 )
-from onnx_partition.pipeline.schedules import Kind, pipeline_width
+from onnx_partition.pipeline.schedules import Device, Kind, pipeline_width
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import Plan
 from onnx_partition.report.svg import (
@@ -28,7 +30,8 @@ from onnx_partition.report.svg import (
 )
 from onnx_partition.values import fmt_bytes, sig3
 
-__all__ = ["gantt_chart", "html_note", "memory_chart", "time_chart"]
+__all__ = ["device_labels", "gantt_chart", "html_note", "memory_chart", "stage_peaks", "time_chart",
+           "warning_note", "what_if"]
 
 
 def html_note(text: str) -> str:
@@ -56,28 +59,80 @@ def time_chart(plan: Plan) -> str:
                       title=f"time per stage: compute + {what} (ms)", row_title="stage")
 
 
-def memory_chart(plan: Plan) -> str:
-    """Each device's predicted peak memory against the cluster's limit."""
+def what_if(plan: Plan, result: SimResult) -> bool:
+    """Whether ``result`` plays another schedule or micro-batch count than the plan was made
+    for (``report --schedule`` / ``--microbatches``): its memory is then not plan.json's."""
+    played = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
+    return schedule_name(result) != default_schedule(plan) or played != plan.microbatches
+
+
+def device_labels(plan: Plan, result: SimResult) -> dict[Device, str]:
+    """Each simulated device's row label: ``stage s · replica r · device`` (plan.json's device),
+    or ``device d · replica r · stages ...`` where it hosts several stages (interleaved)."""
+    labels = {}
+    for dev, stages in hosted_stages(plan, result).items():
+        s, r = dev
+        if len(stages) > 1:  # interleaved what-if: plan.json's devices do not apply
+            labels[dev] = f"device {s} · replica {r} · stages {', '.join(map(str, stages))}"
+        else:
+            where = plan.stages[s].devices[r] if r < len(plan.stages[s].devices) else "?"
+            labels[dev] = f"stage {s} · replica {r} · {where}"
+    return labels
+
+
+def stage_peaks(plan: Plan, result: SimResult) -> list[float]:
+    """Each stage's simulated peak memory: that of its fullest device (a device hosting several
+    stages, interleaved, counts whole)."""
+    peaks = [0.0] * len(plan.stages)
+    for dev, stages in hosted_stages(plan, result).items():
+        for s in stages:
+            peaks[s] = max(peaks[s], result.peak_memory_bytes.get(dev, 0.0))
+    return peaks
+
+
+def memory_chart(plan: Plan, result: SimResult | None = None) -> str:
+    """Each device's peak memory against the cluster's limit: the planner's predicted peak, or,
+    for a ``result`` of another schedule or micro-batch count (:func:`what_if`), that
+    schedule's simulated peak (the micro-batches it holds in flight, counted by the simulator
+    as :mod:`onnx_partition.pipeline.memory`'s closed forms count them), with
+    :func:`over_memory_note`, the warning ``simulate`` prints."""
     limit_gb = plan.cluster.get("memory_gb")
     limit = float(limit_gb) * 1e9 if isinstance(limit_gb, int | float) else None
     # a mixed fleet: each stage against its own GPU kind's memory (the least of its kinds)
     kinds = {g["gpu"]: float(g["memory_gb"]) * 1e9 for g in plan.cluster.get("groups") or []}
+
+    def own(stages: list[int]) -> float | None:
+        return min((kinds[k] for s in stages for k in (plan.stages[s].gpu or "").split("+")
+                    if k in kinds), default=limit)
+
     labels, rows, texts = [], [], []
-    for s in plan.stages:
-        used = float(s.predicted.memory_bytes) if s.predicted else 0.0
-        own = min((kinds[k] for k in (s.gpu or "").split("+") if k in kinds), default=limit)
-        for r in range(s.replicas):
-            where = s.devices[r] if r < len(s.devices) else "?"
-            labels.append(f"stage {s.index} · replica {r} · {where}")
-            rows.append([Segment(used, stage_colour(s.index), f"{fmt_bytes(used)}")])
-            share = f" ({sig3(used / own * 100)}% of {s.gpu or 'limit'})" if own else ""
-            texts.append(fmt_bytes(used) + share)
+    if result is None:
+        for s in plan.stages:
+            used = float(s.predicted.memory_bytes) if s.predicted else 0.0
+            for r in range(s.replicas):
+                where = s.devices[r] if r < len(s.devices) else "?"
+                labels.append(f"stage {s.index} · replica {r} · {where}")
+                rows.append([Segment(used, stage_colour(s.index), f"{fmt_bytes(used)}")])
+                texts.append(fmt_bytes(used) + _share(used, own([s.index]), s.gpu))
+    else:
+        names, hosted = device_labels(plan, result), hosted_stages(plan, result)
+        for dev in sorted(result.peak_memory_bytes):
+            used, stages = result.peak_memory_bytes[dev], hosted[dev]
+            held = (f", {result.peak_inflight.get(dev, 0)} in flight"
+                    if schedule_name(result) != "infer" else "")
+            labels.append(names[dev])
+            rows.append([Segment(used, stage_colour(stages[0]), f"{fmt_bytes(used)}")])
+            texts.append(fmt_bytes(used) + held
+                         + _share(used, own(stages), plan.stages[stages[0]].gpu))
     peak = max((row[0].value for row in rows), default=0.0)
     drawn = limit if limit is not None and limit <= 4 * max(peak, 1.0) else None
-    chart = hbar_chart(labels, rows, unit="predicted peak memory per device (bytes)",
+    under = f" under {_played(result)}" if result is not None else ""
+    chart = hbar_chart(labels, rows,
+                       unit=("predicted" if result is None else "simulated")
+                       + f" peak memory per device{under} (bytes)",
                        value_text=texts, limit=drawn,
                        limit_label=f"device limit {fmt_bytes(limit or 0)}",
-                       tick_format=fmt_bytes, title="memory per device (bytes)",
+                       tick_format=fmt_bytes, title=f"memory per device{under} (bytes)",
                        row_title="stage · replica · device")
     if kinds:
         note = "Each GPU kind's memory: " + ", ".join(
@@ -92,23 +147,47 @@ def memory_chart(plan: Plan) -> str:
     what = ("weights, optimizer state and stashed activations" if plan.mode == "train"
             else "weights and the stage's input and output tensors" if "iteration_ms"
             not in plan.predicted else "weights and activations of one micro-batch")
-    return chart + html_note(f"Planner's predicted peak per device ({what}). {note}")
+    if result is None:
+        return chart + html_note(f"Planner's predicted peak per device ({what}). {note}")
+    warning = over_memory_note(plan, result)
+    held = (", after each figure the micro-batches it holds at once"
+            if schedule_name(result) != "infer" else "")
+    return (chart + html_note(f"Simulated peak per device{under} ({what}{held}); "
+                              f"{_planned(plan)}. {note}")
+            + (warning_note(warning) if warning else ""))
+
+
+def warning_note(text: str) -> str:
+    """A warning paragraph (:func:`over_memory_note`'s), in red."""
+    return f'<p class="note" style="color:#b00020"><b>{esc(text)}</b></p>'
+
+
+def _share(used: float, own: float | None, gpu: str | None) -> str:
+    return f" ({sig3(used / own * 100)}% of {gpu or 'limit'})" if own else ""
+
+
+def _played(result: SimResult) -> str:
+    """``gpipe, 8 micro-batches``: the schedule and micro-batch count a result played."""
+    played = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
+    return f"{schedule_name(result)}, {played} micro-batch{'es' * (played != 1)}"
+
+
+def _planned(plan: Plan) -> str:
+    """What plan.json's memory figures are for, and where the simulated ones come from."""
+    said = ("" if "activation_bytes" in plan.simulator_costs else
+            "; plan.json has no stashed bytes per micro-batch (simulator_costs.activation_bytes), "
+            "so these are its figures whatever the schedule holds")
+    return (f"plan.json's predicted memory is for {default_schedule(plan)}, "
+            f"{plan.microbatches} micro-batch{'es' * (plan.microbatches != 1)}{said}")
 
 
 def gantt_chart(plan: Plan, result: SimResult, costs: PipelineCosts) -> str:
     """The simulated schedule, one row per device."""
     devices = sorted(result.busy_ms)
     row_of = {dev: i for i, dev in enumerate(devices)}
-    hosted = hosted_stages(plan, result)
     width = pipeline_width(devices, len(costs.stages))  # < stages when interleaved
-    names = []
-    for s, r in devices:
-        if len(hosted[(s, r)]) > 1:  # interleaved what-if: plan.json's devices do not apply
-            names.append(f"device {s} · replica {r} · stages "
-                         f"{', '.join(map(str, hosted[(s, r)]))}")
-            continue
-        where = plan.stages[s].devices[r] if r < len(plan.stages[s].devices) else "?"
-        names.append(f"stage {s} · replica {r} · {where}")
+    labels = device_labels(plan, result)
+    names = [labels[dev] for dev in devices]
     bars = []
     for dev, action, t0, t1 in result.timeline:
         forward = action.kind is Kind.F

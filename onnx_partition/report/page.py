@@ -13,6 +13,8 @@ from onnx_partition.graph import OpGraph, load
 from onnx_partition.partition import devices_line, priced_by
 from onnx_partition.pipeline.from_plan import (
     default_schedule,
+    interleaving_note,
+    over_memory_note,
     played_comm,
     played_comm_note,
     recompute_note,
@@ -23,7 +25,15 @@ from onnx_partition.pipeline.predict import dumps, simulate_json
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
 from onnx_partition.plan.folder import REPORT_MARK, is_our_report, manifest_of, verify, write_file
-from onnx_partition.report.charts import gantt_chart, html_note, memory_chart, time_chart
+from onnx_partition.report.charts import (
+    gantt_chart,
+    html_note,
+    memory_chart,
+    stage_peaks,
+    time_chart,
+    warning_note,
+    what_if,
+)
 from onnx_partition.report.svg import (
     DagNode,
     esc,
@@ -210,13 +220,14 @@ def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCo
     --json`` prints for the same ``schedule`` and ``microbatches`` (:func:`report_figures`)."""
     name = Path(plan.model).name or "model"
     figures = dumps(simulate_json(plan, result, schedule=schedule, microbatches=microbatches))
+    other = result if what_if(plan, result) else None  # memory: the schedule simulated
     body = [
         f'<pre hidden id="{FIGURES_ID}">{esc(figures)}</pre>',
         f"<header><h1>Partition plan: {esc(name)}</h1>{_header(plan)}</header>",
-        _summary(plan, result),
-        _section("Stages", _stage_table(plan)),
+        _summary(plan, result, warn=other is not None),
+        _section("Stages", _stage_table(plan, other)),
         _section("Time per stage (one micro-batch, one replica)", time_chart(plan)),
-        _section("Memory per device", memory_chart(plan)),
+        _section("Memory per device", memory_chart(plan, other)),
         _section("Simulated schedule", gantt_chart(plan, result, costs)),
         _section("Operator graph", _dag(plan, plan_dir)),
     ]
@@ -358,7 +369,9 @@ def throughput_cards(plan: Plan, microbatches_per_s: float) -> list[tuple[str, s
     return cards
 
 
-def _summary(plan: Plan, result: SimResult) -> str:
+def _summary(plan: Plan, result: SimResult, *, warn: bool = False) -> str:
+    """The headline cards and notes; ``warn``: a what-if result's :func:`over_memory_note`
+    too."""
     num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
     cards = [
         *throughput_cards(plan, result.throughput_per_s),
@@ -385,15 +398,21 @@ def _summary(plan: Plan, result: SimResult) -> str:
                      f"{num_mb}, fill and drain included); the plain planner's bottleneck "
                      "charges each stage its sends on top of its compute, while the simulator "
                      "overlaps sends with the next compute.")
+    warning = over_memory_note(plan, result) if warn else None
     return (f'<section><div class="cards">{html_cards}</div>'
-            + "".join(html_note(n) for n in notes) + "</section>")
+            + "".join(html_note(n) for n in notes)
+            + (warning_note(warning) if warning else "") + "</section>")
 
 
-def _stage_table(plan: Plan) -> str:
+def _stage_table(plan: Plan, other: SimResult | None = None) -> str:
+    """One row per stage; ``other``: a what-if result (:func:`what_if`), whose simulated peak
+    memory the memory column shows instead of the planner's."""
     played = played_comm(plan)
+    peaks = stage_peaks(plan, other) if other is not None else None
     head = ["stage", "operators", "first … last", "copied consts", "compute ms", "comm ms",
             *["comm ms (played)"] * (played is not None),
-            "total ms", "memory", "in", "out", "replicas", "devices"]
+            "total ms", f"memory ({schedule_name(other)})" if other is not None else "memory",
+            "in", "out", "replicas", "devices"]
     load = [(s.predicted.compute_ms + s.predicted.comm_ms) / max(s.replicas, 1)
             if s.predicted else 0.0 for s in plan.stages]
     hot = max(range(len(load)), key=load.__getitem__) if load else -1
@@ -409,7 +428,8 @@ def _stage_table(plan: Plan) -> str:
             f"<td>{len(s.constants)}</td>", f"<td>{sig3(compute)}</td>", f"<td>{sig3(comm)}</td>",
             *([f"<td>{sig3(played[k])}</td>"] if played is not None else []),
             f"<td>{sig3(compute + comm)}</td>",
-            f"<td>{esc(fmt_bytes(pred.memory_bytes if pred else 0))}</td>",
+            f"<td>{esc(fmt_bytes(peaks[k] if peaks else pred.memory_bytes if pred else 0))}"
+            "</td>",
             f"<td>{len(s.inputs)}</td>", f"<td>{len(s.outputs)}</td>", f"<td>{s.replicas}</td>",
             f'<td class="l wrap">{esc((f"{s.gpu}: " if s.gpu else "") + ", ".join(s.devices))}'
             "</td>",
@@ -418,11 +438,15 @@ def _stage_table(plan: Plan) -> str:
     header = "".join(f'<th class="{"l" if h in ("first … last", "devices") else ""}">'
                      f"{esc(h)}</th>" for h in head)
     note = played_comm_note(plan)
+    memory = ("the planner's predicted peak per device" if other is None else
+              f"the simulated peak of the stage's fullest device under {schedule_name(other)} "
+              + ("(all the stages it hosts) " if interleaving_note(plan, other) else "")
+              + "(see the memory chart)")
     return (f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
             '<p class="note">Highlighted: the slowest stage per replica. Times are one '
             "micro-batch on one replica, in ms; comm counts both of a stage's boundaries. "
             "Copied consts: constant nodes copied into the stages that read them (not cut, so "
-            "not counted as operators); memory: the planner's predicted peak per device.</p>"
+            f"not counted as operators); memory: {memory}.</p>"
             + (html_note(note[0].upper() + note[1:] + ".") if note else ""))
 
 
