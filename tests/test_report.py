@@ -382,7 +382,7 @@ def _stage_memory(page: str) -> tuple[str, list[str]]:
     return head[col], [row[col] for row in rows]
 
 
-def test_what_if_report_shows_the_memory_of_the_schedule_it_simulates(tmp_path, chain):
+def test_what_if_report_shows_the_memory_of_the_schedule_it_simulates(tmp_path, chain, capsys):
     """report --schedule gpipe of a 1F1B train plan: GPipe holds all 8 micro-batches, so each
     stage's memory is static + 8 x stash (2496 B and 3328 B, not the plan's 960 B and 640 B),
     over a limit the 1F1B plan fits, and the page carries simulate's warning; --microbatches 1
@@ -412,8 +412,9 @@ def test_what_if_report_shows_the_memory_of_the_schedule_it_simulates(tmp_path, 
     cases = {("gpipe", None): ([2496, 3328], [8, 8]), ("1f1b", 1): ([704, 640], [1, 1])}
     for (schedule, m), (want, held) in cases.items():
         assert closed_form(schedule, m or 8) == (want, held)
+        said: list[str] = []
         path = write_report(out, tmp_path / f"{schedule}.html", schedule=schedule,
-                            microbatches=m)
+                            microbatches=m, warn=said.append)
         page = path.read_text()
         text = " ".join(parse(path).text)
         header, cells = _stage_memory(page)
@@ -424,9 +425,16 @@ def test_what_if_report_shows_the_memory_of_the_schedule_it_simulates(tmp_path, 
         warning = over_memory_note(plan, simulate_plan(plan, schedule=schedule,
                                                        microbatches=m)[0])
         assert (warning is not None) == (schedule == "gpipe")
+        assert said == ([warning] if warning else [])  # the command line prints it on stderr
         assert text.count("warning: ") == (2 if warning else 0)  # the top and the chart
         if warning:
             assert warning in text and warning.endswith("the plan was made for 1f1b")
+    from onnx_partition.cli import main
+
+    assert main(["report", str(out), "--schedule", "gpipe", "-o", str(tmp_path / "c.html"),
+                 "-q"]) == 0
+    gpipe_note = over_memory_note(plan, simulate_plan(plan, schedule="gpipe")[0])
+    assert gpipe_note and gpipe_note in capsys.readouterr().err
     page = write_report(out).read_text()
     assert _stage_memory(page) == ("memory", [fmt_bytes(b) for b in planned])
     assert "warning" not in page and "in flight (" not in page

@@ -497,7 +497,8 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(args.plan, args.output, schedule=args.schedule,
                         microbatches=args.microbatches, chunks=chunks_of(args),
                         measured=args.measured, force=args.force,
-                        hashes=not args.no_verify)
+                        hashes=not args.no_verify,
+                        warn=lambda note: print(note, file=sys.stderr))
     _say(f"wrote {path}")
     return 0
 

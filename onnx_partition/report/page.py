@@ -4,6 +4,7 @@ charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import inf
 from pathlib import Path
 from typing import Any
@@ -184,12 +185,15 @@ def write_report(
     plan_dir: Path, out: Path | None = None, *, schedule: str | None = None,
     microbatches: int | None = None, chunks: int | None = None,
     measured: Path | None = None, force: bool = False, hashes: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
     """Write one self-contained HTML page about the plan in ``plan_dir`` (default
     ``PLAN.report.html`` beside the folder: :func:`default_report_path`), atomically; returns
     its path. ``schedule``, ``microbatches`` and ``chunks`` go to :func:`simulate_plan`.
     ``measured``: a ``run --json`` file shown next to the simulation
-    (:func:`measured_section`). The folder is verified first (sizes, and sha256 when
+    (:func:`measured_section`). ``warn`` is handed the what-if's :func:`over_memory_note`
+    after the page is written (the page carries it too; the command line prints it on stderr,
+    as ``simulate`` prints it). The folder is verified first (sizes, and sha256 when
     ``hashes``). An existing file is replaced only when it is an earlier report or ``force``
     is given; plan.json and the plan's own files never are. Raises PartitionError for a folder
     without a readable plan.json or a schedule the plan does not allow."""
@@ -210,7 +214,11 @@ def write_report(
 
         section = measured_section(plan, read_run(measured), Path(measured).name)
         page = page.replace("</main>", section + "</main>", 1)
-    return write_file(out, page, replace=lambda path: force or is_our_report(path))
+    path = write_file(out, page, replace=lambda path: force or is_our_report(path))
+    note = over_memory_note(plan, result) if what_if(plan, result) else None
+    if note and warn is not None:
+        warn(note)
+    return path
 
 
 def report_html(plan: Plan, plan_dir: Path, result: SimResult, costs: PipelineCosts, *,
