@@ -89,6 +89,7 @@ __all__ = [
     "Num",
     "StageBytes",
     "boundary_step",
+    "check_recompute",
     "device_bytes",
     "held_in_front",
     "memory_parts",
@@ -248,6 +249,14 @@ def memory_per_device(
             for s, h, rc, b in zip(stages, held, flags, rebuilt, strict=True)]
 
 
+def check_recompute(mode: str) -> str:
+    """``mode`` if it is one of :data:`RECOMPUTE_MODES` (a ValueError otherwise): the one check
+    of every solver that takes a recompute mode."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return mode
+
+
 def recompute_choice(
     stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
     schedule: str, memory_bytes: float, mode: str = "auto", optimizer_factor: float = 4.0,
@@ -255,9 +264,7 @@ def recompute_choice(
     """Which stages recompute: none, all, or (``auto``) each stage that is over
     ``memory_bytes`` keeping its activations and within it keeping only its inputs (memory
     down, one more forward per backward). Inference never recomputes."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
-    if schedule == "infer" or mode == "none":
+    if check_recompute(mode) == "none" or schedule == "infer":
         return [False] * len(stages)
     if mode == "all":
         return [True] * len(stages)

@@ -65,8 +65,8 @@ from onnx_partition.cost.engine import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
-    RECOMPUTE_MODES,
     StageBytes,
+    check_recompute,
     memory_per_device,
     recompute_choice,
     ring_allreduce_ms,
@@ -176,10 +176,7 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
     ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
     (keeping is never slower: the least feasible of the two). The scalar statement of what
     :func:`fleet_dp` computes in bulk (the brute-force tests use it)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
-                         f"got {recompute!r}")
-    flags = {"none": [False], "all": [True], "auto": [False, True]}[recompute]
+    flags = {"none": [False], "all": [True], "auto": [False, True]}[check_recompute(recompute)]
     g = fleet.groups[group]
     forward = float(sum(seq.forward_ms[group][i:j]))
     comm = _send_ms(seq.cut_bytes[i], link_in) + _send_ms(seq.cut_bytes[j], link_out)
@@ -234,10 +231,8 @@ def fleet_dp(seq: FleetSequence, fleet: Fleet, run: RunSpec, ordering: Sequence[
     keeping does not fit its memory; held depends on ``r`` only, so that is a pointwise
     choice per ``(group, i, j, r)`` and the DP stays exact). ``depth``: exactly that many
     stages (each table gains a dimension, the stages left to place)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
-                         f"got {recompute!r}")
-    mode = recompute if run.train else "none"
+    mode = check_recompute(recompute)
+    mode = mode if run.train else "none"
     n, m = seq.n, run.microbatches
     held = held or _held_safe(run)
     cut = np.asarray(seq.cut_bytes, dtype=float)
@@ -495,7 +490,8 @@ def _with_engine(costs: PipelineCosts, kinds: Mapping[str, KindCosts], gpus: Seq
                   for i, (c, ks) in enumerate(zip(stages, on))]
     terms = [[kinds[k].engine for k in ks] for ks in on]
     if not all(t is not None for ts in terms for t in ts):
-        return replace(costs, stages=stages), replace(costs, stages=stages)
+        priced = replace(costs, stages=stages)
+        return priced, priced
     s = len(stages)
     tied, tensors = (arrays.stage_engine(stage_of, s) if arrays.counted  # as totals_costs
                      else (None, None))

@@ -56,9 +56,9 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import (
-    RECOMPUTE_MODES,
     StageBytes,
     boundary_step,
+    check_recompute,
     device_bytes,
     held_in_front,
     memory_per_device,
@@ -214,9 +214,7 @@ class _Tables:
             self.static = (config.optimizer_factor * self.params + self.sent if config.train
                            else self.params)
         self.stash = self.acts + self.received
-        if config.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
-                             f"got {config.recompute!r}")
+        check_recompute(config.recompute)
         #: the stages' own tables keeping their activations, and recomputing (training)
         self.keep = (self.compute, self.static, self.stash)
         self.forward = span(costs.forward_ms) / config.speed
