@@ -39,6 +39,7 @@ from typing import Any
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_path, atomic_write, sha256_file
 from onnx_partition.plan import Plan
+from onnx_partition.runtime.train.choices import WEIGHT_DECAY
 
 __all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_dir", "check_optimizer", "latest_checkpoint",
            "optimizer_record", "plan_fingerprint", "rank_file", "write_checkpoint"]
@@ -59,13 +60,12 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
 def optimizer_record(optimizer: str, weight_decay: float | None, momentum: float,
                      betas: tuple[float, float]) -> dict[str, Any]:
     """The optimizer a checkpoint's state belongs to, with the options its state dict carries
-    (``torch.optim``'s defaults resolved as ``make_optimizer`` resolves them: weight decay 0
-    for SGD, 0.01 for AdamW)."""
+    (the weight decay resolved as ``make_optimizer`` resolves it,
+    :data:`~onnx_partition.runtime.train.choices.WEIGHT_DECAY`)."""
+    decay = WEIGHT_DECAY.get(optimizer, 0.0) if weight_decay is None else weight_decay
     if optimizer == "sgd":
-        return {"name": "sgd", "weight_decay": 0.0 if weight_decay is None else weight_decay,
-                "momentum": momentum}
-    return {"name": optimizer, "weight_decay": 0.01 if weight_decay is None else weight_decay,
-            "betas": [float(b) for b in betas]}
+        return {"name": "sgd", "weight_decay": decay, "momentum": momentum}
+    return {"name": optimizer, "weight_decay": decay, "betas": [float(b) for b in betas]}
 
 
 def _spelled(record: Mapping[str, Any]) -> str:

@@ -11,10 +11,12 @@ from typing import Any
 from onnx_partition.pipeline.schedules import TRAIN_NAMES
 
 __all__ = ["ENGINES", "LOSSES", "OPTIMIZERS", "PRECISIONS", "TORCH_RUNS", "TORCH_SCHEDULES",
-           "TRAIN_FALLBACKS", "PlannedChoiceWarning", "planned_choices"]
+           "TRAIN_FALLBACKS", "WEIGHT_DECAY", "PlannedChoiceWarning", "planned_choices"]
 
 #: Optimizers by CLI name (:func:`onnx_partition.runtime.train.reference.make_optimizer`).
 OPTIMIZERS = ("sgd", "adamw")
+#: Each optimizer's weight decay where ``--weight-decay`` is not given (``torch.optim``'s).
+WEIGHT_DECAY = {"sgd": 0.0, "adamw": 0.01}
 #: ours (any plan); torch (``torch.distributed.pipelining``, uniform plans: ``torch_engine``).
 ENGINES = ("ours", "torch")
 #: Schedules only ``--engine torch`` runs (torch's ``ScheduleInterleavedZeroBubble``).

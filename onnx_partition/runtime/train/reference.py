@@ -19,7 +19,7 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import Plan, read_plan
-from onnx_partition.runtime.train.choices import OPTIMIZERS
+from onnx_partition.runtime.train.choices import OPTIMIZERS, WEIGHT_DECAY
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
@@ -43,12 +43,11 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *
                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
     """``sgd``: SGD (``momentum``, weight decay default 0); ``adamw``: AdamW (``betas``, eps
     1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given."""
+    decay = WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum,
-                               weight_decay=0.0 if weight_decay is None else weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas,
-                                 weight_decay=0.01 if weight_decay is None else weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=decay)
     raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
