@@ -21,6 +21,8 @@ from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
+from onnx_partition.solve.planner import _dp_plans
+from onnx_partition.solve.scoring import RunSpec
 
 
 def uniform(n: int) -> SequenceCosts:
@@ -302,6 +304,24 @@ def test_mixed_recompute_flags_beat_all_keep_and_all_recompute():
     assert max(s.period_ms for s in every[0]) == 16.0
     assert all(s.recompute for p in every for s in p)
     assert brute(costs, config) == 14.0
+
+
+def test_the_planner_also_proposes_the_all_recomputing_cuts():
+    """Under auto the planner's DP proposals are the per-stage DP's plan and, besides it, the
+    cuts of the DP with every stage recomputing, each stage re-decided (keeping where it fits):
+    on the case above [0, 1) | [1, 3) x 2 and [0, 1) | [1, 2) | [2, 3), each with its first
+    stage recomputing and within the 6 B, other cuts the simulator may find faster."""
+    costs = SequenceCosts([4.0, 3.0, 4.0], [8.0, 6.0, 8.0], [0.0] * 3, [4.0, 1.0, 4.0],
+                          [0.0] * 4)
+    config = HybridConfig(devices=3, memory_bytes=6.0, microbatches=4, train=True,
+                          recompute="auto")
+    run = RunSpec(Cluster(devices_per_machine=3), train=True, microbatches=4, recompute="auto")
+    proposed = [[(s.start, s.end, s.replicas, s.recompute) for s in p]
+                for p in _dp_plans(costs, config, run)]
+    assert proposed == [[(0, 2, 2, True), (2, 3, 1, False)],
+                        [(0, 1, 1, True), (1, 3, 2, False)],
+                        [(0, 1, 1, True), (1, 2, 1, False), (2, 3, 1, False)]]
+    assert all(s.memory_bytes <= 6.0 for p in _dp_plans(costs, config, run) for s in p)
 
 
 def test_memory_error_names_the_recomputing_stages():
