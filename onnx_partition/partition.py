@@ -28,7 +28,7 @@ from onnx_partition.cost.costs_file import (
     rescale,
 )
 from onnx_partition.cost.devices import DEFAULT_GPU, device_for, for_precision, measured_cpu
-from onnx_partition.cost.engine import (
+from onnx_partition.cost.engine_price import (
     EngineTerms,
     action_call_ms,
     engine_terms,
@@ -223,7 +223,7 @@ def unit_weights(graph: OpGraph, nodes: Sequence[int], members: Sequence[Sequenc
     reads or the outputs name, which stage 0 receives (:func:`stage_sizes`);
     ``trainable_tensors`` the trainable initializers each unit alone holds and ``ties_train``
     whether ``trainable`` is known (what :func:`trainable_tensors` and
-    :func:`~onnx_partition.cost.engine.tied_bytes` count per stage)."""
+    :func:`~onnx_partition.cost.engine_price.tied_bytes` count per stage)."""
     producer = graph.producer_of()
     copied: dict[int, frozenset[str]] = {}  # a free node's and those of the free ones it reads
     for node in graph.nodes:  # topological order: a producer before its readers
@@ -719,7 +719,8 @@ def plan_stages(
     ``time_limit_s`` with ``solver="ilp"``), and describe the stages. A train plan is for the
     fastest simulated of ``schedules`` on that split (``grad_input``: each node's
     input-gradient ms; ``split_call_ms``: ZB-H1's split backward per weight group;
-    ``action_ms``: the engine's work per action, :func:`~onnx_partition.cost.engine.action_ms`),
+    ``action_ms``: the engine's work per action,
+    :func:`~onnx_partition.cost.engine_price.action_ms`),
     every stage recomputing if ``recompute`` is ``all`` (no memory limit: ``auto`` recomputes
     none). Inference is balanced on forward times, training on forward +
     backward (what a train step runs); a train plan's memory is its schedule's peak of
@@ -828,9 +829,9 @@ def plan_on_cluster(
     ``exact_budget_s`` deterministic seconds
     (:func:`~onnx_partition.solve.hybrid_proof.prove_hybrid`).
     A train plan on a cluster of one kind is chosen among its candidates (and schedules) with
-    ``engine`` (:func:`~onnx_partition.cost.engine.engine_terms`: each stage's step with its
+    ``engine`` (:func:`~onnx_partition.cost.engine_price.engine_terms`: each stage's step with its
     tied parameters' all-reduce, accumulation, ZB-H1's split backward and work per action, the
-    work per hop), the terms :func:`~onnx_partition.cost.engine.price_engine` prices its final
+    work per hop), the terms :func:`~onnx_partition.cost.engine_price.price_engine` prices its final
     figure with. Without ``engine`` (on one kind) a ZB-H1 plan is run under 1F1B where that
     is faster on its split with ``split_call_ms`` per weight group and ``action_ms`` per
     action (as :func:`plan_stages` chooses; 1F1B holds no more micro-batches than ZB-H1, so it
@@ -1018,7 +1019,7 @@ def _fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, flo
 
 def trainable_tensors(cuts: Sequence[StageCut], trainable: Collection[str] | None) -> list[int]:
     """Per stage, how many trainable tensors it holds (``trainable`` None: every initializer):
-    the weight groups of ZB-H1's split backward (``cost.engine.split_ms``)."""
+    the weight groups of ZB-H1's split backward (``cost.engine_price.split_ms``)."""
     return [len(set(c.initializers) if trainable is None
                 else set(c.initializers) & set(trainable)) for c in cuts]
 

@@ -1,7 +1,7 @@
-"""The engine's own work per action (``action_ms``, cost/engine.py): added to every action of its
-stage by the simulator, exact on tiny schedules worked by hand, kept at other rows; written into a
-train plan's ``simulator_costs`` by ``price_engine`` (a costs file's probe, else the CPU default,
-0 on CUDA) and read back from plan.json by the simulation."""
+"""The engine's own work per action (``action_ms``, cost/engine_price.py): added to every action
+of its stage by the simulator, exact on tiny schedules worked by hand, kept at other rows;
+written into a train plan's ``simulator_costs`` by ``price_engine`` (a costs file's probe, else
+the CPU default, 0 on CUDA) and read back from plan.json by the simulation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.cluster import Cluster
-from onnx_partition.cost.engine import (
+from onnx_partition.cost.engine_price import (
     ACTION_MS,
     BARRIERS_PER_STEP,
     action_ms,

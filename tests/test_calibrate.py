@@ -13,7 +13,7 @@ from support.graphs import CHAIN, feeds_for, save
 from support.outputs import assert_same, run_chained, run_whole
 
 from onnx_partition import export
-from onnx_partition.calibrate import calibrate_plan, measure_plan, stage_keys
+from onnx_partition.calibrate.recut import calibrate_plan, measure_plan, stage_keys
 from onnx_partition.cli import main
 from onnx_partition.cost.profile.stages import reprice, time_stages
 from onnx_partition.partition import partition
@@ -178,7 +178,7 @@ def test_a_re_cut_keeps_the_schedule_precision_and_recompute(tmp_path: Path) -> 
     """profile --plan cuts a train plan again for what it was planned for: its schedule
     (auto takes ZB-H1 on these costs), its precision and its --recompute (recorded in
     plan.json only when not auto, so default plans are unchanged)."""
-    from onnx_partition.calibrate import _resolve
+    from onnx_partition.calibrate.recut import _resolve
     from onnx_partition.cost.annotate import load_costs, write_costs
     from onnx_partition.graph import load
 

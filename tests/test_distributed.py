@@ -17,13 +17,13 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.dist.wire import SMALL_BYTES
-from onnx_partition.runtime.infer.distributed import (
+from onnx_partition.runtime.infer.processes import (
     Layout,
     choose_backend,
     layout,
     run_distributed,
 )
+from onnx_partition.runtime.wire import SMALL_BYTES
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

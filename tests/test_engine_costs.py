@@ -1,4 +1,4 @@
-"""The training engine's own work priced beside the stages (cost/engine.py): the per-step term
+"""The training engine's own work priced beside the stages (cost/engine_price.py): the per-step term
 (optimizer step and barriers) in the simulator, exact on a tiny schedule; the analytic and the
 measured per-stage figures; the hop link's fit; and plan.json's ``step_ms``, ``hop_bytes`` and
 ``engine_costs`` written by ``partition --mode train`` and read back by the simulation, inference
@@ -17,7 +17,7 @@ from support.engine import probed_engine, write_train_costs
 from onnx_partition import export
 from onnx_partition.cli import main
 from onnx_partition.cost.annotate import load_costs
-from onnx_partition.cost.engine import (
+from onnx_partition.cost.engine_price import (
     BARRIERS_PER_STEP,
     SPLIT_CALL_MS,
     analytic_accumulate_ms,

@@ -1,5 +1,5 @@
 """The hybrid planner ranks train candidates by the engine terms their final figure is priced
-with (cost/engine.py's :class:`EngineTerms`, the numbers ``price_engine`` writes): exact on a
+with (cost/engine_price.py's :class:`EngineTerms`, the numbers ``price_engine`` writes): exact on a
 two-node chain where the work per hop turns the choice from a pipeline to one device; inference
 plans ignore them; the terms are those ``price_engine`` writes."""
 
@@ -14,7 +14,7 @@ from support.problems import chain
 
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.cluster import Cluster, Link
-from onnx_partition.cost.engine import (
+from onnx_partition.cost.engine_price import (
     BARRIERS_PER_STEP,
     EngineTerms,
     engine_terms,

@@ -27,7 +27,7 @@ from onnx_partition.cli import main
 from onnx_partition.cost.aten import ANALYTIC_BACKWARD, backward_per_node
 from onnx_partition.cost.cluster import Cluster, Fleet, GpuGroup, Link, load_cluster
 from onnx_partition.cost.devices import gpu
-from onnx_partition.cost.engine import EngineTerms
+from onnx_partition.cost.engine_price import EngineTerms
 from onnx_partition.cost.kinds import price_kinds
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load

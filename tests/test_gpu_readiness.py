@@ -25,10 +25,10 @@ from onnx_partition.partition import partition
 from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime import PipelineSession
-from onnx_partition.runtime.dist.launcher import TorchrunEnv, check_placement, torchrun_env
-from onnx_partition.runtime.dist.wire import header_size
-from onnx_partition.runtime.infer.distributed import run_distributed
-from onnx_partition.runtime.infer.rank import check_hop, choose_backend, hop_key
+from onnx_partition.runtime.infer.processes import run_distributed
+from onnx_partition.runtime.infer.worker import check_hop, choose_backend, hop_key
+from onnx_partition.runtime.launch.ranks import TorchrunEnv, check_placement, torchrun_env
+from onnx_partition.runtime.wire import header_size
 
 CUDA0 = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
 

@@ -7,7 +7,7 @@ import pytest
 from support.ranks import fail_after
 
 from onnx_partition.errors import StageFailed
-from onnx_partition.runtime.dist.launcher import launch_ranks
+from onnx_partition.runtime.launch.ranks import launch_ranks
 
 
 @pytest.mark.parametrize("first", [0, 1])

@@ -16,13 +16,14 @@ PACKAGE = "onnx_partition"
 #: (the console script, ``python -m`` aliases kept for torchrun, the package root) sit on top.
 LAYERS: list[set[str]] = [
     {"errors", "values", "progress", "fileio", "dag"},  # base: no project imports but each other
-    {"plan"},  # the plan contract: plan.json, cluster/costs schemas, plan folders
+    {"plan", "settings"},  # the contracts (plan.json, cluster.json, ...); the settings types
     {"pipeline", "graph"},  # the pipeline model (no ONNX); the ONNX adapter
-    {"cost"},  # per-node costs, devices, clusters
+    {"cost"},  # per-node costs, devices
+    {"request"},  # a verb's request resolved (the CLI and the API resolve alike)
     {"solve"},  # the solvers
     # the partitioner's driver (and its calibration on the stages it wrote); the runtimes; the
     # recipes
-    {"partition", "calibrate", "calibrate_train", "runtime", "models"},
+    {"partition", "calibrate", "runtime", "models"},
     {"report"},  # presentation
     {"cli", "train", "runtime.distributed", ""},  # entries
 ]

@@ -18,7 +18,7 @@ from support.graphs import CHAIN, save
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.infer.distributed import run_distributed
+from onnx_partition.runtime.infer.processes import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -89,7 +89,7 @@ def test_plain_and_cluster_plans_count_memory_alike(name: str, exported, tied: P
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     model = exported("gpt") if name == "gpt" else tied
     # on a GPU, whose engine terms are small: on the pinned CPU the cluster planner, which
-    # prices the optimizer step per stage (cost.engine.EngineTerms), cuts gpt where the
+    # prices the optimizer step per stage (cost.engine_price.EngineTerms), cuts gpt where the
     # parameters balance, one node from the plain DP's cut
     gpu = ["--gpu", "H100"]
     plain = _plan(model, tmp_path / "plain", "--stages", "2", pin=gpu)

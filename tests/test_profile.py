@@ -25,8 +25,8 @@ from onnx_partition.cost.profile import (
     profile_to_file,
     save_profile,
 )
-from onnx_partition.cost.profile.calibrate import SignatureTimes, calibrate
 from onnx_partition.cost.profile.cpu import FOLDED, _match_key
+from onnx_partition.cost.profile.node_costs import SignatureTimes, calibrate
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 

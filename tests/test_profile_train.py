@@ -1,4 +1,4 @@
-"""``profile --mode train`` (cost/profile/train.py): every torch op's forward and backward in
+"""``profile --mode train`` (cost/profile/torch_ops.py): every torch op's forward and backward in
 torch eager, calibrated to the whole program, keyed by ONNX node; a train costs file prices a
 train plan, is refused for another model and warned about at another batch."""
 
@@ -12,7 +12,7 @@ import torch
 from support.cli import one_error
 
 from onnx_partition import export
-from onnx_partition.cost.profile.train import profile_train_to_file
+from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import partition, priced_by

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from onnx_partition import export
-from onnx_partition.calibrate import calibrate_plan
+from onnx_partition.calibrate.recut import calibrate_plan
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import provenance
 from onnx_partition.cost.profile.side_by_side import cpus
-from onnx_partition.cost.profile.train import profile_train
+from onnx_partition.cost.profile.torch_ops import profile_train
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import partition

@@ -23,7 +23,7 @@ from onnx_partition.cli.torchrun import infer_main, train_main
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.runtime.dist.launcher import (
+from onnx_partition.runtime.launch.ranks import (
     TorchrunEnv,
     check_world_size,
     rank_result,

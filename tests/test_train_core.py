@@ -27,7 +27,8 @@ from onnx_partition.runtime.train.modules import (
     stage_modules,
     whole_module,
 )
-from onnx_partition.runtime.train.reference import make_optimizer, reference_train, split_rows
+from onnx_partition.runtime.train.optim import make_optimizer
+from onnx_partition.runtime.train.reference import reference_train, split_rows
 from onnx_partition.runtime.train.save import _replace, save_trained
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import train_plan

@@ -26,10 +26,10 @@ from support.training import (
 from onnx_partition import export
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
-from onnx_partition.runtime.train.launch import launch_training
 from onnx_partition.runtime.train.modules import lazy_stages, stage_modules, whole_module
 from onnx_partition.runtime.train.rank import TrainConfig
 from onnx_partition.runtime.train.reference import reference_train
+from onnx_partition.runtime.train.spawn import launch_training
 from onnx_partition.runtime.train.trainer import synthetic_batch
 
 HF = Callable[..., Path]

@@ -19,9 +19,9 @@ from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.train.launch import launch_training
+from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank import TrainConfig, microbatch
-from onnx_partition.runtime.train.reference import make_optimizer
+from onnx_partition.runtime.train.spawn import launch_training
 
 ROWS = 3  # per micro-batch
 

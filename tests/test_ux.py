@@ -357,7 +357,7 @@ def test_each_rank_of_run_nproc_reports_through_rank_0s_bar(tmp_path, plan_dir):
 
     from support.progress import FileProgress
 
-    from onnx_partition.runtime.infer.rank import RankBar
+    from onnx_partition.runtime.infer.worker import RankBar
 
     seen = FileProgress(tmp_path / "progress.txt")
     feeds = {"x": np.ones((4, 4), np.float32)}

@@ -1,4 +1,4 @@
-"""The tensor framing of ``torch.distributed`` messages (:mod:`onnx_partition.runtime.dist.wire`):
+"""The tensor framing of ``torch.distributed`` messages (:mod:`onnx_partition.runtime.wire`):
 exact headers, packing round trips of every dtype and shape, bad headers, and real transfers
 between two gloo ranks on loopback."""
 
@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 from support.wire import CapturedWire
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.runtime.dist.wire import (
+from onnx_partition.runtime.wire import (
     ALIGN,
     CODES,
     DTYPES,

@@ -28,7 +28,7 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.aten import backward_per_node
 from onnx_partition.cost.devices import device_for
-from onnx_partition.cost.profile.train import profile_train
+from onnx_partition.cost.profile.torch_ops import profile_train
 from onnx_partition.graph import load
 
 

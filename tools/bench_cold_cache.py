@@ -22,7 +22,7 @@ from bench_train_predicted import exported
 from torch.utils._pytree import tree_flatten
 
 from onnx_partition.cost.profile.cold_cache import eviction_bytes, measure_cold_cache
-from onnx_partition.cost.profile.train import _program_args, _record
+from onnx_partition.cost.profile.torch_ops import _program_args, _record
 from onnx_partition.graph import load
 
 L2 = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")

@@ -22,7 +22,7 @@ iteration ms (lower is better), ours / baseline speed-up, our plan (stages as
 ``replicas x gpu``), planning seconds. Invoked by ``tools/bench_planner.py --fleet``.
 
 ``--engine``: train rows priced as ``partition --mode train`` prices a fleet: each stage's
-optimizer step, accumulation and engine work on its own kind (``cost.engine.engine_terms`` on
+optimizer step, accumulation and engine work on its own kind (``cost.engine_price.engine_terms`` on
 the kind's roofline, AdamW), planned for 1F1B and ZB-H1 (each kind's input-gradient split), the
 faster kept; the baselines likewise (our plan then names its schedule).
 
@@ -41,7 +41,7 @@ from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
 from onnx_partition.cost.devices import gpu
-from onnx_partition.cost.engine import engine_terms
+from onnx_partition.cost.engine_price import engine_terms
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import dag_problem, grad_input_ms

@@ -30,7 +30,7 @@ import torch
 from bench_train_predicted import exported
 
 from onnx_partition import models
-from onnx_partition.cost.profile.train import profile_train_to_file
+from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
 from onnx_partition.runtime.train.trainer import comparison, train_plan

@@ -43,12 +43,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from onnx_partition import models
-from onnx_partition.cost.profile.train import profile_train_to_file
+from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank import microbatch
-from onnx_partition.runtime.train.reference import make_optimizer
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import TrainStats, synthetic_batch, train_plan
 

@@ -20,8 +20,8 @@ same predictions (what other processes on a busy machine do not stretch) and
 that fails prints its one-line error and the table goes on. Times are of this machine as it
 is: say its load with the figures. Each row also sets the run against the plan priced without
 the engine's own work (no ``step_ms``, ``accumulate_ms`` or ``action_ms``, hops by the link
-model: how plans were priced before ``cost/engine.py``). ``--calibrate``: a second row per model,
-the plan after ``profile --plan``. ``--breakdown``: a second table, where each rank's step
+model: how plans were priced before ``cost/engine_price.py``). ``--calibrate``: a second row per
+model, the plan after ``profile --plan``. ``--breakdown``: a second table, where each rank's step
 went.
 """
 
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from onnx_partition import export, models
-from onnx_partition.calibrate import calibrate_plan
-from onnx_partition.cost.profile.train import profile_train_to_file
+from onnx_partition.calibrate.recut import calibrate_plan
+from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan

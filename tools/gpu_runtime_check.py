@@ -33,7 +33,7 @@ from onnx_partition.graph.ort import open_session, session_options
 from onnx_partition.partition import partition
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.infer.check import compare, random_feeds
-from onnx_partition.runtime.infer.distributed import run_distributed
+from onnx_partition.runtime.infer.processes import run_distributed
 
 
 def main() -> int:

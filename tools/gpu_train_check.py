@@ -29,8 +29,8 @@ from onnx_partition.cost.devices import DEFAULT_GPU, GPUS, gpu, gpu_key
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank import microbatch
-from onnx_partition.runtime.train.reference import make_optimizer
 from onnx_partition.runtime.train.task import task_for
 from onnx_partition.runtime.train.trainer import (
     TrainStats,

@@ -11,8 +11,8 @@ options (:func:`onnx_partition.cli.args.rank_parser`: one declaration, checked a
 and ends as the verb does (:func:`onnx_partition.cli.verbs.guarded`: ``error: <one line>``, exit
 code 2 for bad input, 1 for a failed rank), so torchrun stops the others. Rank 0 feeds
 ``run``'s inputs (:func:`onnx_partition.runtime.infer.check.run_feeds`) and prints the figures. The
-environment is read by :func:`onnx_partition.runtime.dist.launcher.torchrun_env`. The work is
-the runtime's: :func:`onnx_partition.runtime.dist.torchrun.main_worker` and
+environment is read by :func:`onnx_partition.runtime.launch.ranks.torchrun_env`. The work is
+the runtime's: :func:`onnx_partition.runtime.infer.torchrun_rank.main_worker` and
 :func:`onnx_partition.runtime.train.trainer.train_rank`, imported when a rank runs.
 """
 
@@ -51,10 +51,10 @@ def _infer(args: argparse.Namespace) -> int:
 
     from onnx_partition.pipeline.predict import run_shape
     from onnx_partition.plan import read_plan
-    from onnx_partition.runtime.dist.launcher import torchrun_env
-    from onnx_partition.runtime.dist.torchrun import main_worker
     from onnx_partition.runtime.infer.check import run_feeds
-    from onnx_partition.runtime.infer.rank import format_stats
+    from onnx_partition.runtime.infer.torchrun_rank import main_worker
+    from onnx_partition.runtime.infer.worker import format_stats
+    from onnx_partition.runtime.launch.ranks import torchrun_env
 
     env = torchrun_env()
     plan = read_plan(args.plan)

@@ -177,7 +177,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise PartitionError(f"--precision {args.precision} measures training under autocast: "
                              "it needs --mode train")
     if getattr(args, "mode", "infer") == "train":
-        from onnx_partition.cost.profile.train import profile_train_to_file
+        from onnx_partition.cost.profile.torch_ops import profile_train_to_file
         from onnx_partition.runtime.train.passes import split_call_ms
         from onnx_partition.runtime.train.probe import probe_engine
 
@@ -205,7 +205,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _profile_plan(args: argparse.Namespace, started: float) -> int:
-    from onnx_partition.calibrate import calibrate_plan
+    from onnx_partition.calibrate.recut import calibrate_plan
 
     if args.model is not None:
         raise PartitionError("profile --plan PLAN takes no MODEL (the plan names its model)")
@@ -363,7 +363,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     if args.nproc is not None:  # before anything is printed
-        from onnx_partition.runtime.dist.launcher import check_world_size
+        from onnx_partition.runtime.launch.ranks import check_world_size
 
         check_world_size([s.replicas for s in plan.stages], args.nproc)
     shape = run_shape(plan, batch_size=args.batch_size, microbatches=args.microbatches)

@@ -40,8 +40,8 @@ stage keeps per micro-batch; each stage's work once per training step, its optim
 step's barriers, added after the last device is done, and its gradients' accumulation, added to
 the backward of every micro-batch but a replica's first, what splitting a backward into ``I`` and
 ``W`` adds to them, half to each, and the engine's own work per action, added to every action of
-the stage (:mod:`onnx_partition.cost.engine`); the bytes crossing each boundary per micro-batch,
-which ``send_ms`` prices). A stage whose ``recompute`` is true recomputes its forward
+the stage (:mod:`onnx_partition.cost.engine_price`); the bytes crossing each boundary per
+micro-batch, which ``send_ms`` prices). A stage whose ``recompute`` is true recomputes its forward
 in the simulation.
 Given them, the rebuild is the planner's own costs. Without them, a hybrid plan's simulated
 iteration equals ``predicted.iteration_ms`` when backward really is 2 x forward in every

@@ -53,7 +53,7 @@ class StageCosts:
     ``input_bytes`` per micro-batch in flight and runs its forward again at the start of its
     backward (``B`` or ``I``), holding one micro-batch's activations then (until ``W``).
     ``action_ms``: the engine's fixed work per action (receiving headers, copying and posting
-    sends, stashing, freeing graphs; :mod:`onnx_partition.cost.engine`), added to every action
+    sends, stashing, freeing graphs; :mod:`onnx_partition.cost.engine_price`), added to every action
     of the stage (``F``, ``B``, ``I``, ``W``; inference's ``F`` too where given) and counted as
     busy time: it occupies the device. It does not grow with the rows."""
 
@@ -72,7 +72,7 @@ class StageCosts:
     # parameters' gradients to those of the earlier micro-batches (the first sets them)
     accumulate_ms: float = 0.0
     # what the engine's split backward adds to a micro-batch's I + W over its B (one more graph
-    # walk and one autograd call per weight group, cost.engine.split_ms): half to each
+    # walk and one autograd call per weight group, cost.engine_price.split_ms): half to each
     split_ms: float = 0.0
     action_ms: float = 0.0  # the engine's work per action, whatever its kind
 
@@ -193,7 +193,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimResult:
     all-reduce of its lower stages (one at a time, sharing the device's links). Then every
     device meets every other (the gradient norm's all-reduce) and steps its optimizer: the
     iteration ends ``max(step_ms)`` after the last device is free (a stage's ``step_ms``:
-    its optimizer step and the step's barriers, :mod:`onnx_partition.cost.engine`).
+    its optimizer step and the step's barriers, :mod:`onnx_partition.cost.engine_price`).
     The number of micro-batches and train/inference are read from the schedule.
     Raises :class:`ScheduleError` on an invalid schedule or a deadlock (with a grid).
     """

@@ -375,7 +375,7 @@ class CostsSchema(BaseModel):
     unique_signatures: Count | None = None
     reused: Count | None = None
     settings: Anything | None = None  # MeasureSettings and the profile's options
-    engine: Anything | None = None  # train: optimizer steps, two-process hops (cost.engine)
+    engine: Anything | None = None  # train: optimizer steps, two-process hops (cost.engine_price)
     nodes: dict[str, NodeCostSchema]
 
 

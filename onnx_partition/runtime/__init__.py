@@ -1,7 +1,8 @@
 """The runtimes: :mod:`.infer` (serving a plan: threads or one process per stage replica),
-:mod:`.train` (training a train plan), both on :mod:`.dist` (launching, supervising and wiring
-ranks). ``PipelineSession`` and ``RunStats`` are imported on first use, so a training rank or a
-launcher does not load onnxruntime's pipeline for them."""
+:mod:`.train` (training a train plan), both on :mod:`.launch` (launching and supervising
+ranks) and :mod:`.wire` (tensors between them). ``PipelineSession`` and ``RunStats`` are
+imported on first use, so a training rank or a launcher does not load onnxruntime's pipeline
+for them."""
 
 from __future__ import annotations
 

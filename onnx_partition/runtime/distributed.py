@@ -1,13 +1,13 @@
 """Alias kept for ``python -m onnx_partition.runtime.distributed PLAN`` (a torchrun rank of
 ``run``: :func:`onnx_partition.cli.torchrun.infer_main`) and
 ``from onnx_partition.runtime.distributed import run_distributed``; the code lives in
-:mod:`onnx_partition.runtime.infer.distributed`."""
+:mod:`onnx_partition.runtime.infer.processes`."""
 
 from __future__ import annotations
 
 import sys
 
-from onnx_partition.runtime.infer.distributed import run_distributed
+from onnx_partition.runtime.infer.processes import run_distributed
 
 __all__ = ["run_distributed"]
 

@@ -47,7 +47,7 @@ the fleet (:func:`fleet_costs`: each stage's times on its kind, each transfer an
 on the link it crosses once placed) and the fastest wins; the last makes it never slower than
 that baseline (the same schedule, no action longer, no link slower). A train candidate is
 scored under each schedule asked, with each stage's engine work (step, accumulation, work per
-action and per hop: :class:`~onnx_partition.cost.engine.FleetEngine`) on its own kind, the
+action and per hop: :class:`~onnx_partition.cost.engine_price.FleetEngine`) on its own kind, the
 figure ``partition`` then prints.
 """
 
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
-from onnx_partition.cost.engine import EngineTerms, FleetEngine
+from onnx_partition.cost.engine_price import EngineTerms, FleetEngine
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
@@ -99,7 +99,7 @@ ALL_ORDERINGS = 4
 @dataclass(frozen=True)
 class KindCosts:
     """Per node (the solvers' nodes), one GPU kind's forward and backward times; in training
-    also its engine's work (:func:`~onnx_partition.cost.engine.engine_terms` on that kind:
+    also its engine's work (:func:`~onnx_partition.cost.engine_price.engine_terms` on that kind:
     the step, accumulation, work per action and per hop that ``partition`` prices the plan
     with after; None: not priced) and the input-gradient part of each backward (ZB-H1's;
     empty: half)."""
@@ -479,7 +479,7 @@ def _with_engine(costs: PipelineCosts, kinds: Mapping[str, KindCosts], gpus: Seq
                  ) -> tuple[PipelineCosts, PipelineCosts]:
     """A train plan's costs with each stage's input-gradient time (its kinds' larger, where
     every kind has them) and its engine's work on its own kinds
-    (:class:`~onnx_partition.cost.engine.FleetEngine`, where every kind has
+    (:class:`~onnx_partition.cost.engine_price.FleetEngine`, where every kind has
     :attr:`KindCosts.engine`), and the costs as simulated: each send plus its boundary's work
     per hop (plan.json's sends are the links', as price_engine adds that after)."""
     on = [gpu.split("+") for gpu in gpus]

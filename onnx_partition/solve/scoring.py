@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnx_partition.cost.cluster import Cluster, Link
-from onnx_partition.cost.engine import split_ms
+from onnx_partition.cost.engine_price import split_ms
 from onnx_partition.pipeline.layout import replica_of
 from onnx_partition.pipeline.memory import (
     StageBytes,
@@ -36,7 +36,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCost
 from onnx_partition.solve.problem import DagProblem
 
 if TYPE_CHECKING:
-    from onnx_partition.cost.engine import EngineTerms
+    from onnx_partition.cost.engine_price import EngineTerms
     from onnx_partition.solve.order.blocks import Blocks
 
 __all__ = ["LAST", "HybridPlan", "NodeArrays", "RunSpec", "StageTotals", "assign_devices",
@@ -71,10 +71,10 @@ class NodeArrays:
     #: what stage 0 receives per micro-batch: the graph inputs
     input_bytes: float = 0.0
     #: trainable tensors only this node reads (with :attr:`shared`'s trainable ones: each
-    #: stage's weight groups of ZB-H1's split backward, cost.engine.split_ms); empty: unknown
+    #: stage's weight groups of ZB-H1's split backward, cost.engine_price.split_ms); empty: unknown
     trainable_tensors: Sequence[int] = ()
     #: whether a program names what trains, so tied parameters are all-reduced every step
-    #: (without one, cost.engine.tied_bytes counts none)
+    #: (without one, cost.engine_price.tied_bytes counts none)
     ties_train: bool = False
 
     @property
@@ -103,7 +103,7 @@ class NodeArrays:
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Per stage of an assignment, the trainable bytes of the :attr:`shared` initializers
         another stage holds too (a tied parameter, all-reduced over its holders every step:
-        cost.engine.tied_bytes) and its trainable tensors (the nodes' own and every shared
+        cost.engine_price.tied_bytes) and its trainable tensors (the nodes' own and every shared
         trainable one it holds: partition.trainable_tensors)."""
         stages_np = np.asarray(stage_of, dtype=np.int64)
         tied = np.zeros(num_stages)
@@ -150,7 +150,7 @@ class RunSpec:
     max_stages: int = 16
     train_schedule: str = "1f1b"  # a planned schedule (schedules.PLANNED_NAMES)
     recompute: str = "none"  # which stages recompute (pipeline.memory.RECOMPUTE_MODES)
-    #: the engine's work a train plan is priced with after (cost.engine.price_engine): its
+    #: the engine's work a train plan is priced with after (cost.engine_price.price_engine): its
     #: step, accumulation and work per action per stage, its extra per hop; None: not priced
     engine: EngineTerms | None = None
 
@@ -335,7 +335,7 @@ def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineC
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
     """Simulate ``costs`` under the run's schedule, each hop with the engine's work per hop
     where a train run prices it (:attr:`RunSpec.engine`; ``costs`` keep the link's sends, as
-    plan.json states them before :func:`~onnx_partition.cost.engine.price_engine` adds it)."""
+    plan.json states them before :func:`~onnx_partition.cost.engine_price.price_engine` adds it)."""
     hop = run.engine.hop_ms if run.train and run.engine else 0.0
     played = replace(costs, send_ms=[s + hop for s in costs.send_ms]) if hop else costs
     sim = simulate(build(run.schedule, replicas, run.microbatches), played)

@@ -1,4 +1,4 @@
-"""Rank bodies for :func:`onnx_partition.runtime.dist.launcher.launch_ranks` tests: module-level,
+"""Rank bodies for :func:`onnx_partition.runtime.launch.ranks.launch_ranks` tests: module-level,
 so that the launcher's worker processes can import them."""
 
 from __future__ import annotations

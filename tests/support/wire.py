@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from onnx_partition.runtime.dist.wire import Wire
+from onnx_partition.runtime.wire import Wire
 
 
 class CapturedWire(Wire):

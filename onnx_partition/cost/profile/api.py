@@ -16,10 +16,10 @@ from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.costs_file import provenance
 from onnx_partition.cost.profile.cache import METHOD_VERSION, Cache, cache_folder
-from onnx_partition.cost.profile.calibrate import SignatureTimes, calibrate
 from onnx_partition.cost.profile.cpu import node_overhead
 from onnx_partition.cost.profile.harness import Context, Progress, Ticker
 from onnx_partition.cost.profile.measure import measure, time_whole
+from onnx_partition.cost.profile.node_costs import SignatureTimes, calibrate
 from onnx_partition.cost.profile.signatures import model_digest, signature_groups, signatures
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load

@@ -1,5 +1,5 @@
 """Stage times as the pipeline sees them, and the per-node costs that reproduce them
-(``profile --plan``: :mod:`onnx_partition.calibrate` drives it).
+(``profile --plan``: :mod:`onnx_partition.calibrate.recut` drives it).
 
 A per-node profile prices a stage as the sum of its nodes measured one signature at a time on an
 otherwise idle core; inside the pipeline the stage runs as one session beside the other stages

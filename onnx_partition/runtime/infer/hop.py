@@ -6,7 +6,7 @@ are allocated by onnxruntime on the device and handed to torch through DLPack (n
 CUDA the session runs on torch's current stream (``user_compute_stream``), the stream NCCL's
 sends wait for and its receives complete on, so no host synchronisation is needed between them.
 Payloads travel one tensor per message (packing small ones would be a copy), after the wire's
-header, which goes once per (peer, names, key) as in :class:`~onnx_partition.runtime.dist.wire.
+header, which goes once per (peer, names, key) as in :class:`~onnx_partition.runtime.wire.
 Wire`. The only copies are rank 0's: the feeds onto the device and the outputs back to the
 host (counted in ``copies`` as ``to_device`` and ``to_host``; none on CPU, where the tensors
 share the arrays' memory).
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.runtime.dist.wire import (
+from onnx_partition.runtime.wire import (
     Spec,
     decode_header,
     encode_header,

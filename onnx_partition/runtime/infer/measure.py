@@ -82,8 +82,8 @@ def measure_distributed(
     """Run with a process per replica (:func:`~onnx_partition.runtime.distributed.
     run_distributed`); the first ``warmup`` iterations are left out of the figures.
     ``show_progress``: rank 0 draws a bar over every rank's iterations on a terminal."""
-    from onnx_partition.runtime.infer.distributed import run_distributed
-    from onnx_partition.runtime.infer.rank import RankBar
+    from onnx_partition.runtime.infer.processes import run_distributed
+    from onnx_partition.runtime.infer.worker import RankBar
 
     outputs, stats = run_distributed(
         plan_dir, feeds, nproc=nproc, microbatches=shape.microbatches,

@@ -1,6 +1,6 @@
 """Point-to-point transfer of named torch tensors between training ranks.
 
-Per hop and micro-batch: the int64 header of :mod:`onnx_partition.runtime.dist.wire` (micro-batch,
+Per hop and micro-batch: the int64 header of :mod:`onnx_partition.runtime.wire` (micro-batch,
 count, dtype and shape per tensor; none for gradients, whose receiver knows their shapes: a
 message less per backward hop, 77 -> 50 ms per step of gpt tiny on two loaded cores), then
 each non-empty tensor as its own message, straight from and into torch tensors on the
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from onnx_partition.errors import one_line
-from onnx_partition.runtime.dist.wire import (
+from onnx_partition.runtime.wire import (
     decode_torch_header,
     encode_codes,
     header_size,

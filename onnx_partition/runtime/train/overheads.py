@@ -26,7 +26,7 @@ holder pays, plus 2 barriers, as ``step_ms``). What
 that simulation leaves of the measured step is what hops cost while the cores compute beyond an
 idle ping-pong's ``send_ms``: :func:`fit_hop_ms` finds that extra per hop by bisection (the
 simulator is monotone in ``send_ms``). ``engine.probe`` (:mod:`~onnx_partition.runtime.train.
-probe`) and ``profile --plan`` (:mod:`onnx_partition.calibrate_train`) both read a run so.
+probe`) and ``profile --plan`` (:mod:`onnx_partition.calibrate.stage_modules`) both read a run so.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from statistics import mean
 from typing import Protocol
 
-from onnx_partition.cost.engine import BARRIERS_PER_STEP
+from onnx_partition.cost.engine_price import BARRIERS_PER_STEP
 from onnx_partition.pipeline.schedules import Schedule
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 

@@ -235,7 +235,7 @@ def split_call_ms(*, layers: int = 4, width: int = 32, rows: int = 4, repeats: i
     """What the split adds per weight group on this machine: ``(I + W - B) / groups``, medians
     of ``repeats``, on a stage of ``layers`` blocks (linear, GELU, layer norm; ``width``
     features, ``rows`` rows; two groups each) fed a received tensor, as a rank runs it; small
-    enough that the walk and the calls are all there is (``cost.engine.split_ms``)."""
+    enough that the walk and the calls are all there is (``cost.engine_price.split_ms``)."""
     from statistics import median
     from time import perf_counter
 

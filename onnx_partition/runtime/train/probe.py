@@ -1,6 +1,6 @@
 """The engine probe: what ``train``'s engine costs besides compute, measured on a small
 pipeline built in memory, for the costs file's ``engine.probe`` (``profile --mode train`` on
-CPU; :func:`onnx_partition.cost.engine.measure_engine` takes it as ``probe=``).
+CPU; :func:`onnx_partition.cost.profile.engine.measure_engine` takes it as ``probe=``).
 
 The pipeline: two stages, each :data:`LAYERS` ``Linear(WIDTH, WIDTH) + GELU`` at :data:`ROWS`
 rows per micro-batch (one forward of a few ms on one thread of a 2-core CPU VM; a hop of
@@ -32,9 +32,9 @@ from torch import nn
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
-from onnx_partition.runtime.train.launch import launch_training
 from onnx_partition.runtime.train.overheads import fit_hop_ms, run_costs, run_pipeline
 from onnx_partition.runtime.train.rank import TrainConfig
+from onnx_partition.runtime.train.spawn import launch_training
 
 __all__ = ["LAYERS", "MICROBATCHES", "ROWS", "SCHEDULE", "STEPS", "WIDTH", "probe_engine"]
 
@@ -107,7 +107,8 @@ def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
     The idle hop is ``link``'s (a costs file's ``engine.link``: its ping-pong's ``sizes`` and
     ``one_way_ms``, priced at the probe's bytes as ``partition`` prices every hop, so that
     ``hop_ms`` is what to add to those), else a ping-pong of the probe's bytes."""
-    from onnx_partition.cost.engine import hop_ms, measure_hops
+    from onnx_partition.cost.engine_price import hop_ms
+    from onnx_partition.cost.profile.engine import measure_hops
 
     if steps < 2:
         raise ValueError("the probe needs at least 2 steps (the first is left out)")

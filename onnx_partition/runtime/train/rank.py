@@ -45,7 +45,7 @@ their gradients in their own group; a tied parameter (``StageModule.tied``) is l
 and summed instead over every rank of every stage holding it (Megatron's embedding group),
 which counts each rank's contribution exactly once. Then the optimizer steps.
 
-**Hook.** ``TrainConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
+**Hook.** ``TrainConfig.hook`` (:mod:`onnx_partition.runtime.launch.hooks`), when set, is called
 after each forward action: the tests kill a rank mid-step through it.
 """
 
@@ -70,14 +70,14 @@ from onnx_partition.pipeline.microbatch import rows_of
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.progress import echo
-from onnx_partition.runtime.dist.hooks import RankHook
-from onnx_partition.runtime.dist.launcher import RankFailure
+from onnx_partition.runtime.launch.hooks import RankHook
+from onnx_partition.runtime.launch.ranks import RankFailure
 from onnx_partition.runtime.train import passes
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import eval_module
-from onnx_partition.runtime.train.reference import autocast, make_optimizer
+from onnx_partition.runtime.train.optim import autocast, make_optimizer
 
 __all__ = ["Batches", "LossFn", "RankResult", "SavedCounter", "StageLike", "TrainConfig",
            "microbatch", "step_line", "tied_groups", "train_stages"]

@@ -10,8 +10,7 @@ alone, exactly as the pipeline does. Micro-batches are split as the runtime spli
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -19,14 +18,14 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import Plan, read_plan
-from onnx_partition.runtime.train.choices import OPTIMIZERS, WEIGHT_DECAY
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
+from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.task import TrainTask, task_for
 
-__all__ = ["OPTIMIZERS", "ORDER_ULPS", "ROUNDING_ULPS", "autocast", "check_tolerance",
-           "make_optimizer", "mismatch", "reference_gradients", "reference_train", "split_rows"]
+__all__ = ["ORDER_ULPS", "ROUNDING_ULPS", "check_tolerance", "mismatch", "reference_gradients",
+           "reference_train", "split_rows"]
 
 #: ``--check``'s tolerance, relative to a tensor's largest element: :data:`ROUNDING_ULPS` ulps of
 #: the tensor's dtype (its final rounding) plus :data:`ORDER_ULPS` ulps of the accumulator
@@ -36,27 +35,6 @@ ROUNDING_ULPS = 8
 ORDER_ULPS = 64
 
 Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
-
-
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *,
-                   weight_decay: float | None = None, momentum: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
-    """``sgd``: SGD (``momentum``, weight decay default 0); ``adamw``: AdamW (``betas``, eps
-    1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given."""
-    decay = WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=decay)
-    raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-
-
-def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[object]:
-    """bfloat16 autocast on ``device`` (CPU too) when ``bf16``, else nothing; the weights stay
-    fp32 (the optimizer's master copy)."""
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def check_tolerance(dtype: torch.dtype) -> float:

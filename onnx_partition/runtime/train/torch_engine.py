@@ -60,6 +60,7 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,
@@ -73,7 +74,6 @@ from onnx_partition.runtime.train.rank import (
     step_line,
     tied_groups,
 )
-from onnx_partition.runtime.train.reference import autocast, make_optimizer
 
 __all__ = ["SCHEDULES", "check_torch_engine", "hop_metas", "train_stages_torch", "world_size"]
 

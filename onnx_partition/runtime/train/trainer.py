@@ -44,14 +44,14 @@ from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.plan.contracts import STAGE_COSTS_FORMAT, TRAIN_FORMAT
 from onnx_partition.plan.folder import is_earlier_plan
-from onnx_partition.runtime.dist.hooks import RankHook
-from onnx_partition.runtime.dist.launcher import (
+from onnx_partition.runtime.infer.sessions import verify_plan_folder
+from onnx_partition.runtime.infer.worker import choose_backend
+from onnx_partition.runtime.launch.hooks import RankHook
+from onnx_partition.runtime.launch.ranks import (
     check_placement,
     check_world_size,
     torchrun_env,
 )
-from onnx_partition.runtime.infer.rank import choose_backend
-from onnx_partition.runtime.infer.sessions import verify_plan_folder
 from onnx_partition.runtime.train.choices import (
     ENGINES,
     OPTIMIZERS,
@@ -65,7 +65,6 @@ from onnx_partition.runtime.train.data import (
     FactoryBatches,
     check_data,
 )
-from onnx_partition.runtime.train.launch import launch_training, torchrun_rank
 from onnx_partition.runtime.train.loss import LOSSES
 from onnx_partition.runtime.train.loss import LossFn as UserLoss
 from onnx_partition.runtime.train.paths import check_log_path, check_output_path
@@ -77,6 +76,7 @@ from onnx_partition.runtime.train.rank import (
     TrainConfig,
     train_stages,
 )
+from onnx_partition.runtime.train.spawn import launch_training, torchrun_rank
 
 __all__ = ["EVAL_SEED", "StagePrediction", "TrainStats", "comparison", "comparison_table",
            "format_train", "predicted_stages", "train_json", "train_plan", "train_rank",
@@ -214,7 +214,7 @@ def plan_job(plan_dir: str, rows: int, seed: int, deterministic: bool,
              spec: DataPlan = DataPlan(), evaluate: bool = False
              ) -> tuple[Sequence[StageLike], LossFn, Plan, Batches, Batches | None]:
     """What every rank builds for ``plan_dir``
-    (a :data:`~onnx_partition.runtime.train.launch.Build`); validation batches (``evaluate``)
+    (a :data:`~onnx_partition.runtime.train.spawn.Build`); validation batches (``evaluate``)
     come from ``--eval-data`` (``spec.evals``), else are synthetic ones of another seed
     (:data:`EVAL_SEED`)."""
     from onnx_partition.runtime.train.modules import lazy_stages, require_trainable
@@ -947,7 +947,7 @@ def train_rank(
 ) -> TrainStats | None:
     """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment, read by
-    :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`; the entry is
+    :func:`~onnx_partition.runtime.launch.ranks.torchrun_env`; the entry is
     :func:`onnx_partition.cli.torchrun.train_main`). The request is checked as
     :func:`train_plan` checks it (a :class:`PartitionError`); rank 0 returns the figures (and
     ``check``'s comparison), the other ranks None. ``data``, ``shuffle``, ``loss`` and

@@ -26,10 +26,10 @@ follow from them. plan.json says so in ``calibrated``: each round's stages and t
 repeats and warmup, and whether the optimum held. The folder is published atomically
 (:func:`onnx_partition.plan.folder.publish`), in place or to ``out``.
 
-A train plan's stages are torch modules: :mod:`onnx_partition.calibrate_train` times each
+A train plan's stages are torch modules: :mod:`onnx_partition.calibrate.stage_modules` times each
 one's forward and backward (alone, and side by side in one process per stage as the ranks run),
 and forward and backward are re-priced apart. The rounds choose the cut on those times; the plan
-written is then run in the engine itself (:func:`~onnx_partition.calibrate_train.
+written is then run in the engine itself (:func:`~onnx_partition.calibrate.stage_modules.
 measure_train_run`, a few steps of ``train``), which prices it (:func:`_run_calibrated`): its
 stages' compute per micro-batch there, the engine's work per action (``simulator_costs.
 action_ms``), each stage's tail and barriers (``step_ms``) and the hops (``send_ms``: the idle
@@ -278,7 +278,7 @@ def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float])
 
 def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
     """``plan`` priced with the engine's measured work (:func:`~onnx_partition.
-    calibrate_train.measure_train_engine`): ``simulator_costs.step_ms``, ``accumulate_ms``,
+    calibrate.stage_modules.measure_train_engine`): ``simulator_costs.step_ms``, ``accumulate_ms``,
     ``send_ms`` and ``hop_bytes``, ``engine_costs`` saying so, and the totals simulated again;
     ``action_ms``, the engine's work around each action, is kept as priced."""
     sim = plan.extra.setdefault("simulator_costs", {})
@@ -302,7 +302,7 @@ def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
 
 def _run_calibrated(plan: Plan, run: RunCosts, schedule: str, microbatches: int,
                     sends: Sequence[float], input_share: Sequence[float] | None) -> dict[str, Any]:
-    """``plan`` priced by its own run in the engine (:func:`~onnx_partition.calibrate_train.
+    """``plan`` priced by its own run in the engine (:func:`~onnx_partition.calibrate.stage_modules.
     measure_train_run`): its stages' forward and backward per micro-batch there (the backward
     less the gradients' accumulation, which the simulator adds back; under ZB-H1 split in
     ``input_share``, the side-by-side timing's ``I`` share), ``simulator_costs.action_ms`` and
@@ -387,7 +387,7 @@ def _publish(source: Path, plan: Plan, out: Path) -> None:
 
 def _executor(train: bool) -> str:
     if train:
-        from onnx_partition.cost.profile.train import executor
+        from onnx_partition.cost.profile.torch_ops import executor
 
         return executor()
     import onnxruntime
@@ -405,7 +405,7 @@ def calibrate_plan(
     warmup: int = 2,
 ) -> Calibration:
     """Calibrate the plan in ``folder`` (module docstring; a train plan's stage modules:
-    :mod:`onnx_partition.calibrate_train`); write it to ``out`` (default: in place). Raises
+    :mod:`onnx_partition.calibrate.stage_modules`); write it to ``out`` (default: in place). Raises
     :class:`PartitionError` on bad counts or a plan whose model is gone."""
     folder = Path(folder)
     target = Path(out) if out is not None else folder
@@ -433,7 +433,7 @@ def calibrate_plan(
             priced = [sum(costs.get(k, 0.0) + (backward.get(k, 0.0) if train else 0.0)
                           for k in nodes) for nodes in keys]
             if train:
-                from onnx_partition.calibrate_train import measure_train_plan
+                from onnx_partition.calibrate.stage_modules import measure_train_plan
 
                 got = measure_train_plan(current_dir, threads=threads_per_stage,
                                          repeats=repeats, warmup=warmup)
@@ -492,7 +492,10 @@ def calibrate_plan(
         chosen.extra.pop("compute_scale", None)
         engine_run: dict[str, Any] = {}
         if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
-            from onnx_partition.calibrate_train import measure_train_engine, measure_train_run
+            from onnx_partition.calibrate.stage_modules import (
+                measure_train_engine,
+                measure_train_run,
+            )
 
             if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
                 chosen.simulator_costs["backward_input_ms"] = [

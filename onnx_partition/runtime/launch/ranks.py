@@ -1,16 +1,16 @@
 """Start one local process per rank and supervise them: :func:`launch_ranks`, used by the
 inference runtime (:func:`onnx_partition.runtime.distributed.run_distributed`) and the training
-runtime (:func:`onnx_partition.runtime.train.launch.launch_training`).
+runtime (:func:`onnx_partition.runtime.train.spawn.launch_training`).
 
 **Processes.** Workers start from a fork server that has imported :data:`PRELOAD` once (torch,
-onnxruntime and this module, whose import calls :func:`~onnx_partition.runtime.dist.lifeline.
+onnxruntime and this module, whose import calls :func:`~onnx_partition.runtime.launch.lifeline.
 guard_fork_server`: the fork server dies with the process that started it), or with ``spawn``.
 The parent hosts the rendezvous store on ``master_addr`` (loopback by default, and gloo then
 binds loopback too).
 
 **Faults.** The parent polls its children: a worker that raises reports its message (and its
 kind, :class:`RankFailure`) and exits, one that dies is seen by its exit code, one that stops
-is seen by its heartbeat (:mod:`~onnx_partition.runtime.dist.lifeline`); the parent then kills the
+is seen by its heartbeat (:mod:`~onnx_partition.runtime.launch.lifeline`); the parent then kills the
 others and raises :class:`~onnx_partition.errors.StageFailed` naming the stage, replica and rank.
 A cause (a stage that raised, a rank that died) is named before the communication errors it
 provokes in its peers.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
-from onnx_partition.runtime.dist.lifeline import Heartbeats, die_with, guard_fork_server
+from onnx_partition.runtime.launch.lifeline import Heartbeats, die_with, guard_fork_server
 
 __all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "TorchrunEnv", "bind_gloo_to_loopback",
            "check_placement", "check_world_size", "join_group", "launch_ranks", "rank_result",
@@ -50,7 +50,7 @@ __all__ = ["GRACE_S", "PRELOAD", "SILENT_S", "RankFailure", "TorchrunEnv", "bind
 SILENT_S = 10.0
 # imported once by the fork server, before it forks the workers (this module guards it)
 PRELOAD = ["numpy", "onnxruntime", "torch", "torch.distributed",
-           "onnx_partition.runtime.dist.launcher"]
+           "onnx_partition.runtime.launch.ranks"]
 GRACE_S = 0.5  # after the first failure, how long the parent gathers reports before choosing one
 guard_fork_server()  # preloaded by the fork server: it dies with the process that started it
 
@@ -196,7 +196,8 @@ def _cause(
             return f"{name(rank)} {how} without reporting an error"
     # communication errors only: the first that is not a peer's loss (gloo's "connection closed
     # by peer", a reset, a timeout) is where it began; ``errors`` is in order of arrival
-    rank, (_, text) = min(errors.items(), key=lambda item: _PEER_LOST.search(item[1][1]) is not None)
+    rank, (_, text) = min(errors.items(),
+                          key=lambda item: _PEER_LOST.search(item[1][1]) is not None)
     return f"{name(rank)} failed: {text}"
 
 

@@ -33,9 +33,9 @@ file, :func:`onnx_partition.export`), not by onnxruntime, and its backward diffe
    after its wait for a peer (:mod:`.cold_cache`; ``COLD_ROUNDS`` rounds at least for a short
    program).
 5. **The engine.** The optimizer step (SGD and AdamW) on the program's parameters, and on CPU
-   the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine.
+   the hop and barrier between two processes over gloo (:func:`onnx_partition.cost.engine_price.
    measure_engine`): the costs file's ``engine``, which prices a train plan's per-step work and
-   its hops (:func:`onnx_partition.cost.engine.price_engine`).
+   its hops (:func:`onnx_partition.cost.engine_price.price_engine`).
 
 Measured with ``threads`` torch threads (``torch.set_num_threads``): what each training rank
 uses. The costs file is keyed by ONNX node: a unit's times on its first ONNX node (in graph
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.annotate import write_costs
 from onnx_partition.cost.costs_file import provenance
-from onnx_partition.cost.engine import measure_engine
 from onnx_partition.cost.profile.cold_cache import measure_cold_cache
+from onnx_partition.cost.profile.engine import measure_engine
 from onnx_partition.cost.profile.side_by_side import measure_side_by_side
 from onnx_partition.cost.saved import HALF_DTYPES, check_precision, program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
@@ -97,7 +97,7 @@ class TrainProfile:
     reused: int
     settings: dict[str, object] = field(default_factory=dict)
     provenance: dict[str, object] = field(default_factory=dict)
-    engine: dict[str, Any] = field(default_factory=dict)  # cost.engine.measure_engine
+    engine: dict[str, Any] = field(default_factory=dict)  # cost.profile.engine.measure_engine
 
 
 def executor() -> str:
@@ -127,7 +127,7 @@ def profile_train(
     the engine's own work (the optimizer steps on the fp32 master weights; on CPU the
     two-process hops and barrier; with ``split``, the engine's split backward per weight group;
     on CPU with ``probe``, the engine run on a small pipeline:
-    :func:`~onnx_partition.cost.engine.measure_engine`)."""
+    :func:`~onnx_partition.cost.profile.engine.measure_engine`)."""
     import torch
 
     if repeats < 1 or warmup < 0 or threads < 1:

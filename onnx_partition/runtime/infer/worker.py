@@ -14,7 +14,7 @@ connection, or a graph input read only by the last stage, travels hop by hop (th
 relay model). The names each hop carries are fixed by the plan
 (:class:`~onnx_partition.pipeline.layout.Layout`), so they never go over the wire.
 
-**Wire protocol**: :mod:`onnx_partition.runtime.dist.wire` (a fixed int64 header, small tensors
+**Wire protocol**: :mod:`onnx_partition.runtime.wire` (a fixed int64 header, small tensors
 packed, large ones sent zero-copy).
 
 **Shapes once per hop.** Rank 0 broadcasts each micro-batch's rows at set-up; a plan with no
@@ -28,12 +28,12 @@ gloo stays the default for inference until a GPU run confirms nccl. Process-grou
 every operation time out after ``timeout_s``.
 
 **Hop** (``RankConfig.hop``). ``host`` (the default): numpy arrays from onnxruntime onto the wire
-(:class:`~onnx_partition.runtime.dist.wire.Wire`). ``device``: torch tensors on the rank's device
+(:class:`~onnx_partition.runtime.wire.Wire`). ``device``: torch tensors on the rank's device
 from the wire through onnxruntime (IOBinding, DLPack) and back
 (:class:`~onnx_partition.runtime.infer.hop.DeviceHop`); on CUDA it needs nccl, and it is the
 path meant for GPUs once a GPU run confirms it.
 
-**Hook.** ``RankConfig.hook`` (:mod:`onnx_partition.runtime.dist.hooks`), when set, is called
+**Hook.** ``RankConfig.hook`` (:mod:`onnx_partition.runtime.launch.hooks`), when set, is called
 before each micro-batch's compute: the tests' faults (a rank that exits or stops) use it.
 """
 
@@ -62,10 +62,10 @@ from onnx_partition.graph.ort import (
 from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.layout import Layout
 from onnx_partition.plan import PLAN_FILE, Plan
-from onnx_partition.runtime.dist.hooks import RankHook
-from onnx_partition.runtime.dist.launcher import RankFailure, join_group
-from onnx_partition.runtime.dist.wire import Env, Wire
 from onnx_partition.runtime.infer.hop import HOPS, DeviceHop
+from onnx_partition.runtime.launch.hooks import RankHook
+from onnx_partition.runtime.launch.ranks import RankFailure, join_group
+from onnx_partition.runtime.wire import Env, Wire
 
 __all__ = ["PROGRESS_KEY", "DistStats", "RankBar", "RankConfig", "check_feeds", "check_hop",
            "choose_backend", "format_stats", "hop_key", "on_device", "serve_rank"]

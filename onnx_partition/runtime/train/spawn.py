@@ -1,5 +1,5 @@
 """Start the training ranks: locally through the inference runtime's launcher
-(:func:`onnx_partition.runtime.dist.launcher.launch_ranks`: fork server, rendezvous store,
+(:func:`onnx_partition.runtime.launch.ranks.launch_ranks`: fork server, rendezvous store,
 supervision naming the failing stage, replica and rank), or as one rank under ``torchrun``;
 both with the launcher's rules (``torchrun_env``, ``rank_result``: rank 0 ending without its
 result is a failed run, exit code 1).
@@ -23,7 +23,8 @@ import torch.distributed as dist
 from onnx_partition.graph.ort import local_device
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.dist.launcher import (
+from onnx_partition.runtime.infer.worker import choose_backend
+from onnx_partition.runtime.launch.ranks import (
     PRELOAD,
     RankFailure,
     TorchrunEnv,
@@ -32,7 +33,6 @@ from onnx_partition.runtime.dist.launcher import (
     rank_result,
     torchrun_env,
 )
-from onnx_partition.runtime.infer.rank import choose_backend
 from onnx_partition.runtime.train.rank import (
     Batches,
     LossFn,
@@ -128,9 +128,9 @@ def torchrun_rank(build: Build, config: TrainConfig, *, backend: str | None = No
                   timeout_s: float = 60.0, env: TorchrunEnv | None = None
                   ) -> list[RankResult] | None:
     """One rank under ``torchrun`` (``env``, default
-    :func:`~onnx_partition.runtime.dist.launcher.torchrun_env`: RANK, WORLD_SIZE, MASTER_ADDR,
+    :func:`~onnx_partition.runtime.launch.ranks.torchrun_env`: RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT from the environment): rank 0's gathered results, None on the others
-    (:func:`~onnx_partition.runtime.dist.launcher.rank_result`)."""
+    (:func:`~onnx_partition.runtime.launch.ranks.rank_result`)."""
     env = torchrun_env() if env is None else env
     results = run_rank(env.rank, env.world_size, build, config, backend or "gloo", timeout_s,
                        None)

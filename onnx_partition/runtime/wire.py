@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from onnx_partition.errors import PartitionError, one_line
 
-__all__ = ["ALIGN", "CODES", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "TORCH_DTYPES", "TORCH_ONLY", "Env", "Spec", "Wire",
+__all__ = ["ALIGN", "CODES", "DTYPES", "MAX_DIMS", "SMALL_BYTES", "TORCH_DTYPES", "TORCH_ONLY",
+           "Env", "Spec", "Wire",
            "as_bytes", "decode_header", "decode_torch_header", "dtype_code", "encode_codes",
            "encode_header", "header_size", "pack", "torch_dtype_code", "unpack", "wait_sends"]
 
@@ -133,7 +134,7 @@ def _decode(head: np.ndarray, m: int, count: int) -> list[tuple[int, tuple[int, 
     for i in range(count):
         base = 2 + i * (2 + MAX_DIMS)
         ndim = int(head[base + 1])
-        CODES[int(head[base])]  # noqa: B018 (an unknown code raises IndexError)
+        CODES[int(head[base])]
         specs.append((int(head[base]), tuple(int(d) for d in head[base + 2:base + 2 + ndim])))
     return specs
 

@@ -11,8 +11,8 @@
 ``torchrun --nproc-per-node N -m onnx_partition.runtime.distributed PLAN``. The entry takes
 ``run``'s options; rank 0 feeds ``run``'s inputs, prints the figures and saves the outputs. The
 environment is read, the world size and this rank's placement (its plan device on this machine,
-``check_placement``) checked before the first operation, and the rank's result judged by the rules the local
-launcher shares (:func:`~onnx_partition.runtime.dist.launcher.torchrun_env`,
+``check_placement``) checked before the first operation, and the rank's result judged by the
+rules the local launcher shares (:func:`~onnx_partition.runtime.launch.ranks.torchrun_env`,
 ``check_world_size``, ``rank_result``).
 """
 
@@ -25,17 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from onnx_partition.errors import PartitionError, StageFailed, one_line
-from onnx_partition.pipeline.layout import Layout, layout
+from onnx_partition.pipeline.layout import layout
 from onnx_partition.plan import read_plan
-from onnx_partition.runtime.dist.launcher import (
-    TorchrunEnv,
-    bind_gloo_to_loopback,
-    check_placement,
-    check_world_size,
-    rank_result,
-    torchrun_env,
-)
-from onnx_partition.runtime.infer.rank import (
+from onnx_partition.runtime.infer.sessions import verify_plan_folder
+from onnx_partition.runtime.infer.worker import (
     DistStats,
     RankConfig,
     check_feeds,
@@ -44,7 +37,14 @@ from onnx_partition.runtime.infer.rank import (
     on_device,
     serve_rank,
 )
-from onnx_partition.runtime.infer.sessions import verify_plan_folder
+from onnx_partition.runtime.launch.ranks import (
+    TorchrunEnv,
+    bind_gloo_to_loopback,
+    check_placement,
+    check_world_size,
+    rank_result,
+    torchrun_env,
+)
 
 __all__ = ["main_worker"]
 

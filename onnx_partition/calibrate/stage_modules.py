@@ -1,6 +1,6 @@
 """``profile --plan`` of a train plan: each stage module's forward and backward, alone and all
 stages side by side in processes (one per stage, with the torch threads each training rank
-uses), as :mod:`onnx_partition.calibrate` does for inference stage files.
+uses), as :mod:`onnx_partition.calibrate.recut` does for inference stage files.
 
 Each stage's inputs come from one pass of random model inputs through the stage modules
 (:func:`onnx_partition.runtime.train.modules.stage_modules`); inputs made by an earlier stage
@@ -74,7 +74,7 @@ def _stage_inputs(folder: str, plan: Any, env: dict[str, Any] | None = None
 def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
                          repeats: int = 10) -> dict[str, Any]:
     """The engine's own work for the train plan in ``folder``, measured
-    (:mod:`onnx_partition.cost.engine`): per stage the plan's optimizer stepping the stage
+    (:mod:`onnx_partition.cost.engine_price`): per stage the plan's optimizer stepping the stage
     module's parameters, plus the step's barriers between two processes, plus, where the stage
     holds parameters tied to another stage's, one hop of their bytes for their all-reduce
     (``step_ms``); its
@@ -83,12 +83,8 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
     there and back between two processes over gloo, one way (``send_ms``)."""
     import torch
 
-    from onnx_partition.cost.engine import (
-        BARRIERS_PER_STEP,
-        measure_hops,
-        time_accumulate,
-        time_optimizer,
-    )
+    from onnx_partition.cost.engine_price import BARRIERS_PER_STEP
+    from onnx_partition.cost.profile.engine import measure_hops, time_accumulate, time_optimizer
     from onnx_partition.pipeline.layout import layout
     from onnx_partition.runtime.train.modules import require_trainable, stage_modules
 

@@ -2,12 +2,12 @@
 
 The runtime in three parts, by role:
 
-* :mod:`~onnx_partition.runtime.dist.launcher`: start one local process per rank from a fork server
+* :mod:`~onnx_partition.runtime.launch.ranks`: start one local process per rank from a fork server
   and supervise them (shared with the training runtime);
-* :mod:`~onnx_partition.runtime.infer.rank`: what one rank does (the plan's rank
+* :mod:`~onnx_partition.runtime.infer.worker`: what one rank does (the plan's rank
   :class:`Layout`, the
   relay of every tensor a later stage needs, the wire, the figures);
-* :mod:`~onnx_partition.runtime.dist.torchrun`: one rank under ``torchrun``, on one machine or
+* :mod:`~onnx_partition.runtime.infer.torchrun_rank`: one rank under ``torchrun``, on one machine or
   several.
 
 This module holds :func:`run_distributed` (every rank on this machine) and the names callers
@@ -38,17 +38,9 @@ import torch.distributed as dist
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan, read_plan
-from onnx_partition.runtime.dist.hooks import RankHook
-from onnx_partition.runtime.dist.launcher import (
-    PRELOAD,
-    SILENT_S,
-    check_world_size,
-    launch_ranks,
-    rank_result,
-)
-from onnx_partition.runtime.dist.torchrun import main_worker
-from onnx_partition.runtime.dist.wire import Env
-from onnx_partition.runtime.infer.rank import (
+from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder
+from onnx_partition.runtime.infer.torchrun_rank import main_worker
+from onnx_partition.runtime.infer.worker import (
     DistStats,
     RankConfig,
     check_feeds,
@@ -58,7 +50,15 @@ from onnx_partition.runtime.infer.rank import (
     on_device,
     serve_rank,
 )
-from onnx_partition.runtime.infer.sessions import check_devices, verify_plan_folder
+from onnx_partition.runtime.launch.hooks import RankHook
+from onnx_partition.runtime.launch.ranks import (
+    PRELOAD,
+    SILENT_S,
+    check_world_size,
+    launch_ranks,
+    rank_result,
+)
+from onnx_partition.runtime.wire import Env
 
 __all__ = [
     "PRELOAD", "SILENT_S", "DistStats", "Layout", "RankHook", "StageFailed", "choose_backend",
@@ -96,11 +96,11 @@ def run_distributed(
     (the default where available: torch and onnxruntime are imported once, in the fork server,
     which is reused by later runs) or ``spawn`` (every worker imports them itself). Neither
     forks a process that holds threads or a CUDA context. ``hook`` (picklable) is called in
-    every rank before each micro-batch's compute (:mod:`onnx_partition.runtime.dist.hooks`).
+    every rank before each micro-batch's compute (:mod:`onnx_partition.runtime.launch.hooks`).
     ``hop``: ``host`` (numpy through host memory, the default) or ``device`` (torch tensors
     from the wire through onnxruntime's IOBinding, :mod:`~onnx_partition.runtime.infer.hop`;
     on CUDA with ``backend="nccl"``; not yet confirmed on a GPU).
-    ``progress`` (picklable, such as :class:`~onnx_partition.runtime.infer.rank.RankBar`) is
+    ``progress`` (picklable, such as :class:`~onnx_partition.runtime.infer.worker.RankBar`) is
     called in rank 0 as ``progress(done, total)`` with the iterations every rank has finished,
     out of ``iterations x processes``.
     """

@@ -1,0 +1,36 @@
+"""What every training rank and the single-process reference step with: the optimizer
+(``torch.optim``'s SGD or AdamW with the command line's options) and the autocast context of a
+mixed-precision run."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.runtime.train.choices import OPTIMIZERS, WEIGHT_DECAY
+
+__all__ = ["autocast", "make_optimizer"]
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *,
+                   weight_decay: float | None = None, momentum: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """``sgd``: SGD (``momentum``, weight decay default 0); ``adamw``: AdamW (``betas``, eps
+    1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given."""
+    decay = WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=decay)
+    raise PartitionError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[object]:
+    """bfloat16 autocast on ``device`` (CPU too) when ``bf16``, else nothing; the weights stay
+    fp32 (the optimizer's master copy)."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
