@@ -743,7 +743,7 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
     ("train", "train a train-mode plan: one process per stage replica", _train_args),
     ("simulate", "simulate a plan's schedule: time, bubbles, memory", _simulate_args),
     ("report", "write a self-contained HTML report of a plan", _report_args),
-    ("demo", "export a recipe, partition it, run it, check it", _demo_args),
+    ("demo", "export a recipe, price it here, partition, run and check it", _demo_args),
 )
 
 
