@@ -9,6 +9,7 @@ import os
 import pytest
 
 from onnx_partition.cli import verbs
+from onnx_partition.cost.profile import CACHE_ENV
 
 MAIN = verbs.main  # the command itself, before a test stands in for the verbs it calls
 
@@ -66,7 +67,8 @@ def test_a_busy_machine_is_said(monkeypatch, tmp_path, capsys):
     assert "load average" not in capsys.readouterr().err
 
 
-def test_demo_runs_end_to_end(tmp_path):
+def test_demo_runs_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profile-cache"))  # not the home's
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert verbs.main(["-q", "demo", "--workdir", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
