@@ -1,7 +1,7 @@
 """docs/cli.md, the command line's reference, written from the parsers themselves
 (:func:`onnx_partition.cli.args.build_parser` and :func:`~onnx_partition.cli.args.rank_parser`),
-so it says what ``--help`` says: each verb's description, usage and every option, grouped as
-``--help`` groups them, with its default as ``--help`` shows it. Regenerate it after changing an
+so it says what ``--help`` says: each verb's description and every option, grouped as ``--help``
+groups them, with its help and default as ``--help`` shows them. Regenerate it after changing an
 option::
 
     .venv/bin/python -m onnx_partition.cli.docs docs/cli.md
@@ -23,7 +23,7 @@ __all__ = ["REGENERATE", "WIDTH", "render", "verb_parsers"]
 
 #: The command that rewrites docs/cli.md, from the repository's root.
 REGENERATE = ".venv/bin/python -m onnx_partition.cli.docs docs/cli.md"
-#: The usage lines' width (fixed, so the page does not depend on the terminal).
+#: The help formatter's width (fixed, so the page does not depend on the terminal).
 WIDTH = 100
 #: Options every verb takes, listed once at the top instead of under each verb.
 _COMMON = ("-h", "-q", "-v")
@@ -55,10 +55,15 @@ def _formatter(parser: argparse.ArgumentParser) -> argparse.HelpFormatter:
     return make(prog=parser.prog, width=WIDTH)
 
 
-def _usage(parser: argparse.ArgumentParser) -> str:
-    formatter = _formatter(parser)
-    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
-    return formatter.format_help().strip()
+def _invocation(formatter: argparse.HelpFormatter, action: argparse.Action) -> str:
+    """How ``--help`` names an option (``-o OUTPUT, --output OUTPUT``), spelt here the same on
+    every Python (3.13's argparse shortened its own form)."""
+    if not action.option_strings:
+        return str(formatter._metavar_formatter(action, action.dest)(1)[0])
+    if action.nargs == 0:
+        return ", ".join(action.option_strings)
+    value = formatter._format_args(action, formatter._get_default_metavar_for_optional(action))
+    return ", ".join(f"{flag} {value}" for flag in action.option_strings)
 
 
 def _cell(text: str) -> str:
@@ -73,18 +78,17 @@ def _rows(parser: argparse.ArgumentParser, actions: Sequence[argparse.Action],
     for action in actions:
         if action.help == argparse.SUPPRESS or set(action.option_strings) & set(skip):
             continue
-        invocation = formatter._format_action_invocation(action)
+        invocation = _invocation(formatter, action)
         rows.append(f"| `{_cell(invocation)}` | {_cell(formatter._expand_help(action))} |")
     return rows
 
 
 def _section(level: str, title: str, parser: argparse.ArgumentParser,
              skip: Sequence[str] = _COMMON) -> list[str]:
-    """A heading, the parser's description and usage, and a table per option group."""
+    """A heading, the parser's description, and a table per option group."""
     lines = [f"{level} {title}", ""]
     if parser.description:
         lines += [" ".join(parser.description.split()), ""]
-    lines += ["```text", _usage(parser), "```", ""]
     for group in parser._action_groups:
         rows = _rows(parser, group._group_actions, skip)
         if not rows:
