@@ -118,10 +118,10 @@ def test_a_bad_fleet_file_is_one_line_and_exit_2(tmp_path, capsys, change, text)
     assert not (tmp_path / "out").exists()
 
 
-def test_the_readme_fleet_example_reads(tmp_path):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index('`{"format": "onnx-partition/cluster@2"') + 1
-    example = readme[start:readme.index("}]}`", start) + 3].replace("\n", " ")
+def test_the_docs_fleet_example_reads(tmp_path):
+    files = (Path(__file__).resolve().parents[1] / "docs" / "files.md").read_text()
+    start = files.index('```json\n{"format": "onnx-partition/cluster@2"') + len("```json\n")
+    example = files[start:files.index("```", start)]
     fleet = load_cluster(write(tmp_path, json.loads(example)))
     assert isinstance(fleet, Fleet) and fleet.kinds == ["a100-80gb", "v100"]
 

@@ -77,7 +77,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     demo = " ".join(capsys.readouterr().out.split())
-    assert "pipeline stages (default: 4)" in demo and "(default: gpt)" in demo
+    assert "pipeline stages (default: one per CPU" in demo and "(default: gpt)" in demo
 
 
 def test_version(capsys):

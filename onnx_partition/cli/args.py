@@ -693,8 +693,12 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt",
                    help="recipe: resnet, inception, unet, gpt, bert, encdec")
     p.add_argument("--size", default="tiny", help="tiny | small | realistic")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages")
-    p.add_argument("--batch-size", type=int, default=8, help="batch to partition and run")
+    p.add_argument("--stages", type=int,
+                   help="pipeline stages (default: one per CPU this process may run on, at "
+                        "most 4)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="rows per micro-batch to partition and run (32: the tiny GPT's stages "
+                        "then take about a millisecond, which times steadier than less)")
     p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
 
 
@@ -726,9 +730,11 @@ _DESCRIPTIONS = {
                 "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
     "report": "Read a plan folder (and the model beside it, for the operator graph) and write "
               "one self-contained HTML page: PLAN.report.html beside the folder, or -o.",
-    "demo": "Export a recipe, partition it and run it with --check; writes the model and "
-            "the plan folder in a temporary folder, removed at the end, or in --workdir, "
-            "which keeps them.",
+    "demo": "Export a recipe, time its nodes on this CPU (profile), partition it on those "
+            "times into one stage per CPU, time the plan's stages in the pipeline (profile "
+            "--plan) and run it with --check; writes the model, costs.json and the plan "
+            "folder in a temporary folder, removed at the end, or in --workdir, which keeps "
+            "them.",
 }
 
 _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
@@ -739,7 +745,7 @@ _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] =
     ("train", "train a train-mode plan: one process per stage replica", _train_args),
     ("simulate", "simulate a plan's schedule: time, bubbles, memory", _simulate_args),
     ("report", "write a self-contained HTML report of a plan", _report_args),
-    ("demo", "export a recipe, partition it, run it, check it", _demo_args),
+    ("demo", "export a recipe, price it here, partition, run and check it", _demo_args),
 )
 
 

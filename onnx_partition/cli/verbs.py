@@ -511,18 +511,53 @@ def _demo(args: argparse.Namespace) -> int:
     return _demo_in(args, args.workdir)
 
 
-def _demo_in(args: argparse.Namespace, work: Path) -> int:
-    model = work / f"{args.model}.onnx"
-    plan = work / "plan"
-    steps = [
+#: The demo's most stages: its tiny model cut finer is mostly hand-offs between threads.
+DEMO_MAX_STAGES = 4
+
+
+def _demo_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the OS has one (Linux), else the
+    machine's count."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return max(1, len(affinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _demo_steps(args: argparse.Namespace, work: Path, stages: int) -> list[list[str]]:
+    """The demo's commands: export; time every node on this CPU; partition on those times, one
+    stage per CPU; time the plan's stages in ``run``'s own pipeline, here (the thread hand-offs
+    and the CPUs' sharing, which per-node times miss); run and check it."""
+    model, costs, plan = work / f"{args.model}.onnx", work / "costs.json", work / "plan"
+    batch = str(args.batch_size)
+    return [
         ["export", args.model, "--size", args.size, "-o", str(model)],
-        ["partition", str(model), "--stages", str(args.stages), "--batch-size",
-         str(args.batch_size), "-o", str(plan)],
+        ["profile", str(model), "--batch-size", batch, "-o", str(costs)],
+        ["partition", str(model), "--stages", str(stages), "--batch-size", batch,
+         "--costs", str(costs), "-o", str(plan)],
+        ["profile", "--plan", str(plan), "--rounds", "1"],
         ["run", str(plan), "--check"],  # the plan's micro-batch size and count
     ]
-    for step in steps:
+
+
+def _demo_in(args: argparse.Namespace, work: Path) -> int:
+    cpus = _demo_cpus()
+    stages = args.stages or min(cpus, DEMO_MAX_STAGES)
+    if args.stages is None:
+        _say(f"{_plural(cpus, 'CPU')} to run on here: {_plural(stages, 'stage')}, "
+             "one per CPU (--stages chooses)")
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # before our own work
+    for step in _demo_steps(args, work, stages):
         _say(f"$ onnx-partition {' '.join(step)}")
         code = main(["-q"] * args.quiet + ["-v"] * args.verbose + step)  # keep -q/-v
         if code:
             return code
+    if stages > cpus:
+        print(f"note: {_plural(stages, 'stage')} on {_plural(cpus, 'CPU')}: the stages share "
+              "CPUs, which the plan does not price, so measured falls short of predicted",
+              file=sys.stderr)
+    elif busy > cpus - stages + 0.5:
+        print(f"note: the load average was {busy:.2f} on {_plural(cpus, 'CPU')} before the "
+              "demo started: other work shares the CPUs the stages run on, so the measured "
+              "figures move with it", file=sys.stderr)
     return 0
