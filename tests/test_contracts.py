@@ -238,7 +238,7 @@ def stage_costs_body() -> dict[str, Any]:
 
 
 def test_the_stage_costs_file_is_declared(tmp_path):
-    from onnx_partition.runtime.train.trainer import RECORD_FORMAT, write_record
+    from onnx_partition.runtime.train.record import RECORD_FORMAT, write_record
 
     assert RECORD_FORMAT == STAGE_COSTS_FORMAT
     stats = SimpleNamespace(microbatches=4, schedule="1f1b", measured_ms=12.5,

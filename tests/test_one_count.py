@@ -34,8 +34,9 @@ from onnx_partition.partition import (
 )
 from onnx_partition.pipeline.memory import memory_per_device
 from onnx_partition.plan import read_plan
-from onnx_partition.runtime.train.choices import TRAIN_FALLBACKS, planned_choices
+from onnx_partition.request.train import planned_choices
 from onnx_partition.runtime.train.trainer import train_plan
+from onnx_partition.settings.train import TRAIN_FALLBACKS
 from onnx_partition.solve.contract import expand
 from onnx_partition.solve.scoring import RunSpec, node_arrays, pipeline_costs, stage_totals
 

@@ -201,7 +201,7 @@ def test_one_split_rule_for_numpy_torch_and_the_reference(rows, chunks):
     import torch
 
     from onnx_partition.pipeline import microbatch
-    from onnx_partition.runtime.train.rank import microbatch as rank_microbatch
+    from onnx_partition.runtime.train.rank_io import microbatch as rank_microbatch
     from onnx_partition.runtime.train.reference import split_rows
 
     ranges = microbatch.row_ranges(rows, chunks)

@@ -223,10 +223,13 @@ def test_every_verb_names_the_recomputing_stages(tmp_path: Path,
     """partition's summary, simulate (text and --json), report and train's summary (text and
     --json) name the stages plan.json marks recomputing, in one wording; partition --json and
     simulate --json mark the same stages."""
+    from support.training import rank_run
+
+    from onnx_partition.cli.summary.train import format_train
     from onnx_partition.pipeline.from_plan import recompute_line
     from onnx_partition.report.page import write_report
-    from onnx_partition.runtime.train.rank import RankResult, TrainConfig
-    from onnx_partition.runtime.train.trainer import format_train, summarize, train_json
+    from onnx_partition.runtime.train.rank_io import RankResult
+    from onnx_partition.runtime.train.results import summarize, train_json
 
     assert recompute_line([]) is None
     assert recompute_line([1]) == ("stage 1 recomputes its forward in backward (keeping only "
@@ -253,7 +256,7 @@ def test_every_verb_names_the_recomputing_stages(tmp_path: Path,
     plan = read_plan(out)
     ranks = [RankResult(rank=k, stage=k, replica=0, actions=[], peak_inflight=1, step_ms=[1.0],
                         forward_ms=[1.0], backward_ms=[1.0], loss=[0.0]) for k in (0, 1)]
-    stats = summarize(plan, ranks, TrainConfig(steps=1, microbatches=8, schedule="1f1b"),
+    stats = summarize(plan, ranks, rank_run(steps=1, microbatches=8, schedule="1f1b"),
                       32, "ours")
     assert f"  {line}" in format_train(stats).splitlines()
     assert train_json(stats)["recompute"] == [0, 1]

@@ -20,17 +20,17 @@ from support.training import (
     assert_stages_run_on_meta,
     own_loss_job,
     own_loss_task,
+    rank_run,
     train_checked,
 )
 
 from onnx_partition import export
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
+from onnx_partition.runtime.train.data_plan import synthetic_batch
 from onnx_partition.runtime.train.modules import lazy_stages, stage_modules, whole_module
-from onnx_partition.runtime.train.rank import TrainConfig
 from onnx_partition.runtime.train.reference import reference_train
 from onnx_partition.runtime.train.spawn import launch_training
-from onnx_partition.runtime.train.trainer import synthetic_batch
 
 HF = Callable[..., Path]
 
@@ -133,7 +133,7 @@ def test_own_loss_trains_over_gloo_like_one_process(hf_exported: HF, tmp_path: P
                      ordering="topo")
     rows, seed = 4, 0
     job = functools.partial(own_loss_job, str(plan_dir), rows, seed, True)
-    config = TrainConfig(steps=2, microbatches=2, lr=0.05, check_steps=(2,))
+    config = rank_run(steps=2, microbatches=2, lr=0.05, check_steps=(2,))
     results = launch_training(plan, job, config, timeout_s=60)
     task = own_loss_task(plan_dir)
     batches = [synthetic_batch(task.make_batch, rows, seed, s) for s in range(2)]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.training import rank_run
 
 from onnx_partition.cli import main
 from onnx_partition.partition import partition
@@ -19,15 +20,12 @@ from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.schedules import one_f_one_b
 from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.meters import SavedCounter
 from onnx_partition.runtime.train.modules import stage_modules
-from onnx_partition.runtime.train.rank import RankResult, SavedCounter, TrainConfig
+from onnx_partition.runtime.train.rank_io import RankResult
+from onnx_partition.runtime.train.results import predicted_stages, summarize, train_json
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import (
-    predicted_stages,
-    summarize,
-    train_json,
-    train_plan,
-)
+from onnx_partition.runtime.train.trainer import train_plan
 
 ROWS = 2
 KEYS = {"stage", "forward_ms", "backward_ms", "activation_bytes", "memory_bytes"}
@@ -179,7 +177,7 @@ def test_predicted_step_scales_the_per_row_terms_only(gpt_plan: Path) -> None:
     assert step > 0
     ranks = [RankResult(rank=k, stage=k, replica=0, actions=[], peak_inflight=1, step_ms=[1.0],
                         forward_ms=[1.0], backward_ms=[1.0], loss=[0.0]) for k in (0, 1)]
-    config = TrainConfig(steps=1, microbatches=4, schedule="1f1b")
+    config = rank_run(steps=1, microbatches=4, schedule="1f1b")
     same = summarize(plan, ranks, config, 4 * ROWS, "ours")
     assert same.simulated_ms == pytest.approx(result.iteration_ms)
     double = summarize(plan, ranks, config, 4 * 2 * ROWS, "ours")

@@ -19,14 +19,15 @@ from support.faults import ExitAt
 from onnx_partition.cli import main
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import read_plan
+from onnx_partition.request.train import PlannedChoiceWarning
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
-from onnx_partition.runtime.train.choices import PlannedChoiceWarning
+from onnx_partition.runtime.train.data_plan import synthetic_batch
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.reference import reference_train
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import synthetic_batch, train_plan
+from onnx_partition.runtime.train.trainer import train_plan
 
 OPTIM = dict(optimizer="adamw", lr=0.01, warmup_steps=1, lr_schedule="cosine",
              clip_grad_norm=0.05, weight_decay=0.1, betas=(0.8, 0.99))

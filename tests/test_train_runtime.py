@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.clock import ForwardClock, read_clock
 from support.faults import ExitAt
+from support.training import rank_run
 from torch import nn
 
 from onnx_partition.pipeline import schedules
@@ -20,7 +21,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
 from onnx_partition.runtime import StageFailed
 from onnx_partition.runtime.train.optim import make_optimizer
-from onnx_partition.runtime.train.rank import TrainConfig, microbatch
+from onnx_partition.runtime.train.rank_io import RankRun, microbatch
 from onnx_partition.runtime.train.spawn import launch_training
 
 ROWS = 3  # per micro-batch
@@ -148,16 +149,16 @@ def reference(steps: int, microbatches: int, optimizer: str, lr: float,
     return {n: p.detach() for n, p in whole.named_parameters()}
 
 
-def train(stages: int, replicas: list[int], config: TrainConfig, raising: bool = False,
+def train(stages: int, replicas: list[int], config: RankRun, raising: bool = False,
           recompute: bool = False):
     job = functools.partial(build, stages, replicas, ROWS * config.microbatches, raising,
                             recompute)
     return launch_training(job()[2], job, config, timeout_s=60)
 
 
-def assert_trained_like_reference(results, config: TrainConfig, rtol: float) -> None:
+def assert_trained_like_reference(results, config: RankRun, rtol: float) -> None:
     for step in config.check_steps:
-        want = reference(step, config.microbatches, config.optimizer, config.lr)
+        want = reference(step, config.microbatches, config.optimizer, config.job.optimizer.lr)
         for res in results:
             for name, got in res.states[step].items():
                 torch.testing.assert_close(got, want[name], rtol=rtol, atol=1e-6,
@@ -166,7 +167,7 @@ def assert_trained_like_reference(results, config: TrainConfig, rtol: float) -> 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_three_stages_equal_single_process_sgd(schedule):
-    config = TrainConfig(steps=1, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
+    config = rank_run(steps=1, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
                          check_steps=(1,))
     results = train(3, [1, 1, 1], config)
     assert_trained_like_reference(results, config, rtol=1e-4)
@@ -182,7 +183,7 @@ def test_three_stages_equal_single_process_sgd(schedule):
 def test_unequal_replicas_equal_single_process_adamw():
     """Stages with 2 and 1 replicas on 3 ranks: replica all-reduce, tied sum across the stage
     with replicas and the one without, three AdamW steps."""
-    config = TrainConfig(steps=3, microbatches=4, schedule="1f1b", optimizer="adamw", lr=0.01,
+    config = rank_run(steps=3, microbatches=4, schedule="1f1b", optimizer="adamw", lr=0.01,
                          check_steps=(1, 3))
     results = train(2, [2, 1], config)
     assert [(r.stage, r.replica) for r in results] == [(0, 0), (0, 1), (1, 0)]
@@ -199,7 +200,7 @@ def test_recomputing_stages_with_replicas_equal_single_process_adamw(schedule):
     """Every stage recomputing (stage 0 on 2 replicas, the tied ``w`` across both stages,
     clipping): AdamW steps equal single-process training. Under ZB-H1 each rank ran its
     planned actions, the weight pass of every micro-batch after its input pass."""
-    config = TrainConfig(steps=2, microbatches=4, schedule=schedule, optimizer="adamw",
+    config = rank_run(steps=2, microbatches=4, schedule=schedule, optimizer="adamw",
                          lr=0.01, check_steps=(1, 2))
     results = train(2, [2, 1], config, recompute=True)
     assert_trained_like_reference(results, config, rtol=1e-3)
@@ -219,7 +220,7 @@ def test_recomputing_stages_with_replicas_equal_single_process_adamw(schedule):
 def test_clipping_counts_tied_parameters_once_and_replicas_once(schedule):
     """Stage 0 on 2 replicas and stage 1 share ``w``: the whole model's gradient norm over the
     3 ranks equals clip_grad_norm_'s in one process, and so do the clipped SGD steps."""
-    config = TrainConfig(steps=2, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
+    config = rank_run(steps=2, microbatches=4, schedule=schedule, optimizer="sgd", lr=0.1,
                          check_steps=(1, 2), clip_grad_norm=0.05)
     results = train(2, [2, 1], config)
     norms: list[float] = []
@@ -237,14 +238,14 @@ def test_a_raising_stage_ends_the_job_naming_it():
     began = time.perf_counter()
     with pytest.raises(StageFailed, match=r"stage 1 replica 0 \(rank 1, cpu\) failed: 1F0: "
                                           r"this stage cannot run"):
-        train(2, [1, 1], TrainConfig(steps=1, microbatches=2), raising=True)
+        train(2, [1, 1], rank_run(steps=1, microbatches=2), raising=True)
     assert time.perf_counter() - began < 30
 
 
 def test_a_rank_killed_mid_step_ends_the_job():
     began = time.perf_counter()
     with pytest.raises(StageFailed, match=r"stage 0 replica 1 \(rank 1, cpu\) exited with code 1"):
-        train(2, [2, 1], TrainConfig(steps=2, microbatches=4, hook=ExitAt(1, "forward")))
+        train(2, [2, 1], rank_run(steps=2, microbatches=4, hook=ExitAt(1, "forward")))
     assert time.perf_counter() - began < 30
 
 
@@ -256,7 +257,7 @@ def test_forward_sends_leave_when_their_forward_ends(schedule, tmp_path):
     ended, not with stage 0's next receive (its first backward, after every forward in GPipe;
     the queued sends measured 6.5 -> 13.0 ms late before)."""
     clock = tmp_path / "clock"
-    config = TrainConfig(steps=1, microbatches=4, schedule=schedule, lr=0.1, check_steps=(1,),
+    config = rank_run(steps=1, microbatches=4, schedule=schedule, lr=0.1, check_steps=(1,),
                          hook=ForwardClock(str(clock), slow=0, delay_s=0.4))
     results = train(2, [1, 1], config)
     assert_trained_like_reference(results, config, rtol=1e-4)

@@ -33,7 +33,8 @@ from onnx_partition import models
 from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.errors import one_line
 from onnx_partition.partition import partition
-from onnx_partition.runtime.train.trainer import comparison, train_plan
+from onnx_partition.runtime.train.results import comparison
+from onnx_partition.runtime.train.trainer import train_plan
 
 
 def unscaled(costs: Path) -> Path:

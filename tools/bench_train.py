@@ -46,11 +46,13 @@ from onnx_partition import models
 from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.data_plan import synthetic_batch
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import make_optimizer
-from onnx_partition.runtime.train.rank import microbatch
+from onnx_partition.runtime.train.rank_io import microbatch
+from onnx_partition.runtime.train.results import TrainStats
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import TrainStats, synthetic_batch, train_plan
+from onnx_partition.runtime.train.trainer import train_plan
 
 
 def whole_steps(plan_dir: Path, rows: int, count: int, steps: int, threads: int) -> list[float]:

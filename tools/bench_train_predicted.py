@@ -48,7 +48,8 @@ from onnx_partition.pipeline.simulate import PipelineCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.runtime.train.overheads import rank_overheads
 from onnx_partition.runtime.train.probe import probe_engine
-from onnx_partition.runtime.train.trainer import comparison, train_plan
+from onnx_partition.runtime.train.results import comparison
+from onnx_partition.runtime.train.trainer import train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
 TOKENS, VOCAB = 32, 1000

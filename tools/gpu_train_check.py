@@ -24,20 +24,18 @@ from pathlib import Path
 import torch
 
 from onnx_partition import models
+from onnx_partition.cli.summary.train import format_train
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.devices import DEFAULT_GPU, GPUS, gpu, gpu_key
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.data_plan import synthetic_batch
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import make_optimizer
-from onnx_partition.runtime.train.rank import microbatch
+from onnx_partition.runtime.train.rank_io import microbatch
+from onnx_partition.runtime.train.results import TrainStats
 from onnx_partition.runtime.train.task import task_for
-from onnx_partition.runtime.train.trainer import (
-    TrainStats,
-    format_train,
-    synthetic_batch,
-    train_plan,
-)
+from onnx_partition.runtime.train.trainer import train_plan
 
 HEADER = ("| GPU | model | stages | check | samples/s | measured ms/step | simulated ms (plan) "
           "| measured/simulated | whole model, 1 GPU, samples/s |\n"

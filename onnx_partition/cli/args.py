@@ -26,14 +26,15 @@ from onnx_partition.cost.autocast import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
+from onnx_partition.plan.planfile import DEFAULT_MICROBATCHES
+from onnx_partition.request.train import KEYWORDS, planned_choices
 from onnx_partition.runtime.train.choices import (
     ENGINES,
     LOSSES,
     OPTIMIZERS,
     TORCH_SCHEDULES,
-    TRAIN_FALLBACKS,
-    planned_choices,
 )
+from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS, WEIGHT_DECAY
 
 __all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
            "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
@@ -573,9 +574,10 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     """``train``'s options; ``rank``: those of one torchrun rank of a training run (no --nproc,
     --save, --record, --engine; --backend instead)."""
     p.add_argument("plan", type=Path, help="a train-mode plan folder (partition --mode train)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps")
     p.add_argument("--microbatches", type=int,
-                   help="micro-batches per step (default: the plan's, else 4)")
+                   help=f"micro-batches per step (default: the plan's, else "
+                        f"{DEFAULT_MICROBATCHES})")
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch (default: as partitioned); a step takes "
                         "batch-size x microbatches rows")
@@ -589,8 +591,8 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="optimizer (default: the one the plan's memory was priced for, "
                         "plan.json optimizer, else sgd)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--lr", type=float, default=DEFAULTS.optimizer.lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed,
                    help="seed of dropout and of the synthetic batches (without --data)")
     p.add_argument("--data", type=Path, metavar="FILE",
                    help="train on a .npz (or a folder of .npy, memory-mapped) with arrays named "
@@ -599,7 +601,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                         "without it, synthetic batches")
     p.add_argument("--shuffle", type=int, metavar="SEED",
                    help="permute --data's rows once per epoch, reproducibly from SEED")
-    p.add_argument("--loss", default="auto", choices=LOSSES,
+    p.add_argument("--loss", default=DEFAULTS.data.loss, choices=LOSSES,
                    help="cross_entropy (first output vs labels, ignore -100), mse, output (the "
                         "model's first output is its loss), auto: output for a scalar output, "
                         "cross_entropy for integer labels, else mse")
@@ -618,7 +620,7 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
     p.add_argument("--record", type=Path, metavar="FILE",
                    help="write the measured per-stage forward/backward ms (plan.json's "
                         "simulator_costs form) to FILE")
-    p.add_argument("--engine", default="ours", choices=ENGINES,
+    p.add_argument("--engine", default=DEFAULTS.engine.name, choices=ENGINES,
                    help="ours (any plan); torch: torch.distributed.pipelining's "
                         "PipelineStage and Schedule1F1B/ScheduleGPipe on our stage modules "
                         "(plans with equal replicas per stage; see docs/design.md)")
@@ -631,13 +633,15 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
     from onnx_partition.runtime.train.lr_schedule import LR_SCHEDULES
 
     p.add_argument("--weight-decay", type=float,
-                   help="weight decay (default: torch.optim's, SGD 0, AdamW 0.01)")
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
-    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
-                   help="AdamW betas")
-    p.add_argument("--warmup-steps", type=int, default=0,
+                   help=f"weight decay (default: torch.optim's, SGD {WEIGHT_DECAY['sgd']:g}, "
+                        f"AdamW {WEIGHT_DECAY['adamw']:g})")
+    optimizer = DEFAULTS.optimizer
+    p.add_argument("--momentum", type=float, default=optimizer.momentum, help="SGD momentum")
+    p.add_argument("--betas", type=float, nargs=2, default=optimizer.betas,
+                   metavar=("B1", "B2"), help="AdamW betas")
+    p.add_argument("--warmup-steps", type=int, default=optimizer.warmup_steps,
                    help="linear learning-rate warm-up from 0 over K steps")
-    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+    p.add_argument("--lr-schedule", default=optimizer.lr_schedule, choices=LR_SCHEDULES,
                    help="learning rate after the warm-up, over --steps in all (as "
                         "transformers' schedulers)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
@@ -648,12 +652,13 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="write checkpoints (every rank's parameters, optimizer and RNG state) "
                         "into DIR")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULTS.checkpoint.every,
+                   metavar="K",
                    help="checkpoint after every K steps (and after the last)")
     p.add_argument("--resume", type=Path, metavar="DIR",
                    help="continue from DIR's latest complete checkpoint up to --steps in all, "
                         "checkpointing on into DIR")
-    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+    p.add_argument("--eval-every", type=int, default=DEFAULTS.data.eval_every, metavar="K",
                    help="print a validation loss after every K steps (and after the last)")
     p.add_argument("--eval-data", type=Path, metavar="FILE",
                    help="validation data (default: synthetic batches of another seed)")
@@ -754,7 +759,7 @@ def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str 
     was priced for (plan.json ``optimizer``, ``precision``, ``schedule``: ``recorded``, the
     plan's extra keys), else :data:`TRAIN_FALLBACKS`; returns one warning line when an option
     asks for something else than the plan assumed (its time and memory figures do not hold).
-    The rule is :func:`~onnx_partition.runtime.train.choices.planned_choices`, which
+    The rule is :func:`~onnx_partition.request.train.planned_choices`, which
     ``train_plan`` follows too."""
     chosen, warning = planned_choices(
         recorded, {k: getattr(args, k, None) for k in TRAIN_FALLBACKS},
@@ -764,20 +769,20 @@ def plan_defaults(args: argparse.Namespace, recorded: Mapping[str, Any]) -> str 
     return warning
 
 
-def train_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options ``train`` and its torchrun entry share, as keywords of ``train_plan`` and
-    ``train_rank`` (one reader, so the two cannot drift); --optimizer, --precision and
-    --schedule as :func:`plan_defaults` filled them (else :data:`TRAIN_FALLBACKS`)."""
+def train_options(args: argparse.Namespace, *, rank: bool = False) -> dict[str, Any]:
+    """Every ``train_plan`` keyword that ``train``'s options give (``rank``: those of a
+    torchrun rank, :func:`rank_parser`), the one reader of both parsers
+    (:func:`onnx_partition.request.train.train_job` makes the job of them): each option's
+    ``dest`` is its keyword (:data:`~onnx_partition.request.train.KEYWORDS`; ``-v``, the
+    command's verbosity, is not ``verbose``); --optimizer, --precision and --schedule as
+    :func:`plan_defaults` filled them (else :data:`TRAIN_FALLBACKS`). Rank 0 prints a line per
+    step unless --json, and the local verb a progress bar too (a torchrun rank's output goes
+    through the launcher)."""
     for key, fallback in TRAIN_FALLBACKS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, fallback)
-    return dict(
-        steps=args.steps, microbatches=args.microbatches, batch_size=args.batch_size,
-        schedule=args.schedule, optimizer=args.optimizer,
-        lr=args.lr, check=args.check,
-        seed=args.seed, data=args.data, shuffle=args.shuffle, loss=args.loss,
-        weight_decay=args.weight_decay, momentum=args.momentum, betas=tuple(args.betas),
-        warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, eval_every=args.eval_every, eval_data=args.eval_data, log=args.log)
+    given = {key: value for key, value in vars(args).items()
+             if key in KEYWORDS and key != "verbose"}
+    given["betas"] = tuple(args.betas)
+    quiet = bool(given.get("json", False))
+    return {**given, "verbose": not quiet, "progress": not quiet and not rank}

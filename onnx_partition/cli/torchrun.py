@@ -13,7 +13,7 @@ code 2 for bad input, 1 for a failed rank), so torchrun stops the others. Rank 0
 ``run``'s inputs (:func:`onnx_partition.runtime.infer.check.run_feeds`) and prints the figures. The
 environment is read by :func:`onnx_partition.runtime.launch.ranks.torchrun_env`. The work is
 the runtime's: :func:`onnx_partition.runtime.infer.torchrun_rank.main_worker` and
-:func:`onnx_partition.runtime.train.trainer.train_rank`, imported when a rank runs.
+:func:`onnx_partition.runtime.train.torchrun_rank.train_rank`, imported when a rank runs.
 """
 
 from __future__ import annotations
@@ -77,11 +77,15 @@ def _infer(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Train as this rank; rank 0 prints the summary."""
+    from onnx_partition.cli.summary.train import format_train
     from onnx_partition.plan import read_plan
-    from onnx_partition.runtime.train.trainer import format_train, train_rank
+    from onnx_partition.request.train import resolve_job, train_job
+    from onnx_partition.runtime.train.torchrun_rank import train_rank
 
-    warning = plan_defaults(args, read_plan(args.plan).extra)
-    stats = train_rank(args.plan, backend=args.backend, **train_options(args))
+    plan = read_plan(args.plan)
+    warning = plan_defaults(args, plan.extra)
+    job, _ = resolve_job(train_job(**train_options(args, rank=True)), plan)
+    stats = train_rank(args.plan, job)
     if stats is None:
         return 0
     print(format_train(stats))

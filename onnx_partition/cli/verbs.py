@@ -15,7 +15,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -444,9 +443,11 @@ def _check(
 
 
 def _train(args: argparse.Namespace) -> int:
+    from onnx_partition.cli.summary.train import format_train
     from onnx_partition.pipeline.predict import dumps
-    from onnx_partition.runtime.train.choices import PlannedChoiceWarning
-    from onnx_partition.runtime.train.trainer import format_train, train_json, train_plan
+    from onnx_partition.request.train import resolve_job, train_job
+    from onnx_partition.runtime.train.results import train_json
+    from onnx_partition.runtime.train.trainer import run_job
 
     plan = read_plan(args.plan)
     if plan.mode != "train":
@@ -454,12 +455,9 @@ def _train(args: argparse.Namespace) -> int:
             f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
     warning = plan_defaults(args, plan.extra)  # said after the figures it explains
-    with warnings.catch_warnings():  # said once, below, as the command line's line
-        warnings.simplefilter("ignore", PlannedChoiceWarning)
-        stats = train_plan(args.plan, nproc=args.nproc, save=args.save, record=args.record,
-                           engine=args.engine, verbose=not args.json, progress=not args.json,
-                           **train_options(args))
-    print(dumps(train_json(stats)) if args.json else format_train(stats))
+    job, _ = resolve_job(train_job(**train_options(args)), plan)  # the choices: plan_defaults'
+    stats = run_job(args.plan, job)
+    print(dumps(train_json(stats)) if job.logging.json else format_train(stats))
     if warning:
         print(warning, file=sys.stderr)
     return EXIT_FAILED if stats.mismatches else 0

@@ -1,7 +1,7 @@
 """Faults the tests inject through the production seams, never through the environment.
 
 * rank hooks (:mod:`onnx_partition.runtime.launch.hooks`), passed as ``run_distributed(...,
-  hook=)`` or ``TrainConfig(hook=)``: :class:`ExitAt` (the rank dies, as a crash or a kill
+  hook=)`` or ``RankRun(hook=)``: :class:`ExitAt` (the rank dies, as a crash or a kill
   would leave it) and :class:`StopAt` (the rank is stopped, as a hung one would be);
 * a publication's ``step_hook`` (:func:`onnx_partition.plan.folder.publish`): :class:`CrashAt`.
 

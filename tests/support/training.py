@@ -12,14 +12,27 @@ import torch
 
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
+from onnx_partition.request.train import resolve_job, train_job
+from onnx_partition.runtime.launch.hooks import RankHook
+from onnx_partition.runtime.train.data_plan import plan_job, synthetic_batch
 from onnx_partition.runtime.train.modules import StageModule, stage_modules, whole_module
+from onnx_partition.runtime.train.rank_io import RankRun
 from onnx_partition.runtime.train.task import TrainTask, task_for
-from onnx_partition.runtime.train.trainer import plan_job, synthetic_batch, train_plan
+from onnx_partition.runtime.train.trainer import train_plan
 
 Tensors = dict[str, torch.Tensor]
 
 __all__ = ["OutputLoss", "assert_stages_equal_whole", "assert_stages_run_on_meta", "chain_stages",
-           "own_loss_job", "own_loss_task", "train_checked"]
+           "own_loss_job", "own_loss_task", "rank_run", "train_checked"]
+
+
+def rank_run(*, check_steps: tuple[int, ...] = (), hook: RankHook | None = None,
+             **keywords: object) -> RankRun:
+    """What every rank runs for ``train_plan``'s ``keywords``, resolved as for a plan that
+    records no choices (train's fallbacks: SGD, fp32, 1F1B), with ``check_steps`` and ``hook``:
+    the engine driven without ``train_plan``'s checks."""
+    job, _ = resolve_job(train_job(**keywords), None)
+    return RankRun(job, check_steps=check_steps, hook=hook)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A seam at fixed points of every rank's run: :data:`RankHook`.
 
 A hook travels to each rank with its configuration (``run_distributed(..., hook=)``,
-``TrainConfig.hook``) and is called there as ``hook(rank, point)`` at these points:
+``RankRun.hook``) and is called there as ``hook(rank, point)`` at these points:
 
 * ``"compute"``: an inference rank, before it runs its stage on a micro-batch;
 * ``"forward"``: a training rank, after each forward action;

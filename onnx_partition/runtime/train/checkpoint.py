@@ -33,16 +33,18 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_path, atomic_write, sha256_file
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.train.choices import WEIGHT_DECAY
+from onnx_partition.settings.train import WEIGHT_DECAY, CheckpointSettings
 
-__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_dir", "check_optimizer", "latest_checkpoint",
-           "optimizer_record", "plan_fingerprint", "rank_file", "write_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointRequest", "check_checkpoint_dir", "check_optimizer",
+           "latest_checkpoint", "optimizer_record", "plan_fingerprint", "rank_file",
+           "resume_request", "write_checkpoint"]
 
 CHECKPOINT_FORMAT = "onnx-partition-checkpoint/1"
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -61,7 +63,7 @@ def optimizer_record(optimizer: str, weight_decay: float | None, momentum: float
                      betas: tuple[float, float]) -> dict[str, Any]:
     """The optimizer a checkpoint's state belongs to, with the options its state dict carries
     (the weight decay resolved as ``make_optimizer`` resolves it,
-    :data:`~onnx_partition.runtime.train.choices.WEIGHT_DECAY`)."""
+    :data:`~onnx_partition.settings.train.WEIGHT_DECAY`)."""
     decay = WEIGHT_DECAY.get(optimizer, 0.0) if weight_decay is None else weight_decay
     if optimizer == "sgd":
         return {"name": "sgd", "weight_decay": decay, "momentum": momentum}
@@ -179,3 +181,51 @@ def write_checkpoint(
         else:
             os.replace(partial, final)
     barrier()
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """Where checkpoints go and what a resumed run starts from."""
+
+    directory: str | None = None
+    every: int = 0
+    start: int = 0  # steps already done
+    resume_from: str | None = None  # the checkpoint folder to load
+    manifest: str = ""  # JSON: the manifest's fixed part
+    evals: tuple[tuple[int, float], ...] = ()  # the checkpoint's validation losses (step, loss)
+
+
+def resume_request(folder: Path, plan: Plan, asked: CheckpointSettings, *, rows: int,
+                   steps: int, optimizer: Mapping[str, Any] | None = None) -> CheckpointRequest:
+    """Check ``--checkpoint-dir/--checkpoint-every/--resume`` (``asked``) against the plan (a
+    checkpoint of another plan, of another batch, or of another ``optimizer``, as
+    :func:`optimizer_record` describes it, is refused) before any process starts; a resumed
+    run checkpoints on into the folder it resumed from, every as many steps as it did."""
+    start, resume_from, every = 0, None, asked.every
+    evals: tuple[tuple[int, float], ...] = ()
+    target = None if asked.dir is None else Path(asked.dir)
+    if asked.resume is not None:
+        resume = asked.resume
+        found, manifest = latest_checkpoint(Path(resume), plan)
+        start, resume_from = int(manifest["step"]), str(found.resolve())
+        evals = tuple((int(s), float(v)) for s, v in manifest.get("eval_loss", ()))
+        if manifest.get("rows_per_step") != rows:
+            raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
+                                 f" rows per step, this run takes {rows}")
+        if optimizer is not None:
+            check_optimizer(found, manifest, optimizer)
+        if start >= steps:
+            raise PartitionError(f"--resume {found}: already at step {start}; --steps {steps} "
+                                 "(steps in all) leaves nothing to train")
+        target = target or Path(resume)
+        every = every or int(manifest.get("checkpoint_every", 0))
+    if target is not None:
+        check_checkpoint_dir(target, folder, (folder / plan.model) if plan.model else None)
+        if not every:
+            raise PartitionError("--checkpoint-dir needs --checkpoint-every K")
+    elif asked.every:
+        raise PartitionError("--checkpoint-every needs --checkpoint-dir DIR")
+    fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
+             "checkpoint_every": every, **({} if optimizer is None else {"optimizer": optimizer})}
+    return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
+                             resume_from, json.dumps(fixed), evals)

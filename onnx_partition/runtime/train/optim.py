@@ -10,14 +10,17 @@ from collections.abc import Iterable
 import torch
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.runtime.train.choices import OPTIMIZERS, WEIGHT_DECAY
+from onnx_partition.runtime.train.choices import OPTIMIZERS
+from onnx_partition.settings.train import DEFAULTS, WEIGHT_DECAY
 
 __all__ = ["autocast", "make_optimizer"]
 
 
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *,
-                   weight_decay: float | None = None, momentum: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+                   weight_decay: float | None = None,
+                   momentum: float = DEFAULTS.optimizer.momentum,
+                   betas: tuple[float, float] = DEFAULTS.optimizer.betas
+                   ) -> torch.optim.Optimizer:
     """``sgd``: SGD (``momentum``, weight decay default 0); ``adamw``: AdamW (``betas``, eps
     1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given."""
     decay = WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay

@@ -1,5 +1,5 @@
 """Where a training rank's step went besides compute, read from the rank's own spans
-(:class:`~onnx_partition.runtime.train.rank.RankResult` ``spans`` and ``tail``): the engine's
+(:class:`~onnx_partition.runtime.train.rank_io.RankResult` ``spans`` and ``tail``): the engine's
 fixed costs that the simulator prices as ``action_ms`` (per action), the step's collectives
 (``barrier_ms``) and its tail.
 

@@ -32,9 +32,11 @@ from torch import nn
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import simulate
 from onnx_partition.plan import IOSpec, Plan, Stage
+from onnx_partition.request.train import resolve_job, train_job
 from onnx_partition.runtime.train.overheads import fit_hop_ms, run_costs, run_pipeline
-from onnx_partition.runtime.train.rank import TrainConfig
+from onnx_partition.runtime.train.rank_io import RankRun
 from onnx_partition.runtime.train.spawn import launch_training
+from onnx_partition.settings.train import LOCAL_TIMEOUT_S
 
 __all__ = ["LAYERS", "MICROBATCHES", "ROWS", "SCHEDULE", "STEPS", "WIDTH", "probe_engine"]
 
@@ -100,7 +102,7 @@ def _job() -> tuple[list[_Stage], Any, Plan, Any]:
 
 
 def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
-                 timeout_s: float = 120.0) -> dict[str, Any]:
+                 timeout_s: float = LOCAL_TIMEOUT_S) -> dict[str, Any]:
     """Run the probe (module docstring): ``{"action_ms", "barrier_ms", "hop_ms", "send_ms",
     "step_ms", "simulated_ms", "schedule", "microbatches", "steps", "hop_bytes", "source"}``
     (ms; ``send_ms`` the idle hop, ``step_ms`` the measured step, ``simulated_ms`` the fit's).
@@ -113,9 +115,9 @@ def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
     if steps < 2:
         raise ValueError("the probe needs at least 2 steps (the first is left out)")
     plan = _plan()
-    config = TrainConfig(steps=steps, microbatches=MICROBATCHES, schedule=SCHEDULE,
-                         optimizer="adamw", lr=1e-4, threads=1)
-    ranks = launch_training(plan, _job, config, backend="gloo", timeout_s=timeout_s)
+    job, _ = resolve_job(train_job(steps=steps, microbatches=MICROBATCHES, schedule=SCHEDULE,
+                                   optimizer="adamw", lr=1e-4, threads=1), plan)
+    ranks = launch_training(plan, _job, RankRun(job), backend="gloo", timeout_s=timeout_s)
     hop_bytes = ROWS * WIDTH * 4
     idle = "the link" if link is not None else "a ping-pong"
     if link is not None:

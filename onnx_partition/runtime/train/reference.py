@@ -23,6 +23,7 @@ from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.task import TrainTask, task_for
+from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS
 
 __all__ = ["ORDER_ULPS", "ROUNDING_ULPS", "check_tolerance", "mismatch", "reference_gradients",
            "reference_train", "split_rows"]
@@ -72,21 +73,21 @@ def reference_train(
     plan_dir: str | Path,
     batches: Sequence[Batch],
     *,
-    optimizer: str = "sgd",
-    lr: float = 0.01,
+    microbatches: int,
+    optimizer: str = TRAIN_FALLBACKS["optimizer"],
+    lr: float = DEFAULTS.optimizer.lr,
     steps: int | None = None,
-    microbatches: int = 1,
     task: TrainTask | None = None,
     deterministic: bool = True,
     losses: list[float] | None = None,
     weight_decay: float | None = None,
-    momentum: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    warmup_steps: int = 0,
-    lr_schedule: str = "constant",
+    momentum: float = DEFAULTS.optimizer.momentum,
+    betas: tuple[float, float] = DEFAULTS.optimizer.betas,
+    warmup_steps: int = DEFAULTS.optimizer.warmup_steps,
+    lr_schedule: str = DEFAULTS.optimizer.lr_schedule,
     total_steps: int | None = None,
     clip_grad_norm: float | None = None,
-    precision: str = "fp32",
+    precision: str = TRAIN_FALLBACKS["precision"],
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
@@ -94,7 +95,7 @@ def reference_train(
     names). ``task`` defaults to :func:`task_for`'s loss; micro-batches are weighted as the
     pipeline weights them (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`).
     ``losses``, when given, gets each step's loss (over the whole batch) appended. The
-    optimisation options are :class:`~onnx_partition.runtime.train.rank.TrainConfig`'s (the
+    optimisation options are a training run's (:mod:`onnx_partition.settings.train`; the
     schedule spans ``total_steps``, default ``steps``; clipping by
     ``torch.nn.utils.clip_grad_norm_``)."""
     if not batches:
@@ -120,8 +121,9 @@ def reference_train(
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int = 1,
-                        task: TrainTask | None = None, precision: str = "fp32"
+def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int,
+                        task: TrainTask | None = None,
+                        precision: str = TRAIN_FALLBACKS["precision"]
                         ) -> dict[str, torch.Tensor]:
     """The gradients of :func:`reference_train`'s first step (before clipping and the
     optimizer), by name (None-gradient parameters left out): what ``--check`` compares first."""
@@ -133,7 +135,7 @@ def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int
 
 
 def _accumulate(module: torch.nn.Module, plan: Plan, task: TrainTask, batch: Batch,
-                microbatches: int, precision: str = "fp32") -> float:
+                microbatches: int, precision: str) -> float:
     """One step's gradient, accumulated micro-batch by micro-batch, each weighted as the
     pipeline weights it (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`); the
     step's loss."""

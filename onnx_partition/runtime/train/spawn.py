@@ -8,7 +8,7 @@ What each rank trains comes from a ``build`` callable (module-level, or a
 ``functools.partial`` of one, so it pickles to the children): ``build()`` returns the stage
 list, the loss function, the plan and the batch function (and, optionally, fifth, the
 validation batch function). Rank 0 gathers every rank's
-:class:`~onnx_partition.runtime.train.rank.RankResult` and returns them in rank order.
+:class:`~onnx_partition.runtime.train.rank_io.RankResult` and returns them in rank order.
 """
 
 from __future__ import annotations
@@ -33,14 +33,9 @@ from onnx_partition.runtime.launch.ranks import (
     rank_result,
     torchrun_env,
 )
-from onnx_partition.runtime.train.rank import (
-    Batches,
-    LossFn,
-    RankResult,
-    StageLike,
-    TrainConfig,
-    train_stages,
-)
+from onnx_partition.runtime.train.rank import train_stages
+from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
+from onnx_partition.settings.train import TORCHRUN_TIMEOUT_S
 
 __all__ = ["TRAIN_PRELOAD", "Build", "launch_training", "rank_device", "run_rank", "torchrun_rank"]
 
@@ -61,7 +56,7 @@ def rank_device(plan: Plan, rank: int, backend: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: str,
+def run_rank(rank: int, world: int, build: Build, run: RankRun, backend: str,
              timeout_s: float, store: dist.Store | None) -> list[RankResult] | None:
     """One rank from process-group set-up to the gathered results (rank 0) or None."""
     try:
@@ -72,13 +67,13 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     except Exception as exc:
         raise RankFailure("setup", f"cannot start: {exc}") from exc
     join_group(backend, rank, world, timeout_s, store)
-    if config.engine == "torch":  # a list: one result per stage the rank holds
+    if run.job.engine.name == "torch":  # a list: one result per stage the rank holds
         from onnx_partition.runtime.train.torch_engine import train_stages_torch
 
-        result: Any = train_stages_torch(stages, loss_fn, plan, batches, config, rank=rank,
+        result: Any = train_stages_torch(stages, loss_fn, plan, batches, run, rank=rank,
                                          device=device, eval_batches=evals)
     else:
-        result = train_stages(stages, loss_fn, plan, batches, config, rank=rank,
+        result = train_stages(stages, loss_fn, plan, batches, run, rank=rank,
                               device=device, eval_batches=evals)
     gathered: list[Any] = [None] * world if rank == 0 else []
     # the results (saved states among them) travel over gloo: gather_object over NCCL would
@@ -91,21 +86,21 @@ def run_rank(rank: int, world: int, build: Build, config: TrainConfig, backend: 
     return [r for got in gathered for r in (got if isinstance(got, list) else [got])]
 
 
-def _spawned(rank: int, store: dist.Store, world: int, build: Build, config: TrainConfig,
+def _spawned(rank: int, store: dist.Store, world: int, build: Build, run: RankRun,
              backend: str, timeout_s: float) -> bytes | None:
     """Results pickled plainly: a queue would share the tensors' memory through file
     descriptors that die with this process."""
-    results = run_rank(rank, world, build, config, backend, timeout_s, store)
+    results = run_rank(rank, world, build, run, backend, timeout_s, store)
     return None if results is None else pickle.dumps(results)
 
 
 def launch_training(
     plan: Plan,
     build: Build,
-    config: TrainConfig,
+    run: RankRun,
     *,
     backend: str | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float,
     start_method: str | None = None,
 ) -> list[RankResult]:
     """Train with one local process per stage replica of ``plan``; every rank's result.
@@ -114,24 +109,24 @@ def launch_training(
     lay = layout(plan)
     chosen = choose_backend(lay, backend, one_machine=True)
     world = lay.world_size
-    if config.engine == "torch":  # interleaved: two stages per rank
+    if run.job.engine.name == "torch":  # interleaved: two stages per rank
         from onnx_partition.runtime.train.torch_engine import world_size
 
-        world = world_size(lay, config.schedule)
-    args = [(world, build, config, chosen, timeout_s)] * world
+        world = world_size(lay, run.schedule)
+    args = [(world, build, run, chosen, timeout_s)] * world
     results = launch_ranks(_spawned, args, lay.name, timeout_s=timeout_s,
                            start_method=start_method, preload=TRAIN_PRELOAD)
     return list(pickle.loads(rank_result(0, results.get(0), "the training ranks")))
 
 
-def torchrun_rank(build: Build, config: TrainConfig, *, backend: str | None = None,
-                  timeout_s: float = 60.0, env: TorchrunEnv | None = None
+def torchrun_rank(build: Build, run: RankRun, *, backend: str | None = None,
+                  timeout_s: float = TORCHRUN_TIMEOUT_S, env: TorchrunEnv | None = None
                   ) -> list[RankResult] | None:
     """One rank under ``torchrun`` (``env``, default
     :func:`~onnx_partition.runtime.launch.ranks.torchrun_env`: RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT from the environment): rank 0's gathered results, None on the others
     (:func:`~onnx_partition.runtime.launch.ranks.rank_result`)."""
     env = torchrun_env() if env is None else env
-    results = run_rank(env.rank, env.world_size, build, config, backend or "gloo", timeout_s,
+    results = run_rank(env.rank, env.world_size, build, run, backend or "gloo", timeout_s,
                        None)
     return rank_result(env.rank, results, "the training ranks")

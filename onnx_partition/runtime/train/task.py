@@ -21,6 +21,7 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.runtime.train.loss import Loss, LossFn, make_loss, resolve_loss
+from onnx_partition.settings.train import DEFAULTS
 
 __all__ = ["TrainTask", "synthetic_kind", "task_for"]
 
@@ -48,7 +49,7 @@ def synthetic_kind(plan: Plan) -> str:
     return "mse"
 
 
-def task_for(plan_dir: str | Path, loss: str = "auto", loss_fn: LossFn | None = None,
+def task_for(plan_dir: str | Path, loss: str = DEFAULTS.data.loss, loss_fn: LossFn | None = None,
              kind: str | None = None) -> TrainTask:
     """The plan's loss (``loss``: a name of :data:`~onnx_partition.runtime.train.loss.LOSSES`,
     or ``loss_fn``; ``kind``: the loss already resolved against the data) and its synthetic

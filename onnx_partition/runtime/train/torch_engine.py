@@ -27,7 +27,7 @@ micro-batch's targets and multiplies the loss by its weight
 (:func:`~onnx_partition.runtime.train.loss.microbatch_weights`) with ``scale_grads=False``, as
 our engine does. After the schedule's step: the gradient sums over each stage's replicas and the
 tied groups, the whole model's norm and clipping, the learning-rate schedule and the optimizer
-step are :mod:`onnx_partition.runtime.train.rank`'s own functions.
+step are our engine's own functions (:mod:`onnx_partition.runtime.train.grads`).
 
 **Interleaved zero bubble** (``--schedule interleaved-zb``: ``ScheduleInterleavedZeroBubble``)
 holds two stages per rank: a pipeline has ``P = stages / 2`` positions, stage ``i`` on position
@@ -58,21 +58,23 @@ from torch.distributed.pipelining import (
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan
+from onnx_partition.runtime.train.grads import (
+    all_reduce_grads,
+    clip_gradients,
+    owned_for_norm,
+    tied_groups,
+)
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
-from onnx_partition.runtime.train.rank import (
+from onnx_partition.runtime.train.rank import step_line
+from onnx_partition.runtime.train.rank_io import (
     Batches,
     LossFn,
     RankResult,
+    RankRun,
     StageLike,
-    TrainConfig,
-    _all_reduce_grads,
-    _clip,
-    _owned_for_norm,
     microbatch,
-    step_line,
-    tied_groups,
 )
 
 __all__ = ["SCHEDULES", "check_torch_engine", "hop_metas", "train_stages_torch", "world_size"]
@@ -83,9 +85,11 @@ SCHEDULES: dict[str, Any] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
 
 # one tensor's static metadata: shape, dtype, requires_grad
 Meta = tuple[tuple[int, ...], torch.dtype, bool]
+# a step's batch: model inputs, targets
+_Batch = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
 
-def check_torch_engine(plan: Plan, config: TrainConfig) -> None:
+def check_torch_engine(plan: Plan, run: RankRun) -> None:
     """A one-line :class:`PartitionError` (before any process) when the run cannot go on
     torch pipelining, saying why."""
     lay = layout(plan)
@@ -101,29 +105,29 @@ def check_torch_engine(plan: Plan, config: TrainConfig) -> None:
             f"--engine torch runs every stage without recomputation; this plan's stages "
             f"{recomputed} recompute (its memory assumes it): use --engine ours, or partition "
             "with --recompute none")
-    if config.schedule not in SCHEDULES:
-        raise PartitionError(f"--engine torch: schedule {config.schedule!r} is not torch "
+    if run.schedule not in SCHEDULES:
+        raise PartitionError(f"--engine torch: schedule {run.schedule!r} is not torch "
                              f"pipelining's; choose {', '.join(SCHEDULES)}")
-    if config.microbatches < counts[0]:
+    if run.microbatches < counts[0]:
         raise PartitionError(f"--engine torch: each of the {counts[0]} replicas needs a "
-                             f"micro-batch; got {config.microbatches} micro-batches")
-    if config.schedule == "interleaved-zb":
+                             f"micro-batch; got {run.microbatches} micro-batches")
+    if run.schedule == "interleaved-zb":
         if lay.stages % 2:
             raise PartitionError(f"--schedule interleaved-zb holds two stages per rank (stage "
                                  f"i on rank i % (stages / 2)); this plan has {lay.stages}")
         positions = lay.stages // 2
         for j in range(counts[0]):
-            n = len(range(j, config.microbatches, counts[0]))
+            n = len(range(j, run.microbatches, counts[0]))
             rounds = max(1, n // positions)
             if n % rounds:
                 raise PartitionError(
                     f"--schedule interleaved-zb: each pipeline's micro-batches ({n}) must be a "
                     f"multiple of its rounds ({rounds}; torch's zero-bubble rule)")
     unsupported = [flag for flag, on in (
-        ("--checkpoint-dir", config.checkpoint_dir is not None),
-        ("--resume", config.resume_from is not None),
-        ("--eval-every", config.eval_every > 0), ("--log", config.log is not None),
-        ("a fault hook", config.hook is not None)) if on]
+        ("--checkpoint-dir", run.checkpoints.directory is not None),
+        ("--resume", run.checkpoints.resume_from is not None),
+        ("--eval-every", run.job.data.eval_every > 0), ("--log", run.job.logging.file is not None),
+        ("a fault hook", run.hook is not None)) if on]
     if unsupported:
         raise PartitionError(f"--engine torch does not take {', '.join(unsupported)} (our "
                              "engine's; use --engine ours)")
@@ -284,12 +288,35 @@ class _Place:
         return (stage % self.positions) * self.replicas + replica
 
 
+@dataclass
+class _Kit:
+    """What a rank of torch pipelining sets up once: where it sits, the micro-batches its
+    pipeline serves, its stages' parameters and optimizer, its groups, the timed
+    ``PipelineStage`` of each stage it holds and the schedule running them."""
+
+    at: _Place
+    mine: list[int]  # the micro-batches of this rank's pipeline (replica)
+    params: dict[int, dict[str, torch.nn.Parameter]]  # per local stage
+    optimizer: torch.optim.Optimizer
+    owned: list[str]  # "stage/name" of the parameters this rank counts in the norm
+    stage_groups: dict[int, Any]  # per local stage with replicas: its replicas' group
+    tied: list[tuple[Any, list[tuple[int, str]]]]
+    hops: dict[int, _Hop]  # the local stages' modules, as pipelining runs them
+    timed: dict[int, _TimedStage]
+    loss: _Loss
+    schedule: Any
+
+    @property
+    def flat(self) -> dict[str, torch.nn.Parameter]:
+        return {f"{k}/{n}": p for k, named in self.params.items() for n, p in named.items()}
+
+
 def train_stages_torch(
     stages: Sequence[StageLike],
     loss_fn: LossFn,
     plan: Plan,
     batches: Batches,
-    config: TrainConfig,
+    run: RankRun,
     *,
     rank: int,
     device: torch.device | None = None,
@@ -300,30 +327,65 @@ def train_stages_torch(
     no evaluation)."""
     del eval_batches  # refused by check_torch_engine
     device = device or torch.device("cpu")
-    if config.threads > 0:
-        torch.set_num_threads(config.threads)
+    if run.job.engine.threads > 0:
+        torch.set_num_threads(run.job.engine.threads)
     lay = layout(plan)
     replicas = lay.replicas[0]
-    per_rank = _local_count(config.schedule)
-    at = _Place(rank // replicas, rank % replicas, lay.stages // per_rank, replicas, lay.stages)
-    local = at.local
-    first, last = local[0] == 0, local[-1] == lay.stages - 1
-    count = config.microbatches
-    mine = [m for m in range(count) if m % replicas == at.replica]
-    model_inputs = {s.name for s in plan.inputs}
-    model_outputs = tuple(s.name for s in plan.outputs)
+    at = _Place(rank // replicas, rank % replicas, lay.stages // _local_count(run.schedule),
+                replicas, lay.stages)
+    first, last = at.local[0] == 0, at.local[-1] == lay.stages - 1
     first_batch = batches(0) if first or last else None
-    # rank 0 chains every stage once (before the seed: its dropout draws are not the run's)
+    metas = _shared_metas(stages, plan, lay, at, first_batch, run.microbatches, rank, device)
+    torch.manual_seed(run.job.seed * 1_000_003 + rank)
+    kit = _set_up(stages, loss_fn, plan, lay, at, metas, run, device)
+    dist.barrier()
+    results = {k: RankResult(rank, k, at.replica, [], 0, [], [], [], []) for k in at.local}
+    for step in range(run.checkpoints.start, run.job.steps):
+        began = time.perf_counter()
+        if step == 0 and first_batch is not None:
+            batch = first_batch
+        else:
+            batch = batches(step) if first or last else ({}, {})
+        total, rows = _run_schedule(kit, lay, batch, first, last, run.microbatches, device)
+        norm, lr = _step_end(kit, stages, run, results, step, device)
+        _record(lay, at, results, {k: kit.timed[k].seconds for k in at.local}, total, began,
+                step, rows, run.job.logging.verbose, device)
+        for k in at.local:
+            results[k].grad_norm.append(norm)
+            results[k].lr.append(lr)
+            kit.timed[k].seconds[:] = [0.0, 0.0]
+            if step + 1 in run.check_steps:
+                results[k].states[step + 1] = {n: p.detach().cpu().clone()
+                                               for n, p in kit.params[k].items()}
+    if run.keep_state and at.replica == 0:
+        for k in at.local:
+            results[k].state = {n: v.detach().cpu().clone()
+                                for n, v in kit.hops[k].stage.state_dict().items()}
+    return [results[k] for k in at.local]
+
+
+def _shared_metas(stages: Sequence[StageLike], plan: Plan, lay: Layout, at: _Place,
+                  first_batch: _Batch | None, count: int, rank: int,
+                  device: torch.device) -> list[tuple[list[Meta], list[Meta]]]:
+    """Every hop's metadata, found by rank 0 chaining every stage once on micro-batch 0 of
+    step 0 (before the seed: its dropout draws are not the run's) and broadcast."""
     shared: list[Any] = [None]
     if rank == 0:
         assert first_batch is not None
         example = {n: v.to(device) for n, v in microbatch(first_batch[0], 0, count).items()}
-        shared[0] = hop_metas(stages, lay, example, model_inputs, model_outputs)
-        _free_others(stages, local)
+        shared[0] = hop_metas(stages, lay, example, {s.name for s in plan.inputs},
+                              tuple(s.name for s in plan.outputs))
+        _free_others(stages, at.local)
     dist.broadcast_object_list(shared, src=0)
-    torch.manual_seed(config.seed * 1_000_003 + rank)
+    return list(shared[0])
 
-    # every rank creates every group in the same order: pipelines, stage replicas, tied sets
+
+def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, lay: Layout, at: _Place,
+            metas: Sequence[tuple[list[Meta], list[Meta]]], run: RankRun,
+            device: torch.device) -> _Kit:
+    """The groups (every rank creates every group in the same order: pipelines, stage
+    replicas, tied sets), the local stages wrapped, timed and scheduled, and the optimizer."""
+    replicas = at.replicas
     pipe_group = None
     for j in range(replicas):
         group = dist.new_group(ranks=[p * replicas + j for p in range(at.positions)])
@@ -333,81 +395,77 @@ def train_stages_torch(
     for k in range(lay.stages):
         if replicas > 1:
             group = dist.new_group(ranks=[at.rank_of(k, j) for j in range(replicas)])
-            if k in local:
+            if k in at.local:
                 stage_groups[k] = group
     tied = _tied_here(stages, at)
-
-    bf16 = config.precision == "bf16"
+    model_outputs = tuple(s.name for s in plan.outputs)
     hops = {k: _Hop(stages[k], lay.recv_names[k],
                     lay.send_names[k] if k < lay.stages - 1 else model_outputs,
-                    bf16).to(device).train() for k in local}
-    params = {k: dict(hops[k].stage.named_parameters()) for k in local}
-    flat = {f"{k}/{n}": p for k in local for n, p in params[k].items()}
-    optimizer = make_optimizer(config.optimizer, list(flat.values()), config.lr,
-                               weight_decay=config.weight_decay, momentum=config.momentum,
-                               betas=config.betas)
-    owned = [f"{k}/{n}" for k in local for n in _owned_for_norm(stages, k, at.replica, params[k])]
+                    run.precision == "bf16").to(device).train() for k in at.local}
     timed = {}
-    for k in local:
-        receives, sends = shared[0][k]
+    for k in at.local:
+        receives, sends = metas[k]
         timed[k] = _TimedStage(hops[k], k, lay.stages, device,
                                input_args=tuple(_example(m, device) for m in receives),
                                output_args=tuple(_example(m, device) for m in sends),
                                group=pipe_group)
         timed[k].seconds = [0.0, 0.0]
-    loss = _Loss(loss_fn, model_outputs, count, device, {}, [])
-    kind = SCHEDULES[config.schedule]
-    held = [timed[k] for k in local]
-    schedule = kind(held if per_rank > 1 else held[0], n_microbatches=len(mine),
-                    loss_fn=loss, scale_grads=False)
-    index = torch.tensor(mine)
-    dist.barrier()
+    params = {k: dict(hops[k].stage.named_parameters()) for k in at.local}
+    chosen = run.job.optimizer
+    optimizer = make_optimizer(run.optimizer, [p for k in at.local for p in params[k].values()],
+                               chosen.lr, weight_decay=chosen.weight_decay,
+                               momentum=chosen.momentum, betas=chosen.betas)
+    owned = [f"{k}/{n}" for k in at.local for n in owned_for_norm(stages, k, at.replica, params[k])]
+    mine = [m for m in range(run.microbatches) if m % replicas == at.replica]
+    loss = _Loss(loss_fn, model_outputs, run.microbatches, device, {}, [])
+    held = [timed[k] for k in at.local]
+    schedule = SCHEDULES[run.schedule](held if len(held) > 1 else held[0],
+                                       n_microbatches=len(mine), loss_fn=loss,
+                                       scale_grads=False)
+    return _Kit(at, mine, params, optimizer, owned, stage_groups, tied, hops, timed, loss,
+                schedule)
 
-    results = {k: RankResult(rank, k, at.replica, [], 0, [], [], [], []) for k in local}
-    for step in range(config.start_step, config.steps):
-        began = time.perf_counter()
-        inputs: Mapping[str, torch.Tensor] = {}
-        if first or last:
-            inputs, targets = first_batch if step == 0 and first_batch else batches(step)
-        if last:
-            loss.targets = targets
-            loss.weights = microbatch_weights(loss_fn, targets, count)
-        args = (tuple(torch.cat([microbatch({n: inputs[n]}, m, count)[n] for m in mine]).to(device)
-                      for n in lay.recv_names[0]) if first else ())
-        optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        schedule.step(*args, target=index if last else None, losses=losses if last else None,
-                      return_outputs=False)
-        total = sum((float(v.detach()) for v in losses), 0.0)
-        for k in local:
-            if k in stage_groups:
-                _all_reduce_grads([p for n, p in sorted(params[k].items())
-                                   if n not in stages[k].tied], stage_groups[k])
-        _sum_tied(params, tied)
-        if step == 0 and config.check_steps:
-            for k in local:
-                results[k].grads = {n: p.grad.detach().cpu().clone()
-                                    for n, p in params[k].items() if p.grad is not None}
-        norm = _clip(flat, owned, config.clip_grad_norm, device)
-        lr = config.lr * lr_factor(config.lr_schedule, step, config.warmup_steps, config.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        rows = count * (len(args[0]) // len(mine)) if args else 0
-        _record(lay, at, results, {k: timed[k].seconds for k in local}, total, began, step,
-                rows, config.verbose, device)
-        for k in local:
-            results[k].grad_norm.append(norm)
-            results[k].lr.append(lr)
-            timed[k].seconds[:] = [0.0, 0.0]
-            if step + 1 in config.check_steps:
-                results[k].states[step + 1] = {n: p.detach().cpu().clone()
-                                               for n, p in params[k].items()}
-    if config.keep_state and at.replica == 0:
-        for k in local:
-            results[k].state = {n: v.detach().cpu().clone()
-                                for n, v in hops[k].stage.state_dict().items()}
-    return [results[k] for k in local]
+
+def _run_schedule(kit: _Kit, lay: Layout, batch: _Batch, first: bool,
+                  last: bool, count: int, device: torch.device) -> tuple[float, int]:
+    """One step of the schedule on ``batch`` (the first stage feeds its pipeline's
+    micro-batches, the last takes their targets): the loss summed over this rank's
+    micro-batches, and the step's rows (0 off the first stage)."""
+    inputs, targets = batch
+    if last:
+        kit.loss.targets = targets
+        kit.loss.weights = microbatch_weights(kit.loss.loss_fn, targets, count)
+    args = (tuple(torch.cat([microbatch({n: inputs[n]}, m, count)[n] for m in kit.mine])
+                  .to(device) for n in lay.recv_names[0]) if first else ())
+    kit.optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    kit.schedule.step(*args, target=torch.tensor(kit.mine) if last else None,
+                      losses=losses if last else None, return_outputs=False)
+    rows = count * (len(args[0]) // len(kit.mine)) if args else 0
+    return sum((float(v.detach()) for v in losses), 0.0), rows
+
+
+def _step_end(kit: _Kit, stages: Sequence[StageLike], run: RankRun,
+              results: Mapping[int, RankResult], step: int,
+              device: torch.device) -> tuple[float, float]:
+    """Our engine's step end after the schedule's: the gradient sums over each stage's
+    replicas and the tied sets (step 1's kept for ``--check``), the whole model's norm and
+    clipping, the learning rate and the optimizer step; the norm and the rate."""
+    for k, group in kit.stage_groups.items():
+        all_reduce_grads([p for n, p in sorted(kit.params[k].items())
+                          if n not in stages[k].tied], group)
+    _sum_tied(kit.params, kit.tied)
+    if step == 0 and run.check_steps:
+        for k, named in kit.params.items():
+            results[k].grads = {n: p.grad.detach().cpu().clone()
+                                for n, p in named.items() if p.grad is not None}
+    chosen = run.job.optimizer
+    norm = clip_gradients(kit.flat, kit.owned, chosen.clip_grad_norm, device)
+    lr = chosen.lr * lr_factor(chosen.lr_schedule, step, chosen.warmup_steps, run.job.steps)
+    for group in kit.optimizer.param_groups:
+        group["lr"] = lr
+    kit.optimizer.step()
+    return norm, lr
 
 
 def _tied_here(stages: Sequence[StageLike], at: _Place) -> list[tuple[Any, list[tuple[int, str]]]]:
