@@ -75,7 +75,7 @@ from onnx_partition.pipeline.memory import (
 )
 from onnx_partition.pipeline.schedules import build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
-from onnx_partition.solve.hybrid import replica_choices, shared_spans
+from onnx_partition.solve.hybrid_model import replica_choices, shared_spans
 from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
 from onnx_partition.solve.order.topo import assign, cut_bytes
 from onnx_partition.solve.problem import DagProblem

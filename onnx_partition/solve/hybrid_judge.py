@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from onnx_partition.pipeline.memory import boundary_step, ring_allreduce_ms
-from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, stage_period
+from onnx_partition.solve.hybrid_model import HybridConfig, SequenceCosts, stage_period
 
 __all__ = ["JudgeResult", "judge_hybrid"]
 
