@@ -52,6 +52,7 @@ from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, c
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
+from onnx_partition.settings.partition import TrainSpec
 
 if TYPE_CHECKING:
     import torch
@@ -123,8 +124,8 @@ def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
     return per_node, current, pack, seen
 
 
-def saved_by_module(module: torch.nn.Module, *args: torch.Tensor, precision: str = "fp32"
-                    ) -> int:
+def saved_by_module(module: torch.nn.Module, *args: torch.Tensor,
+                    precision: str = TrainSpec().precision) -> int:
     """Bytes ``module(*args)`` saves for backward (unique storages, its parameters and buffers
     left out; under ``precision``'s autocast): the reference count the tests and the
     whole-program check compare with."""
@@ -164,7 +165,7 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
-                fake: bool = True, seed: int = 0, precision: str = "fp32",
+                fake: bool = True, seed: int = 0, precision: str = TrainSpec().precision,
                 policy: str | AutocastPolicy = "cpu") -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
@@ -308,8 +309,8 @@ def _mixed_norm_stats(precision: str) -> contextlib.AbstractContextManager[objec
 
 
 def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
-                         fake: bool = True, precision: str = "fp32", policy: str = "cpu"
-                         ) -> list[float]:
+                         fake: bool = True, precision: str = TrainSpec().precision,
+                         policy: str = "cpu") -> list[float]:
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
     each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
     ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from onnx_partition.settings.partition import TrainSpec
+
 __all__ = ["HybridConfig", "HybridStage", "SequenceCosts", "recompute_stage", "replica_choices",
            "shared_spans", "stage_period"]
 
@@ -47,7 +49,7 @@ class HybridConfig:
 
     devices: int
     memory_bytes: float = math.inf
-    microbatches: int = 8
+    microbatches: int = TrainSpec().microbatches
     train: bool = False
     speed: float = 1.0
     link_bytes_per_ms: float = math.inf  # between neighbouring stages

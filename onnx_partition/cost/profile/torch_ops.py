@@ -63,6 +63,7 @@ from onnx_partition.cost.profile.side_by_side import measure_side_by_side
 from onnx_partition.cost.saved import HALF_DTYPES, check_precision, program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
+from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.values import device_index
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def profile_train(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
-    precision: str = "fp32",
+    precision: str = TrainSpec().precision,
     engine: bool = True,
     split: Callable[[], float] | None = None,
     probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
@@ -232,7 +233,7 @@ def profile_train_to_file(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
-    precision: str = "fp32",
+    precision: str = TrainSpec().precision,
     split: Callable[[], float] | None = None,
     probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:
