@@ -432,22 +432,12 @@ def calibrate_plan(
             keys = stage_keys(current)
             priced = [sum(costs.get(k, 0.0) + (backward.get(k, 0.0) if train else 0.0)
                           for k in nodes) for nodes in keys]
+            fwd, bwd, alone, split, side = _measure_round(
+                current, current_dir, train, threads_per_stage=threads_per_stage,
+                repeats=repeats, warmup=warmup)
             if train:
-                from onnx_partition.calibrate.stage_modules import measure_train_plan
-
-                got = measure_train_plan(current_dir, threads=threads_per_stage,
-                                         repeats=repeats, warmup=warmup)
-                fwd, bwd = got["forward_ms"], got["backward_ms"]
-                splits.append(got.get("backward_input_ms"))
-                alone = [f + b for f, b in zip(got["alone_forward_ms"],
-                                               got["alone_backward_ms"], strict=True)]
+                splits.append(split)
                 backward = reprice(backward, keys, bwd)
-            else:
-                times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
-                                     repeats=repeats, warmup=warmup)
-                wall, busy = pipeline_times(current_dir, threads_per_stage=threads_per_stage)
-                hop = hop_overhead(current, busy, wall)
-                fwd, bwd, alone = [b + hop for b in busy], [0.0] * len(keys), times.alone_ms
             together = [f + b for f, b in zip(fwd, bwd, strict=True)]
             bottleneck = _bottleneck(current, together)
             measured.append((bottleneck, current_dir, current, fwd, bwd))
@@ -455,11 +445,7 @@ def calibrate_plan(
             result.rounds.append({
                 "stages": [len(n) for n in keys], "priced_ms": [round(p, 6) for p in priced],
                 "alone_ms": [round(t, 6) for t in alone],
-                "together_ms": [round(t, 6) for t in together],
-                **({} if train else {
-                    "side_by_side_ms": [round(t, 6) for t in times.together_ms],
-                    "pipeline_busy_ms": [round(t, 6) for t in busy],
-                    "pipeline_iteration_ms": round(wall, 6), "hop_ms": round(hop, 6)}),
+                "together_ms": [round(t, 6) for t in together], **side,
                 **({"forward_ms": [round(t, 6) for t in fwd],
                     "backward_ms": [round(t, 6) for t in bwd]} if train else {}),
                 "bottleneck_ms": round(bottleneck, 6)})
@@ -467,56 +453,114 @@ def calibrate_plan(
             proposal = _resolve(model, current, graph,
                                 _costs_file(graph, costs, backward if train else None, device),
                                 fresh)
-            if stage_keys(proposal) == keys:
-                result.converged = True
-                result.rounds[-1]["resolved"] = "same stages"
+            if _optimum_holds(result, proposal, keys, current, fwd, bwd):
                 break
-            measured_now = copy.deepcopy(current)
-            _calibrated(measured_now, fwd, bwd)
-            if _score(proposal) >= (1.0 - MIN_GAIN) * _score(measured_now):
-                result.converged = True
-                result.rounds[-1]["resolved"] = (
-                    f"same stages (a re-cut gains under {MIN_GAIN:.0%}: "
-                    f"{_score(proposal):.4g} against {_score(measured_now):.4g} ms)")
-                break
-            result.rounds[-1]["resolved"] = "moved: " + "/".join(
-                str(len(s.nodes)) for s in proposal.stages)
             if round_ + 1 == rounds:
                 break
             current, current_dir = proposal, fresh
-        best = min(range(len(measured)), key=lambda i: (measured[i][0], -i))
-        _, source, chosen, fwd, bwd = measured[best]
-        result.chosen = best
-        _calibrated(chosen, fwd, bwd)
-        # its stage times are now measured side by side: partition's scaling no longer applies
-        chosen.extra.pop("compute_scale", None)
-        engine_run: dict[str, Any] = {}
-        if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
-            from onnx_partition.calibrate.stage_modules import (
-                measure_train_engine,
-                measure_train_run,
-            )
-
-            if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
-                chosen.simulator_costs["backward_input_ms"] = [
-                    round(t, 6) for t in splits[best] or []]
-
-            engine = measure_train_engine(source, threads=threads_per_stage, repeats=repeats)
-            _engine_calibrated(chosen, engine)
-            run, schedule, count = measure_train_run(source)
-            share = None if splits[best] is None else [
-                i / b if b > 0 else 0.5 for i, b in zip(splits[best] or [], bwd, strict=True)]
-            engine_run = _run_calibrated(chosen, run, schedule, count, engine["send_ms"],
-                                         share)
-        chosen.extra["calibrated"] = {
-            "by": "profile --plan", "executor": _executor(train), "device": device,
-            "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
-            "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
-                             if train else "threads, one per stage replica, as run"),
-            "converged": result.converged, "chosen_round": best + 1,
-            "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})}
-        _publish(source, chosen, target)
-        result.plan = chosen
+        _write_chosen(result, measured, splits, train, device, target,
+                      threads_per_stage=threads_per_stage, repeats=repeats, warmup=warmup)
     finally:
         shutil.rmtree(aside, ignore_errors=True)
     return result
+
+
+def _measure_round(current: Plan, current_dir: Path, train: bool, *, threads_per_stage: int,
+                   repeats: int, warmup: int
+                   ) -> tuple[list[float], list[float], list[float], list[float] | None,
+                              dict[str, Any]]:
+    """One round's measurement of the plan in ``current_dir``: each stage's forward and
+    backward ms side by side (inference: busy in the pipeline plus the hop overhead, backward
+    0), alone, the input-gradient ms (train, ZB-H1; else None), and the round record's
+    inference fields (side by side, in the pipeline, the hop)."""
+    if train:
+        from onnx_partition.calibrate.stage_modules import measure_train_plan
+
+        got = measure_train_plan(current_dir, threads=threads_per_stage,
+                                 repeats=repeats, warmup=warmup)
+        fwd, bwd = got["forward_ms"], got["backward_ms"]
+        alone = [f + b for f, b in zip(got["alone_forward_ms"],
+                                       got["alone_backward_ms"], strict=True)]
+        return fwd, bwd, alone, got.get("backward_input_ms"), {}
+    times = measure_plan(current_dir, threads_per_stage=threads_per_stage,
+                         repeats=repeats, warmup=warmup)
+    wall, busy = pipeline_times(current_dir, threads_per_stage=threads_per_stage)
+    hop = hop_overhead(current, busy, wall)
+    fwd, bwd, alone = [b + hop for b in busy], [0.0] * len(stage_keys(current)), times.alone_ms
+    return fwd, bwd, alone, None, {
+        "side_by_side_ms": [round(t, 6) for t in times.together_ms],
+        "pipeline_busy_ms": [round(t, 6) for t in busy],
+        "pipeline_iteration_ms": round(wall, 6), "hop_ms": round(hop, 6)}
+
+
+def _optimum_holds(result: Calibration, proposal: Plan, keys: list[list[str]], current: Plan,
+                   fwd: Sequence[float], bwd: Sequence[float]) -> bool:
+    """Whether the re-solved ``proposal`` leaves the measured plan at the calibrated optimum
+    (the same stages, or a re-cut gaining under :data:`MIN_GAIN`), said in the round's
+    ``resolved`` (and ``result.converged``)."""
+    if stage_keys(proposal) == keys:
+        result.converged = True
+        result.rounds[-1]["resolved"] = "same stages"
+        return True
+    measured_now = copy.deepcopy(current)
+    _calibrated(measured_now, fwd, bwd)
+    if _score(proposal) >= (1.0 - MIN_GAIN) * _score(measured_now):
+        result.converged = True
+        result.rounds[-1]["resolved"] = (
+            f"same stages (a re-cut gains under {MIN_GAIN:.0%}: "
+            f"{_score(proposal):.4g} against {_score(measured_now):.4g} ms)")
+        return True
+    result.rounds[-1]["resolved"] = "moved: " + "/".join(
+        str(len(s.nodes)) for s in proposal.stages)
+    return False
+
+
+def _write_chosen(result: Calibration, measured: Sequence[tuple[float, Path, Plan, list[float],
+                                                               list[float]]],
+                  splits: Sequence[list[float] | None], train: bool, device: str, target: Path,
+                  *, threads_per_stage: int, repeats: int, warmup: int) -> None:
+    """The measured plan of the least measured bottleneck (on a tie, the later) with its
+    measured times (a train plan's engine also measured running it), and ``calibrated`` saying
+    how, published to ``target``."""
+    best = min(range(len(measured)), key=lambda i: (measured[i][0], -i))
+    _, source, chosen, fwd, bwd = measured[best]
+    result.chosen = best
+    _calibrated(chosen, fwd, bwd)
+    # its stage times are now measured side by side: partition's scaling no longer applies
+    chosen.extra.pop("compute_scale", None)
+    engine_run: dict[str, Any] = {}
+    if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
+        engine_run = _engine_measured(chosen, source, splits, best, bwd,
+                                      threads_per_stage=threads_per_stage, repeats=repeats)
+    chosen.extra["calibrated"] = {
+        "by": "profile --plan", "executor": _executor(train), "device": device,
+        "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
+        "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
+                         if train else "threads, one per stage replica, as run"),
+        "converged": result.converged, "chosen_round": best + 1,
+        "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})}
+    _publish(source, chosen, target)
+    result.plan = chosen
+
+
+def _engine_measured(chosen: Plan, source: Path, splits: Sequence[list[float] | None],
+                     best: int, bwd: Sequence[float], *, threads_per_stage: int, repeats: int
+                     ) -> dict[str, Any]:
+    """A train plan's engine work measured: round ``best``'s input-gradient ms (ZB-H1), the
+    engine's steps and hops, and the plan run in the engine itself (:func:`_run_calibrated`); what
+    ``calibrated.engine_run`` records."""
+    from onnx_partition.calibrate.stage_modules import (
+        measure_train_engine,
+        measure_train_run,
+    )
+
+    if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
+        chosen.simulator_costs["backward_input_ms"] = [
+            round(t, 6) for t in splits[best] or []]
+
+    engine = measure_train_engine(source, threads=threads_per_stage, repeats=repeats)
+    _engine_calibrated(chosen, engine)
+    run, schedule, count = measure_train_run(source)
+    share = None if splits[best] is None else [
+        i / b if b > 0 else 0.5 for i, b in zip(splits[best] or [], bwd, strict=True)]
+    return _run_calibrated(chosen, run, schedule, count, engine["send_ms"], share)

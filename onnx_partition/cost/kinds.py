@@ -19,6 +19,7 @@ from onnx_partition.cost.costs_file import check_costs, rescale
 from onnx_partition.cost.devices import for_precision, gpu
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
+from onnx_partition.settings.partition import TrainSpec
 
 __all__ = ["costs_by_kind", "kind_devices", "price_kinds"]
 
@@ -43,7 +44,7 @@ def costs_by_kind(fleet: Fleet, costs: CostsLike | None,
     return {k: load_costs(keyed[k]) if k in keyed else None for k in kinds}
 
 
-def kind_devices(files: Mapping[str, CostsFile | None], precision: str = "fp32"
+def kind_devices(files: Mapping[str, CostsFile | None], precision: str = TrainSpec().precision
                  ) -> dict[str, DeviceSpec | None]:
     """Each kind's roofline as a run in ``precision`` uses it
     (:func:`~onnx_partition.cost.devices.for_precision`), None where a costs file prices it."""
@@ -52,8 +53,8 @@ def kind_devices(files: Mapping[str, CostsFile | None], precision: str = "fp32"
 
 
 def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None], *,
-                strict: bool = False, precision: str = "fp32", model: Path | None = None
-                ) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
+                strict: bool = False, precision: str = TrainSpec().precision,
+                model: Path | None = None) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
     """Per kind, the per-node costs (its file checked against ``graph`` and rescaled to its
     shapes, or its GPU's roofline in ``precision``, the backward per aten op of ``model``'s
     program where given, :func:`~onnx_partition.cost.aten.with_aten_backward`, as a train

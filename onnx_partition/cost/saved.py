@@ -52,6 +52,7 @@ from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, c
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
+from onnx_partition.settings.partition import TrainSpec
 
 if TYPE_CHECKING:
     import torch
@@ -123,8 +124,8 @@ def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
     return per_node, current, pack, seen
 
 
-def saved_by_module(module: torch.nn.Module, *args: torch.Tensor, precision: str = "fp32"
-                    ) -> int:
+def saved_by_module(module: torch.nn.Module, *args: torch.Tensor,
+                    precision: str = TrainSpec().precision) -> int:
     """Bytes ``module(*args)`` saves for backward (unique storages, its parameters and buffers
     left out; under ``precision``'s autocast): the reference count the tests and the
     whole-program check compare with."""
@@ -164,7 +165,7 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
-                fake: bool = True, seed: int = 0, precision: str = "fp32",
+                fake: bool = True, seed: int = 0, precision: str = TrainSpec().precision,
                 policy: str | AutocastPolicy = "cpu") -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
@@ -174,25 +175,10 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     (:mod:`onnx_partition.cost.autocast`). ``fake=True`` (default) computes it under
     ``FakeTensorMode``: no memory, any shape."""
     import torch
-    import torch.fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.export.graph_signature import InputKind
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     check_precision(precision)
-    sig = program.graph_signature
     specs = program_inputs(program, shapes)
-    mutated = set(sig.buffers_to_mutate.values())  # buffers the program updates
     per_node, current, pack, seen = _counter()
-
-    def weight(spec: Any) -> torch.Tensor:
-        target = str(spec.target)
-        if spec.kind == InputKind.PARAMETER:
-            return program.state_dict[target]
-        if spec.kind == InputKind.BUFFER and spec.persistent is not False:
-            return program.state_dict[target]
-        return program.constants[target]
-
     if isinstance(policy, str) and policy not in POLICIES:
         raise PartitionError(f"unknown autocast policy {policy!r}; choose "
                              f"{', '.join(POLICIES)}")
@@ -200,6 +186,26 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     by_hand = None if policy == "cpu" else POLICIES[policy] if isinstance(policy, str) \
         else policy
     half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
+    args, weights, mode = _program_feeds(program, specs, fake, seed, seen)
+    interpreter = _counting(program, current, by_hand, half)
+    region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
+    with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if mode is not None:
+            with mode, _mixed_norm_stats(precision):
+                interpreter.run(*args)
+        else:
+            interpreter.run(*args)
+    order = [n.name for n in program.graph.nodes if n.name in per_node]
+    return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
+
+
+def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPolicy | None,
+              half: torch.dtype | None) -> torch.fx.Interpreter:
+    """An interpreter of ``program`` that names the node running in ``current[0]`` (for the
+    saved-tensor hook) and, under a policy applied by hand, casts each op as it says."""
+    import torch
+    import torch.fx
+
     cache: dict[Any, Any] = {}  # one autocast region: one cast per weight
 
     class Counting(torch.fx.Interpreter):
@@ -214,6 +220,32 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
                 return super().call_function(target, args, kwargs)
             return cast_call(by_hand, half, cache, target, args, kwargs,
                              super().call_function)
+
+    return Counting(program.graph_module)
+
+
+def _program_feeds(program: ExportedProgram, specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                   fake: bool, seed: int, seen: set[Any]) -> tuple[list[Any], int, Any]:
+    """The program's arguments in input-spec order (user inputs random at ``specs``; weights,
+    buffers and constants from the program; with ``fake``, all fake under the
+    ``FakeTensorMode`` returned; trainable ones requiring a gradient, mutated buffers copied)
+    and the trainable weights' bytes; the storages no saved tensor counts are added to
+    ``seen``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export.graph_signature import InputKind
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    sig = program.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())  # buffers the program updates
+
+    def weight(spec: Any) -> torch.Tensor:
+        target = str(spec.target)
+        if spec.kind == InputKind.PARAMETER:
+            return program.state_dict[target]
+        if spec.kind == InputKind.BUFFER and spec.persistent is not False:
+            return program.state_dict[target]
+        return program.constants[target]
 
     generator = torch.Generator().manual_seed(seed)
     real_inputs = [torch.randint(0, 2, shape, generator=generator).to(dtype)
@@ -240,16 +272,7 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
         else:
             seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
-    interpreter = Counting(program.graph_module)
-    region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
-    with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if mode is not None:
-            with mode, _mixed_norm_stats(precision):
-                interpreter.run(*args)
-        else:
-            interpreter.run(*args)
-    order = [n.name for n in program.graph.nodes if n.name in per_node]
-    return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
+    return args, weights, mode
 
 
 #: Normalisations whose CPU kernels keep the statistics (every output after the first) in fp32
@@ -286,8 +309,8 @@ def _mixed_norm_stats(precision: str) -> contextlib.AbstractContextManager[objec
 
 
 def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
-                         fake: bool = True, precision: str = "fp32", policy: str = "cpu"
-                         ) -> list[float]:
+                         fake: bool = True, precision: str = TrainSpec().precision,
+                         policy: str = "cpu") -> list[float]:
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
     each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
     ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from onnx_partition.pipeline.memory import boundary_step, ring_allreduce_ms
-from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, stage_period
+from onnx_partition.solve.hybrid_model import HybridConfig, SequenceCosts, stage_period
 
 __all__ = ["JudgeResult", "judge_hybrid"]
 
@@ -106,57 +106,133 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
     count is at least the fewest that bring it under: with the contiguity constraints (a
     path in a layered DAG, whose linear relaxation is integral) the relaxation alone already
     counts the fewest devices any plan below ``below_ms`` needs, memory aside."""
-    n, m, devices = len(costs.forward_ms), config.microbatches, config.devices
-    most = min(devices, m)
-    reps = range(1, most + 1)
-    slots = min(config.max_stages, devices, n)
-    if config.depth:
-        slots = min(slots, config.depth)
-    pairs = [(i, j) for i in range(n) for j in range(i + 1, n + 1)]
-    numbers = {p: _stage_numbers(costs, config, *p) for p in pairs}
-    period = {(p, r): stage_period(numbers[p][0], r, _allreduce(config, numbers[p][1], r), m)
-              for p in pairs for r in reps}
-    fewest: dict[tuple[int, int], int] = {}  # below_ms: the fewest replicas under it
-    if below_ms is not None:
-        for p in pairs:
-            under = [r for r in reps if period[p, r] < below_ms]
-            if under:
-                fewest[p] = under[0]
-        pairs = list(fewest)
-    top = max(period.values())
-    scale = _SCALE_TOP / top if top > 0 else 1.0
-    cap: dict[tuple[int, int], int] = {}
-    for p in pairs:
-        _, _, static, stash = numbers[p]
-        room = config.memory_bytes - static
-        if room < 0:
-            cap[p] = -1
-        elif stash <= 0 or math.isinf(room):
-            cap[p] = m
-        else:
-            cap[p] = min(m, math.floor(room / stash))
-
+    data = _JudgeData.of(costs, config, below_ms)
     model = cp_model.CpModel()
-    # slot 0 ends at n, slot k > 0 before it with room for the k stages after it; the last
-    # slot starts at 0 (implied by the constraints below: said here, the relaxation is a path)
-    x = [{p: model.new_bool_var(f"x{k}_{p[0]}_{p[1]}") for p in pairs
-          if (k == 0) == (p[1] == n) and n - p[1] >= k and (k < slots - 1 or p[0] == 0)
-          and cap[p] >= 1} for k in range(slots)]
-    y = [{r: model.new_bool_var(f"y{k}_{r}") for r in reps} for k in range(slots)]
-    active = [model.new_bool_var(f"a{k}") for k in range(slots)]
-    rep = [model.new_int_var(0, most, f"r{k}") for k in range(slots)]
-    warm = [model.new_int_var(0, m, f"w{k}") for k in range(slots)]
-    held = [model.new_int_var(0, m, f"h{k}") for k in range(slots)]
-    big = math.ceil(top * scale) + 1
-    bottleneck = model.new_int_var(0, big, "period")
-    # [k][b]: the choices of slot k that end (start) at boundary b
-    ending: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)] for _ in range(slots)]
-    starting: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)]
-                                                   for _ in range(slots)]
-    for k in range(slots):
-        for (i, j), v in x[k].items():
-            ending[k][j].append(v)
-            starting[k][i].append(v)
+    var = _Variables.of(model, data)
+    _add_chain(model, data, var, config)
+    binds = _add_warmups(model, data, var, config)
+    for k in range(data.slots):
+        _add_slot(model, data, var, k, binds, below_ms)
+    if below_ms is None:
+        model.minimize(var.bottleneck)
+    else:
+        model.add(sum(data.fewest[p] * xv for k in range(data.slots) for p, xv in var.x[k].items())
+                  <= data.devices)
+    solver = _solver(workers, time_limit_s, deterministic_s, below_ms)
+    status = solver.solve(model)
+    return _result(solver, status, data, var, below_ms)
+
+
+@dataclass
+class _JudgeData:
+    """The model's data: the stages ``pairs`` (those under ``below_ms`` where asked), each one's
+    latency, parameter, static and stash bytes (``numbers``), period per replica count, the
+    fewest replicas under ``below_ms``, the micro-batches each may hold (``cap``) and the
+    integer scale of the periods."""
+
+    n: int
+    m: int
+    devices: int
+    most: int
+    reps: range
+    slots: int
+    pairs: list[tuple[int, int]]
+    period: dict[tuple[tuple[int, int], int], float]
+    fewest: dict[tuple[int, int], int]
+    top: float
+    scale: float
+    cap: dict[tuple[int, int], int]
+
+    @classmethod
+    def of(cls, costs: SequenceCosts, config: HybridConfig, below_ms: float | None
+           ) -> _JudgeData:
+        n, m, devices = len(costs.forward_ms), config.microbatches, config.devices
+        most = min(devices, m)
+        reps = range(1, most + 1)
+        slots = min(config.max_stages, devices, n)
+        if config.depth:
+            slots = min(slots, config.depth)
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n + 1)]
+        numbers = {p: _stage_numbers(costs, config, *p) for p in pairs}
+        period = {(p, r): stage_period(numbers[p][0], r, _allreduce(config, numbers[p][1], r), m)
+                  for p in pairs for r in reps}
+        fewest: dict[tuple[int, int], int] = {}  # below_ms: the fewest replicas under it
+        if below_ms is not None:
+            for p in pairs:
+                under = [r for r in reps if period[p, r] < below_ms]
+                if under:
+                    fewest[p] = under[0]
+            pairs = list(fewest)
+        top = max(period.values())
+        scale = _SCALE_TOP / top if top > 0 else 1.0
+        cap: dict[tuple[int, int], int] = {}
+        for p in pairs:
+            _, _, static, stash = numbers[p]
+            room = config.memory_bytes - static
+            if room < 0:
+                cap[p] = -1
+            elif stash <= 0 or math.isinf(room):
+                cap[p] = m
+            else:
+                cap[p] = min(m, math.floor(room / stash))
+        return cls(n, m, devices, most, reps, slots, pairs, period, fewest, top, scale, cap)
+
+
+@dataclass
+class _Variables:
+    """``x[k][(i, j)]``: slot ``k`` (counted from the pipeline's end) is stage ``[i, j)``;
+    ``y[k][r]``: it has ``r`` replicas; ``active[k]``: slot ``k`` holds a stage; ``rep``,
+    ``warm``, ``held``: its replicas, 1F1B global warm-up and micro-batches in flight per
+    replica; ``bottleneck``: the period in integers; ``ending[k][b]`` (``starting``): the
+    choices of slot ``k`` that end (start) at boundary ``b``."""
+
+    x: list[dict[tuple[int, int], cp_model.IntVar]]
+    y: list[dict[int, cp_model.IntVar]]
+    active: list[cp_model.IntVar]
+    rep: list[cp_model.IntVar]
+    warm: list[cp_model.IntVar]
+    held: list[cp_model.IntVar]
+    bottleneck: cp_model.IntVar
+    ending: list[list[list[cp_model.IntVar]]]
+    starting: list[list[list[cp_model.IntVar]]]
+
+    @classmethod
+    def of(cls, model: cp_model.CpModel, data: _JudgeData) -> _Variables:
+        n, m, most, reps, slots, pairs, cap = (data.n, data.m, data.most, data.reps, data.slots,
+                                               data.pairs, data.cap)
+        top, scale = data.top, data.scale
+        # slot 0 ends at n, slot k > 0 before it with room for the k stages after it; the last
+        # slot starts at 0 (implied by the constraints below: said here, the relaxation is a path)
+        x = [{p: model.new_bool_var(f"x{k}_{p[0]}_{p[1]}") for p in pairs
+              if (k == 0) == (p[1] == n) and n - p[1] >= k and (k < slots - 1 or p[0] == 0)
+              and cap[p] >= 1} for k in range(slots)]
+        y = [{r: model.new_bool_var(f"y{k}_{r}") for r in reps} for k in range(slots)]
+        active = [model.new_bool_var(f"a{k}") for k in range(slots)]
+        rep = [model.new_int_var(0, most, f"r{k}") for k in range(slots)]
+        warm = [model.new_int_var(0, m, f"w{k}") for k in range(slots)]
+        held = [model.new_int_var(0, m, f"h{k}") for k in range(slots)]
+        big = math.ceil(top * scale) + 1
+        bottleneck = model.new_int_var(0, big, "period")
+        # [k][b]: the choices of slot k that end (start) at boundary b
+        ending: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)]
+                                                     for _ in range(slots)]
+        starting: list[list[list[cp_model.IntVar]]] = [[[] for _ in range(n + 1)]
+                                                       for _ in range(slots)]
+        for k in range(slots):
+            for (i, j), v in x[k].items():
+                ending[k][j].append(v)
+                starting[k][i].append(v)
+        return cls(x, y, active, rep, warm, held, bottleneck, ending, starting)
+
+
+def _add_chain(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
+               config: HybridConfig) -> None:
+    """The slots chain into one pipeline: each active slot one stage and one replica count,
+    slot 0 active, slot ``k`` ending where slot ``k - 1`` starts, exactly one stage starting
+    at 0 (``config.depth`` of them active where fixed), at most ``D`` devices."""
+    n, slots, devices = data.n, data.slots, data.devices
+    x, y, active, rep = var.x, var.y, var.active, var.rep
+    ending, starting = var.ending, var.starting
     for k in range(slots):
         model.add(sum(x[k].values()) == active[k])
         model.add(sum(y[k].values()) == active[k])
@@ -170,6 +246,15 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
     if config.depth:
         model.add(sum(active) == config.depth)
     model.add(sum(rep) <= devices)
+
+
+def _add_warmups(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
+                 config: HybridConfig) -> bool:
+    """The 1F1B warm-ups from the end, ``W_k = min(W_{k-1} + step(r_k, r_{k-1}), M)``, and
+    whether memory binds at all (they are counted only then)."""
+    m, most, reps, slots, pairs, cap = (data.m, data.most, data.reps, data.slots, data.pairs,
+                                        data.cap)
+    rep, warm = var.rep, var.warm
     # 1F1B: warm-ups from the end, micro-batches in flight per replica (where memory binds:
     # a stage that fits with every micro-batch in flight needs no count)
     binds = config.train and any(cap[p] < m for p in pairs)
@@ -183,30 +268,39 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
         raw = model.new_int_var(0, m + 2 * most, f"raw{k}")
         model.add(raw == warm[k - 1] + step)
         model.add_min_equality(warm[k], [raw, m])
-    for k in range(slots):
-        if binds:
-            table = [(w, r, -(-min(w + 1, m) // r)) for w in range(m + 1) for r in reps]
-            model.add_allowed_assignments([warm[k], rep[k], held[k]],
-                                          table + [(w, 0, 0) for w in range(m + 1)])
-            for p, v in x[k].items():
-                if cap[p] < m:
-                    model.add(held[k] <= cap[p]).only_enforce_if(v)
-        if below_ms is not None:  # a stage and a replica count over below_ms exclude
-            for r, v in y[k].items():  # each other; the fewest replicas under it, a cut
-                over = [xv for p, xv in x[k].items() if period[p, r] >= below_ms]
-                if over:
-                    model.add(sum(over) + v <= 1)
-            model.add(rep[k] >= sum(fewest[p] * xv for p, xv in x[k].items()))
-            continue
-        for r, v in y[k].items():
-            model.add(bottleneck >= sum(math.ceil(period[p, r] * scale) * xv
-                                        for p, xv in x[k].items())).only_enforce_if(v)
-    if below_ms is None:
-        model.minimize(bottleneck)
-    else:
-        model.add(sum(fewest[p] * xv for k in range(slots) for p, xv in x[k].items())
-                  <= devices)
+    return binds
 
+
+def _add_slot(model: cp_model.CpModel, data: _JudgeData, var: _Variables, k: int, binds: bool,
+              below_ms: float | None) -> None:
+    """Slot ``k``'s micro-batches in flight within its stage's memory (where memory binds), and
+    its period: the bottleneck at least it, or (``below_ms``) no stage and replica count over
+    ``below_ms`` and at least the fewest replicas under it."""
+    m, reps, period, fewest, scale, cap = (data.m, data.reps, data.period, data.fewest,
+                                           data.scale, data.cap)
+    x, y, rep, warm, held, bottleneck = var.x, var.y, var.rep, var.warm, var.held, var.bottleneck
+    if binds:
+        table = [(w, r, -(-min(w + 1, m) // r)) for w in range(m + 1) for r in reps]
+        model.add_allowed_assignments([warm[k], rep[k], held[k]],
+                                      table + [(w, 0, 0) for w in range(m + 1)])
+        for p, v in x[k].items():
+            if cap[p] < m:
+                model.add(held[k] <= cap[p]).only_enforce_if(v)
+    if below_ms is not None:  # a stage and a replica count over below_ms exclude
+        for r, v in y[k].items():  # each other; the fewest replicas under it, a cut
+            over = [xv for p, xv in x[k].items() if period[p, r] >= below_ms]
+            if over:
+                model.add(sum(over) + v <= 1)
+        model.add(rep[k] >= sum(fewest[p] * xv for p, xv in x[k].items()))
+        return
+    for r, v in y[k].items():
+        model.add(bottleneck >= sum(math.ceil(period[p, r] * scale) * xv
+                                    for p, xv in x[k].items())).only_enforce_if(v)
+
+
+def _solver(workers: int, time_limit_s: float, deterministic_s: float | None,
+            below_ms: float | None) -> cp_model.CpSolver:
+    """CP-SAT with the limits asked; under ``below_ms`` the relaxation decides."""
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -216,7 +310,14 @@ def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: fl
         solver.parameters.linearization_level = 2  # probing first (it took the budget)
         solver.parameters.add_lp_constraints_lazily = False
         solver.parameters.cp_model_probing_level = 0
-    status = solver.solve(model)
+    return solver
+
+
+def _result(solver: cp_model.CpSolver, status: cp_model.CpSolverStatus, data: _JudgeData,
+            var: _Variables, below_ms: float | None) -> JudgeResult:
+    """The judge's answer from CP-SAT's: the plan found, its period in floats, and the bound
+    CP-SAT proved."""
+    slots, period, scale, x, rep = data.slots, data.period, data.scale, var.x, var.rep
     if status == cp_model.INFEASIBLE:
         return JudgeResult(math.inf, True, bound_ms=math.inf if below_ms is None else below_ms)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -167,7 +167,41 @@ def solve_ilp(
     proven, and ``lower_bound_ms`` is the trivial bound.
     """
     started = time.perf_counter()
-    n, big_s = problem.num_nodes, num_stages
+    big_s = num_stages
+    start_plan = _checked_start(problem, big_s, workers, hint, free)
+    if big_s == 1:
+        value = problem.bottleneck_ms(start_plan, 1)
+        return IlpResult(stage_of=start_plan, bottleneck_ms=value, lower_bound_ms=value,
+                         optimal=True, gap=0.0, wall_s=time.perf_counter() - started)
+
+    costs = _IntegerCosts.of(problem)
+    enc = _encoded(problem, big_s, costs, start_plan, windows, free, focus)
+    solver = _solver(workers, started, time_limit_s, deterministic_s)
+    status = solver.solve(enc.model)
+    if status == cp_model.INFEASIBLE:
+        raise PartitionError(f"no valid split into {big_s} stages exists")
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"internal error: invalid CP-SAT model: {enc.model.validate()}")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise PartitionError(
+            f"CP-SAT found no feasible {big_s}-stage split within {time_limit_s:g} s"
+        )
+    stage_of = enc.checked_solution(solver)
+    bottleneck = problem.bottleneck_ms(stage_of, big_s)
+    optimal = status == cp_model.OPTIMAL
+    lower = _lower_bound_ms(problem, big_s, costs,
+                            0.0 if focus else solver.best_objective_bound, bottleneck)
+    gap = 0.0 if optimal or bottleneck <= 0.0 else (bottleneck - lower) / bottleneck
+    return IlpResult(stage_of=stage_of, bottleneck_ms=bottleneck, lower_bound_ms=lower,
+                     optimal=optimal, gap=gap, wall_s=time.perf_counter() - started,
+                     rounding_ms=costs.rounding_ms)
+
+
+def _checked_start(problem: DagProblem, big_s: int, workers: int, hint: Sequence[int] | None,
+                   free: Sequence[bool] | None) -> list[int]:
+    """The plan the search starts from (:func:`_start_plan`, or the hint itself where only
+    ``free`` nodes move), the arguments checked."""
+    n = problem.num_nodes
     if not 1 <= big_s <= n:
         raise PartitionError(
             f"num_stages must be between 1 and the number of nodes ({n}), got {big_s}"
@@ -179,12 +213,15 @@ def solve_ilp(
         if hint is None or len(free) != n:
             raise PartitionError("free needs a hint and one flag per node")
         start_plan = [int(s) for s in hint]
-    if big_s == 1:
-        value = problem.bottleneck_ms(start_plan, 1)
-        return IlpResult(stage_of=start_plan, bottleneck_ms=value, lower_bound_ms=value,
-                         optimal=True, gap=0.0, wall_s=time.perf_counter() - started)
+    return start_plan
 
-    costs = _IntegerCosts.of(problem)
+
+def _encoded(problem: DagProblem, big_s: int, costs: _IntegerCosts, start_plan: list[int],
+             windows: bool, free: Sequence[bool] | None, focus: Sequence[int] | None
+             ) -> _Encoding:
+    """The CP-SAT model: the convex-split constraints, the stage times, the bounds and hint
+    from the start plan, and the objective (the slowest stage, or the slowest of ``focus``
+    with every other stage kept within its start time)."""
     enc = _Encoding.new(problem, big_s, costs)
     enc.add_monotone_stages()
     enc.add_forward_only()
@@ -208,7 +245,12 @@ def solve_ilp(
         enc.model.minimize(top)
     else:
         enc.model.minimize(enc.makespan)
+    return enc
 
+
+def _solver(workers: int, started: float, time_limit_s: float, deterministic_s: float | None
+            ) -> cp_model.CpSolver:
+    """CP-SAT with its portfolio for ``workers`` and what is left of the time limit."""
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     # Portfolio: the bound comes from the LP with every boolean constraint linearised
@@ -222,24 +264,7 @@ def solve_ilp(
     solver.parameters.max_time_in_seconds = max(0.01, remaining_s)
     if deterministic_s is not None:
         solver.parameters.max_deterministic_time = max(0.0, deterministic_s)
-    status = solver.solve(enc.model)
-    if status == cp_model.INFEASIBLE:
-        raise PartitionError(f"no valid split into {big_s} stages exists")
-    if status == cp_model.MODEL_INVALID:
-        raise RuntimeError(f"internal error: invalid CP-SAT model: {enc.model.validate()}")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise PartitionError(
-            f"CP-SAT found no feasible {big_s}-stage split within {time_limit_s:g} s"
-        )
-    stage_of = enc.checked_solution(solver)
-    bottleneck = problem.bottleneck_ms(stage_of, big_s)
-    optimal = status == cp_model.OPTIMAL
-    lower = _lower_bound_ms(problem, big_s, costs,
-                            0.0 if focus else solver.best_objective_bound, bottleneck)
-    gap = 0.0 if optimal or bottleneck <= 0.0 else (bottleneck - lower) / bottleneck
-    return IlpResult(stage_of=stage_of, bottleneck_ms=bottleneck, lower_bound_ms=lower,
-                     optimal=optimal, gap=gap, wall_s=time.perf_counter() - started,
-                     rounding_ms=costs.rounding_ms)
+    return solver
 
 
 def _start_plan(problem: DagProblem, num_stages: int, hint: Sequence[int] | None) -> list[int]:

@@ -33,6 +33,7 @@ from onnx_partition.pipeline.memory import (
 )
 from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.solve.problem import DagProblem
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class RunSpec:
 
     cluster: Cluster
     train: bool = False
-    microbatches: int = 8
+    microbatches: int = TrainSpec().microbatches
     optimizer_factor: float = 4.0
     max_stages: int = 16
     train_schedule: str = "1f1b"  # a planned schedule (schedules.PLANNED_NAMES)

@@ -63,6 +63,7 @@ from onnx_partition.cost.profile.side_by_side import measure_side_by_side
 from onnx_partition.cost.saved import HALF_DTYPES, check_precision, program_inputs, unit_homes
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
+from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.values import device_index
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def profile_train(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
-    precision: str = "fp32",
+    precision: str = TrainSpec().precision,
     engine: bool = True,
     split: Callable[[], float] | None = None,
     probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
@@ -148,10 +149,7 @@ def profile_train(
             timer = _Timer(target, repeats, warmup)
             inputs, values = _record(program, graph, target)
             measured, unique, reused = _time_units(program, values, timer, progress)
-            import operator as _op
-
-            floor = _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0),
-                             {}, timer)[:2]
+            floor = _op_floor(target, timer)
             whole_fwd, whole_bwd, side, cold = _time_whole(program, inputs, target, timer,
                                                            threads)
         sig = program.graph_signature
@@ -161,6 +159,46 @@ def profile_train(
                               hops=index is None, split=split, probe=probe) if engine else {}
     finally:
         torch.set_num_threads(before)
+    fwd, bwd, grad_in, (raw_fwd, raw_bwd), (fscale, bscale) = _per_node(
+        graph, program, measured, floor, whole_fwd, whole_bwd)
+    name = "cpu" if index is None else f"cuda:{index}"
+    settings: dict[str, object] = {
+        "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
+        "precision": precision,
+        "whole_forward_ms": whole_fwd, "whole_backward_ms": whole_bwd,
+        "forward_scale": fscale, "backward_scale": bscale,
+        "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
+        **({"side_by_side": side} if side is not None else {}),
+        **({"cold_cache": cold} if cold is not None else {}),
+        "calibration": "shortest unit time scaled so forward and backward each sum to the "
+                       "median whole-program forward and backward"}
+    return TrainProfile({k: round(v, 6) for k, v in fwd.items()},
+                        {k: round(v, 6) for k, v in bwd.items()},
+                        {k: round(min(v, bwd[k]), 6) for k, v in grad_in.items()},
+                        whole_fwd, whole_bwd,
+                        raw_fwd, raw_bwd, name, executor(), unique, reused, settings,
+                        provenance(graph, name), work)
+
+
+def _op_floor(target: torch.device, timer: _Timer) -> tuple[float, float]:
+    """What timing one op alone adds: a one-element add's forward and backward ms."""
+    import operator as _op
+
+    import torch
+
+    return _time_op(_op.add, (torch.ones(1, device=target, requires_grad=True), 1.0),
+                    {}, timer)[:2]
+
+
+def _per_node(graph: OpGraph, program: ExportedProgram,
+              measured: Mapping[str, tuple[float, float, float]], floor: tuple[float, float],
+              whole_fwd: float, whole_bwd: float
+              ) -> tuple[dict[str, float], dict[str, float], dict[str, float],
+                         tuple[float, float], tuple[float, float]]:
+    """Each ONNX node's forward, backward and input-gradient ms from the units' times: the
+    floor taken off each unit (at least 5% kept), scaled so forward and backward each sum to
+    the whole program's, each unit on its home node; with the units' raw sums and the two
+    scales."""
     # what timing one op alone adds (a one-element add's forward and backward), off each unit
     shares = {n: share for n, (_, _, share) in measured.items()}
     units = {n: (max(f - floor[0], 0.05 * f), max(b - floor[1], 0.05 * b) if b > 0 else 0.0)
@@ -181,23 +219,7 @@ def profile_train(
         fwd[home] += f * fscale
         bwd[home] += b * bscale
         grad_in[home] += b * bscale * shares[name]
-    name = "cpu" if index is None else f"cuda:{index}"
-    settings: dict[str, object] = {
-        "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
-        "precision": precision,
-        "whole_forward_ms": whole_fwd, "whole_backward_ms": whole_bwd,
-        "forward_scale": fscale, "backward_scale": bscale,
-        "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
-        **({"side_by_side": side} if side is not None else {}),
-        **({"cold_cache": cold} if cold is not None else {}),
-        "calibration": "shortest unit time scaled so forward and backward each sum to the "
-                       "median whole-program forward and backward"}
-    return TrainProfile({k: round(v, 6) for k, v in fwd.items()},
-                        {k: round(v, 6) for k, v in bwd.items()},
-                        {k: round(min(v, bwd[k]), 6) for k, v in grad_in.items()},
-                        whole_fwd, whole_bwd,
-                        raw_fwd, raw_bwd, name, executor(), unique, reused, settings,
-                        provenance(graph, name), work)
+    return fwd, bwd, grad_in, (raw_fwd, raw_bwd), (fscale, bscale)
 
 
 def profile_train_to_file(
@@ -211,7 +233,7 @@ def profile_train_to_file(
     warmup: int = 2,
     threads: int = 1,
     progress: Progress | None = None,
-    precision: str = "fp32",
+    precision: str = TrainSpec().precision,
     split: Callable[[], float] | None = None,
     probe: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> TrainProfile:

@@ -1,0 +1,248 @@
+"""Every stage of the hybrid DP priced at once: (start, end) matrices over the sequence.
+
+:class:`StageTables` holds, for every stage ``[i, j)`` of the sequence (``(n + 1) x (n + 1)``
+matrices, invalid pairs infinite), its compute and transfer times, its memory as ``static +
+held * stash`` (the one memory model, :mod:`onnx_partition.pipeline.memory`), and its period on
+each replica count of :func:`~.hybrid_model.replica_choices` (``period[c, i, j]``), keeping or
+recomputing; :func:`held_caps` the micro-batches each stage may hold within a memory. The DPs
+over them: :mod:`.hybrid_dp`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from onnx_partition.pipeline.memory import (
+    StageBytes,
+    check_recompute,
+    device_bytes,
+    memory_per_device,
+    recompute_choice,
+    ring_allreduce_ms,
+)
+from onnx_partition.solve.hybrid_model import (
+    HybridConfig,
+    HybridStage,
+    SequenceCosts,
+    recompute_stage,
+    replica_choices,
+    shared_spans,
+    stage_period,
+)
+
+__all__ = ["COUNT_DTYPE", "MAX_DEVICES", "NO_COUNT", "StageTables", "held_caps"]
+
+COUNT_DTYPE = np.int16  # device counts in the DP's tables
+NO_COUNT = 16000  # "no replica count meets the period": more than any device count; twice fits
+MAX_DEVICES = NO_COUNT - 1
+
+
+def _span(values: Sequence[float]) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+    return prefix[None, :] - prefix[:, None]  # [i, j] = sum over [i, j)
+
+
+class StageTables:
+    """Every stage's costs as (n + 1) x (n + 1) matrices over (start, end); invalid pairs inf."""
+
+    def __init__(self, costs: SequenceCosts, config: HybridConfig) -> None:
+        n = len(costs.forward_ms)
+        self.n, self.c = n, config
+        self._price_times(costs, config)
+        self._price_memory(costs, config)
+        check_recompute(config.recompute)
+        self._price_recomputing(costs, config)
+        self._find_risky(config)
+        self._price_periods(config)
+
+    def _price_times(self, costs: SequenceCosts, config: HybridConfig) -> None:
+        """``compute`` and ``comm`` of every stage: forward (and backward) at the device's
+        speed, the transfers at both of its boundaries (twice in training)."""
+        n = self.n
+        cut = np.asarray(costs.cut_bytes, dtype=float) / config.link_bytes_per_ms
+        cut = cut + config.link_latency_ms
+        cut[0] = cut[n] = 0.0
+        self.compute = _span(costs.forward_ms) / config.speed
+        self.comm = cut[:, None] + cut[None, :]
+        if config.train:
+            self.compute = self.compute + _span(costs.backward_ms) / config.speed
+            self.comm = 2.0 * self.comm
+
+    def _price_memory(self, costs: SequenceCosts, config: HybridConfig) -> None:
+        """Every stage's bytes: ``static`` (weights, and in training gradients, optimizer state
+        and the outgoing boundary) and ``stash`` (activations and received inputs per
+        micro-batch in flight)."""
+        n = self.n
+        self.params = _span(costs.param_bytes)  # all-reduced
+        self.acts = _span(costs.activation_bytes)
+        raw_cut = np.asarray(costs.cut_bytes, dtype=float)
+        received = raw_cut.copy()
+        received[0] = costs.input_bytes  # stage 0 holds the graph inputs
+        self.received = np.broadcast_to(received[:, None], (n + 1, n + 1))  # at boundary i
+        self.sent = np.broadcast_to(raw_cut[None, :], (n + 1, n + 1))  # at boundary j
+        # memory = static + held * stash (pipeline.memory), as (start, end) matrices
+        self.weights: np.ndarray | None = None
+        self.trained: np.ndarray | None = None
+        if len(costs.weight_bytes):
+            self.weights, self.trained = _span(costs.weight_bytes), _span(costs.trainable_bytes)
+            if costs.shared:
+                held, held_trained = shared_spans(costs.shared, n)
+                self.weights, self.trained = self.weights + held, self.trained + held_trained
+            self.static = (self.weights + (config.optimizer_factor - 1.0) * self.trained
+                           + self.sent if config.train else self.weights)
+        else:
+            self.static = (config.optimizer_factor * self.params + self.sent if config.train
+                           else self.params)
+        self.stash = self.acts + self.received
+
+    def _price_recomputing(self, costs: SequenceCosts, config: HybridConfig) -> None:
+        """The same stages recomputing (``rebuilt``, training); under ``all`` they replace the
+        keeping ones."""
+        #: the stages' own tables keeping their activations, and recomputing (training)
+        self.keep = (self.compute, self.static, self.stash)
+        self.forward = _span(costs.forward_ms) / config.speed
+        self.rebuilt = recompute_stage(self.compute, self.forward, self.static, self.acts,
+                                       self.received) if config.train else self.keep
+        self.mode = config.recompute if config.train else "none"
+        if self.mode == "all":
+            self.compute, self.static, self.stash = self.rebuilt
+
+    def _find_risky(self, config: HybridConfig) -> None:
+        """The stages that could overflow at all, flat indices (``risky``), and how many
+        micro-batches each may hold (``risky_cap``)."""
+        n = self.n
+        # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            room = config.memory_bytes - self.static
+            cap = np.where(self.stash > 0, room / self.stash,
+                           np.where(room >= 0, np.inf, -np.inf))
+        # float32 rounded down: the DP never counts a stage as fitting that does not
+        # the stages that could overflow at all (all M micro-batches in flight), flat indices
+        valid_ij = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        held_most = config.microbatches if config.train else 1
+        self.risky = np.flatnonzero(valid_ij & (cap < held_most))
+        # held <= cap iff held <= floor(cap) (held is whole): small integers stream faster
+        self.risky_cap = np.clip(np.floor(cap.reshape(-1)[self.risky]), -1,
+                                 held_most).astype(COUNT_DTYPE)
+
+    def _price_periods(self, config: HybridConfig) -> None:
+        """Every stage's latency, and its period on each replica count (keeping, and under
+        ``auto`` recomputing), with the period each count reaches at most (``needed``)."""
+        n = self.n
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        self.latency = np.where(valid, self.compute + self.comm, np.inf)
+        self.choices = replica_choices(min(config.devices, max(config.microbatches, 1)))
+        # period[c, i, j]: stage [i, j) on choices[c] replicas
+        self.period = np.stack([stage_period(self.latency, r, self.allreduce(r),
+                                             config.microbatches) for r in self.choices])
+        # needed[c, i, j]: the period [i, j) reaches on at most choices[c] replicas; it falls
+        # with c, so the replicas a period tau needs are choices[#{c : needed[c] > tau}].
+        # Held in float32 rounded down (never says a period is out of reach when it is not)
+        # and device counts in int16: the DP's inner loops stream half the bytes.
+        needed = np.minimum.accumulate(self.period, axis=0)
+        narrow = needed.astype(np.float32)
+        self.needed = np.where(narrow > needed, np.nextafter(narrow, np.float32(-np.inf)),
+                               narrow)
+        self.lookup = np.asarray([*self.choices, NO_COUNT], dtype=COUNT_DTYPE)
+        # auto: period_rc[c, i, j], the same stage recomputing (one more forward)
+        self.period_rc: np.ndarray | None = None
+        if self.mode == "auto":
+            latency_rc = np.where(valid, self.rebuilt[0] + self.comm, np.inf)
+            self.period_rc = np.stack([stage_period(latency_rc, r, self.allreduce(r),
+                                                    config.microbatches)
+                                       for r in self.choices])
+
+    def allreduce(self, r: int, params: Any = None) -> Any:
+        """Ring all-reduce time of every stage's gradients (or of ``params`` bytes) among
+        ``r`` replicas, once per iteration (training only)."""
+        c = self.c
+        params = self.params if params is None else params
+        if not c.train:
+            return params * 0.0
+        bw = c.group_bytes_per_ms[r] if c.group_bytes_per_ms else c.link_bytes_per_ms
+        lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
+        return ring_allreduce_ms(params, r, bw, lat)
+
+    def memory(self, q: int) -> np.ndarray:
+        """Bytes per device of every stage placed ``q``-th from the end of a pipeline of single
+        replicas (1F1B holds ``min(q, M)`` micro-batches there): the least-memory report."""
+        held = min(q, self.c.microbatches) if self.c.train else 1
+        return device_bytes(self.static, self.stash, held)
+
+    def stage(self, i: int, j: int, r: int, recompute: bool | None = None) -> HybridStage:
+        """Stage ``[i, j)`` on ``r`` replicas, recomputing or not (None: as the mode says,
+        ``all`` or not); its memory is set by :meth:`with_memory`."""
+        c = self.c
+        flag = self.mode == "all" if recompute is None else recompute and self.mode != "none"
+        allreduce = float(self.allreduce(r, float(self.params[i, j])))
+        compute = float((self.rebuilt if flag else self.keep)[0][i, j])
+        comm = float(self.comm[i, j])
+        latency = compute + comm if i < j else math.inf
+        return HybridStage(i, j, r, latency, compute, comm, allreduce, math.nan,
+                           stage_period(latency, r, allreduce, c.microbatches), flag)
+
+    def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
+        """The stages with their exact memory per device (:func:`memory_per_device`), each
+        recomputing as its flag says."""
+        memory = memory_per_device(self.sizes(stages), [s.replicas for s in stages],
+                                   self.c.microbatches,
+                                   schedule="1f1b" if self.c.train else "infer",
+                                   optimizer_factor=self.c.optimizer_factor,
+                                   recompute=[s.recompute for s in stages])
+        return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
+
+    def sizes(self, stages: Sequence[HybridStage]) -> list[StageBytes]:
+        """The stages' bytes for :mod:`~onnx_partition.pipeline.memory`."""
+        weights = self.params if self.weights is None else self.weights
+        return [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
+                           float(self.received[s.start, s.end]), float(self.sent[s.start, s.end]),
+                           None if self.trained is None else float(self.trained[s.start, s.end]))
+                for s in stages]
+
+    def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:
+        """Give devices the DP left unused to the slowest stages, while that helps."""
+        stages = list(stages)
+        spare = devices - sum(s.replicas for s in stages)
+        while spare > 0:
+            k = max(range(len(stages)), key=lambda x: stages[x].period_ms)
+            slow = stages[k]
+            more = [r for r in self.choices if slow.replicas < r <= slow.replicas + spare]
+            if not more:
+                break
+            wider = self.stage(slow.start, slow.end, more[-1], slow.recompute)
+            if wider.period_ms >= slow.period_ms:
+                break
+            spare -= wider.replicas - slow.replicas
+            stages[k] = wider
+        return self.decide(stages)  # the warm-ups moved
+
+    def decide(self, stages: list[HybridStage]) -> list[HybridStage]:
+        """The stages with their memory, each (``auto``) recomputing exactly where it is over
+        the memory keeping and within it recomputing
+        (:func:`~onnx_partition.pipeline.memory.recompute_choice`)."""
+        if self.mode == "auto":
+            flags = recompute_choice(self.sizes(stages), [s.replicas for s in stages],
+                                     self.c.microbatches, schedule="1f1b",
+                                     memory_bytes=self.c.memory_bytes,
+                                     optimizer_factor=self.c.optimizer_factor)
+            stages = [s if s.recompute == f else self.stage(s.start, s.end, s.replicas, f)
+                      for s, f in zip(stages, flags, strict=True)]
+        return self.with_memory(stages)
+
+
+def held_caps(tables: StageTables, memory: float, rebuilt: bool = False) -> np.ndarray:
+    """capi[i, j]: the most micro-batches stage ``[i, j)`` may hold within ``memory`` per
+    device (-1: not even its weights fit), at most ``M``; ``rebuilt``: recomputing."""
+    m = tables.c.microbatches
+    _, static, stash = tables.rebuilt if rebuilt else (None, tables.static, tables.stash)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        room = memory - static
+        cap = np.where(stash > 0, room / np.where(stash > 0, stash, 1.0),
+                       np.where(room >= 0, m, -1.0))
+    cap = np.where(room < 0, -1.0, cap)
+    return np.clip(np.floor(cap), -1, m).astype(np.int32)
