@@ -251,9 +251,10 @@ ClusterOrFleet = Annotated[ClusterFields | FleetFields, OneOf(_by_groups, (
 # --------------------------------------------------------------------------- the plan
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class PlanPredicted(Record):
-    """plan.json's ``predicted``: the whole plan's figures, as the planner simulated it."""
+    """plan.json's ``predicted``: the whole plan's figures, as the planner simulated it (equal
+    to its JSON object, as the dict was)."""
 
     FIXED: ClassVar[tuple[str, ...] | None] = ()
     bottleneck_ms: Number | None = None  # the slowest stage (with its sends)

@@ -106,18 +106,21 @@ class OneOf:
             discriminator=self.pick)
 
 
-def _listed(value: Any, handler: Callable[[Any], Any]) -> Any:
-    return handler(tuple(value) if isinstance(value, list) else value)
-
-
 @dataclass(frozen=True)
 class FromList:
-    """A tuple given as a JSON array (a frozen record's sequence field)."""
+    """A tuple (``tuple[X, ...]``, a frozen record's sequence) given as a JSON array: checked as
+    the list it is in the file (``List should have at least 1 item``), then made a tuple."""
 
     def __get_pydantic_core_schema__(self, source: Any, handler: _Handler) -> Any:
         from pydantic_core import core_schema
 
-        return core_schema.no_info_wrap_validator_function(_listed, handler(source))
+        schema = handler(source)
+        if schema.get("type") != "tuple" or len(schema.get("items_schema", [])) != 1:
+            return schema
+        listed = core_schema.list_schema(schema["items_schema"][0],
+                                         min_length=schema.get("min_length"),
+                                         max_length=schema.get("max_length"))
+        return core_schema.no_info_after_validator_function(tuple, listed)
 
 
 def _none_is_inf(value: Any, handler: Callable[[Any], Any]) -> Any:
@@ -314,6 +317,17 @@ class Record:
         return out
 
     # ---- the record read as its JSON object (the compatibility path; module docstring)
+
+    def __eq__(self, other: object) -> bool:
+        """A record declared ``eq=False`` is equal to its JSON object, and to a record of its
+        type writing the same (a dataclass's own equality compares the fields)."""
+        if isinstance(other, Mapping):
+            return bool(json_of(self) == dict(other))
+        if type(other) is type(self):
+            return bool(json_of(self) == json_of(other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dict was
 
     def empty(self) -> bool:
         """Whether a record of optional keys holds none (it is then left out of the file)."""

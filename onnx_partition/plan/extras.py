@@ -3,9 +3,8 @@
 what is proven of it, how it was calibrated. :class:`~onnx_partition.plan.contracts.PlanFields`
 holds them as fields of these types; docs/design.md describes each key.
 
-Each record began as a JSON object of optional keys (:class:`Part`): it keeps the order its keys
-were given or set, and leaves out a field that holds None; a record whose keys were always all
-written (:class:`~onnx_partition.plan.declare.Record`) writes them in declaration order.
+Each record began as a JSON object (a dict in the code that wrote it): as a :class:`Part` it
+keeps the order its keys were given or set, and leaves out an optional field that holds None.
 """
 
 from __future__ import annotations
@@ -35,7 +34,9 @@ Sizes = list[Number]  # bytes, one per stage or boundary
 
 
 class Part(Record):
-    """A record of optional keys: written in the order given or set, None left out."""
+    """A record that was a JSON object: its keys written in the order given or set, an optional
+    field holding None left out; equal to its JSON object, as the dict was (dataclasses
+    declared ``eq=False`` keep this equality)."""
 
     FIXED: ClassVar[tuple[str, ...] | None] = ()
 
@@ -43,8 +44,8 @@ class Part(Record):
 # --------------------------------------------------------------------------- pricing
 
 
-@dataclass(kw_only=True)
-class CheckedCosts(Record):
+@dataclass(kw_only=True, eq=False)
+class CheckedCosts(Part):
     """``costs.check``: the costs file checked against the graph
     (:class:`onnx_partition.cost.costs_file.CostsCheck`)."""
 
@@ -55,7 +56,7 @@ class CheckedCosts(Record):
     notes: list[str]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class CostsSource(Part):
     """``costs``: where the node costs came from. Other keys are kept as they are (free data
     of a costs source; tests/test_schema.py)."""
@@ -67,7 +68,7 @@ class CostsSource(Part):
     check: CheckedCosts | None = None  # a costs file: its check against the graph
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class AnalyticDevice(Part):
     """``device_model`` of an analytic roofline (``onnx_partition.partition.device_model``)."""
 
@@ -82,7 +83,7 @@ class AnalyticDevice(Part):
     sources: dict[str, str] | None = None  # memory, link, inter_link, gpu: where each came from
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class CostsDevice(Part):
     """``device_model`` of a costs file."""
 
@@ -102,7 +103,7 @@ OneDevice = Annotated[AnalyticDevice | CostsDevice, OneOf(_by_source, (
     ("AnalyticDevice", AnalyticDevice), ("CostsDevice", CostsDevice)))]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class KindsDevice(Part):
     """``device_model`` of a mixed fleet: each GPU kind by its own model."""
 
@@ -117,14 +118,14 @@ DeviceModel = Annotated[AnalyticDevice | CostsDevice | KindsDevice, OneOf(_by_so
     ("KindsDevice", KindsDevice)))]
 
 
-@dataclass(kw_only=True)
-class ScalePart(Record):
+@dataclass(kw_only=True, eq=False)
+class ScalePart(Part):
     forward: Number
     backward: Number
 
 
-@dataclass(kw_only=True)
-class ComputeScale(Record):
+@dataclass(kw_only=True, eq=False)
+class ComputeScale(Part):
     """``compute_scale``: a train plan's CPU compute times scaled by what the profile measured
     (side by side, cold caches: ``parts``), ``forward`` and ``backward`` their products."""
 
@@ -134,7 +135,7 @@ class ComputeScale(Record):
     why: str
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class Activations(Part):
     """``activations``: where a train plan's ``activation_bytes`` come from."""
 
@@ -146,7 +147,7 @@ class Activations(Part):
     note: str | None = None
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class SimulatorCosts(Part):
     """``simulator_costs``: the simulator's exact inputs per stage (``send_ms`` and
     ``hop_bytes`` per boundary), so that ``simulate`` and ``report`` replay the plan as planned
@@ -167,7 +168,7 @@ class SimulatorCosts(Part):
     action_ms: Times | None = None  # the engine's work around each action
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class EngineCosts(Part):
     """``engine_costs``: how each engine term of ``simulator_costs`` was priced (measured,
     analytic, calibrated: a line each)."""
@@ -182,8 +183,8 @@ class EngineCosts(Part):
 # --------------------------------------------------------------------------- solving
 
 
-@dataclass(kw_only=True)
-class Candidate(Record):
+@dataclass(kw_only=True, eq=False)
+class Candidate(Part):
     """``candidates.<ordering>``: the DP's and the refined bottleneck of one ordering."""
 
     dp_ms: Number
@@ -192,7 +193,7 @@ class Candidate(Record):
     seconds: Seconds
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class IlpResult(Part):
     """``ilp`` (``--solver ilp``): optimal, bound and gap; or the error and the fallback."""
 
@@ -205,8 +206,8 @@ class IlpResult(Part):
     fallback: str | None = None
 
 
-@dataclass(kw_only=True)
-class PipelineProof(Record):
+@dataclass(kw_only=True, eq=False)
+class PipelineProof(Part):
     """``exact`` of a pipeline plan (:class:`onnx_partition.solve.exact.Proof`)."""
 
     proven_optimal: bool
@@ -220,7 +221,7 @@ class PipelineProof(Record):
     rounding_ms: Number
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class HybridPeriodProof(Part):
     """``exact`` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
     (:class:`onnx_partition.solve.hybrid_proof.HybridProof`)."""
@@ -252,7 +253,7 @@ Exact = Annotated[PipelineProof | HybridPeriodProof, OneOf(_by_kind, (
     ("PipelineProof", PipelineProof), ("HybridPeriodProof", HybridPeriodProof)))]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class OrderingResult(Part):
     """``orderings.<family>``: its best simulated iteration, or the bound that spared
     simulating it (a fleet's ``as-slowest`` also its ``planned_ms``)."""
@@ -265,7 +266,7 @@ class OrderingResult(Part):
 # --------------------------------------------------------------------------- calibration
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class CalibrationRound(Part):
     """One round of ``profile --plan``: the stages priced, measured and re-cut."""
 
@@ -283,8 +284,8 @@ class CalibrationRound(Part):
     resolved: str | None = None  # what the re-cut found
 
 
-@dataclass(kw_only=True)
-class EngineRun(Record):
+@dataclass(kw_only=True, eq=False)
+class EngineRun(Part):
     """``calibrated.engine_run``: the plan run in the training engine (``profile --plan``)."""
 
     by: str
@@ -300,7 +301,7 @@ class EngineRun(Record):
     measured_where: dict[str, str]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class Calibrated(Part):
     """``calibrated``: how ``profile --plan`` measured the plan, round by round."""
 
@@ -320,8 +321,8 @@ class Calibrated(Part):
 # --------------------------------------------------------------------------- the folder
 
 
-@dataclass(kw_only=True)
-class FileEntry(Record):
+@dataclass(kw_only=True, eq=False)
+class FileEntry(Part):
     """One file of a plan folder in its manifest."""
 
     size: Count

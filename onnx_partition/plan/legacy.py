@@ -84,6 +84,11 @@ class ExtraView(MutableMapping[str, Any]):
         if key in keys:
             keys.remove(key)
 
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self._present():
+            self[key] = default
+        return self[key]  # live, so that ``setdefault(k, []).append(x)`` is kept
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._present())
 
