@@ -59,6 +59,7 @@ from onnx_partition.plan import MANIFEST, Plan, read_plan
 from onnx_partition.plan.contracts import FleetFields
 from onnx_partition.plan.extras import AnalyticDevice, Calibrated, CostsDevice, EngineCosts
 from onnx_partition.plan.folder import publish
+from onnx_partition.plan.schema import parse
 
 if TYPE_CHECKING:
     from onnx_partition.runtime.train.overheads import RunCosts
@@ -506,13 +507,14 @@ def calibrate_plan(
                 i / b if b > 0 else 0.5 for i, b in zip(splits[best] or [], bwd, strict=True)]
             engine_run = _run_calibrated(chosen, run, schedule, count, engine["send_ms"],
                                          share)
-        chosen.calibrated = Calibrated.parse({
+        chosen.calibrated = parse(Calibrated, {
             "by": "profile --plan", "executor": _executor(train), "device": device,
             "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
             "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
                              if train else "threads, one per stage replica, as run"),
             "converged": result.converged, "chosen_round": best + 1,
-            "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})})
+            "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})},
+            "plan.json calibrated")
         _publish(source, chosen, target)
         result.plan = chosen
     finally:

@@ -284,15 +284,6 @@ class Record:
             keys.append(name)
 
     @classmethod
-    def parse(cls: type[_R], data: Any, where: str | None = None) -> _R:
-        """The record of JSON ``data``, checked as a file is (a one-line PartitionError naming
-        ``where`` and the field otherwise; pydantic is loaded here)."""
-        from onnx_partition.plan.schema import parse
-
-        record: _R = parse(cls, data, where or cls.__name__)
-        return record
-
-    @classmethod
     def given(cls: type[_R], values: Mapping[str, Any]) -> _R:
         """The record of ``values`` (the code's own, not checked), its keys in their order."""
         record = cls(**values)
@@ -343,12 +334,11 @@ class Record:
         return key in json_of(self)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key not in _names_of(type(self)):
-            raise KeyError(key)
-        from onnx_partition.plan.schema import parse  # pydantic: loaded when first needed
-
-        hint = typing.get_type_hints(type(self), include_extras=True)[key]
-        setattr(self, key, parse(hint, json_of(value), f"{type(self).__name__}.{key}"))
+        """A field set from code that writes the old dict (a number, a string: records are set
+        as typed fields)."""
+        if key not in _names_of(type(self)) or isinstance(value, dict | list):
+            raise KeyError(f"{type(self).__name__}[{key!r}]: set the typed field")
+        setattr(self, key, value)
 
     def pop(self, key: str, *default: Any) -> Any:
         """The field's JSON value, left at None; ``default`` (else KeyError) when unset."""

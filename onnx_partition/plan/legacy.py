@@ -15,14 +15,11 @@ import difflib
 import functools
 import typing
 from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan.contracts import PlanFields
 from onnx_partition.plan.declare import Record, json_of
-
-if TYPE_CHECKING:
-    from onnx_partition.plan.planfile import Plan
 
 __all__ = ["EXTRAS", "ExtraView", "extra_type", "holds_records"]
 
@@ -45,9 +42,10 @@ def _default(name: str) -> Any:
 
 
 class ExtraView(MutableMapping[str, Any]):
-    """The extras of ``plan`` as a dict of JSON data (the module docstring)."""
+    """The extras of ``plan`` (a :class:`~onnx_partition.plan.planfile.Plan`) as a dict of JSON
+    data (the module docstring)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: PlanFields) -> None:
         self._plan = plan
 
     def _present(self) -> list[str]:

@@ -25,7 +25,7 @@ import math
 import re
 import types
 import typing
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -47,9 +47,6 @@ from onnx_partition.plan.declare import Record, record_names
 
 __all__ = ["HOMOGENEOUS_KEYS", "parse", "validate", "validate_cluster", "validate_costs",
            "validate_plan", "validate_run", "validate_stage_costs"]
-
-T = TypeVar("T")
-
 
 @functools.cache
 def _adapter(kind: Any) -> TypeAdapter[Any]:
