@@ -5,9 +5,9 @@ typed (onnx_partition.plan.contracts, .extras), so the package reads ``plan.simu
 The check reads every module's syntax tree and names each use of the old dict of the extras
 (``.extra``) and each string-keyed subscript, ``get``, ``pop`` or ``setdefault`` on a plan field
 that holds records or dicts (``plan.cluster["memory_gb"]``), also through a name bound to one in
-the same function (``sim = plan.simulator_costs; sim["step_ms"]``). ALLOWED names the modules
-still on the old dicts, each with what converts it; an entry whose module no longer needs it is
-an error, so the list only shrinks."""
+the same function (``sim = plan.simulator_costs; sim["step_ms"]``); tools/ too. ALLOWED names
+the modules still on the old dicts, each with what converts it; an entry whose module no longer
+needs it is an error, so the list only shrinks."""
 
 from __future__ import annotations
 
@@ -45,10 +45,14 @@ def _record_fields() -> frozenset[str]:
 
 
 def _holds(hint: object) -> bool:
+    """Whether ``hint`` is a record or a dict (a list, such as ``stages``, is indexed by number:
+    its items' fields are caught by their own names)."""
     if isinstance(hint, type) and issubclass(hint, Record):
         return True
     if typing.get_origin(hint) is dict:
         return True
+    if typing.get_origin(hint) is list:
+        return False
     return any(_holds(a) for a in typing.get_args(hint))
 
 
@@ -114,8 +118,10 @@ def accesses(path: Path) -> list[tuple[int, str]]:
 
 def test_no_string_keyed_plan_access_outside_plan():
     found, still = [], set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = path.relative_to(PACKAGE).as_posix()
+    tools = sorted((PACKAGE.parent / "tools").glob("*.py"))
+    for path in [*sorted(PACKAGE.rglob("*.py")), *tools]:
+        name = path.relative_to(PACKAGE).as_posix() if PACKAGE in path.parents else \
+            path.relative_to(PACKAGE.parent).as_posix()
         if name.startswith("plan/"):
             continue
         hits = accesses(path)
@@ -123,7 +129,7 @@ def test_no_string_keyed_plan_access_outside_plan():
             if hits:
                 still.add(name)
             continue
-        found += [f"onnx_partition/{name}:{line}: {what}" for line, what in hits]
+        found += [f"{name}:{line}: {what}" for line, what in hits]
     assert not found, "string-keyed plan.json access (use the typed fields):\n" + "\n".join(
         found)
     assert still == set(ALLOWED), f"no longer on the old dicts, drop from ALLOWED: " \
