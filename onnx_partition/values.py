@@ -2,9 +2,10 @@
 
 The command line's numeric options (through :func:`install`, which wraps each option's argparse
 type), ``--input-shape`` dims, byte sizes such as ``80GB``, and the JSON files' numbers (through
-the bounds :mod:`onnx_partition.plan.schema` declares from the constants here) all pass through the
-same checks, and a bad value is a :class:`~onnx_partition.errors.PartitionError` naming the
-option, its unit and the value: ``--bandwidth must be a finite number >= 0 GB/s, got nan``.
+the bounds :mod:`onnx_partition.plan.contracts` declares from the constants here) all pass
+through the same checks, and a bad value is a :class:`~onnx_partition.errors.PartitionError`
+naming the option, its unit and the value:
+``--bandwidth must be a finite number >= 0 GB/s, got nan``.
 
 Every size the user controls is bounded, so that no option can make the tool allocate without
 limit (``--microbatches 100000000`` is refused, not simulated).

@@ -1,19 +1,18 @@
-"""Each JSON contract is declared once: the dataclasses the code uses and the pydantic schemas
-agree on every field and default; files of the previous version (written by hand below) still
-read with the documented defaults; a misspelled key in any contract is an error naming it; and a
+"""Each JSON contract is declared once: the dataclass the code uses is the check of the file
+(its defaults are the file's); files of the previous version (written by hand below) still read
+with the documented defaults; a misspelled key in any contract is an error naming it; and a
 plan read back writes the same bytes."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 from support.graphs import CHAIN, save
 
 from onnx_partition.cli import main
@@ -28,82 +27,57 @@ from onnx_partition.plan.contracts import (
     RUN_FORMAT,
     STAGE_COSTS_FORMAT,
     ClusterFields,
+    ClusterFile,
     FleetFields,
+    FleetFile,
     GroupFields,
+    PlanFields,
 )
+from onnx_partition.plan.declare import json_of
 from onnx_partition.plan.schema import (
-    ClusterSchema,
-    FleetSchema,
-    GroupSchema,
-    IOSchema,
-    LinkSchema,
-    PlanSchema,
-    PredictedSchema,
-    StageSchema,
+    parse,
+    validate_cluster,
     validate_plan,
     validate_run,
     validate_stage_costs,
 )
 
-#: (dataclass, schema, keys only the file has). Plan's ``extra`` holds the file's other keys.
-PAIRS: list[tuple[type, type[BaseModel], set[str]]] = [
-    (Predicted, PredictedSchema, set()),
-    (Stage, StageSchema, set()),
-    (IOSpec, IOSchema, set()),
-    (Link, LinkSchema, set()),
-    (ClusterFields, ClusterSchema, {"format"}),
-    (GroupFields, GroupSchema, set()),
-    (FleetFields, FleetSchema, {"format"}),
-    (Plan, PlanSchema, {"format", *(name for name, field in PlanSchema.model_fields.items()
-                                    if name not in {f.name for f in fields(Plan)})}),
+#: (the contract's type, a file's check of it, the smallest file): the file's defaults are the
+#: code's, since the one declaration is both.
+DEFAULTS: list[tuple[type, Any, dict[str, Any]]] = [
+    (Predicted, Predicted, {"compute_ms": 0.0, "comm_ms": 0.0, "memory_bytes": 0}),
+    (Stage, Stage, {"index": 0, "file": "s.onnx", "nodes": [], "inputs": [], "outputs": ["y"]}),
+    (IOSpec, IOSpec, {"name": "x", "dtype": "float32", "shape": []}),
+    (Link, Link, {"bandwidth_gbps": 10.0}),
+    (ClusterFields, ClusterFile, {}),
+    (GroupFields, GroupFields, {"gpu": "h100"}),
+    (FleetFields, FleetFile, {"groups": [{"gpu": "h100"}]}),
 ]
 
 
-def _code_default(cls: type, name: str) -> Any:
-    field = next(f for f in fields(cls) if f.name == name)
-    if field.default_factory is not MISSING:
-        return field.default_factory()
-    return field.default
-
-
-def _as_json(value: Any) -> Any:
-    """A code default as the file states it (a Link as its object, no memory limit as null)."""
-    if isinstance(value, Link):
-        return asdict(value)
-    if isinstance(value, float) and math.isinf(value):
-        return None
-    return value
-
-
-@pytest.mark.parametrize(("code", "schema", "file_only"), PAIRS,
-                         ids=[p[0].__name__ for p in PAIRS])
-def test_code_and_schema_declare_the_same_fields_and_defaults(code, schema, file_only):
-    ours = [f.name for f in fields(code) if f.name != "extra"]
-    theirs = [name for name in schema.model_fields if name not in file_only]
-    assert ours == theirs  # same fields, in the order the file is written
-    for name in ours:
-        declared = schema.model_fields[name]
-        if declared.is_required():
-            continue  # the file must give it (the code may still default it: Link bandwidth)
-        if (code, name) == (Plan, "inputs"):  # early plans may lack it: Plan.from_json gives []
-            continue
-        given = declared.get_default(call_default_factory=True)
-        given = given.model_dump() if isinstance(given, BaseModel) else given
-        assert given == _as_json(_code_default(code, name)), f"{code.__name__}.{name}"
+@pytest.mark.parametrize(("code", "check", "smallest"), DEFAULTS,
+                         ids=[d[0].__name__ for d in DEFAULTS])
+def test_code_and_file_share_the_defaults(code, check, smallest):
+    read = parse(check, smallest, "test")
+    assert isinstance(read, code)
+    required = {k: getattr(read, k) for k in smallest}
+    assert read == code(**required)  # every field the file left out is the code's default
+    assert parse(check, json_of(read), "test") == read  # and writes back to the same
 
 
 def test_the_link_latency_default_is_the_documented_one():
     """docs/cli.md: --latency defaults to 0.02 ms; a cluster.json link without a latency agrees
     (the schema used to default it to 0)."""
     assert Link().latency_ms == 0.02 and Link().bandwidth_gbps == 10.0
-    assert LinkSchema(bandwidth_gbps=5).latency_ms == Link().latency_ms
-    assert ClusterSchema().intra.model_dump() == asdict(Cluster().intra)
-    assert ClusterSchema().inter.model_dump() == asdict(Cluster().inter) == {
+    assert validate_cluster({"intra": {"bandwidth_gbps": 5}}).intra.latency_ms == \
+        Link().latency_ms
+    assert asdict(validate_cluster({}).intra) == asdict(Cluster().intra)
+    assert asdict(validate_cluster({}).inter) == asdict(Cluster().inter) == {
         "bandwidth_gbps": 1.25, "latency_ms": 0.05}
 
 
 def test_every_plan_property_reads_a_declared_key():
-    declared = set(PlanSchema.model_fields)
+    declared = {f.name for f in fields(PlanFields)}
     properties = {name for name, value in vars(Plan).items() if isinstance(value, property)}
     derived = {"microbatches", "rows_per_microbatch"}  # read other keys
     assert properties - derived <= declared
@@ -112,8 +86,8 @@ def test_every_plan_property_reads_a_declared_key():
 def test_a_cluster_written_by_a_plan_reads_as_cluster_json():
     body = Cluster(machines=2, devices_per_machine=4, memory_gb=80.0, kind="cuda",
                    gpu="h100").to_json()
-    assert list(body) == list(ClusterSchema.model_fields)
-    assert ClusterSchema.model_validate(body).model_dump() == body
+    assert list(body) == [f.name for f in fields(ClusterFields)]
+    assert json_of(validate_cluster(body)) == body
 
 
 # --------------------------------------------------------------------------- old files
@@ -178,7 +152,7 @@ def test_an_old_plan_reads_with_the_documented_defaults():
     assert plan.program == "" and plan.program_sha256 == ""
     assert plan.microbatches == DEFAULT_MICROBATCHES and plan.rows_per_microbatch == 2
     assert plan.manifest == {} and plan.device_model is None
-    own = ["format", *(f.name for f in fields(Plan) if f.name != "extra")]
+    own = ["format", *(PlanFields.FIXED or ())]
     assert list(plan.to_json()) == own + [k for k in old_plan() if k not in own]
 
 
@@ -293,7 +267,7 @@ def test_cluster_file_keys_match_the_docs():
     files = (Path(__file__).resolve().parents[1] / "docs" / "files.md").read_text()
     start = files.index('```json\n{"format": "onnx-partition/cluster@1"') + len("```json\n")
     example = json.loads(files[start:files.index("```", start)])
-    ClusterSchema.model_validate(example)
+    validate_cluster(example)
 
 
 def test_no_plan_is_written_that_would_not_read_back():

@@ -61,7 +61,7 @@ def main() -> int:
                                    args.iterations)
                 nodes = sum(len(s.nodes) for s in plan.stages)
                 print(f"| {name} | {args.size} | {nodes} | {stages} | {seconds:.2f} | "
-                      f"{plan.predicted['bottleneck_ms']:.3f} | {base:.1f} | {piped:.1f} | "
+                      f"{plan.predicted.bottleneck_ms:.3f} | {base:.1f} | {piped:.1f} | "
                       f"{piped / base:.2f}x | {err:.1e} |", flush=True)
     print(f"\nmachine: {sys.platform}, python {sys.version.split()[0]}, onnxruntime "
           f"{ort.__version__}, numpy {np.__version__}")

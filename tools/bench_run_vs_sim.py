@@ -39,6 +39,7 @@ from onnx_partition import models
 from onnx_partition.cli import main as cli
 from onnx_partition.cost.profile import CACHE_ENV
 from onnx_partition.graph.ort import session_options
+from onnx_partition.plan.declare import json_of
 
 
 def cli_json(argv: list[str]) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def measure(recipe: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         quiet(["profile", "--plan", str(plan), "--repeats", str(args.repeats),
                "--rounds", str(args.rounds)])
         row["calibrate_s"] = time.perf_counter() - began
-        row["calibrated"] = read_plan(plan).extra["calibrated"]
+        row["calibrated"] = json_of(read_plan(plan).calibrated)
         row["sim_after"] = cli_json(["simulate", str(plan), "--microbatches",
                                      str(args.microbatches)])
         row["run_after"] = cli_json(["run", str(plan), "--microbatches", str(args.microbatches),

@@ -59,7 +59,7 @@ def main() -> None:
         partition(model, args.stages, out, batch_size=args.rows, mode="train",
                   schedule="zb-h1", check=False, **({"costs": str(given)} if given else {}))
         plan = read_plan(out)
-        split = plan.simulator_costs["split_ms"]
+        split = plan.simulator_costs.split_ms or []
         body = json.loads(_cli("train", str(out), "--nproc", str(args.stages), "--steps",
                                str(args.steps), "--microbatches", "4", "--json"))
         for k in range(args.stages):

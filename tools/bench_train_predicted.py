@@ -152,8 +152,8 @@ def per_action(name: str, plan_dir: Path, stats: Any, measured: float, predicted
     plan's ``action_ms``; and the predicted step with and without ``action_ms`` against the
     measured one."""
     plan = read_plan(plan_dir)
-    priced = plan.simulator_costs.get("action_ms") or [0.0] * len(plan.stages)
-    plan.simulator_costs.pop("action_ms", None)
+    priced = plan.simulator_costs.action_ms or [0.0] * len(plan.stages)
+    plan.simulator_costs.action_ms = None
     sched = stats.schedule if stats.schedule in TRAIN_NAMES else "1f1b"
     bare = simulate_plan(plan, schedule=sched, microbatches=microbatches)[0].iteration_ms
     work = [rank_overheads(r) for r in stats.ranks]
@@ -192,14 +192,12 @@ def without_engine(plan_dir: Path, schedule: str, microbatches: int) -> float:
     engine's work)."""
     plan = read_plan(plan_dir)
     sim = plan.simulator_costs
-    sim.pop("step_ms", None)
-    sim.pop("accumulate_ms", None)
-    sim.pop("action_ms", None)
-    link = plan.extra.get("link") or {}
-    if "hop_bytes" in sim and link:
-        bw = float(link["bandwidth_gbps"])
-        sim["send_ms"] = [float(link["latency_ms"]) + (b / (bw * 1e6) if bw > 0 else 0.0)
-                          for b in sim["hop_bytes"]]
+    sim.step_ms = sim.accumulate_ms = sim.action_ms = None
+    link = plan.link
+    if sim.hop_bytes is not None and link is not None:
+        bw = float(link.bandwidth_gbps)
+        sim.send_ms = [float(link.latency_ms) + (b / (bw * 1e6) if bw > 0 else 0.0)
+                       for b in sim.hop_bytes]
     name = schedule if schedule in TRAIN_NAMES else "1f1b"
     return simulate_plan(plan, schedule=name, microbatches=microbatches)[0].iteration_ms
 

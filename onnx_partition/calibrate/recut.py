@@ -39,7 +39,6 @@ ping-pong plus the extra fitted to the run's step); ``calibrated.engine_run`` re
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -49,15 +48,18 @@ from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, annotate, load_costs
-from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import check_costs, provenance, rescale
 from onnx_partition.cost.profile.stages import StageTimes, reprice, time_stages
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.partition import AUTO, SOLVERS, partition, priced_as_run
 from onnx_partition.pipeline.schedules import PLANNED_NAMES
-from onnx_partition.plan import Plan, read_plan
+from onnx_partition.plan import MANIFEST, Plan, read_plan
+from onnx_partition.plan.contracts import FleetFields
+from onnx_partition.plan.extras import AnalyticDevice, Calibrated, CostsDevice, EngineCosts
 from onnx_partition.plan.folder import publish
+from onnx_partition.plan.schema import parse
 
 if TYPE_CHECKING:
     from onnx_partition.runtime.train.overheads import RunCosts
@@ -179,25 +181,24 @@ def hop_overhead(plan: Plan, compute_ms: Sequence[float], wall_ms: float) -> flo
 def _base_costs(plan: Plan, graph: OpGraph) -> tuple[dict[str, float], dict[str, float]]:
     """Forward and backward ms per compute node key as the plan was priced: its costs file
     when it is still there, else the analytic device it records."""
-    model = plan.device_model or {}
+    model = plan.device_model
     costs = None
-    if model.get("source") == "costs" and model.get("file") and Path(model["file"]).is_file():
-        costs = load_costs(model["file"])
+    if isinstance(model, CostsDevice) and model.file and Path(model.file).is_file():
+        costs = load_costs(model.file)
     if costs is not None:
         node_costs = annotate(graph, costs=costs)
         node_costs = rescale(node_costs, graph, list(costs.nodes), check_costs(costs,
                                                                                graph).scale)
-        shared = plan.extra.get("compute_scale")  # as partition priced it beside the others
-        if isinstance(shared, dict):
+        shared = plan.compute_scale  # as partition priced it beside the others
+        if shared is not None:
             node_costs = rescale(node_costs, graph, list(costs.nodes),
-                                 float(shared["forward"]), backward=float(shared["backward"]))
+                                 float(shared.forward), backward=float(shared.backward))
     else:
         device = DeviceSpec.cpu()
-        if model.get("source") == "analytic" and model.get("peak_tflops"):
-            device = DeviceSpec(str(model.get("name", "analytic")),
-                                peak_gflops=float(model["peak_tflops"]) * 1e3,
-                                mem_gbps=float(model.get("mem_gbps", 10.0)),
-                                launch_overhead_ms=float(model.get("launch_overhead_ms", 0.0)))
+        if isinstance(model, AnalyticDevice) and model.peak_tflops:
+            device = DeviceSpec(model.name, peak_gflops=float(model.peak_tflops) * 1e3,
+                                mem_gbps=float(model.mem_gbps),
+                                launch_overhead_ms=float(model.launch_overhead_ms))
         node_costs = annotate(graph, device=device)
     keys = {g: graph.nodes[g].key for g in graph.compute_nodes}
     return ({k: node_costs.forward_ms[g] for g, k in keys.items()},
@@ -214,42 +215,37 @@ def _costs_file(graph: OpGraph, forward: dict[str, float], backward: dict[str, f
 
 
 def _cluster_of(plan: Plan) -> Cluster | None:
-    body = plan.extra.get("cluster")
-    if not isinstance(body, dict):
-        return None
-    inf = body.get("memory_gb")
-    return Cluster(machines=int(body["machines"]),
-                   devices_per_machine=int(body["devices_per_machine"]),
-                   memory_gb=math.inf if inf is None else float(inf),
-                   speed=float(body.get("speed", 1.0)), kind=str(body.get("kind", "cpu")),
-                   gpu=body.get("gpu"),
-                   intra=Link(**body["intra"]), inter=Link(**body["inter"]))
+    if isinstance(plan.cluster, FleetFields):
+        raise PartitionError("profile --plan re-cuts plans of one kind of device, not a mixed "
+                             "fleet's (cluster@2 groups)")
+    return Cluster.of(plan.cluster) if plan.cluster is not None else None
 
 
 def _resolve(model: Path, plan: Plan, graph: OpGraph, costs: CostsFile, out: Path) -> Plan:
     """``plan`` cut again on ``costs``: the same depth, cluster, micro-batches and, in
     training, the schedule it was planned for, its precision and its ``--recompute`` (plan.json
     ``schedule``, ``precision``, ``recompute``; ``auto`` where it records none)."""
-    link = plan.extra.get("link")
     cluster = _cluster_of(plan)
     train = plan.mode == "train"
-    schedule = plan.extra.get("schedule")
+    schedule = plan.schedule
     return partition(
         model, len(plan.stages), out, costs=costs, input_shapes=plan.input_shapes,
         mode=plan.mode, microbatches=plan.microbatches, ordering="auto",
         solver=plan.solver if plan.solver in SOLVERS and cluster is None else "dp",
-        link=Link(**link) if isinstance(link, dict) and cluster is None else None,
+        link=plan.link if cluster is None else None,
         cluster=cluster, force=True, check=False,
         schedule=schedule if train and schedule in PLANNED_NAMES else AUTO,
-        recompute=str(plan.extra.get("recompute", AUTO)) if train else AUTO,
-        precision=str(plan.extra.get("precision") or "fp32") if train else "fp32")
+        recompute=(plan.recompute or AUTO) if train else AUTO,
+        precision=(plan.precision or "fp32") if train else "fp32")
 
 
 def _score(plan: Plan) -> float:
     """What the solver minimised, as plan.json predicts it: the bottleneck of a pipeline, the
     iteration of a hybrid plan."""
     predicted = plan.predicted
-    return float(predicted.get("bottleneck_ms", predicted.get("iteration_ms", 0.0)))
+    if predicted.bottleneck_ms is not None:
+        return float(predicted.bottleneck_ms)
+    return float(predicted.iteration_ms) if predicted.iteration_ms is not None else 0.0
 
 
 def _bottleneck(plan: Plan, together: Sequence[float]) -> float:
@@ -268,11 +264,11 @@ def _calibrated(plan: Plan, forward: Sequence[float], backward: Sequence[float])
             stage.predicted.compute_ms = round(round(f, 6) + round(b, 6), 6)
             if train:
                 stage.predicted.forward_ms, stage.predicted.backward_ms = round(f, 6), round(b, 6)
-    if train and isinstance(plan.simulator_costs, dict):
-        plan.simulator_costs["forward_ms"] = [round(f, 6) for f in forward]
-        plan.simulator_costs["backward_ms"] = [round(b, 6) for b in backward]
-    if "bottleneck_ms" in plan.predicted:
-        plan.predicted["bottleneck_ms"] = round(_bottleneck(plan, together), 6)
+    if train and not plan.simulator_costs.empty():
+        plan.simulator_costs.forward_ms = [round(f, 6) for f in forward]
+        plan.simulator_costs.backward_ms = [round(b, 6) for b in backward]
+    if plan.predicted.bottleneck_ms is not None:
+        plan.predicted.bottleneck_ms = round(_bottleneck(plan, together), 6)
     priced_as_run(plan)  # iteration, throughput and bubble: the plan's own simulation
 
 
@@ -281,22 +277,24 @@ def _engine_calibrated(plan: Plan, engine: Mapping[str, Any]) -> None:
     calibrate.stage_modules.measure_train_engine`): ``simulator_costs.step_ms``, ``accumulate_ms``,
     ``send_ms`` and ``hop_bytes``, ``engine_costs`` saying so, and the totals simulated again;
     ``action_ms``, the engine's work around each action, is kept as priced."""
-    sim = plan.extra.setdefault("simulator_costs", {})
-    sim["step_ms"] = [round(t, 6) for t in engine["step_ms"]]
-    sim["accumulate_ms"] = [round(t, 6) for t in engine["accumulate_ms"]]
-    sim["send_ms"] = [round(t, 6) for t in engine["send_ms"]]
-    sim["hop_bytes"] = [float(b) for b in engine["hop_bytes"]]
-    sim.pop("split_ms", None)  # the stages' I and W were timed as the engine runs them
+    sim = plan.simulator_costs
+    sim.step_ms = [round(t, 6) for t in engine["step_ms"]]
+    sim.accumulate_ms = [round(t, 6) for t in engine["accumulate_ms"]]
+    sim.send_ms = [round(t, 6) for t in engine["send_ms"]]
+    sim.hop_bytes = [float(b) for b in engine["hop_bytes"]]
+    sim.split_ms = None  # the stages' I and W were timed as the engine runs them
+    plan.simulator_costs = sim
     # the engine's work around each action was not timed here: partition's action_ms stays
-    kept = {k: v for k, v in (plan.extra.get("engine_costs") or {}).items() if k == "action_ms"}
-    plan.extra["engine_costs"] = {
-        "step_ms": f"calibrated: {engine['optimizer']} step on each stage module's parameters "
-                   f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms"
-                   " + a hop of the parameters tied across stages (their all-reduce)",
-        "accumulate_ms": "calibrated: in-place gradient adds over each stage module's "
-                         "parameters (profile --plan)",
-        "send_ms": "calibrated: each hop's bytes there and back between two processes over "
-                   "gloo (profile --plan), one way", **kept}
+    said = EngineCosts(
+        step_ms=f"calibrated: {engine['optimizer']} step on each stage module's parameters "
+                f"(profile --plan) + 2 two-process barriers of {engine['barrier_ms']:.4g} ms"
+                " + a hop of the parameters tied across stages (their all-reduce)",
+        accumulate_ms="calibrated: in-place gradient adds over each stage module's "
+                      "parameters (profile --plan)")
+    said.send_ms = ("calibrated: each hop's bytes there and back between two processes over "
+                    "gloo (profile --plan), one way")
+    said.action_ms = plan.engine_costs.action_ms
+    plan.engine_costs = said
     priced_as_run(plan)
 
 
@@ -313,39 +311,40 @@ def _run_calibrated(plan: Plan, run: RunCosts, schedule: str, microbatches: int,
     from onnx_partition.pipeline import schedules
     from onnx_partition.runtime.train.overheads import fit_hop_ms, run_pipeline
 
-    sim = plan.extra.setdefault("simulator_costs", {})
+    sim = plan.simulator_costs
+    plan.simulator_costs = sim
     if input_share is not None:
         run = replace(run, backward_input_ms=[b * s for b, s in
                                               zip(run.backward_ms, input_share, strict=True)])
     grid = schedules.build(schedule, run.replicas, microbatches)
     hop = fit_hop_ms(grid, run_pipeline(run, sends), run.measured_ms)
-    accumulate = [float(a) for a in sim.get("accumulate_ms") or [0.0] * len(run.replicas)]
+    accumulate = [float(a) for a in sim.accumulate_ms or [0.0] * len(run.replicas)]
     adds = [max(microbatches - r, 0) / microbatches for r in run.replicas]
     backward = [max(b - a * n, 0.0) for b, a, n in zip(run.backward_ms, accumulate, adds,
                                                        strict=True)]
     _calibrated(plan, run.forward_ms, backward)
     if input_share is not None:
-        sim["backward_input_ms"] = [round(b * s, 6) for b, s in
-                                    zip(backward, input_share, strict=True)]
-    sim["action_ms"] = [round(a, 6) for a in run.action_ms]
-    sim["step_ms"] = [round(t, 6) for t in run.step_ms()]
-    sim["send_ms"] = [round(s + hop, 6) for s in sends]
-    said = plan.extra.setdefault("engine_costs", {})
-    said.update({
-        "step_ms": "calibrated: the plan run in the engine (profile --plan): each stage's "
-                   "optimizer step, gradient sums and sends awaited, + 2 barriers of "
-                   f"{run.barrier_ms:.4g} ms",
-        "action_ms": "calibrated: the engine's work per action outside compute and receives, "
-                     "the plan run in the engine (profile --plan)",
-        "send_ms": "calibrated: each hop's bytes there and back between two idle processes "
-                   f"over gloo, one way, + {hop:.4g} ms per hop fitted so the run's "
-                   "simulation lasts its measured step (profile --plan)"})
+        sim.backward_input_ms = [round(b * s, 6) for b, s in
+                                 zip(backward, input_share, strict=True)]
+    sim.action_ms = [round(a, 6) for a in run.action_ms]
+    sim.step_ms = [round(t, 6) for t in run.step_ms()]
+    sim.send_ms = [round(s + hop, 6) for s in sends]
+    said = plan.engine_costs
+    said.step_ms = ("calibrated: the plan run in the engine (profile --plan): each stage's "
+                    "optimizer step, gradient sums and sends awaited, + 2 barriers of "
+                    f"{run.barrier_ms:.4g} ms")
+    said.action_ms = ("calibrated: the engine's work per action outside compute and receives, "
+                      "the plan run in the engine (profile --plan)")
+    said.send_ms = ("calibrated: each hop's bytes there and back between two idle processes "
+                    f"over gloo, one way, + {hop:.4g} ms per hop fitted so the run's "
+                    "simulation lasts its measured step (profile --plan)")
+    plan.engine_costs = said
     priced_as_run(plan)
     return {"by": "train (the engine), synthetic batches", "schedule": schedule,
             "microbatches": microbatches, "measured_ms": round(run.measured_ms, 6),
             "forward_ms": [round(f, 6) for f in run.forward_ms],
             "backward_ms": [round(b, 6) for b in run.backward_ms],
-            "action_ms": sim["action_ms"], "barrier_ms": round(run.barrier_ms, 6),
+            "action_ms": sim.action_ms, "barrier_ms": round(run.barrier_ms, 6),
             "idle_send_ms": [round(s, 6) for s in sends], "hop_ms": round(hop, 6),
             "measured_where": {
                 "forward_ms, backward_ms, action_ms, step_ms, hop_ms": "the plan run in the "
@@ -378,7 +377,7 @@ def _publish(source: Path, plan: Plan, out: Path) -> None:
         if program is not None:
             plan.program = os.path.relpath(program, here)
         body = plan.to_json()
-        body.pop("manifest", None)
+        body.pop(MANIFEST, None)  # publish writes the new one
         return body
 
     protect = [model] if model is not None else []
@@ -527,18 +526,19 @@ def _write_chosen(result: Calibration, measured: Sequence[tuple[float, Path, Pla
     result.chosen = best
     _calibrated(chosen, fwd, bwd)
     # its stage times are now measured side by side: partition's scaling no longer applies
-    chosen.extra.pop("compute_scale", None)
+    chosen.compute_scale = None
     engine_run: dict[str, Any] = {}
     if train:  # the engine's own work: optimizer steps, barriers and hops, as measured
         engine_run = _engine_measured(chosen, source, splits, best, bwd,
                                       threads_per_stage=threads_per_stage, repeats=repeats)
-    chosen.extra["calibrated"] = {
+    chosen.calibrated = parse(Calibrated, {
         "by": "profile --plan", "executor": _executor(train), "device": device,
         "threads_per_stage": threads_per_stage, "repeats": repeats, "warmup": warmup,
         "side_by_side": ("processes, one per stage, each with the torch threads of a rank"
                          if train else "threads, one per stage replica, as run"),
         "converged": result.converged, "chosen_round": best + 1,
-        "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})}
+        "rounds": result.rounds, **({"engine_run": engine_run} if engine_run else {})},
+        "plan.json calibrated")
     _publish(source, chosen, target)
     result.plan = chosen
 
@@ -554,8 +554,8 @@ def _engine_measured(chosen: Plan, source: Path, splits: Sequence[list[float] | 
         measure_train_run,
     )
 
-    if splits[best] is not None and isinstance(chosen.simulator_costs, dict):
-        chosen.simulator_costs["backward_input_ms"] = [
+    if splits[best] is not None and not chosen.simulator_costs.empty():
+        chosen.simulator_costs.backward_input_ms = [
             round(t, 6) for t in splits[best] or []]
 
     engine = measure_train_engine(source, threads=threads_per_stage, repeats=repeats)

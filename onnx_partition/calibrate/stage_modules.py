@@ -90,7 +90,7 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
 
     folder = os.fspath(folder)
     plan = require_trainable(folder)
-    optimizer = str(plan.extra.get("optimizer") or "adamw")
+    optimizer = plan.optimizer or "adamw"
     optimizer = optimizer if optimizer in ("sgd", "adamw") else "adamw"
     env: dict[str, Any] = {}
     _stage_inputs(folder, plan, env)
@@ -238,7 +238,7 @@ def measure_train_plan(folder: str | os.PathLike[str], *, threads: int = 1, repe
     plan = require_trainable(folder)
     inputs = _stage_inputs(folder, plan)
     count = len(plan.stages)
-    split = plan.extra.get("schedule") == "zb-h1"
+    split = plan.schedule == "zb-h1"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     alone = []

@@ -24,7 +24,7 @@ file order, one ``inter`` link between any two machines (:class:`Fleet`)::
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -41,6 +41,7 @@ from onnx_partition.plan.contracts import (
     GroupFields,
     Link,
 )
+from onnx_partition.plan.declare import json_of
 from onnx_partition.values import MAX_BYTES, Rule, check
 
 __all__ = ["FORMAT", "Cluster", "Fleet", "GpuGroup", "Link", "load_cluster", "parse_bytes"]
@@ -118,10 +119,14 @@ class Cluster(ClusterFields):
         return placed
 
     def to_json(self) -> dict[str, Any]:
-        body = {"format": FORMAT, **asdict(self)}
-        if math.isinf(self.memory_gb):
-            body["memory_gb"] = None
+        """cluster.json's form (``memory_gb`` infinite as null)."""
+        body: dict[str, Any] = {**json_of(self), "format": FORMAT}
         return body
+
+    @classmethod
+    def of(cls, fields: ClusterFields) -> Cluster:
+        """The cluster of cluster.json's fields (as a file or plan.json's ``cluster`` gives)."""
+        return cls(**_values(fields))
 
 
 @dataclass(frozen=True)
@@ -213,11 +218,21 @@ class Fleet(FleetFields):
         machine, local = divmod(index, g.devices_per_machine)
         return f"m{self.machine_offset[group] + machine}/cuda:{local}"
 
+    @classmethod
+    def of(cls, fields: FleetFields) -> Fleet:
+        """The fleet of cluster@2's fields (its groups checked: known GPUs, positive sizes)."""
+        return cls(groups=tuple(GpuGroup(**_values(g)) for g in fields.groups),
+                   kind=fields.kind, inter=fields.inter, format=fields.format)
+
     def to_json(self) -> dict[str, Any]:
         """cluster.json's form, every group's memory resolved."""
         groups = [{**asdict(g), "memory_gb": g.memory} for g in self.groups]
         return {"format": FLEET_FORMAT, "groups": groups, "kind": self.kind,
                 "inter": asdict(self.inter)}
+
+
+def _values(fields: Any) -> dict[str, Any]:
+    return {f.name: getattr(fields, f.name) for f in dataclasses.fields(fields)}
 
 
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
@@ -241,30 +256,16 @@ def parse_bytes(text: str, name: str = "--device-memory") -> float:
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster | Fleet:
-    """Read cluster.json, checked against its schema (:mod:`onnx_partition.plan.schema`); a clear
-    one-line error for a missing file or a bad field. With ``groups``: a :class:`Fleet`."""
-    from onnx_partition.plan.schema import FleetSchema, validate_cluster  # pydantic: lazily
+    """Read cluster.json, checked against its contract (:class:`~onnx_partition.plan.contracts.
+    ClusterFields`, :class:`~onnx_partition.plan.contracts.FleetFields`); a clear one-line error
+    for a missing file or a bad field. With ``groups``: a :class:`Fleet`."""
+    from onnx_partition.plan.schema import validate_cluster  # pydantic: lazily
 
     path = Path(path)
     spec = validate_cluster(read_json(path, "cluster"), f"cluster file {path}")
-    if isinstance(spec, FleetSchema):
+    if isinstance(spec, FleetFields):
         try:
-            return Fleet(groups=tuple(
-                GpuGroup(gpu=g.gpu, machines=g.machines, devices_per_machine=g.devices_per_machine,
-                         memory_gb=g.memory_gb,
-                         intra=Link(g.intra.bandwidth_gbps, g.intra.latency_ms))
-                for g in spec.groups), kind=spec.kind,
-                inter=Link(spec.inter.bandwidth_gbps, spec.inter.latency_ms))
+            return Fleet.of(spec)
         except PartitionError as exc:
             raise PartitionError(f"cluster file {path}: {exc}") from None
-    return Cluster(
-        machines=spec.machines,
-        devices_per_machine=spec.devices_per_machine,
-        memory_gb=math.inf if spec.memory_gb is None else spec.memory_gb,
-        speed=spec.speed,
-        kind=spec.kind,
-        gpu=spec.gpu,
-        intra=Link(spec.intra.bandwidth_gbps, spec.intra.latency_ms),
-        inter=Link(spec.inter.bandwidth_gbps, spec.inter.latency_ms),
-    )
-
+    return Cluster.of(spec)

@@ -61,12 +61,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.plan.extras import EngineCosts
 
 if TYPE_CHECKING:
 
     from onnx_partition.cost.analytic import DeviceSpec
     from onnx_partition.cost.annotate import CostsFile
     from onnx_partition.plan import Plan
+    from onnx_partition.plan.contracts import Link
 
 __all__ = [
     "ACCUMULATE_BYTES",
@@ -272,6 +274,10 @@ def _points(sizes: Sequence[float], one_way_ms: Sequence[float]) -> list[tuple[f
     return out[::-1]
 
 
+#: The engine terms each GPU kind prices on its own (a fleet's ``engine_costs`` says each).
+_KIND_TERMS = ("step_ms", "accumulate_ms", "action_ms")
+
+
 @dataclass(frozen=True)
 class EngineTerms:
     """The engine work :func:`price_engine` writes into a train plan, as plain numbers a planner
@@ -315,7 +321,7 @@ class EngineTerms:
 
 
 def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: str, *,
-                 link: Mapping[str, Any] | None = None) -> EngineTerms:
+                 link: Link | None = None) -> EngineTerms:
     """The engine's terms for a train plan priced by ``costs`` on ``device`` with ``optimizer``
     (unknown: ``adamw``): the step measured (:func:`measured_step_ms`) where the costs file's
     ``engine`` timed the optimizer, else analytic (:func:`analytic_step_ms`, barriers of
@@ -329,8 +335,8 @@ def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: 
     from onnx_partition.cost.devices import device_for
     from onnx_partition.plan.contracts import Link
 
-    link = link or {}
-    barrier_ms = float(link.get("latency_ms", 0.02)) if link else 0.02
+    link = link or Link()
+    barrier_ms = float(link.latency_ms)
 
     engine = costs.body.get("engine") if costs is not None else None
     if device is None and costs is not None and (costs.device or "").startswith("cuda"):
@@ -368,8 +374,8 @@ def engine_terms(costs: CostsFile | None, device: DeviceSpec | None, optimizer: 
                        split_call_ms=split_call_ms(costs),
                        link_sizes=tuple(float(x) for x in fitted.get("sizes", ())),
                        link_one_way_ms=tuple(float(x) for x in fitted.get("one_way_ms", ())),
-                       link_latency_ms=float(link.get("latency_ms", Link().latency_ms)),
-                       link_gbps=float(link.get("bandwidth_gbps", Link().bandwidth_gbps)))
+                       link_latency_ms=float(link.latency_ms),
+                       link_gbps=float(link.bandwidth_gbps))
 
 
 @dataclass(frozen=True)
@@ -453,70 +459,73 @@ def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | No
         _price_fleet_engine(plan, kinds, tied, tensors)
         return
     engine = costs.body.get("engine") if costs is not None else None
-    sim = plan.extra.setdefault("simulator_costs", {})
-    terms = engine_terms(costs, device, str(plan.extra.get("optimizer") or "adamw"),
-                         link=plan.extra.get("link"))
+    sim = plan.simulator_costs
+    terms = engine_terms(costs, device, plan.optimizer or "adamw", link=plan.link)
     weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
                for s in plan.stages]
     step = terms.step_ms(weights)
-    said: dict[str, Any] = dict(terms.said)
+    said = EngineCosts.given(terms.said)
     fitted = (engine or {}).get("link")
     if tied and any(tied):
         step = [t + terms.tied_ms(b) for t, b in zip(step, tied, strict=True)]
-        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
-    sim["step_ms"] = [round(x, 6) for x in step]
-    sim["accumulate_ms"] = [round(x, 6) for x in terms.accumulate_ms(weights)]
-    hop_bytes = sim.get("hop_bytes")
-    if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(plan.stages) - 1:
+        said.step_ms = (said.step_ms or "") + ("; + one hop of the parameters tied across "
+                                               "stages (their all-reduce)")
+    sim.step_ms = [round(x, 6) for x in step]
+    sim.accumulate_ms = [round(x, 6) for x in terms.accumulate_ms(weights)]
+    hop_bytes = sim.hop_bytes
+    if fitted and hop_bytes is not None and len(hop_bytes) == len(plan.stages) - 1:
         sizes, times = fitted["sizes"], fitted["one_way_ms"]
-        sim["send_ms"] = [round(hop_ms(float(b), sizes, times), 6) for b in hop_bytes]
-        said["send_ms"] = (f"measured: gloo ping-pong between two processes (profile --mode "
-                           f"train), {fitted['latency_ms']:g} ms at {sizes[0]} B, piecewise "
-                           "linear in the hop's bytes")
+        sim.send_ms = [round(hop_ms(float(b), sizes, times), 6) for b in hop_bytes]
+        said.send_ms = (f"measured: gloo ping-pong between two processes (profile --mode "
+                        f"train), {fitted['latency_ms']:g} ms at {sizes[0]} B, piecewise "
+                        "linear in the hop's bytes")
     else:
-        said["send_ms"] = "the plan's link model"
-    if _number(probe_of(engine), "hop_ms") is not None and isinstance(sim.get("send_ms"), list):
-        sim["send_ms"] = [round(float(x) + terms.hop_ms, 6) for x in sim["send_ms"]]
-        said["send_ms"] += f", + {terms.hop_ms:g} ms of the engine's work per hop (the probe)"
-    if plan.extra.get("schedule") == "zb-h1" and tensors is not None \
-            and len(tensors) == len(plan.stages):
+        said.send_ms = "the plan's link model"
+    if _number(probe_of(engine), "hop_ms") is not None and sim.send_ms is not None:
+        sim.send_ms = [round(float(x) + terms.hop_ms, 6) for x in sim.send_ms]
+        said.send_ms += f", + {terms.hop_ms:g} ms of the engine's work per hop (the probe)"
+    if plan.schedule == "zb-h1" and tensors is not None and len(tensors) == len(plan.stages):
         call = (engine or {}).get("split_call_ms")
         per_group = terms.split_call_ms
-        sim["split_ms"] = [round(x, 6) for x in split_ms(tensors, per_group)]
-        said["split_ms"] = (("measured: " if call is not None else "analytic: ")
-                            + f"{per_group:g} ms per weight group (half the stage's trainable "
-                            "tensors), the split backward's walk and autograd calls"
-                            + (" (profile --mode train)" if call is not None else ""))
-    sim["action_ms"] = [round(terms.action_ms, 6)] * len(plan.stages)
-    plan.extra["engine_costs"] = said
+        sim.split_ms = [round(x, 6) for x in split_ms(tensors, per_group)]
+        said.split_ms = (("measured: " if call is not None else "analytic: ")
+                         + f"{per_group:g} ms per weight group (half the stage's trainable "
+                         "tensors), the split backward's walk and autograd calls"
+                         + (" (profile --mode train)" if call is not None else ""))
+    sim.action_ms = [round(terms.action_ms, 6)] * len(plan.stages)
+    plan.simulator_costs = sim
+    plan.engine_costs = said
 
 
 def _price_fleet_engine(plan: Plan, kinds: Mapping[str, EngineTerms],
                         tied: Sequence[float] | None, tensors: Sequence[int] | None) -> None:
     """:func:`price_engine` for a fleet's plan: each stage by its kinds' terms."""
-    sim = plan.extra.setdefault("simulator_costs", {})
+    sim = plan.simulator_costs
     terms = [[kinds[k] for k in str(s.gpu).split("+")] for s in plan.stages]
     weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
                for s in plan.stages]
-    zb = plan.extra.get("schedule") == "zb-h1" and tensors is not None \
-        and len(tensors) == len(plan.stages)
+    zb = plan.schedule == "zb-h1" and tensors is not None and len(tensors) == len(plan.stages)
     work = FleetEngine.of(terms, weights, tied=tied if tied and any(tied) else None,
                           tensors=tensors, split=zb)
-    sim["step_ms"] = [round(x, 6) for x in work.step_ms]
-    sim["accumulate_ms"] = [round(x, 6) for x in work.accumulate_ms]
-    said: dict[str, str] = {"send_ms": "the fleet's links"}
+    sim.step_ms = [round(x, 6) for x in work.step_ms]
+    sim.accumulate_ms = [round(x, 6) for x in work.accumulate_ms]
+    said = EngineCosts(send_ms="the fleet's links")
     if zb:
-        sim["split_ms"] = [round(x, 6) for x in work.split_ms]
-        said["split_ms"] = ("each stage on its GPU kind: per weight group (half the stage's "
-                            "trainable tensors) " + "; ".join(
-                                f"{kind}: {t.split_call_ms:g} ms" for kind, t in kinds.items()))
-    sim["action_ms"] = [round(x, 6) for x in work.action_ms]
-    if any(work.hop_ms) and isinstance(sim.get("send_ms"), list):
-        sim["send_ms"] = [round(float(x) + h, 6) for x, h in zip(sim["send_ms"], work.hop_ms)]
-        said["send_ms"] += ", + each boundary's engine work per hop (its kinds' probes)"
-    for what in ("step_ms", "accumulate_ms", "action_ms"):
-        said[what] = "each stage on its GPU kind: " + "; ".join(
-            f"{kind}: {t.said.get(what, '')}" for kind, t in kinds.items())
+        sim.split_ms = [round(x, 6) for x in work.split_ms]
+        said.split_ms = ("each stage on its GPU kind: per weight group (half the stage's "
+                         "trainable tensors) " + "; ".join(
+                             f"{kind}: {t.split_call_ms:g} ms" for kind, t in kinds.items()))
+    sim.action_ms = [round(x, 6) for x in work.action_ms]
+    if any(work.hop_ms) and sim.send_ms is not None:
+        sim.send_ms = [round(float(x) + h, 6) for x, h in zip(sim.send_ms, work.hop_ms)]
+        said.send_ms = (said.send_ms or "") + (", + each boundary's engine work per hop "
+                                               "(its kinds' probes)")
+    each = EngineCosts.given({what: "each stage on its GPU kind: " + "; ".join(
+        f"{kind}: {t.said.get(what, '')}" for kind, t in kinds.items()) for what in _KIND_TERMS})
+    said.step_ms, said.accumulate_ms, said.action_ms = (each.step_ms, each.accumulate_ms,
+                                                        each.action_ms)
     if tied and any(tied):
-        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
-    plan.extra["engine_costs"] = said
+        said.step_ms = (said.step_ms or "") + ("; + one hop of the parameters tied across "
+                                               "stages (their all-reduce)")
+    plan.simulator_costs = sim
+    plan.engine_costs = said

@@ -56,6 +56,7 @@ throughput can exceed its ``predicted.throughput_per_s``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from onnx_partition.errors import PartitionError
@@ -78,6 +79,7 @@ from onnx_partition.pipeline.simulate import (
     simulate,
 )
 from onnx_partition.plan import Plan
+from onnx_partition.plan.contracts import ClusterFields
 from onnx_partition.values import fmt_bytes
 
 __all__ = [
@@ -108,8 +110,8 @@ MAX_GRID_STEPS = 48
 def default_schedule(plan: Plan) -> str:
     """The schedule the plan was planned for (plan.json's ``schedule``); without one (older
     plans), ``1f1b`` for training plans, ``infer`` otherwise (what the planner simulated)."""
-    named = plan.extra.get("schedule")
-    if isinstance(named, str) and named.lower() in NAMES:
+    named = plan.schedule
+    if named is not None and named.lower() in NAMES:
         return named.lower()
     return "1f1b" if plan.mode == "train" else "infer"
 
@@ -142,18 +144,13 @@ def send_times(comm_ms: Sequence[float], factor: float = 1.0) -> list[float]:
     return [max(s, 0.0) for s in sends]
 
 
-def _given(plan: Plan, key: str, length: int) -> list[float] | None:
-    """``plan.simulator_costs[key]`` as floats, if present and well formed."""
-    raw = plan.simulator_costs
-    if key not in raw:
+def _given(values: Sequence[float] | None, length: int, name: str) -> list[float] | None:
+    """plan.json's ``simulator_costs.<name>`` as floats, if present (of ``length``)."""
+    if values is None:
         return None
-    values = raw[key]
-    if not isinstance(values, list) or len(values) != length:
-        raise PartitionError(f"plan.json simulator_costs.{key} needs {length} numbers")
-    try:
-        return [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise PartitionError(f"plan.json simulator_costs.{key} needs numbers") from None
+    if len(values) != length:
+        raise PartitionError(f"plan.json simulator_costs.{name} needs {length} numbers")
+    return [float(v) for v in values]
 
 
 def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
@@ -166,25 +163,26 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
     comm = [pr.comm_ms if pr else 0.0 for pr in preds]
     memory = [float(pr.memory_bytes) if pr else 0.0 for pr in preds]
     hybrid_train = plan.mode == "train"
+    sim = plan.simulator_costs
     ratio = backward_factor()  # a stage's class is not known: the rule's figure for that
     stored_fwd = [c / (1.0 + ratio) for c in compute] if hybrid_train else compute
-    forward = _given(plan, "forward_ms", p) or stored_fwd
-    backward = _given(plan, "backward_ms", p) or [ratio * f for f in forward]
-    send = _given(plan, "send_ms", p - 1)
+    forward = _given(sim.forward_ms, p, "forward_ms") or stored_fwd
+    backward = _given(sim.backward_ms, p, "backward_ms") or [ratio * f for f in forward]
+    send = _given(sim.send_ms, p - 1, "send_ms")
     if send is None:
         send = send_times(comm, comm_factor(hybrid_train))
-    acts = _given(plan, "activation_bytes", p) or [0.0] * p
-    static = _given(plan, "static_bytes", p) or memory
+    acts = _given(sim.activation_bytes, p, "activation_bytes") or [0.0] * p
+    static = _given(sim.static_bytes, p, "static_bytes") or memory
     raw_allreduce = plan.allreduce_ms
     allreduce = [0.0] * p
     if raw_allreduce is not None and len(raw_allreduce) == p:
         allreduce = [float(x) for x in raw_allreduce]
-    grad_in = _given(plan, "backward_input_ms", p)
-    kept = _given(plan, "input_bytes", p) or [0.0] * p
-    step = _given(plan, "step_ms", p) or [0.0] * p
-    accumulate = _given(plan, "accumulate_ms", p) or [0.0] * p
-    split_cost = _given(plan, "split_ms", p) or [0.0] * p
-    per_action = _given(plan, "action_ms", p) or [0.0] * p
+    grad_in = _given(sim.backward_input_ms, p, "backward_input_ms")
+    kept = _given(sim.input_bytes, p, "input_bytes") or [0.0] * p
+    step = _given(sim.step_ms, p, "step_ms") or [0.0] * p
+    accumulate = _given(sim.accumulate_ms, p, "accumulate_ms") or [0.0] * p
+    split_cost = _given(sim.split_ms, p, "split_ms") or [0.0] * p
+    per_action = _given(sim.action_ms, p, "action_ms") or [0.0] * p
     stages = [
         StageCosts(forward[k], backward[k] if train else 0.0, max(1, s.replicas),
                    allreduce[k] if train else 0.0, acts[k], static[k],
@@ -221,7 +219,7 @@ def played_comm_note(plan: Plan) -> str | None:
     one wording of ``partition``'s table and ``report``'s; None where they agree."""
     if played_comm(plan) is None:
         return None
-    said = str((plan.extra.get("engine_costs") or {}).get("send_ms") or "")
+    said = plan.engine_costs.send_ms or ""
     source = said.split(":", 1)[0] if said else "the link model"
     return ("comm: the link model the cut was balanced on (plan.json predicted.comm_ms; total "
             "and bottleneck count it); comm (played): the same boundaries as the simulated "
@@ -304,10 +302,9 @@ def over_memory_note(plan: Plan, result: SimResult) -> str | None:
     """A warning naming the devices whose simulated peak is over the device memory of the
     plan's cluster (one kind; None within it or without a limit): a what-if schedule that
     holds more than the one planned for (GPipe; ZB-H1 where the planner kept 1F1B)."""
-    limit_gb = plan.cluster.get("memory_gb")
-    if not isinstance(limit_gb, int | float):
+    if not isinstance(plan.cluster, ClusterFields) or math.isinf(plan.cluster.memory_gb):
         return None
-    limit = float(limit_gb) * 1e9
+    limit = plan.cluster.memory_gb * 1e9
     over = [(dev, peak) for dev, peak in sorted(result.peak_memory_bytes.items())
             if peak > limit * (1.0 + 1e-9)]
     if not over:
@@ -357,10 +354,10 @@ def format_simulation(plan: Plan, result: SimResult) -> str:
     if note:
         lines.append(note)
     hosted = hosted_stages(plan, result)
-    if "iteration_ms" in plan.predicted:
-        lines.append(f"planner predicted: iteration {plan.predicted['iteration_ms']:.3f} ms")
-    elif "bottleneck_ms" in plan.predicted:
-        lines.append(f"planner predicted: bottleneck {plan.predicted['bottleneck_ms']:.3f} ms "
+    if plan.predicted.iteration_ms is not None:
+        lines.append(f"planner predicted: iteration {plan.predicted.iteration_ms:.3f} ms")
+    elif plan.predicted.bottleneck_ms is not None:
+        lines.append(f"planner predicted: bottleneck {plan.predicted.bottleneck_ms:.3f} ms "
                      "per micro-batch (communication charged to the stages)")
     rows = [("device", "busy ms", "busy %", "peak in-flight", "peak memory")]
     for dev in sorted(result.busy_ms):

@@ -250,7 +250,7 @@ def simulate_json(plan: Plan, result: SimResult, *, schedule: str | None,
 
 def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``run --json`` file, checked against its schema
-    (:class:`~onnx_partition.plan.schema.RunSchema`: a misspelled key is named)."""
+    (:class:`~onnx_partition.plan.contracts.RunBody`: a misspelled key is named)."""
     body = read_json(path, "run")
     if not isinstance(body, dict) or body.get("format") != RUN_FORMAT:
         raise PartitionError(f"{path} is not a `run --json` file (format {RUN_FORMAT})")

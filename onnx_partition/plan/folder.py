@@ -37,6 +37,8 @@ from typing import Any
 from onnx_partition.errors import PartitionError, read_json
 from onnx_partition.fileio import atomic_write, sha256_file, sync_folder
 from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
+from onnx_partition.plan.declare import json_of
+from onnx_partition.plan.extras import FileEntry, Manifest
 
 __all__ = ["PUBLISH_STEPS", "REPORT_MARK", "Manifest", "exchange", "is_earlier_plan",
            "is_our_report", "locked", "make_manifest", "manifest_of", "publish",
@@ -48,7 +50,6 @@ REPORT_MARK = b'<meta name="generator" content="onnx-partition">'
 #: folder is complete; it was exchanged with OUT; OUT was moved aside (the two-rename fallback).
 PUBLISH_STEPS = ("written", "swapped", "moved-old")
 
-Manifest = dict[str, dict[str, Any]]
 
 
 # --------------------------------------------------------------------------- the manifest
@@ -73,7 +74,7 @@ def make_manifest(folder: Path, *, sync: bool = False) -> Manifest:
             continue
         if path.is_symlink() or not path.is_file():
             raise PartitionError(f"plan folder: {name} is not a regular file")
-        entries[name] = {"size": path.stat().st_size, "sha256": sha256_file(path, sync=sync)}
+        entries[name] = FileEntry(size=path.stat().st_size, sha256=sha256_file(path, sync=sync))
     return entries
 
 
@@ -127,15 +128,15 @@ def _inside(root: Path, name: str, folder: Path) -> Path:
     return path
 
 
-def _check_entry(folder: Path, root: Path, name: str, entry: dict[str, Any], hashes: bool) -> None:
+def _check_entry(folder: Path, root: Path, name: str, entry: FileEntry, hashes: bool) -> None:
     path = _inside(root, name, folder)
     if not path.is_file():
         raise PartitionError(f"plan folder {folder}: {name} is missing")
     size = path.stat().st_size
-    if size != entry["size"]:
+    if size != entry.size:
         raise PartitionError(f"plan folder {folder}: {name} has {size} bytes, its manifest says "
-                             f"{entry['size']} (changed or truncated)")
-    if hashes and sha256_file(path) != entry["sha256"]:
+                             f"{entry.size} (changed or truncated)")
+    if hashes and sha256_file(path) != entry.sha256:
         raise PartitionError(f"plan folder {folder}: {name} does not match its sha256 in "
                              f"plan.json (changed or corrupted)")
 
@@ -163,7 +164,7 @@ def is_earlier_plan(folder: Path) -> bool:
         entry = entries.get(name)
         if entry is None or path.is_symlink() or not path.is_file():
             return False
-        if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+        if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
             return False
     return True
 
@@ -301,7 +302,7 @@ def _swap_in(out: Path, write: Callable[[Path], dict[str, Any]],
         body = write(tmp)
         (tmp / PLAN_FILE).unlink(missing_ok=True)
         entries = make_manifest(tmp, sync=True)
-        body = {**body, MANIFEST: entries}
+        body = {**body, MANIFEST: json_of(entries)}
         atomic_write(tmp / PLAN_FILE, plan_text(body))
         os.chmod(tmp, 0o755)
         sync_folder(tmp)

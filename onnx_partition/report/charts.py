@@ -3,6 +3,8 @@ simulated schedule as a Gantt chart."""
 
 from __future__ import annotations
 
+import math
+
 from onnx_partition.pipeline.from_plan import (
     default_schedule,
     hosted_stages,
@@ -15,6 +17,7 @@ from onnx_partition.pipeline.from_plan import (
 from onnx_partition.pipeline.schedules import Device, Kind, pipeline_width
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import Plan
+from onnx_partition.plan.contracts import ClusterFields, FleetFields
 from onnx_partition.report.svg import (
     ALLREDUCE,
     BACKWARD,
@@ -96,10 +99,12 @@ def memory_chart(plan: Plan, result: SimResult | None = None) -> str:
     schedule's simulated peak (the micro-batches it holds in flight, counted by the simulator
     as :mod:`onnx_partition.pipeline.memory`'s closed forms count them), with
     :func:`over_memory_note`, the warning ``simulate`` prints."""
-    limit_gb = plan.cluster.get("memory_gb")
-    limit = float(limit_gb) * 1e9 if isinstance(limit_gb, int | float) else None
+    cluster = plan.cluster
+    limit = (cluster.memory_gb * 1e9 if isinstance(cluster, ClusterFields)
+             and not math.isinf(cluster.memory_gb) else None)
     # a mixed fleet: each stage against its own GPU kind's memory (the least of its kinds)
-    kinds = {g["gpu"]: float(g["memory_gb"]) * 1e9 for g in plan.cluster.get("groups") or []}
+    kinds = {g.gpu: g.memory_gb * 1e9 for g in cluster.groups if g.memory_gb is not None} \
+        if isinstance(cluster, FleetFields) else {}
 
     def own(stages: list[int]) -> float | None:
         return min((kinds[k] for s in stages for k in (plan.stages[s].gpu or "").split("+")
@@ -145,8 +150,9 @@ def memory_chart(plan: Plan, result: SimResult | None = None) -> str:
     else:
         note = f"Dashed line: the device memory limit, {fmt_bytes(limit)}."
     what = ("weights, optimizer state and stashed activations" if plan.mode == "train"
-            else "weights and the stage's input and output tensors" if "iteration_ms"
-            not in plan.predicted else "weights and activations of one micro-batch")
+            else "weights and the stage's input and output tensors"
+            if plan.predicted.iteration_ms is None
+            else "weights and activations of one micro-batch")
     if result is None:
         return chart + html_note(f"Planner's predicted peak per device ({what}). {note}")
     warning = over_memory_note(plan, result)
@@ -174,7 +180,7 @@ def _played(result: SimResult) -> str:
 
 def _planned(plan: Plan) -> str:
     """What plan.json's memory figures are for, and where the simulated ones come from."""
-    said = ("" if "activation_bytes" in plan.simulator_costs else
+    said = ("" if plan.simulator_costs.activation_bytes is not None else
             "; plan.json has no stashed bytes per micro-batch (simulator_costs.activation_bytes), "
             "so these are its figures whatever the schedule holds")
     return (f"plan.json's predicted memory is for {default_schedule(plan)}, "

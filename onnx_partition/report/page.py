@@ -4,6 +4,7 @@ charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from math import inf
 from pathlib import Path
@@ -25,6 +26,7 @@ from onnx_partition.pipeline.from_plan import (
 from onnx_partition.pipeline.predict import dumps, simulate_json
 from onnx_partition.pipeline.simulate import PipelineCosts, SimResult
 from onnx_partition.plan import PLAN_FILE, Plan, read_plan
+from onnx_partition.plan.contracts import FleetFields, GroupFields
 from onnx_partition.plan.folder import REPORT_MARK, is_our_report, manifest_of, verify, write_file
 from onnx_partition.report.charts import (
     gantt_chart,
@@ -83,30 +85,31 @@ def plan_table(plan: Plan) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     total = plan.predicted
-    rate = float(total.get("throughput_per_s", inf))
+    rate = float(total.throughput_per_s) if total.throughput_per_s is not None else inf
     rates = ", ".join(v for v, _ in throughput_cards(plan, rate)) if rate < inf \
         else "inf micro-batches/s"
-    if "iteration_ms" in total:
-        devices = (f"{total['devices_used']} of {total.get('devices_available', '?')} devices, "
-                   if "devices_used" in total else "")
-        bottleneck = (f", bottleneck {total['bottleneck_ms']:.3f} ms" if "devices_used" not in total
-                      and "bottleneck_ms" in total else "")
-        precision = plan.extra.get("precision") if plan.mode == "train" else None
+    if total.iteration_ms is not None:
+        available = total.devices_available if total.devices_available is not None else "?"
+        devices = (f"{total.devices_used} of {available} devices, "
+                   if total.devices_used is not None else "")
+        bottleneck = (f", bottleneck {total.bottleneck_ms:.3f} ms" if total.devices_used is None
+                      and total.bottleneck_ms is not None else "")
+        precision = plan.precision if plan.mode == "train" else None
         mode = f"{plan.mode} in {precision}" if precision not in (None, "fp32") else plan.mode
         lines.append(
             f"{mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
             f"{_count(plan.microbatches, 'micro-batch')} per "
-            f"iteration of {total['iteration_ms']:.3f} ms (simulated, {default_schedule(plan)}),"
-            f" bubble {total.get('bubble_fraction', 0) * 100:.1f}%, {rates}{bottleneck}"
+            f"iteration of {total.iteration_ms:.3f} ms (simulated, {default_schedule(plan)}),"
+            f" bubble {(total.bubble_fraction or 0) * 100:.1f}%, {rates}{bottleneck}"
         )
         note = recompute_note(plan)
         if note:
             lines.append(note)
-    elif total:
+    elif not total.empty():
         lines.append(
             f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
-            f"{total.get('bottleneck_ms', 0):.3f} ms, predicted {rates} "
-            f"(whole model {total.get('total_compute_ms', 0):.3f} ms)"
+            f"{total.bottleneck_ms or 0:.3f} ms, predicted {rates} "
+            f"(whole model {total.total_compute_ms or 0:.3f} ms)"
         )
     lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
                  "not cut); comm: both of a stage's boundaries; times per micro-batch.")
@@ -255,12 +258,12 @@ def report_figures(page: str) -> dict[str, Any]:
     return body
 
 
-def _fleet_group(plan: Plan, group: dict[str, Any]) -> str:
+def _fleet_group(plan: Plan, group: GroupFields) -> str:
     """A fleet's group and the stages it runs: ``1 machine × 4 v100 (32 GB each, stages 1)``."""
-    runs = [str(s.index) for s in plan.stages if group["gpu"] in (s.gpu or "").split("+")]
-    machines = int(group["machines"])
-    return (f"{machines} machine{'s' * (machines != 1)} × {group['devices_per_machine']} "
-            f"{group['gpu']} ({fmt_bytes(float(group['memory_gb']) * 1e9)} each, stages "
+    runs = [str(s.index) for s in plan.stages if group.gpu in (s.gpu or "").split("+")]
+    memory = fmt_bytes(group.memory_gb * 1e9) if group.memory_gb is not None else "?"
+    return (f"{group.machines} machine{'s' * (group.machines != 1)} × "
+            f"{group.devices_per_machine} {group.gpu} ({memory} each, stages "
             f"{', '.join(runs) or 'none'})")
 
 
@@ -270,27 +273,24 @@ def _header(plan: Plan) -> str:
     devices = sum(s.replicas for s in plan.stages)
     cluster = plan.cluster
     kinds = sorted({d.split("/")[-1].split(":")[0] for s in plan.stages for d in s.devices})
-    kind = str(cluster.get("kind") or "/".join(kinds) or "cpu")
+    kind = cluster.kind if cluster is not None else "/".join(kinds) or "cpu"
     where = f"{devices} × {kind}"
-    if cluster.get("groups"):  # a mixed fleet (cluster@2): each GPU kind and what it runs
+    if isinstance(cluster, FleetFields):  # a mixed fleet (cluster@2): each GPU kind and its stages
         where = f"{devices} used of a fleet: " + ", ".join(
-            _fleet_group(plan, g) for g in cluster["groups"])
-    elif cluster:
-        machines = int(cluster.get("machines", 1))
-        per = int(cluster.get("devices_per_machine", devices))
-        where += (f" used of {machines} machine{'s' * (machines != 1)} × {per} "
-                  f"(speed {sig3(float(cluster.get('speed', 1.0)))})")
-        memory = cluster.get("memory_gb")
-        where += (f", {fmt_bytes(float(memory) * 1e9)} each" if isinstance(memory, int | float)
-                  else ", memory unlimited")
-    source = str(plan.costs.get("source", "?"))
-    measured = plan.costs.get("measured_nodes")
+            _fleet_group(plan, g) for g in cluster.groups)
+    elif cluster is not None:
+        where += (f" used of {cluster.machines} machine{'s' * (cluster.machines != 1)} × "
+                  f"{cluster.devices_per_machine} (speed {sig3(float(cluster.speed))})")
+        where += (f", {fmt_bytes(cluster.memory_gb * 1e9)} each"
+                  if not math.isinf(cluster.memory_gb) else ", memory unlimited")
+    source = plan.costs.source or "?"
+    measured = plan.costs.measured_nodes
     if source.startswith("analytic:"):
         source = f"analytic roofline model of a {source.partition(':')[2]} device (not measured)"
     elif source != "?":
         source = f"profile file {source}"
     if measured:
-        source += f" ({_count(int(measured), 'operator')} measured)"
+        source += f" ({_count(measured, 'operator')} measured)"
     rows = [("devices", where), ("memory and links", devices_line(plan).removeprefix("devices: ")),
             ("costs", source),
             ("priced by", priced_by(plan).removeprefix("priced by: ")),
@@ -389,12 +389,12 @@ def _summary(plan: Plan, result: SimResult, *, warn: bool = False) -> str:
                                                   "the simulated iteration"),
     ]
     pred = plan.predicted
-    if "iteration_ms" in pred:
-        cards.append((fmt_ms(pred["iteration_ms"]), "planner's simulated iteration when it chose "
+    if pred.iteration_ms is not None:
+        cards.append((fmt_ms(pred.iteration_ms), "planner's simulated iteration when it chose "
                       "this plan (differs from the first card only with another schedule or "
                       "micro-batch count)"))
-    if "bottleneck_ms" in pred:
-        cards.append((fmt_ms(pred["bottleneck_ms"]), "planner's bottleneck: the largest "
+    if pred.bottleneck_ms is not None:
+        cards.append((fmt_ms(pred.bottleneck_ms), "planner's bottleneck: the largest "
                       "(compute + comm) ÷ replicas over the stages (+ all-reduce ÷ micro-batches): "
                       "the steady time per micro-batch; a stage's own time is in the table"))
     html_cards = "".join(f'<div class="card"><b>{esc(v)}</b><span>{esc(k)}</span></div>'

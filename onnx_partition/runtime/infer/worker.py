@@ -285,7 +285,7 @@ def hop_key(plan: Plan, m: int, rows: int) -> tuple[str, int]:
     header once per key): its ``rows`` when the plan has no data-dependent tensor size
     (plan.json ``unknown_size_tensors`` 0), else the micro-batch itself (the same feeds every
     iteration)."""
-    static = plan.extra.get("unknown_size_tensors") == 0
+    static = plan.unknown_size_tensors == 0
     return ("rows", rows) if static else ("microbatch", m)
 
 

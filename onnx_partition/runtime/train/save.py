@@ -73,7 +73,7 @@ def save_trained(
         torch.export.save(trained, program_file)
         new.model, new.program = model.name, program_file.name
         new.program_sha256 = sha256_file(program_file)
-        new.extra["trained_from"] = str(plan_dir.resolve())
+        new.trained_from = str(plan_dir.resolve())
         write_plan(new, folder)
 
     write_plan_folder(out_dir, write, force=force)
