@@ -24,13 +24,13 @@ from onnx_partition.cost.engine_price import (
     analytic_step_ms,
     fit_link,
     hop_ms,
-    measure_engine,
     measured_step_ms,
     price_engine,
     split_groups,
     split_ms,
     tied_bytes,
 )
+from onnx_partition.cost.profile.engine import measure_engine
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import simulate_plan

@@ -132,20 +132,24 @@ def api_devices(cluster: Cluster | Fleet | str | os.PathLike[str] | None, *,
     ``--cluster``; a :class:`Cluster` as ``--devices``, ``--machines`` and the memory, link
     and GPU options, each of its fields that differs from the default given (so a named GPU
     without ``memory_gb`` or ``intra`` gets its datasheet's, as on the command line); a
-    ``link`` without a cluster as ``--bandwidth``/``--latency``."""
-    if cluster is None:
-        return DeviceOptions(gpu=gpu, device_kind=device_kind, device=device,
-                             bandwidth=None if link is None else link.bandwidth_gbps,
-                             latency=None if link is None else link.latency_ms)
-    if isinstance(cluster, str | os.PathLike):
-        return DeviceOptions(cluster=Path(cluster), gpu=gpu, device=device)
-    if isinstance(cluster, Fleet):
-        return DeviceOptions(fleet=cluster, gpu=gpu, device=device)
+    ``link`` without a cluster as ``--bandwidth``/``--latency``, each where it differs from
+    the default link. Where a field equals its default, Python cannot tell it was given: a
+    cluster.json that spells out a default (``"memory_gb": null`` beside a named GPU, an
+    ``intra`` equal to the default link) resolves as the file only when its path is given."""
     default = Cluster()
 
     def given(value: Any, unset: Any) -> Any:
         return None if value == unset else value
 
+    if cluster is None:
+        link = link or default.intra
+        return DeviceOptions(gpu=gpu, device_kind=device_kind, device=device,
+                             bandwidth=given(link.bandwidth_gbps, default.intra.bandwidth_gbps),
+                             latency=given(link.latency_ms, default.intra.latency_ms))
+    if isinstance(cluster, str | os.PathLike):
+        return DeviceOptions(cluster=Path(cluster), gpu=gpu, device=device)
+    if isinstance(cluster, Fleet):
+        return DeviceOptions(fleet=cluster, gpu=gpu, device=device)
     return DeviceOptions(
         gpu=gpu or cluster.gpu, device_kind=device_kind or given(cluster.kind, default.kind),
         devices=cluster.devices_per_machine, machines=cluster.machines,
