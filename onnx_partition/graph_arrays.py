@@ -21,6 +21,7 @@ from onnx_partition.graph.emit import StageCut
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.layout import relay_names
 from onnx_partition.pipeline.memory import StageBytes
+from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.solve.contract import contract
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import LAST
@@ -72,7 +73,7 @@ def per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[
 
 
 
-def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32",
+def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.precision,
                       policy: str = "cpu") -> list[float] | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
     under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
@@ -81,7 +82,7 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = "fp32",
     every output)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
-        if precision != "fp32":
+        if precision != TrainSpec.precision:
             raise PartitionError(f"--precision {precision} counts what autocast saves by "
                                  f"running the model's program, and {model} has none "
                                  f"({program.name}): export it with onnx_partition.export")
