@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from onnx_partition.cli.summary.partition import plan_table
 from onnx_partition.cost.annotate import load_costs
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.engine_price import (
@@ -22,14 +23,14 @@ from onnx_partition.cost.engine_price import (
     price_engine,
     probe_of,
 )
-from onnx_partition.partition import devices_line, partition
+from onnx_partition.partition import partition
 from onnx_partition.pipeline.from_plan import played_comm, simulate_plan
 from onnx_partition.pipeline.predict import simulation_json
 from onnx_partition.pipeline.schedules import Kind, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import read_plan
 from onnx_partition.plan.contracts import COSTS_FORMAT
-from onnx_partition.report.page import plan_table
+from onnx_partition.report.lines import devices_line
 
 
 def _stages(n: int, action: float, **more: float) -> PipelineCosts:

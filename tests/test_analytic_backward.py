@@ -18,8 +18,9 @@ from onnx_partition.cost.analytic import (
 )
 from onnx_partition.cost.aten import ANALYTIC_BACKWARD, aten_ops, backward_per_node
 from onnx_partition.graph import load
-from onnx_partition.partition import partition, priced_by
+from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
+from onnx_partition.report.lines import priced_by
 
 F = 4  # fp32 bytes
 

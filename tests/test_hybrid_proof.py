@@ -14,9 +14,9 @@ from support.graphs import CHAIN, save
 from support.problems import chain
 
 from onnx_partition.cli import main
+from onnx_partition.cli.summary.partition import proof_line
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
-from onnx_partition.partition import proof_line
 from onnx_partition.plan import read_plan
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
 from onnx_partition.solve.hybrid_judge import judge_hybrid

@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"solve"},  # the solvers
     # the partitioner's driver (and its calibration on the stages it wrote); the runtimes; the
     # recipes
-    {"partition", "calibrate", "runtime", "models"},
+    {"partition", "pricing", "graph_arrays", "assemble", "calibrate", "runtime", "models"},
     {"report"},  # presentation
     {"cli", "train", "runtime.distributed", ""},  # entries
 ]

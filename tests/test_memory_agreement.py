@@ -1,6 +1,6 @@
 """The planner's memory is the stage files' at every boundary (issue 20, "One figure
 everywhere"): for any cut, the bytes the planner checks per stage (its per-stage sums and the
-hybrid DP's interval tables) equal :func:`~onnx_partition.partition.stage_sizes`' count of the
+hybrid DP's interval tables) equal :func:`~onnx_partition.graph_arrays.stage_sizes`' count of the
 stage files, which is what the plan states and ``simulate`` and ``report`` replay, term by
 term: weights (a tied weight in every stage reading it, a constant in every stage copying it,
 an initializer output in the last stage), trainable bytes, activations, and what the runtime
@@ -19,7 +19,7 @@ from support.memory import both_counts, planner_inputs
 
 from onnx_partition.graph import from_model, load
 from onnx_partition.graph.emit import cut_stages
-from onnx_partition.partition import stage_sizes, trainable_parameters
+from onnx_partition.graph_arrays import stage_sizes, trainable_parameters
 from onnx_partition.pipeline.memory import StageBytes
 
 

@@ -25,8 +25,8 @@ from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.graph.emit import cut_stages
-from onnx_partition.partition import (
-    _per_unit,
+from onnx_partition.graph_arrays import per_unit as _per_unit
+from onnx_partition.graph_arrays import (
     stage_sizes,
     trainable_parameters,
     unit_problem,

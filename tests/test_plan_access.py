@@ -23,11 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "onnx_partition"
 
 #: Modules still reading plan.json by string keys, each converted by the lead after merging
 #: issue 32's branches (they were being rewritten when plan.json's fields were typed).
-ALLOWED = {
-    "partition.py": "the lead, after the partition/assemble split (item 2)",
-    "cli/verbs.py": "the lead, with cli/summary (item 2)",
-    "cli/torchrun.py": "the lead, with the TrainJob request (item 1)",
-    "runtime/train/trainer.py": "the lead, after the trainer's split (item 2)",
+ALLOWED: dict[str, str] = {
 }
 
 _GETTERS = {"get", "pop", "setdefault"}

@@ -15,12 +15,12 @@ from support.blocks import HIDDEN, ROWS, WIDTH, Block
 
 from onnx_partition import export
 from onnx_partition.cli import main
+from onnx_partition.cli.summary.partition import plan_table
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.devices import for_precision, gpu
 from onnx_partition.cost.saved import saved_by_module, saved_bytes
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
-from onnx_partition.report.page import plan_table
 
 # by hand under CPU bf16 autocast: linear saves the bf16 cast of its input x (x needs no
 # gradient, so the weight's cast is not saved), GELU its bf16 input (linear's output), layer

@@ -15,7 +15,8 @@ from onnx_partition import export
 from onnx_partition.cost.profile.torch_ops import profile_train_to_file
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.partition import partition, priced_by
+from onnx_partition.partition import partition
+from onnx_partition.report.lines import priced_by
 
 
 class Mlp(torch.nn.Module):

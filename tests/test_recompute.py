@@ -282,7 +282,7 @@ def test_simulate_warns_a_what_if_schedule_over_the_device_memory(tmp_path: Path
     """simulate --schedule gpipe of a 1F1B plan holds every micro-batch: over the cluster's
     device memory, the text names the devices and the schedule planned for; the planned
     schedule within it says nothing."""
-    from onnx_partition.pipeline.from_plan import format_simulation
+    from onnx_partition.cli.summary.simulate import format_simulation
 
     model = save(CHAIN, tmp_path / "chain.onnx")
     out = tmp_path / "plan"

@@ -9,11 +9,12 @@ from typing import ClassVar
 import pytest
 from support.graphs import CHAIN, save
 
+from onnx_partition.cli.summary.partition import plan_table
+from onnx_partition.cli.summary.simulate import format_simulation
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import Link, partition
 from onnx_partition.pipeline.from_plan import (
-    format_simulation,
     played_comm,
     schedule_name,
     send_times,
@@ -28,7 +29,7 @@ from onnx_partition.pipeline.simulate import (
 from onnx_partition.plan import read_plan
 from onnx_partition.report import write_report
 from onnx_partition.report.charts import time_chart
-from onnx_partition.report.page import plan_table, report_figures, report_html
+from onnx_partition.report.page import report_figures, report_html
 
 CHAIN_NODES = ("a", "b", "d", "e", "f", "y")  # the cut (non-constant) nodes of CHAIN
 

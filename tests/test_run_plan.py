@@ -11,7 +11,8 @@ import pytest
 from support.graphs import CHAIN, SKIP, save
 
 from onnx_partition.cli import main
-from onnx_partition.pipeline.predict import RunShape, idle_replicas_note
+from onnx_partition.cli.summary.run import idle_replicas_note
+from onnx_partition.pipeline.predict import RunShape
 from onnx_partition.plan import read_plan
 from onnx_partition.values import sig3
 

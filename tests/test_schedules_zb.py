@@ -160,7 +160,7 @@ def test_backward_split_analytic_and_measured(tmp_path) -> None:
     from onnx_partition.cost.annotate import annotate, load_costs, write_costs
     from onnx_partition.cost.devices import device_for
     from onnx_partition.graph import load
-    from onnx_partition.partition import grad_input_ms
+    from onnx_partition.graph_arrays import grad_input_ms
 
     graph = load(save(CHAIN, tmp_path / "chain.onnx"), batch_size=4)
     node_costs = annotate(graph, device=device_for("cuda", "h100"))

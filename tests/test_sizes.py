@@ -19,18 +19,6 @@ ALLOWED: dict[str, str] = {}
 
 #: Being split by other helpers of issue 32 in parallel; the lead empties this after merging.
 PENDING: dict[str, str] = {
-    "onnx_partition/partition.py": "issue 32 item 2: partition.py as a short driver",
-    "onnx_partition/partition.py::partition": "issue 32 item 2: the driver's steps",
-    "onnx_partition/partition.py::plan_stages": "issue 32 item 2: solve.plan owns the dispatch",
-    "onnx_partition/partition.py::plan_on_cluster": "issue 32 item 2: solve.plan",
-    "onnx_partition/partition.py::_describe": "issue 32 item 2: plan/assemble.py",
-    "onnx_partition/cli/args.py": "issue 32 item 1: the device resolution moves to request/",
-    "onnx_partition/runtime/train/trainer.py": "issue 32 item 2: the trainer split by role",
-    "onnx_partition/runtime/train/trainer.py::train_plan": "issue 32 item 2: the trainer split",
-    "onnx_partition/runtime/train/rank.py": "issue 32 item 2: the rank split by role",
-    "onnx_partition/runtime/train/rank.py::train_stages": "issue 32 item 2: the rank split",
-    "onnx_partition/runtime/train/torch_engine.py::train_stages_torch":
-        "issue 32 item 2: the torch engine's step loop in named steps",
 }
 
 

@@ -20,12 +20,13 @@ from support.cli import parser_that_never_runs_a_verb, verb_parsers
 from support.graphs import CHAIN, save
 
 from onnx_partition import __version__
-from onnx_partition.cli.verbs import main, timing_line
+from onnx_partition.cli.summary.partition import plan_table
+from onnx_partition.cli.summary.run import timing_line
+from onnx_partition.cli.verbs import main
 from onnx_partition.cost.cluster import Cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
 from onnx_partition.progress import Bars, echo, iterate, loss_bar, progress_callback
-from onnx_partition.report.page import plan_table
 from onnx_partition.runtime import PipelineSession
 from onnx_partition.runtime.distributed import run_distributed
 from onnx_partition.solve.search import ORDERINGS

@@ -44,7 +44,7 @@ from onnx_partition.cost.devices import gpu
 from onnx_partition.cost.engine_price import engine_terms
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.partition import dag_problem, grad_input_ms
+from onnx_partition.graph_arrays import dag_problem, grad_input_ms
 from onnx_partition.pipeline.schedules import PLANNED_NAMES
 from onnx_partition.solve.fleet import FleetPlan, KindCosts, plan_fleet
 from onnx_partition.solve.problem import DagProblem

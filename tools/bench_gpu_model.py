@@ -28,7 +28,7 @@ from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.devices import gpu
 from onnx_partition.graph import load
-from onnx_partition.partition import dag_problem
+from onnx_partition.graph_arrays import dag_problem
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import NodeArrays, RunSpec, node_arrays

@@ -36,7 +36,7 @@ from onnx_partition.cost.annotate import annotate
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
-from onnx_partition.partition import dag_problem
+from onnx_partition.graph_arrays import dag_problem
 from onnx_partition.solve.baselines import (
     MAX_STATES,
     baseline_plans,

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
+from onnx_partition.cost.cluster import Link
 from onnx_partition.graph import load
-from onnx_partition.partition import Link, dag_problem
+from onnx_partition.graph_arrays import dag_problem
 from onnx_partition.solve.exact import EXACT_BUDGET_S, exact_split
 from onnx_partition.solve.ilp import solve_ilp
 from onnx_partition.solve.search import best_split, solve_ordering

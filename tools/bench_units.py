@@ -21,7 +21,8 @@ from onnx_partition import models
 from onnx_partition.cost.annotate import annotate
 from onnx_partition.graph import load
 from onnx_partition.graph.export import BATCH, export, quiet
-from onnx_partition.partition import Link, partition, unit_problem
+from onnx_partition.graph_arrays import unit_problem
+from onnx_partition.partition import Link, partition
 
 
 def _optimized_eval_export(name: str, size: str, path: Path) -> Path:

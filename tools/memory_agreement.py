@@ -28,7 +28,7 @@ from support.memory import PARTS, Inputs, both_counts, planner_inputs
 
 from onnx_partition import models
 from onnx_partition.graph import from_model, load
-from onnx_partition.partition import trainable_parameters
+from onnx_partition.graph_arrays import trainable_parameters
 
 
 def random_bounds(rng: np.random.Generator, n: int) -> list[int]:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import annotate, op_infos
+from onnx_partition.cost.cluster import Link
 from onnx_partition.graph import load
-from onnx_partition.partition import Link, dag_problem
+from onnx_partition.graph_arrays import dag_problem
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import NodeArrays, node_arrays
 

@@ -1,7 +1,8 @@
 """The ``onnx-partition`` command line's arguments: the parser, with a sub-parser per verb
 (export, profile, partition, run, train, simulate, report, demo), the parsers of a torchrun rank
-of ``run`` and of ``train`` (:func:`rank_parser`, the same option functions), and the values that
-options describe together (a cluster, input shapes). What each verb does is in
+of ``run`` and of ``train`` (:func:`rank_parser`, the same option functions), and input shapes;
+the devices ``partition``'s options describe are resolved by :mod:`onnx_partition.request.resolve`
+(as the Python API's are). What each verb does is in
 :mod:`onnx_partition.cli.verbs`; every numeric option is checked by
 :func:`onnx_partition.values.install`. Building a parser imports no runtime or solver (no torch,
 onnxruntime or OR-Tools).
@@ -10,22 +11,19 @@ onnxruntime or OR-Tools).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import json
 import logging
-import math
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from onnx_partition import __version__, values
-from onnx_partition.cost.analytic import DeviceSpec
+from onnx_partition.cli.descriptions import DESCRIPTIONS
 from onnx_partition.cost.autocast import PRECISIONS as PLAN_PRECISIONS
-from onnx_partition.cost.cluster import Cluster, Fleet, Link, load_cluster, parse_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
+from onnx_partition.plan.contracts import ClusterFields
 from onnx_partition.plan.planfile import DEFAULT_MICROBATCHES
 from onnx_partition.request.train import KEYWORDS, planned_choices
 from onnx_partition.runtime.train.choices import (
@@ -34,13 +32,14 @@ from onnx_partition.runtime.train.choices import (
     OPTIMIZERS,
     TORCH_SCHEDULES,
 )
+from onnx_partition.settings.partition import AUTO, SearchSpec, TrainSpec
 from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS, WEIGHT_DECAY
 
-__all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "Devices", "build_parser", "chunks_of",
-           "cluster_of", "device_kind_of", "devices_of", "input_shapes_of", "nearest",
-           "plan_defaults", "rank_parser", "train_options"]
+__all__ = ["RANK_ENTRIES", "TRAIN_FALLBACKS", "build_parser", "chunks_of", "input_shapes_of",
+           "nearest", "plan_defaults", "rank_parser", "train_options"]
 
 log = logging.getLogger("onnx_partition")
+_TRAIN, _SEARCH = TrainSpec(), SearchSpec()  # partition's defaults, written in settings
 
 
 def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
@@ -59,7 +58,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]
                                   help="what to do (each verb has its own --help)",
                                   parser_class=_verb_parser(common))
     for name, summary, add_args in _VERBS:
-        p = verbs.add_parser(name, help=summary, description=_DESCRIPTIONS[name])
+        p = verbs.add_parser(name, help=summary, description=DESCRIPTIONS[name])
         add_args(p)
         p.set_defaults(func=commands[name])
     return parser
@@ -95,192 +94,6 @@ def chunks_of(args: argparse.Namespace) -> int | None:
 def input_shapes_of(args: argparse.Namespace) -> dict[str, list[int]]:
     """``--input-shape NAME=2,3,224`` items -> {NAME: [2, 3, 224]}; a clear error otherwise."""
     return dict(values.input_shape(item) for item in args.input_shape)
-
-
-def device_kind_of(args: argparse.Namespace) -> str:
-    """``--device-kind``, where ``--gpu NAME`` alone implies cuda (default cpu)."""
-    return str(args.device_kind or ("cuda" if args.gpu else "cpu"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Devices:
-    """What ``partition``'s options say about the devices: the cluster (None: a plain
-    pipeline), the link between stages, the analytic device (None with --costs) and where each
-    default came from (``sources``: memory, link, inter_link, for the summary and plan.json)."""
-
-    cluster: Cluster | Fleet | None
-    link: Link
-    device: DeviceSpec | None
-    sources: dict[str, str]
-
-
-def costs_of(args: argparse.Namespace) -> tuple[Path | None, dict[str, Path]]:
-    """``--costs FILE`` (at most one) and ``--costs KIND=FILE`` (a fleet's, per GPU kind)."""
-    plain: list[Path] = []
-    keyed: dict[str, Path] = {}
-    for item in args.costs or []:
-        kind, sep, path = str(item).partition("=")
-        if sep and kind and "/" not in kind and not Path(item).exists():
-            if kind.lower() in keyed:
-                raise PartitionError(f"--costs {kind}=...: given twice")
-            keyed[kind.lower()] = Path(path)
-        else:
-            plain.append(Path(item))
-    if len(plain) > 1:
-        raise PartitionError("--costs FILE: one file (a fleet's kinds: --costs KIND=FILE each)")
-    return (plain[0] if plain else None), keyed
-
-
-def cluster_of(args: argparse.Namespace) -> Cluster | Fleet | None:
-    """The cluster the options describe, or None for a plain pipeline of --stages devices."""
-    return devices_of(args).cluster
-
-
-def devices_of(args: argparse.Namespace) -> Devices:
-    """The devices the options describe (:class:`Devices`). A named GPU (``--gpu``, or
-    cluster.json's ``gpu``) brings its datasheet memory and intra-machine link
-    (:data:`~onnx_partition.cost.devices.GPU_LINKS`) where neither an option nor cluster.json
-    gives them; ``--cpu-tflops`` pins the analytic CPU, else it is measured once per machine
-    and cached (:func:`~onnx_partition.cost.devices.measured_cpu`)."""
-    from onnx_partition.cost.devices import device_for, pinned_cpu
-
-    cluster, sources = _cluster_and_sources(args)
-    if cluster is None:
-        link, sources["link"] = _link_and_source(args, args.gpu)
-    else:
-        link = cluster.intra
-    kind = cluster.kind if cluster is not None else device_kind_of(args)
-    gpu_name = cluster.gpu if cluster is not None else args.gpu
-    if kind == "cuda":
-        sources["gpu"] = (f"--gpu {args.gpu}" if args.gpu else
-                          f"cluster.json {args.cluster}" if gpu_name else "default")
-    device = None
-    if getattr(args, "cpu_tflops", None) is not None or getattr(args, "cpu_gbps", None):
-        if kind != "cpu" or args.costs:
-            raise PartitionError("--cpu-tflops/--cpu-gbps price CPUs with the analytic model: "
-                                 "they cannot go with a GPU or --costs")
-        if args.cpu_tflops is None:
-            raise PartitionError("--cpu-gbps needs --cpu-tflops (the pinned CPU's peak)")
-        device = pinned_cpu(args.cpu_tflops, args.cpu_gbps)
-    elif not args.costs and not isinstance(cluster, Fleet):  # a fleet: each kind its own
-        device = device_for(kind, gpu_name)
-    return Devices(cluster, link, device, sources)
-
-
-def _gpu_link(gpu_name: str) -> tuple[Link, str]:
-    """A named GPU's intra-machine link and where it comes from."""
-    from onnx_partition.cost.devices import GPU_LINKS, gpu_spec
-
-    key, spec = gpu_spec(gpu_name)
-    sheet = GPU_LINKS[key]
-    return (Link(sheet.bandwidth_gbps, sheet.latency_ms),
-            f"datasheet: {sheet.name} of the {spec.name}, per direction")
-
-
-def _link_and_source(args: argparse.Namespace, gpu_name: str | None) -> tuple[Link, str]:
-    """--bandwidth/--latency, else a named GPU's datasheet link, else 10 GB/s and 0.02 ms."""
-    base, where = _gpu_link(gpu_name) if gpu_name else (Link(), "default")
-    for name, value in (("--bandwidth", args.bandwidth), ("--latency", args.latency)):
-        if value is not None and not value >= 0:
-            raise PartitionError(f"{name} must be >= 0, got {value}")
-    link = Link(base.bandwidth_gbps if args.bandwidth is None else args.bandwidth,
-                base.latency_ms if args.latency is None else args.latency)
-    given = [n for n, v in (("--bandwidth", args.bandwidth), ("--latency", args.latency))
-             if v is not None]
-    if len(given) == 2:
-        where = "options"
-    elif given:
-        where = f"{given[0]}; the rest {where}"
-    return link, f"{_link_text(link)} ({where})"
-
-
-def _link_text(link: Link) -> str:
-    return f"{link.bandwidth_gbps:g} GB/s, {link.latency_ms:g} ms"
-
-
-def _less_context() -> str:
-    """How a named GPU's memory was reduced, for the summary's memory source."""
-    from onnx_partition.cost.devices import CUDA_CONTEXT_GB
-
-    return f"less {values.fmt_bytes(CUDA_CONTEXT_GB * 1e9)} for the CUDA context"
-
-
-def _cluster_and_sources(
-    args: argparse.Namespace,
-) -> tuple[Cluster | Fleet | None, dict[str, str]]:
-    from onnx_partition.cost.devices import CUDA_CONTEXT_GB, gpu_spec
-
-    sources: dict[str, str] = {}
-    if args.cluster is not None:
-        cluster = load_cluster(args.cluster)
-        if isinstance(cluster, Fleet):  # each group names its GPU, memory and link
-            if args.gpu:
-                raise PartitionError("--gpu prices one kind of GPU; a fleet's groups name "
-                                     "theirs (cluster.json groups[].gpu)")
-            here = f"cluster.json {args.cluster}"
-            sources["memory"] = f"per group ({here}; a group without memory_gb: its datasheet)"
-            sources["link"] = f"per group ({here})"
-            sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
-            return cluster, sources
-        if args.gpu:
-            cluster = dataclasses.replace(cluster, gpu=args.gpu)
-        given = set(json.loads(Path(args.cluster).read_text(encoding="utf-8")))
-        here = f"cluster.json {args.cluster}"
-        changes: dict[str, Any] = {}
-        if cluster.gpu:
-            _, spec = gpu_spec(cluster.gpu)
-            if "memory_gb" not in given:
-                changes["memory_gb"] = spec.memory_gb - CUDA_CONTEXT_GB
-            if "intra" not in given:
-                changes["intra"] = _gpu_link(cluster.gpu)[0]
-        cluster = dataclasses.replace(cluster, **changes)
-        size = (f"{values.fmt_bytes(cluster.memory_bytes)} per device"
-                if math.isfinite(cluster.memory_gb) else "unlimited")
-        named = cluster.gpu or ""
-        sources["memory"] = (f"{size} (datasheet of the {gpu_spec(named)[1].name}, "
-                             f"{_less_context()})" if "memory_gb" in changes
-                             else f"{size} ({here})")
-        sources["link"] = (f"{_link_text(cluster.intra)} "
-                           f"({_gpu_link(named)[1] if 'intra' in changes else here})")
-        sources["inter_link"] = f"{_link_text(cluster.inter)} ({here})"
-        return cluster, sources
-    if args.gpu and args.device_kind == "cpu":
-        raise PartitionError("--gpu prices a GPU; it cannot go with --device-kind cpu")
-    inter = args.inter_bandwidth is not None or args.inter_latency is not None
-    if args.devices is None:
-        if args.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
-            raise PartitionError("--device-memory and --inter-bandwidth/latency "
-                                 "need --devices N or --cluster")
-        return None, sources
-    if args.devices < 1 or args.machines < 1:
-        raise PartitionError("--devices and --machines must be at least 1")
-    for name, value in (("--inter-bandwidth", args.inter_bandwidth),
-                        ("--inter-latency", args.inter_latency)):
-        if value is not None and not value >= 0:
-            raise PartitionError(f"{name} must be >= 0, got {value}")
-    memory: float
-    if args.device_memory:
-        memory = parse_bytes(args.device_memory) / 1e9
-        log.info(f"device memory {args.device_memory!r} read as "
-                 f"{values.fmt_bytes(memory * 1e9)} ({memory * 1e9:,.0f} bytes) per device")
-        sources["memory"] = f"{values.fmt_bytes(memory * 1e9)} per device (--device-memory)"
-    elif args.gpu:
-        spec = gpu_spec(args.gpu)[1]
-        memory = spec.memory_gb - CUDA_CONTEXT_GB
-        sources["memory"] = (f"{values.fmt_bytes(memory * 1e9)} per device (datasheet of the "
-                             f"{spec.name}, {_less_context()}; --device-memory to change)")
-    else:
-        memory = math.inf
-        sources["memory"] = "unlimited (default; --device-memory or --gpu NAME to set)"
-    intra, sources["link"] = _link_and_source(args, args.gpu)
-    default = Cluster()
-    inter_link = Link(
-        default.inter.bandwidth_gbps if args.inter_bandwidth is None else args.inter_bandwidth,
-        default.inter.latency_ms if args.inter_latency is None else args.inter_latency)
-    sources["inter_link"] = f"{_link_text(inter_link)} ({'options' if inter else 'default'})"
-    return Cluster(machines=args.machines, devices_per_machine=args.devices, memory_gb=memory,
-                   kind=device_kind_of(args), gpu=args.gpu, intra=intra,
-                   inter=inter_link), sources
 
 
 # --------------------------------------------------------------------------- the parser
@@ -446,24 +259,27 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--stages", "-s", type=int,
                       help="number of pipeline stages (with a cluster: fix the depth, else "
                            "chosen)")
-    plan.add_argument("--mode", default="infer", choices=("infer", "train"),
+    plan.add_argument("--mode", default=_SEARCH.mode, choices=("infer", "train"),
                       help="infer: forward only; train: forward, backward, all-reduce, the "
                            "schedule's memory (needs the model's program MODEL.pt2, see "
                            "--no-program)")
-    plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration")
-    plan.add_argument("--schedule", choices=("auto", *schedules.PLANNED_NAMES),
-                      help="--mode train: the pipeline schedule to plan for (default auto: "
-                           "plan for each and keep the fastest simulated plan). "
-                           + _schedule_help(schedules.PLANNED_NAMES))
-    plan.add_argument("--precision", default="fp32", choices=PLAN_PRECISIONS,
-                      help="--mode train: the precision the run trains in (default fp32; "
-                           "bf16/fp16: autocast over fp32 parameters, activations counted as "
+    plan.add_argument("--microbatches", type=int, default=_TRAIN.microbatches,
+                      help="micro-batches per iteration")
+    plan.add_argument("--schedule", choices=(AUTO, *schedules.PLANNED_NAMES),
+                      help="--mode train: the pipeline schedule to plan for (default "
+                           f"{_TRAIN.schedule}: plan for each and keep the fastest simulated "
+                           "plan). " + _schedule_help(schedules.PLANNED_NAMES))
+    plan.add_argument("--precision", default=_TRAIN.precision, choices=PLAN_PRECISIONS,
+                      help="--mode train: the precision the run trains in (default "
+                           f"{_TRAIN.precision}; bf16/fp16: autocast over fp32 parameters, "
+                           "activations counted as "
                            "autocast saves them, a GPU's matrix products at its half peak); "
                            "plan.json records it and `train` defaults to it")
-    plan.add_argument("--recompute", choices=("auto", "none", "all"),
+    plan.add_argument("--recompute", choices=(AUTO, "none", "all"),
                       help="--mode train: which stages keep only their inputs and recompute "
-                           "their forward in backward (default auto: those that would not fit "
-                           "the device memory otherwise); plan.json marks them")
+                           f"their forward in backward (default {_TRAIN.recompute}: those "
+                           "that would not fit the device memory otherwise); plan.json marks "
+                           "them")
     plan.add_argument("--bandwidth", type=float,
                       help="link bandwidth between stages in GB/s, and between the devices of "
                            "a machine with --devices (0 = free; default: a named GPU's "
@@ -482,22 +298,22 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
     plan.add_argument("--cpu-gbps", type=float, metavar="Y",
                       help="with --cpu-tflops: the pinned CPU's memory bandwidth in GB/s "
                            "(default 10)")
-    plan.add_argument("--strict-costs", action="store_true",
-                      help="refuse a costs file measured on another device kind than the "
-                           "plan's")
+    plan.add_argument("--strict-costs", action="store_true", help="refuse a costs file "
+                      "measured on another device kind than the plan's")
     search = p.add_argument_group("plain pipelines (--stages without a cluster)")
-    search.add_argument("--order", default="auto",
+    search.add_argument("--order", default=_SEARCH.ordering,
                         choices=("auto", "topo", "dfs", "minlive", "cluster"),
                         help="how to sequence the DAG before the DP (auto: try all, keep the "
                              "best)")
-    search.add_argument("--solver", default="dp",
+    search.add_argument("--solver", default=_SEARCH.solver,
                         choices=("dp", "ilp", "uniform", "parameters", "time"),
                         help="dp, ilp (exact OR-Tools CP-SAT over the DAG, seeded by dp), or a "
                              "baseline: uniform (equal operator counts), parameters (equal "
                              "weights), time (equal compute, no communication)")
-    search.add_argument("--time-limit", type=float, default=60.0,
+    search.add_argument("--time-limit", type=float, default=_SEARCH.time_limit_s,
                         help="ILP time limit in seconds")
-    search.add_argument("--exact-budget", type=float, default=1.0, metavar="SECONDS",
+    search.add_argument("--exact-budget", type=float, default=_SEARCH.exact_budget_s,
+                        metavar="SECONDS",
                         help="with --solver dp: prove the cut optimal or better it by CP-SAT "
                              "within SECONDS of deterministic time (one worker: the same plan "
                              "at any load; graphs up to 600 operators; 0 = off)")
@@ -515,7 +331,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", "--nproc-per-node", type=int,
                    help="devices per machine (as torchrun's --nproc-per-node): plan replicas "
                         "per stage")
-    g.add_argument("--machines", "--nnodes", type=int, default=1,
+    g.add_argument("--machines", "--nnodes", type=int, default=ClusterFields.machines,
                    help="machines (as torchrun's --nnodes)")
     g.add_argument("--device-memory",
                    help="memory per device: 80GB, 16G, 16gb, 16GiB, 512MiB; a bare number is "
@@ -706,41 +522,6 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                         "then take about a millisecond, which times steadier than less)")
     p.add_argument("--workdir", type=Path, help="keep files here (default: a temporary folder)")
 
-
-_DESCRIPTIONS = {
-    "export": "Build a model recipe from code (random weights, nothing downloaded) and write "
-              "OUTPUT (ONNX) and, beside it, its training program (OUTPUT with suffix .pt2), "
-              "which `partition --mode train` and `train` need.",
-    "profile": "Read an ONNX model, time every operator on a device with onnxruntime, and "
-               "write the per-node times to OUTPUT (costs.json, for partition --costs). With "
-               "--plan PLAN: read a plan folder, time its stages alone and side by side, and "
-               "write the plan calibrated (re-cut if that moves the optimum) in place or to "
-               "OUTPUT.",
-    "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
-                 "--mode train the model's program MODEL.pt2 beside it) and write a plan "
-                 "folder: one ONNX file per stage, plan.json and a manifest. Prints the "
-                 "stage table.",
-    "run": "Read a plan folder and run it as a pipeline (threads, or one process per stage "
-           "replica with --nproc) on random inputs or --input files; prints measured against "
-           "predicted figures (--json: one JSON object). Writes nothing.",
-    "train": "Read a train-mode plan folder (partition --mode train) and the model's program "
-             "(MODEL.pt2) and train it, one process per stage replica, on --data (a .npz or a "
-             "folder of .npy: the model's inputs plus labels) with --loss (auto: the model's own "
-             "scalar output, cross-entropy for integer labels, else mean squared error); "
-             "without --data, on synthetic batches (random inputs from the plan's input specs, "
-             "--seed) with a synthetic loss. Prints a line per step (--json: one JSON object); "
-             "writes checkpoints with --checkpoint-dir, a per-step log with --log, the trained "
-             "weights as a new plan folder with --save, measured stage times with --record.",
-    "simulate": "Read a plan folder and simulate its schedule: prints the iteration time, "
-                "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
-    "report": "Read a plan folder (and the model beside it, for the operator graph) and write "
-              "one self-contained HTML page: PLAN.report.html beside the folder, or -o.",
-    "demo": "Export a recipe, time its nodes on this CPU (profile), partition it on those "
-            "times into one stage per CPU, time the plan's stages in the pipeline (profile "
-            "--plan) and run it with --check; writes the model, costs.json and the plan "
-            "folder in a temporary folder, removed at the end, or in --workdir, which keeps "
-            "them.",
-}
 
 _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
     ("export", "export a model recipe from models/ to ONNX", _export_args),

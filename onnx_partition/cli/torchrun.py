@@ -79,11 +79,11 @@ def _train(args: argparse.Namespace) -> int:
     """Train as this rank; rank 0 prints the summary."""
     from onnx_partition.cli.summary.train import format_train
     from onnx_partition.plan import read_plan
-    from onnx_partition.request.train import resolve_job, train_job
+    from onnx_partition.request.train import priced_for, resolve_job, train_job
     from onnx_partition.runtime.train.torchrun_rank import train_rank
 
     plan = read_plan(args.plan)
-    warning = plan_defaults(args, plan.extra)
+    warning = plan_defaults(args, priced_for(plan))
     job, _ = resolve_job(train_job(**train_options(args, rank=True)), plan)
     stats = train_rank(args.plan, job)
     if stats is None:

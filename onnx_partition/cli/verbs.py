@@ -23,8 +23,6 @@ from onnx_partition import __version__, values
 from onnx_partition.cli.args import (
     build_parser,
     chunks_of,
-    costs_of,
-    devices_of,
     input_shapes_of,
     plan_defaults,
     train_options,
@@ -36,9 +34,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from onnx_partition.progress import Reporter
+    from onnx_partition.request.partition import PartitionOptions
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "MISSING_ORT", "guarded", "main",
-           "timing_line"]
+           "partition_options"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -221,19 +220,20 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
         _say(f"round {i + 1}: stages of {'/'.join(map(str, r['stages']))} nodes: priced "
              f"{ms(r['priced_ms'])} ms, alone {ms(r['alone_ms'])} ms, {beside}; re-cut: "
              f"{r['resolved']}")
-    run = (done.plan.extra.get("calibrated") or {}).get("engine_run")
-    if run:
-        _say(f"in the engine ({run['schedule']}, {run['microbatches']} micro-batches): step "
-             f"{run['measured_ms']:.3f} ms, work per action "
-             f"{' / '.join(f'{a:.3f}' for a in run['action_ms'])} ms, barrier "
-             f"{run['barrier_ms']:.3f} ms, hop "
-             f"{' / '.join(f'{s:.3f}' for s in run['idle_send_ms'])} ms idle + "
-             f"{run['hop_ms']:.3f} ms")
+    run = done.plan.calibrated.engine_run if done.plan.calibrated is not None else None
+    if run is not None:
+        _say(f"in the engine ({run.schedule}, {run.microbatches} micro-batches): step "
+             f"{run.measured_ms:.3f} ms, work per action "
+             f"{' / '.join(f'{a:.3f}' for a in run.action_ms)} ms, barrier "
+             f"{run.barrier_ms:.3f} ms, hop "
+             f"{' / '.join(f'{s:.3f}' for s in run.idle_send_ms)} ms idle + "
+             f"{run.hop_ms:.3f} ms")
     predicted = done.plan.predicted
+    shown = next((x for x in (predicted.bottleneck_ms, predicted.iteration_ms) if x is not None),
+                 0.0)
     _say(f"wrote {done.out}: calibrated (round {done.chosen + 1} of {len(done.rounds)}, "
          f"{'optimum held' if done.converged else 'stopped at --rounds'}), bottleneck "
-         f"{predicted.get('bottleneck_ms', predicted.get('iteration_ms', 0)):.3f} ms, in "
-         f"{time.perf_counter() - started:.1f} s")
+         f"{shown:.3f} ms, in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -254,76 +254,53 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.partition import devices_line, partition, priced_by, proof_line
-    from onnx_partition.report.page import batch_line, plan_table
+    from onnx_partition.cli.summary.partition import summary_lines
+    from onnx_partition.partition import partition_request
+    from onnx_partition.request.resolve import resolve
 
-    if args.stages is not None and args.stages < 1:
-        raise PartitionError(f"--stages must be at least 1, got {args.stages}")
-    if args.microbatches < 1:
-        raise PartitionError(f"--microbatches must be at least 1, got {args.microbatches}")
-    if args.schedule is not None and args.mode != "train":
-        raise PartitionError("--schedule plans a training schedule: it needs --mode train")
-    if args.recompute is not None and args.mode != "train":
-        raise PartitionError("--recompute trades a training stage's memory for time: it needs "
-                             "--mode train")
-    program = Path(args.model).with_suffix(".pt2")
-    if args.mode == "train" and not args.no_program and not program.is_file():
-        raise PartitionError(
-            f"--mode train: {args.model} has no exported program {program.name} beside it, "
-            "which `train` needs: export the model with `onnx-partition export` or "
-            "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
-    devices = devices_of(args)
-    costs, kind_costs = costs_of(args)
+    request = resolve(partition_options(args))
     stop_bar = _ilp_bar(args)
-    plan = partition(
-        args.model,
-        args.stages,
-        args.output,
-        costs=costs,
-        kind_costs=kind_costs,
-        device=devices.device,
-        sources=devices.sources,
-        strict_costs=args.strict_costs,
-        input_shapes=input_shapes_of(args),
-        batch_size=args.batch_size,
-        link=devices.link,
-        cluster=devices.cluster,
-        mode=args.mode,
-        microbatches=args.microbatches,
-        ordering=args.order,
-        solver=args.solver,
-        time_limit_s=args.time_limit,
-        exact_budget_s=args.exact_budget,
-        force=args.force,
-        schedule=args.schedule or "auto",
-        recompute=args.recompute or "auto",
-        precision=args.precision,
-        reporter=_bars(),
-    )
+    plan = partition_request(request, reporter=_bars())
     stop_bar()
-    costs_check = plan.costs.get("check", {})
-    for note in costs_check.get("notes", []):
+    for note in plan.costs.check.notes if plan.costs.check is not None else []:
         print(note, file=sys.stderr)
     if args.json:
         from onnx_partition.pipeline.predict import dumps, partition_json
 
         print(dumps(partition_json(plan, args.output)))
         return 0
-    print(plan_table(plan))
-    print(batch_line(plan, args.batch_size))
-    for note in plan.extra.get("devices_notes", []):
-        print(note)
-    print(priced_by(plan))
-    print(devices_line(plan))
-    quality = proof_line(plan)
-    if quality:
-        print(quality)
-    warning = (plan.device_model or {}).get("warning")
+    print("\n".join(summary_lines(plan, args.batch_size)))
+    warning = getattr(plan.device_model, "warning", None)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     _say(f"wrote {_plural(len(plan.stages), 'stage')} and plan.json to {args.output} "
          f"in {plan.partition_s or 0:.2f} s")
     return 0
+
+
+def partition_options(args: argparse.Namespace) -> PartitionOptions:
+    """``partition``'s options as given (None where not given), for the one resolver
+    (:func:`~onnx_partition.request.resolve.resolve`) that the Python API shares."""
+    from onnx_partition.request.partition import (
+        CostSource,
+        DeviceOptions,
+        PartitionOptions,
+    )
+    from onnx_partition.request.resolve import costs_of
+
+    costs, kinds = costs_of(args.costs)
+    devices = DeviceOptions(
+        cluster=args.cluster, gpu=args.gpu, device_kind=args.device_kind,
+        devices=args.devices, machines=args.machines, device_memory=args.device_memory,
+        bandwidth=args.bandwidth, latency=args.latency, inter_bandwidth=args.inter_bandwidth,
+        inter_latency=args.inter_latency, cpu_tflops=args.cpu_tflops, cpu_gbps=args.cpu_gbps)
+    return PartitionOptions(
+        args.model, args.output, args.stages, CostSource(costs, kinds, args.strict_costs),
+        input_shapes_of(args), args.batch_size, devices, mode=args.mode,
+        microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+        precision=args.precision, ordering=args.order, solver=args.solver,
+        time_limit_s=args.time_limit, exact_budget_s=args.exact_budget, force=args.force,
+        program_required=not args.no_program)
 
 
 def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:
@@ -343,14 +320,15 @@ def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:
 def _run(args: argparse.Namespace) -> int:
     """Run the plan as planned: its micro-batch size and count unless told, every replica fed
     (replica j of r takes micro-batches m = j mod r), then measured against predicted."""
-    from onnx_partition.pipeline.microbatch import batch_axes
-    from onnx_partition.pipeline.predict import (
-        dumps,
+    from onnx_partition.cli.summary.run import (
+        TRAIN_PLAN_NOTE,
         format_comparison,
         idle_replicas_note,
-        run_json,
-        run_shape,
+        shape_line,
+        timing_line,
     )
+    from onnx_partition.pipeline.microbatch import batch_axes
+    from onnx_partition.pipeline.predict import dumps, run_json, run_shape
     from onnx_partition.runtime.infer.check import run_feeds
     from onnx_partition.runtime.infer.measure import (
         measure_distributed,
@@ -372,19 +350,9 @@ def _run(args: argparse.Namespace) -> int:
     note = idle_replicas_note(plan, shape.microbatches)
     if note:
         print(note, file=sys.stderr)
-    planned = (plan.rows_per_microbatch, plan.microbatches)
-    default = "" if "microbatches" in plan.predicted else " by default"
     if plan.mode == "train":  # its stage times are torch's, its run is onnxruntime's
-        print("note: a train plan is priced for training (its forward and backward as `train` runs "
-              "them in torch, the training engine's hops); `run` executes its stage files in "
-              "onnxruntime, so measured/predicted compares two executors: for an inference price, "
-              "partition with --mode infer (and `profile --plan` the inference plan)",
-              file=sys.stderr)
-    print(f"{_plural(len(plan.stages), 'stage')} "
-          f"({' + '.join(str(s.replicas) for s in plan.stages)} "
-          f"replicas), {shape.microbatches} micro-batches x {shape.batch_size} rows = "
-          f"{shape.rows} rows per iteration (plan: {planned[1]} micro-batches{default} x "
-          f"{planned[0] or '?'} rows)", file=out)
+        print(TRAIN_PLAN_NOTE, file=sys.stderr)
+    print(shape_line(plan, shape), file=out)
     options = {"warmup": args.warmup, "iterations": args.iterations,
                "threads_per_stage": args.threads_per_stage}
     bar = not args.json and log.isEnabledFor(logging.INFO)
@@ -414,38 +382,25 @@ def _providers(args: argparse.Namespace) -> list[str] | None:
     return ["CPUExecutionProvider"] if args.device == "cpu" else None
 
 
-def timing_line(samples_ms: Sequence[float]) -> str:
-    """Per-iteration latency as onnxruntime_perf_test reports it: mean, P50, P90, P99 (numpy's
-    linear percentiles) over the timed iterations."""
-    import numpy as np
-
-    times = np.asarray(samples_ms, dtype=np.float64)
-    if times.size == 0:
-        return "latency: no timed iterations"
-    p50, p90, p99 = np.percentile(times, [50, 90, 99])
-    return (f"latency per iteration over {_plural(times.size, 'iteration')}: mean "
-            f"{times.mean():.2f} ms, P50 {p50:.2f} ms, P90 {p90:.2f} ms, P99 {p99:.2f} ms")
-
-
 def _check(
     plan_dir: Path, plan: Plan, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
     out: Any = None, microbatches: int = 1,
 ) -> int:
     """Compare pipelined outputs with the whole model's; exit code 1 on a mismatch."""
+    from onnx_partition.cli.summary.run import check_line
     from onnx_partition.runtime.infer.check import compare, whole_model_outputs
 
     worst = compare(outputs, whole_model_outputs(plan_dir, plan, feeds,
                                                  microbatches=microbatches))
     verdict = "OK" if worst <= 1e-5 else "MISMATCH"
-    print(f"check against the whole model: max relative error {worst:.2e} ({verdict})",
-          file=out or sys.stdout)
+    print(check_line(worst, verdict), file=out or sys.stdout)
     return 0 if verdict == "OK" else 1
 
 
 def _train(args: argparse.Namespace) -> int:
     from onnx_partition.cli.summary.train import format_train
     from onnx_partition.pipeline.predict import dumps
-    from onnx_partition.request.train import resolve_job, train_job
+    from onnx_partition.request.train import priced_for, resolve_job, train_job
     from onnx_partition.runtime.train.results import train_json
     from onnx_partition.runtime.train.trainer import run_job
 
@@ -454,7 +409,7 @@ def _train(args: argparse.Namespace) -> int:
         raise PartitionError(
             f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
-    warning = plan_defaults(args, plan.extra)  # said after the figures it explains
+    warning = plan_defaults(args, priced_for(plan))  # said after the figures it explains
     job, _ = resolve_job(train_job(**train_options(args)), plan)  # the choices: plan_defaults'
     stats = run_job(args.plan, job)
     print(dumps(train_json(stats)) if job.logging.json else format_train(stats))
@@ -464,7 +419,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from onnx_partition.pipeline.from_plan import format_simulation, simulate_plan
+    from onnx_partition.cli.summary.simulate import format_simulation, samples_line
+    from onnx_partition.pipeline.from_plan import simulate_plan
     from onnx_partition.pipeline.predict import dumps, rows_scale, simulate_json
     from onnx_partition.plan.folder import verify
 
@@ -479,13 +435,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(dumps(body))
         return 0
     print(format_simulation(plan, result))
-    if body["samples_per_s"]:
-        scaled = (f", costs scaled from the plan's {body['scaled_from_batch_size']} rows "
-                  "(compute, activations and hops with the rows; per-step work as planned)"
-                  if body.get("scaled_from_batch_size") else "")
-        print(f"{body['samples_per_s']:.1f} samples/s ({body['microbatches']} micro-batches x "
-              f"{body['batch_size']} rows per iteration of {body['iteration_ms']:.3f} ms"
-              f"{scaled})")
+    samples = samples_line(body)
+    if samples:
+        print(samples)
     return 0
 
 

@@ -77,12 +77,14 @@ __all__ = [
     "BYTES_PER_PARAMETER",
     "HOP_SIZES",
     "SPLIT_CALL_MS",
+    "EnginePrice",
     "EngineTerms",
     "FleetEngine",
     "action_call_ms",
     "action_ms",
     "analytic_accumulate_ms",
     "analytic_step_ms",
+    "engine_price",
     "engine_terms",
     "fit_link",
     "hop_ms",
@@ -429,103 +431,129 @@ def tied_bytes(initializers: Sequence[Collection[str]], nbytes: Mapping[str, flo
                       if seen[n] > 1 and n in trainable)) for names in initializers]
 
 
+@dataclass(frozen=True)
+class EnginePrice:
+    """A train plan's engine work as plan.json states it: the per-stage (per-boundary for
+    ``send_ms``) figures it sets in ``simulator_costs`` (``costs``: ``step_ms``,
+    ``accumulate_ms``, ``send_ms`` where re-priced, ``split_ms`` under ZB-H1, ``action_ms``,
+    in that order) and how each was priced (``said``: plan.json's ``engine_costs``)."""
+
+    costs: dict[str, list[float]]
+    said: dict[str, str]
+
+
+def engine_price(*, costs: CostsFile | None, device: DeviceSpec | None, optimizer: str,
+                 link: Link | None, weights: Sequence[float],
+                 hop_bytes: Sequence[float] | None, send_ms: Sequence[float] | None,
+                 schedule: str | None, tied: Sequence[float] | None = None,
+                 tensors: Sequence[int] | None = None,
+                 kinds: Mapping[str, EngineTerms] | None = None,
+                 gpus: Sequence[str | None] = ()) -> EnginePrice:
+    """Price a train plan's engine work from its figures, before the plan is built: each
+    stage's parameter bytes (``weights``), each boundary's ``hop_bytes`` and ``send_ms`` as
+    the plan states them before this pricing, its ``schedule`` and ``optimizer``, the plan's
+    ``link`` (plain pipelines; None on a cluster): ``step_ms`` per stage (measured from the
+    costs file's ``engine``, :func:`~onnx_partition.cost.profile.engine.measure_engine`,
+    where it has the plan's optimizer; else analytic on ``device``'s memory bandwidth:
+    without one, the default GPU's for a costs file measured on CUDA, else the CPU default)
+    and, where ``engine`` fitted a link and ``hop_bytes`` has one entry per boundary,
+    ``send_ms`` per boundary at those bytes; ``accumulate_ms`` per stage likewise; a stage
+    holding ``tied`` bytes (per stage, :func:`tied_bytes`) adds one hop of them to its
+    ``step_ms`` for their all-reduce, priced as the hops are; a ZB-H1 plan with ``tensors``
+    (per stage, its trainable tensors) gets ``split_ms`` (:func:`split_ms`, per group the
+    costs file's ``split_call_ms`` or :data:`SPLIT_CALL_MS`); every train plan gets
+    ``action_ms`` per stage (:func:`action_ms`: the probe's, else :data:`ACTION_MS` on a CPU,
+    0 on CUDA). Where ``engine`` has a probe (:func:`probe_of`), its ``barrier_ms`` is each
+    barrier of the measured ``step_ms`` and its ``hop_ms`` is added to every ``send_ms`` (to
+    be priced once: a plan as ``partition`` writes it; sends priced from the measured link are
+    priced afresh each time). A mixed fleet's plan (``kinds``: each GPU kind's terms,
+    :func:`engine_terms` of its own costs file or device) prices each stage on the kinds of
+    its entry of ``gpus`` (:class:`FleetEngine`, as its planner did), its sends on the
+    fleet's links plus each boundary's work per hop."""
+    if kinds is not None:
+        return _fleet_engine_price(kinds, weights, send_ms, schedule, tied, tensors, gpus)
+    engine = costs.body.get("engine") if costs is not None else None
+    out: dict[str, list[float]] = {}
+    terms = engine_terms(costs, device, optimizer, link=link)
+    step = terms.step_ms(weights)
+    said = dict(terms.said)
+    fitted = (engine or {}).get("link")
+    if tied and any(tied):
+        step = [t + terms.tied_ms(b) for t, b in zip(step, tied, strict=True)]
+        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
+    out["step_ms"] = [round(x, 6) for x in step]
+    out["accumulate_ms"] = [round(x, 6) for x in terms.accumulate_ms(weights)]
+    sends = send_ms
+    if fitted and isinstance(hop_bytes, list) and len(hop_bytes) == len(weights) - 1:
+        sizes, times = fitted["sizes"], fitted["one_way_ms"]
+        sends = out["send_ms"] = [round(hop_ms(float(b), sizes, times), 6) for b in hop_bytes]
+        said["send_ms"] = (f"measured: gloo ping-pong between two processes (profile --mode "
+                           f"train), {fitted['latency_ms']:g} ms at {sizes[0]} B, piecewise "
+                           "linear in the hop's bytes")
+    else:
+        said["send_ms"] = "the plan's link model"
+    if _number(probe_of(engine), "hop_ms") is not None and isinstance(sends, list):
+        out["send_ms"] = [round(float(x) + terms.hop_ms, 6) for x in sends]
+        said["send_ms"] += f", + {terms.hop_ms:g} ms of the engine's work per hop (the probe)"
+    if schedule == "zb-h1" and tensors is not None and len(tensors) == len(weights):
+        call = (engine or {}).get("split_call_ms")
+        per_group = terms.split_call_ms
+        out["split_ms"] = [round(x, 6) for x in split_ms(tensors, per_group)]
+        said["split_ms"] = (("measured: " if call is not None else "analytic: ")
+                            + f"{per_group:g} ms per weight group (half the stage's trainable "
+                            "tensors), the split backward's walk and autograd calls"
+                            + (" (profile --mode train)" if call is not None else ""))
+    out["action_ms"] = [round(terms.action_ms, 6)] * len(weights)
+    return EnginePrice(out, said)
+
+
+def _fleet_engine_price(kinds: Mapping[str, EngineTerms], weights: Sequence[float],
+                        send_ms: Sequence[float] | None, schedule: str | None,
+                        tied: Sequence[float] | None, tensors: Sequence[int] | None,
+                        gpus: Sequence[str | None]) -> EnginePrice:
+    """:func:`engine_price` for a fleet's plan: each stage by its kinds' terms."""
+    out: dict[str, list[float]] = {}
+    terms = [[kinds[k] for k in str(g).split("+")] for g in gpus]
+    zb = schedule == "zb-h1" and tensors is not None and len(tensors) == len(weights)
+    work = FleetEngine.of(terms, weights, tied=tied if tied and any(tied) else None,
+                          tensors=tensors, split=zb)
+    out["step_ms"] = [round(x, 6) for x in work.step_ms]
+    out["accumulate_ms"] = [round(x, 6) for x in work.accumulate_ms]
+    said: dict[str, str] = {"send_ms": "the fleet's links"}
+    if zb:
+        out["split_ms"] = [round(x, 6) for x in work.split_ms]
+        said["split_ms"] = ("each stage on its GPU kind: per weight group (half the stage's "
+                            "trainable tensors) " + "; ".join(
+                                f"{kind}: {t.split_call_ms:g} ms" for kind, t in kinds.items()))
+    out["action_ms"] = [round(x, 6) for x in work.action_ms]
+    if any(work.hop_ms) and isinstance(send_ms, list):
+        out["send_ms"] = [round(float(x) + h, 6) for x, h in zip(send_ms, work.hop_ms)]
+        said["send_ms"] += ", + each boundary's engine work per hop (its kinds' probes)"
+    for what in ("step_ms", "accumulate_ms", "action_ms"):
+        said[what] = "each stage on its GPU kind: " + "; ".join(
+            f"{kind}: {t.said.get(what, '')}" for kind, t in kinds.items())
+    if tied and any(tied):
+        said["step_ms"] += "; + one hop of the parameters tied across stages (their all-reduce)"
+    return EnginePrice(out, said)
+
+
 def price_engine(plan: Plan, *, costs: CostsFile | None, device: DeviceSpec | None,
                  tied: Sequence[float] | None = None,
                  tensors: Sequence[int] | None = None,
                  kinds: Mapping[str, EngineTerms] | None = None) -> None:
-    """Price a train plan's engine work into plan.json: ``simulator_costs.step_ms`` per stage
-    (measured from the costs file's ``engine``,
-    :func:`~onnx_partition.cost.profile.engine.measure_engine`, where it has the
-    plan's optimizer; else analytic on ``device``'s memory bandwidth: without one, the default GPU's
-    for a costs file measured on CUDA, else the CPU default) and, where ``engine`` fitted a link
-    and the plan keeps ``simulator_costs.hop_bytes``, ``send_ms`` per boundary at those bytes;
-    ``simulator_costs.accumulate_ms`` per stage likewise; a stage holding ``tied`` bytes (per
-    stage, :func:`tied_bytes`) adds one hop of them to its ``step_ms`` for their all-reduce,
-    priced as the hops are; a ZB-H1 plan with ``tensors`` (per stage, its trainable tensors)
-    gets ``simulator_costs.split_ms`` (:func:`split_ms`, per group the costs file's
-    ``split_call_ms`` or :data:`SPLIT_CALL_MS`); every train plan gets
-    ``simulator_costs.action_ms`` per stage (:func:`action_ms`: the probe's, else
-    :data:`ACTION_MS` on a CPU, 0 on CUDA). Where ``engine`` has a probe (:func:`probe_of`), its
-    ``barrier_ms`` is each barrier of the measured ``step_ms`` and its ``hop_ms`` is added to every
-    ``send_ms`` (to be priced once: a plan as ``partition`` writes it; sends priced from the
-    measured link are priced afresh each time). ``engine_costs`` says which.
-    A mixed fleet's plan (``kinds``: each GPU kind's terms, :func:`engine_terms` of its own
-    costs file or device) prices each stage on the kinds of its ``gpu`` (:class:`FleetEngine`,
-    as its planner did), its sends on the fleet's links plus each boundary's work per hop.
-    Inference plans are left alone."""
+    """:func:`engine_price` of a train plan already built (one read back, re-priced), written
+    into it: its ``simulator_costs`` and ``engine_costs``. ``partition`` prices the engine
+    before it builds the plan instead. Inference plans are left alone."""
     if plan.mode != "train":
         return
-    if kinds is not None:
-        _price_fleet_engine(plan, kinds, tied, tensors)
-        return
-    engine = costs.body.get("engine") if costs is not None else None
     sim = plan.simulator_costs
-    terms = engine_terms(costs, device, plan.optimizer or "adamw", link=plan.link)
-    weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
-               for s in plan.stages]
-    step = terms.step_ms(weights)
-    said = EngineCosts.given(terms.said)
-    fitted = (engine or {}).get("link")
-    if tied and any(tied):
-        step = [t + terms.tied_ms(b) for t, b in zip(step, tied, strict=True)]
-        said.step_ms = (said.step_ms or "") + ("; + one hop of the parameters tied across "
-                                               "stages (their all-reduce)")
-    sim.step_ms = [round(x, 6) for x in step]
-    sim.accumulate_ms = [round(x, 6) for x in terms.accumulate_ms(weights)]
-    hop_bytes = sim.hop_bytes
-    if fitted and hop_bytes is not None and len(hop_bytes) == len(plan.stages) - 1:
-        sizes, times = fitted["sizes"], fitted["one_way_ms"]
-        sim.send_ms = [round(hop_ms(float(b), sizes, times), 6) for b in hop_bytes]
-        said.send_ms = (f"measured: gloo ping-pong between two processes (profile --mode "
-                        f"train), {fitted['latency_ms']:g} ms at {sizes[0]} B, piecewise "
-                        "linear in the hop's bytes")
-    else:
-        said.send_ms = "the plan's link model"
-    if _number(probe_of(engine), "hop_ms") is not None and sim.send_ms is not None:
-        sim.send_ms = [round(float(x) + terms.hop_ms, 6) for x in sim.send_ms]
-        said.send_ms += f", + {terms.hop_ms:g} ms of the engine's work per hop (the probe)"
-    if plan.schedule == "zb-h1" and tensors is not None and len(tensors) == len(plan.stages):
-        call = (engine or {}).get("split_call_ms")
-        per_group = terms.split_call_ms
-        sim.split_ms = [round(x, 6) for x in split_ms(tensors, per_group)]
-        said.split_ms = (("measured: " if call is not None else "analytic: ")
-                         + f"{per_group:g} ms per weight group (half the stage's trainable "
-                         "tensors), the split backward's walk and autograd calls"
-                         + (" (profile --mode train)" if call is not None else ""))
-    sim.action_ms = [round(terms.action_ms, 6)] * len(plan.stages)
+    priced = engine_price(
+        costs=costs, device=device, optimizer=plan.optimizer or "adamw", link=plan.link,
+        weights=[float((s.predicted.weights_bytes if s.predicted else 0) or 0)
+                 for s in plan.stages],
+        hop_bytes=sim.hop_bytes, send_ms=sim.send_ms, schedule=plan.schedule, tied=tied,
+        tensors=tensors, kinds=kinds, gpus=[s.gpu for s in plan.stages])
+    for key, value in priced.costs.items():
+        setattr(sim, key, value)
     plan.simulator_costs = sim
-    plan.engine_costs = said
-
-
-def _price_fleet_engine(plan: Plan, kinds: Mapping[str, EngineTerms],
-                        tied: Sequence[float] | None, tensors: Sequence[int] | None) -> None:
-    """:func:`price_engine` for a fleet's plan: each stage by its kinds' terms."""
-    sim = plan.simulator_costs
-    terms = [[kinds[k] for k in str(s.gpu).split("+")] for s in plan.stages]
-    weights = [float((s.predicted.weights_bytes if s.predicted else 0) or 0)
-               for s in plan.stages]
-    zb = plan.schedule == "zb-h1" and tensors is not None and len(tensors) == len(plan.stages)
-    work = FleetEngine.of(terms, weights, tied=tied if tied and any(tied) else None,
-                          tensors=tensors, split=zb)
-    sim.step_ms = [round(x, 6) for x in work.step_ms]
-    sim.accumulate_ms = [round(x, 6) for x in work.accumulate_ms]
-    said = EngineCosts(send_ms="the fleet's links")
-    if zb:
-        sim.split_ms = [round(x, 6) for x in work.split_ms]
-        said.split_ms = ("each stage on its GPU kind: per weight group (half the stage's "
-                         "trainable tensors) " + "; ".join(
-                             f"{kind}: {t.split_call_ms:g} ms" for kind, t in kinds.items()))
-    sim.action_ms = [round(x, 6) for x in work.action_ms]
-    if any(work.hop_ms) and sim.send_ms is not None:
-        sim.send_ms = [round(float(x) + h, 6) for x, h in zip(sim.send_ms, work.hop_ms)]
-        said.send_ms = (said.send_ms or "") + (", + each boundary's engine work per hop "
-                                               "(its kinds' probes)")
-    each = EngineCosts.given({what: "each stage on its GPU kind: " + "; ".join(
-        f"{kind}: {t.said.get(what, '')}" for kind, t in kinds.items()) for what in _KIND_TERMS})
-    said.step_ms, said.accumulate_ms, said.action_ms = (each.step_ms, each.accumulate_ms,
-                                                        each.action_ms)
-    if tied and any(tied):
-        said.step_ms = (said.step_ms or "") + ("; + one hop of the parameters tied across "
-                                               "stages (their all-reduce)")
-    plan.simulator_costs = sim
-    plan.engine_costs = said
+    plan.engine_costs = EngineCosts.given(priced.said)

@@ -5,7 +5,7 @@ contract in ``docs/design.md``), sorts the nodes topologically, runs shape infer
 symbolic dims fixed (through :mod:`onnx_partition.graph.protos`, which reads the protos), and
 records
 for every tensor its producer, its consumers and its size in bytes. Solvers never see the
-protos: :func:`onnx_partition.partition.dag_problem` hands them plain arrays.
+protos: :func:`onnx_partition.graph_arrays.dag_problem` hands them plain arrays.
 """
 
 from __future__ import annotations

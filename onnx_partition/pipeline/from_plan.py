@@ -69,7 +69,6 @@ from onnx_partition.pipeline.schedules import (
     build,
     checked_name,
     pipeline_width,
-    render,
 )
 from onnx_partition.pipeline.simulate import (
     PipelineCosts,
@@ -87,7 +86,6 @@ __all__ = [
     "comm_factor",
     "default_schedule",
     "device_name",
-    "format_simulation",
     "hosted_stages",
     "interleaving_note",
     "over_memory_note",
@@ -336,52 +334,3 @@ def schedule_name(result: SimResult) -> str:
     if result.schedule:
         return result.schedule
     return "train" if any(a.kind is not Kind.F for _, a, _, _ in result.timeline) else "infer"
-
-
-def format_simulation(plan: Plan, result: SimResult) -> str:
-    """Iteration time, throughput, bubble, per-device busy time and peak memory, and the
-    schedule grid when it is small enough to read."""
-    num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
-    lines = [
-        f"simulated {schedule_name(result)} iteration of {num_mb} micro-batches: "
-        f"{result.iteration_ms:.3f} ms, {result.throughput_per_s:.1f} micro-batches/s, "
-        f"bubble {result.bubble_fraction * 100:.1f}%",
-    ]
-    note = interleaving_note(plan, result)
-    if note:
-        lines.append(note)
-    note = recompute_note(plan)
-    if note:
-        lines.append(note)
-    hosted = hosted_stages(plan, result)
-    if plan.predicted.iteration_ms is not None:
-        lines.append(f"planner predicted: iteration {plan.predicted.iteration_ms:.3f} ms")
-    elif plan.predicted.bottleneck_ms is not None:
-        lines.append(f"planner predicted: bottleneck {plan.predicted.bottleneck_ms:.3f} ms "
-                     "per micro-batch (communication charged to the stages)")
-    rows = [("device", "busy ms", "busy %", "peak in-flight", "peak memory")]
-    for dev in sorted(result.busy_ms):
-        busy = result.busy_ms[dev]
-        share = busy / result.iteration_ms * 100 if result.iteration_ms > 0 else 0.0
-        rows.append((device_name(plan, dev, hosted[dev]), f"{busy:.3f}", f"{share:.1f}",
-                     str(result.peak_inflight.get(dev, 0)),
-                     fmt_bytes(result.peak_memory_bytes.get(dev, 0.0))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = [rows[0][0].ljust(widths[0]) + "  " + "  ".join(
-        c.rjust(w) for c, w in zip(rows[0][1:], widths[1:]))]
-    table.append("  ".join("-" * w for w in widths))
-    table += [r[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
-                                                         zip(r[1:], widths[1:])) for r in rows[1:]]
-    lines += ["", *table]
-    note = over_memory_note(plan, result)
-    if note:
-        lines.append(note)
-    for stage, (t0, t1) in sorted(result.allreduce.items()):
-        lines.append(f"stage {stage} all-reduce: {t0:.3f} -> {t1:.3f} ms")
-    sched = schedule_of(result)
-    steps = max((len(a) for a in sched.values()), default=0)
-    if steps <= MAX_GRID_STEPS and len(sched) <= 32:
-        lines += ["", render(sched)]
-    else:
-        lines += ["", f"(schedule grid left out: {len(sched)} devices x {steps} steps)"]
-    return "\n".join(lines)

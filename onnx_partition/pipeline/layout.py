@@ -54,7 +54,7 @@ def relay_names(inputs: Collection[str], stage_inputs: Sequence[Collection[str]]
     available there (a graph input, or made by a stage so far) and read by the stage or
     needed after it (:func:`needed_after`). A tensor so crosses every boundary between the
     stage making it and the last one reading it, as the cost model's relay model says, and
-    the memory model counts these bytes (``partition.stage_sizes``). A PartitionError if a
+    the memory model counts these bytes (``graph_arrays.stage_sizes``). A PartitionError if a
     stage reads a tensor no earlier stage or graph input makes."""
     avail = set(inputs)
     recv, send = [], []

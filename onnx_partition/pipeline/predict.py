@@ -39,8 +39,8 @@ from onnx_partition.pipeline.simulate import SimResult
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import RUN_FORMAT
 
-__all__ = ["RUN_FORMAT", "SHARED", "SHARED_STAGE", "RunShape", "dumps", "format_comparison",
-           "idle_replicas_note", "measured_json", "partition_json", "predict", "ratios",
+__all__ = ["RUN_FORMAT", "SHARED", "SHARED_STAGE", "RunShape", "dumps",
+           "measured_json", "partition_json", "predict", "ratios",
            "read_run", "rows_scale", "run_json", "run_shape", "simulate_json",
            "simulation_json"]
 
@@ -67,19 +67,6 @@ def run_shape(plan: Plan, *, batch_size: int | None = None,
         raise PartitionError(f"--batch-size and --microbatches must be at least 1, got "
                              f"{size} and {count}")
     return RunShape(size, count)
-
-
-def idle_replicas_note(plan: Plan, microbatches: int) -> str | None:
-    """One line when fewer micro-batches than a stage's replicas leave some replicas idle
-    (replica ``j`` of a stage with ``r`` replicas takes micro-batches ``m = j (mod r)``)."""
-    most = max((s.replicas for s in plan.stages), default=1)
-    if microbatches >= most:
-        return None
-    short = [s.index for s in plan.stages if s.replicas > microbatches]
-    return (f"note: {microbatches} micro-batches for up to {most} replicas: stage"
-            f"{'s' * (len(short) > 1)} {', '.join(map(str, short))} leave"
-            f"{'s' * (len(short) == 1)} replicas {microbatches}.. idle (give --microbatches "
-            f">= {most})")
 
 
 # ------------------------------------------------------------------------- JSON objects
@@ -261,37 +248,6 @@ def read_run(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------- text
-
-
-def format_comparison(run: Mapping[str, Any]) -> str:
-    """Measured against predicted as a small text table (the end of ``run``'s output)."""
-    m, p, ratio = run["measured"], run["predicted"], run["ratio"]
-
-    def r(value: float | None) -> str:
-        return f"{value:.3g}" if value is not None else "-"
-
-    rows = [("", "measured", "predicted", "measured/predicted"),
-            ("samples/s", f"{m['samples_per_s']:.1f}", f"{p['samples_per_s']:.1f}",
-             r(ratio["samples_per_s"])),
-            ("iteration ms", f"{m['iteration_ms']:.3f}", f"{p['iteration_ms']:.3f}",
-             r(ratio["iteration_ms"]))]
-    by_stage = {s["index"]: s for s in p["stages"]}
-    for s, value, cpu in zip(m["stages"], ratio["stage_busy_ms"],
-                             ratio.get("stage_cpu_ms", [])):
-        pred = by_stage.get(s["index"], {}).get("busy_ms", 0.0)
-        rows.append((f"stage {s['index']} busy ms", f"{s['busy_ms']:.3f}", f"{pred:.3f}",
-                     r(value)))
-        if "cpu_ms" in s:
-            rows.append(("  in CPU time", f"{s['cpu_ms']:.3f}", f"{pred:.3f}", r(cpu)))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in
-                                                         zip(row[1:], widths[1:]))
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    note = (f" (simulated at {p['scaled_from_batch_size']} rows per micro-batch, scaled "
-            "linearly)" if p.get("scaled_from_batch_size") else "")
-    return "\n".join([f"predicted: the plan's forward-only simulation of {p['microbatches']} "
-                      f"micro-batches{note}", *lines])
 
 
 def dumps(body: Mapping[str, Any]) -> str:

@@ -1,25 +1,22 @@
-"""Human-readable views of a plan: the text table printed by the CLI, and an HTML report
-(one self-contained page: tables, inline SVG charts, the simulated schedule, the graph; the
-charts of time, memory and the schedule are drawn by :mod:`onnx_partition.report.charts`)."""
+"""The HTML report of a plan: one self-contained page (tables, inline SVG charts, the
+simulated schedule, the graph; the charts of time, memory and the schedule are drawn by
+:mod:`onnx_partition.report.charts`). The lines the terminal prints are
+:mod:`onnx_partition.cli.summary`'s."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from math import inf
 from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph, load
-from onnx_partition.partition import devices_line, priced_by
 from onnx_partition.pipeline.from_plan import (
-    default_schedule,
     interleaving_note,
     over_memory_note,
     played_comm,
     played_comm_note,
-    recompute_note,
     schedule_name,
     simulate_plan,
 )
@@ -37,6 +34,7 @@ from onnx_partition.report.charts import (
     warning_note,
     what_if,
 )
+from onnx_partition.report.lines import batch_line, counted, devices_line, priced_by
 from onnx_partition.report.svg import (
     DagNode,
     esc,
@@ -46,105 +44,13 @@ from onnx_partition.report.svg import (
 )
 from onnx_partition.values import fmt_bytes, sig3
 
-__all__ = ["FIGURES_ID", "MAX_DAG_NODES", "batch_line", "default_report_path",
-           "measured_section", "plan_table", "report_figures", "report_html", "throughput_cards",
+__all__ = ["FIGURES_ID", "MAX_DAG_NODES", "default_report_path",
+           "measured_section", "report_figures", "report_html", "throughput_cards",
            "tokens_per_sample", "write_report"]
 
 
 #: The id of the report's data element (:func:`report_figures`).
 FIGURES_ID = "figures"
-
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.2f}"
-
-
-def plan_table(plan: Plan) -> str:
-    """One row per stage: operators, predicted compute and communication (and, for a train
-    plan whose simulation plays other hop times, those: :func:`played_comm`), memory, cut
-    tensors."""
-    played = played_comm(plan)
-    header: tuple[str, ...] = ("stage", "ops", "copied consts", "compute ms", "comm ms",
-                               *("comm ms (played)",) * (played is not None),
-                               "total ms", "memory MB", "in", "out", "replicas", "devices")
-    fleet = any(stage.gpu for stage in plan.stages)  # a mixed fleet: which kind runs what
-    header += ("gpu",) * fleet
-    rows: list[tuple[str, ...]] = [header]
-    for k, stage in enumerate(plan.stages):
-        pred = stage.predicted
-        compute = pred.compute_ms if pred else 0.0
-        comm = pred.comm_ms if pred else 0.0
-        rows.append((
-            str(stage.index), str(len(stage.nodes)), str(len(stage.constants)),
-            f"{compute:.3f}", f"{comm:.3f}",
-            *((f"{played[k]:.3f}",) if played is not None else ()), f"{compute + comm:.3f}",
-            _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
-            str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
-        ) + (str(stage.gpu or ""),) * fleet)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    total = plan.predicted
-    rate = float(total.throughput_per_s) if total.throughput_per_s is not None else inf
-    rates = ", ".join(v for v, _ in throughput_cards(plan, rate)) if rate < inf \
-        else "inf micro-batches/s"
-    if total.iteration_ms is not None:
-        available = total.devices_available if total.devices_available is not None else "?"
-        devices = (f"{total.devices_used} of {available} devices, "
-                   if total.devices_used is not None else "")
-        bottleneck = (f", bottleneck {total.bottleneck_ms:.3f} ms" if total.devices_used is None
-                      and total.bottleneck_ms is not None else "")
-        precision = plan.precision if plan.mode == "train" else None
-        mode = f"{plan.mode} in {precision}" if precision not in (None, "fp32") else plan.mode
-        lines.append(
-            f"{mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
-            f"{_count(plan.microbatches, 'micro-batch')} per "
-            f"iteration of {total.iteration_ms:.3f} ms (simulated, {default_schedule(plan)}),"
-            f" bubble {(total.bubble_fraction or 0) * 100:.1f}%, {rates}{bottleneck}"
-        )
-        note = recompute_note(plan)
-        if note:
-            lines.append(note)
-    elif not total.empty():
-        lines.append(
-            f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
-            f"{total.bottleneck_ms or 0:.3f} ms, predicted {rates} "
-            f"(whole model {total.total_compute_ms or 0:.3f} ms)"
-        )
-    lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
-                 "not cut); comm: both of a stage's boundaries; times per micro-batch.")
-    note = played_comm_note(plan)
-    if note:
-        lines.append(note + ".")
-    return "\n".join(lines)
-
-
-def batch_line(plan: Plan, micro_batch: int | None = None,
-               microbatches: int | None = None) -> str:
-    """The global batch written out, as DeepSpeed users read it: micro-batch size x
-    micro-batches per iteration; the micro-batches are shared among a stage's data-parallel
-    replicas (micro-batch m goes to replica m mod d), which DeepSpeed calls gradient
-    accumulation steps x data-parallel size."""
-    m = microbatches or plan.microbatches
-    size = micro_batch or plan.rows_per_microbatch
-    what = f"micro-batch size {size}" if size else "micro-batch size B"
-    total = f" = {size * m:,} sample{'s' * (size * m != 1)} per iteration" if size else ""
-    replicas = sorted({s.replicas for s in plan.stages})
-    if len(replicas) == 1 and m % replicas[0] == 0:
-        d = replicas[0]
-        share = (f" (DeepSpeed's terms: {_count(m // d, 'gradient accumulation step')} x "
-                 f"{_count(d, 'data-parallel replica')})")
-    else:
-        share = ("; a stage with d data-parallel replicas gives each M/d of them (replicas per "
-                 f"stage: {', '.join(str(s.replicas) for s in plan.stages)})")
-    return f"global batch = {what} x {_count(m, 'micro-batch')}{total}{share}"
-
-
-def _count(n: int, word: str) -> str:
-    """``1 stage``, ``2 stages``, ``3 micro-batches``."""
-    if n == 1:
-        return f"{n} {word}"
-    return f"{n} {word}{'es' if word.endswith(('ch', 'sh', 's', 'x')) else 's'}"
 
 
 def default_report_path(plan_dir: Path) -> Path:
@@ -290,11 +196,11 @@ def _header(plan: Plan) -> str:
     elif source != "?":
         source = f"profile file {source}"
     if measured:
-        source += f" ({_count(measured, 'operator')} measured)"
+        source += f" ({counted(int(measured), 'operator')} measured)"
     rows = [("devices", where), ("memory and links", devices_line(plan).removeprefix("devices: ")),
             ("costs", source),
             ("priced by", priced_by(plan).removeprefix("priced by: ")),
-            ("plan", f"{plan.mode} · {_count(len(plan.stages), 'stage')} · "
+            ("plan", f"{plan.mode} · {counted(len(plan.stages), 'stage')} · "
                      f"ordering {plan.ordering} · solver {plan.solver}"),
             ("onnx-partition", plan.version or "?")]
     return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows) + "</dl>"
@@ -332,7 +238,7 @@ def measured_section(plan: Plan, run: dict[str, Any], name: str = "run.json") ->
                     + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("measured", "predicted", "measured / predicted"))
     note = (f"{esc(name)}: {esc(str(run.get('runtime', '?')))} runtime, "
-            f"{_count(shape.microbatches, 'micro-batch')} x {_count(shape.batch_size, 'row')}, "
+            f"{counted(shape.microbatches, 'micro-batch')} x {counted(shape.batch_size, 'row')}, "
             f"{measured.get('iterations', '?')} timed iterations. Predicted: the plan's "
             "forward-only simulation of the same micro-batches.")
     return _section("Measured run against the simulation",
@@ -365,12 +271,12 @@ def throughput_cards(plan: Plan, microbatches_per_s: float) -> list[tuple[str, s
     if rows:
         samples = microbatches_per_s * rows
         cards.append((f"{sig3(samples)} samples/s",
-                      f"simulated throughput: micro-batches/s x {_count(rows, 'sample')} per "
+                      f"simulated throughput: micro-batches/s x {counted(rows, 'sample')} per "
                       "micro-batch"))
         tokens = tokens_per_sample(plan)
         if tokens:
             cards.append((f"{sig3(samples * tokens)} tokens/s",
-                          f"samples/s x {_count(tokens, 'token')} per sample (the "
+                          f"samples/s x {counted(tokens, 'token')} per sample (the "
                           "sequence length partitioned for)"))
     cards.append((f"{sig3(microbatches_per_s)} micro-batches/s",
                   "micro-batches per iteration ÷ iteration time"))
@@ -383,7 +289,7 @@ def _summary(plan: Plan, result: SimResult, *, warn: bool = False) -> str:
     num_mb = max((a.microbatch for _, a, _, _ in result.timeline), default=-1) + 1
     cards = [
         *throughput_cards(plan, result.throughput_per_s),
-        (fmt_ms(result.iteration_ms), f"simulated iteration: {_count(num_mb, 'micro-batch')} "
+        (fmt_ms(result.iteration_ms), f"simulated iteration: {counted(num_mb, 'micro-batch')} "
                                       f"through the pipeline, {schedule_name(result)} schedule"),
         (f"{result.bubble_fraction * 100:.1f}%", "bubble: idle share of the devices' time in "
                                                   "the simulated iteration"),
@@ -510,7 +416,7 @@ def _dag(plan: Plan, plan_dir: Path) -> str:
     consts = (f" {free} constant node{'s' * (free != 1)} (copied into the stages that need "
               "them) not drawn." if free else "")
     return (layered_dag(nodes, sorted(edges), legend_items=legend_items)
-            + html_note(f"{_count(len(index), 'operator')} in topological layers, top to "
+            + html_note(f"{counted(len(index), 'operator')} in topological layers, top to "
                         f"bottom; red edges cross a stage boundary.{consts} Hover a node for "
                         "its key."))
 
@@ -521,7 +427,7 @@ def _condensed_dag(graph: OpGraph, stage_of: dict[str, int], count: int) -> str:
     groups, flows = condense(graph, stage_of)
     svg, engine = draw(groups, flows)
     return svg + html_note(
-        f"{_count(count, 'operator')} condensed to {_count(len(groups), 'box')}: each stage "
+        f"{counted(count, 'operator')} condensed to {counted(len(groups), 'box')}: each stage "
         "(left to right in pipeline order) cut into runs of one repeated block (the exporter's "
         "module scopes, shared prefix left out), operator counts in brackets; edges carry the "
         f"bytes of one micro-batch, red ones cross a stage boundary. Drawn with {engine}.")

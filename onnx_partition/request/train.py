@@ -118,6 +118,14 @@ def planned_choices(recorded: Mapping[str, Any], given: Mapping[str, str | None]
                     "(plan.json): its predicted time and memory assume those")
 
 
+def priced_for(plan: Plan) -> dict[str, str]:
+    """What ``plan`` was priced for, as :func:`planned_choices` reads it: plan.json's
+    ``optimizer``, ``precision`` and ``schedule`` where it records them."""
+    recorded = {"optimizer": plan.optimizer, "precision": plan.precision,
+                "schedule": plan.schedule}
+    return {k: v for k, v in recorded.items() if v is not None}
+
+
 def resolve_job(job: TrainJob, plan: Plan | None, *, spelled: str = CLI_SPELLING
                 ) -> tuple[TrainJob, str | None]:
     """``job`` with the optimizer, precision and schedule (:func:`planned_choices`), the
@@ -126,7 +134,7 @@ def resolve_job(job: TrainJob, plan: Plan | None, *, spelled: str = CLI_SPELLING
     :func:`planned_choices`' warning line."""
     given = {"optimizer": job.optimizer.name, "precision": job.engine.precision,
              "schedule": job.schedule.name}
-    chosen, warning = planned_choices({} if plan is None else plan.extra, given,
+    chosen, warning = planned_choices({} if plan is None else priced_for(plan), given,
                                       engine=job.engine.name, spelled=spelled)
     count = job.schedule.microbatches or (DEFAULT_MICROBATCHES if plan is None
                                           else plan.microbatches)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "TrainSpec"]
+__all__ = ["AUTO", "MODES", "SearchSpec", "TrainSpec"]
 
-#: ``--schedule auto`` / ``--recompute auto``: the planner chooses.
+#: ``--schedule auto`` / ``--recompute auto`` / ``--order auto``: the planner chooses.
 AUTO = "auto"
+#: A plan's modes, the default first: forward only, or forward, backward and the optimizer.
+MODES = ("infer", "train")
 
 
 @dataclass(frozen=True)
@@ -25,3 +27,18 @@ class TrainSpec:
     recompute: str = AUTO
     precision: str = "fp32"
     optimizer: str = "adamw"
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """How the cut is searched: the plan's ``mode`` (one of :data:`MODES`), the ``ordering``
+    that sequences the DAG before the DP (``auto``: every ordering, the best kept), the
+    ``solver`` (``dp``, ``ilp`` or a baseline), the ILP's ``time_limit_s``, and the CP-SAT pass
+    that proves or betters the DP's cut within ``exact_budget_s`` deterministic seconds (0: off).
+    """
+
+    mode: str = MODES[0]
+    ordering: str = AUTO
+    solver: str = "dp"
+    time_limit_s: float = 60.0
+    exact_budget_s: float = 1.0

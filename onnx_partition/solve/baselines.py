@@ -4,7 +4,7 @@ Every one is a pure function over plain data (a :class:`DagProblem`, per-node ar
 :class:`RunSpec`) and answers with ``stage_of`` (node -> stage over the problem's nodes) and,
 where the method chooses them, ``replicas`` per stage. Splitting methods walk the problem's
 topological order (Kahn's, smallest index first: the identity when nodes are numbered
-topologically, as :func:`onnx_partition.partition.dag_problem` numbers them).
+topologically, as :func:`onnx_partition.graph_arrays.dag_problem` numbers them).
 
 * :func:`uniform` -- DeepSpeed ``PipelineModule(partition_method="uniform")``
   (``deepspeed.runtime.utils.partition_uniform``), Megatron-LM's even split of layers:

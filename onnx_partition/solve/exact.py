@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.settings.partition import SearchSpec
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 from onnx_partition.solve.search import split_order
@@ -38,8 +39,9 @@ __all__ = ["EXACT_BUDGET_S", "EXACT_NODES", "EXACT_ROUNDS", "EXACT_ROUNDS_FROM",
            "LNS_WIDTH", "SPREAD_SOLVES", "Proof", "exact_rounds", "exact_split",
            "one_order", "stage_neighbourhoods", "trivial_bound_ms"]
 
-#: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`).
-EXACT_BUDGET_S = 1.0
+#: The default exact pass's budget, in CP-SAT's deterministic seconds (see :func:`exact_split`;
+#: written once, in :class:`~onnx_partition.settings.partition.SearchSpec`).
+EXACT_BUDGET_S = SearchSpec.exact_budget_s
 #: ... and the largest problem (units) it is tried on. On the recipes (tiny and small, 27-560
 #: nodes, S = 2, 4, 8) the pass proves 27 of 36 cuts optimal and betters 16 by up to 1.4%, one
 #: deterministic second taking 0.01-2.4 s of wall time unloaded; at 1,112 nodes (GPT

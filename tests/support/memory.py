@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.emit import cut_stages
-from onnx_partition.partition import _per_unit, stage_sizes, unit_problem, unit_weights
+from onnx_partition.graph_arrays import per_unit as _per_unit
+from onnx_partition.graph_arrays import stage_sizes, unit_problem, unit_weights
 from onnx_partition.pipeline.memory import StageBytes, memory_per_device
 from onnx_partition.solve.contract import expand
 from onnx_partition.solve.hybrid import HybridConfig, stage_memory

@@ -1,0 +1,174 @@
+"""What ``partition`` prints: the stage table, the global batch, the planner's notes, what
+priced the plan, its devices and links, what is proven of its quality (:func:`summary_lines`).
+What priced it and its devices are :mod:`onnx_partition.report.lines`' (the HTML page shows
+them too)."""
+
+from __future__ import annotations
+
+from math import inf
+
+from onnx_partition.pipeline.from_plan import (
+    default_schedule,
+    played_comm,
+    played_comm_note,
+    recompute_note,
+)
+from onnx_partition.plan import Plan
+from onnx_partition.plan.extras import HybridPeriodProof, PipelineProof
+from onnx_partition.report.lines import batch_line, counted, devices_line, priced_by
+from onnx_partition.report.page import throughput_cards
+
+__all__ = ["plan_table", "proof_line", "summary_lines"]
+
+
+def summary_lines(plan: Plan, batch_size: int | None) -> list[str]:
+    """``partition``'s summary on stdout: the table, the global batch (``batch_size``: the
+    one asked for), the planner's notes, what priced the plan, its devices and its quality."""
+    lines = [plan_table(plan), batch_line(plan, batch_size),
+             *(plan.devices_notes or []), priced_by(plan), devices_line(plan)]
+    quality = proof_line(plan)
+    return lines + ([quality] if quality else [])
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f}"
+
+
+def plan_table(plan: Plan) -> str:
+    """One row per stage: operators, predicted compute and communication (and, for a train
+    plan whose simulation plays other hop times, those: :func:`played_comm`), memory, cut
+    tensors."""
+    played = played_comm(plan)
+    header: tuple[str, ...] = ("stage", "ops", "copied consts", "compute ms", "comm ms",
+                               *("comm ms (played)",) * (played is not None),
+                               "total ms", "memory MB", "in", "out", "replicas", "devices")
+    fleet = any(stage.gpu for stage in plan.stages)  # a mixed fleet: which kind runs what
+    header += ("gpu",) * fleet
+    rows: list[tuple[str, ...]] = [header]
+    for k, stage in enumerate(plan.stages):
+        pred = stage.predicted
+        compute = pred.compute_ms if pred else 0.0
+        comm = pred.comm_ms if pred else 0.0
+        rows.append((
+            str(stage.index), str(len(stage.nodes)), str(len(stage.constants)),
+            f"{compute:.3f}", f"{comm:.3f}",
+            *((f"{played[k]:.3f}",) if played is not None else ()), f"{compute + comm:.3f}",
+            _mb(pred.memory_bytes if pred else 0), str(len(stage.inputs)),
+            str(len(stage.outputs)), str(stage.replicas), ",".join(stage.devices),
+        ) + (str(stage.gpu or ""),) * fleet)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    total = plan.predicted
+    rate = float(total.throughput_per_s) if total.throughput_per_s is not None else inf
+    rates = ", ".join(v for v, _ in throughput_cards(plan, rate)) if rate < inf \
+        else "inf micro-batches/s"
+    if total.iteration_ms is not None:
+        available = total.devices_available if total.devices_available is not None else "?"
+        devices = (f"{total.devices_used} of {available} devices, "
+                   if total.devices_used is not None else "")
+        bottleneck = (f", bottleneck {total.bottleneck_ms:.3f} ms" if total.devices_used is None
+                      and total.bottleneck_ms is not None else "")
+        precision = plan.precision if plan.mode == "train" else None
+        mode = f"{plan.mode} in {precision}" if precision not in (None, "fp32") else plan.mode
+        lines.append(
+            f"{mode}, ordering {plan.ordering}, solver {plan.solver}: {devices}"
+            f"{counted(plan.microbatches, 'micro-batch')} per "
+            f"iteration of {total.iteration_ms:.3f} ms (simulated, {default_schedule(plan)}),"
+            f" bubble {(total.bubble_fraction or 0) * 100:.1f}%, {rates}{bottleneck}"
+        )
+        note = recompute_note(plan)
+        if note:
+            lines.append(note)
+    elif not total.empty():
+        lines.append(
+            f"ordering {plan.ordering}, solver {plan.solver}: bottleneck "
+            f"{total.bottleneck_ms or 0:.3f} ms, predicted {rates} "
+            f"(whole model {total.total_compute_ms or 0:.3f} ms)"
+        )
+    lines.append("copied consts: constant nodes copied into the stage that reads them (they are "
+                 "not cut); comm: both of a stage's boundaries; times per micro-batch.")
+    note = played_comm_note(plan)
+    if note:
+        lines.append(note + ".")
+    return "\n".join(lines)
+
+
+#: Why an exact pass stopped short of a proof, for the summary.
+_SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer)",
+          "off": "exact search off (--exact-budget 0)",
+          "size": "graph too large for the default exact search (--solver ilp to run it)"}
+
+
+#: Why a hybrid plan's DP objective was not judged, for the summary.
+_HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
+                 "recompute": "stages recompute, which the hybrid judge does not model",
+                 "fleet": "the hybrid judge models one device kind, not a fleet"}
+
+
+def _hybrid_proof_line(exact: HybridPeriodProof) -> str:
+    """:func:`proof_line` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
+    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`)."""
+    by = exact.by
+    if by in _HYBRID_SHORT:
+        return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
+    where = (f"over the {exact.ordering} sequence ({exact.positions} blocks, "
+             f"{exact.devices} devices)" if exact.positions else f"on {exact.devices} devices")
+    if by == "size":
+        return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
+                f"{exact.max_cells} stage choices (blocks squared times stages) and "
+                f"{exact.max_devices} devices: here {where}")
+    period, plan_ms = exact.period_ms, exact.plan_period_ms
+    if period is None:  # the DP found no plan of the sequence within memory
+        agreed = ("CP-SAT agrees" if by == "none-fits" else "CP-SAT disagrees: please report"
+                  if by == "disagree" else "CP-SAT's budget ran out")
+        return (f"plan quality: not proven; the DP finds no plan {where} within memory "
+                f"without recomputation ({agreed}); the plan comes from another proposal")
+    chosen = ("; the plan, chosen by simulated iteration (not proven), has period "
+              f"{plan_ms:.6g} ms (+{(plan_ms / period - 1) * 100:.2f}%)"
+              if period and plan_ms is not None and plan_ms > period * (1 + 1e-6) else
+              "; the plan, chosen by simulated iteration (not proven), has it"
+              if plan_ms is not None else
+              "; the plan, chosen by simulated iteration (not proven), is not a split of "
+              "that sequence")
+    if by == "disagree":
+        return (f"plan quality: CP-SAT found a bottleneck period below the DP's "
+                f"{period:.6g} ms {where}: the DP missed a plan (please report){chosen}")
+    least = f"the DP's least bottleneck period {where}, {period:.6g} ms per micro-batch"
+    if exact.proven_optimal:
+        how = ("it meets the bound of all compute over all devices" if by == "bound"
+               else f"CP-SAT, {exact.seconds or 0:.2f} s")
+        return f"plan quality: {least}, proven optimal ({how}){chosen}"
+    return (f"plan quality: {least}, within {(exact.gap or 0) * 100:.2f}% of the bound "
+            f"{exact.lower_bound_ms or 0:.6g} ms (all compute over all devices); CP-SAT's "
+            f"budget ran out (--exact-budget SECONDS to search longer){chosen}")
+
+
+def proof_line(plan: Plan) -> str | None:
+    """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
+    bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); of a hybrid plan, what is
+    proven of the DP's bottleneck period (:func:`_hybrid_proof_line`); None for other plans."""
+    exact, ilp = plan.exact, plan.ilp
+    if isinstance(exact, HybridPeriodProof):
+        return _hybrid_proof_line(exact)
+    if isinstance(exact, PipelineProof):
+        how = {"single": "one stage", "bound": "it meets the lower bound",
+               "chain": "the DAG is a chain, cut exactly by the DP",
+               "cp-sat": f"CP-SAT, {exact.seconds:.2f} s"}
+        better = exact.dp_ms - exact.bottleneck_ms
+        gained = (f"; {better / exact.dp_ms * 100:.2f}% faster than the DP's cut"
+                  if better > 0 else "")
+        if exact.proven_optimal:
+            rounding = (f", to {exact.gap * 100:.4f}% (the integer model's rounding)"
+                        if exact.gap > 0 else "")
+            return (f"plan quality: proven optimal ({how.get(exact.by, '?')}"
+                    f"{rounding}){gained}")
+        return (f"plan quality: within {exact.gap * 100:.2f}% of optimal (lower bound "
+                f"{exact.lower_bound_ms:.6g} ms); "
+                f"{_SHORT.get(exact.by, 'not proven')}{gained}")
+    if ilp is not None and ilp.optimal is not None:
+        if ilp.optimal:
+            return f"plan quality: proven optimal (CP-SAT, {ilp.seconds or 0:.2f} s)"
+        return (f"plan quality: within {(ilp.gap or 0) * 100:.2f}% of optimal (lower bound "
+                f"{ilp.lower_bound_ms or 0:.6g} ms); the time limit ran out")
+    return None
