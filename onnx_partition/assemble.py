@@ -34,6 +34,8 @@ from onnx_partition.pipeline.memory import (
 )
 from onnx_partition.plan import Plan, Predicted, Stage
 from onnx_partition.plan.contracts import PlanPredicted
+from onnx_partition.plan.extras import CheckedCosts, ComputeScale, DeviceModel
+from onnx_partition.plan.schema import parse
 from onnx_partition.pricing import Priced
 from onnx_partition.request.partition import PartitionRequest
 from onnx_partition.settings.partition import AUTO, TrainSpec
@@ -286,13 +288,13 @@ def assemble(priced: Priced, solution: Solution, layout: Layout, request: Partit
     plan.predicted.microbatches = request.train.microbatches  # run's and simulate's default
     priced_as_run(plan)
     if priced.checked is not None:
-        costs["check"] = priced.checked.to_json()
+        plan.costs.check = parse(CheckedCosts, priced.checked.to_json(), "plan.json costs.check")
     if priced.shared is not None:
-        extra["compute_scale"] = priced.shared
+        plan.compute_scale = parse(ComputeScale, priced.shared, "plan.json compute_scale")
     sources = request.devices.sources
-    extra["device_model"] = {**priced.device_model, **({"sources": dict(sources)}
-                                                        if sources else {})}
-    extra["partition_s"] = round(time.perf_counter() - started, 4)
+    plan.device_model = parse(DeviceModel, {**priced.device_model, **(
+        {"sources": dict(sources)} if sources else {})}, "plan.json device_model")
+    plan.partition_s = round(time.perf_counter() - started, 4)
     program = request.model.with_suffix(".pt2")
     if program.is_file():  # so training can find it and refuse an altered one
         plan.program = os.path.relpath(program.resolve(), request.out.resolve())

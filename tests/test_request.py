@@ -5,6 +5,7 @@ and link as ``--cluster FILE`` and ``--gpu`` do."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.defaults import literal_defaults
 
 from onnx_partition.cli import main
 from onnx_partition.cost.cluster import Cluster, Link, load_cluster
@@ -19,6 +21,7 @@ from onnx_partition.cost.devices import pinned_cpu
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import load
 from onnx_partition.partition import partition
+from onnx_partition.settings.partition import SearchSpec, TrainSpec
 
 #: What compare_plans leaves out: timings, versions, the folder's own listing.
 TIMINGS = {"partition_s", "planning_s", "seconds", "wall_s", "version", "manifest", "plan_dir"}
@@ -194,3 +197,47 @@ def test_a_cluster_given_in_python_resolves_its_gpu_as_the_command_line(
     assert ours["device_model"].pop("sources")["memory"].startswith("31.5 GB per device")
     theirs["device_model"].pop("sources")
     assert ours == theirs
+
+
+# ---------------------------------------------------------------- no default written twice
+
+#: The settings a plan is planned with, each written once in onnx_partition.settings.partition.
+PLANNING = {f.name for spec in (TrainSpec, SearchSpec) for f in dataclasses.fields(spec)}
+PACKAGE = Path(__file__).resolve().parents[1] / "onnx_partition"
+#: Names shared with a setting that mean something else where they stand.
+ALLOWED_LITERALS = {
+    ("solve/dp.py", "split_sequence", "precision"): "the bisection's numeric tolerance",
+    ("solve/hybrid_model.py", "HybridConfig", "precision"): "the bisection's tolerance (unused)",
+    ("solve/hybrid_model.py", "HybridStage", "recompute"): "one stage's flag, a bool",
+    ("solve/hybrid_model.py", "HybridConfig", "recompute"):
+        "the mode the DP is run in, resolved from the request (none: keep every activation)",
+    ("solve/scoring.py", "RunSpec", "recompute"): "likewise, the resolved mode",
+    ("solve/fleet_dp.py", "fleet_dp", "recompute"): "likewise, the resolved mode",
+    ("solve/fleet_dp.py", "stage_period", "recompute"): "likewise, the resolved mode",
+    ("solve/fleet_scoring.py", "FleetPlan", "schedule"): "the schedule a candidate was scored "
+                                                         "under, a record, not an option",
+    ("solve/hybrid_judge.py", "judge_hybrid", "time_limit_s"): "the judge's own CP-SAT limit",
+    ("solve/hybrid_proof.py", "HybridProof", "ordering"): "a proof record's field (none: '')",
+}
+
+
+def test_no_planning_default_is_written_outside_the_settings() -> None:
+    """The partitioner's driver, its request, the solvers and partition's options take every
+    default of a planning setting (micro-batches, schedule, recompute, precision, optimizer,
+    mode, ordering, solver, limits) from :mod:`onnx_partition.settings.partition`."""
+    files = [*(PACKAGE / "solve").rglob("*.py"), *(PACKAGE / "request").rglob("*.py"),
+             *(PACKAGE / n for n in ("partition.py", "assemble.py", "pricing.py",
+                                     "graph_arrays.py")), PACKAGE / "cli" / "args.py"]
+    found = sorted((path.relative_to(PACKAGE).as_posix(), owner, name) for path in files
+                   for owner, name in literal_defaults(path.read_text(), PLANNING,
+                                                       declaring_prefix="_partition"))
+    assert not set(found) - set(ALLOWED_LITERALS), "\n".join(
+        map(str, sorted(set(found) - set(ALLOWED_LITERALS))))
+    assert set(ALLOWED_LITERALS) <= set(found), "stale allowances"
+
+
+def test_the_planning_check_sees_a_literal() -> None:
+    source = ("def plan(problem, *, microbatches: int = 8, schedule=TrainSpec.schedule): pass\n"
+              "def _partition_args(p):\n    p.add_argument('--solver', default='dp')\n")
+    assert literal_defaults(source, PLANNING, declaring_prefix="_partition") == [
+        ("plan", "microbatches"), ("--solver", "solver")]

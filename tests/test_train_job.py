@@ -6,7 +6,6 @@ literal outside :mod:`onnx_partition.settings` (each default written once)."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from support.cli import parser_that_never_runs_a_verb, verb_parsers
+from support.defaults import literal_defaults
 
 from onnx_partition.cli.args import rank_parser, train_options
 from onnx_partition.plan.planfile import DEFAULT_MICROBATCHES
@@ -141,49 +141,6 @@ def test_a_torchrun_rank_parses_the_job_the_verb_does() -> None:
 
 
 # ---------------------------------------------------------------- no default written twice
-
-
-def _literal(node: ast.expr | None) -> bool:
-    """A default written as a value: a constant (not None), a signed number, a tuple of them."""
-    if isinstance(node, ast.Constant):
-        return node.value is not None
-    if isinstance(node, ast.UnaryOp):
-        return _literal(node.operand)
-    if isinstance(node, ast.Tuple):
-        return bool(node.elts) and all(_literal(e) for e in node.elts)
-    return False
-
-
-def literal_defaults(source: str, names: set[str]) -> list[tuple[str, str]]:
-    """(where, name) of every parameter or dataclass field named in ``names`` whose default is
-    a literal, and of every ``add_argument(..., default=<literal>)`` whose dest is named in a
-    function declaring ``train``'s options (``_train...``: other verbs' options of the same
-    name, ``partition --precision``, are theirs)."""
-    found = []
-    tree = ast.parse(source)
-    declaring = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                 and f.name.startswith("_train") for n in ast.walk(f)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            args = node.args
-            positional = args.posonlyargs + args.args
-            pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults),
-                     *zip(args.kwonlyargs, args.kw_defaults)]
-            found += [(node.name, a.arg) for a, d in pairs if a.arg in names and _literal(d)]
-        elif isinstance(node, ast.ClassDef):
-            found += [(node.name, s.target.id) for s in node.body
-                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-                      and s.target.id in names and _literal(s.value)]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "add_argument" and id(node) in declaring):
-            flags = [a.value for a in node.args if isinstance(a, ast.Constant)]
-            dest = next((k.value.value for k in node.keywords if k.arg == "dest"
-                         and isinstance(k.value, ast.Constant)), None)
-            dest = dest or (flags[0].lstrip("-").replace("-", "_") if flags else None)
-            default = next((k.value for k in node.keywords if k.arg == "default"), None)
-            if dest in names and _literal(default):
-                found.append((f"--{dest}", dest))
-    return found
 
 
 def test_the_check_sees_a_literal_default() -> None:

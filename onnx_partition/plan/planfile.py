@@ -31,14 +31,16 @@ from onnx_partition.plan.contracts import (
 )
 from onnx_partition.plan.declare import Record, json_of
 from onnx_partition.plan.legacy import EXTRAS, ExtraView, extra_type, holds_records
+from onnx_partition.settings.partition import TrainSpec
 
 __all__ = ["DEFAULT_MICROBATCHES", "FORMAT", "MANIFEST", "PLAN_FILE", "REPORT_FILE", "IOSpec",
            "Plan", "Predicted", "Stage", "plan_text", "read_plan", "write_plan"]
 
 FORMAT = PLAN_FORMAT
 PLAN_FILE = "plan.json"
-#: Micro-batches per iteration of a plan that records none (:attr:`Plan.microbatches`).
-DEFAULT_MICROBATCHES = 8
+#: Micro-batches per iteration of a plan that records none (:attr:`Plan.microbatches`): the
+#: planner's default, written once in :class:`~onnx_partition.settings.partition.TrainSpec`.
+DEFAULT_MICROBATCHES = TrainSpec.microbatches
 MANIFEST = "manifest"  # plan.json's key naming the folder's files (onnx_partition.plan.folder)
 REPORT_FILE = "report.html"  # written by `onnx-partition report`; part of a plan folder
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.settings.partition import SearchSpec
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.search import split_order
 
@@ -131,7 +132,7 @@ def solve_ilp(
     problem: DagProblem,
     num_stages: int,
     *,
-    time_limit_s: float = 60.0,
+    time_limit_s: float = SearchSpec.time_limit_s,
     workers: int = 2,
     hint: Sequence[int] | None = None,
     deterministic_s: float | None = None,

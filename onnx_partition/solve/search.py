@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.progress import SILENT, Reporter
+from onnx_partition.settings.partition import SearchSpec
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.order.blocks import cluster_blocks
 from onnx_partition.solve.order.topo import assign, cut_bytes, depth_first_order, min_live_order
@@ -114,7 +115,7 @@ def polish_split(
 def best_split(
     problem: DagProblem,
     num_stages: int,
-    ordering: str = "auto",
+    ordering: str = SearchSpec.ordering,
     *,
     polish: bool = True,
     reporter: Reporter = SILENT,
