@@ -44,6 +44,8 @@ ALLOWED = {
         "one micro-batch: the figure without the accumulation's share, not the run's count",
     ("cli/verbs.py", "_check", "microbatches"):
         "run --check's whole-model comparison (inference), not a training setting",
+    ("request/partition.py", "PartitionOptions", "check"):
+        "partition's check of the stage files it writes, not train's --check",
 }
 
 
