@@ -13,11 +13,12 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from onnx_partition import __version__
 from onnx_partition.cost.cluster import Cluster
 from onnx_partition.cost.costs_file import batch_size_of
+from onnx_partition.cost.devices import math_of
 from onnx_partition.cost.engine_price import EnginePrice, engine_price, tied_bytes
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.emit import StageCut, cut_stages, io_specs
@@ -33,8 +34,14 @@ from onnx_partition.pipeline.memory import (
     static_bytes,
 )
 from onnx_partition.plan import Plan, Predicted, Stage
-from onnx_partition.plan.contracts import PlanPredicted
-from onnx_partition.plan.extras import CheckedCosts, ComputeScale, DeviceModel
+from onnx_partition.plan.contracts import MathName, PlanPredicted
+from onnx_partition.plan.extras import (
+    AnalyticDevice,
+    CheckedCosts,
+    ComputeScale,
+    DeviceModel,
+    KindsDevice,
+)
 from onnx_partition.plan.schema import parse
 from onnx_partition.pricing import Priced
 from onnx_partition.request.partition import PartitionRequest
@@ -236,6 +243,16 @@ def _train_extras(priced: Priced, solution: Solution, request: PartitionRequest
     return extra
 
 
+def _priced_math(model: DeviceModel | None, precision: str) -> MathName:
+    """The matrix-product math a train plan was priced in
+    (:func:`~onnx_partition.cost.devices.math_of`): a fleet's TF32 where any of its kinds was
+    priced at it."""
+    kinds = model.kinds.values() if isinstance(model, KindsDevice) else [model]
+    maths = {math_of(k.name if isinstance(k, AnalyticDevice) else None, precision)
+             for k in kinds}
+    return cast(MathName, "tf32" if "tf32" in maths else min(maths, default="fp32"))
+
+
 def _stages(priced: Priced, solution: Solution, layout: Layout) -> list[Stage]:
     """plan.json's stages: each cut's nodes and boundaries, replicas, devices, GPU kind (a
     fleet's), recomputation, and its predicted compute, comm, memory (and parts)."""
@@ -294,6 +311,8 @@ def assemble(priced: Priced, solution: Solution, layout: Layout, request: Partit
     sources = request.devices.sources
     plan.device_model = parse(DeviceModel, {**priced.device_model, **(
         {"sources": dict(sources)} if sources else {})}, "plan.json device_model")
+    if train:
+        plan.math = _priced_math(plan.device_model, request.train.precision)
     plan.partition_s = round(time.perf_counter() - started, 4)
     program = request.model.with_suffix(".pt2")
     if program.is_file():  # so training can find it and refuse an altered one

@@ -1,6 +1,7 @@
-"""``--check``'s comparison: a tolerance of the dtype's precision relative to each tensor's
-scale. A reference perturbed by rounding (a few ulps, summation order) is not flagged in any
-float dtype; a real error (a lost micro-batch, one wrong element) is."""
+"""``--check``'s comparison: a tolerance of the dtype's precision (and of TF32 math) relative
+to each tensor's own scale, or an absolute allowance for a tensor that is rounding around zero.
+A reference perturbed by rounding (a few ulps, summation order) is not flagged in any float
+dtype; a real error (a lost micro-batch, one wrong element) is."""
 
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def test_real_errors_are_flagged(dtype: torch.dtype) -> None:
     wrong.view(-1)[top] = -wrong.view(-1)[top]  # one element with the wrong sign
     assert mismatch(wrong, want) == pytest.approx(2.0, rel=0.01)
     # a gradient that is zero in exact arithmetic (a key bias's, under softmax) and rounding
-    # as computed: within the model's scale, beyond its own
+    # as computed: within the allowance its own rounding earns, beyond its own scale
     noise = torch.full((4,), 1e-12)
-    assert mismatch(noise, torch.zeros(4), floor=1e-2) is None
+    assert mismatch(noise, torch.zeros(4), allowance=1e-11) is None
     assert mismatch(noise, torch.zeros(4)) == float("inf")
-    assert mismatch(lost, want, floor=float(want.abs().max())) is not None
+    assert mismatch(noise * 100, torch.zeros(4), allowance=1e-11) == float("inf")
+    # an allowance of the rounding level does not hide a real error of a real tensor
+    assert mismatch(lost, want, allowance=1e-3 * float(want.abs().max())) is not None
     zero = torch.zeros_like(want)
     assert mismatch(zero, zero) is None
     assert mismatch(want, zero) == float("inf")
@@ -64,3 +67,11 @@ def test_tolerance_follows_the_precision() -> None:
     got = want + torch.tensor([1e-5, 0, 0, 0])
     assert mismatch(got, want) is not None
     assert mismatch(got.bfloat16(), want.bfloat16()) is None
+    # TF32 math: ROUNDING_ULPS of its 10-bit mantissa more; rounding there, a lost
+    # micro-batch still flagged
+    assert check_tolerance(torch.float32, "tf32") == pytest.approx(
+        72 * 2.0 ** -23 + 8 * 2.0 ** -10)
+    assert check_tolerance(torch.bfloat16, "tf32") == check_tolerance(torch.bfloat16)
+    tf32 = want + torch.tensor([3e-3, 0, 0, 0])
+    assert mismatch(tf32, want) is not None and mismatch(tf32, want, math="tf32") is None
+    assert mismatch(want * 0.75, want, math="tf32") is not None

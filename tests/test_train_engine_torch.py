@@ -57,7 +57,7 @@ def test_two_stages_two_replicas_equal_one_process(gpt_plan: Path, tmp_path: Pat
                  "--optimizer", "sgd", "--check", "--save", str(trained)])
     out = capfd.readouterr().out
     assert code == 0, out
-    assert "4 ranks (torch engine, gpipe), batch 8 = 4 micro-batches x 2 rows" in out
+    assert "4 ranks (torch engine, gpipe, fp32 math), batch 8 = 4 micro-batches x 2 rows" in out
     assert "check against single-process training after step 1 and 3: OK" in out
     assert main(["run", str(trained), "--batch-size", "2", "--check"]) == 0
     assert "(OK)" in capfd.readouterr().out

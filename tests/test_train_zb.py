@@ -43,7 +43,7 @@ def test_zb_h1_and_recomputing_stages_check(exported: Callable[..., Path], zb_pl
                  "--batch-size", "2", "--check"])
     out = capfd.readouterr().out
     assert code == 0, out
-    assert "3 ranks (ours engine, zb-h1)" in out
+    assert "3 ranks (ours engine, zb-h1, fp32 math)" in out
     assert "check against single-process training of the gradients of step 1" in out
     assert "its first step turns rounding in a tiny gradient into +-lr): OK" in out
 
@@ -56,7 +56,7 @@ def test_zb_h1_and_recomputing_stages_check(exported: Callable[..., Path], zb_pl
                  "--batch-size", "2", "--schedule", "zb-h1", "--check"])
     out = capfd.readouterr().out
     assert code == 0, out
-    assert "2 ranks (ours engine, zb-h1)" in out and ": OK" in out
+    assert "2 ranks (ours engine, zb-h1, fp32 math)" in out and ": OK" in out
 
 
 

@@ -18,13 +18,13 @@ Sources (vendor datasheets):
 
 **Math mode of a float32 graph.** A float32 ONNX graph's matrix products are priced at
 **TF32** on GPUs that have it (A100, H100, H200, L4): onnxruntime's CUDA provider uses TF32 by
-default (``use_tf32 = 1``), and PyTorch training of fp32 models on these GPUs enables it
-(``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``, on by
-default in NVIDIA's containers). ``NAME:fp32`` prices them at IEEE fp32 instead,
-``NAME:bf16`` / ``NAME:fp16`` at the half-precision tensor-core peak (mixed precision; bytes
-stay those of the graph's dtypes). Operators whose inputs are 2-byte floats always use the
-half-precision peak. Element-wise, normalisation and data-movement operators run on the
-CUDA cores (fp32 peak) and are memory-bound in practice.
+default (``use_tf32 = 1``), and ``train`` sets torch's TF32 flags to the math its plan was
+priced in (plan.json ``math``, :func:`math_of`; torch's own default keeps matrix products in
+fp32: :mod:`onnx_partition.runtime.train.math_mode`). ``NAME:fp32`` prices them at IEEE fp32
+instead, ``NAME:bf16`` / ``NAME:fp16`` at the half-precision tensor-core peak (mixed
+precision; bytes stay those of the graph's dtypes). Operators whose inputs are 2-byte floats
+always use the half-precision peak. Element-wise, normalisation and data-movement operators
+run on the CUDA cores (fp32 peak) and are memory-bound in practice.
 
 **The CPU** is not a datasheet part: :func:`measured_cpu` times a small matrix product and a
 large element-wise add in onnxruntime on one thread (the runtime's default) once per machine,
@@ -178,6 +178,16 @@ def gpu(name: str = DEFAULT_GPU) -> DeviceSpec:
         launch_overhead_ms=GPU_LAUNCH_MS, half_gflops=spec.half_tflops * 1e3,
         vector_gflops=spec.fp32_tflops * 1e3, efficiency=GPU_EFFICIENCY,
         memory_gb=spec.memory_gb, kind="cuda", source=f"datasheet of the {spec.name}")
+
+
+def math_of(device_name: str | None, precision: str | None) -> str:
+    """The matrix-product math a train plan is priced in: its autocast precision when half,
+    else the analytic device's math mode (the ``MODE`` of a ``NAME:MODE`` spec name, as
+    ``h100:tf32``), else ``fp32`` (a CPU, a costs file: profiles run with TF32 off)."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    mode = (device_name or "").partition(":")[2]
+    return mode if mode in ("fp32", "tf32") else "fp32"
 
 
 def _best_ms(run: object, repeats: int) -> float:

@@ -64,8 +64,8 @@ from onnx_partition.values import MAX_DEVICES, MAX_GBPS, MAX_REPLICAS, MAX_STAGE
 __all__ = ["CLUSTER_FORMAT", "COSTS_FORMAT", "FLEET_FORMAT", "PLAN_FORMAT", "RUN_FORMAT",
            "STAGE_COSTS_FORMAT", "TRAIN_FORMAT", "ClusterFields", "ClusterFile", "ClusterOrFleet",
            "CostsBody", "FleetFields", "FleetFile", "GroupFields", "IOSpec", "Link",
-           "MeasuredStageCosts", "NodeCost", "PlanFields", "PlanFile", "PlanPredicted",
-           "Predicted", "RunBody", "RunPart", "Stage", "StageCostsBody"]
+           "MathName", "MeasuredStageCosts", "NodeCost", "PlanFields", "PlanFile",
+           "PlanPredicted", "Predicted", "RunBody", "RunPart", "Stage", "StageCostsBody"]
 
 PLAN_FORMAT = "onnx-partition/plan@2"  # plan.json (partition); @1 files still read
 CLUSTER_FORMAT = "onnx-partition/cluster@1"  # cluster.json (partition --cluster)
@@ -74,6 +74,8 @@ COSTS_FORMAT = "onnx-partition/costs@1"  # costs.json (profile)
 RUN_FORMAT = "onnx-partition/run@1"  # run --json, read back by report --measured
 STAGE_COSTS_FORMAT = "onnx-partition/stage-costs@1"  # train --record FILE
 TRAIN_FORMAT = "onnx-partition/train@1"  # train --json (written, not read back)
+#: The matrix-product math a train plan is priced and run in (plan.json ``math``).
+MathName = Literal["fp32", "tf32", "bf16", "fp16"]
 
 
 def _any_version(format_: str) -> Pattern:
@@ -306,6 +308,8 @@ class PlanFields(Record):
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
     optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments
     precision: str | None = None  # "fp32"
+    # the matrix-product math the plan was priced in, which train sets torch's TF32 flags to
+    math: MathName | None = None
     schedule: str | None = None  # planned for: "1f1b", "zb-h1" (train), "infer"
     recompute: Literal["none", "all"] | None = None  # train: --recompute when not auto
     activations: Activations | None = None  # source of activation_bytes, whole-program total

@@ -55,8 +55,10 @@ def format_train(stats: TrainStats) -> str:
     """The end-of-run summary, ending with :func:`comparison_table`."""
     ratio = stats.measured_ms / stats.simulated_ms if stats.simulated_ms > 0 else float("inf")
     cal = stats.measured_ms / stats.calibrated_ms if stats.calibrated_ms > 0 else float("inf")
+    priced = "" if stats.ran_math == stats.math else f", priced in {stats.math}"
     lines = [
-        f"{len(stats.ranks)} ranks ({stats.engine} engine, {stats.schedule}), batch {stats.rows} "
+        f"{len(stats.ranks)} ranks ({stats.engine} engine, {stats.schedule}, {stats.ran_math} "
+        f"math{priced}), batch {stats.rows} "
         f"= {stats.microbatches} micro-batches x {stats.rows // stats.microbatches} rows: "
         f"{stats.samples_per_s:.1f} samples/s, {stats.measured_ms:.2f} ms per step",
         f"  trained on {stats.data}; loss {stats.loss_kind}",

@@ -70,7 +70,8 @@ if TYPE_CHECKING:
     import torch
     from torch.export import ExportedProgram
 
-__all__ = ["TrainProfile", "executor", "profile_train", "profile_train_to_file"]
+__all__ = ["TrainProfile", "apply_fp32_math", "executor", "placed_program", "profile_train",
+           "profile_train_to_file"]
 
 Progress = Callable[[int, int], None]
 #: Fewest rounds of the cold-cache factor for a program whose forward and backward take under
@@ -140,6 +141,8 @@ def profile_train(
     target = torch.device("cpu" if index is None else f"cuda:{index}")
     if not isinstance(program, torch.export.ExportedProgram):
         program = torch.export.load(str(program))
+    program = placed_program(program, target)
+    apply_fp32_math()  # TF32 off: a measured plan is priced (plan.json math) in IEEE fp32
     region = (contextlib.nullcontext() if check_precision(precision) == "fp32" else
               torch.autocast(target.type, dtype=getattr(torch, HALF_DTYPES[precision])))
     before = torch.get_num_threads()
@@ -164,7 +167,7 @@ def profile_train(
     name = "cpu" if index is None else f"cuda:{index}"
     settings: dict[str, object] = {
         "mode": "train", "repeats": repeats, "warmup": warmup, "threads": threads,
-        "precision": precision,
+        "precision": precision, "math": "fp32" if precision == "fp32" else precision,
         "whole_forward_ms": whole_fwd, "whole_backward_ms": whole_bwd,
         "forward_scale": fscale, "backward_scale": bscale,
         "op_overhead_ms": {"forward": floor[0], "backward": floor[1]},
@@ -290,6 +293,38 @@ class _Timer:
             if i >= self.warmup:
                 out.append((time.perf_counter() - start) * 1e3)
         return out
+
+
+def placed_program(program: ExportedProgram, device: torch.device) -> ExportedProgram:
+    """``program`` with every node that creates a tensor on a fixed device (the exporter writes
+    ``device=cpu`` into ``arange``, ``full``, ``zeros``...) making it on ``device`` instead, as
+    the engine's stage modules do (:mod:`onnx_partition.runtime.train.modules`): a copy when
+    any node changes, ``program`` itself otherwise."""
+    import copy
+
+    import torch
+
+    def fixed(node: torch.fx.Node) -> bool:
+        there = node.kwargs.get("device")
+        return isinstance(there, torch.device) and there != device
+
+    if not any(fixed(n) for n in program.graph.nodes):
+        return program
+    program = copy.deepcopy(program)
+    for node in program.graph.nodes:
+        if fixed(node):
+            node.kwargs = {**node.kwargs, "device": device}
+    program.graph_module.recompile()
+    return program
+
+
+def apply_fp32_math() -> None:
+    """torch's TF32 flags off (matrix products and convolutions in IEEE fp32), as the engine
+    sets them for an fp32 plan (:func:`onnx_partition.runtime.train.math_mode.apply_math`)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def _program_args(program: ExportedProgram, inputs: Sequence[torch.Tensor],

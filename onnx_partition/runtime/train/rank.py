@@ -62,6 +62,7 @@ from onnx_partition.runtime.train.grads import (
 )
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.math_mode import apply_math, flags_math, run_math
 from onnx_partition.runtime.train.meters import Clock, SavedCounter
 from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
@@ -118,6 +119,7 @@ def train_stages(
     evaluating = bool(run.job.data.eval_every) and eval_batches is not None
     judge = replace(me, module=eval_module(me.module)) if evaluating else me
     result = RankResult(rank, me.k, kit.replica, [], 0, [], [], [], [])
+    result.math = flags_math(run.precision)
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
         st = _run_actions(kit, run, batches, result, step, began)
@@ -150,9 +152,7 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
             device: torch.device) -> _Kit:
     """This rank's stage module on its device, its actions, groups, optimizer (the checkpoint's
     state loaded when resuming) and wire, after a first collective."""
-    if run.check_steps and device.type == "cuda":  # --check: full float32 (no TF32)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    apply_math(run_math(plan.math, run.precision))  # the math the plan was priced in
     if run.job.engine.threads > 0:
         torch.set_num_threads(run.job.engine.threads)
     lay = layout(plan)

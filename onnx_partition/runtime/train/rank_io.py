@@ -116,6 +116,8 @@ class RankResult:
     forward_cpu_ms: list[float] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
     memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
+    # the math this rank computed in, read back from torch's TF32 flags after its set-up
+    math: str = "fp32"
     # per step, where the wall time went (ms; ``spans``: per action, from the step's start,
     # (action, start, end, of which blocked in receives); ``tail``: the step's end, from the
     # last action to the step done: sends awaited, gradient sums and the norm's all-reduce

@@ -58,6 +58,8 @@ class TrainStats:
     memory_bytes: list[int | None] = field(default_factory=list)
     # per stage on CPU: the ranks' thread CPU time in forward and backward (as forward_ms)
     forward_cpu_ms: list[float] = field(default_factory=list)
+    math: str = "fp32"  # what the plan was priced in (plan.json ``math``) ...
+    ran_math: str = "fp32"  # ... and what the ranks computed in (their TF32 flags)
     backward_cpu_ms: list[float] = field(default_factory=list)
     # per stage, the plan's prediction for the same quantities (the simulator's costs, at this
     # run's rows per micro-batch: scaled linearly from the plan's when they differ)
@@ -115,6 +117,13 @@ def predicted_stages(plan: Plan, costs: PipelineCosts, scale: float = 1.0,
     return out
 
 
+def _one_math(ranks: Sequence[RankResult]) -> str:
+    """The math the ranks computed in (their own reports), or ``mixed: ...`` where they
+    differ."""
+    maths = sorted({r.math for r in ranks})
+    return maths[0] if len(maths) == 1 else "mixed: " + ", ".join(maths)
+
+
 def summarize(plan: Plan, ranks: Sequence[RankResult], run: RankRun, rows: int,
               engine: str) -> TrainStats:
     """Per-stage times (steady steps, per micro-batch on one replica) and both simulations."""
@@ -170,7 +179,8 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], run: RankRun, rows: int,
                       grad_norm=rank0.grad_norm, lr=rank0.lr,
                       checkpoint=None if run.checkpoints.directory is None
                       else Path(run.checkpoints.directory),
-                      recompute=[s.index for s in plan.stages if s.recompute])
+                      recompute=[s.index for s in plan.stages if s.recompute],
+                      math=plan.math or "fp32", ran_math=_one_math(ranks))
 
 
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -230,7 +240,7 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
     the final and best validation loss."""
     evals = [v for _, v in stats.eval_loss]
     return {"format": TRAIN_FORMAT, "engine": stats.engine, "schedule": stats.schedule,
-            "recompute": stats.recompute,
+            "recompute": stats.recompute, "math": {"priced": stats.math, "ran": stats.ran_math},
             "ranks": len(stats.ranks), "microbatches": stats.microbatches, "rows": stats.rows,
             "start_step": stats.start_step, "steps": stats.start_step + len(stats.loss),
             "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,

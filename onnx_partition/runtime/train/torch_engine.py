@@ -66,6 +66,7 @@ from onnx_partition.runtime.train.grads import (
 )
 from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
+from onnx_partition.runtime.train.math_mode import apply_math, flags_math, run_math
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.rank import step_line
 from onnx_partition.runtime.train.rank_io import (
@@ -340,6 +341,8 @@ def train_stages_torch(
     kit = _set_up(stages, loss_fn, plan, lay, at, metas, run, device)
     dist.barrier()
     results = {k: RankResult(rank, k, at.replica, [], 0, [], [], [], []) for k in at.local}
+    for result in results.values():
+        result.math = flags_math(run.precision)
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
         if step == 0 and first_batch is not None:
@@ -385,6 +388,7 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, lay: Layou
             device: torch.device) -> _Kit:
     """The groups (every rank creates every group in the same order: pipelines, stage
     replicas, tied sets), the local stages wrapped, timed and scheduled, and the optimizer."""
+    apply_math(run_math(plan.math, run.precision))  # the math the plan was priced in
     replicas = at.replicas
     pipe_group = None
     for j in range(replicas):
