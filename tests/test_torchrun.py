@@ -75,7 +75,8 @@ def test_two_training_ranks_under_torchrun_match_single_process_training(exporte
                      "--checkpoint-every", "2")
     assert done.returncode == 0, done.stderr
     planned = read_plan(plan).extra["schedule"]  # train's default: the plan's schedule
-    assert f"2 ranks (ours engine, {planned}, fp32 math), batch 4 = 2 micro-batches x 2 rows" in done.stdout
+    assert (f"2 ranks (ours engine, {planned}, fp32 math), batch 4 = 2 micro-batches x 2 rows"
+            in done.stdout)
     assert ("check against single-process training of the gradients of step 1 (adamw's "
             "parameters are not compared" in done.stdout and ": OK" in done.stdout)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
