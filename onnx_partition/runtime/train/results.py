@@ -58,6 +58,9 @@ class TrainStats:
     memory_bytes: list[int | None] = field(default_factory=list)
     # per stage on CPU: the ranks' thread CPU time in forward and backward (as forward_ms)
     forward_cpu_ms: list[float] = field(default_factory=list)
+    # --max-restarts: each restart after a lost rank (failed_step, resumed_from_step,
+    # replayed_steps, error), in order
+    restarts: list[dict[str, Any]] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
     # per stage, the plan's prediction for the same quantities (the simulator's costs, at this
     # run's rows per micro-batch: scaled linearly from the plan's when they differ)
@@ -239,4 +242,5 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
             **comparison(stats),
             "check": None if not stats.checked_steps else not stats.mismatches,
             "saved": None if stats.saved is None else str(stats.saved),
-            "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint)}
+            "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint),
+            "restarts": stats.restarts}
