@@ -474,6 +474,9 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", type=Path, metavar="DIR",
                    help="continue from DIR's latest complete checkpoint up to --steps in all, "
                         "checkpointing on into DIR")
+    p.add_argument("--max-restarts", type=int, default=DEFAULTS.checkpoint.max_restarts,
+                   metavar="N", help="when a rank is lost, restart every rank from the newest "
+                   "complete checkpoint in --checkpoint-dir, up to N times")
     p.add_argument("--eval-every", type=int, default=DEFAULTS.data.eval_every, metavar="K",
                    help="print a validation loss after every K steps (and after the last)")
     p.add_argument("--eval-data", type=Path, metavar="FILE",

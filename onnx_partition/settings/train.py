@@ -85,11 +85,14 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """Checkpoints every ``every`` steps into ``dir``, and a run resumed from ``resume``."""
+    """Checkpoints every ``every`` steps into ``dir``, a run resumed from ``resume``, and up to
+    ``max_restarts`` restarts after a lost rank (from ``dir``'s newest complete checkpoint)."""
 
     dir: PathArg | None = field(default=None, metadata=_keyword("checkpoint_dir"))
     every: int = field(default=0, metadata=_keyword("checkpoint_every"))
     resume: PathArg | None = None  # a checkpoint folder: its latest complete checkpoint
+    # a lost rank restarts every rank from the newest complete checkpoint in ``dir``, this often
+    max_restarts: int = field(default=0, metadata=_keyword("max_restarts"))
 
 
 @dataclass(frozen=True)

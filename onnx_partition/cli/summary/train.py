@@ -68,6 +68,13 @@ def format_train(stats: TrainStats) -> str:
         f"{ratio:.2f}); "
         f"{stats.calibrated_ms:.2f} ms from the measured stage times ({cal:.2f})",
     ]
+    for at, restart in enumerate(stats.restarts, start=1):  # as said when they happened
+        replayed = restart["replayed_steps"]
+        lines.insert(at, f"  restarted after a lost rank in step {restart['failed_step']}: "
+                        f"resumed from step {restart['resumed_from_step']}, "
+                        + (f"step {replayed[0]} replayed" if len(replayed) == 1 else
+                           f"steps {replayed[0]}-{replayed[-1]} replayed" if replayed
+                           else "no step replayed"))
     note = recompute_line(stats.recompute)
     if note:  # as partition, simulate and report say it
         lines.insert(1, f"  {note}")

@@ -57,9 +57,13 @@ def check_options(job: TrainJob) -> None:
     if precision not in PRECISIONS:
         raise PartitionError(f"unknown --precision {precision!r}; choose {', '.join(PRECISIONS)}")
     for name, value in (("--checkpoint-every", job.checkpoint.every),
-                        ("--eval-every", job.data.eval_every)):
+                        ("--eval-every", job.data.eval_every),
+                        ("--max-restarts", job.checkpoint.max_restarts)):
         if value < 0:
             raise PartitionError(f"{name} must be >= 0, got {value}")
+    if job.checkpoint.max_restarts and job.checkpoint.dir is None:
+        raise PartitionError("--max-restarts needs --checkpoint-dir DIR (a restart resumes "
+                             "from its newest complete checkpoint)")
 
 
 def check_request(plan_dir: Path, job: TrainJob, *, nproc: int | None) -> Plan:

@@ -67,6 +67,7 @@ from onnx_partition.runtime.train.meters import Clock, SavedCounter
 from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
+from onnx_partition.runtime.train.restart import write_progress
 
 __all__ = ["step_line", "train_stages"]
 
@@ -131,6 +132,8 @@ def train_stages(
             _evaluate(judge, eval_batches, run, result, done)
         if rank == 0:
             _log_step(run, result, st, step)
+            if run.progress_file is not None:
+                write_progress(run.progress_file, done)
             if bar is not None:
                 bar(done, result.loss[-1])
         if run.checkpoints.directory and _due(done, run.checkpoints.every, run):
@@ -329,6 +332,8 @@ def _log_step(run: RankRun, result: RankResult, st: StepState, step: int) -> Non
         body["tokens_per_s"] = tokens / ms * 1000.0 if ms > 0 else 0.0
     if result.eval_loss and result.eval_loss[-1][0] == step + 1:
         body["eval_loss"] = result.eval_loss[-1][1]
+    if step + 1 <= run.replayed_through:  # done before a lost rank, trained again
+        body["replayed"] = True
     with open(run.job.logging.file, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(body) + "\n")
 

@@ -56,6 +56,10 @@ class RankRun:
     hook: RankHook | None = None
     eval_batches: int = 1
     checkpoints: CheckpointRequest = field(default_factory=CheckpointRequest)
+    # --max-restarts: the file rank 0 writes each finished step into (the parent reads the
+    # step a lost rank failed in), and the steps a restarted run replays (logged "replayed")
+    progress_file: str | None = None
+    replayed_through: int = 0
 
     def __post_init__(self) -> None:
         unset = [what for what, value in (

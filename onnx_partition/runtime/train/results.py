@@ -60,6 +60,9 @@ class TrainStats:
     forward_cpu_ms: list[float] = field(default_factory=list)
     math: str = "fp32"  # what the plan was priced in (plan.json ``math``) ...
     ran_math: str = "fp32"  # ... and what the ranks computed in (their TF32 flags)
+    # --max-restarts: each restart after a lost rank (failed_step, resumed_from_step,
+    # replayed_steps, error), in order
+    restarts: list[dict[str, Any]] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
     # per stage, the plan's prediction for the same quantities (the simulator's costs, at this
     # run's rows per micro-batch: scaled linearly from the plan's when they differ)
@@ -249,4 +252,5 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
             **comparison(stats),
             "check": None if not stats.checked_steps else not stats.mismatches,
             "saved": None if stats.saved is None else str(stats.saved),
-            "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint)}
+            "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint),
+            "restarts": stats.restarts}

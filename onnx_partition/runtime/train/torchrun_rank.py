@@ -21,6 +21,7 @@ from onnx_partition.runtime.launch.ranks import check_placement, torchrun_env
 from onnx_partition.runtime.train.data_plan import plan_job, prepare_data
 from onnx_partition.runtime.train.preflight import check_request
 from onnx_partition.runtime.train.reference_check import compare_with_reference
+from onnx_partition.runtime.train.restart import torchrun_resume
 from onnx_partition.runtime.train.results import TrainStats, summarize
 from onnx_partition.runtime.train.spawn import torchrun_rank
 from onnx_partition.runtime.train.trainer import rank_run
@@ -36,8 +37,11 @@ def train_rank(plan_dir: str | os.PathLike[str], job: TrainJob) -> TrainStats | 
     (resolved: :func:`~onnx_partition.request.train.resolve_job`) asks: every rank checks the
     request and the data (a :class:`PartitionError`); rank 0 returns the figures (and
     ``--check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
-    rank's stage and replica when it fails."""
+    rank's stage and replica when it fails. A worker that torchrun's ``--max-restarts``
+    restarted resumes from ``--checkpoint-dir``'s newest complete checkpoint
+    (:func:`~onnx_partition.runtime.train.restart.torchrun_resume`)."""
     env = torchrun_env()
+    job = torchrun_resume(job)  # a worker torchrun restarted: from the newest checkpoint
     folder = Path(plan_dir).resolve()
     plan = check_request(folder, job, nproc=env.world_size)
     lay = layout(plan)

@@ -34,6 +34,7 @@ import torch
 
 from onnx_partition.pipeline import schedules
 from onnx_partition.plan import Plan, read_plan
+from onnx_partition.progress import echo
 from onnx_partition.request.train import (
     API_SPELLING,
     keyword_defaults,
@@ -49,6 +50,7 @@ from onnx_partition.runtime.train.preflight import check_options, check_request,
 from onnx_partition.runtime.train.rank_io import RankResult, RankRun
 from onnx_partition.runtime.train.record import check_record, write_record
 from onnx_partition.runtime.train.reference_check import compare_with_reference
+from onnx_partition.runtime.train.restart import Restart, run_restarting
 from onnx_partition.runtime.train.results import TrainStats, summarize
 from onnx_partition.runtime.train.spawn import launch_training
 from onnx_partition.settings.train import LOCAL_TIMEOUT_S, DataSettings, TrainJob
@@ -125,19 +127,32 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
     per_step = (job.schedule.batch_size or 0) * (job.schedule.microbatches or 0)
     spec = prepare_data(plan, job.data, per_step=per_step, steps=job.steps, seed=job.seed,
                         folder=folder)
-    run = rank_run(folder, plan, job, keep_state=job.save is not None, hook=hook)
+    timeout_s = LOCAL_TIMEOUT_S if job.engine.timeout_s is None else job.engine.timeout_s
+
+    def launch(current: TrainJob, progress: str | None, replayed: int
+               ) -> tuple[RankRun, list[RankResult]]:
+        run = rank_run(folder, plan, current, keep_state=job.save is not None, hook=hook)
+        run = replace(run, eval_batches=spec.eval_steps, progress_file=progress,
+                      replayed_through=replayed)
+        build = functools.partial(plan_job, str(folder), per_step, job.seed, job.check, spec,
+                                  job.data.eval_every > 0)
+        return run, launch_training(plan, build, run, backend=job.engine.backend,
+                                    timeout_s=timeout_s)
+
+    first = rank_run(folder, plan, job, keep_state=job.save is not None, hook=hook)
     if job.engine.name == "torch":  # torch.distributed.pipelining: uniform plans, our loss
         from onnx_partition.runtime.train.torch_engine import check_torch_engine
 
-        check_torch_engine(plan, run)
-    run = replace(run, eval_batches=spec.eval_steps)
+        check_torch_engine(plan, first)
     if job.logging.verbose:
         print(_data_line(spec, job.data), flush=True)
-    build = functools.partial(plan_job, str(folder), per_step, job.seed, job.check, spec,
-                              job.data.eval_every > 0)
-    timeout_s = LOCAL_TIMEOUT_S if job.engine.timeout_s is None else job.engine.timeout_s
-    ranks = launch_training(plan, build, run, backend=job.engine.backend, timeout_s=timeout_s)
+    restarts: list[Restart] = []
+    if job.checkpoint.max_restarts:
+        (run, ranks), restarts = run_restarting(launch, job, echo)
+    else:
+        run, ranks = launch(job, None, 0)
     stats = _figures(folder, plan, ranks, run, spec, per_step)
+    stats.restarts = [r.to_json() for r in restarts]
     if job.record is not None:
         write_record(Path(job.record), stats, job.schedule.batch_size or 0,
                      "cuda" if torch.cuda.is_available() and any(
