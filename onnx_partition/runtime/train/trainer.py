@@ -15,7 +15,8 @@ schedule, both from the plan's predicted costs and from the measured stage times
 ``--check`` compares every rank's parameters after step 1 (and 3) with the whole program
 trained in one process on the same batches
 (:func:`~onnx_partition.runtime.train.reference_check.compare_with_reference`). ``--save``
-writes replica 0 of every stage back as a servable plan folder (``save_trained``).
+writes replica 0 of every stage back as a servable plan folder (``save_trained``);
+``--from-pretrained`` and ``--save-pretrained``: :mod:`onnx_partition.runtime.train.pretrained`.
 
 Several machines (the plan folder on each): one rank under ``torchrun`` is
 :func:`onnx_partition.runtime.train.torchrun_rank.train_rank`.
@@ -46,6 +47,12 @@ from onnx_partition.runtime.train.checkpoint import optimizer_record, resume_req
 from onnx_partition.runtime.train.data_plan import DataPlan, plan_job, prepare_data
 from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.preflight import check_options, check_request, check_save
+from onnx_partition.runtime.train.pretrained import (
+    check_save_pretrained,
+    hf_config_of,
+    resolve_pretrained,
+    save_pretrained,
+)
 from onnx_partition.runtime.train.rank_io import RankResult, RankRun
 from onnx_partition.runtime.train.record import check_record, write_record
 from onnx_partition.runtime.train.reference_check import compare_with_reference
@@ -125,7 +132,12 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
     per_step = (job.schedule.batch_size or 0) * (job.schedule.microbatches or 0)
     spec = prepare_data(plan, job.data, per_step=per_step, steps=job.steps, seed=job.seed,
                         folder=folder)
-    run = rank_run(folder, plan, job, keep_state=job.save is not None, hook=hook)
+    out = job.pretrained
+    if out.save is not None:
+        check_save_pretrained(Path(out.save), None if out.load is None else Path(out.load),
+                              None if out.config is None else Path(out.config), out.dtype)
+    keep = job.save is not None or out.save is not None
+    run = rank_run(folder, plan, job, keep_state=keep, hook=hook)
     if job.engine.name == "torch":  # torch.distributed.pipelining: uniform plans, our loss
         from onnx_partition.runtime.train.torch_engine import check_torch_engine
 
@@ -148,6 +160,11 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
         states = [next(r.state for r in ranks if r.stage == k and r.state is not None)
                   for k in range(len(plan.stages))]
         stats.saved = save_trained(folder, states, Path(job.save))
+    if out.save is not None:
+        stats.saved_pretrained = save_pretrained(
+            folder, [next(r.state for r in ranks if r.stage == k and r.state is not None)
+                     for k in range(len(plan.stages))], Path(out.save), save_dtype=out.dtype,
+            config=hf_config_of(out))
     return stats
 
 
@@ -197,8 +214,10 @@ def rank_run(folder: Path, plan: Plan, job: TrainJob, *, keep_state: bool,
         job, optimizer=replace(asked, betas=(float(asked.betas[0]), float(asked.betas[1]))),
         data=_shipped(job.data),
         logging=replace(job.logging, file=None if log is None else str(Path(log).resolve())))
+    loading = job.pretrained.load
+    weights = None if loading is None else resolve_pretrained(folder, Path(loading))
     return RankRun(shipped, check_steps=checks, keep_state=keep_state, hook=hook,
-                   checkpoints=checkpoints)
+                   checkpoints=checkpoints, weights=weights)
 
 
 def _shipped(asked: DataSettings) -> DataSettings:
