@@ -28,6 +28,7 @@ from onnx_partition.runtime.train.modules import stage_modules
 from onnx_partition.runtime.train.pretrained import (
     INDEX,
     load_into,
+    pretrained_tensors,
     resolve_pretrained,
     save_pretrained,
 )
@@ -166,6 +167,11 @@ def test_sharded_and_bf16_in_and_out(setup: Setup, tmp_path: Path) -> None:
     assert "lm_head.weight" not in index["weight_map"]  # the tied duplicate dropped
     got = _from_pretrained(tmp_path / "shards")
     assert all(torch.equal(got[n], v.float()) for n, v in half.state_dict().items())
+    # a tensor no stage returned (never trained): the checkpoint's it was loaded from
+    partial = [{n: v for n, v in s.items() if n != "transformer.wpe.weight"} for s in states]
+    kept = pretrained_tensors(setup.plan, partial, weights=resolve_pretrained(
+        setup.plan, setup.checkpoint))
+    assert torch.equal(kept["transformer.wpe.weight"], setup.model.transformer.wpe.weight)
     save_pretrained(setup.plan, states, tmp_path / "bf16", save_dtype="bf16",
                     config=setup.checkpoint)
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {

@@ -37,12 +37,12 @@ import torch
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sync_folder
-from onnx_partition.settings.train import PretrainedSettings
+from onnx_partition.settings.train import DEFAULTS, PretrainedSettings
 
 __all__ = ["INDEX", "SAFETENSORS", "SAVE_DTYPES", "SHARD_BYTES", "Header", "PretrainedWeights",
-           "Wanted", "check_save_pretrained", "hf_config_of", "load_into", "match", "read_header",
-           "read_headers", "resolve_pretrained", "save_pretrained", "shard", "wanted_tensors",
-           "write_pretrained"]
+           "Wanted", "check_save_pretrained", "hf_config_of", "load_into", "match",
+           "pretrained_tensors", "read_header", "read_headers", "resolve_pretrained",
+           "save_pretrained", "shard", "wanted_tensors", "write_pretrained"]
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -276,10 +276,12 @@ def _ours(path: Path) -> bool:
 
 
 def pretrained_tensors(plan_dir: Path, states: Sequence[Mapping[str, torch.Tensor]],
-                       save_dtype: str = "fp32") -> dict[str, torch.Tensor]:
+                       save_dtype: str = DEFAULTS.pretrained.dtype,
+                       weights: PretrainedWeights | None = None) -> dict[str, torch.Tensor]:
     """Each parameter and persistent buffer once (tied duplicates dropped, as
-    ``save_pretrained`` does), in the program's order, from the first stage holding it; float
-    tensors in ``save_dtype``."""
+    ``save_pretrained`` does), in the program's order, from the first stage holding it (one no
+    stage reads, never trained: from ``weights``, else the program); float tensors in
+    ``save_dtype``."""
     held: dict[str, torch.Tensor] = {}
     for state in states:
         for name, tensor in state.items():
@@ -287,11 +289,23 @@ def pretrained_tensors(plan_dir: Path, states: Sequence[Mapping[str, torch.Tenso
     dtype = SAVE_DTYPES[save_dtype]
     out = {}
     for w in wanted_tensors(plan_dir):
-        if w.name not in held:
-            raise PartitionError(f"no stage returned {w.name!r}")
-        value = held[w.name].detach().cpu()
+        value = held[w.name] if w.name in held else _untrained(plan_dir, w.name, weights)
+        value = value.detach().cpu()
         out[w.name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
     return out
+
+
+def _untrained(plan_dir: Path, name: str, weights: PretrainedWeights | None) -> torch.Tensor:
+    """A tensor no stage holds: the checkpoint's it was loaded from, else the program's."""
+    from safetensors import safe_open
+
+    from onnx_partition.runtime.train.modules import load_program, require_trainable
+
+    source = next(((f, k) for n, f, k in weights.sources if n == name), None) if weights else None
+    if weights is not None and source is not None:
+        with safe_open(os.path.join(weights.folder, source[0]), "pt", device="cpu") as handle:
+            return handle.get_tensor(source[1])
+    return load_program(plan_dir, require_trainable(plan_dir)).state_dict[name]
 
 
 def shard(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -311,7 +325,7 @@ def shard(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]
 
 def write_pretrained(out: Path, tensors: Mapping[str, torch.Tensor], *,
                      shard_bytes: int = SHARD_BYTES, config: Path | None = None,
-                     save_dtype: str = "fp32") -> Path:
+                     save_dtype: str = DEFAULTS.pretrained.dtype) -> Path:
     """``tensors`` as safetensors in ``out`` (one file, or shards with an index above
     ``shard_bytes``), with ``config`` folder's ``config.json`` (and ``generation_config.json``);
     written into a hidden folder beside ``out`` that then replaces it."""
@@ -380,10 +394,11 @@ def hf_config_of(asked: PretrainedSettings) -> Path | None:
 
 
 def save_pretrained(plan_dir: Path, states: Sequence[Mapping[str, torch.Tensor]], out: Path,
-                    *, save_dtype: str = "fp32", config: Path | None = None,
-                    shard_bytes: int = SHARD_BYTES) -> Path:
+                    *, save_dtype: str = DEFAULTS.pretrained.dtype, config: Path | None = None,
+                    shard_bytes: int = SHARD_BYTES,
+                    weights: PretrainedWeights | None = None) -> Path:
     """The trained weights (``states[k]``: stage k's final ``state_dict``) as a folder that
     ``from_pretrained`` loads (:func:`pretrained_tensors`, :func:`write_pretrained`)."""
-    tensors = pretrained_tensors(plan_dir, states, save_dtype)
+    tensors = pretrained_tensors(plan_dir, states, save_dtype, weights)
     return write_pretrained(out, tensors, shard_bytes=shard_bytes, config=config,
                             save_dtype=save_dtype)

@@ -164,7 +164,7 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
         stats.saved_pretrained = save_pretrained(
             folder, [next(r.state for r in ranks if r.stage == k and r.state is not None)
                      for k in range(len(plan.stages))], Path(out.save), save_dtype=out.dtype,
-            config=hf_config_of(out))
+            config=hf_config_of(out), weights=run.weights)
     return stats
 
 
