@@ -223,3 +223,23 @@ def test_bad_save_requests_exit_2(setup: Setup, tmp_path: Path,
               "holds files other than")
     one_error(capsys, ["train", setup.plan, "--save-pretrained", tmp_path / "o",
                        "--hf-config", tmp_path], "no config.json")
+
+
+def test_base_model_checkpoint_loads_under_the_head_models_prefix(setup: Setup,
+                                                                  tmp_path: Path) -> None:
+    """GPT2Model's checkpoint (``h.0.attn.c_attn.weight``, no ``lm_head``) into the exported
+    GPT2LMHeadModel (``transformer.h.0...``, ``lm_head`` tied to ``transformer.wte``), as
+    from_pretrained loads it."""
+    setup.model.transformer.save_pretrained(tmp_path / "base")
+    weights = resolve_pretrained(setup.plan, tmp_path / "base")
+    assert ("transformer.wte.weight", "model.safetensors", "wte.weight") in weights.sources
+    for stage in stage_modules(setup.plan):
+        load_into(stage.module, weights)
+        for name, value in stage.module.state_dict().items():
+            assert torch.equal(value, setup.model.state_dict()[name]), name
+
+
+def test_torch_engine_refuses_pretrained_weights(setup: Setup,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    one_error(capsys, ["train", setup.plan, "--from-pretrained", setup.checkpoint, "--engine",
+                       "torch", "--steps", "1"], "--engine torch does not take --from-pretrained")

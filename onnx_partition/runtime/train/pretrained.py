@@ -8,10 +8,12 @@ safetensors headers of ``DIR/model.safetensors`` or of the shards ``DIR/model.sa
 index.json`` names, and matches them with what the program holds (:func:`resolve_pretrained`):
 every parameter and persistent buffer once, a tied group (GPT-2's ``lm_head.weight`` is
 ``transformer.wte.weight``) under any one of its names, since ``save_pretrained`` drops the tied
-duplicates. A name missing or extra, a shape that differs, a non-float tensor for a float
-parameter (or another dtype for an integer buffer), or a file that is not safetensors is one
-:class:`PartitionError`. Each rank then reads only its stage's tensors, lazily
-(``safe_open``, :func:`load_into`), cast to its parameters' dtype (bf16 and fp16 up to fp32).
+duplicates; a base model's checkpoint (``h.0.attn.c_attn.weight``) loads into a model with a
+head (``transformer.h.0...``) as ``from_pretrained`` loads it. A name missing or extra, a shape
+that differs, a non-float tensor for a float parameter (or another dtype for an integer
+buffer), or a file that is not safetensors is one :class:`PartitionError`. Each rank then reads
+only its stage's tensors, lazily (``safe_open``, :func:`load_into`), cast to its parameters'
+dtype (bf16 and fp16 up to fp32).
 
 **Out** (``train --save-pretrained DIR``, :func:`save_pretrained`). Replica 0 of every stage
 returns its final ``state_dict``; each tensor is written once under its first name (the tied
@@ -29,7 +31,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from onnx_partition.settings.train import DEFAULTS, PretrainedSettings
 
 __all__ = ["INDEX", "SAFETENSORS", "SAVE_DTYPES", "SHARD_BYTES", "Header", "PretrainedWeights",
            "Wanted", "check_save_pretrained", "hf_config_of", "load_into", "match",
-           "pretrained_tensors", "read_header", "read_headers", "resolve_pretrained",
+           "model_names", "pretrained_tensors", "read_header", "read_headers", "resolve_pretrained",
            "save_pretrained", "shard", "wanted_tensors", "write_pretrained"]
 
 SAFETENSORS = "model.safetensors"
@@ -194,18 +196,20 @@ def wanted_tensors(plan_dir: Path) -> list[Wanted]:
 
 def match(wanted: Sequence[Wanted], headers: Mapping[str, Header],
           folder: str = "DIR") -> PretrainedWeights:
-    """Each wanted tensor's source in the checkpoint (its first name present), or a one-line
-    PartitionError naming the first name missing or extra, a shape or a dtype that differs."""
+    """Each wanted tensor's source in the checkpoint (its first name present, a base model's
+    name under the model's prefix: :func:`model_names`), or a one-line PartitionError naming
+    the first name missing or extra, a shape or a dtype that differs."""
     where = f"--from-pretrained {folder}"
     known = {n for w in wanted for n in w.names}
-    extra = sorted(set(headers) - known)
+    named = model_names(headers, known)
+    extra = sorted(set(headers) - set(named.values()))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise PartitionError(f"{where}: {extra[0]!r}{more} is no parameter or buffer of the "
                              "plan's model")
     sources = []
     for w in wanted:
-        key = next((n for n in w.names if n in headers), None)
+        key = next((named[n] for n in w.names if n in named), None)
         if key is None:
             also = f" (nor its tied {', '.join(w.names[1:])})" if len(w.names) > 1 else ""
             raise PartitionError(f"{where}: the model's {w.name!r}{also} is not in the "
@@ -221,6 +225,22 @@ def match(wanted: Sequence[Wanted], headers: Mapping[str, Header],
                                  f"model's is {kind} tensor ({w.dtype})")
         sources.append((w.name, got.file, key))
     return PretrainedWeights(folder, tuple(sources))
+
+
+def model_names(keys: Collection[str], known: Collection[str]) -> dict[str, str]:
+    """The model's name -> the checkpoint's key holding it: the same name, or, as
+    ``from_pretrained`` loads a base model's checkpoint into a model with a head, the key
+    without the one prefix (``h.0.attn.c_attn.weight`` for ``transformer.h.0...``) when the
+    exact name is not there. Keys that are neither are left out (extra)."""
+    prefixes = sorted({n.split(".", 1)[0] for n in known if "." in n})
+    named = {key: key for key in keys if key in known}
+    for key in keys:
+        if key in known:
+            continue
+        hits = [f"{p}.{key}" for p in prefixes if f"{p}.{key}" in known]
+        if len(hits) == 1 and hits[0] not in named:
+            named[hits[0]] = key
+    return named
 
 
 def resolve_pretrained(plan_dir: Path, folder: Path) -> PretrainedWeights:
