@@ -165,6 +165,9 @@ def test_sharded_and_bf16_in_and_out(setup: Setup, tmp_path: Path) -> None:
     index = json.loads((tmp_path / "shards" / INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert "lm_head.weight" not in index["weight_map"]  # the tied duplicate dropped
+    save_pretrained(setup.plan, states, tmp_path / "shards", shard_bytes=60_000,
+                    config=setup.checkpoint)  # again: the earlier one replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     got = _from_pretrained(tmp_path / "shards")
     assert all(torch.equal(got[n], v.float()) for n, v in half.state_dict().items())
     # a tensor no stage returned (never trained): the checkpoint's it was loaded from
