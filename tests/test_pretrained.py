@@ -226,6 +226,8 @@ def test_bad_save_requests_exit_2(setup: Setup, tmp_path: Path,
               "holds files other than")
     one_error(capsys, ["train", setup.plan, "--save-pretrained", tmp_path / "o",
                        "--hf-config", tmp_path], "no config.json")
+    one_error(capsys, ["train", setup.plan, "--save-dtype", "bf16"],
+              "--save-dtype go with --save-pretrained DIR")
 
 
 def test_base_model_checkpoint_loads_under_the_head_models_prefix(setup: Setup,

@@ -271,11 +271,20 @@ def load_into(module: torch.nn.Module, weights: PretrainedWeights) -> int:
     return len(persistent)
 
 
-def check_save_pretrained(out: Path, pretrained: Path | None, hf_config: Path | None,
-                          save_dtype: str) -> None:
+def check_save_pretrained(asked: PretrainedSettings) -> None:
     """Refuse before training what :func:`save_pretrained` could not write: a folder that is
     not one it wrote, the ``--from-pretrained`` folder itself, an ``--hf-config`` folder without
-    ``config.json``, an unknown ``--save-dtype``."""
+    ``config.json``, an unknown ``--save-dtype``; and ``--save-dtype`` or ``--hf-config``
+    without ``--save-pretrained``."""
+    if asked.save is None:
+        given = [flag for flag, on in (("--save-dtype", asked.dtype != DEFAULTS.pretrained.dtype),
+                                       ("--hf-config", asked.config is not None)) if on]
+        if given:
+            raise PartitionError(f"{' and '.join(given)} go with --save-pretrained DIR")
+        return
+    out, save_dtype = Path(asked.save), asked.dtype
+    pretrained = None if asked.load is None else Path(asked.load)
+    hf_config = None if asked.config is None else Path(asked.config)
     if save_dtype not in SAVE_DTYPES:
         raise PartitionError(f"--save-dtype {save_dtype!r}: choose {', '.join(SAVE_DTYPES)}")
     if pretrained is not None and out.resolve() == pretrained.resolve():

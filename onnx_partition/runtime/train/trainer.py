@@ -91,7 +91,9 @@ def train_plan(plan_dir: str | os.PathLike[str], *, hook: RankHook | None = None
     checkpoints (``checkpoint_dir`` every ``checkpoint_every`` steps; ``resume`` from a
     checkpoint folder's latest complete checkpoint up to ``steps`` in all, writing on there),
     evaluation (``eval_every`` on ``eval_data``, else synthetic batches of another seed) and
-    the per-step JSON ``log`` are the command line's options; ``hook`` the ranks' fault seam.
+    the per-step JSON ``log`` are the command line's options, as are ``from_pretrained``,
+    ``save_pretrained``, ``save_dtype`` and ``hf_config``
+    (:mod:`~onnx_partition.runtime.train.pretrained`); ``hook`` the ranks' fault seam.
     Raises PartitionError for a bad request (before any process starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
@@ -133,9 +135,7 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
     spec = prepare_data(plan, job.data, per_step=per_step, steps=job.steps, seed=job.seed,
                         folder=folder)
     out = job.pretrained
-    if out.save is not None:
-        check_save_pretrained(Path(out.save), None if out.load is None else Path(out.load),
-                              None if out.config is None else Path(out.config), out.dtype)
+    check_save_pretrained(out)
     keep = job.save is not None or out.save is not None
     run = rank_run(folder, plan, job, keep_state=keep, hook=hook)
     if job.engine.name == "torch":  # torch.distributed.pipelining: uniform plans, our loss
