@@ -425,6 +425,9 @@ def _train_args(p: argparse.ArgumentParser, rank: bool = False) -> None:
                    help="dropout off; parameters after step 1 (and 3) must equal "
                         "single-process training (exit 1 otherwise)")
     _train_optim_args(p)
+    from onnx_partition.cli.pretrained_args import pretrained_args
+
+    pretrained_args(p, rank)
     if rank:
         _backend_arg(p)
         return

@@ -2,7 +2,8 @@
 tree that ``train``, its torchrun entry, :func:`~onnx_partition.runtime.train.trainer.train_plan`
 and every rank read. torchtitan's ``JobConfig`` is the model: one frozen dataclass per concern
 (:class:`OptimizerSettings`, :class:`ScheduleSettings`, :class:`DataSettings`,
-:class:`CheckpointSettings`, :class:`EngineSettings`, :class:`LoggingSettings`) under the job.
+:class:`CheckpointSettings`, :class:`PretrainedSettings`, :class:`EngineSettings`,
+:class:`LoggingSettings`) under the job.
 
 Each field has one flat name, its ``keyword``: the ``train_plan`` keyword and the ``train``
 option's ``dest`` (``--checkpoint-dir`` is ``checkpoint_dir``, the field
@@ -19,8 +20,8 @@ from typing import Any
 
 __all__ = ["DEFAULTS", "LOCAL_TIMEOUT_S", "ROWS_FALLBACK", "TORCHRUN_TIMEOUT_S",
            "TRAIN_FALLBACKS", "WEIGHT_DECAY", "CheckpointSettings", "DataSettings",
-           "EngineSettings", "LoggingSettings", "OptimizerSettings", "PathArg", "ScheduleSettings",
-           "TrainJob"]
+           "EngineSettings", "LoggingSettings", "OptimizerSettings", "PathArg",
+           "PretrainedSettings", "ScheduleSettings", "TrainJob"]
 
 #: A path given on the command line or to the API.
 PathArg = str | os.PathLike[str]
@@ -96,6 +97,18 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True)
+class PretrainedSettings:
+    """Weights in from a ``save_pretrained`` folder (``load``: ``--from-pretrained``) and out
+    to one (``save``: ``--save-pretrained``, float tensors in ``dtype``, with ``config``'s
+    config.json, else the loaded folder's)."""
+
+    load: PathArg | None = field(default=None, metadata=_keyword("from_pretrained"))
+    save: PathArg | None = field(default=None, metadata=_keyword("save_pretrained"))
+    dtype: str = field(default="fp32", metadata=_keyword("save_dtype"))
+    config: PathArg | None = field(default=None, metadata=_keyword("hf_config"))
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """What runs the ranks: ``name`` (ours, or torch pipelining), the ``precision`` (None: the
     plan's), the processes (``nproc``, None: one per stage replica), the process group's
@@ -139,6 +152,7 @@ class TrainJob:
     schedule: ScheduleSettings = field(default_factory=ScheduleSettings)
     data: DataSettings = field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    pretrained: PretrainedSettings = field(default_factory=PretrainedSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
 

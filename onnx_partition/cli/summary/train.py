@@ -96,4 +96,6 @@ def format_train(stats: TrainStats) -> str:
         lines.append(f"checkpoints in {stats.checkpoint}")
     if stats.saved is not None:
         lines.append(f"saved the trained plan to {stats.saved}")
+    if stats.saved_pretrained is not None:
+        lines.append(f"saved the trained weights (safetensors) to {stats.saved_pretrained}")
     return "\n".join(lines + comparison_table(stats))

@@ -121,6 +121,8 @@ def train_stages(
     judge = replace(me, module=eval_module(me.module)) if evaluating else me
     result = RankResult(rank, me.k, kit.replica, [], 0, [], [], [], [])
     result.math = flags_math(run.precision)
+    if 0 in run.check_steps:  # the parameters training starts from
+        result.states[0] = {n: p.detach().cpu().clone() for n, p in kit.params.items()}
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
         st = _run_actions(kit, run, batches, result, step, began)
@@ -162,6 +164,10 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     k, replica = lay.place(rank)
     torch.manual_seed(run.job.seed * 1_000_003 + rank)
     module = stages[k].module.to(device).train()
+    if run.weights is not None and run.checkpoints.resume_from is None:  # --from-pretrained
+        from onnx_partition.runtime.train.pretrained import load_into
+
+        load_into(module, run.weights)
     actions = schedules.build(run.schedule, lay.replicas, run.microbatches)[(k, replica)]
     # Every rank creates every group, in the same order (torch.distributed requires it).
     stage_group = replica_group(lay, list(range(lay.stages)), k)

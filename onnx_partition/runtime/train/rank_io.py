@@ -17,6 +17,7 @@ from onnx_partition.pipeline.microbatch import rows_of
 from onnx_partition.runtime.launch.hooks import RankHook
 from onnx_partition.runtime.train.checkpoint import CheckpointRequest
 from onnx_partition.runtime.train.comm import Tensors
+from onnx_partition.runtime.train.pretrained import PretrainedWeights
 from onnx_partition.settings.train import TrainJob
 
 __all__ = ["Batches", "LossFn", "RankResult", "RankRun", "StageLike", "microbatch"]
@@ -48,7 +49,7 @@ class RankRun:
     fault ``hook`` (:mod:`onnx_partition.runtime.launch.hooks`: called as
     ``hook(rank, "forward")`` after each forward), the batches per evaluation (``--eval-data``:
     every whole step of its rows) and the checkpoints (the folder, every how many steps, the
-    step a resumed run starts from)."""
+    step a resumed run starts from) and the ``--from-pretrained`` weights' sources."""
 
     job: TrainJob
     check_steps: tuple[int, ...] = ()  # keep the parameters after these steps (1-based)
@@ -60,6 +61,8 @@ class RankRun:
     # step a lost rank failed in), and the steps a restarted run replays (logged "replayed")
     progress_file: str | None = None
     replayed_through: int = 0
+    # --from-pretrained: where each rank reads its stage's weights (checked by the parent)
+    weights: PretrainedWeights | None = None
 
     def __post_init__(self) -> None:
         unset = [what for what, value in (

@@ -22,6 +22,7 @@ from onnx_partition.runtime.train.loss import microbatch_weights
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
+from onnx_partition.runtime.train.pretrained import PretrainedWeights, load_into
 from onnx_partition.runtime.train.task import TrainTask, task_for
 from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS
 
@@ -100,6 +101,7 @@ def reference_train(
     precision: str = TRAIN_FALLBACKS["precision"],
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    weights: PretrainedWeights | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
@@ -109,13 +111,14 @@ def reference_train(
     ``losses``, when given, gets each step's loss (over the whole batch) appended. The
     optimisation options are a training run's (:mod:`onnx_partition.settings.train`; the
     schedule spans ``total_steps``, default ``steps``; clipping by
-    ``torch.nn.utils.clip_grad_norm_``). ``dtype`` (float64: the truth ``--check`` measures
-    rounding against) casts the module and the float inputs, ``device`` runs it there (default
-    the CPU); the parameters come back on the CPU."""
+    ``torch.nn.utils.clip_grad_norm_``); ``weights``: start from ``--from-pretrained``'s.
+    ``dtype`` (float64: the truth ``--check`` measures rounding against) casts the module and
+    the float inputs, ``device`` runs it there (default the CPU); the parameters come back on
+    the CPU."""
     if not batches:
         raise PartitionError("reference_train needs at least one batch")
     plan = read_plan(plan_dir)
-    module = _placed(whole_module(plan_dir, deterministic=deterministic), dtype, device)
+    module = _placed(_start(plan_dir, deterministic, weights), dtype, device)
     task = task or task_for(plan_dir)
     opt = make_optimizer(optimizer, module.parameters(), lr, weight_decay=weight_decay,
                          momentum=momentum, betas=betas)
@@ -138,17 +141,27 @@ def reference_train(
 def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int,
                         task: TrainTask | None = None,
                         precision: str = TRAIN_FALLBACKS["precision"],
-                        dtype: torch.dtype | None = None, device: torch.device | None = None
+                        dtype: torch.dtype | None = None, device: torch.device | None = None,
+                        weights: PretrainedWeights | None = None
                         ) -> dict[str, torch.Tensor]:
     """The gradients of :func:`reference_train`'s first step (before clipping and the
     optimizer), by name (None-gradient parameters left out): what ``--check`` compares first;
     ``dtype`` and ``device`` as there."""
     plan = read_plan(plan_dir)
-    module = _placed(whole_module(plan_dir, deterministic=True), dtype, device)
+    module = _placed(_start(plan_dir, True, weights), dtype, device)
     _accumulate(module, plan, task or task_for(plan_dir), _cast(batch, dtype, device),
                 microbatches, precision)
     return {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters()
             if p.grad is not None}
+
+
+def _start(plan_dir: str | Path, deterministic: bool,
+           weights: PretrainedWeights | None) -> torch.nn.Module:
+    """The whole module training starts from: the program's weights, or ``weights``."""
+    module = whole_module(plan_dir, deterministic=deterministic)
+    if weights is not None:
+        load_into(module, weights)
+    return module
 
 
 def _placed(module: torch.nn.Module, dtype: torch.dtype | None,

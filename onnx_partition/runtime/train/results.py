@@ -45,6 +45,7 @@ class TrainStats:
     checked_steps: tuple[int, ...] = ()  # steps whose parameters --check compares (SGD)
     optimizer: str = TRAIN_FALLBACKS["optimizer"]  # what stepped (--check: SGD's compared)
     saved: Path | None = None
+    saved_pretrained: Path | None = None  # --save-pretrained's folder
     data: str = SYNTHETIC  # what the run trained on
     loss_kind: str = ""  # the loss (auto resolved)
     start_step: int = 0  # resumed: the checkpoint's step
@@ -252,5 +253,7 @@ def train_json(stats: TrainStats) -> dict[str, Any]:
             **comparison(stats),
             "check": None if not stats.checked_steps else not stats.mismatches,
             "saved": None if stats.saved is None else str(stats.saved),
+            "saved_pretrained": (None if stats.saved_pretrained is None
+                                 else str(stats.saved_pretrained)),
             "checkpoint": None if stats.checkpoint is None else str(stats.checkpoint),
             "restarts": stats.restarts}

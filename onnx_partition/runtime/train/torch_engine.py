@@ -127,6 +127,7 @@ def check_torch_engine(plan: Plan, run: RankRun) -> None:
     unsupported = [flag for flag, on in (
         ("--checkpoint-dir", run.checkpoints.directory is not None),
         ("--resume", run.checkpoints.resume_from is not None),
+        ("--from-pretrained", run.weights is not None),
         ("--eval-every", run.job.data.eval_every > 0), ("--log", run.job.logging.file is not None),
         ("a fault hook", run.hook is not None)) if on]
     if unsupported:

@@ -15,7 +15,8 @@ schedule, both from the plan's predicted costs and from the measured stage times
 ``--check`` compares every rank's parameters after step 1 (and 3) with the whole program
 trained in one process on the same batches
 (:func:`~onnx_partition.runtime.train.reference_check.compare_with_reference`). ``--save``
-writes replica 0 of every stage back as a servable plan folder (``save_trained``).
+writes replica 0 of every stage back as a servable plan folder (``save_trained``);
+``--from-pretrained`` and ``--save-pretrained``: :mod:`onnx_partition.runtime.train.pretrained`.
 
 Several machines (the plan folder on each): one rank under ``torchrun`` is
 :func:`onnx_partition.runtime.train.torchrun_rank.train_rank`.
@@ -47,6 +48,12 @@ from onnx_partition.runtime.train.checkpoint import optimizer_record, resume_req
 from onnx_partition.runtime.train.data_plan import DataPlan, plan_job, prepare_data
 from onnx_partition.runtime.train.paths import check_log_path
 from onnx_partition.runtime.train.preflight import check_options, check_request, check_save
+from onnx_partition.runtime.train.pretrained import (
+    check_save_pretrained,
+    hf_config_of,
+    resolve_pretrained,
+    save_pretrained,
+)
 from onnx_partition.runtime.train.rank_io import RankResult, RankRun
 from onnx_partition.runtime.train.record import check_record, write_record
 from onnx_partition.runtime.train.reference_check import compare_with_reference
@@ -86,7 +93,9 @@ def train_plan(plan_dir: str | os.PathLike[str], *, hook: RankHook | None = None
     checkpoints (``checkpoint_dir`` every ``checkpoint_every`` steps; ``resume`` from a
     checkpoint folder's latest complete checkpoint up to ``steps`` in all, writing on there),
     evaluation (``eval_every`` on ``eval_data``, else synthetic batches of another seed) and
-    the per-step JSON ``log`` are the command line's options; ``hook`` the ranks' fault seam.
+    the per-step JSON ``log`` are the command line's options, as are ``from_pretrained``,
+    ``save_pretrained``, ``save_dtype`` and ``hf_config``
+    (:mod:`~onnx_partition.runtime.train.pretrained`); ``hook`` the ranks' fault seam.
     Raises PartitionError for a bad request (before any process starts) and
     :class:`StageFailed` naming the stage, replica and rank that raised or died.
     """
@@ -127,11 +136,14 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
     per_step = (job.schedule.batch_size or 0) * (job.schedule.microbatches or 0)
     spec = prepare_data(plan, job.data, per_step=per_step, steps=job.steps, seed=job.seed,
                         folder=folder)
+    out = job.pretrained
+    check_save_pretrained(out)
+    keep = job.save is not None or out.save is not None
     timeout_s = LOCAL_TIMEOUT_S if job.engine.timeout_s is None else job.engine.timeout_s
 
     def launch(current: TrainJob, progress: str | None, replayed: int
                ) -> tuple[RankRun, list[RankResult]]:
-        run = rank_run(folder, plan, current, keep_state=job.save is not None, hook=hook)
+        run = rank_run(folder, plan, current, keep_state=keep, hook=hook)
         run = replace(run, eval_batches=spec.eval_steps, progress_file=progress,
                       replayed_through=replayed)
         build = functools.partial(plan_job, str(folder), per_step, job.seed, job.check, spec,
@@ -139,7 +151,7 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
         return run, launch_training(plan, build, run, backend=job.engine.backend,
                                     timeout_s=timeout_s)
 
-    first = rank_run(folder, plan, job, keep_state=job.save is not None, hook=hook)
+    first = rank_run(folder, plan, job, keep_state=keep, hook=hook)
     if job.engine.name == "torch":  # torch.distributed.pipelining: uniform plans, our loss
         from onnx_partition.runtime.train.torch_engine import check_torch_engine
 
@@ -163,6 +175,11 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
         states = [next(r.state for r in ranks if r.stage == k and r.state is not None)
                   for k in range(len(plan.stages))]
         stats.saved = save_trained(folder, states, Path(job.save))
+    if out.save is not None:
+        stats.saved_pretrained = save_pretrained(
+            folder, [next(r.state for r in ranks if r.stage == k and r.state is not None)
+                     for k in range(len(plan.stages))], Path(out.save), save_dtype=out.dtype,
+            config=hf_config_of(out), weights=run.weights)
     return stats
 
 
@@ -212,8 +229,10 @@ def rank_run(folder: Path, plan: Plan, job: TrainJob, *, keep_state: bool,
         job, optimizer=replace(asked, betas=(float(asked.betas[0]), float(asked.betas[1]))),
         data=_shipped(job.data),
         logging=replace(job.logging, file=None if log is None else str(Path(log).resolve())))
+    loading = job.pretrained.load
+    weights = None if loading is None else resolve_pretrained(folder, Path(loading))
     return RankRun(shipped, check_steps=checks, keep_state=keep_state, hook=hook,
-                   checkpoints=checkpoints)
+                   checkpoints=checkpoints, weights=weights)
 
 
 def _shipped(asked: DataSettings) -> DataSettings:
