@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.ranks import KillOnce
 
 from onnx_partition.cli.summary.train import format_train
 from onnx_partition.errors import PartitionError, StageFailed
 from onnx_partition.partition import partition
 from onnx_partition.request.train import train_job
+from onnx_partition.runtime.launch.hooks import KillOnce
 from onnx_partition.runtime.train.restart import torchrun_resume
 from onnx_partition.runtime.train.trainer import train_plan
 

@@ -485,7 +485,7 @@ def _train_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-data", type=Path, metavar="FILE",
                    help="validation data (default: synthetic batches of another seed)")
     p.add_argument("--log", "--log-file", dest="log", type=Path, metavar="FILE",
-                   help="append one JSON object per step (step, loss, lr, grad_norm, "
+                   help="append one JSON object per step (step, time, loss, lr, grad_norm, "
                         "samples_per_s, tokens_per_s); under torchrun spell it --log-file "
                         "(torchrun's parser takes --log for its --log-dir)")
 

@@ -330,7 +330,8 @@ def _log_step(run: RankRun, result: RankResult, st: StepState, step: int) -> Non
         return
     ms = result.step_ms[-1]
     rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
-    body: dict[str, Any] = {"step": step + 1, "loss": result.loss[-1], "lr": result.lr[-1],
+    body: dict[str, Any] = {"step": step + 1, "time": round(time.time(), 3),
+                            "loss": result.loss[-1], "lr": result.lr[-1],
                             "grad_norm": result.grad_norm[-1],
                             "samples_per_s": rows / ms * 1000.0 if ms > 0 else 0.0}
     tokens = _tokens(st.inputs)

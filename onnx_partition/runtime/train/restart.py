@@ -102,7 +102,15 @@ def run_restarting(launch: Callable[[TrainJob, str, int], T], job: TrainJob,
                 say(f"rank lost in step {done + 1} ({exc}); restart {len(restarts)} of "
                     f"{job.checkpoint.max_restarts}: resuming from "
                     f"{f'step {began}' if began else 'the start'}"
-                    f"{f', replaying steps {began + 1}-{done}' if done > began else ''}")
+                    f"{_replaying(began, done)}")
+
+
+def _replaying(began: int, done: int) -> str:
+    """``, replaying step 3`` / ``, replaying steps 3-5`` (nothing when none is replayed)."""
+    if done <= began:
+        return ""
+    return (f", replaying step {done}" if done == began + 1
+            else f", replaying steps {began + 1}-{done}")
 
 
 def _start_step(job: TrainJob) -> int:
