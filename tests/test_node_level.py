@@ -22,6 +22,7 @@ from onnx_partition.graph import load
 from onnx_partition.graph.fxtag import FX_NODE_KEY
 from onnx_partition.graph_arrays import unit_problem, untyped_values
 from onnx_partition.partition import partition
+from onnx_partition.plan.extras import PlannedOver
 from onnx_partition.solve.exact import exact_split
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.search import best_split
@@ -103,6 +104,8 @@ def test_torch_ops_whole_where_a_program_trains_them(tmp_path):
     assert members == [[0], [1, 2], [3]] and list(units.compute_ms) == [1.0, 2.0, 1.0]
     _, _, members = unit_problem(graph, [1.0] * 4, FREE, torch_ops=False)
     assert members == [[0], [1], [2], [3]]
+    said = PlannedOver(granularity="torch-ops", units=3, nodes=4).phrase()
+    assert said == "over 3 torch-op units of 4 nodes"
 
 
 def test_a_value_of_unknown_type_never_crosses_a_cut(tmp_path):
