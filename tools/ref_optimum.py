@@ -16,7 +16,7 @@ cuda``, an H100), and the plan ``partition`` writes (its bottleneck, its proof c
 given to CP-SAT as a hint: a hint steers the search, never the proof).
 
     python tools/ref_optimum.py [--size tiny] [--recipes gpt bert] [--stages 2 4 8]
-        [--time-limit 20] [--models a.onnx ...] [--memory-gb G]
+        [--time-limit 20] [--models a.onnx ...] [--memory-gb G] [--exact-budget S]
 
 Prints one row per model and stage count: the planner's bottleneck, the judge's optimum, the
 gap, whether the planner claimed a proof and whether the judge proved optimality.
@@ -166,6 +166,8 @@ def judge(inst: Instance, stages: int, *, time_limit_s: float = 10.0, workers: i
     solver.parameters.linearization_level = 2  # every boolean constraint in the LP: the bound
     status = solver.Solve(m)
     seconds = time.perf_counter() - started
+    if status == cp_model.INFEASIBLE:  # no plan fits (the memory limit): proven so
+        return Verdict(None, math.inf, math.inf, True, seconds)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Verdict(None, math.inf, solver.BestObjectiveBound() / scale, False, seconds)
     stage_of = [sum(1 - solver.Value(done[i][k]) for k in range(last)) for i in range(n)]
@@ -319,14 +321,16 @@ HEADER = ["model", "stages", "nodes", "planner ms", "replayed ms", "judge ms", "
 
 
 def judge_model(model: Path, stages: int, *, batch_size: int, time_limit_s: float,
-                workers: int, memory_gb: float | None, scratch: Path) -> Row:
+                workers: int, memory_gb: float | None, scratch: Path,
+                exact_budget_s: float | None = None) -> Row:
     """Plan ``model`` with ``partition`` (``--stages``, ``--device-kind cuda``), then judge
     it: its reported bottleneck, its cut re-priced by :func:`stage_times`, CP-SAT's optimum."""
     from onnx_partition.partition import partition
 
     inst, keys = instance_of(model, batch_size)
+    budget = {} if exact_budget_s is None else {"exact_budget_s": exact_budget_s}
     plan = partition(model, stages, scratch / f"{model.stem}-{stages}", batch_size=batch_size,
-                     device_kind="cuda", force=True)
+                     device_kind="cuda", force=True, **budget)
     where = {key: k for k, stage in enumerate(plan.stages) for key in stage.nodes}
     cut = [where[key] for key in keys]
     proof, over = plan.exact, plan.planned_over
@@ -361,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="the judge's memory limit per stage (the planner's pipelines "
                              "have none: leave it out to compare them)")
+    parser.add_argument("--exact-budget", type=float, default=None,
+                        help="the planner's --exact-budget (default: its own default)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     print("| " + " | ".join(HEADER) + " |\n|" + " --- |" * len(HEADER), flush=True)
@@ -372,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for stages in args.stages:
                 row = judge_model(model, stages, batch_size=args.batch_size,
                                   time_limit_s=args.time_limit, workers=args.workers,
-                                  memory_gb=args.memory_gb, scratch=folder)
+                                  memory_gb=args.memory_gb, scratch=folder,
+                                  exact_budget_s=args.exact_budget)
                 worst = max(worst, row.planner_ms / row.verdict.bottleneck_ms - 1.0)
                 print("| " + " | ".join(row.cells()) + " |", flush=True)
     print(f"\nworst gap: {worst * 100:.2f}%")
