@@ -120,7 +120,8 @@ def judge(inst: Instance, stages: int, *, time_limit_s: float = 10.0, workers: i
         for k in range(last - 1):
             m.Add(done[i][k] <= done[i][k + 1])
     ceiling = None
-    if hint is not None:  # only plans no slower than the hint: each node's stage window
+    if hint is not None and memory_bytes is None:  # only plans no slower than the hint
+        # (which, without a memory limit, is a plan): each node's stage window
         ceiling = max(stage_times(inst, hint, stages)) * (1 + 1e-9) + 1e-12
         for i, (lo, hi) in enumerate(windows(inst, stages, ceiling)):
             for k in range(last):
