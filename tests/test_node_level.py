@@ -61,14 +61,15 @@ def _tagged_chain(path: Path) -> Path:
     return path
 
 
-def _run_stages(folder: Path, feeds: dict[str, np.ndarray], count: int) -> np.ndarray:
+def _run_stages(folder: Path, feeds: dict[str, np.ndarray], count: int, output: str = "y"
+                ) -> np.ndarray:
     values = dict(feeds)
     for k in range(count):
         session = ort.InferenceSession(str(folder / f"stage_{k}.onnx"))
         names = [o.name for o in session.get_outputs()]
         wanted = {i.name: values[i.name] for i in session.get_inputs()}
         values.update(zip(names, session.run(names, wanted), strict=True))
-    return values["y"]
+    return values[output]
 
 
 def test_inference_cuts_inside_a_torch_op(tmp_path):
@@ -123,6 +124,29 @@ def test_a_value_of_unknown_type_never_crosses_a_cut(tmp_path):
     _, nodes_of, members = unit_problem(graph, [1.0] * 4, FREE, torch_ops=False)
     keys = [[graph.nodes[nodes_of[i]].key for i in m] for m in members]
     assert ["B", "C"] in keys and len(members) == 3  # B's output reaches C in its stage
+
+
+def test_hugging_face_gpt2_cut_between_onnx_nodes_keeps_split_whole(hf_exported, tmp_path):
+    """GPT-2's exported ``split`` outputs have no inferred type: planned over ONNX nodes, each
+    stays in its producer's stage, and the stage files compute the model's logits."""
+    model = hf_exported("gpt2")
+    graph = load(model, batch_size=2)
+    untyped = untyped_values(graph)
+    assert untyped  # the exporter's split outputs
+    _, nodes, members = unit_problem(graph, [1.0] * len(graph.nodes), FREE, torch_ops=False)
+    unit_of = {nodes[i]: u for u, m in enumerate(members) for i in m}
+    for name in untyped:  # each with its producer and readers, whatever the cut
+        tensor = graph.tensors[name]
+        assert {unit_of[c] for c in tensor.consumers} == {unit_of[tensor.producer]}
+    ids = np.random.default_rng(0).integers(0, 100, (2, 8), dtype=np.int64)
+    whole = ort.InferenceSession(str(model)).run(["logits"], {"input_ids": ids})[0]
+    plan = partition(model, 8, tmp_path / "p", batch_size=2, exact_budget_s=0)
+    over = plan.planned_over
+    assert over is not None and over.granularity == "onnx-nodes"
+    assert (over.units, over.nodes) == (len(members), len(nodes))
+    assert not {t for s in plan.stages for t in (*s.inputs, *s.outputs)} & set(untyped)
+    got = _run_stages(tmp_path / "p", {"input_ids": ids}, 8, "logits")
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
 
 
 def _random_dag(seed: int, n: int) -> DagProblem:
