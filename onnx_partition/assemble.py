@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -271,14 +272,18 @@ def _stages(priced: Priced, solution: Solution, layout: Layout) -> list[Stage]:
 
 
 def assemble(priced: Priced, solution: Solution, layout: Layout, request: PartitionRequest,
-             engine: EnginePrice | None, *, started: float) -> Plan:
+             engine: EnginePrice | None, *, started: float,
+             planned_over: Mapping[str, Any] | None = None) -> Plan:
     """The plan, built once: its stages (:func:`_stages`), ``predicted`` (the planner's
     figures, then the plan's own simulation, :func:`priced_as_run`), and every extra key
     (the search's record, the simulator's inputs with the engine's work, the schedule, what
     priced it, the train plan's assumptions); the exported program beside the model named
-    with its sha256; ``partition_s`` since ``started``."""
+    with its sha256; ``partition_s`` since ``started``; ``planned_over``, what the units
+    planned were (:meth:`~onnx_partition.solve.plan.Problem.planned_over`)."""
     graph, train = priced.graph, request.training
     extra = _search_extras(solution, request)
+    if planned_over is not None:
+        extra["planned_over"] = dict(planned_over)
     replayed = _replayed(solution, layout, train)
     if replayed is not None:
         extra["simulator_costs"] = {**replayed, **(engine.costs if engine else {})}

@@ -27,7 +27,8 @@ from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import LAST
 
 __all__ = ["dag_problem", "grad_input_ms", "per_unit", "saved_activations", "stage_sizes",
-           "trainable_parameters", "trainable_tensors", "unit_problem", "unit_weights"]
+           "trainable_parameters", "trainable_tensors", "unit_problem", "unit_weights",
+           "untyped_values"]
 
 def dag_problem(
     graph: OpGraph, forward_ms: Sequence[float], link: Link
@@ -51,20 +52,65 @@ def dag_problem(
 
 
 def unit_problem(
-    graph: OpGraph, forward_ms: Sequence[float], link: Link
+    graph: OpGraph, forward_ms: Sequence[float], link: Link, *, torch_ops: bool = True
 ) -> tuple[DagProblem, list[int], list[list[int]]]:
-    """:func:`dag_problem` with the nodes exported from one FX node (their
-    ``pkg.torch.onnx.fx_node`` tag; a ``getitem`` joins the op it reads) contracted into one
-    unit, so no plan splits a torch op.
-    Returns the units' problem, the OpGraph index of each cut node, and each unit's members
-    (indices into that list). Untagged models give one unit per node."""
+    """:func:`dag_problem` over the units a plan may not split. With ``torch_ops`` (a train
+    plan run by its program) the nodes exported from one FX node (their
+    ``pkg.torch.onnx.fx_node`` tag; a ``getitem`` joins the op it reads) form one unit, so no
+    plan splits a torch op; without, every ONNX node is its own unit. Either way a value whose
+    type shape inference left unknown (:func:`untyped_values`) cannot cross a cut: its
+    producer and readers join one unit. Returns the units' problem, the OpGraph index of each
+    cut node, and each unit's members (indices into that list)."""
     problem, nodes = dag_problem(graph, forward_ms, link)
-    protos = graph.protos()
-    labels = [fx_unit(protos[graph.nodes[g].key]) for g in nodes]
+    labels: list[str | None] = [None] * len(nodes)
+    if torch_ops:
+        protos = graph.protos()
+        labels = [fx_unit(protos[graph.nodes[g].key]) for g in nodes]
+    labels = _join_untyped(graph, nodes, labels)
     if all(label is None for label in labels):
         return problem, nodes, [[i] for i in range(len(nodes))]
     units, members = contract(problem, labels)
     return units, nodes, members
+
+
+def untyped_values(graph: OpGraph) -> list[str]:
+    """The flow tensors made by a cut node whose element type shape inference did not find
+    (Hugging Face GPT-2's ``split`` outputs): a stage file could not declare one that crossed a
+    cut (:func:`~onnx_partition.graph.emit.stage_proto`)."""
+    return [name for name, t in graph.tensors.items()
+            if t.producer >= 0 and not t.elem_type
+            and graph.types.get(name) is None and graph.concrete_types.get(name) is None]
+
+
+def _join_untyped(graph: OpGraph, nodes: Sequence[int], labels: Sequence[str | None]
+                  ) -> list[str | None]:
+    """``labels`` with each untyped value's producer and readers under one label (theirs
+    merged, union-find over the labels and the nodes)."""
+    untyped = untyped_values(graph)
+    if not untyped:
+        return list(labels)
+    local = {g: i for i, g in enumerate(nodes)}
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, label in enumerate(labels):  # nodes of one label start joined
+        if label is not None:
+            parent[root(i)] = root(first.setdefault(label, i))
+    joined: set[int] = set()
+    for name in untyped:
+        tensor = graph.tensors[name]
+        group = [local[tensor.producer], *(local[c] for c in tensor.consumers)]
+        joined.update(group)
+        for i in group[1:]:
+            parent[root(i)] = root(group[0])
+    return [f"#join{root(i)}" if i in joined or label is not None else None
+            for i, label in enumerate(labels)]
 
 
 def per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[float]:

@@ -110,9 +110,11 @@ def partition_request(request: PartitionRequest, *, reporter: Reporter = SILENT)
     plan.json. Returns the plan as written."""
     started = time.perf_counter()
     priced = price(request)
-    solution = plan(problem_of(priced, request), request, reporter=reporter)
+    problem = problem_of(priced, request)
+    solution = plan(problem, request, reporter=reporter)
     layout = lay_out(priced, solution, request)
     engine = price_engine_of(priced, solution, layout, request)
-    built = assemble(priced, solution, layout, request, engine, started=started)
+    built = assemble(priced, solution, layout, request, engine, started=started,
+                     planned_over=problem.planned_over())
     return emit(priced.graph, layout.cuts, built, request.out, force=request.force,
                 check=request.check, reporter=reporter)

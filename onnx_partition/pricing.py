@@ -44,7 +44,7 @@ from onnx_partition.request.partition import PartitionRequest
 from onnx_partition.solve.plan import Problem, StageFigures
 from onnx_partition.solve.scoring import node_arrays
 
-__all__ = ["Priced", "device_model", "price", "problem_of"]
+__all__ = ["Priced", "device_model", "keeps_torch_ops", "price", "problem_of"]
 
 
 @dataclass(frozen=True)
@@ -224,21 +224,24 @@ def device_model(device: DeviceSpec | None, costs: CostsLike | None,
 
 
 def problem_of(priced: Priced, request: PartitionRequest) -> Problem:
-    """The solvers' problem of the priced graph for the request's route: a plain pipeline's
-    units balanced on forward (+ backward in training) times over the request's link; a
-    cluster's on forward times over its machine link, with the planner's per-unit arrays
-    (backward, weights, saved activations, the input-gradient share) and a fleet's costs per
-    kind. Every route's stage figures come from the stage files' cuts
-    (:class:`~onnx_partition.solve.plan.StageFigures`)."""
+    """The solvers' problem of the priced graph for the request's route, over ONNX nodes or,
+    where :func:`keeps_torch_ops`, torch-op units: a plain pipeline's units balanced on
+    forward (+ backward in training) times over the request's link; a cluster's on forward
+    times over its machine link, with the planner's per-unit arrays (backward, weights, saved
+    activations, the input-gradient share) and a fleet's costs per kind. Every route's stage
+    figures come from the stage files' cuts (:class:`~onnx_partition.solve.plan.StageFigures`)."""
     graph, costs, cluster = priced.graph, priced.node_costs, request.devices.cluster
     train = request.training
+    whole = keeps_torch_ops(request)
     if cluster is None:
         balanced = ([f + b for f, b in zip(costs.forward_ms, costs.backward_ms)]
                     if train else costs.forward_ms)
-        dag, nodes, members = unit_problem(graph, balanced, request.devices.link)
+        dag, nodes, members = unit_problem(graph, balanced, request.devices.link,
+                                           torch_ops=whole)
         arrays, kinds = None, None
     else:
-        dag, nodes, members = unit_problem(graph, costs.forward_ms, cluster.intra)
+        dag, nodes, members = unit_problem(graph, costs.forward_ms, cluster.intra,
+                                           torch_ops=whole)
         arrays = node_arrays(
             dag, per_unit([costs.backward_ms[g] for g in nodes], members),
             per_unit([float(graph.nodes[g].param_bytes) for g in nodes], members),
@@ -263,7 +266,15 @@ def problem_of(priced: Priced, request: PartitionRequest) -> Problem:
                    params=per_unit([float(graph.nodes[g].param_bytes) for g in nodes], members),
                    arrays=arrays, kinds=kinds, engine=priced.engine,
                    split_call_ms=priced.split_call_ms, action_ms=priced.action_ms,
-                   figures=figures)
+                   figures=figures, torch_ops=whole)
+
+
+def keeps_torch_ops(request: PartitionRequest) -> bool:
+    """Whether the plan keeps each torch op whole: a train plan of a model whose program
+    (``.pt2``) lies beside it, which training runs op by op. Inference plans, and train plans
+    without a program, may cut between any two ONNX nodes: any ONNX cut is a pair of valid
+    stage files."""
+    return request.training and request.model.with_suffix(".pt2").is_file()
 
 
 def _kind_costs(priced: Priced, nodes: Sequence[int], members: Sequence[Sequence[int]]

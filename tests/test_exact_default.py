@@ -5,6 +5,7 @@ plan.json's ``exact`` and the summary say which."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -129,7 +130,8 @@ def test_partition_says_what_is_proven(exported, tmp_path, capsys) -> None:
     model = exported("gpt")
     argv = ["partition", str(model), "-s", "4", "--gpu", "h100", "--batch-size", "8", "-o"]
     assert main([*argv, str(tmp_path / "a")]) == 0
-    assert "plan quality: proven optimal (CP-SAT" in capsys.readouterr().out
+    assert re.search(r"plan quality: proven optimal over \d+ ONNX nodes \(CP-SAT",
+                     capsys.readouterr().out)  # inference: over ONNX nodes, not torch ops
     exact = json.loads((tmp_path / "a" / "plan.json").read_text())["exact"]
     assert exact["proven_optimal"] and exact["by"] == "cp-sat" and exact["budget_s"] == 1.0
     assert exact["bottleneck_ms"] <= exact["dp_ms"]
@@ -154,9 +156,9 @@ def test_the_summary_of_a_chain_and_of_the_ilp_solver(tmp_path, capsys) -> None:
     model = save(CHAIN, tmp_path / "m.onnx")
     argv = ["partition", str(model), "-s", "3", "--batch-size", "2", "-o"]
     assert main([*argv, str(tmp_path / "a")]) == 0
-    assert ("plan quality: proven optimal (the DAG is a chain, cut exactly by the DP)"
-            in capsys.readouterr().out)
+    assert ("plan quality: proven optimal over 6 ONNX nodes (the DAG is a chain, cut exactly "
+            "by the DP)" in capsys.readouterr().out)
     assert json.loads((tmp_path / "a" / "plan.json").read_text())["exact"]["by"] == "chain"
     assert main([*argv, str(tmp_path / "b"), "--solver", "ilp", "--time-limit", "10"]) == 0
-    assert "plan quality: proven optimal (CP-SAT, " in capsys.readouterr().out
+    assert "plan quality: proven optimal over 6 ONNX nodes (CP-SAT, " in capsys.readouterr().out
     assert "exact" not in json.loads((tmp_path / "b" / "plan.json").read_text())

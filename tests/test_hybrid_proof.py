@@ -134,10 +134,11 @@ def test_the_record_round_trips_through_plan_json(tmp_path, capsys) -> None:
     plan.extra["exact"] = HybridProof(False, "budget", "dfs", 30, 4, 2.0, 1.5, 0.25,
                                       2.2).to_json(1.0)
     assert proof_line(plan) == (
-        "plan quality: the DP's least bottleneck period over the dfs sequence (30 blocks, 4 "
-        "devices), 2 ms per micro-batch, within 25.00% of the bound 1.5 ms (all compute over all "
-        "devices); CP-SAT's budget ran out (--exact-budget SECONDS to search longer); the plan, "
-        "chosen by simulated iteration (not proven), has period 2.2 ms (+10.00%)")
+        "plan quality: the DP's least bottleneck period over the dfs sequence (30 blocks of 6 "
+        "ONNX nodes, 4 devices), 2 ms per micro-batch, within 25.00% of the bound 1.5 ms (all "
+        "compute over all devices); CP-SAT's budget ran out (--exact-budget SECONDS to search "
+        "longer); the plan, chosen by simulated iteration (not proven), has period 2.2 ms "
+        "(+10.00%)")
     assert main([*argv, "--exact-budget", "0", "-o", str(tmp_path / "b")]) == 0
     assert "plan quality: not proven; exact search off" in capsys.readouterr().out
     off = json.loads((tmp_path / "b" / "plan.json").read_text())["exact"]

@@ -33,6 +33,7 @@ from onnx_partition.plan.extras import (
     KindsDevice,
     OrderingResult,
     PipelineProof,
+    PlannedOver,
     SimulatorCosts,
 )
 from onnx_partition.plan.legacy import EXTRAS
@@ -108,6 +109,7 @@ EVERY_EXTRA: dict[str, Any] = {
               "devices": 4, "period_ms": 1.5, "lower_bound_ms": 1.0, "gap": 0.33,
               "plan_period_ms": 1.6, "max_cells": 100, "max_devices": 8, "seconds": 1.0,
               "rounding_ms": 0.0},
+    "planned_over": {"granularity": "torch-ops", "units": 3, "nodes": 5},
     "cluster": {"format": "onnx-partition/cluster@2", "groups": [
         {"gpu": "a100", "machines": 1, "devices_per_machine": 2, "memory_gb": 80,
          "intra": {"bandwidth_gbps": 300, "latency_ms": 0.005}}], "kind": "cuda",
@@ -129,7 +131,7 @@ EVERY_EXTRA: dict[str, Any] = {
 TYPES = {"costs": CostsSource, "device_model": KindsDevice, "calibrated": Calibrated,
          "activations": Activations, "link": Link, "ilp": IlpResult,
          "exact": HybridPeriodProof, "cluster": FleetFields, "simulator_costs": SimulatorCosts,
-         "engine_costs": EngineCosts}
+         "engine_costs": EngineCosts, "planned_over": PlannedOver}
 
 
 def test_the_fixture_sets_every_extra():

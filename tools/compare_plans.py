@@ -41,6 +41,8 @@ BOUND = ["--devices", "4", "--mode", "train", "--batch-size", "2", "--microbatch
 MEMORY = {"memory_bytes", "buffer_bytes", "static_bytes", "activation_bytes", "input_bytes",
           "weights_bytes", "grad_bytes", "optimizer_bytes", "devices_notes"}
 TIMINGS = {"partition_s", "planning_s", "seconds", "wall_s", "version", "manifest", "plan_dir"}
+#: Records a newer tree adds that say what a plan is, not what it is (compared apart).
+RECORDS = {"planned_over"}
 
 
 def partition(tree: Path, model: Path, args: list[str], out: Path) -> dict[str, Any] | str:
@@ -67,18 +69,28 @@ def _strip(value: Any) -> Any:
 def verdict(name: str, ours: dict[str, Any] | str, theirs: dict[str, Any] | str) -> str:
     if isinstance(ours, str) or isinstance(theirs, str):
         return "same error" if ours == theirs else f"differs: {theirs!r} -> {ours!r}"
-    if ours["plan"] == theirs["plan"]:
-        return "identical"
+    over = ours["plan"].get("planned_over")
+    said = f" (over {over['units']} {over['granularity']} units)" if over else ""
+    if _without(ours["plan"], RECORDS) == _without(theirs["plan"], RECORDS):
+        return "identical" + said
     if name.startswith("ilp"):
         a, b = theirs["summary"].get("ilp", {}), ours["summary"].get("ilp", {})
         if a.get("optimal") and b.get("optimal") and a.get("bottleneck_ms") == b.get(
                 "bottleneck_ms"):
             return f"another optimum, same bottleneck {a['bottleneck_ms']:.6g} ms"
-    changed = sorted(k for k in {*ours["plan"], *theirs["plan"]}
+    changed = sorted(k for k in {*ours["plan"], *theirs["plan"]} - RECORDS
                      if ours["plan"].get(k) != theirs["plan"].get(k))
-    if _without(ours["plan"], MEMORY) == _without(theirs["plan"], MEMORY):
-        return "same stages and replicas; memory figures differ in " + ", ".join(changed)
-    return "differs in " + ", ".join(changed)
+    if _without(ours["plan"], MEMORY | RECORDS) == _without(theirs["plan"], MEMORY | RECORDS):
+        return "same stages and replicas; memory figures differ in " + ", ".join(changed) + said
+    return "differs in " + ", ".join(changed) + said + _figures(ours, theirs)
+
+
+def _figures(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """How the plan's figures moved: its bottleneck and simulated iteration, base -> ours."""
+    a, b = theirs["plan"].get("predicted", {}), ours["plan"].get("predicted", {})
+    moved = [f"{key} {a[key]:.6g} -> {b[key]:.6g}" for key in ("bottleneck_ms", "iteration_ms")
+             if isinstance(a.get(key), (int, float)) and isinstance(b.get(key), (int, float))]
+    return f"; {', '.join(moved)}" if moved else ""
 
 
 def _without(value: Any, keys: set[str]) -> Any:

@@ -57,6 +57,7 @@ from onnx_partition.plan.extras import (
     IlpResult,
     Manifest,
     OrderingResult,
+    PlannedOver,
     SimulatorCosts,
 )
 from onnx_partition.values import MAX_DEVICES, MAX_GBPS, MAX_REPLICAS, MAX_STAGES
@@ -318,6 +319,7 @@ class PlanFields(Record):
     candidates: dict[str, Candidate] | None = None  # per ordering: DP and refined bottleneck
     ilp: IlpResult | None = None  # optimal, bound, gap; or the error and the fallback
     exact: Exact | None = None  # what is proven of the plan (or of the hybrid DP's period)
+    planned_over: PlannedOver | None = None  # the units planned: ONNX nodes or torch ops
     # ---- hybrid plans
     cluster: ClusterOrFleet | None = None  # the cluster planned for (Cluster.to_json)
     orderings: dict[str, OrderingResult] | None = None

@@ -26,8 +26,8 @@ from onnx_partition.plan.declare import (
 __all__ = ["Activations", "AnalyticDevice", "Calibrated", "CalibrationRound", "Candidate",
            "CheckedCosts", "ComputeScale", "CostsDevice", "CostsSource", "DeviceModel",
            "EngineCosts", "EngineRun", "Exact", "FileEntry", "HybridPeriodProof", "IlpResult",
-           "KindsDevice", "Manifest", "OrderingResult", "Part", "PipelineProof", "ScalePart",
-           "SimulatorCosts"]
+           "KindsDevice", "Manifest", "OrderingResult", "Part", "PipelineProof", "PlannedOver",
+           "ScalePart", "SimulatorCosts"]
 
 Times = list[Ms]  # one per stage (or per boundary: send_ms)
 Sizes = list[Number]  # bytes, one per stage or boundary
@@ -204,6 +204,25 @@ class IlpResult(Part):
     seconds: Seconds | None = None
     error: str | None = None
     fallback: str | None = None
+
+
+@dataclass(kw_only=True, eq=False)
+class PlannedOver(Part):
+    """``planned_over``: what the plan, and what is proven of it, holds over: ``units``
+    planned, torch ops kept whole (``torch-ops``: a train plan of a model with a program) or
+    ONNX nodes (``onnx-nodes``, joined only where an untyped value would cross a cut), of
+    ``nodes`` cut ONNX nodes."""
+
+    granularity: Literal["onnx-nodes", "torch-ops"]
+    units: Count
+    nodes: Count
+
+    def phrase(self) -> str:
+        """``over 249 ONNX nodes``, ``over 180 torch-op units of 249 nodes``."""
+        if self.units == self.nodes:
+            return f"over {self.nodes} ONNX nodes"
+        kind = "torch-op units" if self.granularity == "torch-ops" else "units"
+        return f"over {self.units} {kind} of {self.nodes} nodes"
 
 
 @dataclass(kw_only=True, eq=False)

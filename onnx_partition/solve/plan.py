@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
 from onnx_partition.cost.engine_price import EngineTerms, split_ms
@@ -61,8 +61,9 @@ class Problem:
     on forward times over its machine link), each unit's cut nodes (``members``, indices into
     ``nodes``, the graph index of each), the parameter bytes per unit (the baselines'), a
     cluster's per-unit arrays and a fleet's per-kind costs; the engine's terms (``engine``,
-    ``split_call_ms`` per weight group, ``action_ms`` per action); and ``figures``, the stage
-    figures of an assignment (graph node -> stage, stage count), measured on its stage files."""
+    ``split_call_ms`` per weight group, ``action_ms`` per action); ``figures``, the stage
+    figures of an assignment (graph node -> stage, stage count), measured on its stage files;
+    and whether the units are torch ops (``torch_ops``) rather than ONNX nodes."""
 
     dag: DagProblem
     nodes: list[int]
@@ -74,6 +75,14 @@ class Problem:
     split_call_ms: float
     action_ms: float
     figures: Callable[[Mapping[int, int], int], StageFigures]
+    torch_ops: bool = False
+
+    def planned_over(self) -> dict[str, Any]:
+        """plan.json's ``planned_over``: what the plan, and any proof of it, holds over: the
+        units planned (``torch-ops``: one per torch op; ``onnx-nodes``: one per node, but
+        for nodes joined so that no untyped value crosses a cut) and the cut ONNX nodes."""
+        return {"granularity": "torch-ops" if self.torch_ops else "onnx-nodes",
+                "units": len(self.members), "nodes": len(self.nodes)}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from onnx_partition.pipeline.from_plan import (
     recompute_note,
 )
 from onnx_partition.plan import Plan
-from onnx_partition.plan.extras import HybridPeriodProof, PipelineProof
+from onnx_partition.plan.extras import HybridPeriodProof, PipelineProof, PlannedOver
 from onnx_partition.report.lines import batch_line, counted, devices_line, priced_by
 from onnx_partition.report.page import throughput_cards
 
@@ -106,13 +106,15 @@ _HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
                  "fleet": "the hybrid judge models one device kind, not a fleet"}
 
 
-def _hybrid_proof_line(exact: HybridPeriodProof) -> str:
+def _hybrid_proof_line(exact: HybridPeriodProof, over: PlannedOver | None = None) -> str:
     """:func:`proof_line` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
-    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`)."""
+    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`), of
+    the units ``over`` says were planned."""
     by = exact.by
     if by in _HYBRID_SHORT:
         return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
-    where = (f"over the {exact.ordering} sequence ({exact.positions} blocks, "
+    of = f" {over.phrase().replace('over', 'of', 1)}" if over is not None else ""
+    where = (f"over the {exact.ordering} sequence ({exact.positions} blocks{of}, "
              f"{exact.devices} devices)" if exact.positions else f"on {exact.devices} devices")
     if by == "size":
         return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
@@ -148,9 +150,10 @@ def proof_line(plan: Plan) -> str | None:
     """One line saying whether a pipeline plan is proven optimal, or its gap to the best lower
     bound (plan.json's ``exact``, or ``ilp`` for ``--solver ilp``); of a hybrid plan, what is
     proven of the DP's bottleneck period (:func:`_hybrid_proof_line`); None for other plans."""
-    exact, ilp = plan.exact, plan.ilp
+    exact, ilp, units = plan.exact, plan.ilp, plan.planned_over
+    over = f" {units.phrase()}" if units is not None else ""
     if isinstance(exact, HybridPeriodProof):
-        return _hybrid_proof_line(exact)
+        return _hybrid_proof_line(exact, units)
     if isinstance(exact, PipelineProof):
         how = {"single": "one stage", "bound": "it meets the lower bound",
                "chain": "the DAG is a chain, cut exactly by the DP",
@@ -161,14 +164,14 @@ def proof_line(plan: Plan) -> str | None:
         if exact.proven_optimal:
             rounding = (f", to {exact.gap * 100:.4f}% (the integer model's rounding)"
                         if exact.gap > 0 else "")
-            return (f"plan quality: proven optimal ({how.get(exact.by, '?')}"
+            return (f"plan quality: proven optimal{over} ({how.get(exact.by, '?')}"
                     f"{rounding}){gained}")
-        return (f"plan quality: within {exact.gap * 100:.2f}% of optimal (lower bound "
+        return (f"plan quality: within {exact.gap * 100:.2f}% of optimal{over} (lower bound "
                 f"{exact.lower_bound_ms:.6g} ms); "
                 f"{_SHORT.get(exact.by, 'not proven')}{gained}")
     if ilp is not None and ilp.optimal is not None:
         if ilp.optimal:
-            return f"plan quality: proven optimal (CP-SAT, {ilp.seconds or 0:.2f} s)"
-        return (f"plan quality: within {(ilp.gap or 0) * 100:.2f}% of optimal (lower bound "
+            return f"plan quality: proven optimal{over} (CP-SAT, {ilp.seconds or 0:.2f} s)"
+        return (f"plan quality: within {(ilp.gap or 0) * 100:.2f}% of optimal{over} (lower bound "
                 f"{ilp.lower_bound_ms or 0:.6g} ms); the time limit ran out")
     return None
