@@ -16,6 +16,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.solve.fleet_dp import FleetSequence, fleet_dp
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
 from onnx_partition.solve.hybrid_model import dominant_counts
+from onnx_partition.solve.hybrid_tables import StageTables
 from onnx_partition.solve.scoring import RunSpec
 
 
@@ -112,3 +113,18 @@ def test_fleet_dp_equals_brute_force_with_every_count(seed):
     for ordering in [(0, 1), (1, 0)]:
         value, _ = fleet_dp(seq, fleet, run, ordering)
         assert value == pytest.approx(brute_fleet(seq, fleet, run, ordering), rel=1e-9)
+
+
+def test_where_only_long_stages_could_overflow_the_bound_below_them_is_exact():
+    """Training under a memory limit that only stages of 3 or more positions could overflow
+    (4 x 4 bytes of weights, 10 bytes of activations per micro-batch per position), whose
+    all-reduce on a slow link keeps them above 3.3 ms: at the optimum's bound (2.44 ms, 4
+    stages of 3) none of them is within it, so the one-suffix DP answers there, equal to brute
+    force; at 2 devices the long stages are back in play (the exact DP)."""
+    n = 4
+    costs = SequenceCosts([3.0] * n, [3.0] * n, [4.0] * n, [10.0] * n, [0.0] * (n + 1))
+    for devices in (12, 2):
+        config = HybridConfig(devices=devices, microbatches=12, train=True, memory_bytes=300.0,
+                              link_bytes_per_ms=1.0)
+        assert not StageTables(costs, config).memory_free
+        assert best_period(costs, config) == pytest.approx(brute_hybrid(costs, config)[0])

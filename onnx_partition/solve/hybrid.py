@@ -101,6 +101,18 @@ class _Probes:
         depths = [config.depth] if config.depth else list(range(1, max_q + 1))
         self.depths = [q for q in depths if q <= max_q]
         self.cache: dict[float, tuple[list[int], Any]] = {}
+        # the least period (keeping or recomputing) of each stage that could overflow, and the
+        # stages that cannot: at a bound under every such period memory does not bind
+        self.risky_least = np.zeros(0)
+        self.safe: np.ndarray | None = None
+        if self.capi is not None:
+            least = tables.needed[-1].reshape(-1)[tables.risky].astype(float)
+            if tables.period_rc is not None:
+                least = np.minimum(least, tables.period_rc.min(axis=0).reshape(-1)[tables.risky])
+            self.risky_least = least
+            safe = np.ones(tables.period.shape[1:], dtype=bool)
+            safe.reshape(-1)[tables.risky] = False
+            self.safe = safe
 
     def fast(self, tau: float, mask: np.ndarray | None) -> tuple[list[int], Any]:
         """Fewest devices per depth of ``depths`` by the one-suffix DP, and its tables."""
@@ -112,6 +124,10 @@ class _Probes:
         if tau not in self.cache:
             if self.capi is None:
                 self.cache[tau] = self.fast(tau, self.fits)
+            elif not np.any(self.risky_least <= tau):
+                # no stage that could overflow is within tau: every plan within tau fits, so
+                # the one-suffix DP over the stages that cannot overflow is exact here
+                self.cache[tau] = self.fast(tau, self.safe)
             else:
                 exact = exact_fewest(self.tables, tau, self.max_q, self.capi, self.capi_rc)
                 self.cache[tau] = ([exact.fewest(q) for q in self.depths], exact)
