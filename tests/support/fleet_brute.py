@@ -1,6 +1,6 @@
 """Brute force over the fleet DP's problem: every split, group assignment along an ordering
-(each group one run of stages, or none) and every replica count ``1..D_g`` per stage, priced by
-:func:`~onnx_partition.solve.fleet_dp.stage_period` (the DP's scalar statement)."""
+(each group one run of stages, or none) and every replica count ``1..min(D_g, M)`` per stage,
+priced by :func:`~onnx_partition.solve.fleet_dp.stage_period` (the DP's scalar statement)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def brute_fleet(seq: FleetSequence, fleet: Fleet, run: RunSpec,
             if any(a > b for a, b in itertools.pairwise(pos)):
                 continue
             groups = [ordering[p] for p in pos]
-            options = [range(1, fleet.groups[g].devices + 1) for g in groups]
+            most = max(run.microbatches, 1)
+            options = [range(1, min(fleet.groups[g].devices, most) + 1) for g in groups]
             for reps in itertools.product(*options):
                 used = {g: sum(r for r, h in zip(reps, groups, strict=True) if h == g)
                         for g in groups}
