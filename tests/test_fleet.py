@@ -179,7 +179,8 @@ def brute_force(seq: FleetSequence, fleet: Fleet, run: RunSpec,
             if any(a > b for a, b in itertools.pairwise(pos)):
                 continue
             groups = [ordering[p] for p in pos]
-            options = [replica_choices(fleet.groups[g].devices) for g in groups]
+            options = [replica_choices(min(fleet.groups[g].devices, run.microbatches))
+                       for g in groups]
             flags = [[recompute]] * len(spans) if recompute != "auto" else [["none", "all"]] * \
                 len(spans)
             for reps, each in itertools.product(itertools.product(*options),

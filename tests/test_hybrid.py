@@ -125,8 +125,8 @@ def test_memory_error_names_operators_and_never_a_negative_overflow():
 def brute(costs: SequenceCosts, config: HybridConfig) -> float:
     """Best bottleneck period over every split, replica assignment and (``config.recompute``
     ``auto``) per-stage recompute flags whose memory per device (the one memory model, whole
-    plan) fits (no power-of-two rule: used only with <= 8 devices, where the DP also tries
-    every count; no stage more replicas than micro-batches)."""
+    plan) fits (every replica count, as the DP; no stage more replicas than micro-batches;
+    9-16 devices: tests/test_hybrid_counts.py)."""
     n = len(costs.forward_ms)
     best = math.inf
     for q in range(1, min(n, config.devices) + 1):

@@ -151,3 +151,50 @@ def test_a_tied_parameter_counts_in_each_stage_holding_it():
     roomy = replace(config, memory_bytes=120.0)
     assert judge_hybrid(costs, roomy).stages == ((0, 1, 1), (1, 2, 1))
     assert agree(dp_period(costs, roomy), judge_hybrid(costs, roomy))
+
+
+def test_the_judge_imports_none_of_the_dps_formulas():
+    """The judge writes its own period, all-reduce, warm-up step and memory (docs/design.md):
+    it imports only the problem's data types from the solver package."""
+    import ast
+    import inspect
+
+    import onnx_partition.solve.hybrid_judge as judge
+
+    tree = ast.parse(inspect.getsource(judge))
+    imported = {(node.module, alias.name) for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    ours = {pair for pair in imported if (pair[0] or "").startswith("onnx_partition")}
+    assert ours == {("onnx_partition.solve.hybrid_model", "HybridConfig"),
+                    ("onnx_partition.solve.hybrid_model", "SequenceCosts")}
+
+
+#: Training, all-reduce and memory both binding: two positions, 4 devices, 4 micro-batches; the
+#: least period 6.6 ms on 2 + 2 replicas at 48 bytes per device, none fits below 45.5 bytes.
+PERTURBED = (SequenceCosts([4.0, 4.0], [8.0, 8.0], [10.0, 10.0], [3.0, 3.0], [0.0, 2.0, 0.0]),
+             HybridConfig(devices=4, train=True, microbatches=4, memory_bytes=50.0,
+                          link_bytes_per_ms=10.0, link_latency_ms=0.1))
+
+
+@pytest.mark.parametrize("formula", ["allreduce", "period", "memory"])
+def test_a_perturbed_dp_formula_makes_the_judge_disagree(monkeypatch, formula):
+    """Unperturbed the two agree; the DP's ring all-reduce, its stage period or the memory it
+    allows scaled by 1.1 (public names of its pricing), and the judge, which prices on its
+    own, disagrees."""
+    import onnx_partition.solve.hybrid as hybrid
+    import onnx_partition.solve.hybrid_tables as tables
+
+    costs, config = PERTURBED
+    judged = judge_hybrid(costs, config)
+    assert agree(dp_period(costs, config), judged)
+    if formula == "allreduce":
+        ring = tables.ring_allreduce_ms
+        monkeypatch.setattr(tables, "ring_allreduce_ms", lambda *a: 1.1 * ring(*a))
+    elif formula == "period":
+        period = tables.stage_period
+        monkeypatch.setattr(tables, "stage_period", lambda *a: 1.1 * period(*a))
+    else:
+        caps = hybrid.held_caps
+        monkeypatch.setattr(hybrid, "held_caps",
+                            lambda t, memory, **k: caps(t, memory / 1.1, **k))
+    assert not agree(dp_period(costs, config), judged)

@@ -24,7 +24,7 @@ does exactly where keeping does not fit, as the one-kind DP chooses it per stage
 et al., ASPLOS'24): ``held`` depends on ``r`` alone, so ``P_t`` is the keep period where that
 fits, else the recompute period where that fits, else infinite, a pointwise choice per ``(t,
 i, j, r)`` (keeping is never slower) and the recurrence is unchanged. Exact for that objective
-over every split of the sequence, replica counts from :func:`~.hybrid.replica_choices`, group
+over every split of the sequence, every replica count ``1..min(D_t, M)`` on group ``t``, group
 assignment along the ordering and (``auto``) each stage's keep-or-recompute
 (``tests/test_fleet.py`` checks it against brute force); ``O(|orders| n^2 D R)`` with the ``j``
 loop in numpy. A fixed depth ``S`` (``partition --stages``) adds the stages left to place to
@@ -263,7 +263,7 @@ class _FleetTables:
         limit = group.memory * 1e9
         d = group.devices
         best = np.full((slots, d), inf)  # per q and u in 0..d-1, vectorised over u and j
-        for r in replica_choices(d):
+        for r in replica_choices(min(d, max(m, 1))):  # no replica without a micro-batch
             us = np.arange(d - r + 1)  # devices already used, u + r <= d
             # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
             # flight and one micro-batch's activations, its forward once more

@@ -30,13 +30,14 @@ Alpa's ``training_dp_impl``)::
 
 ``g[q, i, d]``: the smallest bottleneck period of the suffix ``[i, n)`` cut into exactly ``q``
 stages on at most ``d`` devices, every stage within memory; ``g[0, n, d] = 0``. Replica counts
-are 1..8 and powers of two above (Alpa's submesh shapes), keeping the table small, and at most
-``M`` (a replica beyond the ``M``-th would get no micro-batch). Every ``q``
+are every one up to ``min(D, M)`` (a replica beyond the ``M``-th would get no micro-batch)
+where memory binds, else only the dominant ones (:func:`dominant_counts`: one per value of
+``ceil(M / r)`` with uniform links; the proof in ``docs/np_completeness.md``). Every ``q``
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
-Exact for: the least bottleneck period over contiguous splits of *this* sequence, replica counts
-from :func:`replica_choices` up to ``M`` (and recomputation flags per stage, ``auto``: checked
+Exact for: the least bottleneck period over contiguous splits of *this* sequence, any replica
+counts up to ``min(D, M)`` (and recomputation flags per stage, ``auto``: checked
 against brute force), every stage within memory (a bisection over the sorted stage periods;
 float32 period tables, about 1e-7 relative); "no plan fits" exactly when none does, checked
 against the CP-SAT judge :mod:`.hybrid_judge` (without recomputation). Not for the problem
@@ -66,6 +67,7 @@ from onnx_partition.solve.hybrid_model import (
     HybridConfig,
     HybridStage,
     SequenceCosts,
+    dominant_counts,
     recompute_stage,
     replica_choices,
     shared_spans,
@@ -73,7 +75,8 @@ from onnx_partition.solve.hybrid_model import (
 )
 from onnx_partition.solve.hybrid_tables import MAX_DEVICES, StageTables, held_caps
 
-__all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "plan_hybrid",
+__all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "dominant_counts",
+           "plan_hybrid",
            "price_plans", "price_stages", "recompute_stage", "replica_choices",
            "shared_spans", "stage_memory", "stage_period"]
 
@@ -88,9 +91,7 @@ class _Probes:
     def __init__(self, tables: StageTables, config: HybridConfig, max_q: int) -> None:
         self.tables, self.max_q = tables, max_q
         fits: np.ndarray | None = None  # training with a memory limit: the exact DP
-        held_most = config.microbatches if config.train else 1  # no replica holds more
-        if not config.train or bool(np.all(device_bytes(tables.static, tables.stash, held_most)
-                                           <= config.memory_bytes)):
+        if tables.memory_free:
             fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
         self.fits = fits
         self.capi = held_caps(tables, config.memory_bytes) if fits is None else None
@@ -100,6 +101,18 @@ class _Probes:
         depths = [config.depth] if config.depth else list(range(1, max_q + 1))
         self.depths = [q for q in depths if q <= max_q]
         self.cache: dict[float, tuple[list[int], Any]] = {}
+        # the least period (keeping or recomputing) of each stage that could overflow, and the
+        # stages that cannot: at a bound under every such period memory does not bind
+        self.risky_least = np.zeros(0)
+        self.safe: np.ndarray | None = None
+        if self.capi is not None:
+            least = tables.needed[-1].reshape(-1)[tables.risky].astype(float)
+            if tables.period_rc is not None:
+                least = np.minimum(least, tables.period_rc.min(axis=0).reshape(-1)[tables.risky])
+            self.risky_least = least
+            safe = np.ones(tables.period.shape[1:], dtype=bool)
+            safe.reshape(-1)[tables.risky] = False
+            self.safe = safe
 
     def fast(self, tau: float, mask: np.ndarray | None) -> tuple[list[int], Any]:
         """Fewest devices per depth of ``depths`` by the one-suffix DP, and its tables."""
@@ -111,6 +124,10 @@ class _Probes:
         if tau not in self.cache:
             if self.capi is None:
                 self.cache[tau] = self.fast(tau, self.fits)
+            elif not np.any(self.risky_least <= tau):
+                # no stage that could overflow is within tau: every plan within tau fits, so
+                # the one-suffix DP over the stages that cannot overflow is exact here
+                self.cache[tau] = self.fast(tau, self.safe)
             else:
                 exact = exact_fewest(self.tables, tau, self.max_q, self.capi, self.capi_rc)
                 self.cache[tau] = ([exact.fewest(q) for q in self.depths], exact)

@@ -2,15 +2,18 @@
 
 The reference :func:`~onnx_partition.solve.hybrid.plan_hybrid` is checked against (tests, up
 to ~12 positions and 4 devices; ``tools/bench_planner.py``, up to 40 positions and 8 devices).
-It is written from the model's definition, not from the DP's tables: contiguous stages over
+It is written from the model's definition (docs/design.md), not from the DP's code: its own
+period, all-reduce, warm-up step and memory formulas (``tests/test_hybrid_judge.py`` perturbs
+the DP's and checks the judge then disagrees); contiguous stages over
 the sequence, a replica count per stage (every count from 1 to ``min(D, M)``: no replica
 without a micro-batch), at most ``D`` devices, and per stage
 
-    period = ceil(M / r) (F [+ B] + comm) / M + allreduce(r) / M     (hybrid.stage_period)
-    memory = static + held * stash                                   (pipeline.memory)
+    period = ceil(M / r) (F [+ B] + comm) / M + allreduce(r) / M
+    memory = static + held * stash
 
 where under 1F1B ``held = ceil(min(W + 1, M) / r)`` and the global warm-up ``W`` of a stage is
-``min(W_next + step(r, r_next), M)`` (:func:`~onnx_partition.pipeline.memory.boundary_step`),
+``min(W_next + step(r, r_next), M)`` (``step``: the larger count where one divides the other,
+else their sum less one),
 ``W = 0`` for the last stage; in inference ``held = 1``. Minimises the bottleneck period.
 
 Model: slots ``k = 0, 1, ...`` are stages counted from the pipeline's end; ``x[k, i, j]``
@@ -30,8 +33,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from onnx_partition.pipeline.memory import boundary_step, ring_allreduce_ms
-from onnx_partition.solve.hybrid_model import HybridConfig, SequenceCosts, stage_period
+from onnx_partition.solve.hybrid_model import HybridConfig, SequenceCosts
 
 __all__ = ["JudgeResult", "judge_hybrid"]
 
@@ -84,12 +86,31 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
 
 
 def _allreduce(config: HybridConfig, params: float, r: int) -> float:
-    if not config.train:
+    """The ring all-reduce of ``params`` gradient bytes among ``r`` replicas once per
+    iteration (docs/design.md): ``2 (r-1)/r W / bw + 2 (r-1) lat``, 0 for one replica or in
+    inference; the group of ``r`` on its own link where the cluster gives one."""
+    if not config.train or r <= 1:
         return 0.0
     bw = (config.group_bytes_per_ms[r] if config.group_bytes_per_ms
           else config.link_bytes_per_ms)
     lat = config.group_latency_ms[r] if config.group_latency_ms else config.link_latency_ms
-    return float(ring_allreduce_ms(params, r, bw, lat))
+    return 2.0 * (r - 1) / r * params / bw + 2.0 * (r - 1) * lat
+
+
+def _period(latency: float, r: int, allreduce: float, m: int) -> float:
+    """A stage's time per micro-batch (docs/design.md, "The hybrid DP"): the busiest of ``r``
+    replicas runs ``ceil(M / r)`` micro-batches of ``latency`` each, then the all-reduce once
+    per iteration of ``M``."""
+    return math.ceil(m / r) * latency / m + allreduce / m
+
+
+def _step(before: int, after: int) -> int:
+    """What boundary ``before -> after`` (replica counts) adds to the 1F1B warm-up of every
+    stage up to it (docs/design.md, ``1f1b``): the larger count where one divides the other,
+    else ``before + after - 1``."""
+    if before % after == 0 or after % before == 0:
+        return max(before, after)
+    return before + after - 1
 
 
 def judge_hybrid(costs: SequenceCosts, config: HybridConfig, *, time_limit_s: float = 30.0,
@@ -154,7 +175,7 @@ class _JudgeData:
             slots = min(slots, config.depth)
         pairs = [(i, j) for i in range(n) for j in range(i + 1, n + 1)]
         numbers = {p: _stage_numbers(costs, config, *p) for p in pairs}
-        period = {(p, r): stage_period(numbers[p][0], r, _allreduce(config, numbers[p][1], r), m)
+        period = {(p, r): _period(numbers[p][0], r, _allreduce(config, numbers[p][1], r), m)
                   for p in pairs for r in reps}
         fewest: dict[tuple[int, int], int] = {}  # below_ms: the fewest replicas under it
         if below_ms is not None:
@@ -259,7 +280,7 @@ def _add_warmups(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
     # a stage that fits with every micro-batch in flight needs no count)
     binds = config.train and any(cap[p] < m for p in pairs)
     model.add(warm[0] == 0)
-    steps = [(a, b, boundary_step(a, b)) for a in reps for b in reps]
+    steps = [(a, b, _step(a, b)) for a in reps for b in reps]
     for k in range(1, slots if binds else 0):
         step = model.new_int_var(0, 2 * most, f"s{k}")
         model.add_allowed_assignments(

@@ -1,7 +1,8 @@
 """The hybrid problem as data, and the stage model's formulas: a sequence's per-position costs
 (:class:`SequenceCosts`), the cluster and the run (:class:`HybridConfig`), a priced stage
 (:class:`HybridStage`), a stage's period over an iteration (:func:`stage_period`, PipeDream's
-replicated-stage model), the replica counts tried (:func:`replica_choices`), a recomputing
+replicated-stage model), the replica counts a plan may give a stage (:func:`replica_choices`)
+and those the DP need try (:func:`dominant_counts`), a recomputing
 stage's costs (:func:`recompute_stage`) and the shared initializers a stage holds
 (:func:`shared_spans`). The DP over them: :mod:`.hybrid`.
 """
@@ -17,8 +18,8 @@ import numpy as np
 
 from onnx_partition.settings.partition import TrainSpec
 
-__all__ = ["HybridConfig", "HybridStage", "SequenceCosts", "recompute_stage", "replica_choices",
-           "shared_spans", "stage_period"]
+__all__ = ["HybridConfig", "HybridStage", "SequenceCosts", "allreduce_terms", "dominant_counts",
+           "recompute_stage", "replica_choices", "shared_spans", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,38 @@ def stage_period(latency: Any, replicas: int, allreduce: Any, microbatches: int)
 
 
 def replica_choices(devices: int) -> list[int]:
-    """1..8 and the powers of two up to ``devices``."""
-    small = list(range(1, min(devices, 8) + 1))
-    return small + [2**k for k in range(4, devices.bit_length()) if 2**k <= devices]
+    """Every replica count ``1..devices`` (the counts a plan may give a stage; the DP tries
+    those of :func:`dominant_counts` where memory does not depend on the plan)."""
+    return list(range(1, max(devices, 0) + 1))
+
+
+def allreduce_terms(config: HybridConfig, r: int) -> tuple[float, float]:
+    """The ring all-reduce among ``r`` replicas as ``a W + b`` for ``W`` gradient bytes:
+    ``(a, b) = (2 (r-1) / r / bw_r, 2 (r-1) lat_r)`` in training, ``(0, 0)`` otherwise or for
+    one replica (:func:`~onnx_partition.pipeline.memory.ring_allreduce_ms`)."""
+    if not config.train or r <= 1:
+        return 0.0, 0.0
+    bw = config.group_bytes_per_ms[r] if config.group_bytes_per_ms else config.link_bytes_per_ms
+    lat = config.group_latency_ms[r] if config.group_latency_ms else config.link_latency_ms
+    return 2.0 * (r - 1) / r / bw, 2.0 * (r - 1) * lat
+
+
+def dominant_counts(config: HybridConfig) -> list[int]:
+    """The replica counts of ``1..min(D, M)`` that no smaller count dominates for every
+    stage (``docs/np_completeness.md``, "Which replica counts"): ``r' < r`` dominates ``r``
+    where ``ceil(M / r') = ceil(M / r)`` (the same micro-batches on the fullest replica) and
+    both all-reduce terms of :func:`allreduce_terms` are no larger. Where a stage's memory does
+    not depend on the replica counts, a plan with dominated counts is matched by one on no
+    more devices with no larger period, so the least period and the fewest devices reaching
+    it are the same over these counts as over all of them."""
+    m = max(config.microbatches, 1)
+    most = min(config.devices, m)
+    kept: list[int] = []
+    classes: dict[int, list[tuple[int, float, float]]] = {}
+    for r in range(1, most + 1):
+        a, b = allreduce_terms(config, r)
+        same = classes.setdefault(-(-m // r), [])
+        if not any(a2 <= a and b2 <= b for _, a2, b2 in same):
+            same.append((r, a, b))
+            kept.append(r)
+    return kept

@@ -3,7 +3,8 @@
 :class:`StageTables` holds, for every stage ``[i, j)`` of the sequence (``(n + 1) x (n + 1)``
 matrices, invalid pairs infinite), its compute and transfer times, its memory as ``static +
 held * stash`` (the one memory model, :mod:`onnx_partition.pipeline.memory`), and its period on
-each replica count of :func:`~.hybrid_model.replica_choices` (``period[c, i, j]``), keeping or
+each replica count the DP tries (``period[c, i, j]``: every one up to ``min(D, M)`` where memory
+binds, else :func:`~.hybrid_model.dominant_counts`), keeping or
 recomputing; :func:`held_caps` the micro-batches each stage may hold within a memory. The DPs
 over them: :mod:`.hybrid_dp`.
 """
@@ -29,6 +30,7 @@ from onnx_partition.solve.hybrid_model import (
     HybridConfig,
     HybridStage,
     SequenceCosts,
+    dominant_counts,
     recompute_stage,
     replica_choices,
     shared_spans,
@@ -57,6 +59,11 @@ class StageTables:
         self._price_memory(costs, config)
         check_recompute(config.recompute)
         self._price_recomputing(costs, config)
+        #: memory does not depend on the plan: inference, or no stage could overflow even with
+        #: every micro-batch in flight (then the one-suffix DP is exact, over dominant counts)
+        held_most = config.microbatches if config.train else 1
+        self.memory_free = not config.train or bool(
+            np.all(device_bytes(self.static, self.stash, held_most) <= config.memory_bytes))
         self._find_risky(config)
         self._price_periods(config)
 
@@ -136,7 +143,10 @@ class StageTables:
         n = self.n
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
-        self.choices = replica_choices(min(config.devices, max(config.microbatches, 1)))
+        # every count up to min(D, M) where memory binds (more replicas in front of a suffix
+        # can lower a stage's micro-batches in flight); else the dominant ones suffice
+        self.choices = (dominant_counts(config) if self.memory_free else
+                        replica_choices(min(config.devices, max(config.microbatches, 1))))
         # period[c, i, j]: stage [i, j) on choices[c] replicas
         self.period = np.stack([stage_period(self.latency, r, self.allreduce(r),
                                              config.microbatches) for r in self.choices])
