@@ -148,6 +148,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if (args.name is None) == (args.hf_config is None):
+        raise PartitionError("export takes exactly one of a recipe NAME or --hf-config DIR")
+    if args.hf_config is not None:
+        return _export_hf(args)
+    hf_only = [flag for flag, given in (("--no-weights", args.no_weights),
+                                        ("--hf-class", args.hf_class is not None)) if given]
+    if hf_only:
+        raise PartitionError(f"{hf_only[0]} goes with --hf-config, not a recipe")
     from onnx_partition import models
 
     try:
@@ -158,6 +166,19 @@ def _export(args: argparse.Namespace) -> int:
         raise PartitionError(str(exc)) from None
     _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.name}, "
          f"{args.size}) in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from models.hf import export_hf_config
+
+    started = time.perf_counter()
+    path = export_hf_config(args.hf_config, args.output, weights=not args.no_weights,
+                            seq_len=args.seq_len, batch_size=args.batch_size,
+                            class_name=args.hf_class, reporter=_bars())
+    what = "no weights" if args.no_weights else "random weights"
+    _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.hf_config}, "
+         f"{what}, sequence {args.seq_len}) in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -337,6 +358,11 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     plan = read_plan(args.plan)
+    if plan.weights == "none":
+        raise PartitionError(
+            f"plan {args.plan} has no weights (exported with --no-weights): export the model "
+            "with its weights (without --no-weights) and partition that, or train the plan "
+            "(`onnx-partition train PLAN --save OUT` makes them) and run what it saves")
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     if args.nproc is not None:  # before anything is printed

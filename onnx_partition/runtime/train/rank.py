@@ -66,6 +66,7 @@ from onnx_partition.runtime.train.meters import Clock, SavedCounter
 from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
+from onnx_partition.runtime.train.weightless import materialize
 
 __all__ = ["step_line", "train_stages"]
 
@@ -158,7 +159,7 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     lay = layout(plan)
     k, replica = lay.place(rank)
     torch.manual_seed(run.job.seed * 1_000_003 + rank)
-    module = stages[k].module.to(device).train()
+    module = materialize(stages[k].module, device, plan, run.job.seed).train()
     actions = schedules.build(run.schedule, lay.replicas, run.microbatches)[(k, replica)]
     # Every rank creates every group, in the same order (torch.distributed requires it).
     stage_group = replica_group(lay, list(range(lay.stages)), k)

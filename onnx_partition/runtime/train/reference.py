@@ -23,6 +23,7 @@ from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.task import TrainTask, task_for
+from onnx_partition.runtime.train.weightless import materialize
 from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS
 
 __all__ = ["ORDER_ULPS", "ROUNDING_ULPS", "check_tolerance", "mismatch", "reference_gradients",
@@ -88,6 +89,7 @@ def reference_train(
     total_steps: int | None = None,
     clip_grad_norm: float | None = None,
     precision: str = TRAIN_FALLBACKS["precision"],
+    seed: int = DEFAULTS.seed,
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
@@ -101,7 +103,9 @@ def reference_train(
     if not batches:
         raise PartitionError("reference_train needs at least one batch")
     plan = read_plan(plan_dir)
-    module = whole_module(plan_dir, deterministic=deterministic)
+    # a weightless plan's weights made as each rank makes its own (same seed, same names)
+    module = materialize(whole_module(plan_dir, deterministic=deterministic),
+                         torch.device("cpu"), plan, seed)
     task = task or task_for(plan_dir)
     opt = make_optimizer(optimizer, module.parameters(), lr, weight_decay=weight_decay,
                          momentum=momentum, betas=betas)
@@ -123,12 +127,13 @@ def reference_train(
 
 def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int,
                         task: TrainTask | None = None,
-                        precision: str = TRAIN_FALLBACKS["precision"]
-                        ) -> dict[str, torch.Tensor]:
+                        precision: str = TRAIN_FALLBACKS["precision"],
+                        seed: int = DEFAULTS.seed) -> dict[str, torch.Tensor]:
     """The gradients of :func:`reference_train`'s first step (before clipping and the
     optimizer), by name (None-gradient parameters left out): what ``--check`` compares first."""
     plan = read_plan(plan_dir)
-    module = whole_module(plan_dir, deterministic=True)
+    module = materialize(whole_module(plan_dir, deterministic=True), torch.device("cpu"), plan,
+                         seed)
     _accumulate(module, plan, task or task_for(plan_dir), batch, microbatches, precision)
     return {name: p.grad.detach().clone() for name, p in module.named_parameters()
             if p.grad is not None}

@@ -58,7 +58,7 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], run: RankR
              for s in range(max(run.check_steps, default=0))]
     if run.check_steps:
         want = reference_gradients(folder, every[0], microbatches=run.microbatches, task=task,
-                                   precision=run.precision)
+                                   precision=run.precision, seed=run.job.seed)
         compare("gradient of step 1", [r.grads for r in ranks], want)
     if run.optimizer != "sgd":
         return problems
@@ -69,6 +69,7 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], run: RankR
                                weight_decay=asked.weight_decay, momentum=asked.momentum,
                                betas=asked.betas, warmup_steps=asked.warmup_steps,
                                lr_schedule=asked.lr_schedule, total_steps=run.job.steps,
-                               clip_grad_norm=asked.clip_grad_norm, precision=run.precision)
+                               clip_grad_norm=asked.clip_grad_norm, precision=run.precision,
+                               seed=run.job.seed)
         compare(f"after step {step}", [r.states[step] for r in ranks], want)
     return problems
