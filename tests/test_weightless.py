@@ -68,11 +68,19 @@ def test_the_weightless_file_keeps_names_dtypes_shapes_and_no_bytes(planned):
 
 
 def test_train_check_makes_the_weights_on_each_rank_as_one_process_does(planned, capsys):
+    """... and what `train --save` writes has every weight, so `run --check` serves it."""
+    saved = planned.parent / "trained"
     assert main(["train", str(planned), "--steps", "2", "--microbatches", "2", "--check",
-                 "--optimizer", "sgd", "--lr", "0.1"]) == 0
+                 "--optimizer", "sgd", "--lr", "0.1", "--save", str(saved)]) == 0
     checks = [line for line in capsys.readouterr().out.splitlines()
               if line.startswith("check against single-process training")]
     assert checks and all(line.endswith(": OK") for line in checks), checks
+    assert read_plan(saved).weights == "data"
+    for stage in sorted(saved.glob("stage_*.onnx")):
+        inits = onnx.load(str(stage), load_external_data=False).graph.initializer
+        assert not any(is_weightless(t) for t in inits)
+    assert main(["run", str(saved), "--check", "--iterations", "1"]) == 0
+    assert "(OK)" in capsys.readouterr().out
 
 
 def test_the_weights_follow_the_models_rules_and_depend_on_seed_and_name(planned):

@@ -65,11 +65,10 @@ def mark_model(model: onnx.ModelProto, weights: str, origin: Mapping[str, Any] |
 
 def model_weights(model: onnx.ModelProto) -> str:
     """``none`` (a weightless model), ``random`` (built from a config with random weights) or
-    ``data`` (real weights: any model not marked otherwise)."""
+    ``data`` (real weights: any model not marked otherwise, a trained weightless one too)."""
     if any(is_weightless(t) for t in model.graph.initializer):
         return "none"
-    said = _metadata(model).get(WEIGHTS_KEY)
-    return said if said in ("none", "random") else "data"
+    return "random" if _metadata(model).get(WEIGHTS_KEY) == "random" else "data"
 
 
 def model_origin(model: onnx.ModelProto) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ import torch
 
 from onnx_partition.plan import Plan
 
-__all__ = ["materialize", "seed_of"]
+__all__ = ["fill_program", "materialize", "seed_of"]
 
 _STD = 0.02
 
@@ -52,6 +52,26 @@ def materialize(module: torch.nn.Module, device: torch.device, plan: Plan,
         else:
             owner._buffers[leaf] = value
     return module.to(device)
+
+
+def fill_program(program: Any, plan: Plan, known: Mapping[str, torch.Tensor],
+                 seed: int) -> dict[str, torch.Tensor]:
+    """Give every meta tensor of the exported ``program`` a value on the CPU, in place: the
+    trained one in ``known``, else (a buffer outside the state dict, such as a rotary table)
+    the one :func:`materialize` makes. Returns the values made, by name."""
+    model = _model(json.dumps(plan.origin, sort_keys=True)) if plan.origin else None
+    made: dict[str, torch.Tensor] = {}
+    for table in (program.state_dict, program.constants):
+        for name, old in list(table.items()):
+            if not isinstance(old, torch.Tensor) or not old.is_meta:
+                continue
+            value = known.get(name)
+            if value is None:
+                value = made[name] = _make(model, name, old, torch.device("cpu"), seed)
+            value = value.detach().to(old.dtype).clone()
+            table[name] = (torch.nn.Parameter(value, requires_grad=old.requires_grad)
+                           if isinstance(old, torch.nn.Parameter) else value)
+    return made
 
 
 def _tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
