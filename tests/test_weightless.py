@@ -141,3 +141,21 @@ def test_a_bigger_model_plans_from_a_file_of_its_graph_not_its_weights(tmp_path)
     plan = read_plan(tmp_path / "plan")
     weights = sum(s.predicted.weights_bytes or 0 for s in plan.stages if s.predicted)
     assert weights > 150e6  # priced as the 180 MB it stands for
+
+
+@pytest.mark.parametrize("inputs_on", ["cpu", "meta"])
+def test_the_python_export_takes_a_module_on_meta(tmp_path, capsys, inputs_on):
+    """onnx_partition.export of a module built on meta, example inputs real or meta; profile
+    (which times the model) refuses the result in one line."""
+    import onnx_partition
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                     torch.nn.Linear(16, 4))
+    path = onnx_partition.export(module, (torch.zeros(2, 8, device=inputs_on),),
+                                 tmp_path / "seq.onnx")
+    inits = onnx.load(str(path)).graph.initializer
+    assert [t.name for t in inits] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(is_weightless(t) for t in inits)
+    assert main(["profile", str(path), "--batch-size", "2", "-o", str(tmp_path / "c.json")]) == 2
+    assert "has no weights" in capsys.readouterr().err

@@ -192,6 +192,7 @@ def _profile(args: argparse.Namespace) -> int:
         return _profile_plan(args, started)
     if args.model is None or args.output is None:
         raise PartitionError("profile needs MODEL and -o COSTS (or --plan PLAN)")
+    _refuse_weightless(args.model)
     if args.precision != "fp32" and getattr(args, "mode", "infer") != "train":
         raise PartitionError(f"--precision {args.precision} measures training under autocast: "
                              "it needs --mode train")
@@ -221,6 +222,22 @@ def _profile(args: argparse.Namespace) -> int:
           f"{result.raw_sum_ms:.3f} ms), {result.unique_signatures} distinct operators measured, "
           f"{result.reused} reused, in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _refuse_weightless(model: Path) -> None:
+    """A weightless model cannot be timed: one line saying how to price it."""
+    import onnx
+
+    from onnx_partition.graph.weightless import model_weights
+
+    try:
+        weights = model_weights(onnx.load(str(model), load_external_data=False))
+    except Exception:  # not a model: the profiler says so
+        return
+    if weights == "none":
+        raise PartitionError(f"{model} has no weights (exported with --no-weights): profile "
+                             "measures a model with weights; partition prices this one "
+                             "analytically (--gpu NAME), or export it with weights to time it")
 
 
 def _profile_plan(args: argparse.Namespace, started: float) -> int:

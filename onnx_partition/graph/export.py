@@ -128,6 +128,9 @@ def export(
     if path.suffix == PROGRAM_SUFFIX:
         raise PartitionError(f"the ONNX path {path} must not end in {PROGRAM_SUFFIX}")
     args = tuple(args)
+    if is_meta(module):  # a weightless module traces on meta inputs (real ones are only shapes)
+        args = _on_meta(args)
+        kwargs = dict(zip(kwargs or {}, _on_meta(tuple((kwargs or {}).values())), strict=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     # the program is published last: inner blocks exit first (the ONNX file's .data, then it)
     with (_no_cache(module), atomic_path(program_path(path)) as staged_program,
@@ -306,6 +309,10 @@ def _fake_if_meta(module: torch.nn.Module, args: tuple[Any, ...],
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _on_meta(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def _is_flat(out: Any) -> bool:
