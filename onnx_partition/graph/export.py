@@ -128,7 +128,7 @@ def export(
     if path.suffix == PROGRAM_SUFFIX:
         raise PartitionError(f"the ONNX path {path} must not end in {PROGRAM_SUFFIX}")
     args = tuple(args)
-    if is_meta(module):  # a weightless module traces on meta inputs (real ones are only shapes)
+    if is_meta(module):  # floating inputs meet the weights on meta; indices stay as given
         args = _on_meta(args)
         kwargs = dict(zip(kwargs or {}, _on_meta(tuple((kwargs or {}).values())), strict=True))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,7 +312,11 @@ def _fake_if_meta(module: torch.nn.Module, args: tuple[Any, ...],
 
 
 def _on_meta(values: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in values)
+    """Floating inputs of a weightless module on meta (a real one would meet meta weights);
+    integer ones (token ids, labels) as given, so what the program makes from them keeps
+    their device."""
+    return tuple(v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                 for v in values)
 
 
 def _is_flat(out: Any) -> bool:
