@@ -102,10 +102,15 @@ def test_the_weights_follow_the_models_rules_and_depend_on_seed_and_name(planned
     assert inv is not None and float(inv[0]) == 1.0  # rotary: the model's own rule
 
 
-def test_run_refuses_a_weightless_plan(planned, capsys):
-    assert main(["run", str(planned)]) == 2
+@pytest.mark.parametrize(("argv", "said"), [
+    (["run", "{plan}"], "no weights"),
+    (["profile", "--plan", "{plan}"], "no weights"),
+    (["train", "{plan}", "--engine", "torch", "--microbatches", "2"], "use --engine ours"),
+])
+def test_what_needs_weights_refuses_a_weightless_plan(planned, capsys, argv, said):
+    assert main([a.format(plan=planned) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "no weights" in err and "\n" not in err
+    assert err.startswith("error: ") and said in err and "\n" not in err
 
 
 @pytest.mark.parametrize(("make", "argv", "said"), [

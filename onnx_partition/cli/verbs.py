@@ -248,6 +248,9 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
     if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
         raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
                              "and shapes: drop --device, --mode, --batch-size and --input-shape")
+    if read_plan(args.plan).weights == "none":
+        raise PartitionError(f"plan {args.plan} has no weights (exported with --no-weights): "
+                             "profile --plan times its stages, which needs their weights")
     done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
