@@ -167,3 +167,19 @@ def test_the_python_export_takes_a_module_on_meta(tmp_path, capsys, inputs_on):
     # the backward per aten op priced on meta too
     assert main(["profile", str(path), "--batch-size", "2", "-o", str(tmp_path / "c.json")]) == 2
     assert "has no weights" in capsys.readouterr().err
+
+
+def test_without_no_weights_the_config_gets_random_weights(tmp_path):
+    """export --hf-config without --no-weights: random weights (as from_config), recorded."""
+    from onnx_partition.graph.weightless import model_origin, model_weights
+
+    config = _config(tmp_path / "cfg", ["LlamaForCausalLM"], **{**SMALL, "num_hidden_layers": 1})
+    model = tmp_path / "r.onnx"
+    assert main(["export", "--hf-config", str(config), "--seq-len", "8", "-o", str(model)]) == 0
+    proto = onnx.load(str(model))
+    assert model_weights(proto) == "random" and not any(map(is_weightless, proto.graph.initializer))
+    origin = model_origin(proto)
+    assert origin is not None and origin["hf"]["class"] == "LlamaForCausalLM"
+    embed = next(t for t in proto.graph.initializer if t.name == "model.embed_tokens.weight")
+    values = onnx.numpy_helper.to_array(embed)
+    assert 0.01 < float(values.std()) < 0.03  # normal(0, initializer_range)
