@@ -5,6 +5,7 @@ it, and bad input is one line with exit code 2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import onnx
@@ -119,6 +120,8 @@ def test_what_needs_weights_refuses_a_weightless_plan(planned, capsys, argv, sai
     ("bare", ["--hf-config", "{cfg}"], "names no architectures: give the class with --hf-class"),
     ("bare", ["--hf-config", "{cfg}", "--hf-class", "NotAModel"], "not a transformers model"),
     ("none", ["--hf-config", "{cfg}"], "no config.json"),
+    ("unbuildable", ["--hf-config", "{cfg}", "--no-weights"],
+     "LlamaForCausalLM does not build on meta: "),
     (None, ["gpt", "--no-weights"], "--no-weights goes with --hf-config"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, argv, said):
@@ -126,6 +129,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, argv, said):
     cfg.mkdir()
     if make == "bare":
         _config(cfg, None, **SMALL)
+    if make == "unbuildable":  # an activation transformers does not know
+        _config(cfg, ["LlamaForCausalLM"], **SMALL)
+        body = json.loads((cfg / "config.json").read_text())
+        (cfg / "config.json").write_text(json.dumps({**body, "hidden_act": "no-such-act"}))
     argv = [a.format(cfg=cfg) for a in argv]
     assert main(["export", *argv, "-o", str(tmp_path / "m.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
