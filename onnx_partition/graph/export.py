@@ -127,6 +127,9 @@ def export(
     path = Path(path)
     if path.suffix == PROGRAM_SUFFIX:
         raise PartitionError(f"the ONNX path {path} must not end in {PROGRAM_SUFFIX}")
+    if weights not in (None, "random"):
+        raise PartitionError(f"weights={weights!r}: only 'random' is recorded (a module on "
+                             "meta is weightless by itself)")
     args = tuple(args)
     if is_meta(module):  # floating inputs meet the weights on meta; indices stay as given
         args = _on_meta(args)
