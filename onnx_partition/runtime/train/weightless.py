@@ -2,13 +2,14 @@
 
 A plan exported with ``--no-weights`` (plan.json ``"weights": "none"``) has stage modules whose
 parameters and buffers are meta tensors. :func:`materialize` gives each of them a value on
-the rank's device, a function of ``(seed, name)`` alone: a generator seeded from
-``sha256(seed, name)`` draws it after the model's own initialisation rules (a Hugging Face
+the rank's device, a function of ``(seed, name)`` alone: the CPU generator, seeded from
+``sha256(seed, name)``, draws it after the model's own initialisation rules (a Hugging Face
 model's ``_init_weights`` applied to the module owning the tensor, that module alone
-materialised, then put back on meta), so every rank makes only its own stage, a tied copy is the
-same on every stage holding it, and ``train --check``'s single-process reference makes the same
-weights. Without an origin (a module exported on meta through the Python API), or for a tensor
-the model's rules leave alone: normal(0, 0.02) for a matrix, ones for a vector named
+materialised, then put back on meta), and the value moves to the device. So every rank makes
+only its own stage, a tied copy is the same on every stage holding it, and ``train --check``'s
+single-process reference makes the same weights on any device. Without an origin (a module
+exported on meta through the Python API), or for a tensor the model's rules leave alone:
+normal(0, 0.02) for a matrix, ones for a vector named
 ``weight``, zeros otherwise.
 """
 
@@ -88,14 +89,16 @@ def _model(origin: str) -> Any:
 
 def _make(model: Any, name: str, like: torch.Tensor, device: torch.device,
           seed: int) -> torch.Tensor:
-    """Tensor ``name`` (shape and dtype of ``like``) on ``device``, drawn from its seed."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    """Tensor ``name`` (shape and dtype of ``like``) on ``device``, drawn from its seed by the
+    CPU generator (a GPU's draws differ from the CPU's: this way every device, and the CPU
+    reference of ``--check``, gets the same values), one owner at a time."""
+    cpu = torch.device("cpu")
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_of(seed, name))
-        owned = _by_model(model, name, device) if model is not None else None
-        if owned is not None and owned.shape == like.shape:
-            return owned.to(like.dtype)
-        return _default(name, like, device)
+        owned = _by_model(model, name, cpu) if model is not None else None
+        value = (owned.to(like.dtype) if owned is not None and owned.shape == like.shape
+                 else _default(name, like, cpu))
+    return value.to(device)
 
 
 def _by_model(model: Any, name: str, device: torch.device) -> torch.Tensor | None:
