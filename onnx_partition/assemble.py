@@ -23,6 +23,7 @@ from onnx_partition.cost.devices import math_of
 from onnx_partition.cost.engine_price import EnginePrice, engine_price, tied_bytes
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.emit import StageCut, cut_stages, io_specs
+from onnx_partition.graph.weightless import model_origin, model_weights
 from onnx_partition.graph_arrays import stage_sizes, trainable_tensors
 from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.memory import (
@@ -319,6 +320,8 @@ def assemble(priced: Priced, solution: Solution, layout: Layout, request: Partit
     if train:
         plan.math = _priced_math(plan.device_model, request.train.precision)
     plan.partition_s = round(time.perf_counter() - started, 4)
+    plan.weights = model_weights(graph.model)
+    plan.origin = model_origin(graph.model)
     program = request.model.with_suffix(".pt2")
     if program.is_file():  # so training can find it and refuse an altered one
         plan.program = os.path.relpath(program.resolve(), request.out.resolve())

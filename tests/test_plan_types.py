@@ -83,6 +83,8 @@ EVERY_EXTRA: dict[str, Any] = {
     "partition_s": 0.5,
     "manifest": {"stage_0.onnx": {"size": 10, "sha256": SHA}},
     "trained_from": "/elsewhere/plan",
+    "weights": "none",
+    "origin": {"hf": {"class": "LlamaForCausalLM", "config": {"hidden_size": 64}}},
     "calibrated": {"by": "profile --plan", "executor": "torch", "device": "cpu",
                    "threads_per_stage": 1, "repeats": 3, "warmup": 1, "side_by_side": "threads",
                    "converged": True, "chosen_round": 1, "rounds": [
@@ -216,6 +218,9 @@ BAD = [
     ("ilp", {"optimal": 1}, "ilp.optimal: Input should be a valid boolean, got 1"),
     ("costs", {"source": "c", "measured_nodes": 1, "check": {"covered_nodes": 1}},
      "costs.check.compute_nodes: Field required"),
+    ("weights", "empty", "weights: Input should be 'none', 'random' or 'data', got 'empty'"),
+    ("origin", {"hf": {"class": "X"}},
+     "origin: origin.hf should have the keys 'class' and 'config'"),
     ("manifest", {"stage_0.onnx": {"size": 1, "sha256": "x"}},
      "manifest.stage_0.onnx.sha256: String should match pattern"),
 ]

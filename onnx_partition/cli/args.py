@@ -20,6 +20,7 @@ from typing import Any
 
 from onnx_partition import __version__, values
 from onnx_partition.cli.descriptions import DESCRIPTIONS
+from onnx_partition.cli.export_args import export_args
 from onnx_partition.cost.autocast import PRECISIONS as PLAN_PRECISIONS
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline import schedules
@@ -213,13 +214,6 @@ def _shape_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                    help="fix an input's shape (repeatable)")
     p.add_argument("--batch-size", type=int,
                    help="rows per micro-batch: fixes a symbolic leading (batch) dim")
-
-
-def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="recipe: resnet, inception, unet, gpt, bert, encdec")
-    p.add_argument("--size", default="tiny", help="tiny | small | realistic")
-    p.add_argument("--batch-size", type=int, default=2, help="example batch used for tracing")
-    p.add_argument("-o", "--output", required=True, type=Path, help="ONNX file to write")
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -530,7 +524,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 _VERBS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
-    ("export", "export a model recipe from models/ to ONNX", _export_args),
+    ("export", "export a model recipe from models/, or a Hugging Face config, to ONNX",
+     export_args),
     ("profile", "measure every node's time on a device -> costs.json", _profile_args),
     ("partition", "cut a model into stage files and plan.json", _partition_args),
     ("run", "run a plan folder as a pipeline and measure it", _run_args),

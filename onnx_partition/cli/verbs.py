@@ -148,6 +148,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if (args.name is None) == (args.hf_config is None):
+        raise PartitionError("export takes exactly one of a recipe NAME or --hf-config DIR")
+    if args.hf_config is not None:
+        return _export_hf(args)
+    hf_only = [flag for flag, given in (("--no-weights", args.no_weights),
+                                        ("--hf-class", args.hf_class is not None)) if given]
+    if hf_only:
+        raise PartitionError(f"{hf_only[0]} goes with --hf-config, not a recipe")
     from onnx_partition import models
 
     try:
@@ -161,6 +169,19 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from models.hf import export_hf_config
+
+    started = time.perf_counter()
+    path = export_hf_config(args.hf_config, args.output, weights=not args.no_weights,
+                            seq_len=args.seq_len, batch_size=args.batch_size,
+                            class_name=args.hf_class, reporter=_bars())
+    what = "no weights" if args.no_weights else "random weights"
+    _say(f"wrote {path} and its program {path.with_suffix('.pt2').name} ({args.hf_config}, "
+         f"{what}, sequence {args.seq_len}) in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def _profile(args: argparse.Namespace) -> int:
     from onnx_partition.cost.profile import profile_to_file
 
@@ -171,6 +192,7 @@ def _profile(args: argparse.Namespace) -> int:
         return _profile_plan(args, started)
     if args.model is None or args.output is None:
         raise PartitionError("profile needs MODEL and -o COSTS (or --plan PLAN)")
+    _refuse_weightless(args.model)
     if args.precision != "fp32" and getattr(args, "mode", "infer") != "train":
         raise PartitionError(f"--precision {args.precision} measures training under autocast: "
                              "it needs --mode train")
@@ -202,6 +224,22 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_weightless(model: Path) -> None:
+    """A weightless model cannot be timed: one line saying how to price it."""
+    import onnx
+
+    from onnx_partition.graph.weightless import model_weights
+
+    try:
+        weights = model_weights(onnx.load(str(model), load_external_data=False))
+    except Exception:  # not a model: the profiler says so
+        return
+    if weights == "none":
+        raise PartitionError(f"{model} has no weights (exported with --no-weights): profile "
+                             "measures a model with weights; partition prices this one "
+                             "analytically (--gpu NAME), or export it with weights to time it")
+
+
 def _profile_plan(args: argparse.Namespace, started: float) -> int:
     from onnx_partition.calibrate.recut import calibrate_plan
 
@@ -210,6 +248,9 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
     if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
         raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
                              "and shapes: drop --device, --mode, --batch-size and --input-shape")
+    if read_plan(args.plan).weights == "none":
+        raise PartitionError(f"plan {args.plan} has no weights (exported with --no-weights): "
+                             "profile --plan times its stages, which needs their weights")
     done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
@@ -337,6 +378,11 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     plan = read_plan(args.plan)
+    if plan.weights == "none":
+        raise PartitionError(
+            f"plan {args.plan} has no weights (exported with --no-weights): export the model "
+            "with its weights (without --no-weights) and partition that, or train the plan "
+            "(`onnx-partition train PLAN --save OUT` makes them) and run what it saves")
     if args.iterations < 1 or args.warmup < 0:
         raise PartitionError("--iterations must be at least 1 and --warmup at least 0")
     if args.nproc is not None:  # before anything is printed

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.analytic import AtenOp, DeviceSpec, aten_backward_ms
 from onnx_partition.cost.annotate import NodeCosts
-from onnx_partition.cost.saved import program_inputs, unit_homes
+from onnx_partition.cost.saved import program_inputs, traced_on_meta, unit_homes
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 
@@ -67,8 +67,9 @@ def aten_ops(program: ExportedProgram, shapes: Sequence[Sequence[int]]) -> dict[
     for spec in program.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             shape, dtype = next(specs)
+            on = "meta" if traced_on_meta(program, spec.arg.name) else "cpu"
             with mode:  # a fake tensor: shape and dtype, no data
-                args.append(torch.empty(shape, dtype=dtype))
+                args.append(torch.empty(shape, dtype=dtype, device=on))
             continue
         target = str(spec.target)
         persistent = spec.kind == InputKind.PARAMETER or (

@@ -68,6 +68,7 @@ __all__ = [
     "saved_by_module",
     "saved_bytes",
     "saved_bytes_per_node",
+    "traced_on_meta",
 ]
 
 
@@ -259,6 +260,8 @@ def _program_feeds(program: ExportedProgram, specs: Sequence[tuple[tuple[int, ..
     for spec in sig.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             value = next(user)
+            if mode is not None and traced_on_meta(program, spec.arg.name):
+                value = value.to("meta")  # a weightless module's input traced with its weights
             args.append(mode.from_tensor(value) if mode is not None else value)
             continue
         value = weight(spec)
@@ -273,6 +276,15 @@ def _program_feeds(program: ExportedProgram, specs: Sequence[tuple[tuple[int, ..
             seen.add(StorageWeakRef(copy.untyped_storage()))
         args.append(copy)
     return args, weights, mode
+
+
+def traced_on_meta(program: ExportedProgram, name: str) -> bool:
+    """The program's input ``name`` was traced as a meta tensor (floating inputs of a module
+    exported on meta, :func:`onnx_partition.export`)."""
+    node = next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == name),
+                None)
+    value = node.meta.get("val") if node is not None else None
+    return bool(getattr(value, "is_meta", False))
 
 
 #: Normalisations whose CPU kernels keep the statistics (every output after the first) in fp32

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import json
 import logging
 import os
 import re
@@ -34,11 +35,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 import torch
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.fileio import atomic_path
+from onnx_partition.graph.weightless import (
+    ORIGIN_KEY,
+    WEIGHTS_KEY,
+    mark_model,
+    weightless_tensor,
+)
 
 __all__ = ["BATCH", "EXTERNAL_DATA_BYTES", "PROGRAM_SUFFIX", "export", "program_path", "quiet",
            "weight_bytes"]
@@ -94,6 +102,8 @@ def export(
     opset: int | None = None,
     external_data: bool | None = None,
     kwargs: Mapping[str, torch.Tensor] | None = None,
+    weights: str | None = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> Path:
     """Export ``module`` called on ``args`` to the ONNX file ``path`` and its train-mode program
     to ``path.with_suffix(".pt2")``; weights go to ``<path>.data`` above 100 MB.
@@ -106,11 +116,24 @@ def export(
     does not export. ``kwargs``: keyword tensor inputs after ``args`` (``labels`` of a Hugging
     Face model, which then returns its own loss first); a model returning a mapping or nested
     outputs is exported with its outputs flattened to named tensors (module docstring).
+
+    A module on ``torch.device("meta")`` (example inputs real or meta) exports weightless
+    (:mod:`onnx_partition.graph.weightless`): every parameter and buffer keeps its name, dtype
+    and shape and no data, in the ONNX file and in the program. ``weights="random"`` records
+    that a module with data holds random weights (built from a config); ``origin`` (JSON) where
+    the model came from (``{"hf": {"class": ..., "config": {...}}}``), so a plan can
+    make its weights later.
     """
     path = Path(path)
     if path.suffix == PROGRAM_SUFFIX:
         raise PartitionError(f"the ONNX path {path} must not end in {PROGRAM_SUFFIX}")
+    if weights not in (None, "random"):
+        raise PartitionError(f"weights={weights!r}: only 'random' is recorded (a module on "
+                             "meta is weightless by itself)")
     args = tuple(args)
+    if is_meta(module):  # floating inputs meet the weights on meta; indices stay as given
+        args = _on_meta(args)
+        kwargs = dict(zip(kwargs or {}, _on_meta(tuple((kwargs or {}).values())), strict=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     # the program is published last: inner blocks exit first (the ONNX file's .data, then it)
     with (_no_cache(module), atomic_path(program_path(path)) as staged_program,
@@ -133,7 +156,8 @@ def export(
                 _serve_in_eval_mode(program.model)
                 if external_data is None:
                     external_data = weight_bytes(module) > EXTERNAL_DATA_BYTES
-                program.save(staged, external_data=external_data)
+                _save_onnx(program, staged, external_data=external_data,
+                           weights=weights, origin=origin)
                 torch.export.save(program.exported_program, staged_program)
         finally:
             module.train(was_training)
@@ -142,6 +166,45 @@ def export(
     if not sidecars and stale.exists():
         stale.unlink()  # left by an earlier export of this path with external data
     return path
+
+
+def _save_onnx(program: Any, path: Path, *, external_data: bool, weights: str | None,
+               origin: Mapping[str, Any] | None) -> None:
+    """Write the exported model: initializers holding meta tensors as weightless ones (name,
+    dtype, shape, no data), and the weights' kind and origin in the model's metadata."""
+    model: ir.Model = program.model
+    empty = []
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        raw = getattr(tensor, "raw", None)
+        if tensor is not None and isinstance(raw, torch.Tensor) and raw.is_meta:
+            empty.append(weightless_tensor(value.name or "", raw.shape, int(tensor.dtype)))
+            value.const_value = None
+    if not empty:
+        if weights is not None:
+            model.metadata_props[WEIGHTS_KEY] = weights
+        if origin is not None:
+            model.metadata_props[ORIGIN_KEY] = json.dumps(origin, sort_keys=True,
+                                                          allow_nan=False)
+        program.save(path, external_data=external_data)
+        return
+    with _quiet_serde():
+        proto = ir.serde.serialize_model(model)
+    proto.graph.initializer.extend(empty)
+    mark_model(proto, "none", origin)
+    onnx.save_model(proto, str(path))
+
+
+@contextlib.contextmanager
+def _quiet_serde() -> Iterator[None]:
+    """onnx_ir warns for each initializer without a value (the weightless ones)."""
+    logger = logging.getLogger("onnx_ir.serde")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _export_program(
@@ -224,13 +287,39 @@ def _probe(module: torch.nn.Module, args: tuple[Any, ...],
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), quiet():
+        with torch.no_grad(), quiet(), _fake_if_meta(module, args, kwargs):
             return module(*args, **kwargs)
     except Exception as exc:
         raise PartitionError(f"cannot run {type(module).__name__} on the example inputs: "
                              f"{_cause(exc)}") from None
     finally:
         module.train(was_training)
+
+
+def is_meta(module: torch.nn.Module) -> bool:
+    """Some parameter or buffer of ``module`` lives on ``torch.device("meta")``."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _fake_if_meta(module: torch.nn.Module, args: tuple[Any, ...],
+                  kwargs: Mapping[str, torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """A meta module (or meta inputs) runs under a FakeTensorMode: meta tensors have no
+    values, so eager code that reads one (``.item()``, a data-dependent branch) would fail,
+    while fake tensors let such code see it is being traced."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not is_meta(module) and not any(t.is_meta for t in tensors):
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _on_meta(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Floating inputs of a weightless module on meta (a real one would meet meta weights);
+    integer ones (token ids, labels) as given, so what the program makes from them keeps
+    their device."""
+    return tuple(v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                 for v in values)
 
 
 def _is_flat(out: Any) -> bool:

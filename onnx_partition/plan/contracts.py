@@ -97,6 +97,23 @@ def _one_of(*names: str) -> Check:
     return Check(check)
 
 
+def _origin(value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """plan.json's ``origin``: ``{"hf": {"class": NAME, "config": {...}}}`` (a Hugging Face
+    class and its config as ``save_pretrained`` writes it)."""
+    if set(value) != {"hf"}:
+        raise ValueError(f"Input should have the one key 'hf', got {sorted(value)}")
+    hf = value["hf"]
+    if set(hf) != {"class", "config"}:
+        raise ValueError(f"origin.hf should have the keys 'class' and 'config', got {sorted(hf)}")
+    if not isinstance(hf["class"], str) or not hf["class"].isidentifier():
+        raise ValueError(f"origin.hf.class should be a class name, got {hf['class']!r}")
+    if not isinstance(hf["config"], dict):
+        raise ValueError("origin.hf.config should be an object")
+    return value
+
+
+#: Where a model came from, so its weights can be made or loaded later.
+Origin = Annotated[dict[str, dict[str, Any]], Check(_origin)]
 GBps = Annotated[float, Ge(0), Le(MAX_GBPS), Finite()]
 Gigabytes = Annotated[float, Gt(0), Le(1e9), Finite()]
 
@@ -305,6 +322,10 @@ class PlanFields(Record):
     partition_s: Seconds | None = None  # seconds the partitioning took
     manifest: Manifest = field(default_factory=dict)  # every file of the folder
     trained_from: str | None = None  # train --save: the plan folder trained
+    # what the stage files' weights are: "data", "random" (built from a config) or "none"
+    # (weightless: every initializer's name, dtype and shape, no data; `train` makes them)
+    weights: Annotated[str, _one_of("none", "random", "data")] | None = None
+    origin: Origin | None = None  # the model's origin: {"hf": {"class": ..., "config": ...}}
     calibrated: Calibrated | None = None  # profile --plan: stage times measured, rounds
     # ---- plan@2, train plans: what the memory model assumed (train defaults to them)
     optimizer: str | None = None  # "adamw" ("adam" in early plans): weights, grads, 2 moments

@@ -3,4 +3,4 @@
 (what a training run takes). Plain data, standard library only: the command line and the Python
 API build them (:mod:`onnx_partition.request`), every layer below reads them."""
 
-__all__ = ["partition", "train"]
+__all__ = ["export", "partition", "train"]

@@ -462,13 +462,18 @@ def _device_of(anchor: torch.Tensor) -> torch.device:
 
 
 def _anchor_on(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The empty anchor, on the device of the program's weights (cpu when it has none)."""
-    return torch.empty(0, device=next(iter(tensors.values())).device if tensors else "cpu")
+    """The empty anchor, on the device of the program's weights (cpu when it has none or they
+    are weightless, on meta)."""
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    return torch.empty(0, device="cpu" if device.type == "meta" else device)
 
 
 def _storage_key(value: torch.Tensor) -> object:
     """Tensors with equal keys are one tensor under several names (tied parameters); a loaded
-    program keeps the sharing as shared storage, not as one object."""
+    program keeps the sharing as shared storage, not as one object. Meta tensors (a weightless
+    program) have no storage: they are told apart by identity."""
+    if value.is_meta:
+        return (id(value),)
     return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
             tuple(value.stride()), value.dtype)
 

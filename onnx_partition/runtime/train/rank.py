@@ -68,6 +68,7 @@ from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
 from onnx_partition.runtime.train.restart import write_progress
+from onnx_partition.runtime.train.weightless import materialize
 
 __all__ = ["step_line", "train_stages"]
 
@@ -163,7 +164,7 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     lay = layout(plan)
     k, replica = lay.place(rank)
     torch.manual_seed(run.job.seed * 1_000_003 + rank)
-    module = stages[k].module.to(device).train()
+    module = materialize(stages[k].module, device, plan, run.job.seed).train()
     if run.weights is not None and run.checkpoints.resume_from is None:  # --from-pretrained
         from onnx_partition.runtime.train.pretrained import load_into
 

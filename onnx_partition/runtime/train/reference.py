@@ -24,6 +24,7 @@ from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
 from onnx_partition.runtime.train.pretrained import PretrainedWeights, load_into
 from onnx_partition.runtime.train.task import TrainTask, task_for
+from onnx_partition.runtime.train.weightless import materialize
 from onnx_partition.settings.train import DEFAULTS, TRAIN_FALLBACKS
 
 __all__ = ["NOISE_FACTOR", "ORDER_ULPS", "ROUNDING_ULPS", "check_tolerance", "mismatch",
@@ -102,6 +103,7 @@ def reference_train(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     weights: PretrainedWeights | None = None,
+    seed: int = DEFAULTS.seed,
 ) -> dict[str, torch.Tensor]:
     """Train :func:`whole_module` for ``steps`` steps (default: one per batch), step ``i`` on
     ``batches[i % len(batches)]`` (model inputs, targets by name; all rows of the step) split
@@ -118,7 +120,7 @@ def reference_train(
     if not batches:
         raise PartitionError("reference_train needs at least one batch")
     plan = read_plan(plan_dir)
-    module = _placed(_start(plan_dir, deterministic, weights), dtype, device)
+    module = _placed(_start(plan_dir, plan, deterministic, weights, seed), dtype, device)
     task = task or task_for(plan_dir)
     opt = make_optimizer(optimizer, module.parameters(), lr, weight_decay=weight_decay,
                          momentum=momentum, betas=betas)
@@ -142,23 +144,25 @@ def reference_gradients(plan_dir: str | Path, batch: Batch, *, microbatches: int
                         task: TrainTask | None = None,
                         precision: str = TRAIN_FALLBACKS["precision"],
                         dtype: torch.dtype | None = None, device: torch.device | None = None,
-                        weights: PretrainedWeights | None = None
+                        weights: PretrainedWeights | None = None, seed: int = DEFAULTS.seed
                         ) -> dict[str, torch.Tensor]:
     """The gradients of :func:`reference_train`'s first step (before clipping and the
     optimizer), by name (None-gradient parameters left out): what ``--check`` compares first;
     ``dtype`` and ``device`` as there."""
     plan = read_plan(plan_dir)
-    module = _placed(_start(plan_dir, True, weights), dtype, device)
+    module = _placed(_start(plan_dir, plan, True, weights, seed), dtype, device)
     _accumulate(module, plan, task or task_for(plan_dir), _cast(batch, dtype, device),
                 microbatches, precision)
     return {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters()
             if p.grad is not None}
 
 
-def _start(plan_dir: str | Path, deterministic: bool,
-           weights: PretrainedWeights | None) -> torch.nn.Module:
-    """The whole module training starts from: the program's weights, or ``weights``."""
-    module = whole_module(plan_dir, deterministic=deterministic)
+def _start(plan_dir: str | Path, plan: Plan, deterministic: bool,
+           weights: PretrainedWeights | None, seed: int) -> torch.nn.Module:
+    """The whole module training starts from: the program's weights (a weightless plan's made
+    as each rank makes its own: same seed, same names), or ``weights``."""
+    module = materialize(whole_module(plan_dir, deterministic=deterministic),
+                         torch.device("cpu"), plan, seed)
     if weights is not None:
         load_into(module, weights)
     return module

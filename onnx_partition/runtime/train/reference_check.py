@@ -86,7 +86,7 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], run: RankR
     if run.check_steps:
         both = [reference_gradients(folder, every[0], microbatches=run.microbatches, task=task,
                                     precision=precision, dtype=dtype, device=device,
-                                    weights=run.weights)
+                                    weights=run.weights, seed=run.job.seed)
                 for precision, dtype in ((run.precision, None), ("fp32", torch.float64))]
         compare("gradient of step 1", [r.grads for r in ranks], *both)
     if run.optimizer != "sgd":
@@ -99,7 +99,7 @@ def compare_with_reference(folder: Path, ranks: Sequence[RankResult], run: RankR
             momentum=asked.momentum, betas=asked.betas, warmup_steps=asked.warmup_steps,
             lr_schedule=asked.lr_schedule, total_steps=run.job.steps,
             clip_grad_norm=asked.clip_grad_norm, precision=precision, dtype=dtype,
-            device=device, weights=run.weights)
+            device=device, weights=run.weights, seed=run.job.seed)
             for precision, dtype in ((run.precision, None), ("fp32", torch.float64))]
         compare(f"after step {step}", [r.states[step] for r in ranks], *both)
     return problems

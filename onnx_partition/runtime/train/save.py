@@ -26,6 +26,8 @@ from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.emit import save_stage, write_plan_folder
 from onnx_partition.plan import write_plan
 from onnx_partition.runtime.train.modules import load_program, program_names, require_trainable
+from onnx_partition.runtime.train.weightless import fill_program
+from onnx_partition.settings.train import DEFAULTS
 
 __all__ = ["save_trained"]
 
@@ -36,10 +38,12 @@ def save_trained(
     out_dir: str | Path,
     *,
     force: bool = False,
+    seed: int = DEFAULTS.seed,
 ) -> Path:
     """A new plan folder ``out_dir`` whose stage files carry the trained initializers
     (``state[k]`` = stage k's ``module.state_dict()`` after training), with the trained whole
-    model and program; servable by ``onnx-partition run``. Returns ``out_dir``."""
+    model and program; servable by ``onnx-partition run``. Returns ``out_dir``. ``seed``: the
+    run's, for a weightless plan's buffers that no state dict holds."""
     plan_dir, out_dir = Path(plan_dir), Path(out_dir)
     plan = require_trainable(plan_dir)
     if len(state) != len(plan.stages):
@@ -53,6 +57,14 @@ def save_trained(
 
     def write(folder: Path) -> None:
         new = copy.deepcopy(plan)
+        with warnings.catch_warnings():  # deepcopy of a program warns about pytree internals
+            warnings.simplefilter("ignore", FutureWarning)
+            trained = copy.deepcopy(program)
+        # a weightless plan: its meta tensors take the trained values, buffers outside the
+        # state dict (a rotary table) the ones its ranks made
+        values.update(fill_program(trained, plan, values, seed))
+        if new.weights == "none":
+            new.weights = "data"
         for stage in new.stages:
             proto = onnx.load(str(plan_dir / stage.file), load_external_data=False)
             _replace(proto, values)
@@ -62,9 +74,6 @@ def save_trained(
             raise PartitionError("no initializer of the model is named after a trained "
                                  "parameter: was it exported by onnx_partition.export?")
         save_stage(whole, folder / model.name, model.parent, check=False)
-        with warnings.catch_warnings():  # deepcopy of a program warns about pytree internals
-            warnings.simplefilter("ignore", FutureWarning)
-            trained = copy.deepcopy(program)
         with torch.no_grad():
             for name, tensor in trained.state_dict.items():
                 if name in values:

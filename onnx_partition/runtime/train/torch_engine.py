@@ -100,6 +100,11 @@ def check_torch_engine(plan: Plan, run: RankRun) -> None:
             f"--engine torch: torch.distributed.pipelining maps stage i to rank i % (its "
             f"group's size), so every stage needs the same replica count; this plan has "
             f"{lay.replicas} (use --engine ours)")
+    if plan.weights == "none":
+        raise PartitionError(
+            "--engine torch probes every stage's shapes in one process, which a weightless "
+            "plan (--no-weights) has no weights for: use --engine ours, which makes each "
+            "stage's weights on its own rank")
     recomputed = [s.index for s in plan.stages if s.recompute]
     if recomputed:
         raise PartitionError(

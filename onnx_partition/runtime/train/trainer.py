@@ -174,7 +174,7 @@ def run_job(plan_dir: str | os.PathLike[str], job: TrainJob, *,
 
         states = [next(r.state for r in ranks if r.stage == k and r.state is not None)
                   for k in range(len(plan.stages))]
-        stats.saved = save_trained(folder, states, Path(job.save))
+        stats.saved = save_trained(folder, states, Path(job.save), seed=job.seed)
     if out.save is not None:
         stats.saved_pretrained = save_pretrained(
             folder, [next(r.state for r in ranks if r.stage == k and r.state is not None)
