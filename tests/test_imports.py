@@ -69,3 +69,18 @@ def test_the_ilp_solver_loads_or_tools_when_asked(tmp_path):
 def test_the_package_loads_torch_on_first_use_of_export():
     assert _loaded_after("import onnx_partition") == set()
     assert "torch" in _loaded_after("import onnx_partition\nassert callable(onnx_partition.export)")
+
+
+def test_the_package_imports_the_recipes_by_their_installed_name():
+    """The recipes install as ``onnx_partition.models`` (setup.py); ``from models...`` works in a
+    checkout only, and ``export --hf-config`` failed so anywhere else."""
+    import ast
+
+    wrong = []
+    for path in sorted((ROOT / "onnx_partition").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                      if n == "models" or n.startswith("models.")]
+    assert not wrong, wrong

@@ -170,7 +170,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from models.hf import export_hf_config
+    from onnx_partition.models.hf import export_hf_config
 
     started = time.perf_counter()
     path = export_hf_config(args.hf_config, args.output, weights=not args.no_weights,

@@ -82,7 +82,7 @@ def _tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 @functools.lru_cache(maxsize=2)
 def _model(origin: str) -> Any:
     """The origin's model on meta (built once per process and origin)."""
-    from models.hf import build_on_meta
+    from onnx_partition.models.hf import build_on_meta
 
     return build_on_meta(json.loads(origin))
 
