@@ -176,6 +176,13 @@ def _profile(args: argparse.Namespace) -> int:
                              "it needs --mode train")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.torch_ops import profile_train_to_file
+        from onnx_partition.fileio import sha256_file
+        from onnx_partition.graph.export import program_path
+
+        program = program_path(args.model)
+        if program.is_file():  # a program is code: say which one runs, before it loads
+            _say(f"program {program} sha256 {sha256_file(program)} (code: profile only "
+                 "models you trust)")
         from onnx_partition.runtime.train.passes import split_call_ms
         from onnx_partition.runtime.train.probe import probe_engine
 
@@ -409,6 +416,9 @@ def _train(args: argparse.Namespace) -> int:
         raise PartitionError(
             f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
+    if plan.program:  # a program is code: say which one runs, before anything loads it
+        _say(f"program {Path(args.plan) / plan.program} sha256 {plan.program_sha256} "
+             "(code: train only plans you trust)")
     warning = plan_defaults(args, priced_for(plan))  # said after the figures it explains
     job, _ = resolve_job(train_job(**train_options(args)), plan)  # the choices: plan_defaults'
     stats = run_job(args.plan, job)
