@@ -215,8 +215,8 @@ def test_the_program_is_named_and_only_loaded_from_its_folders(
     assert main(["train", str(plans[0]), "--steps", "1", *COMMON]) == 0
     first = capfd.readouterr().out.splitlines()[0]
     assert first.startswith("program ") and plan.program_sha256 in first, first
-    other = tmp_path / "elsewhere"
-    other.mkdir()
+    other = tmp_path / "elsewhere" / "deeper"
+    other.mkdir(parents=True)
     shutil.copy(plans[0] / plan.program, other / "gpt.pt2")
     copied = tmp_path / "plan"
     shutil.copytree(plans[0], copied)
@@ -225,7 +225,7 @@ def test_the_program_is_named_and_only_loaded_from_its_folders(
     body["program"] = str(other / "gpt.pt2")
     (copied / "plan.json").write_text(json.dumps(body))
     _one_line_exit_2(["train", str(copied), "--steps", "1", *COMMON], capfd,
-                     "in the plan folder or beside its model")
+                     "beside the plan folder or beside its model")
     body["program"] = str((plans[0] / plan.program).resolve())
     body["program_sha256"] = "0" * 64
     (copied / "plan.json").write_text(json.dumps(body))

@@ -31,9 +31,9 @@ DESCRIPTIONS = {
              "writes checkpoints with --checkpoint-dir, a per-step log with --log, the trained "
              "weights as a new plan folder with --save, measured stage times with --record. "
              "The program MODEL.pt2 is code (torch.export.load unpickles it): train only plans "
-             "you trust; its path and sha256 are printed first, and it loads only from the "
-             "plan folder or beside the plan's model. Checkpoints (safetensors + JSON), --data "
-             "(.npz/.npy, no pickles) and plan.json are read as data only.",
+             "you trust; its path and sha256 are printed first, and it loads only from in or "
+             "beside the plan folder or beside the plan's model. Checkpoints (safetensors + "
+             "JSON), --data (.npz/.npy, no pickles) and plan.json are read as data only.",
     "simulate": "Read a plan folder and simulate its schedule: prints the iteration time, "
                 "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
     "report": "Read a plan folder (and the model beside it, for the operator graph) and write "

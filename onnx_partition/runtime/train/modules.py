@@ -96,17 +96,14 @@ def require_trainable(plan_dir: str | Path) -> Plan:
 
 def _check_program_place(plan_dir: Path, plan: Plan, path: Path) -> None:
     """A program is code (``torch.export.load`` unpickles it): it is loaded only from the plan
-    folder or the folder of the plan's model (where ``export`` writes it), never from wherever
-    a copied plan.json points."""
-    where = path.resolve()
-    homes = [plan_dir.resolve()]
-    if plan.model:
-        homes.append((plan_dir / plan.model).resolve().parent)
-    if path.suffix != ".pt2" or not any(h == where.parent or h in where.parents
-                                        for h in homes):
+    folder, the folder holding it, or the folder of the plan's model (where ``export`` writes
+    it), never from wherever a copied plan.json points."""
+    where, root = path.resolve(), plan_dir.resolve()
+    beside = {root.parent, *([(plan_dir / plan.model).resolve().parent] if plan.model else [])}
+    if path.suffix != ".pt2" or not (root in where.parents or where.parent in beside):
         raise PartitionError(f"plan {plan_dir}: its program {plan.program} is not a .pt2 file "
-                             "in the plan folder or beside its model; a program is code, "
-                             "loaded only from there")
+                             "in or beside the plan folder or beside its model; a program is "
+                             "code, loaded only from there")
 
 
 def load_program(plan_dir: str | Path, plan: Plan) -> ExportedProgram:
