@@ -191,6 +191,19 @@ def test_a_changed_checkpoint_file_is_refused(plans: tuple[Path, Path], checkpoi
         handle.write(b"\x01")
     _one_line_exit_2(["train", str(plans[0]), "--steps", "3", *COMMON, "--resume",
                       str(crafted)], capfd, "does not match its sha256")
+    shutil.rmtree(crafted)
+    shutil.copytree(checkpoint, crafted)
+    manifest_file = crafted / "step-00000002" / "manifest.json"
+    good = json.loads(manifest_file.read_text())
+    key = next(iter(good["tensors"]))
+    for change, said in ((lambda m: m["ranks"][0].update(rank="zero"), "malformed manifest"),
+                         (lambda m: m["tensors"][key].update(file="../../elsewhere"),
+                          "tensor index names tensors its files do not hold")):
+        body = json.loads(json.dumps(good))
+        change(body)
+        manifest_file.write_text(json.dumps(body))
+        _one_line_exit_2(["train", str(plans[0]), "--steps", "3", *COMMON, "--resume",
+                          str(crafted)], capfd, said)
 
 
 def test_an_npz_holding_objects_is_one_line(plans: tuple[Path, Path], tmp_path: Path,

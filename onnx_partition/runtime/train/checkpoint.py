@@ -158,9 +158,21 @@ def latest_checkpoint(root: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
     if not isinstance(manifest, dict) or manifest.get("format") not in (CHECKPOINT_FORMAT,
                                                                         LEGACY_FORMAT):
         raise PartitionError(f"--resume {folder}: not a checkpoint ({CHECKPOINT_FORMAT})")
-    if manifest["format"] == LEGACY_FORMAT:
-        _check_legacy(folder, manifest, plan)
-        return folder, manifest
+    try:
+        int(manifest["step"])
+        if manifest["format"] == LEGACY_FORMAT:
+            _check_legacy(folder, manifest, plan)
+        else:
+            _check_files(folder, manifest, plan)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PartitionError(f"--resume {folder}: malformed manifest.json ({type(exc).__name__}: "
+                             f"{exc})") from None
+    return folder, manifest
+
+
+def _check_files(folder: Path, manifest: Mapping[str, Any], plan: Plan) -> None:
+    """A format-2 checkpoint: of this model, every rank file as its manifest says and a sound
+    safetensors file, the tensor index naming only what the files hold."""
     saved, want = manifest.get("model", {}), model_identity(plan)
     if saved.get("program_sha256") != want["program_sha256"]:
         raise PartitionError(f"--resume {folder}: written for another model (its program sha256 "
@@ -177,7 +189,6 @@ def latest_checkpoint(root: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
             for k, v in listed.items()):
         raise PartitionError(f"--resume {folder}: its manifest's tensor index names tensors "
                              "its files do not hold")
-    return folder, manifest
 
 
 def _check_file(folder: Path, path: Path, entry: Mapping[str, Any]) -> None:
