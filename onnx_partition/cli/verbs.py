@@ -217,6 +217,10 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
     if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
         raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
                              "and shapes: drop --device, --mode, --batch-size and --input-shape")
+    plan = read_plan(args.plan)
+    if plan.mode == "train" and plan.program:  # the engine's run loads it: say which one
+        _say(f"program {Path(args.plan) / plan.program} sha256 {plan.program_sha256} "
+             "(code: profile only plans you trust)")
     done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
