@@ -117,6 +117,17 @@ def test_a_crafted_pickle_in_a_checkpoint_never_runs(
     _one_line_exit_2(["train", str(plans[0]), "--steps", "3", *COMMON, "--resume",
                       str(crafted)], capfd, str(rank0), "not plain data")
     assert not marker.exists()
+    # the same pickle in place of a format-2 rank file, its sha256 written into the manifest
+    current = tmp_path / "current"
+    shutil.copytree(checkpoint, current)
+    folder = current / "step-00000002"
+    torch.save(_Touch(marker), folder / "rank-00000.safetensors")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["ranks"][0]["sha256"] = sha256_file(folder / "rank-00000.safetensors")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _one_line_exit_2(["train", str(plans[0]), "--steps", "3", *COMMON, "--resume",
+                      str(current)], capfd, "rank-00000.safetensors: not a valid safetensors")
+    assert not marker.exists()
 
 
 def test_a_plain_data_format_1_checkpoint_resumes_as_before(
