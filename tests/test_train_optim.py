@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.checkpoints import rank_params, rank_tensors
 from support.faults import ExitAt
 
 from onnx_partition.cli import main
@@ -21,7 +22,7 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.plan import read_plan
 from onnx_partition.request.train import PlannedChoiceWarning
 from onnx_partition.runtime import StageFailed
-from onnx_partition.runtime.train.checkpoint import latest_checkpoint, rank_file
+from onnx_partition.runtime.train.checkpoint import latest_checkpoint
 from onnx_partition.runtime.train.data_plan import synthetic_batch
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.paths import check_log_path
@@ -79,7 +80,7 @@ def test_bf16_sgd_momentum_clipping_equal_single_process(gpt_plan: Path) -> None
 
 
 def _params(folder: Path, ranks: int) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(rank_file(folder, r), weights_only=False)["module"] for r in range(ranks)]
+    return [rank_params(folder, r) for r in range(ranks)]
 
 
 def test_resume_after_a_kill_equals_straight(gpt_plan: Path, tmp_path: Path) -> None:
@@ -150,8 +151,8 @@ def test_a_kill_while_writing_leaves_the_previous_checkpoint(gpt_plan: Path,
     assert manifest["data_position"] == {"step": 1, "rows": 4}
     assert not (out / "step-00000002").exists()
     for entry in manifest["ranks"]:
-        assert set(torch.load(rank_file(folder, entry["rank"]), weights_only=False)) >= {
-            "module", "optimizer", "rng"}
+        kinds = {k.split("/")[0] for k in rank_tensors(folder, entry["rank"])}
+        assert kinds == {"module", "optim", "rng"}, kinds
 
 
 def test_a_checkpoint_of_another_plan_is_refused(gpt_plan: Path, tmp_path: Path,
@@ -166,12 +167,22 @@ def test_a_checkpoint_of_another_plan_is_refused(gpt_plan: Path, tmp_path: Path,
     body["model"] = str((gpt_plan / body["model"]).resolve())
     body["stages"][0].update(replicas=2, devices=["cpu", "cpu"])
     (other / "plan.json").write_text(json.dumps(body))
-    with pytest.raises(PartitionError, match=r"another plan \(its replica counts"):
-        train_plan(other, steps=2, microbatches=2, batch_size=2, resume=out)
-    code = main(["train", str(other), "--steps", "2", "--microbatches", "2", "--batch-size",
-                 "2", "--resume", str(out)])
+    # another plan of the same model (stage 0 replicated) resumes it: checkpoints are by name
+    moved, alien = tmp_path / "moved", tmp_path / "alien"
+    shutil.copytree(out, moved)
+    shutil.copytree(out, alien)
+    again = train_plan(other, steps=2, microbatches=2, batch_size=2, resume=moved)
+    assert again.start_step == 1 and len(again.loss) == 1
+    # another model (its program's sha256) is refused in one line
+    folder = alien / "step-00000001"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["model"]["program_sha256"] = "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    code = main(["train", str(other), "--steps", "3", "--microbatches", "2", "--batch-size",
+                 "2", "--resume", str(alien)])
     assert code == 2
-    assert "written for another plan" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "written for another model" in err, err
     with pytest.raises(PartitionError, match="inside the plan folder"):
         train_plan(gpt_plan, steps=1, checkpoint_dir=gpt_plan / "ck", checkpoint_every=1)
     with pytest.raises(PartitionError, match="already at step 1"):

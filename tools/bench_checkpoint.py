@@ -1,110 +1,77 @@
-"""What a checkpoint, a resume and a restart after a lost rank cost, on this machine (CPU, gloo).
+"""What a checkpoint costs: one rank's state (parameters of ``--mib`` MiB plus AdamW's two
+moments) written as the training ranks write it (safetensors, atomically, then hashed and its
+header indexed as rank 0 does), checked as a resume checks it before any rank starts, and read
+back by name as a resuming rank reads it.
 
-    python tools/bench_checkpoint.py [--model gpt] [--size small] [--stages 2] [--steps 6]
-        [--microbatches 4] [--batch-size 2] [--workdir DIR]
+    python tools/bench_checkpoint.py --mib 256
 
-Exports the recipe, partitions it in train mode into ``--stages`` stages and trains it with
-AdamW (after one warm-up run; the shortest of two runs where two are timed) four ways, each
-``--steps`` steps: (a) without checkpoints; (b) checkpointing after every
-step; (c) resumed from (b)'s checkpoint of step ``steps - 1`` for the last step, against (d)
-one fresh step; and (e) as (b) with ``--max-restarts 1``, the last stage's rank killed
-(``kill -9``, :class:`~onnx_partition.runtime.launch.hooks.KillOnce`) at its first forward of
-the last step. Printed: a checkpoint's bytes, seconds per checkpoint ((b) - (a) over the steps)
-and GB/s written; seconds a resume adds to a start ((c) - (d)) and GB/s read; seconds from the
-kill to the first replayed step's end (the ``--log`` line's ``time``), less that step's own
-time: the restart's cost (stopping every rank, starting them again, loading the checkpoint).
+Prints seconds and seconds per GB (of the file) for each part, the median of ``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from onnx_partition import models
-from onnx_partition.partition import partition
-from onnx_partition.runtime.launch.hooks import KillOnce
-from onnx_partition.runtime.train.trainer import train_plan
+import torch
+
+from onnx_partition.fileio import atomic_path, sha256_file
+from onnx_partition.runtime.train.checkpoint_state import load_rank_state, save_rank_state
+from onnx_partition.safe_tensors import check_safetensors
 
 
-def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def _timed(repeats: int = 1, **keywords: object) -> float:
-    """The shortest wall time of ``repeats`` runs of ``train_plan(**keywords)``; a checkpoint
-    folder is emptied between them."""
-    best = float("inf")
-    for _ in range(repeats):
-        folder = keywords.get("checkpoint_dir")
-        if isinstance(folder, Path) and folder.exists():
-            shutil.rmtree(folder)
-        began = time.perf_counter()
-        train_plan(**keywords)  # type: ignore[arg-type]
-        best = min(best, time.perf_counter() - began)
-    return best
+def _model(mib: int) -> torch.nn.Module:
+    side = 1024
+    rows = max(1, mib * 2**20 // (4 * side * 16))
+    return torch.nn.Sequential(*[torch.nn.Linear(side, rows, bias=False) for _ in range(16)])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="gpt")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--workdir", type=Path)
-    args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
-    model = models.export(args.model, work / f"{args.model}.onnx", size=args.size)
-    plan = work / "plan"
-    partition(model, args.stages, plan, mode="train", batch_size=args.batch_size, force=True)
-    common = {"plan_dir": plan, "microbatches": args.microbatches,
-              "batch_size": args.batch_size, "optimizer": "adamw", "lr": 1e-3}
-    steps = args.steps
-    _timed(steps=1, **common)  # warm-up: the fork server, imports, page cache
-    plain = _timed(2, steps=steps, **common)
-    saving = _timed(2, steps=steps, checkpoint_dir=work / "b", checkpoint_every=1, **common)
-    one = next(p for p in sorted((work / "b").iterdir()) if p.name.startswith("step-"))
-    nbytes = _size(one)
-    per_checkpoint = max(saving - plain, 0.0) / steps
-    # (c) resume the last step from (b)'s checkpoint of step steps - 1 (the later ones moved
-    # aside so it is the newest), against (d) a fresh one-step run
-    resume_dir = work / "c"
-    resume_dir.mkdir()
-    keep = sorted(p for p in (work / "b").iterdir() if p.name.startswith("step-"))[-2]
-    keep.rename(resume_dir / keep.name)
-    resumed = _timed(steps=steps, resume=resume_dir, **common)
-    fresh = _timed(2, steps=1, **common)
-    per_resume = max(resumed - fresh, 0.0)
-    # (e) the last stage's rank killed at its first forward of the last step
-    marker, log = work / "killed", work / "e.jsonl"
-    last_rank = args.stages - 1  # one replica per stage: rank k holds stage k
-    hook = KillOnce(str(marker), rank=last_rank, at=(steps - 1) * args.microbatches + 1)
-    _timed(steps=steps, checkpoint_dir=work / "e", checkpoint_every=2, max_restarts=1,
-           log=log, hook=hook, **common)
-    killed_at = float(marker.read_text())
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    first_after = next(line for line in lines if line["time"] > killed_at)
-    step_s = 1.0 / first_after["samples_per_s"] * args.batch_size * args.microbatches
-    restart_s = first_after["time"] - killed_at - step_s
-    gb = nbytes / 1e9
-    print(f"{args.model} {args.size}, {args.stages} stages, AdamW, {steps} steps of "
-          f"{args.microbatches} x {args.batch_size} rows; work in {work}")
-    print("| quantity | figure |")
-    print("| --- | --- |")
-    print(f"| a checkpoint (every rank's parameters, AdamW moments, RNG) | {nbytes / 1e6:.1f} MB |")
-    print(f"| run without / with a checkpoint every step | {plain:.2f} s / {saving:.2f} s |")
-    print(f"| seconds per checkpoint written | {per_checkpoint:.3f} s "
-          f"({gb / per_checkpoint if per_checkpoint else float('inf'):.2f} GB/s) |")
-    print(f"| seconds a resume adds to a start | {per_resume:.3f} s "
-          f"({gb / per_resume if per_resume else float('inf'):.2f} GB/s) |")
-    print(f"| lost rank to first replayed step, less the step | {restart_s:.2f} s |")
-    replayed = [line["step"] for line in lines if line.get("replayed")]
-    print(f"| steps replayed (--checkpoint-every 2) | {replayed} |")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="parameter MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    module = _model(args.mib)
+    params = list(module.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    cpu = torch.device("cpu")
+    times: dict[str, list[float]] = {"write": [], "hash + index": [], "check": [], "read": []}
+    size = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        path = folder / "rank-00000.safetensors"
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            with atomic_path(path) as staged:
+                save_rank_state(staged, module, optimizer, cpu, first_replica=True)
+            t1 = time.perf_counter()
+            entries = check_safetensors(path)
+            sha256_file(path)
+            index = {k: {"file": path.name, "shape": list(e.shape), "dtype": e.dtype}
+                     for k, e in entries.items() if not k.startswith("rng/")}
+            (folder / "manifest.json").write_text(json.dumps({"step": 1, "tensors": index}))
+            t2 = time.perf_counter()
+            sha256_file(path)
+            check_safetensors(path)
+            t3 = time.perf_counter()
+            load_rank_state(folder, 0, module, optimizer, cpu, same_plan=True)
+            t4 = time.perf_counter()
+            size = path.stat().st_size
+            for key, a, b in zip(times, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                times[key].append(b - a)
+    gb = size / 1e9
+    print(f"rank file {gb:.3f} GB ({args.mib} MiB parameters + AdamW state), "
+          f"median of {args.repeats}")
+    for key, values in times.items():
+        s = statistics.median(values)
+        print(f"{key:>13}: {s:.3f} s  ({s / gb:.2f} s/GB)")
 
 
 if __name__ == "__main__":

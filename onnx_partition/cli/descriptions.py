@@ -12,7 +12,9 @@ DESCRIPTIONS = {
                "write the per-node times to OUTPUT (costs.json, for partition --costs). With "
                "--plan PLAN: read a plan folder, time its stages alone and side by side, and "
                "write the plan calibrated (re-cut if that moves the optimum) in place or to "
-               "OUTPUT.",
+               "OUTPUT. --mode train loads the model's program MODEL.pt2, which is code "
+               "(torch.export.load unpickles it): profile only models you trust; its path and "
+               "sha256 are printed first.",
     "partition": "Read an ONNX model (and a costs.json or the analytic cost model; for "
                  "--mode train the model's program MODEL.pt2 beside it) and write a plan "
                  "folder: one ONNX file per stage, plan.json and a manifest. Prints the "
@@ -27,7 +29,11 @@ DESCRIPTIONS = {
              "without --data, on synthetic batches (random inputs from the plan's input specs, "
              "--seed) with a synthetic loss. Prints a line per step (--json: one JSON object); "
              "writes checkpoints with --checkpoint-dir, a per-step log with --log, the trained "
-             "weights as a new plan folder with --save, measured stage times with --record.",
+             "weights as a new plan folder with --save, measured stage times with --record. "
+             "The program MODEL.pt2 is code (torch.export.load unpickles it): train only plans "
+             "you trust; its path and sha256 are printed first, and it loads only from in or "
+             "beside the plan folder or beside the plan's model. Checkpoints (safetensors + "
+             "JSON), --data (.npz/.npy, no pickles) and plan.json are read as data only.",
     "simulate": "Read a plan folder and simulate its schedule: prints the iteration time, "
                 "bubbles, memory and samples/s (--json: one JSON object). Writes nothing.",
     "report": "Read a plan folder (and the model beside it, for the operator graph) and write "

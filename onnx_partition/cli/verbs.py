@@ -198,6 +198,13 @@ def _profile(args: argparse.Namespace) -> int:
                              "it needs --mode train")
     if getattr(args, "mode", "infer") == "train":
         from onnx_partition.cost.profile.torch_ops import profile_train_to_file
+        from onnx_partition.fileio import sha256_file
+        from onnx_partition.graph.export import program_path
+
+        program = program_path(args.model)
+        if program.is_file():  # a program is code: say which one runs, before it loads
+            _say(f"program {program} sha256 {sha256_file(program)} (code: profile only "
+                 "models you trust)")
         from onnx_partition.runtime.train.passes import split_call_ms
         from onnx_partition.runtime.train.probe import probe_engine
 
@@ -248,9 +255,13 @@ def _profile_plan(args: argparse.Namespace, started: float) -> int:
     if args.device != "cpu" or args.mode != "infer" or args.batch_size or args.input_shape:
         raise PartitionError("profile --plan times the stages on the plan's own devices, mode "
                              "and shapes: drop --device, --mode, --batch-size and --input-shape")
-    if read_plan(args.plan).weights == "none":
+    plan = read_plan(args.plan)
+    if plan.weights == "none":
         raise PartitionError(f"plan {args.plan} has no weights (exported with --no-weights): "
                              "profile --plan times its stages, which needs their weights")
+    if plan.mode == "train" and plan.program:  # the engine's run loads it: say which one
+        _say(f"program {Path(args.plan) / plan.program} sha256 {plan.program_sha256} "
+             "(code: profile only plans you trust)")
     done = calibrate_plan(args.plan, out=args.output, rounds=args.rounds,
                           threads_per_stage=args.threads, repeats=args.repeats)
     for i, r in enumerate(done.rounds):
@@ -455,6 +466,9 @@ def _train(args: argparse.Namespace) -> int:
         raise PartitionError(
             f"{args.plan} is an inference plan (--mode {plan.mode}): partition the model again "
             f"with --mode train (onnx-partition partition MODEL.onnx --mode train -o PLAN ...)")
+    if plan.program:  # a program is code: say which one runs, before anything loads it
+        _say(f"program {Path(args.plan) / plan.program} sha256 {plan.program_sha256} "
+             "(code: train only plans you trust)")
     warning = plan_defaults(args, priced_for(plan))  # said after the figures it explains
     job, _ = resolve_job(train_job(**train_options(args)), plan)  # the choices: plan_defaults'
     stats = run_job(args.plan, job)

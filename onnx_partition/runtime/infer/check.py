@@ -63,7 +63,7 @@ def run_feeds(plan: Plan, inputs: Sequence[str], *, rows: int, seed: int) -> dic
             raise PartitionError(f"--input {item!r}: expected NAME=FILE.npy with NAME one of "
                                  f"{', '.join(feeds)}")
         try:
-            feeds[name] = np.load(file)
+            feeds[name] = np.load(file, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise PartitionError(f"--input {item!r}: cannot read {file}: {exc}") from None
     return feeds

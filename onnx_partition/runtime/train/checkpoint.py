@@ -1,12 +1,17 @@
-"""Training checkpoints: every rank's parameters, optimizer state and RNG state, the step and the
-data position, published whole or not at all.
+"""Training checkpoints: every stage's parameters, buffers and optimizer state by the model's own
+parameter names, each rank's RNG state, the step and the data position, published whole or not
+at all, as data only (safetensors and JSON: nothing in a checkpoint runs).
 
 Layout of ``--checkpoint-dir DIR``::
 
-    DIR/step-00000010/manifest.json      format, step, data position, the plan's fingerprint,
-                                         one entry (rank, stage, replica, file, sha256) per rank
-    DIR/step-00000010/rank-00000.pt      torch.save of {"module", "optimizer", "rng"}
-    DIR/.partial-step-00000020/          a checkpoint being written (ignored on resume)
+    DIR/step-00000010/manifest.json        format, step, data position, rows per step, the
+                                           optimizer and its options, the LR schedule, the model
+                                           (program sha256, every parameter's shape), the plan
+                                           that wrote it, one entry (rank, stage, replica, file,
+                                           sha256) per rank, and the index: tensor key -> file
+    DIR/step-00000010/rank-00000.safetensors  that rank's tensors
+                                           (:mod:`~onnx_partition.runtime.train.checkpoint_state`)
+    DIR/.partial-step-00000020/            a checkpoint being written (ignored on resume)
 
 Writing (:func:`write_checkpoint`, every rank together): rank 0 clears a stale partial folder,
 every rank writes its own file into it (each file atomically), then, after a barrier, rank 0
@@ -15,15 +20,22 @@ file system). A run killed at any point before the rename leaves only a partial 
 previous checkpoint stays the latest complete one. With several machines DIR must be one shared
 folder.
 
-Why not ``torch.distributed.checkpoint``: its unit is one state dict sharded over ranks that hold
-pieces of the same tensors (FSDP/DTensor); here every rank holds whole, distinct modules
-(a stage replica) and an optimizer over them, so one plain file per rank is the natural shard,
-needs no resharding planner, and keeps publish-by-rename atomicity, which DCP's own writers do
-not give (a killed DCP save leaves a folder that looks complete but for ``.metadata``).
+**Any plan of the same model resumes it.** A checkpoint is bound to the model (the program's
+sha256), the rows per step and the optimizer with its options, not to the plan: a rank reads
+its own stage's tensors by name from whichever files hold them, so another cut, other replica
+counts or another number of stages resume it (the RNG states only on the same plan).
 
-A checkpoint is tied to the plan it was written for (:func:`plan_fingerprint`: the stage cut,
-the stage files' and program's sha256 and the replica counts); :func:`latest_checkpoint`
-refuses one of another plan.
+**Checked before any rank starts** (:func:`latest_checkpoint`): the manifest is JSON; every
+rank file matches its sha256 and its safetensors header is sound
+(:func:`~onnx_partition.safe_tensors.check_safetensors`: a crafted header is a one-line error);
+a format-1 checkpoint (one ``torch.save`` pickle per rank, before this format) is read with
+``torch.load(weights_only=True)`` only, and only on the plan that wrote it.
+
+Why not ``torch.distributed.checkpoint``: its metadata file is a pickle (code, not data), its
+unit is one state dict sharded over ranks holding pieces of the same tensors (FSDP/DTensor),
+while here a stage replica holds whole, distinct tensors, so name-keyed safetensors files plus
+an index are the whole resharding; and it gives no publish-by-rename atomicity (a killed DCP
+save leaves a folder that looks complete but for ``.metadata``).
 """
 
 from __future__ import annotations
@@ -40,13 +52,16 @@ from typing import Any
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import atomic_path, atomic_write, sha256_file
 from onnx_partition.plan import Plan
+from onnx_partition.safe_tensors import check_safetensors
 from onnx_partition.settings.train import WEIGHT_DECAY, CheckpointSettings
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointRequest", "check_checkpoint_dir", "check_optimizer",
-           "latest_checkpoint", "optimizer_record", "plan_fingerprint", "rank_file",
-           "resume_request", "write_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "LEGACY_FORMAT", "CheckpointRequest", "check_checkpoint_dir",
+           "check_optimizer", "latest_checkpoint", "legacy_rank_file", "model_identity",
+           "optimizer_record", "plan_fingerprint", "rank_file", "resume_request",
+           "write_checkpoint"]
 
-CHECKPOINT_FORMAT = "onnx-partition-checkpoint/1"
+CHECKPOINT_FORMAT = "onnx-partition-checkpoint/2"
+LEGACY_FORMAT = "onnx-partition-checkpoint/1"  # torch.save pickles, one per rank
 _STEP = re.compile(r"^step-(\d{8})$")
 
 
@@ -57,6 +72,12 @@ def plan_fingerprint(plan: Plan) -> dict[str, Any]:
                         "sha256": s.sha256} for s in plan.stages],
             "program_sha256": plan.program_sha256,
             "replicas": [s.replicas for s in plan.stages]}
+
+
+def model_identity(plan: Plan) -> dict[str, Any]:
+    """The model a checkpoint belongs to: its program's sha256 (the parameters' names and
+    shapes follow from it; the manifest lists them too)."""
+    return {"program_sha256": plan.program_sha256}
 
 
 def optimizer_record(optimizer: str, weight_decay: float | None, momentum: float,
@@ -93,6 +114,11 @@ def step_folder(root: Path, step: int) -> Path:
 
 def rank_file(folder: Path, rank: int) -> Path:
     """Rank ``rank``'s file in a checkpoint folder."""
+    return folder / f"rank-{rank:05d}.safetensors"
+
+
+def legacy_rank_file(folder: Path, rank: int) -> Path:
+    """Rank ``rank``'s file in a format-1 checkpoint folder."""
     return folder / f"rank-{rank:05d}.pt"
 
 
@@ -115,8 +141,9 @@ def check_checkpoint_dir(out: Path, plan_dir: Path, model: Path | None = None) -
 
 
 def latest_checkpoint(root: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
-    """The latest complete checkpoint under ``root`` (folder, manifest); a PartitionError when
-    there is none or it was written for another plan."""
+    """The latest complete checkpoint under ``root`` (folder, manifest), its files checked as
+    data (the module docstring); a PartitionError when there is none, it was written for
+    another model (or, format 1, another plan) or a file of it is not what its manifest says."""
     if not root.is_dir():
         raise PartitionError(f"--resume {root}: no such folder")
     steps = sorted((int(m.group(1)), p) for p in root.iterdir()
@@ -128,18 +155,65 @@ def latest_checkpoint(root: Path, plan: Plan) -> tuple[Path, dict[str, Any]]:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
         raise PartitionError(f"--resume {folder}: unreadable manifest ({exc})") from exc
-    if manifest.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (CHECKPOINT_FORMAT,
+                                                                        LEGACY_FORMAT):
         raise PartitionError(f"--resume {folder}: not a checkpoint ({CHECKPOINT_FORMAT})")
+    try:
+        int(manifest["step"])
+        if manifest["format"] == LEGACY_FORMAT:
+            _check_legacy(folder, manifest, plan)
+        else:
+            _check_files(folder, manifest, plan)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PartitionError(f"--resume {folder}: malformed manifest.json ({type(exc).__name__}: "
+                             f"{exc})") from None
+    return folder, manifest
+
+
+def _check_files(folder: Path, manifest: Mapping[str, Any], plan: Plan) -> None:
+    """A format-2 checkpoint: of this model, every rank file as its manifest says and a sound
+    safetensors file, the tensor index naming only what the files hold."""
+    saved, want = manifest.get("model", {}), model_identity(plan)
+    if saved.get("program_sha256") != want["program_sha256"]:
+        raise PartitionError(f"--resume {folder}: written for another model (its program sha256 "
+                             f"{str(saved.get('program_sha256'))[:12]}..., this plan's "
+                             f"{want['program_sha256'][:12]}...)")
+    held: dict[str, set[str]] = {}
+    for entry in manifest.get("ranks", []):
+        path = rank_file(folder, int(entry["rank"]))
+        _check_file(folder, path, entry)
+        held[path.name] = set(check_safetensors(path, f"--resume {path}"))
+    listed = manifest.get("tensors")
+    if not isinstance(listed, dict) or not all(
+            isinstance(v, dict) and k in held.get(str(v.get("file")), ())
+            for k, v in listed.items()):
+        raise PartitionError(f"--resume {folder}: its manifest's tensor index names tensors "
+                             "its files do not hold")
+
+
+def _check_file(folder: Path, path: Path, entry: Mapping[str, Any]) -> None:
+    if not path.is_file():
+        raise PartitionError(f"--resume {folder}: rank {entry['rank']}'s file is missing")
+    if sha256_file(path) != entry.get("sha256"):
+        raise PartitionError(f"--resume {path}: does not match its sha256 in the manifest "
+                             "(changed or corrupted)")
+
+
+def _check_legacy(folder: Path, manifest: Mapping[str, Any], plan: Plan) -> None:
+    """A format-1 checkpoint: written for this plan, every rank file plain data."""
+    from onnx_partition.runtime.train.checkpoint_state import check_legacy_file
+
     want, got = plan_fingerprint(plan), manifest.get("plan", {})
     for key, what in (("replicas", "replica counts"), ("program_sha256", "program"),
                       ("stages", "stage cut")):
         if got.get(key) != want[key]:
             raise PartitionError(f"--resume {folder}: written for another plan (its {what} "
-                                 "differ from this plan's)")
+                                 "differ from this plan's; a format-1 checkpoint resumes "
+                                 "only on its own plan)")
     for entry in manifest.get("ranks", []):
-        if not rank_file(folder, entry["rank"]).is_file():
-            raise PartitionError(f"--resume {folder}: rank {entry['rank']}'s file is missing")
-    return folder, manifest
+        path = legacy_rank_file(folder, int(entry["rank"]))
+        _check_file(folder, path, entry)
+        check_legacy_file(path)
 
 
 def write_checkpoint(
@@ -171,6 +245,10 @@ def write_checkpoint(
         body = dict(manifest)
         body["ranks"] = [dict(e, sha256=sha256_file(rank_file(partial, e["rank"])))
                          for e in body["ranks"]]
+        body["tensors"] = _index(partial, [int(e["rank"]) for e in body["ranks"]])
+        body["model"] = dict(body.get("model", {}), parameters={
+            k[len("module/"):]: v["shape"] for k, v in body["tensors"].items()
+            if k.startswith("module/")})
         atomic_write(partial / "manifest.json", json.dumps(body, indent=1) + "\n")
         final = step_folder(root, step)
         if final.exists():  # a rerun over the same step: move the old one out of the way first
@@ -183,6 +261,19 @@ def write_checkpoint(
     barrier()
 
 
+def _index(folder: Path, ranks: list[int]) -> dict[str, dict[str, Any]]:
+    """Tensor key -> its file, shape and dtype, over the rank files (the first file holding a
+    key: a tied parameter's copies are equal)."""
+    index: dict[str, dict[str, Any]] = {}
+    for rank in ranks:
+        path = rank_file(folder, rank)
+        for key, e in check_safetensors(path).items():
+            if not key.startswith("rng/"):
+                index.setdefault(key, {"file": path.name, "shape": list(e.shape),
+                                       "dtype": e.dtype})
+    return index
+
+
 @dataclass(frozen=True)
 class CheckpointRequest:
     """Where checkpoints go and what a resumed run starts from."""
@@ -193,6 +284,8 @@ class CheckpointRequest:
     resume_from: str | None = None  # the checkpoint folder to load
     manifest: str = ""  # JSON: the manifest's fixed part
     evals: tuple[tuple[int, float], ...] = ()  # the checkpoint's validation losses (step, loss)
+    same_plan: bool = True  # written by this plan (the RNG states come back)
+    legacy: bool = False  # format 1 (torch.save files, read as data only)
 
 
 def resume_request(folder: Path, plan: Plan, asked: CheckpointSettings, *, rows: int,
@@ -202,12 +295,15 @@ def resume_request(folder: Path, plan: Plan, asked: CheckpointSettings, *, rows:
     :func:`optimizer_record` describes it, is refused) before any process starts; a resumed
     run checkpoints on into the folder it resumed from, every as many steps as it did."""
     start, resume_from, every = 0, None, asked.every
+    same_plan, legacy = True, False
     evals: tuple[tuple[int, float], ...] = ()
     target = None if asked.dir is None else Path(asked.dir)
     if asked.resume is not None:
         resume = asked.resume
         found, manifest = latest_checkpoint(Path(resume), plan)
         start, resume_from = int(manifest["step"]), str(found.resolve())
+        legacy = manifest["format"] == LEGACY_FORMAT
+        same_plan = legacy or manifest.get("plan") == plan_fingerprint(plan)
         evals = tuple((int(s), float(v)) for s, v in manifest.get("eval_loss", ()))
         if manifest.get("rows_per_step") != rows:
             raise PartitionError(f"--resume {found}: written with {manifest.get('rows_per_step')}"
@@ -226,6 +322,7 @@ def resume_request(folder: Path, plan: Plan, asked: CheckpointSettings, *, rows:
     elif asked.every:
         raise PartitionError("--checkpoint-every needs --checkpoint-dir DIR")
     fixed = {"plan": plan_fingerprint(plan), "plan_dir": str(folder), "rows_per_step": rows,
-             "checkpoint_every": every, **({} if optimizer is None else {"optimizer": optimizer})}
+             "checkpoint_every": every, "model": model_identity(plan),
+             **({} if optimizer is None else {"optimizer": optimizer})}
     return CheckpointRequest(None if target is None else str(target.resolve()), every, start,
-                             resume_from, json.dumps(fixed), evals)
+                             resume_from, json.dumps(fixed), evals, same_plan, legacy)

@@ -84,7 +84,7 @@ class ArraySource:
         try:
             if self.path.is_dir():
                 for f in sorted(self.path.glob("*.npy")):
-                    a = np.load(f, mmap_mode="r")
+                    a = np.load(f, mmap_mode="r", allow_pickle=False)
                     out[f.stem] = (a.shape, a.dtype)
             else:
                 with zipfile.ZipFile(self.path) as z:
@@ -101,6 +101,10 @@ class ArraySource:
             raise PartitionError(f"--data {self.path}: cannot read it ({exc})") from exc
         if not out:
             raise PartitionError(f"--data {self.path}: holds no arrays")
+        for name, (_, dtype) in out.items():
+            if dtype.hasobject:  # a pickle inside: never loaded (allow_pickle=False)
+                raise PartitionError(f"--data {self.path}: array {name!r} holds Python objects "
+                                     f"(dtype {dtype}); only plain numeric arrays are read")
         return out
 
     def array(self, name: str) -> np.ndarray:
@@ -111,9 +115,10 @@ class ArraySource:
             else:
                 assert self.path is not None
                 if self.path.is_dir():
-                    self._cache[name] = np.load(self.path / f"{name}.npy", mmap_mode="r")
+                    self._cache[name] = np.load(self.path / f"{name}.npy", mmap_mode="r",
+                                                 allow_pickle=False)
                 else:
-                    with np.load(self.path) as z:
+                    with np.load(self.path, allow_pickle=False) as z:
                         self._cache[name] = z[name]
         return self._cache[name]
 

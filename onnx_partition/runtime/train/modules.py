@@ -84,6 +84,7 @@ def require_trainable(plan_dir: str | Path) -> Plan:
     if not plan.program:
         raise PartitionError(f"plan {plan_dir} has no exported program beside its model: {how}")
     path = Path(plan_dir) / plan.program
+    _check_program_place(Path(plan_dir), plan, path)
     if not path.is_file():
         raise PartitionError(f"the plan's program {path} is missing: {how}")
     digest = sha256_file(path)
@@ -91,6 +92,18 @@ def require_trainable(plan_dir: str | Path) -> Plan:
         raise PartitionError(f"the plan's program {path} was altered (sha256 {digest[:12]}..., "
                              f"plan.json says {plan.program_sha256[:12]}...): {how}")
     return plan
+
+
+def _check_program_place(plan_dir: Path, plan: Plan, path: Path) -> None:
+    """A program is code (``torch.export.load`` unpickles it): it is loaded only from the plan
+    folder, the folder holding it, or the folder of the plan's model (where ``export`` writes
+    it), never from wherever a copied plan.json points."""
+    where, root = path.resolve(), plan_dir.resolve()
+    beside = {root.parent, *([(plan_dir / plan.model).resolve().parent] if plan.model else [])}
+    if path.suffix != ".pt2" or not (root in where.parents or where.parent in beside):
+        raise PartitionError(f"plan {plan_dir}: its program {plan.program} is not a .pt2 file "
+                             "in or beside the plan folder or beside its model; a program is "
+                             "code, loaded only from there")
 
 
 def load_program(plan_dir: str | Path, plan: Plan) -> ExportedProgram:

@@ -179,7 +179,7 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
                                weight_decay=chosen.weight_decay, momentum=chosen.momentum,
                                betas=chosen.betas)
     if run.checkpoints.resume_from is not None:
-        _load_checkpoint(Path(run.checkpoints.resume_from), rank, module, optimizer, device)
+        _load_checkpoint(run, rank, module, optimizer, device)
     wire = TensorWire(device, lay.name)
     # a collective before the first point-to-point batch (NCCL wants one, on this rank's GPU)
     if device.type == "cuda":
@@ -364,17 +364,19 @@ def _progress(run: RankRun) -> Callable[[int, float], None] | None:
     return loss_bar("train", run.job.steps, start=run.checkpoints.start)
 
 
-def _load_checkpoint(folder: Path, rank: int, module: torch.nn.Module,
+def _load_checkpoint(run: RankRun, rank: int, module: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """This rank's parameters, optimizer state and RNG state from a checkpoint folder."""
-    from onnx_partition.runtime.train.checkpoint import rank_file
+    """This rank's parameters, optimizer state and RNG state from the checkpoint resumed, read
+    as data (:mod:`~onnx_partition.runtime.train.checkpoint_state`)."""
+    from onnx_partition.runtime.train.checkpoint import legacy_rank_file
+    from onnx_partition.runtime.train.checkpoint_state import load_legacy_rank, load_rank_state
 
-    saved = torch.load(rank_file(folder, rank), map_location=device, weights_only=False)
-    module.load_state_dict(saved["module"])
-    optimizer.load_state_dict(saved["optimizer"])
-    torch.set_rng_state(saved["rng"])
-    if device.type == "cuda" and saved.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(saved["cuda_rng"], device)
+    asked = run.checkpoints
+    folder = Path(asked.resume_from or ".")
+    if asked.legacy:
+        load_legacy_rank(legacy_rank_file(folder, rank), module, optimizer, device)
+    else:
+        load_rank_state(folder, rank, module, optimizer, device, same_plan=asked.same_plan)
 
 
 def _checkpoint(run: RankRun, lay: Layout, rank: int, step: int, module: torch.nn.Module,
@@ -383,12 +385,10 @@ def _checkpoint(run: RankRun, lay: Layout, rank: int, step: int, module: torch.n
     """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it, with
     every validation loss of the run so far, the resumed segments' included)."""
     from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
+    from onnx_partition.runtime.train.checkpoint_state import save_rank_state
 
     def save(path: Path) -> None:
-        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda"
-                    else None}, path)
+        save_rank_state(path, module, optimizer, device, first_replica=lay.place(rank)[1] == 0)
 
     manifest = None
     if rank == 0:
@@ -397,8 +397,17 @@ def _checkpoint(run: RankRun, lay: Layout, rank: int, step: int, module: torch.n
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "steps": run.job.steps,
                     "data_position": {"step": step, "rows": step * rows}, **fixed,
                     "eval_loss": [[s, v] for s, v in (*run.checkpoints.evals, *evals)],
+                    "lr_schedule": _schedule(run),
                     "ranks": [{"rank": q, "stage": lay.place(q)[0], "replica": lay.place(q)[1],
-                               "file": f"rank-{q:05d}.pt"} for q in range(lay.world_size)]}
+                               "file": f"rank-{q:05d}.safetensors"}
+                              for q in range(lay.world_size)]}
     hook = run.hook
     write_checkpoint(Path(run.checkpoints.directory or "."), step, rank, save, dist.barrier,
                      manifest, None if hook is None else lambda: hook(rank, "checkpoint"))
+
+
+def _schedule(run: RankRun) -> dict[str, Any]:
+    """The LR schedule a checkpoint records (a function of the step: nothing else to keep)."""
+    o = run.job.optimizer
+    return {"kind": o.lr_schedule, "lr": o.lr, "warmup_steps": o.warmup_steps,
+            "steps": run.job.steps}
