@@ -165,11 +165,13 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     tied = tied_groups_here(lay, stages, k)
     params = dict(module.named_parameters())
     chosen = run.job.optimizer
+    sharded = plan.stages[k].sharded and stage_group is not None  # ZeRO-1 over the replicas
     optimizer = make_optimizer(run.optimizer, list(params.values()), chosen.lr,
                                weight_decay=chosen.weight_decay, momentum=chosen.momentum,
-                               betas=chosen.betas)
+                               betas=chosen.betas, shard_group=stage_group if sharded else None)
     if run.checkpoints.resume_from is not None:
-        _load_checkpoint(Path(run.checkpoints.resume_from), rank, module, optimizer, device)
+        _load_checkpoint(Path(run.checkpoints.resume_from), rank, module, optimizer, device,
+                         lay.first[k] if sharded else None)
     wire = TensorWire(device, lay.name)
     # a collective before the first point-to-point batch (NCCL wants one, on this rank's GPU)
     if device.type == "cuda":
@@ -352,12 +354,18 @@ def _progress(run: RankRun) -> Callable[[int, float], None] | None:
 
 
 def _load_checkpoint(folder: Path, rank: int, module: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """This rank's parameters, optimizer state and RNG state from a checkpoint folder."""
+                     optimizer: torch.optim.Optimizer, device: torch.device,
+                     holder: int | None = None) -> None:
+    """This rank's parameters, optimizer state and RNG state from a checkpoint folder; a
+    sharded optimizer's whole state from its stage's first replica's file (``holder``), each
+    replica keeping its share."""
     from onnx_partition.runtime.train.checkpoint import rank_file
 
     saved = torch.load(rank_file(folder, rank), map_location=device, weights_only=False)
     module.load_state_dict(saved["module"])
+    if holder is not None and holder != rank:
+        saved["optimizer"] = torch.load(rank_file(folder, holder), map_location=device,
+                                        weights_only=False)["optimizer"]
     optimizer.load_state_dict(saved["optimizer"])
     torch.set_rng_state(saved["rng"])
     if device.type == "cuda" and saved.get("cuda_rng") is not None:
@@ -369,10 +377,19 @@ def _checkpoint(run: RankRun, lay: Layout, rank: int, step: int, module: torch.n
                 evals: Sequence[tuple[int, float]] = ()) -> None:
     """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it, with
     every validation loss of the run so far, the resumed segments' included)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
 
+    state: dict[str, Any] | None = None  # a sharded optimizer's: whole on the first replica
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)  # every replica takes part
+        state = optimizer.state_dict() if lay.place(rank)[1] == 0 else None
+    else:
+        state = optimizer.state_dict()
+
     def save(path: Path) -> None:
-        torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict(),
+        torch.save({"module": module.state_dict(), "optimizer": state,
                     "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda"
                     else None}, path)
