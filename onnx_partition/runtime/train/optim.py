@@ -26,7 +26,8 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *
     1e-8, weight decay default 0.01): ``torch.optim``'s defaults where not given. With a
     ``shard_group`` (a stage's replicas, plan.json's ``shard`` ``optimizer``): the same
     optimizer as a ``ZeroRedundancyOptimizer`` over it, each replica holding and stepping
-    its share of the state and broadcasting its updated parameters (ZeRO-1)."""
+    its share of the state and broadcasting its updated parameters (ZeRO-1), packed in one
+    bucket per replica (``parameters_as_bucket_view``: one broadcast each, not one a tensor)."""
     decay = WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay
     if shard_group is not None and name in OPTIMIZERS:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -35,7 +36,8 @@ def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, *
             {"momentum": momentum} if name == "sgd" else {"betas": betas})
         return ZeroRedundancyOptimizer(
             list(params), torch.optim.SGD if name == "sgd" else torch.optim.AdamW,
-            process_group=shard_group, lr=lr, weight_decay=decay, **options)
+            process_group=shard_group, parameters_as_bucket_view=True, lr=lr,
+            weight_decay=decay, **options)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
     if name == "adamw":
