@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from onnx_partition import __version__
 from onnx_partition.cost.cluster import Cluster
@@ -86,8 +86,9 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
     sizes = stage_sizes(graph, cuts, train=train, activation_bytes=priced.saved,
                         trainable=priced.trainable)
     flags = solution.recomputed
+    shard = request.train.shard if train else "none"
     memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
-                                recompute=flags, optimizer_factor=factor) if train
+                                recompute=flags, optimizer_factor=factor, shard=shard) if train
               else memory_per_device(sizes, replicas, 1, schedule="infer"))
     parts: list[dict[str, Any]] = [{} for _ in cuts]
     if train:
@@ -96,7 +97,8 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
         rebuilt = rebuilt_held(schedule, replicas, microbatches)
         for k, (f, b) in enumerate(solution.figures.split):
             parts[k] = dict(memory_parts(sizes[k], held[k], train=True, optimizer_factor=factor,
-                                         rebuilt=rebuilt[k] if flags[k] else None))
+                                         rebuilt=rebuilt[k] if flags[k] else None,
+                                         replicas=replicas[k], shard=shard))
             parts[k].pop("memory_bytes")
             parts[k].update(forward_ms=round(f, 6), backward_ms=round(b, 6))
     return Layout(cuts, sizes, list(memory), parts)
@@ -124,8 +126,9 @@ def _replayed(solution: Solution, layout: Layout, train: bool) -> dict[str, Any]
             "forward_ms": [s.forward_ms for s in stages],
             "backward_ms": [s.backward_ms for s in stages],
             "activation_bytes": [stash_bytes(z) for z in sizes],
-            "static_bytes": [static_bytes(z, train=train, optimizer_factor=factor)
-                             for z in sizes],
+            "static_bytes": [static_bytes(z, train=train, optimizer_factor=factor,
+                                          replicas=r, shard=route.run.shard)
+                             for z, r in zip(sizes, solution.replicas, strict=True)],
             "send_ms": list(route.best.costs.send_ms)}
         if any(s.recompute for s in stages):
             body["input_bytes"] = [z.received for z in sizes]
@@ -255,6 +258,15 @@ def _priced_math(model: DeviceModel | None, precision: str) -> MathName:
     return cast(MathName, "tf32" if "tf32" in maths else min(maths, default="fp32"))
 
 
+def _shard(solution: Solution, k: int) -> Literal["none", "optimizer"] | None:
+    """plan.json's ``stages[k].shard``: in a plan with its optimizer state sharded, whether
+    stage ``k``'s replicas shard it (``none`` on one replica); None (absent) otherwise."""
+    route = solution.route
+    if not isinstance(route, HybridRoute) or not route.run.train or route.run.shard == "none":
+        return None
+    return "optimizer" if solution.replicas[k] > 1 else "none"
+
+
 def _stages(priced: Priced, solution: Solution, layout: Layout) -> list[Stage]:
     """plan.json's stages: each cut's nodes and boundaries, replicas, devices, GPU kind (a
     fleet's), recomputation, and its predicted compute, comm, memory (and parts)."""
@@ -265,6 +277,7 @@ def _stages(priced: Priced, solution: Solution, layout: Layout) -> list[Stage]:
         devices=list(solution.devices[k]),
         constants=[graph.nodes[i].key for i in cut.constants],
         recompute=True if solution.recomputed[k] else None,
+        shard=_shard(solution, k),
         predicted=Predicted(compute_ms=round(solution.compute_ms[k], 6),
                             comm_ms=round(solution.comm_ms[k], 6),
                             memory_bytes=int(layout.memory[k]), **layout.parts[k]),

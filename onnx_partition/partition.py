@@ -65,6 +65,7 @@ def partition(
     strict_costs: bool = False,
     schedule: str = _TRAIN.schedule,
     recompute: str = _TRAIN.recompute,
+    shard_optimizer: bool = False,
     sources: Mapping[str, str] | None = None,
     reporter: Reporter = SILENT,
     kind_costs: Mapping[str, CostsLike] | None = None,
@@ -86,7 +87,8 @@ def partition(
     (:func:`~onnx_partition.cost.devices.device_for`); one measured on another device kind is
     noted in plan.json (an error with ``strict_costs``). A train plan is planned for
     ``schedule`` (``auto``: each planned schedule, the fastest kept), its stages recomputing
-    per ``recompute``, priced in ``precision``; the three are ignored in inference. A
+    per ``recompute``, priced in ``precision``, its replicas sharding their optimizer state
+    with ``shard_optimizer`` (an error in inference; the others are ignored there). A
     ``dp`` cut is proven optimal or bettered by CP-SAT within ``exact_budget_s``
     deterministic seconds (0: off). ``sources`` replaces the resolved description of the
     devices in plan.json. The long steps report to ``reporter``. Returns the plan as
@@ -98,7 +100,8 @@ def partition(
         input_shapes, batch_size, api_devices(cluster, link=link, device=device, gpu=gpu,
                                               device_kind=device_kind),
         mode=mode, microbatches=microbatches, schedule=schedule if train else None,
-        recompute=recompute if train else None, precision=precision, ordering=ordering,
+        recompute=recompute if train else None, shard_optimizer=shard_optimizer or None,
+        precision=precision, ordering=ordering,
         solver=solver, time_limit_s=time_limit_s, exact_budget_s=exact_budget_s, check=check,
         force=force, sources=sources))
     return partition_request(request, reporter=reporter)

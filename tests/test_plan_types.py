@@ -51,7 +51,7 @@ def base() -> dict[str, Any]:
             {"index": 0, "file": "stage_0.onnx", "nodes": ["a"], "inputs": ["x"],
              "outputs": ["t"], "replicas": 2, "devices": ["cuda:0", "cuda:1"],
              "predicted": {"compute_ms": 1.5, "comm_ms": 0, "memory_bytes": 64},
-             "constants": [], "sha256": ""},
+             "constants": [], "sha256": "", "shard": "optimizer"},
             {"index": 1, "file": "stage_1.onnx", "nodes": ["b"], "inputs": ["t"],
              "outputs": ["y"], "replicas": 1, "devices": ["cuda:2"], "predicted": None,
              "constants": [], "sha256": "", "recompute": True, "gpu": "v100"},

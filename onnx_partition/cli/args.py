@@ -238,6 +238,13 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
                    help="costs.json to write (with --plan: the plan folder, default PLAN)")
 
 
+def _add_shard_option(plan: argparse._ArgumentGroup) -> None:
+    """``partition --shard-optimizer`` (ZeRO-1 over each stage's replicas)."""
+    plan.add_argument("--shard-optimizer", action="store_true",
+                      help="--mode train: a stage on r replicas holds 1/r of its optimizer "
+                           "state (ZeRO-1; plan.json's stages[i].shard, which train follows)")
+
+
 def _partition_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("the model and its costs")
     model.add_argument("model", type=Path, help="the ONNX model to cut")
@@ -274,6 +281,7 @@ def _partition_args(p: argparse.ArgumentParser) -> None:
                            f"their forward in backward (default {_TRAIN.recompute}: those "
                            "that would not fit the device memory otherwise); plan.json marks "
                            "them")
+    _add_shard_option(plan)
     plan.add_argument("--bandwidth", type=float,
                       help="link bandwidth between stages in GB/s, and between the devices of "
                            "a machine with --devices (0 = free; default: a named GPU's "

@@ -350,8 +350,9 @@ def partition_options(args: argparse.Namespace) -> PartitionOptions:
         args.model, args.output, args.stages, CostSource(costs, kinds, args.strict_costs),
         input_shapes_of(args), args.batch_size, devices, mode=args.mode,
         microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
-        precision=args.precision, ordering=args.order, solver=args.solver,
-        time_limit_s=args.time_limit, exact_budget_s=args.exact_budget, force=args.force,
+        shard_optimizer=args.shard_optimizer or None, precision=args.precision,
+        ordering=args.order, solver=args.solver, time_limit_s=args.time_limit,
+        exact_budget_s=args.exact_budget, force=args.force,
         program_required=not args.no_program)
 
 

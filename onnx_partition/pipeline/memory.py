@@ -33,6 +33,19 @@ backward), ``G`` bytes it sends per micro-batch, relayed tensors included (the g
 those come back). ``held`` is the number of
 micro-batches whose activations the device holds at its peak: :func:`peak_inflight`.
 
+**Sharded optimizer state** (``partition --shard-optimizer``, ZeRO stage 1: Rajbhandari et al.,
+SC 2020): a stage on ``r`` replicas keeps ``1 / r`` of its optimizer state on each (the
+``optimizer_factor - 2`` copies of ``P``: AdamW's two moments, SGD's momentum, fp32 master
+weights where they are kept), so::
+
+    static = W + P + (optimizer_factor - 2) * P / r + G     (shard "optimizer")
+
+:func:`optimizer_state` is that term, the one place it is written; ``r = 1`` or shard
+``none`` is the formula above. The gradients' all-reduce becomes a reduce-scatter (each
+replica's shard of the summed gradients) and, after the sharded step, an all-gather of the
+updated parameters: on a ring the same ``2 (r - 1) / r * P`` bytes per device in the same
+``2 (r - 1)`` steps as the all-reduce, so :func:`ring_allreduce_ms` prices both.
+
 **Micro-batches in flight under 1F1B with replicas.** The schedule
 (:func:`onnx_partition.pipeline.schedules.one_f_one_b`) gives stage ``s`` a *global* warm-up of
 ``W_s = min(sum(step_k for k in s..p-2), M)`` forwards, then alternates one forward and one
@@ -86,6 +99,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CLOSED_FORMS",
     "RECOMPUTE_MODES",
+    "SHARD_MODES",
     "Num",
     "StageBytes",
     "boundary_step",
@@ -95,6 +109,7 @@ __all__ = [
     "memory_parts",
     "memory_per_device",
     "one_f_one_b_warmups",
+    "optimizer_state",
     "peak_inflight",
     "rebuilt_held",
     "recompute_choice",
@@ -105,6 +120,10 @@ __all__ = [
 
 #: ``partition --recompute``: per stage where needed (auto), never, every stage.
 RECOMPUTE_MODES = ("auto", "none", "all")
+
+#: ``plan.json``'s ``stages[i].shard``: each replica holds all of its optimizer state, or
+#: ``1 / r`` of it (``partition --shard-optimizer``).
+SHARD_MODES = ("none", "optimizer")
 
 #: Schedules whose in-flight count :func:`peak_inflight` knows.
 CLOSED_FORMS = ("1f1b", "zb-h1", "gpipe", "infer")
@@ -199,13 +218,28 @@ class StageBytes:
         return self.params if self.trainable is None else self.trainable
 
 
-def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float) -> float:
+def optimizer_state(trained: Num, optimizer_factor: float, replicas: int = 1,
+                    shard: str = "none") -> Num:
+    """Bytes of optimizer state one device holds for ``trained`` parameter bytes: the
+    ``optimizer_factor - 2`` copies beyond the weights and gradients, ``1 / replicas`` of
+    them when ``shard`` is ``optimizer`` (ZeRO-1)."""
+    state = (optimizer_factor - 2.0) * trained
+    return state / replicas if shard == "optimizer" and replicas > 1 else state
+
+
+def static_bytes(stage: StageBytes, *, train: bool, optimizer_factor: float,
+                 replicas: int = 1, shard: str = "none") -> float:
     """Bytes held whatever the schedule: weights (+ the trainable ones' gradients and
-    optimizer state, and one gradient receive buffer in training)."""
+    optimizer state, ``1 / replicas`` of the state when ``shard`` is ``optimizer``, and one
+    gradient receive buffer in training)."""
+    shed = 0.0  # the state the other replicas hold (nothing unsharded: the figures unchanged)
+    if train and shard == "optimizer" and replicas > 1:
+        full = optimizer_state(stage.trained, optimizer_factor)
+        shed = full - optimizer_state(stage.trained, optimizer_factor, replicas, shard)
     if train and stage.trainable is None:  # every parameter trained
-        return optimizer_factor * stage.params + stage.sent
+        return optimizer_factor * stage.params + stage.sent - shed
     if train:
-        return stage.params + (optimizer_factor - 1.0) * stage.trained + stage.sent
+        return stage.params + (optimizer_factor - 1.0) * stage.trained + stage.sent - shed
     return stage.params
 
 
@@ -235,18 +269,20 @@ def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
 def memory_per_device(
     stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
     schedule: str, optimizer_factor: float = 4.0, recompute: Sequence[bool] | None = None,
+    shard: str = "none",
 ) -> list[float]:
     """Peak bytes on the fullest device of each stage of a plan with these replica counts,
     under ``schedule`` (``1f1b``, ``zb-h1``, ``gpipe`` or ``infer``), the stages flagged in
     ``recompute`` keeping only their inputs: the figure the planner checks against the device
-    memory, ``partition`` prints and plan.json stores."""
+    memory, ``partition`` prints and plan.json stores (``shard``: :data:`SHARD_MODES`)."""
     train = schedule != "infer"
     held = peak_inflight(schedule, replicas, microbatches)
     flags = list(recompute) if recompute is not None and train else [False] * len(stages)
     rebuilt = rebuilt_held(schedule, replicas, microbatches) if any(flags) else held
-    return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor),
+    return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor,
+                                            replicas=r, shard=shard),
                                stash_bytes(s, rc), h) + (b * s.activations if rc else 0.0))
-            for s, h, rc, b in zip(stages, held, flags, rebuilt, strict=True)]
+            for s, h, rc, b, r in zip(stages, held, flags, rebuilt, replicas, strict=True)]
 
 
 def check_recompute(mode: str) -> str:
@@ -260,6 +296,7 @@ def check_recompute(mode: str) -> str:
 def recompute_choice(
     stages: Sequence[StageBytes], replicas: Sequence[int], microbatches: int, *,
     schedule: str, memory_bytes: float, mode: str = "auto", optimizer_factor: float = 4.0,
+    shard: str = "none",
 ) -> list[bool]:
     """Which stages recompute: none, all, or (``auto``) each stage that is over
     ``memory_bytes`` keeping its activations and within it keeping only its inputs (memory
@@ -269,23 +306,26 @@ def recompute_choice(
     if mode == "all":
         return [True] * len(stages)
     kept = memory_per_device(stages, replicas, microbatches, schedule=schedule,
-                             optimizer_factor=optimizer_factor)
+                             optimizer_factor=optimizer_factor, shard=shard)
     rebuilt = memory_per_device(stages, replicas, microbatches, schedule=schedule,
                                 optimizer_factor=optimizer_factor,
-                                recompute=[True] * len(stages))
+                                recompute=[True] * len(stages), shard=shard)
     return [k > memory_bytes >= r for k, r in zip(kept, rebuilt, strict=True)]
 
 
 def memory_parts(stage: StageBytes, held: int, *, train: bool,
-                 optimizer_factor: float = 4.0, rebuilt: int | None = None) -> dict[str, int]:
+                 optimizer_factor: float = 4.0, rebuilt: int | None = None,
+                 replicas: int = 1, shard: str = "none") -> dict[str, int]:
     """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
     weights, the trainable ones' gradients and optimizer state (``optimizer_factor - 2`` copies:
     Adam's two moments at the default 4), activations per micro-batch, micro-batches in flight,
     and the buffers (received inputs of those in flight, one gradient receive buffer); and
     ``memory_bytes``, their sum, the one formula's peak. A recomputing stage (``rebuilt``: the
     micro-batches whose activations it holds rebuilt at once, :func:`rebuilt_held`) counts those
-    as ``inflight``; its buffers still hold the inputs of all ``held``."""
-    static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor)
+    as ``inflight``; its buffers still hold the inputs of all ``held``. A stage sharding its
+    optimizer state over ``replicas`` (``shard``) counts its own ``1 / replicas`` of it."""
+    static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor,
+                          replicas=replicas, shard=shard)
     weights = stage.params
     grads = stage.trained if train else 0.0
     optimizer = static - stage.sent - weights - grads if train else 0.0

@@ -164,9 +164,18 @@ class Stage(Record):
     # (written only where true; absent: false)
     recompute: bool | None = None
     gpu: Name | None = None  # a mixed fleet's plan: the GPU kind running this stage (cluster@2)
+    # train plans planned with --shard-optimizer: each replica holds 1/replicas of the stage's
+    # optimizer state ("optimizer", ZeRO-1) or all of it ("none"; absent: none)
+    shard: Literal["none", "optimizer"] | None = None
 
     def _leave_out(self, name: str, value: Any) -> bool:
-        return (name == "recompute" and not value) or (name == "gpu" and value is None)
+        return ((name == "recompute" and not value) or (name in ("gpu", "shard")
+                                                        and value is None))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stage's replicas shard its optimizer state (``train`` follows it)."""
+        return self.shard == "optimizer"
 
 
 @dataclass

@@ -91,6 +91,7 @@ class PartitionOptions:
     microbatches: int | None = None
     schedule: str | None = None
     recompute: str | None = None
+    shard_optimizer: bool | None = None
     precision: str | None = None
     ordering: str | None = None
     solver: str | None = None

@@ -77,11 +77,15 @@ def _specs(options: PartitionOptions) -> tuple[TrainSpec, SearchSpec]:
     if options.recompute is not None and mode != MODES[1]:
         raise PartitionError("--recompute trades a training stage's memory for time: it needs "
                              "--mode train")
+    if options.shard_optimizer and mode != MODES[1]:
+        raise PartitionError("--shard-optimizer shards a training stage's optimizer state: it "
+                             "needs --mode train")
     train = TrainSpec(microbatches=_or(options.microbatches, _TRAIN.microbatches),
                       schedule=_or(options.schedule, _TRAIN.schedule),
                       recompute=_or(options.recompute, _TRAIN.recompute),
                       precision=_or(options.precision, _TRAIN.precision),
-                      optimizer=_TRAIN.optimizer)
+                      optimizer=_TRAIN.optimizer,
+                      shard="optimizer" if options.shard_optimizer else _TRAIN.shard)
     if train.schedule != AUTO and train.schedule not in PLANNED_NAMES:
         raise PartitionError(f"cannot plan for schedule {train.schedule!r}; choose "
                              f"{', '.join((AUTO, *PLANNED_NAMES))}")

@@ -19,7 +19,9 @@ class TrainSpec:
     planned for (``auto``: each planned schedule, the fastest kept), ``recompute`` (``auto``:
     a stage recomputes its forward only where keeping does not fit; ``none``; ``all``), the
     ``precision`` it is priced in (fp32, or autocast bf16/fp16 over fp32 weights) and the
-    ``optimizer`` whose state the memory model counts (AdamW: weights, gradients, two moments).
+    ``optimizer`` whose state the memory model counts (AdamW: weights, gradients, two moments),
+    and whether a stage's replicas ``shard`` that state (``none``, or ``optimizer``: each of
+    ``r`` replicas holds ``1 / r`` of it, ZeRO-1; ``partition --shard-optimizer``).
     """
 
     microbatches: int = 8
@@ -27,6 +29,7 @@ class TrainSpec:
     recompute: str = AUTO
     precision: str = "fp32"
     optimizer: str = "adamw"
+    shard: str = "none"
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from onnx_partition.cost.cluster import Fleet, Link
 from onnx_partition.pipeline.memory import (
     StageBytes,
     check_recompute,
+    optimizer_state,
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
@@ -138,7 +139,8 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                       float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
                       float(seq.cut_bytes[j]) if run.train else 0.0, trained)
     count = held(r) if held is not None else _held_safe(run)(r)
-    static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor)
+    static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor,
+                          replicas=r, shard=run.shard)
     for flag in flags:
         rebuilt = flag and run.train
         memory = (static + count * stash_bytes(size, rebuilt)
@@ -261,15 +263,19 @@ class _FleetTables:
             static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                       if run.train else weights[i])
         limit = group.memory * 1e9
+        state = params[i] if trained is None else trained[i]  # what has optimizer state
+        full = optimizer_state(state, run.optimizer_factor)
         d = group.devices
         best = np.full((slots, d), inf)  # per q and u in 0..d-1, vectorised over u and j
         for r in replica_choices(min(d, max(m, 1))):  # no replica without a micro-batch
             us = np.arange(d - r + 1)  # devices already used, u + r <= d
+            own_static = (static - full + optimizer_state(  # its own shard (ZeRO-1)
+                state, run.optimizer_factor, r, run.shard) if run.train else static)
             # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
             # flight and one micro-batch's activations, its forward once more
-            keeps = (valid[i] & (static + held(r) * stash <= limit) if mode != "all"
+            keeps = (valid[i] & (own_static + held(r) * stash <= limit) if mode != "all"
                      else np.zeros(n + 1, dtype=bool))
-            rebuilt = (~keeps & valid[i] & (static + acts[i] + held(r) * received[i]
+            rebuilt = (~keeps & valid[i] & (own_static + acts[i] + held(r) * received[i]
                                             <= limit) if mode != "none"
                        else np.zeros(n + 1, dtype=bool))
             stage = compute + np.where(rebuilt, forwards[g][i], 0.0)

@@ -122,10 +122,12 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             max(float(per_kind_fwd[g][k]) for g in kinds[k]),
             max(float(per_kind_bwd[g][k]) for g in kinds[k]) if run.train else 0.0,
             len(where), allreduce, stash_bytes(sizes[k]),
-            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
+                         replicas=len(where), shard=run.shard),
             recompute=flags[k], input_bytes=sizes[k].received))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
-                               optimizer_factor=run.optimizer_factor, recompute=flags)
+                               optimizer_factor=run.optimizer_factor, recompute=flags,
+                               shard=run.shard)
     devices = [[fleet.device_name(group(d), d - starts[group(d)]) for d in where]
                for where in placed]
     return PipelineCosts(stages, send), memory, devices, ["+".join(k) for k in kinds], limits
@@ -138,7 +140,8 @@ def _recomputed(sizes: Sequence[StageBytes], replicas: Sequence[int],
     memory ``limits[k]``."""
     chosen = {limit: recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                                       memory_bytes=limit, mode=run.recompute,
-                                      optimizer_factor=run.optimizer_factor)
+                                      optimizer_factor=run.optimizer_factor,
+                                      shard=run.shard)
               for limit in set(limits)}
     return [chosen[limit][k] for k, limit in enumerate(limits)]
 

@@ -191,6 +191,8 @@ def _narrow(brackets: dict[int, list[int]], values: np.ndarray, probes: _Probes)
     assert capi is not None
     low = {b: [-1, len(values) - 1] for b in brackets}
     one = capi >= 1 if capi_rc is None else (capi >= 1) | (capi_rc >= 1)
+    if one.ndim == 3:  # sharded optimizer state: fits on some count (still a relaxation)
+        one = np.any(one, axis=0, keepdims=False).astype(bool)
     _bisect(low, values, lambda tau: probes.fast(tau, one)[0])
     high = {b: [-1, len(values) - 1] for b in brackets}
     _bisect(high, values, lambda tau: probes.fast(tau, None)[0])

@@ -173,11 +173,12 @@ def _stage_bands(tables: StageTables, tau: float, capi: np.ndarray, capi_rc: np.
     keeps = []
     for c in range(rc):
         ok = tables.period[c] <= tau  # inf (i >= j) never
-        cap = capi
+        cap = capi[c] if capi.ndim == 3 else capi  # per count: its optimizer state sharded
         if capi_rc is not None and tables.period_rc is not None:
             ok_rc = tables.period_rc[c] <= tau  # keep periods are never above these
-            keeps.append(np.where(ok, capi, -1))
-            cap = np.maximum(keeps[-1], np.where(ok_rc, capi_rc, -1))
+            keeps.append(np.where(ok, cap, -1))
+            cap = np.maximum(keeps[-1], np.where(
+                ok_rc, capi_rc[c] if capi_rc.ndim == 3 else capi_rc, -1))
         last = np.where(ok.any(axis=1), (n - np.argmax(ok[:, ::-1], axis=1)) - rows, 0)
         width = max(int(last.max()), 1)
         ends = rows[:, None] + 1 + np.arange(width)[None, :]

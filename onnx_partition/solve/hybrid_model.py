@@ -58,6 +58,7 @@ class HybridConfig:
     group_bytes_per_ms: Sequence[float] = ()  # all-reduce bandwidth for r replicas (index r)
     group_latency_ms: Sequence[float] = ()
     optimizer_factor: float = 4.0  # parameters + gradients + Adam moments, in parameter bytes
+    shard: str = TrainSpec().shard  # optimizer: each of r replicas holds 1/r of the state
     max_stages: int = 16
     depth: int | None = None  # exactly this many stages (None: any depth up to max_stages)
     budgets: Sequence[int] = ()  # also propose plans on at most this many devices

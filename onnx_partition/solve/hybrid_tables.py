@@ -23,6 +23,7 @@ from onnx_partition.pipeline.memory import (
     check_recompute,
     device_bytes,
     memory_per_device,
+    optimizer_state,
     recompute_choice,
     ring_allreduce_ms,
 )
@@ -106,6 +107,9 @@ class StageTables:
             self.static = (config.optimizer_factor * self.params + self.sent if config.train
                            else self.params)
         self.stash = self.acts + self.received
+        #: the bytes with optimizer state (its ``1 / r`` on each of ``r`` replicas under
+        #: ``shard`` optimizer: :meth:`shed`)
+        self.stateful = self.params if self.trained is None else self.trained
 
     def _price_recomputing(self, costs: SequenceCosts, config: HybridConfig) -> None:
         """The same stages recomputing (``rebuilt``, training); under ``all`` they replace the
@@ -178,6 +182,15 @@ class StageTables:
         lat = c.group_latency_ms[r] if c.group_latency_ms else c.link_latency_ms
         return ring_allreduce_ms(params, r, bw, lat)
 
+    def shed(self, r: int) -> np.ndarray | float:
+        """Bytes of ``static`` a replica of ``r`` does not hold: the other replicas' shards of
+        the optimizer state (``shard`` optimizer; 0 otherwise), every stage at once."""
+        c = self.c
+        if not c.train or c.shard == "none" or r <= 1:
+            return 0.0
+        return (optimizer_state(self.stateful, c.optimizer_factor)
+                - optimizer_state(self.stateful, c.optimizer_factor, r, c.shard))
+
     def memory(self, q: int) -> np.ndarray:
         """Bytes per device of every stage placed ``q``-th from the end of a pipeline of single
         replicas (1F1B holds ``min(q, M)`` micro-batches there): the least-memory report."""
@@ -203,7 +216,7 @@ class StageTables:
                                    self.c.microbatches,
                                    schedule="1f1b" if self.c.train else "infer",
                                    optimizer_factor=self.c.optimizer_factor,
-                                   recompute=[s.recompute for s in stages])
+                                   recompute=[s.recompute for s in stages], shard=self.c.shard)
         return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
 
     def sizes(self, stages: Sequence[HybridStage]) -> list[StageBytes]:
@@ -239,7 +252,8 @@ class StageTables:
             flags = recompute_choice(self.sizes(stages), [s.replicas for s in stages],
                                      self.c.microbatches, schedule="1f1b",
                                      memory_bytes=self.c.memory_bytes,
-                                     optimizer_factor=self.c.optimizer_factor)
+                                     optimizer_factor=self.c.optimizer_factor,
+                                     shard=self.c.shard)
             stages = [s if s.recompute == f else self.stage(s.start, s.end, s.replicas, f)
                       for s, f in zip(stages, flags, strict=True)]
         return self.with_memory(stages)
@@ -247,9 +261,20 @@ class StageTables:
 
 def held_caps(tables: StageTables, memory: float, rebuilt: bool = False) -> np.ndarray:
     """capi[i, j]: the most micro-batches stage ``[i, j)`` may hold within ``memory`` per
-    device (-1: not even its weights fit), at most ``M``; ``rebuilt``: recomputing."""
-    m = tables.c.microbatches
+    device (-1: not even its weights fit), at most ``M``; ``rebuilt``: recomputing. With the
+    optimizer state sharded a stage's static bytes fall with its replicas: then
+    ``capi[c, i, j]``, on ``choices[c]`` replicas."""
     _, static, stash = tables.rebuilt if rebuilt else (None, tables.static, tables.stash)
+    if tables.c.train and tables.c.shard != "none":
+        return np.stack([_caps(tables, memory, static - tables.shed(r), stash)
+                         for r in tables.choices])
+    return _caps(tables, memory, static, stash)
+
+
+def _caps(tables: StageTables, memory: float, static: np.ndarray, stash: np.ndarray
+          ) -> np.ndarray:
+    """:func:`held_caps` of one table of static bytes."""
+    m = tables.c.microbatches
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         room = memory - static
         cap = np.where(stash > 0, room / np.where(stash > 0, stash, 1.0),

@@ -19,7 +19,7 @@ from onnx_partition.pipeline.schedules import PLANNED_NAMES, build
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.request.partition import PartitionRequest
-from onnx_partition.settings.partition import AUTO
+from onnx_partition.settings.partition import AUTO, TrainSpec
 from onnx_partition.solve.baselines import parameter_balanced, time_balanced, uniform
 from onnx_partition.solve.contract import expand
 from onnx_partition.solve.exact import Proof, exact_split
@@ -252,7 +252,7 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
         assert problem.kinds is not None
         run = RunSpec(cluster.clusters[0], train=train, microbatches=spec.microbatches,
                       max_stages=max(16, num_stages or 0),
-                      recompute=spec.recompute if train else "none")
+                      recompute=spec.recompute if train else "none", shard=spec.shard)
         fleet_plan, families = plan_fleet(dag, arrays, problem.kinds, cluster, run,
                                           schedules=_schedules(request) if train else (),
                                           num_stages=num_stages)
@@ -263,7 +263,8 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
         best, families, run = plan_per_schedule(
             dag, arrays, cluster, num_stages=num_stages, microbatches=spec.microbatches,
             schedules=_schedules(request) if train else ("infer",), recompute=spec.recompute,
-            train=train, reporter=reporter, engine=problem.engine if train else None)
+            train=train, reporter=reporter, engine=problem.engine if train else None,
+            shard=spec.shard)
         proof = prove_hybrid(dag, arrays, run, best, num_stages=num_stages,
                              budget_s=request.search.exact_budget_s)
     route = HybridRoute(cluster, best, families, run, proof, sum(dag.compute_ms) / cluster.speed)
@@ -312,7 +313,7 @@ def _graph_stages(problem: Problem, unit_stage: Sequence[int]) -> dict[int, int]
 def plan_per_schedule(
     problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
     microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
-    reporter: Reporter, engine: EngineTerms | None = None,
+    reporter: Reporter, engine: EngineTerms | None = None, shard: str = TrainSpec.shard,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
@@ -331,7 +332,7 @@ def plan_per_schedule(
         run = RunSpec(cluster, train=train, microbatches=microbatches,
                       max_stages=max(16, num_stages or 0),
                       train_schedule=name if train else "1f1b",
-                      recompute=recompute if train else "none", engine=engine)
+                      recompute=recompute if train else "none", engine=engine, shard=shard)
         try:
             if proposals is None and len(schedules) > 1:
                 proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)

@@ -158,6 +158,7 @@ def dp_sequence(
         group_bytes_per_ms=group_bw,
         group_latency_ms=group_lat,
         optimizer_factor=run.optimizer_factor,
+        shard=run.shard,
         max_stages=num_stages or run.max_stages,
         depth=num_stages,
         budgets=machine_budgets(cluster),

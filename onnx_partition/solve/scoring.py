@@ -148,6 +148,7 @@ class RunSpec:
     train: bool = False
     microbatches: int = TrainSpec().microbatches
     optimizer_factor: float = 4.0
+    shard: str = TrainSpec().shard  # the replicas' optimizer state (pipeline.memory.SHARD_MODES)
     max_stages: int = 16
     train_schedule: str = "1f1b"  # a planned schedule (schedules.PLANNED_NAMES)
     recompute: str = "none"  # which stages recompute (pipeline.memory.RECOMPUTE_MODES)
@@ -286,7 +287,7 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
              for k in range(num_stages)]
     flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                              memory_bytes=cluster.memory_bytes, mode=run.recompute,
-                             optimizer_factor=run.optimizer_factor)
+                             optimizer_factor=run.optimizer_factor, shard=run.shard)
     engine = run.engine if run.train else None
     weighed = [float(x) for x in (totals.param_bytes if weights is None else weights)]
     step = engine.step_ms(weighed) if engine else [0.0] * num_stages
@@ -306,12 +307,14 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
         stages.append(StageCosts(
             float(totals.forward_ms[k]) / cluster.speed, backward, r, allreduce,
             stash_bytes(sizes[k]),
-            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor),
+            static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
+                         replicas=r, shard=run.shard),
             backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received,
             step_ms=step[k], accumulate_ms=accumulate[k], split_ms=split[k],
             action_ms=engine.action_ms if engine else 0.0))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
-                               optimizer_factor=run.optimizer_factor, recompute=flags)
+                               optimizer_factor=run.optimizer_factor, recompute=flags,
+                               shard=run.shard)
     return PipelineCosts(stages, send), memory
 
 

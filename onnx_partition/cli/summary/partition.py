@@ -103,6 +103,8 @@ _SHORT = {"budget": "the budget ran out (--exact-budget SECONDS to search longer
 #: Why a hybrid plan's DP objective was not judged, for the summary.
 _HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
                  "recompute": "stages recompute, which the hybrid judge does not model",
+                 "shard": "the optimizer state is sharded, which the hybrid judge does not "
+                          "model",
                  "fleet": "the hybrid judge models one device kind, not a fleet"}
 
 

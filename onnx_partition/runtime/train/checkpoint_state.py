@@ -43,14 +43,17 @@ MODULE, OPTIM, RNG = "module/", "optim/", "rng/"
 
 
 def save_rank_state(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device, *, first_replica: bool) -> None:
-    """This rank's file (the module docstring's keys) at ``path``."""
+                    device: torch.device, *, first_replica: bool,
+                    state: Mapping[str, Any] | None = None) -> None:
+    """This rank's file (the module docstring's keys) at ``path``; ``state``: the optimizer's
+    state dict when not its own (a sharded optimizer's, consolidated on the first replica)."""
     out: dict[str, torch.Tensor] = {}
     if first_replica:
         out.update({MODULE + n: t for n, t in module.state_dict().items()})
         names = list(dict(module.named_parameters()))
-        for index, state in optimizer.state_dict()["state"].items():
-            for key, value in state.items():
+        whole = state if state is not None else optimizer.state_dict()
+        for index, held in whole["state"].items():
+            for key, value in held.items():
                 if value is None:
                     continue
                 if not isinstance(value, torch.Tensor):

@@ -175,9 +175,10 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     tied = tied_groups_here(lay, stages, k)
     params = dict(module.named_parameters())
     chosen = run.job.optimizer
+    sharded = plan.stages[k].sharded and stage_group is not None  # ZeRO-1 over the replicas
     optimizer = make_optimizer(run.optimizer, list(params.values()), chosen.lr,
                                weight_decay=chosen.weight_decay, momentum=chosen.momentum,
-                               betas=chosen.betas)
+                               betas=chosen.betas, shard_group=stage_group if sharded else None)
     if run.checkpoints.resume_from is not None:
         _load_checkpoint(run, rank, module, optimizer, device)
     wire = TensorWire(device, lay.name)
@@ -384,11 +385,21 @@ def _checkpoint(run: RankRun, lay: Layout, rank: int, step: int, module: torch.n
                 evals: Sequence[tuple[int, float]] = ()) -> None:
     """Write this rank's share of the checkpoint after ``step`` (rank 0 publishes it, with
     every validation loss of the run so far, the resumed segments' included)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from onnx_partition.runtime.train.checkpoint import CHECKPOINT_FORMAT, write_checkpoint
     from onnx_partition.runtime.train.checkpoint_state import save_rank_state
 
+    state: dict[str, Any] | None = None  # a sharded optimizer's: whole on the first replica
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)  # every replica takes part
+        state = optimizer.state_dict() if lay.place(rank)[1] == 0 else None
+    else:
+        state = optimizer.state_dict()
+
     def save(path: Path) -> None:
-        save_rank_state(path, module, optimizer, device, first_replica=lay.place(rank)[1] == 0)
+        save_rank_state(path, module, optimizer, device, first_replica=lay.place(rank)[1] == 0,
+                        state=state)
 
     manifest = None
     if rank == 0:

@@ -94,6 +94,12 @@ def check_torch_engine(plan: Plan, run: RankRun) -> None:
     """A one-line :class:`PartitionError` (before any process) when the run cannot go on
     torch pipelining, saying why."""
     lay = layout(plan)
+    sharded = [s.index for s in plan.stages if s.sharded]
+    if sharded:
+        raise PartitionError(
+            f"--engine torch does not shard optimizer state: stages {sharded} of this plan "
+            "do (its memory assumes it); use --engine ours, or partition without "
+            "--shard-optimizer")
     counts = sorted(set(lay.replicas))
     if len(counts) > 1:
         raise PartitionError(
