@@ -115,7 +115,12 @@ class RankResult:
     # computes in the calling thread): what a busy machine's other processes do not stretch
     forward_cpu_ms: list[float] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
-    memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
+    # the run's peak of live tensor storages (CUDA: max_memory_allocated; CPU: the storage
+    # tracker, :mod:`onnx_partition.runtime.memtrack`), the process's VmHWM (None where the OS
+    # has none) and CUDA's allocator reserve (None elsewhere)
+    memory_bytes: int | None = None
+    resident_bytes: int | None = None
+    reserved_bytes: int | None = None
     # per step, where the wall time went (ms; ``spans``: per action, from the step's start,
     # (action, start, end, of which blocked in receives); ``tail``: the step's end, from the
     # last action to the step done: sends awaited, gradient sums and the norm's all-reduce
