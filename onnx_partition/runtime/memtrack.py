@@ -63,6 +63,9 @@ def resident_bytes(status: Path = Path("/proc/self/status")) -> int | None:
     return None
 
 
+ACTIVE: list[StorageTracker] = []  # the trackers entered, innermost last
+
+
 class StorageTracker:
     """Live and peak bytes of the CPU tensor storages made while it is entered (each storage
     counted once, released when freed); :meth:`adopt` counts storages made before."""
@@ -85,6 +88,7 @@ class StorageTracker:
         self.peak = self.live
 
     def __enter__(self) -> StorageTracker:
+        ACTIVE.append(self)
         self._mode = _Mode(self)
         self._mode.__enter__()
         return self
@@ -93,6 +97,7 @@ class StorageTracker:
         assert self._mode is not None
         self._mode.__exit__(*exc)
         self._mode = None
+        ACTIVE.remove(self)
 
     def _add(self, t: torch.Tensor) -> None:
         if not t.is_cpu or t.layout is not torch.strided:
