@@ -140,6 +140,8 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # the output shares its input's storage
+            return out
         if isinstance(out, torch.Tensor):
             self.tracker._add(out)
         elif isinstance(out, (tuple, list)):
