@@ -1,6 +1,6 @@
 """Measured against predicted in training (issue 20 item 4): ``train --json``'s ``measured``,
 ``predicted`` and ``ratio`` for the step and per stage (forward, backward ms; activation bytes
-counted by the saved-tensor hook in the run; the device peak on CUDA only), the text output
+counted by the saved-tensor hook in the run; the peak of live storages, VmHWM), the text output
 ending with the same table, and the plan's predictions scaled to the run's rows."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from onnx_partition.runtime.train.trainer import train_plan
 ROWS = 2
 KEYS = {"stage", "forward_ms", "backward_ms", "activation_bytes", "memory_bytes"}
 CPU_KEYS = {"forward_cpu_ms", "backward_cpu_ms"}  # measured (and their ratio) on CPU
+HELD_KEYS = {"resident_bytes", "reserved_bytes"}  # measured only: the process's, CUDA's reserve
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
     measured, predicted, ratio = body["measured"], body["predicted"], body["ratio"]
     plan = read_plan(gpt_plan)
     assert predicted["scaled_from_batch_size"] is None  # the run's rows are the plan's
-    for part, keys in ((measured, KEYS | CPU_KEYS), (predicted, KEYS), (ratio, KEYS | CPU_KEYS)):
+    for part, keys in ((measured, KEYS | CPU_KEYS | HELD_KEYS), (predicted, KEYS),
+                       (ratio, KEYS | CPU_KEYS)):
         assert {"iteration_ms", "samples_per_s", "stages"} <= set(part)
         assert [s["stage"] for s in part["stages"]] == [0, 1]
         assert all(set(s) == keys for s in part["stages"])
@@ -80,7 +82,14 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
             got["backward_cpu_ms"] / want["backward_ms"], rel=1e-3)
         assert r["forward_ms"] == pytest.approx(got["forward_ms"] / want["forward_ms"],
                                                 rel=1e-3)
-        assert got["memory_bytes"] is None and r["memory_bytes"] is None  # CPU: no peak kept
+        # CPU: the storage tracker's peak, at least the weights, gradients and optimizer state
+        fixed = sum(x or 0 for x in (stage.predicted.weights_bytes, stage.predicted.grad_bytes,
+                                     stage.predicted.optimizer_bytes))
+        assert isinstance(got["memory_bytes"], int) and got["memory_bytes"] >= fixed > 0
+        assert r["memory_bytes"] == pytest.approx(got["memory_bytes"] / want["memory_bytes"],
+                                                  rel=1e-3)
+        assert got["resident_bytes"] > got["memory_bytes"]  # VmHWM: the interpreter's too
+        assert got["reserved_bytes"] is None  # CUDA's allocator only
     assert ratio["iteration_ms"] == pytest.approx(
         measured["iteration_ms"] / predicted["iteration_ms"], rel=1e-3)
 
@@ -88,13 +97,14 @@ def test_json_and_text_set_measured_against_predicted(gpt_plan: Path,
                  "--batch-size", str(ROWS)])
     out = capfd.readouterr().out
     assert code == 0, out
-    table = out.rstrip().splitlines()[-13:]  # the summary ends with the table
+    table = out.rstrip().splitlines()[-17:]  # the summary ends with the table
     assert table[0].startswith("measured against predicted")
     assert table[1].split() == ["quantity", "measured", "predicted", "ratio"]
     assert [" ".join(line.split()[:-3]) for line in table[2:]] == [
         "iteration ms", *[f"stage {k} {q}" for k in (0, 1) for q in (
-            "forward ms", "forward CPU ms", "backward ms", "backward CPU ms", "activation MB")]]
-    for line, k in ((table[7], 0), (table[12], 1)):
+            "forward ms", "forward CPU ms", "backward ms", "backward CPU ms", "activation MB",
+            "peak memory MB", "resident (VmHWM) MB")]]
+    for line, k in ((table[7], 0), (table[14], 1)):
         activation = plan.stages[k].predicted.activation_bytes  # type: ignore[union-attr]
         assert line.split()[-3:] == [f"{activation / 1e6:.4g}"] * 2 + ["1.00"]
 

@@ -33,12 +33,15 @@ def comparison_table(stats: TrainStats) -> list[str]:
              ("backward_ms", "backward ms", "ms", "backward_ms"),
              ("backward_cpu_ms", "backward CPU ms", "ms", "backward_ms"),
              ("activation_bytes", "activation MB", "MB", "activation_bytes"),
-             ("memory_bytes", "peak memory MB", "MB", "memory_bytes"))
+             ("memory_bytes", "peak memory MB", "MB", "memory_bytes"),
+             ("resident_bytes", "resident (VmHWM) MB", "MB", ""),
+             ("reserved_bytes", "CUDA reserved MB", "MB", ""))
     for m, p, r in zip(measured["stages"], predicted["stages"], ratio["stages"]):
         for key, label, unit, against in names:
             if m[key] is None and key != "activation_bytes":
-                continue  # CPU: no peak kept; CUDA: no thread CPU time
-            rows.append((f"stage {m['stage']} {label}", m[key], p[against], r[key], unit))
+                continue  # CUDA: no thread CPU time; CPU: no reserve
+            rows.append((f"stage {m['stage']} {label}", m[key], p.get(against), r.get(key),
+                         unit))
     scaled = predicted["scaled_from_batch_size"]
     note = (f"; predicted per-row terms scaled from the plan's {scaled} rows per micro-batch"
             if scaled else "")

@@ -214,6 +214,7 @@ def _input(me: RankState, st: StepState, action: Action) -> None:
     held.sent = {}  # what only the input gradients needed is freed with the roots
     del roots, grads
     _send_back(me, action, held, dict(zip(names, got, strict=True)))
+    held.leaves = {}  # consumed: what W needs of them its graph keeps
 
 
 def _weight(me: RankState, st: StepState, action: Action) -> None:

@@ -15,14 +15,25 @@ the next action's first receive is from the peer the queued sends go to (1F1B's 
 activation forward, then that stage's gradient back), they are held and posted with that
 receive in one ``batch_isend_irecv``, as Megatron's ``send_forward_recv_backward``: NCCL
 serialises a send and a receive between the same two ranks issued separately, and two ranks
-doing so in opposite directions deadlock. Sends are awaited at :meth:`TensorWire.wait`, the end
-of the step. Measured on gloo (gpt small, 2 stages, GPipe): before, queued sends left with the
-next receive, so stage 0's activations left only when its backward began and the pipeline ran
-serially both ways.
+doing so in opposite directions deadlock. Measured on gloo (gpt small, 2 stages, GPipe):
+before, queued sends left with the next receive, so stage 0's activations left only when its
+backward began and the pipeline ran serially both ways.
+
+**A sent tensor is held until its send completes, no longer** (a rank's memory then grows with
+the schedule's in-flight micro-batches, not with the step's count: before, every sent tensor was
+held to the end of the step, M activations and M gradients). On gloo a send's work says it is
+complete only once waited for (``is_completed`` stays false), so each peer's sends are waited for
+by a thread of their own (:class:`_Reaper`), in the order posted (the order the peer receives
+them), each tensor dropped as its send completes; the rank's own thread never blocks on a send.
+Elsewhere (NCCL) the posted works are polled at every post and flush and the completed ones
+dropped. :meth:`TensorWire.wait`, at the step's end, waits for what is still in flight and
+raises the first send's error.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,7 +62,9 @@ class TensorWire:
         self.peer = peer
         self.comm_s = 0.0
         self.outbox: list[tuple[torch.Tensor, int]] = []  # queued sends
-        self.pending: list[tuple[Any, int, torch.Tensor]] = []  # posted, not yet complete
+        self.pending: list[tuple[Any, int, torch.Tensor]] = []  # posted, polled (not gloo)
+        self.reapers: dict[int, _Reaper] = {}  # gloo: per peer, its sends in flight
+        self.threaded = device.type == "cpu"  # gloo's works complete only when waited for
 
     def send(self, dst: int, m: int, names: Sequence[str],
              tensors: Mapping[str, torch.Tensor], *, header: bool = True) -> None:
@@ -69,6 +82,11 @@ class TensorWire:
         action receives from first): then they go out with that receive, in one batch."""
         if self.outbox and not all(dst == hold_for for _, dst in self.outbox):
             self._post([], 0)
+        self._drop_completed()
+
+    def in_flight(self) -> int:
+        """Sends posted and not yet complete (their tensors held)."""
+        return len(self.pending) + sum(r.count for r in self.reapers.values())
 
     def recv_like(self, src: int, names: Sequence[str],
                   like: Mapping[str, torch.Tensor]) -> Tensors:
@@ -92,6 +110,10 @@ class TensorWire:
         """Post the queued sends and wait for every send to complete."""
         began = time.perf_counter()
         self._post([], 0)
+        for dst, reaper in self.reapers.items():
+            error = reaper.join()
+            if error is not None:
+                raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(error)}") from error
         for work, dst, _ in self.pending:
             try:
                 work.wait()
@@ -99,6 +121,11 @@ class TensorWire:
                 raise RuntimeError(f"sending to {self.peer(dst)}: {one_line(exc)}") from exc
         self.pending.clear()
         self.comm_s += time.perf_counter() - began
+
+    def _drop_completed(self) -> None:
+        """Drop the polled sends that completed (their tensors with them)."""
+        if self.pending:
+            self.pending = [p for p in self.pending if not p[0].is_completed()]
 
     def _post(self, receives: Sequence[torch.Tensor], src: int) -> list[Any]:
         """Post the queued sends and the ``receives`` from ``src`` as one batch (all of a
@@ -109,9 +136,15 @@ class TensorWire:
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
-        for work, (t, dst) in zip(works, self.outbox):
-            self.pending.append((work, dst, t))  # the tensor kept alive until sent
+        for work, (t, dst) in zip(works, self.outbox):  # the tensor kept alive until sent
+            if self.threaded:
+                if dst not in self.reapers:
+                    self.reapers[dst] = _Reaper()
+                self.reapers[dst].put(work, t)
+            else:
+                self.pending.append((work, dst, t))
         self.outbox.clear()
+        self._drop_completed()
         return works[len(works) - len(receives):]
 
     def _recv(self, tensors: Sequence[torch.Tensor], src: int) -> None:
@@ -123,3 +156,38 @@ class TensorWire:
         except Exception as exc:  # torch raises DistBackendError / RuntimeError
             raise RuntimeError(f"receiving from {self.peer(src)}: {one_line(exc)}") from exc
         self.comm_s += time.perf_counter() - began
+
+
+class _Reaper:
+    """One peer's sends in flight, waited for in the order posted by a daemon thread (the peer
+    receives them in that order), each dropped, with its tensor, once complete; the first error
+    is kept for :meth:`join` (later sends to that peer are then dropped unwaited)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[tuple[Any, torch.Tensor]] = queue.Queue()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._loop, name="send-reaper", daemon=True).start()
+
+    @property
+    def count(self) -> int:
+        """Sends in flight."""
+        return self.queue.unfinished_tasks
+
+    def put(self, work: Any, tensor: torch.Tensor) -> None:
+        self.queue.put((work, tensor))
+
+    def join(self) -> BaseException | None:
+        """Wait until every send put so far completed; the first error, if any."""
+        self.queue.join()
+        return self.error
+
+    def _loop(self) -> None:
+        while True:
+            work, tensor = self.queue.get()
+            try:
+                if self.error is None:
+                    work.wait()  # releases the GIL while it waits
+            except Exception as exc:  # torch raises DistBackendError / RuntimeError
+                self.error = exc
+            del work, tensor  # the tensor freed now, not with the next send
+            self.queue.task_done()

@@ -42,7 +42,10 @@ class SavedCounter:
         if key not in self.seen:
             self.seen.add(key)
             self.per_microbatch[-1] += int(storage.nbytes())
-        return tensor
+        # detached: a saved output packed as itself would hold its own node (a cycle through
+        # C++ that only a backward without retain_graph breaks: ZB-H1's split passes retain it,
+        # so the first step's graphs were never freed)
+        return tensor.detach()
 
 
 def counting(counter: SavedCounter | None) -> Any:

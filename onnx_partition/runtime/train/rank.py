@@ -44,6 +44,7 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.progress import echo
+from onnx_partition.runtime.memtrack import tracking
 from onnx_partition.runtime.train.actions import (
     ACTIONS,
     RankState,
@@ -113,17 +114,36 @@ def train_stages(
     device = device or torch.device("cpu")
     kit = _set_up(stages, loss_fn, plan, run, rank, device)
     me = kit.me
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    held = [*kit.params.values(), *me.module.buffers(), *_optimizer_tensors(kit.optimizer)]
+    result = RankResult(rank, me.k, kit.replica, [], 0, [], [], [], [])
+    result.math = flags_math(run.precision)
+    if 0 in run.check_steps:  # the parameters training starts from
+        result.states[0] = {n: p.detach().cpu().clone() for n, p in kit.params.items()}
+    with tracking(device, held) as memory:  # the peak of live storages over the whole run
+        _train_steps(kit, run, batches, result, eval_batches)
+        reading = memory()
+    result.memory_bytes = reading.peak_bytes
+    result.resident_bytes, result.reserved_bytes = reading.resident_bytes, reading.reserved_bytes
+    if run.keep_state and kit.replica == 0:
+        result.state = {n: v.detach().cpu().clone() for n, v in me.module.state_dict().items()}
+    return result
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of ``optimizer``'s state (a resumed run's, loaded before tracking)."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
+                 eval_batches: Batches | None) -> None:
+    """The run's steps, with validation, the per-step log and checkpoints as they fall due."""
+    me, rank, device = kit.me, result.rank, kit.me.device
     bar = _progress(run) if rank == 0 else None
     # validation runs the stage as model.eval() would (dropout off, running statistics, no
     # buffer update), on the same parameters: .eval() alone changes nothing in an FX program
     evaluating = bool(run.job.data.eval_every) and eval_batches is not None
     judge = replace(me, module=eval_module(me.module)) if evaluating else me
-    result = RankResult(rank, me.k, kit.replica, [], 0, [], [], [], [])
-    result.math = flags_math(run.precision)
-    if 0 in run.check_steps:  # the parameters training starts from
-        result.states[0] = {n: p.detach().cpu().clone() for n, p in kit.params.items()}
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
         st = _run_actions(kit, run, batches, result, step, began)
@@ -142,11 +162,6 @@ def train_stages(
         if run.checkpoints.directory and _due(done, run.checkpoints.every, run):
             _checkpoint(run, me.lay, rank, done, me.module, kit.optimizer, device,
                         result.eval_loss)
-    if device.type == "cuda":
-        result.memory_bytes = int(torch.cuda.max_memory_allocated(device))
-    if run.keep_state and kit.replica == 0:
-        result.state = {n: v.detach().cpu().clone() for n, v in me.module.state_dict().items()}
-    return result
 
 
 def _due(done: int, every: int, run: RankRun) -> bool:

@@ -122,7 +122,12 @@ class RankResult:
     # computes in the calling thread): what a busy machine's other processes do not stretch
     forward_cpu_ms: list[float] = field(default_factory=list)
     backward_cpu_ms: list[float] = field(default_factory=list)
-    memory_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the run
+    # the run's peak of live tensor storages (CUDA: max_memory_allocated; CPU: the storage
+    # tracker, :mod:`onnx_partition.runtime.memtrack`), the process's VmHWM (None where the OS
+    # has none) and CUDA's allocator reserve (None elsewhere)
+    memory_bytes: int | None = None
+    resident_bytes: int | None = None
+    reserved_bytes: int | None = None
     # the math this rank computed in, read back from torch's TF32 flags after its set-up
     math: str = "fp32"
     # per step, where the wall time went (ms; ``spans``: per action, from the step's start,

@@ -54,9 +54,13 @@ class TrainStats:
     lr: list[float] = field(default_factory=list)  # per step
     checkpoint: Path | None = None  # where checkpoints went
     # per stage, measured in the run: bytes saved for backward per micro-batch (the saved-tensor
-    # hook over the first step), the device's peak (CUDA: max_memory_allocated; None on CPU)
+    # hook over the first step), the peak of live tensor storages (CUDA: max_memory_allocated;
+    # CPU: the storage tracker), the process's VmHWM and CUDA's reserve (None where there is
+    # none); each the maximum over the stage's replicas
     activation_bytes: list[int | None] = field(default_factory=list)
     memory_bytes: list[int | None] = field(default_factory=list)
+    resident_bytes: list[int | None] = field(default_factory=list)
+    reserved_bytes: list[int | None] = field(default_factory=list)
     # per stage on CPU: the ranks' thread CPU time in forward and backward (as forward_ms)
     forward_cpu_ms: list[float] = field(default_factory=list)
     math: str = "fp32"  # what the plan was priced in (plan.json ``math``) ...
@@ -160,18 +164,18 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], run: RankRun, rows: int,
     calibrated = simulate(schedules.build(run.schedule, replicas, count), measured)
     rank0 = ranks[0]
     acts: list[int | None] = [None] * stages
-    peaks: list[int | None] = [None] * stages
     for r in ranks:  # a stage's replicas: the largest micro-batch, the highest peak
         if r.activation_bytes:
             acts[r.stage] = max(acts[r.stage] or 0, *r.activation_bytes)
-        if r.memory_bytes is not None:
-            peaks[r.stage] = max(peaks[r.stage] or 0, r.memory_bytes)
+    peaks, resident, reserved = (_stage_max(ranks, stages, key) for key in (
+        "memory_bytes", "resident_bytes", "reserved_bytes"))
     return TrainStats(ranks=list(ranks), rows=rows, microbatches=count,
                       schedule=run.schedule, engine=engine, loss=rank0.loss,
                       step_ms=rank0.step_ms, forward_ms=fwd, backward_ms=bwd,
                       simulated_ms=simulated.iteration_ms,
                       calibrated_ms=calibrated.iteration_ms,
-                      activation_bytes=acts, memory_bytes=peaks,
+                      activation_bytes=acts, memory_bytes=peaks, resident_bytes=resident,
+                      reserved_bytes=reserved,
                       forward_cpu_ms=fwd_cpu if on_cpu else [],
                       backward_cpu_ms=bwd_cpu if on_cpu else [],
                       predicted_stages=predicted_stages(plan, costs, scale, count,
@@ -187,6 +191,16 @@ def summarize(plan: Plan, ranks: Sequence[RankResult], run: RankRun, rows: int,
                       math=plan.math or "fp32", ran_math=_one_math(ranks))
 
 
+def _stage_max(ranks: Sequence[RankResult], stages: int, key: str) -> list[int | None]:
+    """Per stage, the largest ``key`` of its replicas' results (None: none has it)."""
+    out: list[int | None] = [None] * stages
+    for r in ranks:
+        value = getattr(r, key)
+        if value is not None:
+            out[r.stage] = max(out[r.stage] or 0, int(value))
+    return out
+
+
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
     """measured / predicted to 4 significant digits (None: either is missing, or 0)."""
     if measured is None or not predicted:
@@ -199,8 +213,11 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
     ``iteration_ms``, ``samples_per_s`` (``run --json``'s names) and ``stages``: per stage
     ``forward_ms`` and ``backward_ms`` (per micro-batch on one replica), ``activation_bytes``
     (saved for backward per micro-batch: the run's saved-tensor hook against plan.json's) and
-    ``memory_bytes`` (the device's peak: CUDA's ``max_memory_allocated`` against the memory
-    model's; None on CPU, where no allocator keeps a peak). On CPU ``measured`` adds
+    ``memory_bytes`` (the peak of live tensor storages, the maximum over the stage's replicas:
+    CUDA's ``max_memory_allocated``, on CPU :mod:`onnx_partition.runtime.memtrack`'s tracker,
+    against the memory model's); ``measured`` adds ``resident_bytes`` (the ranks' VmHWM: all
+    the process holds, the interpreter and libraries too; None where the OS has none) and
+    ``reserved_bytes`` (CUDA's allocator reserve; None elsewhere). On CPU ``measured`` adds
     ``forward_cpu_ms`` and ``backward_cpu_ms`` per stage (the rank's thread CPU time in the same
     compute, which other processes on a busy machine do not stretch; None on CUDA) and
     ``ratio`` sets them against the predicted ``forward_ms`` and ``backward_ms``."""
@@ -211,6 +228,8 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
     count = len(stats.forward_ms)
     acts = stats.activation_bytes or [None] * count
     peaks = stats.memory_bytes or [None] * count
+    resident = stats.resident_bytes or [None] * count
+    reserved = stats.reserved_bytes or [None] * count
     fwd_cpu: list[float | None] = [round(v, 6) for v in stats.forward_cpu_ms] or [None] * count
     bwd_cpu: list[float | None] = [round(v, 6) for v in stats.backward_cpu_ms] or [None] * count
     measured: dict[str, Any] = {
@@ -218,7 +237,8 @@ def comparison(stats: TrainStats) -> dict[str, dict[str, Any]]:
         "stages": [{"stage": k, "forward_ms": round(stats.forward_ms[k], 6),
                     "backward_ms": round(stats.backward_ms[k], 6),
                     "forward_cpu_ms": fwd_cpu[k], "backward_cpu_ms": bwd_cpu[k],
-                    "activation_bytes": acts[k], "memory_bytes": peaks[k]}
+                    "activation_bytes": acts[k], "memory_bytes": peaks[k],
+                    "resident_bytes": resident[k], "reserved_bytes": reserved[k]}
                    for k in range(count)]}
     predicted: dict[str, Any] = {
         "iteration_ms": round(stats.simulated_ms, 6), "samples_per_s": rate(stats.simulated_ms),

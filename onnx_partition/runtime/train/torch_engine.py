@@ -58,6 +58,7 @@ from torch.distributed.pipelining import (
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan
+from onnx_partition.runtime.memtrack import tracking
 from onnx_partition.runtime.train.grads import (
     all_reduce_grads,
     clip_gradients,
@@ -355,6 +356,27 @@ def train_stages_torch(
     results = {k: RankResult(rank, k, at.replica, [], 0, [], [], [], []) for k in at.local}
     for result in results.values():
         result.math = flags_math(run.precision)
+    held = [t for k in at.local for t in (*kit.params[k].values(),
+                                          *kit.hops[k].stage.buffers())]
+    with tracking(device, held) as memory:  # the rank's, for every stage it holds
+        _steps(kit, stages, lay, at, run, results, batches, first_batch, device)
+        reading = memory()
+    for k in at.local:
+        results[k].memory_bytes = reading.peak_bytes
+        results[k].resident_bytes = reading.resident_bytes
+        results[k].reserved_bytes = reading.reserved_bytes
+    if run.keep_state and at.replica == 0:
+        for k in at.local:
+            results[k].state = {n: v.detach().cpu().clone()
+                                for n, v in kit.hops[k].stage.state_dict().items()}
+    return [results[k] for k in at.local]
+
+
+def _steps(kit: _Kit, stages: Sequence[StageLike], lay: Layout, at: _Place, run: RankRun,
+           results: Mapping[int, RankResult], batches: Batches, first_batch: _Batch | None,
+           device: torch.device) -> None:
+    """The run's steps (step 0's batch already read, for the hops' metadata)."""
+    first, last = at.local[0] == 0, at.local[-1] == lay.stages - 1
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
         if step == 0 and first_batch is not None:
@@ -372,11 +394,6 @@ def train_stages_torch(
             if step + 1 in run.check_steps:
                 results[k].states[step + 1] = {n: p.detach().cpu().clone()
                                                for n, p in kit.params[k].items()}
-    if run.keep_state and at.replica == 0:
-        for k in at.local:
-            results[k].state = {n: v.detach().cpu().clone()
-                                for n, v in kit.hops[k].stage.state_dict().items()}
-    return [results[k] for k in at.local]
 
 
 def _shared_metas(stages: Sequence[StageLike], plan: Plan, lay: Layout, at: _Place,
