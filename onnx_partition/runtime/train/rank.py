@@ -131,8 +131,8 @@ def train_stages(
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors of ``optimizer``'s state (a resumed run's, loaded before tracking)."""
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [v for state in optimizer.state.values() if state  # (a shard's others: None)
+            for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
