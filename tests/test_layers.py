@@ -15,7 +15,8 @@ PACKAGE = "onnx_partition"
 #: Lowest first. A module may import modules of its own layer or of a lower one. The entries
 #: (the console script, ``python -m`` aliases kept for torchrun, the package root) sit on top.
 LAYERS: list[set[str]] = [
-    {"errors", "values", "progress", "fileio", "dag"},  # base: no project imports but each other
+    # base: no project imports but each other
+    {"errors", "values", "progress", "fileio", "dag", "safe_tensors"},
     {"plan", "settings"},  # the contracts (plan.json, cluster.json, ...); the settings types
     {"pipeline", "graph"},  # the pipeline model (no ONNX); the ONNX adapter
     {"cost"},  # per-node costs, devices
