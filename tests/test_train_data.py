@@ -337,3 +337,18 @@ def test_nan_refused_only_in_the_rows_the_run_reads(own_plan: Path, tmp_path: Pa
                  "--batch-size", "2", "--microbatches", "2"]) == 2
     err = capfd.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and "NaN" in err
+
+
+def test_a_factory_run_resumes_where_it_stopped(own_plan: Path, tmp_path: Path) -> None:
+    """Issue 35's review finding: a run fed by a data factory, resumed from its checkpoint at
+    step 2, reads the factory's batches 3 and 4 (it skips the first two) and continues as the
+    uninterrupted run: the same losses (it used to fail inside the ranks, "asked for step 3
+    after step 0")."""
+    x = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
+    factory = functools.partial(factory_batches, {"x": x}, 4)
+    common: dict = dict(microbatches=2, batch_size=2, lr=0.01, data=factory,
+                        optimizer="adamw")
+    straight = train_plan(own_plan, steps=4, **common)
+    train_plan(own_plan, steps=2, checkpoint_dir=tmp_path / "ck", checkpoint_every=2, **common)
+    resumed = train_plan(own_plan, steps=4, resume=tmp_path / "ck", **common)
+    assert resumed.loss == pytest.approx(straight.loss[2:], rel=1e-6)

@@ -271,3 +271,35 @@ def test_a_2_stage_checkpoint_resumes_on_a_3_stage_plan(plans: tuple[Path, Path]
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_rng_states_come_back_on_the_cpu_for_a_gpu_rank(
+        plans: tuple[Path, Path], checkpoint: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35's review finding: ``torch.set_rng_state`` (and ``torch.cuda``'s) take only a CPU
+    tensor, so a rank on ``cuda`` resuming (format 2 or 1) must hand them CPU tensors; the
+    checkpoint is never read onto the rank's device (shown without a GPU: the setters are
+    recorded, not called)."""
+    from onnx_partition.runtime.train.checkpoint_state import load_legacy_rank, load_rank_state
+    from onnx_partition.safe_tensors import save_tensors
+
+    handed: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch, "set_rng_state", lambda t: handed.append(("cpu", t.device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda t, device=None: handed.append(("cuda", t.device)))
+    folder = tmp_path / "step"
+    shutil.copytree(checkpoint / "step-00000002", folder)
+    tensors = read_tensors(folder / "rank-00000.safetensors")
+    tensors["rng/cuda"] = tensors["rng/cpu"].clone()  # as a CUDA rank writes it
+    save_tensors(folder / "rank-00000.safetensors", tensors)
+    module = stage_modules(plans[0])[0].module
+    gpu = torch.device("cuda", 0)
+    load_rank_state(folder, 0, module, torch.optim.AdamW(module.parameters()), gpu,
+                    same_plan=True)
+    legacy = tmp_path / "rank.pt"
+    torch.save({"module": module.state_dict(),
+                "optimizer": torch.optim.AdamW(module.parameters()).state_dict(),
+                "rng": tensors["rng/cpu"], "cuda_rng": tensors["rng/cpu"]}, legacy)
+    load_legacy_rank(legacy, module, torch.optim.AdamW(module.parameters()), gpu)
+    cpu = torch.device("cpu")
+    assert handed == [("cpu", cpu), ("cuda", cpu), ("cpu", cpu), ("cuda", cpu)]

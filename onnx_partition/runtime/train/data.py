@@ -204,7 +204,9 @@ class ArrayBatches:
 
 class FactoryBatches:
     """``batches(step)`` from a factory's iterable (see the module docstring), called on first
-    use; steps must be asked for in order."""
+    use; steps are asked for in order, and a later step first skips the batches before it (a
+    run resumed at step ``k`` reads the factory's batch ``k``, as the run it continues would
+    have)."""
 
     def __init__(self, factory: Factory, inputs: Iterable[str]) -> None:
         self.factory, self.inputs = factory, set(inputs)
@@ -217,15 +219,18 @@ class FactoryBatches:
     def __call__(self, step: int) -> tuple[Tensors, Tensors]:
         if self._it is None:
             self._it = iter(self.factory())
-        if step != self._next:
+        if step < self._next:
             raise PartitionError(f"the data factory's batches are read in order: asked for "
                                  f"step {step + 1} after step {self._next}")
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            raise PartitionError(f"the data factory ran out of batches at step {step + 1}"
-                                 ) from None
-        self._next += 1
+        while True:
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise PartitionError(f"the data factory ran out of batches at step "
+                                     f"{self._next + 1}") from None
+            self._next += 1
+            if self._next > step:
+                break
         if isinstance(batch, Mapping):
             pairs = {str(k): _tensor(v) for k, v in batch.items()}
             return ({k: v for k, v in pairs.items() if k in self.inputs},
