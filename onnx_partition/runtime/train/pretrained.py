@@ -26,10 +26,8 @@ duplicates dropped), float tensors in fp32 (or bf16: ``--save-dtype bf16``), sha
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ import torch
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sync_folder
+from onnx_partition.safe_tensors import check_safetensors
 from onnx_partition.settings.train import DEFAULTS, PretrainedSettings
 
 __all__ = ["INDEX", "SAFETENSORS", "SAVE_DTYPES", "SHARD_BYTES", "Header", "PretrainedWeights",
@@ -54,9 +53,6 @@ SHARD_BYTES = 5 * 10**9
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: The files of a folder that :func:`save_pretrained` may replace.
 _OURS = (SAFETENSORS, INDEX, "config.json", "generation_config.json")
-_HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
-_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-          "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _FLOATS = {"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"}
 _NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
           torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -92,45 +88,11 @@ class PretrainedWeights:
 
 
 def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The tensors a safetensors file holds (name -> shape, dtype), from its header alone;
-    a file that is not safetensors is a one-line PartitionError."""
-    def bad(why: str) -> PartitionError:
-        return PartitionError(f"--from-pretrained: {path} is not a safetensors file ({why})")
-
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise bad("shorter than its header's length")
-            (length,) = struct.unpack("<Q", head)
-            if not 2 <= length <= min(_HEADER_LIMIT, size - 8):
-                raise bad(f"a header of {length} bytes in a file of {size}")
-            text = handle.read(length)
-    except OSError as exc:
-        raise PartitionError(f"--from-pretrained: cannot read {path}: {exc.strerror}") from exc
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad("its header is not JSON") from exc
-    if not isinstance(header, dict):
-        raise bad("its header is not a JSON object")
-    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    data = size - 8 - length
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (dtype in _SIZES and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and 0 <= begin <= end <= data
-                  and end - begin == math.prod(shape) * _SIZES[dtype])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"tensor {name!r} has no dtype, shape and data_offsets") from exc
-        if not ok:
-            raise bad(f"tensor {name!r}: {dtype} {shape} does not fit its data")
-        tensors[name] = (tuple(shape), dtype)
-    return tensors
+    """The tensors a safetensors file holds (name -> shape, dtype), from its header alone,
+    checked as every safetensors file this tool reads is
+    (:func:`~onnx_partition.safe_tensors.check_safetensors`): one line otherwise."""
+    entries = check_safetensors(path, f"--from-pretrained: {path}")
+    return {name: (e.shape, e.dtype) for name, e in entries.items()}
 
 
 def read_headers(folder: Path) -> dict[str, Header]:
