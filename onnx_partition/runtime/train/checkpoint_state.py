@@ -77,7 +77,7 @@ def load_rank_state(folder: Path, rank: int, module: torch.nn.Module,
     missing = [k[len(MODULE):] for k in wanted if k not in index]
     if missing:
         raise PartitionError(f"--resume {folder}: holds no {missing[0]!r} (another model)")
-    own = set(names)
+    body, own = _optimizer_frame(optimizer, names)
     wanted += [k for k in index if k.startswith(OPTIM)
                and k[len(OPTIM):].rsplit("/", 1)[0] in own]
     by_file: dict[str, list[str]] = {}
@@ -87,7 +87,6 @@ def load_rank_state(folder: Path, rank: int, module: torch.nn.Module,
     for file, keys in by_file.items():
         got.update(read_tensors(folder / file, keys, f"--resume {folder / file}"))
     module.load_state_dict({k[len(MODULE):]: v for k, v in got.items() if k.startswith(MODULE)})
-    body = optimizer.state_dict()
     position = {n: i for i, n in enumerate(names)}
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in got.items():
@@ -104,6 +103,25 @@ def load_rank_state(folder: Path, rank: int, module: torch.nn.Module,
             torch.cuda.set_rng_state(rng[RNG + "cuda"], device)
     else:
         torch.manual_seed(torch.initial_seed() + 7919 * int(manifest["step"]))
+
+
+def _optimizer_frame(optimizer: torch.optim.Optimizer, names: list[str]
+                     ) -> tuple[dict[str, Any], set[str]]:
+    """The state dict ``optimizer`` loads (its parameter groups, as ``state_dict`` numbers
+    them; the state to fill in) and the parameters whose state this rank keeps: all of them,
+    or a ``ZeroRedundancyOptimizer``'s own shard, so a sharded rank reads only its 1/r of the
+    state (never the whole, which is what sharding saves)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    number = {id(p): i for i, p in enumerate(ordered)}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [number[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return {"state": {}, "param_groups": groups}, set(names)
+    local = [p for group in optimizer.optim.param_groups for p in group["params"]]
+    return {"state": {}, "param_groups": groups}, {names[number[id(p)]] for p in local}
 
 
 def check_legacy_file(path: Path) -> None:

@@ -194,14 +194,8 @@ def _set_up(stages: Sequence[StageLike], loss_fn: LossFn, plan: Plan, run: RankR
     optimizer = make_optimizer(run.optimizer, list(params.values()), chosen.lr,
                                weight_decay=chosen.weight_decay, momentum=chosen.momentum,
                                betas=chosen.betas, shard_group=stage_group if sharded else None)
-    if run.checkpoints.resume_from is not None:
-        # a sharded optimizer takes the whole state, read into a plain one, and keeps its share
-        whole = optimizer if not sharded else make_optimizer(
-            run.optimizer, list(params.values()), chosen.lr, weight_decay=chosen.weight_decay,
-            momentum=chosen.momentum, betas=chosen.betas)
-        _load_checkpoint(run, rank, module, whole, device)
-        if whole is not optimizer:
-            optimizer.load_state_dict(whole.state_dict())
+    if run.checkpoints.resume_from is not None:  # a sharded optimizer reads only its share
+        _load_checkpoint(run, rank, module, optimizer, device)
     wire = TensorWire(device, lay.name)
     # a collective before the first point-to-point batch (NCCL wants one, on this rank's GPU)
     if device.type == "cuda":
