@@ -5,10 +5,14 @@ run ends; the restarts are reported, the replayed steps logged as replayed."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.checkpoints import rank_params
 
 from onnx_partition.cli.summary.train import format_train
 from onnx_partition.errors import PartitionError, StageFailed
@@ -18,6 +22,7 @@ from onnx_partition.runtime.launch.hooks import KillOnce
 from onnx_partition.runtime.train.restart import torchrun_resume
 from onnx_partition.runtime.train.trainer import train_plan
 
+ROOT = Path(__file__).resolve().parents[1]
 MICROBATCHES = 2
 OPTIONS = {"steps": 8, "microbatches": MICROBATCHES, "batch_size": 2, "optimizer": "adamw",
            "lr": 1e-3, "checkpoint_every": 2}
@@ -83,3 +88,33 @@ def test_a_worker_torchrun_restarted_resumes_from_the_checkpoint_folder(tmp_path
     assert torchrun_resume(job, {"TORCHELASTIC_RESTART_COUNT": "0"}) == job
     assert torchrun_resume(job, {"TORCHELASTIC_RESTART_COUNT": "1"}).checkpoint.resume \
         == str(folder)
+
+
+def test_torchrun_restarts_a_killed_worker_from_the_checkpoint(plan: Path, tmp_path: Path) -> None:
+    """Under torchrun's own ``--max-restarts 1`` (2 workers, gloo): rank 1 is killed (``kill
+    -9``) at its first forward of step 4; torchrun restarts both workers, which resume from the
+    checkpoint of step 2 (``TORCHELASTIC_RESTART_COUNT`` 1) and end where an uninterrupted run
+    ends: the final checkpoint's parameters within 1e-5, step 3 logged again."""
+    straight = tmp_path / "straight"
+    train_plan(plan, checkpoint_dir=straight, **OPTIONS)
+    folder, log, marker = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "DRILL_MARKER": str(marker), "DRILL_RANK": "1",
+           "DRILL_AT": str(3 * MICROBATCHES + 1)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "--max-restarts", "1", str(ROOT / "tests" / "support" / "torchrun_drill.py"),
+         str(plan), "--steps", "8", "--microbatches", str(MICROBATCHES), "--batch-size", "2",
+         "--optimizer", "adamw", "--lr", "1e-3", "--checkpoint-dir", str(folder),
+         "--checkpoint-every", "2", "--log-file", str(log)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.exists()  # the worker was killed
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps[-6:] == [3, 4, 5, 6, 7, 8] and 3 in steps[:-6]  # step 3 again, after 2
+    last = "step-00000008"
+    for rank in (0, 1):
+        want, got = rank_params(straight / last, rank), rank_params(folder / last, rank)
+        assert want.keys() == got.keys() and want
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)

@@ -22,10 +22,14 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from onnx_partition import values
 from onnx_partition.cli.args import plan_defaults, rank_parser, train_options
 from onnx_partition.cli.verbs import EXIT_FAILED, guarded
+
+if TYPE_CHECKING:
+    from onnx_partition.runtime.launch.hooks import RankHook
 
 __all__ = ["infer_main", "train_main"]
 
@@ -37,12 +41,13 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
     return guarded(lambda: _infer(parser.parse_args(argv)))
 
 
-def train_main(argv: Sequence[str] | None = None) -> int:
+def train_main(argv: Sequence[str] | None = None, hook: RankHook | None = None) -> int:
     """``python -m onnx_partition.train.runtime PLAN ...``: this rank's exit code (1 also when
-    ``--check`` finds a parameter that differs from single-process training)."""
+    ``--check`` finds a parameter that differs from single-process training); ``hook``: the
+    rank's fault seam (:mod:`onnx_partition.runtime.launch.hooks`, a drill's)."""
     parser = rank_parser("train")
     values.install(parser)  # the numeric options checked as ``train``'s are
-    return guarded(lambda: _train(parser.parse_args(argv)))
+    return guarded(lambda: _train(parser.parse_args(argv), hook))
 
 
 def _infer(args: argparse.Namespace) -> int:
@@ -75,7 +80,7 @@ def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, hook: RankHook | None = None) -> int:
     """Train as this rank; rank 0 prints the summary."""
     from onnx_partition.cli.summary.train import format_train
     from onnx_partition.plan import read_plan
@@ -85,7 +90,7 @@ def _train(args: argparse.Namespace) -> int:
     plan = read_plan(args.plan)
     warning = plan_defaults(args, priced_for(plan))
     job, _ = resolve_job(train_job(**train_options(args, rank=True)), plan)
-    stats = train_rank(args.plan, job)
+    stats = train_rank(args.plan, job, hook=hook)
     if stats is None:
         return 0
     print(format_train(stats))

@@ -239,14 +239,24 @@ def _child(
 def join_group(backend: str, rank: int, world: int, timeout_s: float,
                store: dist.Store | None) -> None:
     """Join the process group: through ``store`` (a :func:`launch_ranks` child), else through
-    the environment (``env://``: torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    the environment (``env://``: torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), in
+    the keys of this start (:func:`start_store`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timeout)
+    if store is None:
+        store = start_store(next(dist.rendezvous("env://", rank, world, timeout=timeout))[0],
+                            rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def start_store(store: dist.Store, rank: int) -> dist.Store:
+    """``store`` under a prefix of its own for this start of the job. torchrun's workers
+    restarted by ``--max-restarts`` meet in the agent's store again, on the same port, where the
+    keys of the start before are still set (gloo's peer addresses among them: the new ranks
+    would connect to dead ones). Each rank counts its own starts in the store; every rank of a
+    restarted job is a new process, so the ``n``-th start of every rank is the same start (the
+    prefix ``onnx-partition/start-n/``) on one machine and on many."""
+    starts = store.add(f"onnx-partition/starts/rank-{rank}", 1)
+    return dist.PrefixStore(f"onnx-partition/start-{starts}", store)
 
 
 # --------------------------------------------------------------------------- shared rules

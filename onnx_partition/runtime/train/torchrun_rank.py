@@ -17,6 +17,7 @@ from pathlib import Path
 from onnx_partition.errors import PartitionError, StageFailed, one_line
 from onnx_partition.pipeline.layout import layout
 from onnx_partition.runtime.infer.worker import choose_backend
+from onnx_partition.runtime.launch.hooks import RankHook
 from onnx_partition.runtime.launch.ranks import check_placement, torchrun_env
 from onnx_partition.runtime.train.data_plan import plan_job, prepare_data
 from onnx_partition.runtime.train.preflight import check_request
@@ -30,7 +31,8 @@ from onnx_partition.settings.train import TORCHRUN_TIMEOUT_S, TrainJob
 __all__ = ["train_rank"]
 
 
-def train_rank(plan_dir: str | os.PathLike[str], job: TrainJob) -> TrainStats | None:
+def train_rank(plan_dir: str | os.PathLike[str], job: TrainJob, *,
+               hook: RankHook | None = None) -> TrainStats | None:
     """This process's rank of a training run started by ``torchrun`` (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT from the environment, read by
     :func:`~onnx_partition.runtime.launch.ranks.torchrun_env`), our engine training as ``job``
@@ -39,7 +41,8 @@ def train_rank(plan_dir: str | os.PathLike[str], job: TrainJob) -> TrainStats | 
     ``--check``'s comparison), the other ranks None. Raises :class:`StageFailed` naming this
     rank's stage and replica when it fails. A worker that torchrun's ``--max-restarts``
     restarted resumes from ``--checkpoint-dir``'s newest complete checkpoint
-    (:func:`~onnx_partition.runtime.train.restart.torchrun_resume`)."""
+    (:func:`~onnx_partition.runtime.train.restart.torchrun_resume`). ``hook``: the rank's
+    fault seam (:mod:`~onnx_partition.runtime.launch.hooks`)."""
     env = torchrun_env()
     job = torchrun_resume(job)  # a worker torchrun restarted: from the newest checkpoint
     folder = Path(plan_dir).resolve()
@@ -49,7 +52,8 @@ def train_rank(plan_dir: str | os.PathLike[str], job: TrainJob) -> TrainStats | 
     per_step = (job.schedule.batch_size or 0) * (job.schedule.microbatches or 0)
     spec = prepare_data(plan, job.data, per_step=per_step, steps=job.steps, seed=job.seed,
                         folder=folder)
-    run = replace(rank_run(folder, plan, job, keep_state=False), eval_batches=spec.eval_steps)
+    run = replace(rank_run(folder, plan, job, keep_state=False, hook=hook),
+                  eval_batches=spec.eval_steps)
     build = functools.partial(plan_job, str(folder), per_step, job.seed, job.check, spec,
                               job.data.eval_every > 0)
     timeout_s = TORCHRUN_TIMEOUT_S if job.engine.timeout_s is None else job.engine.timeout_s
