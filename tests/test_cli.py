@@ -220,6 +220,8 @@ def test_link_options_shape_the_shorthand_cluster(capsys, chain, tmp_path):
     capsys.readouterr()
     fails(capsys, ["partition", chain, "-o", tmp_path / "o2", "-s", "2",
                    "--inter-bandwidth", "5"], "need --devices N or --cluster")
+    fails(capsys, ["partition", chain, "-o", tmp_path / "o3", "-s", "2", "--machines", "2"],
+          "--machines 2 needs --devices N (devices per machine")  # not silently one machine
     fails(capsys, [*argv[:10], "--inter-latency", "-1"], "--inter-latency must be a finite number")
 
 

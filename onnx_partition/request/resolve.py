@@ -303,6 +303,10 @@ def _options_cluster(options: DeviceOptions) -> tuple[Cluster | None, dict[str, 
         raise PartitionError("--gpu prices a GPU; it cannot go with --device-kind cpu")
     inter = options.inter_bandwidth is not None or options.inter_latency is not None
     if options.devices is None:
+        if options.machines not in (None, 1):  # it would be silently one device per stage
+            raise PartitionError(f"--machines {options.machines} needs --devices N (devices "
+                                 f"per machine: the plan may use N x {options.machines}) or "
+                                 "--cluster FILE")
         if options.device_memory or inter:  # (--mode train alone: a plain train-mode pipeline)
             raise PartitionError("--device-memory and --inter-bandwidth/latency "
                                  "need --devices N or --cluster")
