@@ -28,6 +28,7 @@ from onnx_partition.graph_arrays import stage_sizes, trainable_tensors
 from onnx_partition.pipeline.from_plan import simulate_plan
 from onnx_partition.pipeline.memory import (
     StageBytes,
+    kept_held,
     memory_parts,
     memory_per_device,
     peak_inflight,
@@ -84,7 +85,7 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
     microbatches, factor = request.train.microbatches, solution.optimizer_factor
     cuts = cut_stages(graph, solution.stage_of, count)
     sizes = stage_sizes(graph, cuts, train=train, activation_bytes=priced.saved,
-                        trainable=priced.trainable)
+                        trainable=priced.trainable, kept_bytes=priced.kept)
     flags = solution.recomputed
     shard = request.train.shard if train else "none"
     memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
@@ -95,10 +96,11 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
         assert solution.figures is not None
         held = peak_inflight(schedule, replicas, microbatches)
         rebuilt = rebuilt_held(schedule, replicas, microbatches)
+        kept = kept_held(schedule, replicas, microbatches)
         for k, (f, b) in enumerate(solution.figures.split):
             parts[k] = dict(memory_parts(sizes[k], held[k], train=True, optimizer_factor=factor,
                                          rebuilt=rebuilt[k] if flags[k] else None,
-                                         replicas=replicas[k], shard=shard))
+                                         replicas=replicas[k], shard=shard, kept=kept[k]))
             parts[k].pop("memory_bytes")
             parts[k].update(forward_ms=round(f, 6), backward_ms=round(b, 6))
     return Layout(cuts, sizes, list(memory), parts)
@@ -132,6 +134,8 @@ def _replayed(solution: Solution, layout: Layout, train: bool) -> dict[str, Any]
             "send_ms": list(route.best.costs.send_ms)}
         if any(s.recompute for s in stages):
             body["input_bytes"] = [z.received for z in sizes]
+        if solution.schedule == "zb-h1" and any(z.kept for z in sizes):
+            body["kept_bytes"] = [z.kept for z in sizes]
     elif train:
         assert figures is not None
         body = {"send_ms": route.send_ms, "hop_bytes": route.hop_bytes,

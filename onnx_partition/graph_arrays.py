@@ -120,12 +120,13 @@ def per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[
 
 
 def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.precision,
-                      policy: str = "cpu") -> list[float] | None:
+                      policy: str = "cpu") -> tuple[list[float], list[float]] | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
     under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
-    unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``), when the
+    unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``) and, from the
+    same run, the output-gradient bytes ZB-H1 keeps per node from ``I`` to ``W``, when the
     model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
-    every output)."""
+    every output, and no kept gradients)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         if precision != TrainSpec.precision:
@@ -133,10 +134,10 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.pr
                                  f"running the model's program, and {model} has none "
                                  f"({program.name}): export it with onnx_partition.export")
         return None
-    from onnx_partition.cost.saved import saved_bytes_per_node  # torch: train plans only
+    from onnx_partition.cost.saved import saved_and_kept_per_node  # torch: train plans only
 
     try:
-        return saved_bytes_per_node(graph, program, precision=precision, policy=policy)
+        return saved_and_kept_per_node(graph, program, precision=precision, policy=policy)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -165,7 +166,8 @@ def trainable_parameters(model: Path) -> frozenset[str] | None:
 
 def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
                 activation_bytes: Sequence[float] | None = None,
-                trainable: Collection[str] | None = None) -> list[StageBytes]:
+                trainable: Collection[str] | None = None,
+                kept_bytes: Sequence[float] | None = None) -> list[StageBytes]:
     """The one count of what each stage holds, from its cut (the stage file it runs), for
     every plan (plain pipeline or cluster): weights, every initializer the stage reads
     (constants included; a tied parameter in each stage reading it, as each rank holds its
@@ -176,7 +178,9 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
     hands the stage per micro-batch (:func:`~onnx_partition.pipeline.layout.relay_names`:
     its inputs and every tensor it relays to a later stage; stage 0: the graph inputs read
     anywhere, held by rank 0 per micro-batch in flight); sent (training, all but the last
-    stage), what it sends on, relayed tensors included, whose gradients come back."""
+    stage), what it sends on, relayed tensors included, whose gradients come back; kept
+    (training, all but stage 0, which receives no activation), the output gradients ZB-H1
+    keeps per micro-batch from ``I`` to ``W`` (``kept_bytes`` per OpGraph node)."""
     def nbytes(names: Sequence[str]) -> float:
         return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
 
@@ -193,7 +197,9 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
                        nbytes(sent[k]) if train and k < last else 0.0,
                        None if trainable is None else float(sum(
                            graph.initializer_bytes[t] for t in cut.initializers
-                           if t in trainable)))
+                           if t in trainable)),
+                       float(sum(kept_bytes[i] for i in cut.nodes))
+                       if train and kept_bytes is not None and k > 0 else 0.0)
             for k, cut in enumerate(cuts)]
 
 

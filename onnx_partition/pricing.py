@@ -56,7 +56,8 @@ class Priced:
     fleet's per-kind costs, engines and input-gradient shares; how the backward was priced
     (``backward``); a train plan's saved bytes per node (``saved``), trainable parameters,
     the autocast ``policy`` that counted them, each node's input-gradient share
-    (``grad_input``) and the engine's terms (``engine``, ``split_call_ms``, ``action_ms``)."""
+    (``grad_input``), the output gradients ZB-H1 keeps per node from ``I`` to ``W``
+    (``kept``) and the engine's terms (``engine``, ``split_call_ms``, ``action_ms``)."""
 
     graph: OpGraph
     node_costs: NodeCosts
@@ -70,6 +71,7 @@ class Priced:
     kind_grad_input: dict[str, list[float]] | None
     backward: str
     saved: list[float] | None
+    kept: list[float] | None
     trainable: frozenset[str] | None
     policy: str
     grad_input: list[float]
@@ -143,6 +145,7 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
         (cluster is not None and cluster.kind == "cuda")
         or (costs is not None and str(costs.device or "").startswith("cuda")))
     policy = "cuda" if on_gpu else "cpu"  # whose autocast policy counts the activations
+    counted = saved_activations(graph, model, precision, policy) if train else None
     backward = ("measured" if costs is not None and any("backward_ms" in v
                                                         for v in costs.nodes.values())
                 else ANALYTIC_BACKWARD if aten else "estimated")
@@ -150,7 +153,8 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
         graph=graph, node_costs=node_costs, costs=costs, checked=checked, device=device,
         shared=shared, device_model=priced, kinds=kinds, kind_engines=kind_engines,
         kind_grad_input=kind_grad_input, backward=backward,
-        saved=saved_activations(graph, model, precision, policy) if train else None,
+        saved=counted[0] if counted is not None else None,
+        kept=counted[1] if counted is not None else None,
         trainable=trainable_parameters(model) if train else None, policy=policy,
         grad_input=grad_input_ms(graph, node_costs, costs),
         engine=engine_terms(costs, device, request.train.optimizer) if train else None,
@@ -249,6 +253,9 @@ def problem_of(priced: Priced, request: PartitionRequest) -> Problem:
             per_unit([priced.saved[g] for g in nodes], members)
             if priced.saved is not None and train else None)
         arrays = replace(arrays, **unit_weights(graph, nodes, members, priced.trainable))
+        if priced.kept is not None and train:
+            arrays = replace(arrays, kept_bytes=per_unit([priced.kept[g] for g in nodes],
+                                                         members))
         kinds = _kind_costs(priced, nodes, members) if isinstance(cluster, Fleet) else None
         if kinds is None and train:
             arrays = replace(arrays, backward_input_ms=per_unit(

@@ -103,7 +103,8 @@ def test_dp_equals_the_judge_with_the_one_count(n, devices, data):
     """Weights apart from the trainable bytes (constants: no gradient nor optimizer state),
     the all-reduced ``param_bytes`` apart from both, and stage 0 receiving the graph inputs
     (partition.stage_sizes' count), initializers several positions hold (a tied parameter)
-    in every stage holding one: the DP and the judge agree, and the judge's plan fits."""
+    in every stage holding one, the optimizer state sharded or not: the DP and the judge
+    agree, and the judge's plan fits."""
     ints = st.integers(0, 9).map(float)
 
     def draw() -> list[float]:
@@ -123,7 +124,8 @@ def test_dp_equals_the_judge_with_the_one_count(n, devices, data):
     config = HybridConfig(
         devices=devices, train=True, microbatches=data.draw(st.sampled_from([1, 2, 4, 8])),
         memory_bytes=data.draw(st.sampled_from([20.0, 40.0, 60.0, 100.0])),
-        link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, None, 2])))
+        link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, None, 2])),
+        shard=data.draw(st.sampled_from(["none", "optimizer"])))
     judged = judge_hybrid(costs, config)
     assert agree(dp_period(costs, config), judged), (dp_period(costs, config), judged)
     if math.isfinite(judged.period_ms):
@@ -135,7 +137,7 @@ def test_dp_equals_the_judge_with_the_one_count(n, devices, data):
                             costs.cut_bytes[j], sum(trained[i:j]) + held(i, j, 1))
                  for i, j, _ in judged.stages]
         memory = memory_per_device(sizes, [r for _, _, r in judged.stages],
-                                   config.microbatches, schedule="1f1b")
+                                   config.microbatches, schedule="1f1b", shard=config.shard)
         assert max(memory) <= config.memory_bytes
 
 
@@ -198,3 +200,20 @@ def test_a_perturbed_dp_formula_makes_the_judge_disagree(monkeypatch, formula):
         monkeypatch.setattr(hybrid, "held_caps",
                             lambda t, memory, **k: caps(t, memory / 1.1, **k))
     assert not agree(dp_period(costs, config), judged)
+
+
+def test_a_perturbed_shard_term_makes_the_judge_disagree(monkeypatch):
+    """The optimizer state sharded over 2 + 2 replicas: at 38 bytes per device the plan fits
+    only because each replica holds half of its state (unsharded none does); the DP's
+    optimizer state (what a replica sheds) scaled by 0.9, and the judge, which writes the shard
+    term on its own, disagrees."""
+    import onnx_partition.solve.hybrid_tables as tables
+
+    costs, config = PERTURBED
+    sharded = replace(config, shard="optimizer", memory_bytes=38.0)
+    judged = judge_hybrid(costs, sharded)
+    assert judged.stages == ((0, 1, 2), (1, 2, 2)) and agree(dp_period(costs, sharded), judged)
+    assert judge_hybrid(costs, replace(sharded, shard="none")).period_ms == math.inf
+    state = tables.optimizer_state
+    monkeypatch.setattr(tables, "optimizer_state", lambda *a, **k: 0.9 * state(*a, **k))
+    assert not agree(dp_period(costs, sharded), judged)

@@ -123,6 +123,7 @@ EVERY_EXTRA: dict[str, Any] = {
     "simulator_costs": {"send_ms": [0.1], "hop_bytes": [1000.0], "forward_ms": [1, 2],
                         "backward_ms": [2, 4], "activation_bytes": [8, 8],
                         "static_bytes": [64, 64], "input_bytes": [0, 4],
+                        "kept_bytes": [0, 2],
                         "backward_input_ms": [1.0, 2.0], "step_ms": [0.5, 0.5],
                         "accumulate_ms": [0.1, 0.1], "split_ms": [0.0, 0.2],
                         "action_ms": [0.01, 0.01]},

@@ -1,11 +1,15 @@
-"""Memory a training run holds against its plan: per schedule and micro-batch count, each
-stage's planned ``memory_bytes`` against the run's measured peak of live tensor storages (the
-rank's tracker, :mod:`onnx_partition.runtime.memtrack`; the maximum over the stage's replicas)
-and the ranks' peak resident set (VmHWM), and the measured peak's growth from the fewest to the
-most micro-batches, in micro-batches' activations (the plan's ``activation_bytes``): under 1F1B
-and ZB-H1 a stage holds at most ``p`` micro-batches, so it should stay well under one.
+"""Memory a training run holds against its plan: per plan (each run under the schedule it was
+planned for, or ``--schedule``) and micro-batch count, each stage's planned ``memory_bytes``
+against the run's measured peak of live tensor storages (the rank's tracker,
+:mod:`onnx_partition.runtime.memtrack`; the maximum over the stage's replicas) and the ranks'
+peak resident set (VmHWM), and the measured peak's growth from the fewest to the most
+micro-batches, in micro-batches' activations (the plan's ``activation_bytes``): under 1F1B
+and ZB-H1 a stage holds at most ``p`` micro-batches, so it should stay well under one. Under
+ZB-H1 the table also gives the plan's figure without the output gradients kept from ``I`` to
+``W`` (``kept_held`` x the stage's kept bytes, counted again from the model's program): the
+memory model before it counted them.
 
-    .venv/bin/python tools/bench_memory.py PLAN [--microbatches 4 8 32] [--steps 2]
+    .venv/bin/python tools/bench_memory.py PLAN [PLAN ...] [--microbatches 4 8 32] [--steps 2]
 """
 
 from __future__ import annotations
@@ -14,45 +18,71 @@ import argparse
 import warnings
 from pathlib import Path
 
-from onnx_partition.plan import read_plan
+from onnx_partition.cost.saved import saved_and_kept_per_node
+from onnx_partition.graph import load
+from onnx_partition.pipeline.memory import kept_held
+from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.train.trainer import train_plan
 
 MB = 1e6
 
 
+def kept_per_stage(folder: Path, plan: Plan) -> list[float]:
+    """Each stage's kept-gradient bytes per micro-batch, counted from the plan's model (stage
+    0 receives no activation: none)."""
+    model = (folder / plan.model).resolve()
+    graph = load(model, batch_size=plan.rows_per_microbatch)
+    _, kept = saved_and_kept_per_node(graph, model.with_suffix(".pt2"))
+    index = {n.key: n.index for n in graph.nodes}
+    return [float(sum(kept[index[n]] for n in s.nodes if n in index)) if k else 0.0
+            for k, s in enumerate(plan.stages)]
+
+
+def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
+    """One plan's table (module docstring)."""
+    plan = read_plan(folder)
+    acts = [(s.predicted.activation_bytes or 0) if s.predicted else 0 for s in plan.stages]
+    kept = kept_per_stage(folder, plan) if schedule == "zb-h1" else [0.0] * len(acts)
+    replicas = [s.replicas for s in plan.stages]
+    print(f"\n{folder}: planned for {plan.schedule}, run under {schedule}; {len(plan.stages)} "
+          f"stages, {plan.rows_per_microbatch} rows per micro-batch, {steps} steps; "
+          f"MB = 1e6 bytes")
+    print(f"  {'M':>3} {'stage':>5} {'planned MB':>11} {'w/o kept MB':>12} "
+          f"{'measured MB':>12} {'ratio':>6} {'before':>6} {'VmHWM MB':>9}")
+    peaks: dict[int, list[int]] = {}
+    for count in counts:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a micro-batch count other than the plan's
+            stats = train_plan(folder, steps=steps, microbatches=count, schedule=schedule)
+        peaks[count] = [m or 0 for m in stats.memory_bytes]
+        # the plan's kept micro-batches (the figure is planned at its own count)
+        held = kept_held(schedule, replicas, plan.microbatches)
+        for k, pred in enumerate(stats.predicted_stages):
+            planned = pred.memory_bytes or 0
+            before = planned - held[k] * kept[k]
+            got = peaks[count][k]
+            print(f"  {count:>3} {k:>5} {planned / MB:>11.2f} {before / MB:>12.2f} "
+                  f"{got / MB:>12.2f} {got / planned if planned else 0:>6.2f} "
+                  f"{got / before if before else 0:>6.2f} "
+                  f"{(stats.resident_bytes[k] or 0) / MB:>9.1f}")
+    low, high = min(peaks), max(peaks)
+    for k, act in enumerate(acts):
+        grown = peaks[high][k] - peaks[low][k]
+        share = f" ({grown / act:+.2f} micro-batches' activations)" if act else ""
+        print(f"  stage {k} growth M={low}->{high}: {grown / MB:+.2f} MB{share}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("plan", type=Path)
+    parser.add_argument("plans", type=Path, nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 32])
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"])
+    parser.add_argument("--schedule", default=None,
+                        help="run every plan under this schedule (default: its own)")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    plan = read_plan(args.plan)
-    acts = [(s.predicted.activation_bytes or 0) if s.predicted else 0 for s in plan.stages]
-    print(f"{args.plan}: {len(plan.stages)} stages, {plan.rows_per_microbatch} rows per "
-          f"micro-batch, {args.steps} steps; MB = 1e6 bytes")
-    for schedule in args.schedules:
-        print(f"\n{schedule}")
-        print(f"  {'M':>3} {'stage':>5} {'planned MB':>11} {'measured MB':>12} {'ratio':>6} "
-              f"{'VmHWM MB':>9}")
-        peaks: dict[int, list[int]] = {}
-        for count in args.microbatches:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a schedule other than the plan's
-                stats = train_plan(args.plan, steps=args.steps, microbatches=count,
-                                   schedule=schedule)
-            peaks[count] = [m or 0 for m in stats.memory_bytes]
-            for k, pred in enumerate(stats.predicted_stages):
-                planned = pred.memory_bytes or 0
-                got = peaks[count][k]
-                print(f"  {count:>3} {k:>5} {planned / MB:>11.2f} {got / MB:>12.2f} "
-                      f"{got / planned if planned else 0:>6.2f} "
-                      f"{(stats.resident_bytes[k] or 0) / MB:>9.1f}")
-        low, high = min(peaks), max(peaks)
-        for k, act in enumerate(acts):
-            grown = peaks[high][k] - peaks[low][k]
-            share = f" ({grown / act:+.2f} micro-batches' activations)" if act else ""
-            print(f"  stage {k} growth M={low}->{high}: {grown / MB:+.2f} MB{share}")
+    for folder in args.plans:
+        schedule = args.schedule or read_plan(folder).schedule or "1f1b"
+        bench(folder, schedule, args.microbatches, args.steps)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,11 @@ tagged node it feeds (else the last tagged node before it), as
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, cast_call
 from onnx_partition.errors import PartitionError
@@ -64,7 +65,9 @@ __all__ = [
     "SavedBytes",
     "autocast_for",
     "check_precision",
+    "kept_gradient_bytes",
     "program_inputs",
+    "saved_and_kept_per_node",
     "saved_by_module",
     "saved_bytes",
     "saved_bytes_per_node",
@@ -104,6 +107,9 @@ class SavedBytes:
     per_node: dict[str, int]
     total: int
     weights: int
+    #: bytes of the output gradient ZB-H1 keeps per FX node from ``I`` to ``W``
+    #: (:func:`kept_gradient_bytes`; nodes keeping nothing left out)
+    kept: dict[str, int] = field(default_factory=dict)
 
 
 def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
@@ -188,7 +194,8 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
         else policy
     half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
     args, weights, mode = _program_feeds(program, specs, fake, seed, seen)
-    interpreter = _counting(program, current, by_hand, half)
+    kept: dict[str, int] = {}
+    interpreter = _counting(program, current, by_hand, half, kept)
     region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
     with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if mode is not None:
@@ -197,22 +204,66 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
         else:
             interpreter.run(*args)
     order = [n.name for n in program.graph.nodes if n.name in per_node]
-    return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights)
+    return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights,
+                      {n.name: kept[n.name] for n in program.graph.nodes if kept.get(n.name)})
+
+
+def kept_gradient_bytes(value: Any, inputs: Sequence[Any], data: Sequence[bool]) -> int:
+    """Bytes of the output gradient ZB-H1's input pass keeps for its weight pass at an op
+    that made ``value`` (its outputs read) from ``inputs``, of which those flagged in ``data``
+    are made from the model's inputs (:func:`onnx_partition.runtime.train.passes.input_pass`'s
+    frontier nodes): an op reading both a tensor requiring grad made from trainable
+    parameters alone (a weight, its transpose or cast) and an activation (one requiring grad
+    made from the inputs) keeps the gradient of each floating output that requires grad, one
+    of its size and dtype (a linear's ``dY``, a layer norm's); any other op keeps none (an
+    embedding reads its weight and integer indices: no activation)."""
+    import torch
+
+    grads = [d for t, d in zip(inputs, data, strict=True)
+             if isinstance(t, torch.Tensor) and t.requires_grad]
+    if all(grads) or not any(grads):  # no weight, or no activation (or neither)
+        return 0
+    outs = value if isinstance(value, (tuple, list)) else (value,)
+    return sum(int(o.numel() * o.element_size()) for o in outs
+               if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point())
 
 
 def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPolicy | None,
-              half: torch.dtype | None) -> torch.fx.Interpreter:
+              half: torch.dtype | None, kept: dict[str, int] | None = None
+              ) -> torch.fx.Interpreter:
     """An interpreter of ``program`` that names the node running in ``current[0]`` (for the
-    saved-tensor hook) and, under a policy applied by hand, casts each op as it says."""
+    saved-tensor hook), under a policy applied by hand casts each op as it says, and counts
+    into ``kept`` each node's :func:`kept_gradient_bytes`."""
     import torch
     import torch.fx
 
     cache: dict[Any, Any] = {}  # one autocast region: one cast per weight
+    from torch.export.graph_signature import InputKind
+
+    data = {s.arg.name for s in program.graph_signature.input_specs  # made from the inputs
+            if s.kind == InputKind.USER_INPUT}
 
     class Counting(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             current[0] = n.name
-            return super().run_node(n)
+            value = super().run_node(n)
+            if kept is None:
+                return value
+            ins = n.all_input_nodes
+            if not ins:  # a placeholder (a user input is data), a constant made in the graph
+                return value
+            marks = [a.name in data for a in ins]
+            if any(marks):
+                data.add(n.name)
+            values = [self.env.get(a) for a in ins]
+            outs = value
+            if isinstance(value, (tuple, list)):  # the gradients of the outputs read only
+                outs = [value[cast(int, u.args[1])] for u in n.users
+                        if u.target is operator.getitem]
+            nbytes = kept_gradient_bytes(outs, values, marks)
+            if nbytes:
+                kept[n.name] = nbytes
+            return value
 
         def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
             if half is not None and target is torch.ops.aten._assert_tensor_metadata.default:
@@ -326,6 +377,15 @@ def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, 
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
     each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
     ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""
+    return saved_and_kept_per_node(graph, program, fake=fake, precision=precision,
+                                   policy=policy)[0]
+
+
+def saved_and_kept_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
+                            fake: bool = True, precision: str = TrainSpec().precision,
+                            policy: str = "cpu") -> tuple[list[float], list[float]]:
+    """:func:`saved_bytes_per_node` and, from the same run, the bytes ZB-H1 keeps from ``I``
+    to ``W`` per OpGraph node (:attr:`SavedBytes.kept`, mapped the same way)."""
     import torch
     import torch.fx
 
@@ -335,10 +395,12 @@ def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, 
     counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy)
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
-    for name, nbytes in counted.per_node.items():
-        if name in homes:
-            out[homes[name]] += nbytes
-    return out
+    kept = [0.0] * len(graph.nodes)
+    for figures, per_node in ((out, counted.per_node), (kept, counted.kept)):
+        for name, nbytes in per_node.items():
+            if name in homes:
+                figures[homes[name]] += nbytes
+    return out, kept
 
 
 def unit_homes(graph: OpGraph, program: ExportedProgram) -> dict[str, int]:

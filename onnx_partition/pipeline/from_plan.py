@@ -33,16 +33,17 @@ forward in inference, forward + backward in training), ``predicted.comm_ms``, ``
 The planner keeps the exact split; a plan may carry it as ``simulator_costs`` (all keys
 optional, one entry per stage, ``send_ms`` one per boundary): ``{"forward_ms": [...],
 "backward_ms": [...], "send_ms": [...], "activation_bytes": [...], "static_bytes": [...],
-"backward_input_ms": [...], "input_bytes": [...], "step_ms": [...], "accumulate_ms": [...],
-"split_ms": [...], "action_ms": [...], "hop_bytes": [...]}`` (the input-gradient part of each
-backward, which zero-bubble schedules run apart, half of it where absent; the bytes a recomputing
-stage keeps per micro-batch; each stage's work once per training step, its optimizer step and the
-step's barriers, added after the last device is done, and its gradients' accumulation, added to
-the backward of every micro-batch but a replica's first, what splitting a backward into ``I`` and
-``W`` adds to them, half to each, and the engine's own work per action, added to every action of
-the stage (:mod:`onnx_partition.cost.engine_price`); the bytes crossing each boundary per
-micro-batch, which ``send_ms`` prices). A stage whose ``recompute`` is true recomputes its forward
-in the simulation.
+"backward_input_ms": [...], "input_bytes": [...], "kept_bytes": [...], "step_ms": [...],
+"accumulate_ms": [...], "split_ms": [...], "action_ms": [...], "hop_bytes": [...]}`` (the
+input-gradient part of each backward, which zero-bubble schedules run apart, half of it where
+absent; the bytes a recomputing stage keeps per micro-batch; the output gradients a ZB-H1 stage
+keeps per micro-batch from its ``I`` to its ``W``; each stage's work once per training step, its
+optimizer step and the step's barriers, added after the last device is done, and its gradients'
+accumulation, added to the backward of every micro-batch but a replica's first, what splitting a
+backward into ``I`` and ``W`` adds to them, half to each, and the engine's own work per action,
+added to every action of the stage (:mod:`onnx_partition.cost.engine_price`); the bytes crossing
+each boundary per micro-batch, which ``send_ms`` prices). A stage whose ``recompute`` is true
+recomputes its forward in the simulation.
 Given them, the rebuild is the planner's own costs. Without them, a hybrid plan's simulated
 iteration equals ``predicted.iteration_ms`` when backward really is 2 x forward in every
 stage (or the split does not matter, e.g. one stage); otherwise it differs a little.
@@ -177,6 +178,7 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
         allreduce = [float(x) for x in raw_allreduce]
     grad_in = _given(sim.backward_input_ms, p, "backward_input_ms")
     kept = _given(sim.input_bytes, p, "input_bytes") or [0.0] * p
+    grads = _given(sim.kept_bytes, p, "kept_bytes") or [0.0] * p
     step = _given(sim.step_ms, p, "step_ms") or [0.0] * p
     accumulate = _given(sim.accumulate_ms, p, "accumulate_ms") or [0.0] * p
     split_cost = _given(sim.split_ms, p, "split_ms") or [0.0] * p
@@ -189,7 +191,8 @@ def plan_costs(plan: Plan, *, train: bool) -> PipelineCosts:
                    step_ms=step[k] if train else 0.0,
                    accumulate_ms=accumulate[k] if train else 0.0,
                    split_ms=split_cost[k] if train else 0.0,
-                   action_ms=per_action[k] if train else 0.0)
+                   action_ms=per_action[k] if train else 0.0,
+                   kept_bytes=grads[k] if train else 0.0)
         for k, s in enumerate(plan.stages)
     ]
     return PipelineCosts(stages, send)

@@ -70,6 +70,20 @@ The simulator counts the same number from the actions it runs; the property test
 both agree for every stage. :func:`held_in_front` is the same closed form over arrays (a stage
 of each replica count in front of each suffix), which the hybrid DP's tables use.
 
+**What ZB-H1 keeps from I to W.** A stage's input pass ``I`` keeps, for its weight pass ``W``,
+the gradient that reached each *frontier* op (one reading both a weight and an activation: a
+linear's ``dY``, a layer norm's; :func:`onnx_partition.runtime.train.passes.input_pass`), ``K``
+bytes per micro-batch (:func:`onnx_partition.cost.saved.kept_gradient_bytes`, from the same run
+that counts ``A``; a stage with no received activation, the first, runs its whole backward in
+``W`` and keeps none). Stage ``s`` defers ``D_s = W_0 - W_s`` of its W passes, so right after
+an ``I`` it keeps ``1 + D_s`` of them (over ``d`` replicas ``ceil((1 + D_s) / d)``, at most the
+micro-batches it holds), at the moment it holds its most micro-batches::
+
+    memory = static + held * stash + kept * K     (ZB-H1; kept = 0 under any other schedule)
+
+:func:`kept_held` is ``kept``. On gpt tiny's last stage ``K`` is 131,072 B per micro-batch, the
+sum of what the input pass keeps there.
+
 **Recomputation** (activation checkpointing at stage granularity, Chen et al. 2016; chosen
 per stage as AdaPipe and Mist do): a recomputing stage keeps only what it received, ``R``,
 per micro-batch in flight, and runs its forward again at the start of its backward, so it
@@ -106,6 +120,7 @@ __all__ = [
     "check_recompute",
     "device_bytes",
     "held_in_front",
+    "kept_held",
     "memory_parts",
     "memory_per_device",
     "one_f_one_b_warmups",
@@ -203,14 +218,16 @@ def peak_inflight(schedule: str, replicas: Sequence[int], microbatches: int) -> 
 class StageBytes:
     """What one stage holds, in bytes: its initializers (``params``: weights, constants and
     buffers), its operators' outputs per micro-batch, what it receives per micro-batch (input
-    boundary), what it sends (output boundary), and of ``params`` the trainable ones
-    (``trainable``: with gradients and optimizer state; None: all of them)."""
+    boundary), what it sends (output boundary), of ``params`` the trainable ones
+    (``trainable``: with gradients and optimizer state; None: all of them), and the output
+    gradients ZB-H1 keeps per micro-batch from ``I`` to ``W`` (``kept``, ``K``)."""
 
     params: float
     activations: float
     received: float = 0.0
     sent: float = 0.0
     trainable: float | None = None
+    kept: float = 0.0
 
     @property
     def trained(self) -> float:
@@ -249,16 +266,24 @@ def stash_bytes(stage: StageBytes, recompute: bool = False) -> float:
     return stage.received if recompute else stage.activations + stage.received
 
 
-def rebuilt_held(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
-    """Micro-batches whose activations a recomputing stage holds rebuilt at once: one, but
-    under ZB-H1 those between an ``I`` and its deferred ``W`` too (``1 + W_0 - W_s``, at most
-    the micro-batches it holds; over ``d`` replicas, ``ceil`` of that over ``d``)."""
-    held = peak_inflight(schedule, replicas, microbatches)
+def kept_held(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Micro-batches between an ``I`` and its ``W`` on the fullest replica of each stage at its
+    peak: under ZB-H1 ``ceil((1 + W_0 - W_s) / d_s)``, at most the micro-batches it holds;
+    0 under any other schedule (no ``I``)."""
     if schedule != "zb-h1":
-        return [min(1, h) for h in held]
+        return [0] * len(replicas)
+    held = peak_inflight(schedule, replicas, microbatches)
     warm = one_f_one_b_warmups(replicas, microbatches)
     return [min(-(-(1 + warm[0] - w) // d), h)
             for w, h, d in zip(warm, held, replicas, strict=True)]
+
+
+def rebuilt_held(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Micro-batches whose activations a recomputing stage holds rebuilt at once: one, but
+    under ZB-H1 those between an ``I`` and its deferred ``W`` too (:func:`kept_held`)."""
+    if schedule == "zb-h1":
+        return kept_held(schedule, replicas, microbatches)
+    return [min(1, h) for h in peak_inflight(schedule, replicas, microbatches)]
 
 
 def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
@@ -274,15 +299,19 @@ def memory_per_device(
     """Peak bytes on the fullest device of each stage of a plan with these replica counts,
     under ``schedule`` (``1f1b``, ``zb-h1``, ``gpipe`` or ``infer``), the stages flagged in
     ``recompute`` keeping only their inputs: the figure the planner checks against the device
-    memory, ``partition`` prints and plan.json stores (``shard``: :data:`SHARD_MODES`)."""
+    memory, ``partition`` prints and plan.json stores (``shard``: :data:`SHARD_MODES`); under
+    ZB-H1 with the gradients kept from ``I`` to ``W`` (:func:`kept_held` of ``kept``)."""
     train = schedule != "infer"
     held = peak_inflight(schedule, replicas, microbatches)
     flags = list(recompute) if recompute is not None and train else [False] * len(stages)
     rebuilt = rebuilt_held(schedule, replicas, microbatches) if any(flags) else held
+    kept = kept_held(schedule, replicas, microbatches)
     return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor,
                                             replicas=r, shard=shard),
-                               stash_bytes(s, rc), h) + (b * s.activations if rc else 0.0))
-            for s, h, rc, b, r in zip(stages, held, flags, rebuilt, replicas, strict=True)]
+                               stash_bytes(s, rc), h) + (b * s.activations if rc else 0.0)
+                  + g * s.kept)
+            for s, h, rc, b, r, g in zip(stages, held, flags, rebuilt, replicas, kept,
+                                         strict=True)]
 
 
 def check_recompute(mode: str) -> str:
@@ -315,7 +344,7 @@ def recompute_choice(
 
 def memory_parts(stage: StageBytes, held: int, *, train: bool,
                  optimizer_factor: float = 4.0, rebuilt: int | None = None,
-                 replicas: int = 1, shard: str = "none") -> dict[str, int]:
+                 replicas: int = 1, shard: str = "none", kept: int = 0) -> dict[str, int]:
     """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
     weights, the trainable ones' gradients and optimizer state (``optimizer_factor - 2`` copies:
     Adam's two moments at the default 4), activations per micro-batch, micro-batches in flight,
@@ -323,17 +352,19 @@ def memory_parts(stage: StageBytes, held: int, *, train: bool,
     ``memory_bytes``, their sum, the one formula's peak. A recomputing stage (``rebuilt``: the
     micro-batches whose activations it holds rebuilt at once, :func:`rebuilt_held`) counts those
     as ``inflight``; its buffers still hold the inputs of all ``held``. A stage sharding its
-    optimizer state over ``replicas`` (``shard``) counts its own ``1 / replicas`` of it."""
+    optimizer state over ``replicas`` (``shard``) counts its own ``1 / replicas`` of it. Under
+    ZB-H1 the buffers hold the output gradients of the ``kept`` micro-batches between an ``I``
+    and its ``W`` too (:func:`kept_held`; they grow with the rows, as received inputs do)."""
     static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor,
                           replicas=replicas, shard=shard)
     weights = stage.params
     grads = stage.trained if train else 0.0
     optimizer = static - stage.sent - weights - grads if train else 0.0
-    buffers = (stage.sent if train else 0.0) + held * stage.received
+    buffers = (stage.sent if train else 0.0) + held * stage.received + kept * stage.kept
     acts = held if rebuilt is None else rebuilt
     return {"weights_bytes": int(weights), "grad_bytes": int(grads),
             "optimizer_bytes": int(optimizer), "activation_bytes": int(stage.activations),
             "inflight": int(acts), "buffer_bytes": int(buffers),
             "memory_bytes": int(device_bytes(static, stash_bytes(stage, rebuilt is not None),
                                              held) + acts * stage.activations * (
-                                                 rebuilt is not None))}
+                                                 rebuilt is not None) + kept * stage.kept)}

@@ -55,7 +55,9 @@ class StageCosts:
     ``action_ms``: the engine's fixed work per action (receiving headers, copying and posting
     sends, stashing, freeing graphs; :mod:`onnx_partition.cost.engine_price`), added to every action
     of the stage (``F``, ``B``, ``I``, ``W``; inference's ``F`` too where given) and counted as
-    busy time: it occupies the device. It does not grow with the rows."""
+    busy time: it occupies the device. It does not grow with the rows. ``kept_bytes``: the
+    output gradients an ``I`` keeps for its ``W`` (ZB-H1; :mod:`onnx_partition.pipeline.
+    memory`), held from the end of the ``I`` to the end of the ``W``."""
 
     forward_ms: float
     backward_ms: float
@@ -75,6 +77,7 @@ class StageCosts:
     # walk and one autograd call per weight group, cost.engine_price.split_ms): half to each
     split_ms: float = 0.0
     action_ms: float = 0.0  # the engine's work per action, whatever its kind
+    kept_bytes: float = 0.0  # kept from an I to its W, per micro-batch
 
     def split(self) -> tuple[float, float]:
         """(input-gradient, weight-gradient) ms: as given (one given: the other is the rest
@@ -130,7 +133,8 @@ class PipelineCosts:
                      backward_input_ms=times(s.backward_input_ms),
                      backward_weight_ms=times(s.backward_weight_ms),
                      activation_bytes=s.activation_bytes * scale,
-                     input_bytes=s.input_bytes * scale) for s in self.stages],
+                     input_bytes=s.input_bytes * scale,
+                     kept_bytes=s.kept_bytes * scale) for s in self.stages],
             [x * scale for x in self.send_ms])
 
 
@@ -244,7 +248,7 @@ class _Engine:
     def __init__(self, schedule: Schedule, costs: PipelineCosts, *, shared: bool) -> None:
         self.schedule, self.costs = schedule, costs
         # bytes counted action by action: a device hosting several stages, or recomputation
-        self.shared = shared or any(s.recompute for s in costs.stages)
+        self.shared = shared or any(s.recompute or s.kept_bytes for s in costs.stages)
         self.last = len(costs.stages) - 1
         self.end: dict[ActionKey, float] = {}
         self.pos = dict.fromkeys(schedule, 0)
@@ -312,7 +316,8 @@ def _held_bytes(stage: StageCosts, kind: Kind) -> tuple[float, float]:
     """(change of the bytes a device holds once ``kind`` ends, extra bytes while it runs) for
     one action of ``stage``: a forward stashes the micro-batch (only its inputs when the
     stage recomputes); ``B`` and ``W`` free it; a recomputing stage's ``B`` holds its
-    activations again while it runs and its ``I`` holds them until the ``W``."""
+    activations again while it runs and its ``I`` holds them until the ``W``; an ``I`` keeps
+    the stage's ``kept_bytes`` until the ``W``."""
     full = stage.activation_bytes
     kept = min(stage.input_bytes, full) if stage.recompute else full
     again = full - kept  # rebuilt by recomputation
@@ -321,8 +326,8 @@ def _held_bytes(stage: StageCosts, kind: Kind) -> tuple[float, float]:
     if kind is Kind.B:
         return -kept, again
     if kind is Kind.I:
-        return again, again
-    return -full, 0.0
+        return again + stage.kept_bytes, again + stage.kept_bytes
+    return -full - stage.kept_bytes, 0.0
 
 
 def _allreduce(

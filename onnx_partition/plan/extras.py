@@ -166,6 +166,7 @@ class SimulatorCosts(Part):
     accumulate_ms: Times | None = None  # gradient accumulation per micro-batch
     split_ms: Times | None = None  # ZB-H1: the split backward's calls
     action_ms: Times | None = None  # the engine's work around each action
+    kept_bytes: Sizes | None = None  # ZB-H1: the output gradients kept from I to W
 
 
 @dataclass(kw_only=True, eq=False)

@@ -9,18 +9,22 @@ the sequence, a replica count per stage (every count from 1 to ``min(D, M)``: no
 without a micro-batch), at most ``D`` devices, and per stage
 
     period = ceil(M / r) (F [+ B] + comm) / M + allreduce(r) / M
-    memory = static + held * stash
+    memory = static(r) + held * stash
 
 where under 1F1B ``held = ceil(min(W + 1, M) / r)`` and the global warm-up ``W`` of a stage is
 ``min(W_next + step(r, r_next), M)`` (``step``: the larger count where one divides the other,
 else their sum less one),
-``W = 0`` for the last stage; in inference ``held = 1``. Minimises the bottleneck period.
+``W = 0`` for the last stage; in inference ``held = 1``. ``static(r)`` is the weights, the
+gradients and optimizer state of the trainable ones and one gradient receive buffer; with the
+optimizer state sharded (ZeRO-1, ``shard`` optimizer) each of ``r`` replicas holds ``1 / r`` of
+the state, ``static(r) = W + P + (f - 2) P / r + G``. Minimises the bottleneck period.
 
 Model: slots ``k = 0, 1, ...`` are stages counted from the pipeline's end; ``x[k, i, j]``
 chooses stage ``[i, j)`` for slot ``k``, ``y[k, r]`` its replica count; slot 0 ends at ``n``,
 slot ``k`` ends where slot ``k - 1`` starts, and exactly one slot starts at 0. The warm-up
-recursion and ``held`` are table constraints over small integers; memory is ``x[k, i, j] =>
-held_k <= cap(i, j)`` with ``cap`` the micro-batches stage ``[i, j)`` may hold; the period
+recursion and ``held`` are table constraints over small integers; memory is ``x[k, i, j] and
+y[k, r] => held_k <= cap(i, j, r)`` with ``cap`` the micro-batches stage ``[i, j)`` may hold on
+``r`` replicas; the period
 ``y[k, r] => P >= sum_ij period(i, j, r) x[k, i, j]``. Periods are scaled to integers (rounded
 up, the largest to 10^6), so the optimum is exact to 10^-6 of the largest stage period
 (:attr:`JudgeResult.tolerance_ms`); the period returned is the chosen plan's, in floats.
@@ -58,8 +62,9 @@ class JudgeResult:
 
 
 def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
-                   ) -> tuple[float, float, float, float]:
-    """Latency of one micro-batch, parameter bytes, static and stash bytes of ``[i, j)``."""
+                   ) -> tuple[float, float, float, float, float]:
+    """Latency of one micro-batch, parameter bytes, static and stash bytes of ``[i, j)``, and
+    the bytes with optimizer state (the trainable ones)."""
     n = len(costs.forward_ms)
     compute = sum(costs.forward_ms[i:j]) + (sum(costs.backward_ms[i:j]) if config.train
                                             else 0.0)
@@ -80,9 +85,20 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
         static = (weights + (config.optimizer_factor - 1.0) * trained + sent if config.train
                   else weights)
     else:
+        trained = params
         static = config.optimizer_factor * params + sent if config.train else params
     stash = float(sum(costs.activation_bytes[i:j])) + received
-    return compute / config.speed + comm, params, static, stash
+    return compute / config.speed + comm, params, static, stash, trained
+
+
+def _static_on(config: HybridConfig, static: float, trained: float, r: int) -> float:
+    """``static`` bytes as one of ``r`` replicas holds them (docs/design.md, "The shard term"):
+    sharded (``shard`` optimizer, training, ``r > 1``), the ``(f - 2) P`` of optimizer state
+    becomes ``(f - 2) P / r``; else all of it."""
+    if not config.train or config.shard == "none" or r <= 1:
+        return static
+    state = (config.optimizer_factor - 2.0) * trained
+    return static - state + state / r
 
 
 def _allreduce(config: HybridConfig, params: float, r: int) -> float:
@@ -149,7 +165,7 @@ class _JudgeData:
     """The model's data: the stages ``pairs`` (those under ``below_ms`` where asked), each one's
     latency, parameter, static and stash bytes (``numbers``), period per replica count, the
     fewest replicas under ``below_ms``, the micro-batches each may hold (``cap``) and the
-    integer scale of the periods."""
+    integer scale of the periods; ``cap`` per stage and replica count."""
 
     n: int
     m: int
@@ -162,7 +178,7 @@ class _JudgeData:
     fewest: dict[tuple[int, int], int]
     top: float
     scale: float
-    cap: dict[tuple[int, int], int]
+    cap: dict[tuple[tuple[int, int], int], int]
 
     @classmethod
     def of(cls, costs: SequenceCosts, config: HybridConfig, below_ms: float | None
@@ -186,16 +202,17 @@ class _JudgeData:
             pairs = list(fewest)
         top = max(period.values())
         scale = _SCALE_TOP / top if top > 0 else 1.0
-        cap: dict[tuple[int, int], int] = {}
+        cap: dict[tuple[tuple[int, int], int], int] = {}
         for p in pairs:
-            _, _, static, stash = numbers[p]
-            room = config.memory_bytes - static
-            if room < 0:
-                cap[p] = -1
-            elif stash <= 0 or math.isinf(room):
-                cap[p] = m
-            else:
-                cap[p] = min(m, math.floor(room / stash))
+            _, _, static, stash, trained = numbers[p]
+            for r in reps:
+                room = config.memory_bytes - _static_on(config, static, trained, r)
+                if room < 0:
+                    cap[p, r] = -1
+                elif stash <= 0 or math.isinf(room):
+                    cap[p, r] = m
+                else:
+                    cap[p, r] = min(m, math.floor(room / stash))
         return cls(n, m, devices, most, reps, slots, pairs, period, fewest, top, scale, cap)
 
 
@@ -226,7 +243,7 @@ class _Variables:
         # slot starts at 0 (implied by the constraints below: said here, the relaxation is a path)
         x = [{p: model.new_bool_var(f"x{k}_{p[0]}_{p[1]}") for p in pairs
               if (k == 0) == (p[1] == n) and n - p[1] >= k and (k < slots - 1 or p[0] == 0)
-              and cap[p] >= 1} for k in range(slots)]
+              and max(cap[p, r] for r in reps) >= 1} for k in range(slots)]
         y = [{r: model.new_bool_var(f"y{k}_{r}") for r in reps} for k in range(slots)]
         active = [model.new_bool_var(f"a{k}") for k in range(slots)]
         rep = [model.new_int_var(0, most, f"r{k}") for k in range(slots)]
@@ -273,12 +290,11 @@ def _add_warmups(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
                  config: HybridConfig) -> bool:
     """The 1F1B warm-ups from the end, ``W_k = min(W_{k-1} + step(r_k, r_{k-1}), M)``, and
     whether memory binds at all (they are counted only then)."""
-    m, most, reps, slots, pairs, cap = (data.m, data.most, data.reps, data.slots, data.pairs,
-                                        data.cap)
+    m, most, reps, slots, cap = data.m, data.most, data.reps, data.slots, data.cap
     rep, warm = var.rep, var.warm
     # 1F1B: warm-ups from the end, micro-batches in flight per replica (where memory binds:
     # a stage that fits with every micro-batch in flight needs no count)
-    binds = config.train and any(cap[p] < m for p in pairs)
+    binds = config.train and any(c < m for c in cap.values())
     model.add(warm[0] == 0)
     steps = [(a, b, _step(a, b)) for a in reps for b in reps]
     for k in range(1, slots if binds else 0):
@@ -305,8 +321,9 @@ def _add_slot(model: cp_model.CpModel, data: _JudgeData, var: _Variables, k: int
         model.add_allowed_assignments([warm[k], rep[k], held[k]],
                                       table + [(w, 0, 0) for w in range(m + 1)])
         for p, v in x[k].items():
-            if cap[p] < m:
-                model.add(held[k] <= cap[p]).only_enforce_if(v)
+            for r, yv in y[k].items():
+                if cap[p, r] < m:
+                    model.add(held[k] <= cap[p, r]).only_enforce_if([v, yv])
     if below_ms is not None:  # a stage and a replica count over below_ms exclude
         for r, v in y[k].items():  # each other; the fewest replicas under it, a cut
             over = [xv for p, xv in x[k].items() if period[p, r] >= below_ms]

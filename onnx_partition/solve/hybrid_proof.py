@@ -67,8 +67,7 @@ class HybridProof:
     period_ms`` with the bound of all compute over all devices), ``"size"`` (more than
     :data:`PROOF_CELLS` stage choices or :data:`PROOF_DEVICES` devices), ``"off"`` (budget 0),
     ``"recompute"`` (a stage of the plan recomputes, or every stage may: the judge models no
-    recomputation), ``"shard"`` (the optimizer state sharded: the judge's static bytes do not
-    fall with a stage's replicas), ``"fleet"`` (mixed device kinds), ``"none-fits"`` (no plan of the
+    recomputation), ``"fleet"`` (mixed device kinds), ``"none-fits"`` (no plan of the
     sequence fits without recomputation) or
     ``"disagree"`` (CP-SAT found a smaller period than the DP's: a bug, said, never hidden).
     ``plan_period_ms``: the chosen plan's period in the same model, where its stages are
@@ -136,8 +135,6 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
         return HybridProof(False, "off")
     if run.train and (run.recompute == "all" or any(s.recompute for s in plan.costs.stages)):
         return HybridProof(False, "recompute")  # the judge models no recomputation
-    if run.train and run.shard != "none":
-        return HybridProof(False, "shard")  # nor static bytes that fall with the replicas
     ordering = plan.source.partition(":")[2] if plan.source.startswith("dp") else ""
     ordering = ordering or HYBRID_ORDERINGS[0]
     devices = run.cluster.devices

@@ -77,6 +77,9 @@ class NodeArrays:
     #: whether a program names what trains, so tied parameters are all-reduced every step
     #: (without one, cost.engine_price.tied_bytes counts none)
     ties_train: bool = False
+    #: output-gradient bytes ZB-H1 keeps per micro-batch from I to W (pipeline.memory); empty:
+    #: none counted
+    kept_bytes: Sequence[float] = ()
 
     @property
     def counted(self) -> bool:
@@ -246,6 +249,7 @@ class StageTotals:
     #: :meth:`NodeArrays.stage_engine`'s tied bytes and trainable tensors (None: not counted)
     tied_bytes: np.ndarray | None = None
     trainable_tensors: np.ndarray | None = None
+    kept_bytes: np.ndarray | None = None  # ZB-H1's from I to W (stage 0 keeps none)
 
 
 def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
@@ -265,7 +269,19 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
                        per_stage(columns[1]), per_stage(columns[2]), cross,
                        per_stage(columns[3]) if len(columns) > 3 else None,
                        weights, trained, arrays.input_bytes, tied,
-                       tensors if len(arrays.trainable_tensors) else None)
+                       tensors if len(arrays.trainable_tensors) else None,
+                       _kept(arrays, stages_np, num_stages))
+
+
+def _kept(arrays: NodeArrays, stages_np: np.ndarray, num_stages: int) -> np.ndarray | None:
+    """Per stage, the output gradients ZB-H1 keeps from I to W; stage 0, which receives no
+    activation, none (None: not counted)."""
+    if not len(arrays.kept_bytes):
+        return None
+    kept: np.ndarray = np.bincount(stages_np, np.asarray(arrays.kept_bytes, dtype=float),
+                                   minlength=num_stages)
+    kept[0] = 0.0
+    return kept
 
 
 def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
@@ -281,9 +297,11 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     # bytes received at stage k's input boundary (stage 0: the graph inputs)
     cross = [totals.input_bytes, *totals.cross_bytes, 0.0]
     weights, trained = totals.weight_bytes, totals.trainable_bytes
+    kept = totals.kept_bytes
     sizes = [StageBytes(float(totals.param_bytes[k]) if weights is None else float(weights[k]),
                         float(totals.activation_bytes[k]), cross[k], cross[k + 1],
-                        None if trained is None else float(trained[k]))
+                        None if trained is None else float(trained[k]),
+                        float(kept[k]) if kept is not None and run.train else 0.0)
              for k in range(num_stages)]
     flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                              memory_bytes=cluster.memory_bytes, mode=run.recompute,
@@ -311,7 +329,7 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
                          replicas=r, shard=run.shard),
             backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received,
             step_ms=step[k], accumulate_ms=accumulate[k], split_ms=split[k],
-            action_ms=engine.action_ms if engine else 0.0))
+            action_ms=engine.action_ms if engine else 0.0, kept_bytes=sizes[k].kept))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags,
                                shard=run.shard)
