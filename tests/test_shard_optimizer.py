@@ -227,3 +227,31 @@ def test_a_sharded_plan_is_refused_where_it_cannot_hold(
                  "--shard-optimizer", "-o", str(tmp_path / "p")]) == 2
     assert "--shard-optimizer shards a training stage's optimizer state: it needs --mode " \
            "train" in capfd.readouterr().err
+
+
+def test_a_weightless_llama_from_its_config_trains_sharded_as_one_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 34's end to end: a small Llama from a config, exported without weights, planned
+    on 3 devices in 2 stages with ``--shard-optimizer`` (a stage on 2 replicas, its optimizer
+    state sharded), trained with ``--check``: each rank makes its own stage's weights and the
+    sharded SGD-with-momentum steps equal single-process training's."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                             max_position_embeddings=16,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "c")
+    model, plan = tmp_path / "llama.onnx", tmp_path / "plan"
+    assert main(["export", "--hf-config", str(tmp_path / "c"), "--no-weights", "--seq-len",
+                 "16", "-o", str(model)]) == 0
+    assert main(["partition", str(model), "--mode", "train", "--devices", "3", "--stages", "2",
+                 "--batch-size", "2", "--microbatches", "4", "--shard-optimizer", "-o",
+                 str(plan)]) == 0
+    stages = read_plan(plan).stages
+    assert read_plan(plan).weights == "none"
+    assert any(s.replicas > 1 and s.sharded for s in stages), stages
+    capsys.readouterr()
+    assert main(["train", str(plan), "--steps", "3", "--check", "--optimizer", "sgd",
+                 "--momentum", "0.9", "--lr", "0.05"]) == 0
+    checks = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("check against single-process training")]
+    assert checks and all(line.endswith(": OK") for line in checks), checks
