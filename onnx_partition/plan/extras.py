@@ -92,6 +92,7 @@ class CostsDevice(Part):
     measured_on: str | None  # the device the file says (None: it does not)
     warning: str | None = None  # measured on another kind of device than the cluster's
     sources: dict[str, str] | None = None
+    profiled: str | None = None  # partition measured this CPU itself: how (cached, or now)
 
 
 def _by_source(value: Any) -> str:
