@@ -319,6 +319,7 @@ class EngineRun(Part):
     idle_send_ms: list[Number]
     hop_ms: Number
     measured_where: dict[str, str]
+    memory: dict[str, Any] | None = None  # the memory model calibrated (calibrate.memory)
 
 
 @dataclass(kw_only=True, eq=False)
