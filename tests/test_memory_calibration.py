@@ -62,3 +62,12 @@ def test_a_recomputing_stage_stays_as_priced():
     record = memory_calibrated(plan, [80, 80], [700, 700])
     assert plan.stages[1].predicted == before
     assert [s["calibrated"] for s in record["stages"]] == [True, False]
+
+
+def test_a_plan_without_the_simulators_arrays_gets_its_parts_calibrated():
+    plan = _plan()
+    plan.simulator_costs.activation_bytes = plan.simulator_costs.static_bytes = None
+    memory_calibrated(plan, [80, 80], [700, 700])
+    pred = plan.stages[0].predicted
+    assert pred is not None and (pred.activation_bytes, pred.memory_bytes) == (80, 700)
+    assert plan.simulator_costs.activation_bytes is None

@@ -15,10 +15,11 @@ autograd saved per micro-batch (the saved-tensor hook) and the peak of live tens
   whatever else the count misses (0 at least: a peak under the counted parameters leaves the
   model's sum above the measured peak, and says so).
 
-The simulator's ``activation_bytes`` (the stash per micro-batch: activations and received
-inputs) takes the measured activations in place of the counted ones, and its ``static_bytes``
-is the calibrated peak less ``inflight x`` that stash, so simulating the plan at its own
-micro-batches gives the measured peak, and other counts follow the model. A stage that
+Where plan.json has the simulator's arrays, its ``activation_bytes`` (the stash per
+micro-batch: activations and received inputs) takes the measured activations in place of
+the counted ones, and its ``static_bytes`` is the calibrated peak less ``inflight x`` that
+stash, so simulating the plan at its own micro-batches gives the measured peak, and other
+counts follow the model. A stage that
 recomputes (its rebuilt activations count differently) or a part the run did not measure is
 left as priced.
 """
@@ -52,20 +53,20 @@ def memory_calibrated(plan: Plan, activation_bytes: Sequence[int | None],
                                  "measured_peak_bytes": peak,
                                  "priced_bytes": None if pred is None else pred.memory_bytes}
         if (pred is None or parts is None or None in parts or act is None or peak is None
-                or stage.recompute or len(stash) != len(plan.stages)
-                or len(static) != len(plan.stages)):
+                or stage.recompute):
             stages.append({**entry, "calibrated": False})
             continue
         weights, grads, state, counted, inflight = (int(v or 0) for v in parts)
         held = weights + grads + state
         buffers = max(0, peak - held - inflight * act)
-        stash[k] = float(stash[k]) - counted + act
         pred.activation_bytes, pred.buffer_bytes = act, buffers
         pred.memory_bytes = held + inflight * act + buffers
-        static[k] = max(0.0, pred.memory_bytes - inflight * stash[k])
+        if len(stash) == len(static) == len(plan.stages):  # the simulator's arrays, if any
+            stash[k] = float(stash[k]) - counted + act
+            static[k] = max(0.0, pred.memory_bytes - inflight * stash[k])
         stages.append({**entry, "calibrated": True, "calibrated_bytes": pred.memory_bytes,
                        "buffer_bytes": buffers})
-    if len(stash) == len(plan.stages) and len(static) == len(plan.stages):
+    if len(stash) == len(static) == len(plan.stages):
         sim.activation_bytes = [round(float(s), 3) for s in stash]
         sim.static_bytes = [round(float(s), 3) for s in static]
     return {"by": "the plan run in the engine: the saved-tensor hook's bytes per micro-batch "
