@@ -35,7 +35,7 @@ PRICINGS = ("measured", "analytic")
 #: Timed repetitions of the default profile (``profile --mode train --repeats``).
 REPEATS = 10
 #: Bump when profiles measured before are no longer what a plan should be priced by.
-VERSION = 1
+VERSION = 2  # 2: CPU profiles in thread CPU time
 
 
 def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
