@@ -70,6 +70,7 @@ def partition(
     reporter: Reporter = SILENT,
     kind_costs: Mapping[str, CostsLike] | None = None,
     precision: str = _TRAIN.precision,
+    analytic: bool | None = None,
 ) -> Plan:
     """Cut ``model`` into pipeline stages and write them with plan.json to ``out``: the
     command line's ``partition``, each keyword the option of its name (resolved alike,
@@ -83,12 +84,15 @@ def partition(
     depth, or ``None`` lets the planner choose), fastest simulated iteration of
     ``microbatches`` micro-batches in ``mode`` within device memory.
     ``costs`` (a path, or a :class:`~onnx_partition.cost.annotate.CostsFile`) is read once;
-    without it the analytic model prices the nodes on ``device``, by default the devices'
-    (:func:`~onnx_partition.cost.devices.device_for`); one measured on another device kind is
-    noted in plan.json (an error with ``strict_costs``). A train plan is planned for
-    ``schedule`` (``auto``: each planned schedule, the fastest kept), its stages recomputing
-    per ``recompute``, priced in ``precision``, its replicas sharding their optimizer state
-    with ``shard_optimizer`` (an error in inference; the others are ignored there). A
+    without it a train plan for this CPU is priced by measuring it (its profile cached,
+    :mod:`~onnx_partition.cost.profile.train_cache`) unless ``analytic`` (None:
+    ``$ONNX_PARTITION_TRAIN_PRICING``), and the analytic model prices the rest on ``device``,
+    by default the devices' (:func:`~onnx_partition.cost.devices.device_for`); one measured
+    on another device kind is noted in plan.json (an error with ``strict_costs``). A train
+    plan is planned for ``schedule`` (``auto``: each planned schedule, the fastest kept), its
+    stages recomputing per ``recompute``, priced in ``precision``, its replicas sharding their
+    optimizer state with ``shard_optimizer`` (an error in inference; the others are ignored
+    there). A
     ``dp`` cut is proven optimal or bettered by CP-SAT within ``exact_budget_s``
     deterministic seconds (0: off). ``sources`` replaces the resolved description of the
     devices in plan.json. The long steps report to ``reporter``. Returns the plan as
@@ -103,7 +107,7 @@ def partition(
         recompute=recompute if train else None, shard_optimizer=shard_optimizer or None,
         precision=precision, ordering=ordering,
         solver=solver, time_limit_s=time_limit_s, exact_budget_s=exact_budget_s, check=check,
-        force=force, sources=sources))
+        force=force, sources=sources, analytic=analytic))
     return partition_request(request, reporter=reporter)
 
 

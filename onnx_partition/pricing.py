@@ -6,8 +6,10 @@ plan.json's ``device_model``), and the solvers' problem of the priced graph
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from onnx_partition.cost.analytic import DeviceSpec
@@ -44,7 +46,9 @@ from onnx_partition.request.partition import PartitionRequest
 from onnx_partition.solve.plan import Problem, StageFigures
 from onnx_partition.solve.scoring import node_arrays
 
-__all__ = ["Priced", "device_model", "keeps_torch_ops", "price", "problem_of"]
+__all__ = ["Priced", "device_model", "keeps_torch_ops", "measured_here", "price", "problem_of"]
+
+log = logging.getLogger("onnx_partition")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ def price(request: PartitionRequest) -> Priced:
     precision = request.train.precision
     costs: CostsLike | None = request.costs.file
     device = request.devices.device
+    profiled = None
+    if request.costs.measure:  # a train plan for this CPU: its cached profile
+        costs, profiled = measured_here(request)
+        device = None if costs is not None else device_for("cpu")
     files = None
     if isinstance(cluster, Fleet):  # each kind priced on its own (cost.kinds)
         from onnx_partition.cost.kinds import costs_by_kind
@@ -113,8 +121,44 @@ def price(request: PartitionRequest) -> Priced:
         node_costs = rescale(node_costs, graph, list(costs.nodes), shared["forward"],
                              backward=shared["backward"])
     priced = device_model(device, costs, cluster, strict=request.costs.strict)
+    if profiled is not None:
+        priced["profiled"] = profiled
     return _train_figures(request, graph, node_costs, costs, device, files, priced,
                           checked=checked, shared=shared)
+
+
+def measured_here(request: PartitionRequest) -> tuple[Path | None, str | None]:
+    """The cached profile that prices a train plan for this CPU
+    (:func:`~onnx_partition.cost.profile.train_cache.cached_train_profile`), measured now by
+    ``profile --mode train`` where the cache has none, and how it was got; (None, None) for a
+    model without weights, which the roofline prices."""
+    import onnx
+
+    from onnx_partition.cost.profile.torch_ops import profile_train_to_file
+    from onnx_partition.cost.profile.train_cache import (
+        REPEATS,
+        cached_train_profile,
+        profile_key,
+    )
+    from onnx_partition.graph.weightless import model_weights
+    from onnx_partition.runtime.train.passes import split_call_ms
+    from onnx_partition.runtime.train.probe import probe_engine
+
+    model = request.model
+    if model_weights(onnx.load(str(model), load_external_data=False)) == "none":
+        return None, None
+    shapes, batch, precision = request.input_shapes, request.batch_size, request.train.precision
+    key = profile_key(model, input_shapes=shapes, batch_size=batch, precision=precision)
+
+    def measure(path: Path) -> None:
+        log.info(f"pricing the train plan by measuring it on this CPU (profile --mode train, "
+                 f"{REPEATS} repeats, once: cached in {path}; --analytic for the roofline)")
+        profile_train_to_file(model, path, batch_size=batch, input_shapes=shapes,
+                              repeats=REPEATS, threads=1, precision=precision,
+                              split=lambda: split_call_ms(device="cpu"), probe=probe_engine)
+
+    path, hit = cached_train_profile(key, measure)
+    return path, "cached profile" if hit else "profiled now and cached"
 
 
 def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCosts,

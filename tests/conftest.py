@@ -21,11 +21,18 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``XDG_CACHE_HOME`` in a temporary folder for the whole session (and the processes it
-    starts): the analytic CPU speed that ``partition`` measures and caches
-    (``cost.devices.measured_cpu``) never lands in the real home, and is measured once."""
+    starts): the analytic CPU speed that ``partition`` measures and
+    caches (``cost.devices.measured_cpu``) never lands in the real home, and is measured once.
+    A train plan for this CPU is priced by the roofline here (``$ONNX_PARTITION_TRAIN_PRICING
+    =analytic``, as ``--analytic``): measuring it takes a minute or two per model, and most
+    tests plan for their plans' shape, not their times. The tests of the measured default
+    (``test_train_pricing.py``) unset it."""
+    from onnx_partition.cost.profile.train_cache import PRICING_ENV
+
     folder = tmp_path_factory.mktemp("xdg-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(folder))
+        patch.setenv(PRICING_ENV, "analytic")
         yield folder
 
 

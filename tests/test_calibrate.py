@@ -168,6 +168,13 @@ def test_a_train_plan_is_calibrated_on_its_stage_modules(tmp_path: Path, capsys)
         assert all(0 <= i <= b for i, b in zip(sim["backward_input_ms"], backward, strict=True))
     else:
         assert "backward_input_ms" not in sim
+    # the memory model calibrated on the run: each stage's peak there, its activations measured
+    memory = run["memory"]["stages"]
+    for stage, got in zip(plan.stages, memory, strict=True):
+        assert got["calibrated"] and got["measured_peak_bytes"] > 0
+        assert stage.predicted.memory_bytes == max(got["measured_peak_bytes"],
+                                                   got["calibrated_bytes"])
+        assert stage.predicted.activation_bytes == got["measured_activation_bytes"]
     bare = copy.deepcopy(plan)
     bare.simulator_costs.pop("step_ms")
     assert plan.predicted["iteration_ms"] == pytest.approx(

@@ -12,8 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-#: Our environment variables that users set: the profile cache's folder.
-USER_VARIABLES = {"ONNX_PARTITION_CACHE"}
+#: Our environment variables that users set: the profile cache's folder, and the default
+#: pricing of a train plan for this CPU (measured, or analytic on a shared runner; docs/guide.md).
+USER_VARIABLES = {"ONNX_PARTITION_CACHE", "ONNX_PARTITION_TRAIN_PRICING"}
 
 
 def _test_sources() -> dict[Path, ast.Module]:

@@ -61,6 +61,14 @@ def test_run_feeds_every_replica_at_the_plans_shape(hybrid, capsys, nproc):
         measured["samples_per_s"] / predicted["samples_per_s"], rel=1e-3)
     assert len(body["ratio"]["stage_busy_ms"]) == 2
     assert body["runtime"] == ("threads" if nproc is None else "distributed:gloo")
+    if nproc is not None:  # each rank's measured memory (runtime.infer.resident)
+        ranks = measured["devices"]
+        assert all(0 < d["memory_bytes"] <= d["resident_bytes"] for d in ranks), ranks
+        for stage in measured["stages"]:
+            mine = [d for d in ranks if d["stage"] == stage["index"]]
+            assert stage["memory_bytes"] == max(d["memory_bytes"] for d in mine)
+            assert stage["resident_bytes"] == max(d["resident_bytes"] for d in mine)
+        assert "VmHWM" in measured["memory_source"]
 
 
 def test_run_text_prints_measured_against_predicted(hybrid, capsys):

@@ -4,15 +4,18 @@ targets: step within 15%, activation bytes within 5%).
 
     python tools/bench_train_predicted.py [--models gpt bert hf-gpt2 ...] [--size small]
         [--stages 2] [--batch-size 2] [--microbatches 4] [--steps 4] [--workdir DIR]
-        [--repeats 5] [--no-profile] [--calibrate] [--breakdown]
+        [--repeats 5] [--no-profile | --default] [--calibrate] [--breakdown]
+        [--width 128] [--heads 4] [--tokens 32] [--vocab 1000]
 
 Per model: export it with its program (recipes at ``--size``; ``hf-gpt2``, ``hf-bert``,
-``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights),
+``hf-llama``: Hugging Face models from configs, 4 layers, 128 wide, 32 tokens, random weights,
+or as ``--width --heads --tokens --vocab`` say),
 ``profile --mode train`` it (torch eager per FX unit, one thread: what each rank uses, at the
 micro-batch's rows; the engine probe, ``engine.probe``, as the command line runs it),
 ``partition --mode train --stages S --costs`` with those costs (``--no-profile``: the
-analytic costs, for comparison), then ``train`` the plan with one process per stage over
-gloo for ``--steps`` steps (the first left out of the times) and print
+analytic costs, for comparison; ``--default``: no costs, as ``partition`` prices a train
+plan for this CPU by default, its cached profile), then ``train`` the plan with one process
+per stage over gloo for ``--steps`` steps (the first left out of the times) and print
 ``train --json``'s ``ratio``: measured / predicted for the step (``iteration_ms``) and, per
 stage, ``forward_ms``, ``backward_ms`` (wall), the same compute's thread CPU time against the
 same predictions (what other processes on a busy machine do not stretch) and
@@ -52,38 +55,42 @@ from onnx_partition.runtime.train.results import comparison
 from onnx_partition.runtime.train.trainer import train_plan
 
 HF = ("hf-gpt2", "hf-bert", "hf-llama")
-TOKENS, VOCAB = 32, 1000
+#: The Hugging Face models' shape: 4 layers; width, heads, tokens and vocabulary by the options.
+SHAPE = {"width": 128, "heads": 4, "tokens": 32, "vocab": 1000}
 
 
-def hf_model(name: str) -> torch.nn.Module:
-    """A 4-layer, 128-wide Hugging Face model of the family (random weights, seeded)."""
+def hf_model(name: str, width: int, heads: int, tokens: int, vocab: int) -> torch.nn.Module:
+    """A 4-layer Hugging Face model of the family (random weights, seeded), ``width`` wide
+    (MLP 4x), ``heads`` heads (Llama: half as many key-value heads), ``tokens`` positions."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    shape: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
-             "intermediate_size": 512}
+    shape: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": width,
+                             "num_attention_heads": heads, "intermediate_size": 4 * width}
     if name == "hf-gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=4, n_embd=128, n_head=4, n_positions=TOKENS, vocab_size=VOCAB,
+            n_layer=4, n_embd=width, n_head=heads, n_positions=tokens, vocab_size=vocab,
             bos_token_id=0, eos_token_id=0))
     if name == "hf-bert":
         return transformers.BertForMaskedLM(transformers.BertConfig(
-            vocab_size=VOCAB, max_position_embeddings=TOKENS, **shape))
+            vocab_size=vocab, max_position_embeddings=tokens, **shape))
     if name == "hf-llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, max_position_embeddings=TOKENS, num_key_value_heads=2, **shape))
+            vocab_size=vocab, max_position_embeddings=tokens,
+            num_key_value_heads=max(1, heads // 2), **shape))
     raise ValueError(name)
 
 
 def exported(name: str, size: str, rows: int, work: Path) -> Path:
     """The model's ONNX file (its program beside it), exported once into ``work``."""
     if name in HF:
-        path = work / f"{name}.onnx"
+        tag = "-".join(str(SHAPE[k]) for k in ("width", "heads", "tokens", "vocab"))
+        path = work / f"{name}-{tag}.onnx"
         if not path.exists():
-            ids = torch.randint(0, VOCAB, (rows, TOKENS), generator=torch.Generator()
-                                .manual_seed(0))
-            export(hf_model(name), (ids,), path)
+            ids = torch.randint(0, SHAPE["vocab"], (rows, SHAPE["tokens"]),
+                                generator=torch.Generator().manual_seed(0))
+            export(hf_model(name, **SHAPE), (ids,), path)
         return path
     path = work / f"{name}-{size}.onnx"
     if not path.exists():
@@ -99,15 +106,17 @@ def measure(name: str, args: argparse.Namespace, work: Path, calibrated: bool = 
     try:
         model = exported(name, args.size, b, work)
         costs = None
-        if not args.no_profile:
+        if not args.no_profile and not args.default:
             costs = work / f"{model.stem}-train-costs-b{b}.json"
             if not costs.exists():
                 profile_train_to_file(model, costs, batch_size=b, repeats=args.repeats,
                                       threads=1, probe=probe_engine)
-        plan_dir = work / f"{model.stem}-plan-{'profiled' if costs else 'analytic'}"
-        if not calibrated or not plan_dir.is_dir():
+        how = "default" if args.default else "profiled" if costs else "analytic"
+        plan_dir = work / f"{model.stem}-plan-{how}-b{b}-m{m}"
+        if not calibrated or not plan_dir.is_dir():  # the default: the cached profile
             partition(model, args.stages, plan_dir, costs=costs, batch_size=b, mode="train",
-                      microbatches=m, check=False, force=True)
+                      microbatches=m, check=False, force=True,
+                      analytic=None if args.default else costs is None)
         if calibrated:
             out = work / f"{model.stem}-plan-calibrated"
             calibrate_plan(plan_dir, out=out, repeats=args.repeats)
@@ -240,6 +249,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="profile's timed repetitions")
     parser.add_argument("--no-profile", action="store_true",
                         help="price the plans analytically (no profile --mode train)")
+    parser.add_argument("--default", action="store_true",
+                        help="price each plan as partition does by default: measured on this "
+                             "CPU by its cached profile (profiled once into the profile "
+                             "cache, $ONNX_PARTITION_CACHE)")
+    for key, value in SHAPE.items():
+        parser.add_argument(f"--{key}", type=int, default=value,
+                            help=f"the Hugging Face models' {key} (default {value})")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--calibrate", action="store_true",
                         help="also train each plan after profile --plan (a second row)")
@@ -248,13 +264,17 @@ def main() -> int:
                              "send work, the tail: sends awaited, gradient sums, norm, "
                              "optimizer)")
     args = parser.parse_args()
+    SHAPE.update({k: getattr(args, k) for k in SHAPE})
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-predicted-"))
     work.mkdir(parents=True, exist_ok=True)
+    priced = ("the default (measured on this CPU, cached)" if args.default
+              else "analytic costs" if args.no_profile else "profile --mode train")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{args.stages} stages, {args.microbatches} micro-batches x {args.batch_size} rows, "
           f"{args.steps} steps (first left out), the optimizer and schedule plan.json records, "
           f"one torch thread per rank, gloo; "
-          f"priced by {'analytic costs' if args.no_profile else 'profile --mode train'}; "
+          f"priced by {priced}; "
+          f"Hugging Face models {SHAPE}; "
           f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, torch "
           f"{torch.__version__}")
     print("\n| model | measured ms/step | predicted before (no engine terms) | m/p before | "

@@ -33,7 +33,9 @@ written is then run in the engine itself (:func:`~onnx_partition.calibrate.stage
 measure_train_run`, a few steps of ``train``), which prices it (:func:`_run_calibrated`): its
 stages' compute per micro-batch there, the engine's work per action (``simulator_costs.
 action_ms``), each stage's tail and barriers (``step_ms``) and the hops (``send_ms``: the idle
-ping-pong plus the extra fitted to the run's step); ``calibrated.engine_run`` records it.
+ping-pong plus the extra fitted to the run's step); ``calibrated.engine_run`` records it. The
+run's measured memory calibrates the memory model's parts (:mod:`onnx_partition.calibrate.
+memory`; ``calibrated.engine_run.memory``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from onnx_partition.calibrate.memory import memory_calibrated
 from onnx_partition.cost.analytic import DeviceSpec
 from onnx_partition.cost.annotate import CostsFile, annotate, load_costs
 from onnx_partition.cost.cluster import Cluster
@@ -560,7 +563,8 @@ def _engine_measured(chosen: Plan, source: Path, splits: Sequence[list[float] | 
 
     engine = measure_train_engine(source, threads=threads_per_stage, repeats=repeats)
     _engine_calibrated(chosen, engine)
-    run, schedule, count = measure_train_run(source)
+    run, schedule, count, (saved, peaks) = measure_train_run(source)
     share = None if splits[best] is None else [
         i / b if b > 0 else 0.5 for i, b in zip(splits[best] or [], bwd, strict=True)]
-    return _run_calibrated(chosen, run, schedule, count, engine["send_ms"], share)
+    record = _run_calibrated(chosen, run, schedule, count, engine["send_ms"], share)
+    return {**record, "memory": memory_calibrated(chosen, saved, peaks)}

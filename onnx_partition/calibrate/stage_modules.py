@@ -123,10 +123,12 @@ def measure_train_engine(folder: str | os.PathLike[str], *, threads: int = 1,
 
 
 def measure_train_run(folder: str | os.PathLike[str], *, steps: int = RUN_STEPS,
-                      timeout_s: float = 300.0) -> tuple[RunCosts, str, int]:
+                      timeout_s: float = 300.0
+                      ) -> tuple[RunCosts, str, int, tuple[list[int | None], list[int | None]]]:
     """The train plan in ``folder`` run in the engine for ``steps`` steps (module docstring):
     (its :class:`~onnx_partition.runtime.train.overheads.RunCosts`, the schedule, the
-    micro-batches per step)."""
+    micro-batches per step, and per stage the bytes saved per micro-batch and the peak of live
+    tensor storages measured there)."""
     from onnx_partition.runtime.train.overheads import run_costs
     from onnx_partition.runtime.train.trainer import train_plan
 
@@ -135,7 +137,8 @@ def measure_train_run(folder: str | os.PathLike[str], *, steps: int = RUN_STEPS,
                              f"got {steps}")
     stats = train_plan(folder, steps=steps, timeout_s=timeout_s)
     run = run_costs(stats.ranks, stats.microbatches, split=stats.schedule == "zb-h1")
-    return run, stats.schedule, stats.microbatches
+    return run, stats.schedule, stats.microbatches, (list(stats.activation_bytes),
+                                                     list(stats.memory_bytes))
 
 
 def _stepper(module: Any, inputs: Sequence[Any], device: str, split: bool = False) -> Any:

@@ -245,13 +245,25 @@ def _add_shard_option(plan: argparse._ArgumentGroup) -> None:
                            "state (ZeRO-1; plan.json's stages[i].shard, which train follows)")
 
 
+def _costs_args(model: argparse._ArgumentGroup) -> None:
+    """``partition``'s ``--costs`` and ``--analytic``: what prices the nodes."""
+    model.add_argument("--costs", action="append", metavar="[KIND=]FILE",
+                       help="costs.json (contract format); else a train plan for this CPU "
+                            "is measured (see --analytic) and the rest analytic. A fleet "
+                            "(cluster.json with groups) takes one per GPU kind: --costs "
+                            "a100-80gb=A.json --costs v100=V.json (kinds without one: their "
+                            "roofline)")
+    model.add_argument("--analytic", action="store_true",
+                       help="--mode train for this CPU: price by the analytic roofline instead "
+                            "of measuring (default: profile --mode train on this CPU once, "
+                            "cached, so the same command plans the same; "
+                            "$ONNX_PARTITION_TRAIN_PRICING=analytic sets this default)")
+
+
 def _partition_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("the model and its costs")
     model.add_argument("model", type=Path, help="the ONNX model to cut")
-    model.add_argument("--costs", action="append", metavar="[KIND=]FILE",
-                       help="costs.json (contract format); else analytic. A fleet (cluster.json "
-                            "with groups) takes one per GPU kind: --costs a100-80gb=A.json "
-                            "--costs v100=V.json (kinds without one: their roofline)")
+    _costs_args(model)
     _shape_args(model)
     model.add_argument("--no-program", action="store_true",
                        help="with --mode train: plan a model that has no exported program "

@@ -353,7 +353,7 @@ def partition_options(args: argparse.Namespace) -> PartitionOptions:
         shard_optimizer=args.shard_optimizer or None, precision=args.precision,
         ordering=args.order, solver=args.solver, time_limit_s=args.time_limit,
         exact_budget_s=args.exact_budget, force=args.force,
-        program_required=not args.no_program)
+        program_required=not args.no_program, analytic=args.analytic or None)
 
 
 def _ilp_bar(args: argparse.Namespace) -> Callable[[], None]:

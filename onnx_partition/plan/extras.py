@@ -92,6 +92,7 @@ class CostsDevice(Part):
     measured_on: str | None  # the device the file says (None: it does not)
     warning: str | None = None  # measured on another kind of device than the cluster's
     sources: dict[str, str] | None = None
+    profiled: str | None = None  # partition measured this CPU itself: how (cached, or now)
 
 
 def _by_source(value: Any) -> str:
@@ -319,6 +320,7 @@ class EngineRun(Part):
     idle_send_ms: list[Number]
     hop_ms: Number
     measured_where: dict[str, str]
+    memory: dict[str, Any] | None = None  # the memory model calibrated (calibrate.memory)
 
 
 @dataclass(kw_only=True, eq=False)

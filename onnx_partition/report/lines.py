@@ -29,6 +29,9 @@ def priced_by(plan: Plan) -> str:
             f"{kind} by costs file {m.file}" if isinstance(m, CostsDevice) else
             f"{kind} by the analytic roofline of {m.name}"
             for kind, m in model.kinds.items()) + estimated
+    if isinstance(model, CostsDevice) and model.profiled:
+        return (f"priced by: measured on this CPU ({model.profiled} {model.file}; --analytic "
+                f"prices by the roofline){estimated}")
     if isinstance(model, CostsDevice):
         where = model.measured_on or "an unnamed device"
         return f"priced by: costs file {model.file} (measured on {where}){estimated}"

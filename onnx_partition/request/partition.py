@@ -64,12 +64,15 @@ class Devices:
 @dataclass(frozen=True)
 class CostSource:
     """What prices the nodes: a costs ``file`` (a path, or one already read; None: the
-    analytic model), a fleet's file per GPU kind (``kinds``), and whether a file measured on
-    another device kind is an error (``strict``) rather than a warning."""
+    analytic model), a fleet's file per GPU kind (``kinds``), whether a file measured on
+    another device kind is an error (``strict``) rather than a warning, and whether a train
+    plan for this CPU is priced by its cached profile, measured here where the cache has none
+    (``measure``; :mod:`onnx_partition.cost.profile.train_cache`)."""
 
     file: CostsLike | None = None
     kinds: Mapping[str, CostsLike] = field(default_factory=dict)
     strict: bool = False
+    measure: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class PartitionOptions:
     :mod:`onnx_partition.settings.partition` then hold). ``program_required``: a train plan
     refuses a model without its exported program (the command line, unless
     ``--no-program``); ``sources``: the API's own description of the devices, in place of
-    the resolved one."""
+    the resolved one; ``analytic``: a train plan for this CPU priced by the roofline rather
+    than measured (None: ``$ONNX_PARTITION_TRAIN_PRICING``, else measured)."""
 
     model: Path
     out: Path
@@ -101,6 +105,7 @@ class PartitionOptions:
     force: bool = False
     program_required: bool = False
     sources: Mapping[str, str] | None = None
+    analytic: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,10 @@ def resolve(options: PartitionOptions) -> PartitionRequest:
             "which `train` needs: export the model with `onnx-partition export` or "
             "onnx_partition.export (they write MODEL.pt2), or give --no-program to plan only")
     costs = options.costs
-    devices = resolve_devices(options.devices,
-                              costs_given=costs.file is not None or bool(costs.kinds))
+    if _measures_here(options, search.mode, program):
+        costs = dataclasses.replace(costs, measure=True)
+    devices = resolve_devices(options.devices, costs_given=costs.file is not None
+                              or bool(costs.kinds) or costs.measure)
     if options.sources is not None:
         devices = dataclasses.replace(devices, sources=dict(options.sources))
     if costs.kinds and not isinstance(devices.cluster, Fleet):
@@ -57,6 +59,31 @@ def resolve(options: PartitionOptions) -> PartitionRequest:
         model=Path(options.model), out=Path(options.out), stages=options.stages,
         input_shapes=options.input_shapes, batch_size=options.batch_size, costs=costs,
         devices=devices, train=train, search=search, check=options.check, force=options.force)
+
+
+def _measures_here(options: PartitionOptions, mode: str, program: Path) -> bool:
+    """Whether a train plan is priced by measuring it on this CPU (its cached profile,
+    :mod:`~onnx_partition.cost.profile.train_cache`): no costs file, the CPUs of this one
+    machine (no GPU, cluster.json, fleet, pinned analytic CPU or API device), its program
+    beside the model, and neither ``--analytic`` nor ``$ONNX_PARTITION_TRAIN_PRICING=analytic``
+    asks for the roofline."""
+    from onnx_partition.cost.profile.train_cache import PRICING_ENV, PRICINGS
+
+    given = options.costs.file is not None or bool(options.costs.kinds)
+    if options.analytic and given:
+        raise PartitionError("--analytic prices by the roofline: it cannot go with --costs")
+    analytic = options.analytic
+    if analytic is None:
+        told = os.environ.get(PRICING_ENV) or PRICINGS[0]
+        if told not in PRICINGS:
+            raise PartitionError(f"${PRICING_ENV} must be {' or '.join(PRICINGS)}, got "
+                                 f"{told!r}")
+        analytic = told == PRICINGS[1]
+    dev = options.devices
+    here = (device_kind_of(dev) == "cpu" and dev.cluster is None and dev.fleet is None
+            and dev.cpu_tflops is None and not dev.cpu_gbps and dev.device is None
+            and (dev.machines or 1) == 1 and dev.speed in (None, 1.0))
+    return mode == MODES[1] and not analytic and not given and here and program.is_file()
 
 
 def _specs(options: PartitionOptions) -> tuple[TrainSpec, SearchSpec]:

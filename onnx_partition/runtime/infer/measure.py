@@ -18,7 +18,7 @@ from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.predict import RunShape, measured_json
 from onnx_partition.plan import Plan
 
-__all__ = ["Result", "measure_distributed", "measure_threads", "shape_of_feeds"]
+__all__ = ["MEMORY_SOURCE", "Result", "measure_distributed", "measure_threads", "shape_of_feeds"]
 
 Result = tuple[str, dict[str, Any], dict[str, np.ndarray]]  # runtime, measured, outputs
 
@@ -98,8 +98,34 @@ def measure_distributed(
         cpu[k, r] = sum(each) / len(each) if each else 0.0
     measured = measured_json(plan, shape, iteration_ms=stats.iteration_ms[warmup:],
                              busy_ms=busy, cpu_ms=cpu)
+    _memory_fields(measured, stats)
     measured["setup_ms"] = round(stats.setup_ms, 3)
     measured["comm_ms"] = {str(rank): round(ms / len(stats.iteration_ms), 6)
                            for rank, ms in stats.comm_ms.items()}
     named = dict(zip([o.name for o in plan.outputs], outputs, strict=True))
     return f"distributed:{stats.backend}", measured, named
+
+
+#: What an inference rank's ``memory_bytes`` and ``resident_bytes`` are (``run --json``).
+MEMORY_SOURCE = ("memory_bytes: the rank's peak resident set less its resident set before "
+                 "its stage's onnxruntime session was built (weights, arena, activations, "
+                 "wire buffers; onnxruntime's allocations are not torch storages); "
+                 "resident_bytes: its peak resident set (VmHWM, reset at the rank's start); "
+                 "a stage's: the largest of its replicas'")
+
+
+def _memory_fields(measured: dict[str, Any], stats: Any) -> None:
+    """Each rank's measured memory on its ``devices`` entry and each stage's (the largest of
+    its replicas') on its ``stages`` entry, in place (None where a rank could not read it)."""
+    rank_of = {(k, r): rank for rank, (k, r, _) in enumerate(stats.placement)}
+    fields = (("memory_bytes", stats.memory_bytes), ("resident_bytes", stats.resident_bytes))
+    for device in measured["devices"]:
+        rank = rank_of.get((device["stage"], device["replica"]))
+        for name, values in fields:
+            device[name] = values.get(rank)
+    for stage in measured["stages"]:
+        mine = [d for d in measured["devices"] if d["stage"] == stage["index"]]
+        for name, _ in fields:
+            known = [d[name] for d in mine if d[name] is not None]
+            stage[name] = max(known) if mine and len(known) == len(mine) else None
+    measured["memory_source"] = MEMORY_SOURCE

@@ -63,6 +63,7 @@ from onnx_partition.pipeline import microbatch
 from onnx_partition.pipeline.layout import Layout
 from onnx_partition.plan import PLAN_FILE, Plan
 from onnx_partition.runtime.infer.hop import HOPS, DeviceHop
+from onnx_partition.runtime.infer.resident import ResidentPeak
 from onnx_partition.runtime.launch.hooks import RankHook
 from onnx_partition.runtime.launch.ranks import RankFailure, join_group
 from onnx_partition.runtime.wire import Env, Wire
@@ -129,6 +130,9 @@ class DistStats:
     headers: dict[int, int] = field(default_factory=dict)  # per rank: wire headers it sent
     copies: dict[int, dict[str, int]] = field(default_factory=dict)  # per rank: Wire.copies
     launch_ms: float = 0.0  # run_distributed: spawn to results back (imports, set-up, run)
+    # per rank: what its stage made resident, and its peak resident set (runtime.infer.resident)
+    memory_bytes: dict[int, int | None] = field(default_factory=dict)
+    resident_bytes: dict[int, int | None] = field(default_factory=dict)
 
     def throughput_per_s(self) -> list[float]:
         """Samples per second of each iteration."""
@@ -229,6 +233,7 @@ def serve_rank(
     """Run one rank (``store``: the launcher's, else torchrun's ``env://``); rank 0 returns
     the merged outputs and the stats."""
     started = time.perf_counter()
+    memory = ResidentPeak.start()  # before the session: what the stage makes resident
     lay = config.lay
     session, comm, batches = _open(config, rank, feeds)
     join_group(config.backend, rank, lay.world_size, config.timeout_s, store)
@@ -264,10 +269,12 @@ def serve_rank(
         tally.cpu_each.append((tally.cpu - cpu_before) * 1000.0)
         report(1)
     done = time.perf_counter()
+    grown, resident = memory.reading()
 
     mine = {"rank": rank, "busy": tally.busy, "comm": wire.comm_s, "wall": done - ready,
             "setup": ready - started, "busy_each": tally.busy_each, "cpu_each": tally.cpu_each,
-            "headers": wire.headers_sent, "copies": dict(wire.copies)}
+            "headers": wire.headers_sent, "copies": dict(wire.copies), "memory": grown,
+            "resident": resident}
     gathered: list[Any] = [None] * lay.world_size if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     dist.destroy_process_group()
@@ -406,4 +413,6 @@ def _stats(config: RankConfig, count: int, rows: int, iteration_ms: list[float],
         wall_ms={g["rank"]: g["wall"] * 1000.0 for g in gathered},
         headers={g["rank"]: g["headers"] for g in gathered},
         copies={g["rank"]: g["copies"] for g in gathered},
+        memory_bytes={g["rank"]: g["memory"] for g in gathered},
+        resident_bytes={g["rank"]: g["resident"] for g in gathered},
     )
