@@ -10,7 +10,7 @@ timed by ``os.wait4`` (wall seconds, peak RSS) under an address-space limit of `
     onnx-partition export --hf-config CFG --no-weights --seq-len 8192 -o model.onnx
     onnx-partition partition model.onnx --mode train --devices 8 --machines N --gpu h100
         --batch-size 1 --precision bf16 --microbatches M --schedule auto --recompute auto
-        --shard-optimizer -o plan
+        --shard-optimizer [--stages K] -o plan
 
 (an export already in ``--work`` is reused). Prints one Markdown row per model: devices, the
 plan (stages x replicas), the simulated step, tokens/s, tokens/s per GPU used, MFU (``6 P T /
@@ -40,6 +40,11 @@ ROWS: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "70b": (8192, 80, 64, 8, 28672, 128, 2048),
     "405b": (16384, 126, 128, 8, 53248, 2048, 2048),
 }
+#: the pipeline depth fixed with --stages (else chosen, at most 16): one micro-batch of one
+#: 70B layer's activations at 8,192 tokens (no flash attention: the 64 heads' scores alone are
+#: 8.6 GB) is held again while a recomputing stage runs its backward, so a stage holds about a
+#: layer, deeper than the planner's default of 16
+DEPTH: dict[str, int] = {"70b": 80, "405b": 126}
 
 
 def write_config(folder: Path, name: str) -> None:
@@ -97,7 +102,8 @@ def row(name: str, work: Path, max_gb: float) -> str:
         *cli, "partition", str(model), "--mode", "train", "--devices", "8", "--machines",
         str(machines), "--gpu", "h100", "--batch-size", "1", "--precision", "bf16",
         "--microbatches", str(microbatches), "--schedule", "auto", "--recompute", "auto",
-        "--shard-optimizer", "-o", str(plan), "--force"], max_gb)
+        "--shard-optimizer", *(["--stages", str(DEPTH[name])] if name in DEPTH else []),
+        "-o", str(plan), "--force"], max_gb)
     if code:
         return f"{head} | {export} | plan failed (exit {code}, {wall:.0f} s, {rss:.2f} GB): " \
                f"{said} |"

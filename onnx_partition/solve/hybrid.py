@@ -36,7 +36,9 @@ where memory binds, else only the dominant ones (:func:`dominant_counts`: one pe
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
-Exact for: the least bottleneck period over contiguous splits of *this* sequence, any replica
+Exact (where its tables fit in :data:`~.hybrid_tables.EXACT_CELLS`; beyond, bounded, with a
+proven gap: :func:`solve_hybrid`) for: the least bottleneck period over contiguous splits of
+*this* sequence, any replica
 counts up to ``min(D, M)`` (and recomputation flags per stage, ``auto``: checked
 against brute force), every stage within memory (a bisection over the sorted stage periods;
 float32 period tables, about 1e-7 relative); "no plan fits" exactly when none does, checked
