@@ -36,7 +36,9 @@ where memory binds, else only the dominant ones (:func:`dominant_counts`: one pe
 gives a plan; the caller scores each one with the event simulator, which counts fill and drain,
 and keeps the fastest, so a shallow pipeline with replicas competes with a deep one.
 
-Exact for: the least bottleneck period over contiguous splits of *this* sequence, any replica
+Exact (where its tables fit in :data:`~.hybrid_tables.EXACT_CELLS`; beyond, bounded, with a
+proven gap: :func:`solve_hybrid`) for: the least bottleneck period over contiguous splits of
+*this* sequence, any replica
 counts up to ``min(D, M)`` (and recomputation flags per stage, ``auto``: checked
 against brute force), every stage within memory (a bisection over the sorted stage periods;
 float32 period tables, about 1e-7 relative); "no plan fits" exactly when none does, checked
@@ -54,7 +56,9 @@ over the bound and the plans proposed (:func:`plan_hybrid`), and pricing plans f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,12 +77,19 @@ from onnx_partition.solve.hybrid_model import (
     shared_spans,
     stage_period,
 )
-from onnx_partition.solve.hybrid_tables import MAX_DEVICES, StageTables, held_caps
+from onnx_partition.solve.hybrid_tables import (
+    EXACT_CELLS,
+    MAX_DEVICES,
+    NO_COUNT,
+    StageTables,
+    exact_cells,
+    held_caps,
+)
 
-__all__ = ["MAX_DEVICES", "HybridConfig", "HybridStage", "SequenceCosts", "dominant_counts",
-           "plan_hybrid",
-           "price_plans", "price_stages", "recompute_stage", "replica_choices",
-           "shared_spans", "stage_memory", "stage_period"]
+__all__ = ["EXACT_CELLS", "MAX_DEVICES", "BoundedNoPlan", "HybridConfig", "HybridSolution",
+           "HybridStage", "SequenceCosts", "dominant_counts", "plan_hybrid", "price_plans",
+           "price_stages", "recompute_stage", "replica_choices", "shared_spans", "solve_hybrid",
+           "stage_memory", "stage_period"]
 
 
 class _Probes:
@@ -94,7 +105,10 @@ class _Probes:
         if tables.memory_free:
             fits = device_bytes(tables.static, tables.stash, 1) <= config.memory_bytes
         self.fits = fits
-        self.capi = held_caps(tables, config.memory_bytes) if fits is None else None
+        # the exact DP too large (tables.exact False): every probe is the one-suffix DP with
+        # each stage checked in front of its suffix (fits None, capi None), whose plans fit
+        self.capi = (held_caps(tables, config.memory_bytes)
+                     if fits is None and tables.exact else None)
         # auto: every stage may recompute instead (not needed where nothing could overflow)
         self.capi_rc = (held_caps(tables, config.memory_bytes, rebuilt=True)
                         if self.capi is not None and tables.period_rc is not None else None)
@@ -142,7 +156,35 @@ class _Probes:
         return np.unique(np.concatenate([p[np.isfinite(p)] for p in periods]))
 
 
+@dataclass(frozen=True)
+class HybridSolution:
+    """:func:`solve_hybrid`'s answer: the plans, best bottleneck period first; whether the DP
+    was exact; the least period it found on all the devices (``period_ms``) and a proven lower
+    bound on every plan's (``lower_ms``: the same where exact; else the relaxation of
+    :meth:`~.hybrid_tables.StageTables.relaxed_fits`); and the exact DP's cells."""
+
+    plans: list[list[HybridStage]]
+    exact: bool
+    period_ms: float
+    lower_ms: float
+    cells: int
+
+    @property
+    def gap(self) -> float:
+        """How far above the lower bound the least period found may be, relative."""
+        return (self.period_ms - self.lower_ms) / self.period_ms if self.period_ms > 0 else 0.0
+
+
+class BoundedNoPlan(PartitionError):
+    """The bounded DP (the exact one too large) found no plan within memory; one may exist."""
+
+
 def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridStage]]:
+    """:func:`solve_hybrid`'s plans."""
+    return solve_hybrid(costs, config).plans
+
+
+def solve_hybrid(costs: SequenceCosts, config: HybridConfig) -> HybridSolution:
     """Candidate plans, best bottleneck period first: for the smallest reachable bottleneck and
     a few looser ones, every pipeline depth that fits on the devices, and the same on each of
     ``config.budgets`` devices. The caller scores them with the event simulator (fill and
@@ -153,6 +195,13 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     shortest-path DP (``h[q, i] = min_j reps(i, j, tau) + h[q-1, j]``), or in training under
     a memory limit the exact DP of :func:`~.hybrid_dp.exact_fewest`. Raises :class:`PartitionError`
     naming the stages that run out of memory, and by how much, exactly when no plan fits.
+
+    Where the exact DP's tables would exceed :data:`~.hybrid_tables.EXACT_CELLS` (memory binds,
+    ``M`` and the counts large: ``min(D, M) (M + 1)`` states per suffix) the DP is *bounded*,
+    and says so (``exact`` False): every probe is the one-suffix DP over the dominant counts
+    with each stage checked in front of its suffix (its plans fit), and the same DP over the
+    relaxation :meth:`~.hybrid_tables.StageTables.relaxed_fits` bounds the least period from
+    below (``lower_ms``); no plan found raises :class:`BoundedNoPlan`.
     """
     n, devices = len(costs.forward_ms), config.devices
     if not 1 <= devices <= MAX_DEVICES:
@@ -168,8 +217,12 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
                              f"positions and devices; the sequence has {n}, the cluster "
                              f"{devices}")
     least = min(probes.probe(float(values[-1]))[0])
-    if least > devices:
+    cells = exact_cells(n, config)
+    if least > devices and tables.exact:
         raise PartitionError(memory_report(tables, config, max_q, costs))
+    if least > devices:
+        raise BoundedNoPlan(f"the bounded hybrid DP found no plan within memory (the exact one "
+                            f"would need {cells:,} cells, over {EXACT_CELLS:,})")
 
     # No plan uses more than max_q stages of at most M replicas: budgets above are one.
     usable = min(devices, max_q * tables.choices[-1])
@@ -177,8 +230,16 @@ def plan_hybrid(costs: SequenceCosts, config: HybridConfig) -> list[list[HybridS
     brackets = {b: [-1, len(values) - 1] for b in budgets}  # (fails, suffices) indices
     if probes.capi is not None:
         _narrow(brackets, values, probes)
-    _bisect(brackets, values, lambda tau: probes.probe(tau)[0])
-    return _proposals(probes, values, budgets, brackets)
+    _bisect(brackets, values, probes.probe, probes)
+    found = float(values[brackets[usable][1]])
+    lower = found
+    if not tables.exact:  # the relaxation's least period: no plan's is below it
+        relaxed = tables.relaxed_fits()
+        low = {usable: [-1, len(values) - 1]}
+        _bisect(low, values, lambda tau: probes.fast(tau, relaxed), probes)
+        lower = min(float(values[low[usable][1]]), found)
+    return HybridSolution(_proposals(probes, values, budgets, brackets), tables.exact, found,
+                          lower, cells)
 
 
 def _narrow(brackets: dict[int, list[int]], values: np.ndarray, probes: _Probes) -> None:
@@ -193,11 +254,11 @@ def _narrow(brackets: dict[int, list[int]], values: np.ndarray, probes: _Probes)
     one = capi >= 1 if capi_rc is None else (capi >= 1) | (capi_rc >= 1)
     if one.ndim == 3:  # sharded optimizer state: fits on some count (still a relaxation)
         one = np.any(one, axis=0, keepdims=False).astype(bool)
-    _bisect(low, values, lambda tau: probes.fast(tau, one)[0])
+    _bisect(low, values, lambda tau: probes.fast(tau, one), probes)
     high = {b: [-1, len(values) - 1] for b in brackets}
-    _bisect(high, values, lambda tau: probes.fast(tau, None)[0])
+    _bisect(high, values, lambda tau: probes.fast(tau, None), probes)
     for b, bracket in brackets.items():
-        bracket[0] = low[b][1] - 1
+        bracket[0] = low[b][0]  # fails (adjacent to where the relaxation suffices)
         if high[b][1] > bracket[0] and min(probes.probe(float(values[high[b][1]]))[0]) <= b:
             bracket[1] = high[b][1]
         # where memory does not bind at the optimum the relaxation is exact: gallop up
@@ -259,24 +320,76 @@ def _recovered(tables: StageTables, found: Any, q: int) -> list[HybridStage]:
     return stages
 
 
-def _bisect(brackets: dict[int, list[int]], values: np.ndarray,
-            probe: Any) -> None:
+#: Budgets short of the whole cluster settle their bound to within this, relative (their
+#: plans are proposals; the whole cluster's least bound is found exactly).
+BUDGET_TOLERANCE = 1e-3
+
+
+def _bisect(brackets: dict[int, list[int]], values: np.ndarray, probe: Any,
+            probes: _Probes) -> None:
     """Narrow each budget's bracket ``[fails, suffices]`` of indices into the sorted
-    ``values`` to adjacent indices; ``probe(tau)`` gives the fewest devices per depth at
-    ``tau`` (monotone), and one probe narrows every bracket (tau suffices for budget ``b``
-    iff the fewest devices are at most ``b``)."""
+    ``values`` to adjacent indices (the largest budget; the others to within
+    :data:`BUDGET_TOLERANCE`); ``probe(tau)`` gives the fewest devices per depth at ``tau``
+    (monotone) and the DP's tables, and one probe narrows every bracket (tau suffices for
+    budget ``b`` iff the fewest devices are at most ``b``). Where it suffices, the plans it
+    found have a bottleneck at or below ``tau``, one of the values: the bracket's top drops
+    to the best of them at once (they meet their own bottleneck). Probes rotate between the
+    midpoint, where the devices, log-linear in the bound between the bracket's ends, reach
+    the budget (a period falls about as the devices grow), and the value just under the top
+    (is anything better than the best plan found?): a few probes settle what ``log2`` of a
+    million periods would, never more than three times as many."""
+    turns: dict[int, int] = {}
+    need: dict[int, int] = {}
+    largest = max(brackets)
+
+    def open_(b: int) -> bool:
+        lo, hi = brackets[b]
+        return hi - lo > 1 and (b == largest or lo < 0
+                                or values[hi] > values[lo] * (1 + BUDGET_TOLERANCE))
+
     while True:
-        wide = [b for b, (lo, hi) in brackets.items() if hi - lo > 1]
+        wide = [b for b in brackets if open_(b)]
         if not wide:
             return
-        lo, hi = brackets[max(wide, key=lambda b: brackets[b][1] - brackets[b][0])]
+        budget = max(wide, key=lambda b: brackets[b][1] - brackets[b][0])
+        lo, hi = brackets[budget]
+        turns[budget] = turns.get(budget, 0) + 1
         mid = (lo + hi) // 2
-        need = min(probe(float(values[mid])))
+        if turns[budget] % 3 == 2 and lo in need and hi in need:
+            mid = _interpolated(values, lo, hi, need[lo], need[hi], budget)
+        elif turns[budget] % 3 == 0:
+            mid = hi - 1
+        counts, found = probe(float(values[mid]))
+        need[mid] = min(counts)
+        plans: dict[int, float] = {}  # depth index -> its plan's bottleneck
         for b, bracket in brackets.items():
-            if need <= b:
-                bracket[1] = min(bracket[1], mid)
+            if need[mid] <= b:
+                top = min(bracket[1], mid)
+                for k, fewest in enumerate(counts):
+                    if fewest <= b:
+                        if k not in plans:
+                            stages = _recovered(probes.tables, found, probes.depths[k])
+                            plans[k] = max(s.period_ms for s in stages)
+                        at = int(np.searchsorted(values, plans[k]))  # values[at] >= it
+                        top = min(top, max(at, bracket[0] + 1))
+                if top < bracket[1]:
+                    need[top] = min(need.get(top, need[mid]), need[mid])
+                bracket[1] = top
             elif mid < bracket[1]:
                 bracket[0] = max(bracket[0], mid)
+
+
+def _interpolated(values: np.ndarray, lo: int, hi: int, need_lo: int, need_hi: int,
+                  budget: int) -> int:
+    """The index in ``(lo, hi)`` where ``log devices``, linear in ``log tau`` through the
+    bracket's ends, falls to ``budget + 1/2``; the midpoint where that is undefined."""
+    mid = (lo + hi) // 2
+    tau_lo, tau_hi = float(values[lo]), float(values[hi])
+    if not (0 < tau_lo < tau_hi and 1 <= need_hi < need_lo < NO_COUNT):
+        return mid
+    y_lo, y_hi, target = math.log(need_lo), math.log(need_hi), math.log(budget + 0.5)
+    x = math.log(tau_lo) + (y_lo - target) / (y_lo - y_hi) * math.log(tau_hi / tau_lo)
+    return min(max(int(np.searchsorted(values, math.exp(x))), lo + 1), hi - 1)
 
 
 def price_stages(costs: SequenceCosts, config: HybridConfig,

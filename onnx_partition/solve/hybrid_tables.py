@@ -38,11 +38,27 @@ from onnx_partition.solve.hybrid_model import (
     stage_period,
 )
 
-__all__ = ["COUNT_DTYPE", "MAX_DEVICES", "NO_COUNT", "StageTables", "held_caps"]
+__all__ = ["COUNT_DTYPE", "EXACT_CELLS", "MAX_DEVICES", "NO_COUNT", "StageTables", "exact_cells",
+           "held_caps"]
 
 COUNT_DTYPE = np.int16  # device counts in the DP's tables
 NO_COUNT = 16000  # "no replica count meets the period": more than any device count; twice fits
 MAX_DEVICES = NO_COUNT - 1
+#: The exact DP (:func:`~.hybrid_dp.exact_fewest`) runs where its largest table, states (replica
+#: counts x warm-ups ``0..M``) x positions x (depths or counts), has at most this many cells
+#: (int16: 32 MB); beyond, the DP is bounded (:attr:`StageTables.exact` False): its plans fit,
+#: and a relaxation bounds how far from the least period they may be.
+EXACT_CELLS = 1 << 24
+
+
+def exact_cells(n: int, config: HybridConfig) -> int:
+    """Cells of the exact DP's largest table on ``n`` positions: ``h`` (depths x positions x
+    states) or the warm-up gather (states x counts x positions), every count ``1..min(D, M)``
+    and warm-up ``0..M``."""
+    m = max(config.microbatches, 1)
+    counts = min(config.devices, m)
+    depths = min(config.depth or config.max_stages, config.devices, n) + 1
+    return counts * (m + 1) * (n + 1) * max(depths, counts)
 
 
 def _span(values: Sequence[float]) -> np.ndarray:
@@ -148,8 +164,11 @@ class StageTables:
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.latency = np.where(valid, self.compute + self.comm, np.inf)
         # every count up to min(D, M) where memory binds (more replicas in front of a suffix
-        # can lower a stage's micro-batches in flight); else the dominant ones suffice
-        self.choices = (dominant_counts(config) if self.memory_free else
+        # can lower a stage's micro-batches in flight) and the exact DP is small enough; else
+        # the dominant ones (exact where memory is free; the bounded DP's, else)
+        #: whether the exact DP runs (memory free, or its tables within EXACT_CELLS)
+        self.exact = self.memory_free or exact_cells(n, config) <= EXACT_CELLS
+        self.choices = (dominant_counts(config) if self.memory_free or not self.exact else
                         replica_choices(min(config.devices, max(config.microbatches, 1))))
         # period[c, i, j]: stage [i, j) on choices[c] replicas
         self.period = np.stack([stage_period(self.latency, r, self.allreduce(r),
@@ -170,6 +189,20 @@ class StageTables:
             self.period_rc = np.stack([stage_period(latency_rc, r, self.allreduce(r),
                                                     config.microbatches)
                                        for r in self.choices])
+
+    def relaxed_fits(self) -> np.ndarray:
+        """fits[i, j]: stage ``[i, j)`` fits holding one micro-batch on ``min(D, M)`` replicas
+        (the most optimizer state shed), keeping or (``auto``) recomputing. Every stage of a
+        plan within memory passes (it holds at least one, on at most that many replicas): a
+        relaxation whose memory does not depend on the plan, so over the dominant counts its
+        one-suffix DP bounds the fewest devices of every plan from below."""
+        c = self.c
+        shed = self.shed(min(c.devices, max(c.microbatches, 1)))
+        fits = np.asarray(device_bytes(self.static - shed, self.stash, 1) <= c.memory_bytes)
+        if self.mode == "auto":
+            _, static, stash = self.rebuilt
+            fits = fits | (device_bytes(static - shed, stash, 1) <= c.memory_bytes)
+        return fits
 
     def allreduce(self, r: int, params: Any = None) -> Any:
         """Ring all-reduce time of every stage's gradients (or of ``params`` bytes) among

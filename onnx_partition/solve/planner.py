@@ -27,15 +27,17 @@ from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import ring_allreduce_ms
 from onnx_partition.progress import SILENT, Reporter
 from onnx_partition.solve import baselines
+from onnx_partition.solve.devices import DEVICE_SLACK, devices_notes, fewest_devices
 from onnx_partition.solve.dp import split_sequence
 from onnx_partition.solve.hybrid import (
     MAX_DEVICES,
+    BoundedNoPlan,
     HybridConfig,
     HybridStage,
     SequenceCosts,
-    plan_hybrid,
     price_plans,
     replica_choices,
+    solve_hybrid,
 )
 from onnx_partition.solve.order.blocks import Blocks, cluster_blocks
 from onnx_partition.solve.order.topo import assign, cut_bytes
@@ -79,8 +81,6 @@ POLISH_SIMULATIONS = 24
 LONG_POLISH = 4
 #: Proposals per ordering and machine count handed to the simulator (best closed form first).
 SIMULATED = 6
-#: Devices cost: among plans within this fraction of the fastest, the fewest devices win.
-DEVICE_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class Proposal:
     replicas: list[int]
     source: str  # "dp:<ordering>", "grid:pp<k>", "<common split>:pp<k>" or "pipedream"
     polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
+    notes: tuple[str, ...] = ()  # what its DP says of itself (bounded: the gap proven)
 
 
 def _coarse_blocks(order: list[int], problem: DagProblem, devices: int) -> Blocks:
@@ -182,7 +183,8 @@ def dp_candidates(
     order, bounds, seq, config = (sequence.order, sequence.bounds, sequence.costs,
                                   sequence.config)
     cluster = run.cluster
-    proposals = [p for p in _dp_plans(seq, config, run)
+    notes: list[str] = []
+    proposals = [p for p in _dp_plans(seq, config, run, notes)
                  if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
     # the closed form prices every link as the DP does: rank within each machine count only
@@ -196,7 +198,8 @@ def dp_candidates(
     at = np.asarray(order, dtype=np.int64)  # converted once, not per proposal (100k nodes)
     return [Proposal(assign(at, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal],
-                     f"dp{RECOMPUTED if any(s.recompute for s in proposal) else ''}:{ordering}")
+                     f"dp{RECOMPUTED if any(s.recompute for s in proposal) else ''}:{ordering}",
+                     notes=tuple(notes))
             for proposal in kept]
 
 
@@ -205,8 +208,25 @@ def dp_candidates(
 RECOMPUTED = "+rc"
 
 
-def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec
-              ) -> list[list[HybridStage]]:
+def _solved(seq: SequenceCosts, config: HybridConfig, notes: list[str]
+            ) -> list[list[HybridStage]]:
+    """:func:`solve_hybrid`'s plans; where the DP was bounded (the exact one too large) a
+    note with its proven gap joins ``notes``, and no plan found is none proposed."""
+    try:
+        solution = solve_hybrid(seq, config)
+    except BoundedNoPlan as error:
+        notes.append(f"hybrid DP ({config.recompute} recomputation): {error}")
+        return []
+    if not solution.exact:
+        notes.append(f"hybrid DP ({config.recompute} recomputation): bounded, the exact DP "
+                     f"would need {solution.cells:,} cells; least period found "
+                     f"{solution.period_ms:.6g} ms, no plan below {solution.lower_ms:.6g} ms "
+                     f"(gap {solution.gap:.2%}, relaxation: one micro-batch in flight)")
+    return solution.plans
+
+
+def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec,
+              notes: list[str] | None = None) -> list[list[HybridStage]]:
     """The hybrid DP's plans, its stages recomputing as ``run.recompute`` says: ``all``
     every stage, ``auto`` chosen per stage inside the DP where memory binds (a stage
     recomputes exactly where keeping its activations does not fit), ``none`` never. Under
@@ -214,14 +234,16 @@ def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec
     their stages must recompute (each stage then keeping where that fits): other cuts at the
     same or a larger bottleneck, which the simulator may find faster (fill, drain). Where
     each proposal's stages really recompute is decided again where memory is checked
-    (:func:`~.scoring.totals_costs`), by the same rule."""
+    (:func:`~.scoring.totals_costs`), by the same rule. What the DP says of itself (bounded:
+    its gap) joins ``notes``."""
+    notes = [] if notes is None else notes
     if not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes):
-        return plan_hybrid(seq, config)
+        return _solved(seq, config, notes)
     auto = replace(config, recompute=run.recompute)
-    plans = plan_hybrid(seq, auto)
+    plans = _solved(seq, auto, notes)
     if run.recompute == "auto":
         try:
-            every = plan_hybrid(seq, replace(config, recompute="all"))
+            every = _solved(seq, replace(config, recompute="all"), notes)
         except PartitionError:  # fitting only where some stage keeps
             every = []
         seen = {tuple((s.start, s.end, s.replicas) for s in p) for p in plans}
@@ -499,44 +521,12 @@ def plan_cluster(
     else:
         best = polish_replicas(problem, arrays, best, run, LONG_POLISH)
     best = fewest_devices(best, tournament.played, run)
+    said = dict.fromkeys(note for p in proposals for note in p.notes)
+    best = replace(best, notes=[*best.notes, *said])
     # every proposal was checked with the one memory model, which the simulator agrees with
     assert max(best.sim.peak_memory_bytes.values()) <= run.cluster.memory_bytes
     best.planning_s = time.perf_counter() - started
     return best, tournament.families
-
-
-def fewest_devices(fastest: HybridPlan, played: Sequence[HybridPlan],
-                   run: RunSpec) -> HybridPlan:
-    """Devices cost: among ``fastest`` and the plans ``played`` within DEVICE_SLACK of its
-    iteration, the one on the fewest devices (then the fastest), with notes saying what
-    more devices would buy and why devices are left unused."""
-    limit = fastest.sim.iteration_ms * (1 + DEVICE_SLACK)
-    pool = [fastest, *(p for p in played if p.sim.iteration_ms <= limit)]
-    chosen = min(pool, key=lambda p: (sum(p.replicas), p.sim.iteration_ms))
-    return replace(chosen, notes=devices_notes(chosen, fastest, run))
-
-
-def devices_notes(plan: HybridPlan, fastest: HybridPlan, run: RunSpec) -> list[str]:
-    """The summary's lines on devices: what the fastest plan's extra devices would buy, and
-    why devices are left unused (micro-batches feed at most ``M`` replicas per stage)."""
-    notes = []
-    used, total, m = sum(plan.replicas), run.cluster.devices, run.microbatches
-    if sum(fastest.replicas) > used:
-        gain = 1 - fastest.sim.iteration_ms / plan.sim.iteration_ms
-        notes.append(f"devices: {sum(fastest.replicas)} devices would buy {gain:.2%} "
-                     f"({fastest.sim.iteration_ms:.6g} ms per iteration against "
-                     f"{plan.sim.iteration_ms:.6g} ms on {used}); within {DEVICE_SLACK:.0%} of "
-                     f"the fastest the fewest devices win")
-    if used < total and (max(plan.replicas) >= m or run.max_stages * m < total):
-        notes.append(f"devices: {total - used} of {total} unused: {m} micro-batches feed at "
-                     f"most {m} replicas of a stage (replica j takes micro-batches m = j mod r)"
-                     f", {run.max_stages * m} devices over {run.max_stages} stages; more "
-                     f"micro-batches per iteration (--microbatches) would let stages use more")
-    elif used < total and sum(fastest.replicas) <= used:
-        notes.append(f"devices: {total - used} of {total} unused: no plan found on more "
-                     f"devices is faster (all-reduce, transfers or fill and drain outweigh "
-                     f"the shorter period)")
-    return notes
 
 
 def _replica_moves(replicas: Sequence[int], devices: int,

@@ -1,0 +1,73 @@
+"""The bounded hybrid DP (issue 36): where the exact DP's tables would be too large it still
+returns plans within memory, and a lower bound no plan beats, on either side of the exact least
+period; the planner says so in its notes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from onnx_partition.errors import PartitionError
+from onnx_partition.solve import hybrid_tables
+from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, solve_hybrid
+from onnx_partition.solve.hybrid_tables import exact_cells
+
+
+def _instance(seed: int) -> tuple[SequenceCosts, HybridConfig]:
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    forward = [float(rng.randint(1, 6)) for _ in range(n)]
+    costs = SequenceCosts(forward, [2.0 * f for f in forward],
+                          [float(rng.randint(0, 4)) for _ in range(n)],
+                          [float(rng.randint(1, 4)) for _ in range(n)],
+                          [0.0] + [float(rng.randint(0, 2)) for _ in range(n - 1)] + [0.0])
+    config = HybridConfig(devices=rng.randint(2, 6), memory_bytes=float(rng.randint(14, 40)),
+                          microbatches=rng.randint(2, 8), train=True,
+                          link_bytes_per_ms=4.0, shard=rng.choice(["none", "optimizer"]),
+                          recompute=rng.choice(["none", "auto"]))
+    return costs, config
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bounded_plans_fit_and_bracket_the_exact_least_period(seed, monkeypatch):
+    costs, config = _instance(seed)
+    try:
+        exact = solve_hybrid(costs, config)
+    except PartitionError:
+        exact = None
+    monkeypatch.setattr(hybrid_tables, "EXACT_CELLS", 0)
+    try:
+        bounded = solve_hybrid(costs, config)
+    except PartitionError:
+        return  # the bounded DP may miss plans, never invent them
+    assert exact is not None, "the bounded DP found a plan where none fits"
+    assert exact.exact
+    if bounded.exact:  # memory free: the one-suffix DP is exact, whatever the size
+        assert bounded.period_ms == exact.period_ms
+        return
+    assert bounded.cells == exact_cells(len(costs.forward_ms), config)
+    assert bounded.lower_ms <= exact.period_ms * (1 + 1e-9)
+    assert bounded.period_ms >= exact.period_ms * (1 - 1e-9)
+    for plan in bounded.plans:
+        assert max(s.memory_bytes for s in plan) <= config.memory_bytes
+        assert sum(s.replicas for s in plan) <= config.devices
+    assert 0.0 <= bounded.gap < 1.0
+
+
+def test_the_planner_notes_the_bounded_dps_gap(monkeypatch):
+    """On a model where memory binds and the DP is bounded the plan's notes give the gap."""
+    from support.problems import chain
+
+    from onnx_partition.cost.cluster import Cluster, Link
+    from onnx_partition.solve.planner import plan_cluster
+    from onnx_partition.solve.scoring import RunSpec
+
+    problem, arrays = chain([1.0, 2.0, 3.0, 1.0], nbytes=1e9)
+    cluster = Cluster(1, 4, memory_gb=20.0, kind="cuda", intra=Link(100.0, 0.0))
+    run = RunSpec(cluster, train=True, microbatches=8)
+    monkeypatch.setattr(hybrid_tables, "EXACT_CELLS", 0)
+    plan, _ = plan_cluster(problem, arrays, run)
+    assert max(plan.sim.peak_memory_bytes.values()) <= cluster.memory_bytes
+    said = [n for n in plan.notes if n.startswith("hybrid DP")]
+    assert not said or "gap" in said[0] or "no plan" in said[0]
