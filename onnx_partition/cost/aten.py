@@ -107,7 +107,9 @@ def backward_per_node(graph: OpGraph, program: str | Path | ExportedProgram,
     import torch
 
     if not isinstance(program, torch.export.ExportedProgram):
-        program = torch.export.load(str(program))
+        from onnx_partition.graph.program import load_program  # weights beside the program
+
+        program = load_program(program)
     homes = unit_homes(graph, program)
     if not homes:
         return []

@@ -390,7 +390,9 @@ def saved_and_kept_per_node(graph: OpGraph, program: str | Path | ExportedProgra
     import torch.fx
 
     if not isinstance(program, torch.export.ExportedProgram):
-        program = torch.export.load(str(program))
+        from onnx_partition.graph.program import load_program  # weights beside the program
+
+        program = load_program(program)
     shapes = [graph.input_shapes[name] for name in graph.inputs]
     counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy)
     homes = unit_homes(graph, program)

@@ -9,6 +9,8 @@ the eval-mode model: each ``Dropout`` loses its ``training_mode`` input (inferen
 batch norm is already exported as an inference ``BatchNormalization`` over the running statistics.
 ``optimize=False`` keeps every initializer equal to one parameter or buffer, named after it, and
 every FX node's ONNX nodes apart (the optimizer fuses Conv with BatchNorm under one tag).
+A model whose weights go to ``model.onnx.data`` has them written once: the program keeps meta
+tensors in their place and reads them back from there (:mod:`onnx_partition.graph.program`).
 See docs/design.md, "Training: FX mapping, relay, tied weights".
 
 Hugging Face models are exported as they are: a module whose output is a mapping (a
@@ -41,6 +43,7 @@ import torch
 
 from onnx_partition.errors import PartitionError, one_line
 from onnx_partition.fileio import atomic_path
+from onnx_partition.graph.program import held_tensors, save_program
 from onnx_partition.graph.weightless import (
     ORIGIN_KEY,
     WEIGHTS_KEY,
@@ -106,7 +109,8 @@ def export(
     origin: Mapping[str, Any] | None = None,
 ) -> Path:
     """Export ``module`` called on ``args`` to the ONNX file ``path`` and its train-mode program
-    to ``path.with_suffix(".pt2")``; weights go to ``<path>.data`` above 100 MB.
+    to ``path.with_suffix(".pt2")``; weights go to ``<path>.data`` above 100 MB, and then only
+    there (load the program with :func:`onnx_partition.graph.program.load_program`).
 
     ``dynamic_batch`` makes dim 0 of every tensor input symbolic (named ``batch``; trace with
     at least 2 rows). The module's train/eval mode is restored afterwards. Both files are
@@ -156,9 +160,10 @@ def export(
                 _serve_in_eval_mode(program.model)
                 if external_data is None:
                     external_data = weight_bytes(module) > EXTERNAL_DATA_BYTES
+                held = held_tensors(program.model) if external_data else {}
                 _save_onnx(program, staged, external_data=external_data,
                            weights=weights, origin=origin)
-                torch.export.save(program.exported_program, staged_program)
+                save_program(program.exported_program, staged_program, held, staged)
         finally:
             module.train(was_training)
         sidecars = [p for p in staged.parent.iterdir() if p != staged]

@@ -141,7 +141,9 @@ def profile_train(
         raise PartitionError(f"device {device!r}: this torch has no CUDA device")
     target = torch.device("cpu" if index is None else f"cuda:{index}")
     if not isinstance(program, torch.export.ExportedProgram):
-        program = torch.export.load(str(program))
+        from onnx_partition.graph.program import load_program  # weights beside the program
+
+        program = load_program(program)
     program = placed_program(program, target)
     apply_fp32_math()  # TF32 off: a measured plan is priced (plan.json math) in IEEE fp32
     region = (contextlib.nullcontext() if check_precision(precision) == "fp32" else

@@ -42,6 +42,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.fxtag import fx_node_name
+from onnx_partition.graph.program import load_program as read_program
 from onnx_partition.plan import Plan, read_plan
 
 __all__ = ["LazyStage", "StageModule", "eval_module", "lazy_stages", "load_program",
@@ -115,7 +116,7 @@ def load_program(plan_dir: str | Path, plan: Plan) -> ExportedProgram:
 
 @functools.lru_cache(maxsize=2)
 def _load(path: str, sha256: str) -> ExportedProgram:
-    return torch.export.load(path)
+    return read_program(path)
 
 
 def stage_modules(
