@@ -343,7 +343,7 @@ def test_an_export_that_fails_midway_leaves_the_earlier_files(
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert sorted(before) == ["m.onnx", "m.pt2"]
 
-    def half_then_fail(program: object, where: object) -> None:
+    def half_then_fail(program: object, where: object, **keywords: object) -> None:
         Path(str(where)).write_bytes(b"half a program")
         raise OSError(28, "No space left on device")
 
