@@ -124,7 +124,7 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             len(where), allreduce, stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
                          replicas=len(where), shard=run.shard),
-            recompute=flags[k], input_bytes=sizes[k].received))
+            recompute=flags[k], input_bytes=sizes[k].received, kept_bytes=sizes[k].kept))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags,
                                shard=run.shard)
@@ -165,9 +165,13 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     edge = [arrays.input_bytes, *cross, 0.0]  # stage 0 receives the graph inputs
     weights, trained = (arrays.stage_weights(stage_of, s) if arrays.counted
                         else (params, None))  # the one count (NodeArrays.stage_weights)
+    kept = (per_stage(arrays.kept_bytes) if run.train and len(arrays.kept_bytes)
+            else np.zeros(s))
+    kept[0] = 0.0  # stage 0 receives no activation: its whole backward runs in W
     sizes = [StageBytes(float(weights[k]), float(acts[k]), edge[k],
                         edge[k + 1] if run.train else 0.0,
-                        None if trained is None else float(trained[k])) for k in range(s)]
+                        None if trained is None else float(trained[k]), float(kept[k]))
+             for k in range(s)]
     costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
                                                        run, [float(p) for p in params])
     if any(mem > limit for mem, limit in zip(memory, limits)):
