@@ -75,8 +75,8 @@ def test_the_fleet_scoring_counts_the_kept_gradients_as_the_memory_model_does():
     assert [a - b for a, b in zip(plan.memory_bytes, unkept.memory_bytes)] == [
         0.0, kept_held("zb-h1", [1, 1], 4)[1] * 150.0]
     assert [s.kept_bytes for s in plan.costs.stages] == [0.0, 150.0]
-    assert unkept.memory_bytes == memory_per_device([replace(s, kept=0.0) for s in sizes], [1, 1], 4,
-                                              schedule="zb-h1")
+    unkept_sizes = [replace(s, kept=0.0) for s in sizes]
+    assert unkept.memory_bytes == memory_per_device(unkept_sizes, [1, 1], 4, schedule="zb-h1")
     one_f = scored(1.0, kept, "1f1b")  # 1F1B: no kept gradients
     assert one_f is not None
     assert one_f.memory_bytes == memory_per_device(sizes, [1, 1], 4, schedule="1f1b")

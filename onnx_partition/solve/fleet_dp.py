@@ -20,8 +20,9 @@ all-reduce on the group's link; a stage whose memory per device (the one memory 
 never below 1F1B's, or 1 for an optimistic pass checked afterwards; under ZB-H1 also the
 gradients kept from ``I`` to ``W`` of as many, ``+ held * K``, a bound as ``held`` is:
 ZB-H1 keeps at most the micro-batches it holds, ``pipeline.memory.kept_held``) exceeds its
-group's memory is out. In training a stage may instead recompute (``--recompute``: keep only its inputs per
-micro-batch in flight and one micro-batch's activations, ``F_t`` once more); under ``auto`` it
+group's memory is out. In training a stage may instead recompute (``--recompute``: keep only
+its inputs per micro-batch in flight and one micro-batch's activations, under ZB-H1 those of
+each micro-batch whose gradients it keeps, ``F_t`` once more); under ``auto`` it
 does exactly where keeping does not fit, as the one-kind DP chooses it per stage (AdaPipe, Sun
 et al., ASPLOS'24): ``held`` depends on ``r`` alone, so ``P_t`` is the keep period where that
 fits, else the recompute period where that fits, else infinite, a pointwise choice per ``(t,

@@ -241,8 +241,9 @@ class _Variables:
     """``x[k][(i, j)]``: slot ``k`` (counted from the pipeline's end) is stage ``[i, j)``;
     ``y[k][r]``: it has ``r`` replicas; ``active[k]``: slot ``k`` holds a stage; ``rep``,
     ``warm``, ``held``, ``kept``: its replicas, 1F1B global warm-up, micro-batches in flight
-    per replica and (ZB-H1) those whose gradients it keeps from ``I`` to ``W``; ``bottleneck``: the period in integers; ``ending[k][b]`` (``starting``): the
-    choices of slot ``k`` that end (start) at boundary ``b``."""
+    per replica and (ZB-H1) those whose gradients it keeps from ``I`` to ``W``;
+    ``bottleneck``: the period in integers; ``ending[k][b]`` (``starting``): the choices of
+    slot ``k`` that end (start) at boundary ``b``."""
 
     x: list[dict[tuple[int, int], cp_model.IntVar]]
     y: list[dict[int, cp_model.IntVar]]
