@@ -4,8 +4,10 @@ depth whose every stage's period is at most ``tau`` and within memory.
 Two DPs over :class:`~.hybrid_tables.StageTables`: :func:`fewest_devices`, one suffix per
 device count (``h[q, i]``; exact where a stage's memory does not depend on the plan), and
 :func:`exact_fewest`, the exact one in training under a memory limit, over (position, depth,
-first stage's replicas, its 1F1B warm-up) (``h[q, i, c, w]``). :func:`~.hybrid.plan_hybrid`
-bisects ``tau`` over them.
+first stage's replicas, its 1F1B warm-up) (``h[q, i, c, w]``); under ZB-H1 the exact one once
+per stage 0 warm-up ``W_0`` (:class:`WarmupTables`: ``M + 1`` times the work, the same memory),
+the one-suffix one with ``W_0 = M`` (:class:`_ZbBound`). :func:`~.hybrid.plan_hybrid` bisects
+``tau`` over them.
 """
 
 from __future__ import annotations
