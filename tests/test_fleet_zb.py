@@ -5,8 +5,11 @@ micro-batches and in the scoring exactly as pipeline/memory.py counts them."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
+import pytest
+from support.fleet_brute import brute_fleet
 from support.problems import chain
 
 from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
@@ -82,3 +85,29 @@ def test_the_fleet_scoring_counts_the_kept_gradients_as_the_memory_model_does():
     assert one_f.memory_bytes == memory_per_device(sizes, [1, 1], 4, schedule="1f1b")
     limit = max(unkept.memory_bytes) / 1e9
     assert scored(limit, []) is not None and scored(limit, kept) is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_zb_fleet_dp_is_exact_against_brute_force(seed):
+    """Random sequences with kept gradients on two groups under ZB-H1: the DP's least period is
+    the enumeration's over :func:`stage_period` (the DP's scalar statement, with the kept
+    term), every ordering (the kept gradients change ordering (0, 1)'s answer on 12 seeds)."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    fleet = Fleet(groups=(
+        GpuGroup("a100-80gb", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(5.0, 0.01)),
+        GpuGroup("v100", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(2.0, 0.01))),
+        inter=Link(1.0, 0.02))
+    run = RunSpec(fleet.clusters[0], train=True, microbatches=rng.randint(1, 4),
+                  train_schedule="zb-h1")
+    fwd = [rng.uniform(0.1, 3.0) for _ in range(n)]
+
+    def draw() -> list[float]:
+        return [rng.uniform(0, 3e3) for _ in range(n)]
+
+    seq = FleetSequence([fwd, [2 * f for f in fwd]], [[2 * f for f in fwd], [4 * f for f in fwd]],
+                        draw(), draw(), [0.0, *(rng.uniform(0, 3e3) for _ in range(n - 1)), 0.0],
+                        kept_bytes=[3 * k for k in draw()])
+    for ordering in [(0, 1), (1, 0)]:
+        value, _ = fleet_dp(seq, fleet, run, ordering)
+        assert value == pytest.approx(brute_fleet(seq, fleet, run, ordering), rel=1e-9)
