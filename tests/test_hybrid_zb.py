@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,14 @@ from support.hybrid_brute import compositions, stage_ms
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import StageBytes, memory_per_device
-from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid, stage_memory
+from onnx_partition.solve import hybrid_tables
+from onnx_partition.solve.hybrid import (
+    HybridConfig,
+    SequenceCosts,
+    plan_hybrid,
+    solve_hybrid,
+    stage_memory,
+)
 from onnx_partition.solve.hybrid_judge import JudgeResult, judge_hybrid
 
 #: Two positions on two devices, two micro-batches, one stage each (depth 2): under ZB-H1
@@ -206,13 +214,49 @@ def test_a_perturbed_kept_term_makes_the_judge_disagree(monkeypatch, case):
     """Unperturbed the DP and the judge agree; the DP's kept-gradient bytes (its public
     ``kept_table``) scaled by 0.5, and the judge, which writes the kept term on its own,
     disagrees."""
-    import onnx_partition.solve.hybrid_tables as tables
-
     costs, config = (HAND, HAND_CONFIG) if case == "hand" else KEPT_BINDS
     judged = judge_hybrid(costs, config)
     assert judged.period_ms == (math.inf if case == "hand" else pytest.approx(14.0))
     assert agree(dp_period(costs, config), judged)
     assert judge_hybrid(replace(costs, kept_bytes=[]), config).period_ms < judged.period_ms
-    table = tables.kept_table
-    monkeypatch.setattr(tables, "kept_table", lambda *a: 0.5 * table(*a))
+    table = hybrid_tables.kept_table
+    monkeypatch.setattr(hybrid_tables, "kept_table", lambda *a: 0.5 * table(*a))
     assert not agree(dp_period(costs, config), judged)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_bounded_zb_dp_plans_fit_and_bracket_the_exact(seed, monkeypatch):
+    """The exact DP too large (EXACT_CELLS 0): under ZB-H1 the one-suffix DP takes W_0 = M, so
+    its plans fit (memory_per_device's, kept gradients included), never below the exact least
+    period, and the relaxation bounds it from below."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 6)
+    forward = [float(rng.randint(1, 6)) for _ in range(n)]
+    costs = SequenceCosts(forward, [2.0 * f for f in forward],
+                          [float(rng.randint(0, 4)) for _ in range(n)],
+                          [float(rng.randint(1, 4)) for _ in range(n)],
+                          [0.0, *(float(rng.randint(0, 2)) for _ in range(n - 1)), 0.0],
+                          kept_bytes=[float(rng.randint(0, 3)) for _ in range(n)])
+    config = HybridConfig(devices=rng.randint(2, 5), memory_bytes=float(rng.randint(14, 40)),
+                          microbatches=rng.randint(2, 6), train=True, link_bytes_per_ms=4.0,
+                          schedule="zb-h1", recompute=rng.choice(["none", "auto"]))
+    try:
+        exact = solve_hybrid(costs, config)
+    except PartitionError:
+        exact = None
+    monkeypatch.setattr(hybrid_tables, "EXACT_CELLS", 0)
+    try:
+        bounded = solve_hybrid(costs, config)
+    except PartitionError:
+        return  # the bounded DP may miss plans, never invent them
+    assert exact is not None, "the bounded DP found a plan where none fits"
+    if bounded.exact:  # memory free
+        assert bounded.period_ms == exact.period_ms
+        return
+    assert bounded.lower_ms <= exact.period_ms * (1 + 1e-9) <= bounded.period_ms * (1 + 2e-9)
+    for plan in bounded.plans:
+        spans = [(s.start, s.end) for s in plan]
+        memory = memory_per_device(sizes_of(costs, spans), [s.replicas for s in plan],
+                                   config.microbatches, schedule="zb-h1",
+                                   recompute=[s.recompute for s in plan])
+        assert max(memory) <= config.memory_bytes
