@@ -37,7 +37,7 @@ from onnx_partition.solve.hybrid_judge import JudgeResult, judge_hybrid
 HAND = SequenceCosts([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 1.0, 0.0],
                      kept_bytes=[5.0, 3.0])
 HAND_CONFIG = HybridConfig(devices=2, memory_bytes=8.0, microbatches=2, train=True,
-                           optimizer_factor=1.0, depth=2, schedule="zb-h1")
+                           optimizer_factor=1.0, depth=2, train_schedule="zb-h1")
 
 
 def sizes_of(costs: SequenceCosts, spans: list[tuple[int, int]]) -> list[StageBytes]:
@@ -59,7 +59,7 @@ def test_zb_fits_without_the_kept_term_and_not_with_it():
     assert [(s.start, s.end, s.replicas) for s in unkept] == stages
     assert [s.memory_bytes for s in unkept] == [4.0, 5.0]
     # 1F1B keeps nothing between I and W: the same plan fits, stage 1 holding one
-    one_f = plan_hybrid(HAND, replace(HAND_CONFIG, schedule="1f1b"))[0]
+    one_f = plan_hybrid(HAND, replace(HAND_CONFIG, train_schedule="1f1b"))[0]
     assert [s.memory_bytes for s in one_f] == [4.0, 3.0]
     # with room for the kept gradients the DP plans it, at the plain model's memory
     roomy = plan_hybrid(HAND, replace(HAND_CONFIG, memory_bytes=11.0))[0]
@@ -87,7 +87,7 @@ def brute_zb(costs: SequenceCosts, config: HybridConfig) -> float:
                 if worst >= best:
                     continue
                 memory = memory_per_device(sizes_of(costs, spans), list(reps),
-                                           config.microbatches, schedule=config.schedule,
+                                           config.microbatches, schedule=config.train_schedule,
                                            optimizer_factor=config.optimizer_factor,
                                            recompute=list(flags), shard=config.shard)
                 if max(memory) <= config.memory_bytes:
@@ -113,7 +113,7 @@ def test_the_zb_dp_equals_brute_force(n, devices, data):
     DP's least period is brute force's (inf where nothing fits), and its
     plan's memory is the plain model's."""
     costs = draw_costs(data, n)
-    config = HybridConfig(devices=devices, train=True, schedule="zb-h1",
+    config = HybridConfig(devices=devices, train=True, train_schedule="zb-h1",
                           microbatches=data.draw(st.sampled_from([1, 2, 3, 4])),
                           memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0, 200.0])),
                           link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, 2])),
@@ -153,7 +153,8 @@ def test_hybrid_memory_with_one_replica_per_stage_is_the_plain_models(n, data):
     recompute = data.draw(st.lists(st.booleans(), min_size=len(spans), max_size=len(spans)))
     reps = data.draw(st.sampled_from([[1] * len(spans), data.draw(st.lists(
         st.integers(1, 3), min_size=len(spans), max_size=len(spans)))]))
-    config = HybridConfig(devices=sum(reps), train=True, microbatches=m, schedule=schedule)
+    config = HybridConfig(devices=sum(reps), train=True, microbatches=m,
+                          train_schedule=schedule)
     got = stage_memory(costs, config, [(i, j, r) for (i, j), r in zip(spans, reps)], recompute)
     want = memory_per_device(sizes_of(costs, spans), reps, m, schedule=schedule,
                              recompute=recompute)
@@ -192,7 +193,7 @@ def test_the_zb_dp_equals_the_judge(n, devices, data):
     """ZB-H1 under a memory limit, the optimizer state sharded or not: the DP and the judge
     (its own kept formula) agree."""
     costs = draw_costs(data, n)
-    config = HybridConfig(devices=devices, train=True, schedule="zb-h1",
+    config = HybridConfig(devices=devices, train=True, train_schedule="zb-h1",
                           microbatches=data.draw(st.sampled_from([1, 2, 4])),
                           memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0, 200.0])),
                           link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, 2])),
@@ -206,7 +207,7 @@ def test_the_zb_dp_equals_the_judge(n, devices, data):
 KEPT_BINDS = (SequenceCosts([6.0, 4.0, 3.0], [2.0, 1.0, 5.0], [1.0, 3.0, 3.0], [6.0, 4.0, 6.0],
                             [0.0, 2.0, 1.0, 0.0], kept_bytes=[4.0, 3.0, 4.0]),
               HybridConfig(devices=3, train=True, microbatches=3, memory_bytes=40.0,
-                           link_bytes_per_ms=2.0, schedule="zb-h1"))
+                           link_bytes_per_ms=2.0, train_schedule="zb-h1"))
 
 
 @pytest.mark.parametrize("case", ["hand", "binds"])
@@ -239,7 +240,7 @@ def test_the_bounded_zb_dp_plans_fit_and_bracket_the_exact(seed, monkeypatch):
                           kept_bytes=[float(rng.randint(0, 3)) for _ in range(n)])
     config = HybridConfig(devices=rng.randint(2, 5), memory_bytes=float(rng.randint(14, 40)),
                           microbatches=rng.randint(2, 6), train=True, link_bytes_per_ms=4.0,
-                          schedule="zb-h1", recompute=rng.choice(["none", "auto"]))
+                          train_schedule="zb-h1", recompute=rng.choice(["none", "auto"]))
     try:
         exact = solve_hybrid(costs, config)
     except PartitionError:

@@ -15,7 +15,7 @@ where under 1F1B ``held = ceil(min(W + 1, M) / r)`` and the global warm-up ``W``
 ``min(W_next + step(r, r_next), M)`` (``step``: the larger count where one divides the other,
 else their sum less one),
 ``W = 0`` for the last stage, ``kept = 0``; in inference ``held = 1``. Under ZB-H1
-(``config.schedule``) a stage holds from its ``F`` to its deferred ``W`` as many as the first
+(``config.train_schedule``) a stage holds from its ``F`` to its deferred ``W`` as many as the first
 stage's window, ``held = ceil(min(W_0 + 1, M) / r)`` with ``W_0`` the first stage's warm-up, and
 keeps between an ``I`` and its ``W`` the output gradients ``K`` (its positions' ``kept_bytes``;
 none in the stage starting at 0) of ``kept = min(ceil((1 + W_0 - W) / r), held)`` micro-batches
@@ -216,7 +216,7 @@ class _JudgeData:
         scale = _SCALE_TOP / top if top > 0 else 1.0
         cap: dict[tuple[tuple[int, int], int], int] = {}
         most_kept: dict[tuple[tuple[int, int], int], list[int]] = {}
-        zb = config.train and config.schedule == "zb-h1"
+        zb = config.train and config.train_schedule == "zb-h1"
         for p in pairs:
             _, _, static, stash, trained, kept = numbers[p]
             for r in reps:

@@ -26,7 +26,7 @@ def stage_memory(costs: SequenceCosts, config: HybridConfig,
     its ``base + held * stash + kept * per_kept`` tables at ``[start, end)``
     (:meth:`~.hybrid_tables.StageTables.kept_tables`; the recomputing ones where
     ``recompute`` flags a stage, else as ``config.recompute`` says), ``held`` and ``kept``
-    those of ``config.schedule`` (1F1B: none kept; one held in inference), each replica's
+    those of ``config.train_schedule`` (1F1B: none kept; one held in inference), each replica's
     shard of the optimizer state; the tests hold them to the stage files' count and to
     :func:`~onnx_partition.pipeline.memory.memory_per_device`."""
     tables = StageTables(costs, config)

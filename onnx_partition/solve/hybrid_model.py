@@ -73,10 +73,10 @@ class HybridConfig:
     #: train: the schedule whose memory the DP counts: ``1f1b``, or ``zb-h1`` (every stage
     #: holds stage 0's ``min(W_0 + 1, M)`` window and the gradients kept from ``I`` to ``W``,
     #: :func:`~onnx_partition.pipeline.memory.kept_held`)
-    schedule: str = "1f1b"
+    train_schedule: str = "1f1b"
 
 
-#: The train schedules whose memory the hybrid DP counts (:attr:`HybridConfig.schedule`).
+#: The train schedules whose memory the hybrid DP counts (:attr:`HybridConfig.train_schedule`).
 DP_SCHEDULES = ("1f1b", "zb-h1")
 
 

@@ -86,11 +86,11 @@ class StageTables:
     def __init__(self, costs: SequenceCosts, config: HybridConfig) -> None:
         n = len(costs.forward_ms)
         self.n, self.c = n, config
-        if config.train and config.schedule not in DP_SCHEDULES:
+        if config.train and config.train_schedule not in DP_SCHEDULES:
             raise ValueError(f"the hybrid DP counts the memory of {', '.join(DP_SCHEDULES)}, "
-                             f"not {config.schedule!r}")
+                             f"not {config.train_schedule!r}")
         #: ZB-H1's memory (training): held from stage 0's window, the kept gradients too
-        self.zb = config.train and config.schedule == "zb-h1"
+        self.zb = config.train and config.train_schedule == "zb-h1"
         self._price_times(costs, config)
         self._price_memory(costs, config)
         check_recompute(config.recompute)
@@ -284,8 +284,8 @@ class StageTables:
 
     @property
     def schedule(self) -> str:
-        """The schedule whose memory the tables count: ``config.schedule`` in training."""
-        return self.c.schedule if self.c.train else "infer"
+        """The schedule whose memory the tables count: ``config.train_schedule`` in training."""
+        return self.c.train_schedule if self.c.train else "infer"
 
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`), each
