@@ -31,8 +31,13 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import Kind, build
-from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.pipeline.schedules import Kind
+from onnx_partition.pipeline.simulate import (
+    PipelineCosts,
+    SimResult,
+    StageCosts,
+    simulate_schedule,
+)
 from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.solve.problem import DagProblem
 
@@ -357,10 +362,12 @@ def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineC
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
     """Simulate ``costs`` under the run's schedule, each hop with the engine's work per hop
     where a train run prices it (:attr:`RunSpec.engine`; ``costs`` keep the link's sends, as
-    plan.json states them before :func:`~onnx_partition.cost.engine_price.price_engine` adds it)."""
+    plan.json states them before :func:`~onnx_partition.cost.engine_price.price_engine` adds it).
+    By :func:`~onnx_partition.pipeline.simulate.simulate_schedule`: the event simulation's
+    figures bit for bit, without its timeline (a plan's Gantt chart re-simulates it)."""
     hop = run.engine.hop_ms if run.train and run.engine else 0.0
     played = replace(costs, send_ms=[s + hop for s in costs.send_ms]) if hop else costs
-    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
+    sim = simulate_schedule(run.schedule, replicas, run.microbatches, played)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
 
