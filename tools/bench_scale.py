@@ -2,6 +2,7 @@
 and 100k operators for a 1,024-device training cluster (issue 22).
 
     python tools/bench_scale.py [--layers 511 5110] [--machines 128] [--microbatches 8]
+        [--simulator STAGES]
 
 A synthetic transformer: ``layers`` blocks of 20 operators each (layer norm, Q/K/V
 projections, scores, softmax, context, output projection, residual add, layer norm, MLP up,
@@ -14,6 +15,11 @@ least the previous), the plan's depth, replicas, devices used, simulated iterati
 the closed form the planner ranks proposals by (fill and drain, then the busiest replica's
 other ``ceil(M / r) - 1`` micro-batches at the slowest stage, then the slowest all-reduce) over
 the simulated iteration, and the planner's lines on devices.
+
+``--simulator STAGES``: first a table of one plan of ``STAGES`` stages x 4 replicas (one
+layer's costs each, sends of a hidden activation) at ``--microbatches``, per schedule: seconds
+of the event simulation of the built schedule (``simulate(build(...))``) and of the planner's
+scorer (``simulate_schedule``), and whether every figure is equal.
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from dataclasses import replace
 
 from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.pipeline.schedules import build
+from onnx_partition.pipeline.simulate import (
+    PipelineCosts,
+    StageCosts,
+    simulate,
+    simulate_schedule,
+)
 from onnx_partition.solve.planner import plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
@@ -76,12 +90,39 @@ def closed_form_ms(plan: HybridPlan, microbatches: int) -> float:
     return sum(latency) + rest + max(s.allreduce_ms for s in plan.costs.stages)
 
 
+def simulator_table(stages: int, microbatches: int) -> None:
+    """Print the event simulation's and the scorer's seconds for one plan per schedule."""
+    forward = sum(ms for _, ms, _ in LAYER)
+    costs = PipelineCosts(
+        [StageCosts(forward, 2.0 * forward, 4, allreduce_ms=0.5, activation_bytes=HIDDEN_BYTES,
+                    step_ms=0.1, accumulate_ms=0.01, action_ms=0.002) for _ in range(stages)],
+        [HIDDEN_BYTES / 3e5 + 0.005] * (stages - 1))
+    replicas = [4] * stages
+    print("| schedule | stages x replicas | M | actions | simulate(build) s | "
+          "simulate_schedule s | ratio | equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        began = time.perf_counter()
+        full = simulate(build(name, replicas, microbatches), costs)
+        mid = time.perf_counter()
+        fast = simulate_schedule(name, replicas, microbatches, costs)
+        end = time.perf_counter()
+        print(f"| {name} | {stages} x 4 | {microbatches} | {len(full.timeline):,} "
+              f"| {mid - began:.3f} | {end - mid:.3f} | {(mid - began) / (end - mid):.1f} "
+              f"| {replace(full, timeline=[]) == fast} |", flush=True)
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[511, 5110])
     parser.add_argument("--machines", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--simulator", type=int, metavar="STAGES",
+                        help="first time one plan of STAGES stages in both simulators")
     args = parser.parse_args()
+    if args.simulator:
+        simulator_table(args.simulator, args.microbatches)
     cluster = Cluster(machines=args.machines, devices_per_machine=8, memory_gb=80.0,
                       kind="cuda", intra=Link(300.0, 0.005), inter=Link(25.0, 0.02))
     run = RunSpec(cluster, train=True, microbatches=args.microbatches)

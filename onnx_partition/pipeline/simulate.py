@@ -381,7 +381,6 @@ def _memory(costs: PipelineCosts, ran: dict[Device, set[int]], width: int, train
 # ------------------------------------------------------------ the planner's scorer
 
 _KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
-_CODE = {kind: k for k, kind in enumerate(_KINDS)}
 _PART = (0, 1, 1, 2)  # F, B, I, W -> ActionKey's part (a B and an I deliver the same)
 _DELTA = (1, -1, 0, -1)  # micro-batches in flight after each kind (an I keeps its W's)
 
@@ -422,6 +421,13 @@ def simulate_schedule(name: str, replicas: Sequence[int], microbatches: int,
                     dict(zip(devices, lean.busy)), peak, memory, [])
 
 
+def _coded(order: list[tuple[Kind, int]]) -> list[tuple[int, int]]:
+    """``order`` with each kind as its index in :data:`_KINDS` (by identity: hashing an
+    :class:`~enum.Enum` member runs Python code)."""
+    f, b, i = Kind.F, Kind.B, Kind.I
+    return [(0 if k is f else 1 if k is b else 2 if k is i else 3, mb) for k, mb in order]
+
+
 class _Lean:
     """:class:`_Engine`'s worklist on lists indexed by device and micro-batch (one stage per
     device): ``ends[part][stage][mb]`` is None until that action is done."""
@@ -433,9 +439,13 @@ class _Lean:
         self.stage = [dev[0] for dev in self.devices]
         self.lanes: list[list[tuple[int, int]]] = []
         for order, d in zip(orders, counts, strict=True):
+            coded = _coded(order)
+            if d == 1:
+                self.lanes.append(coded)
+                continue
             lanes: list[list[tuple[int, int]]] = [[] for _ in range(d)]
-            for kind, mb in order:
-                lanes[replica_of(mb, d)].append((_CODE[kind], mb))
+            for action in coded:
+                lanes[replica_of(action[1], d)].append(action)
             self.lanes += lanes
         self.counts, self.m, self.send = counts, m, list(costs.send_ms)
         self.ends: list[list[list[float | None]]] = [
