@@ -414,7 +414,8 @@ def simulate_schedule(name: str, replicas: Sequence[int], microbatches: int,
     devices = lean.devices
     free = dict(zip(devices, lean.free))
     peak = dict(zip(devices, lean.peak))
-    ran = {dev: {dev[0]} if lane else set() for dev, lane in zip(devices, lean.lanes)}
+    ran = ({} if train else  # inference's memory: the stage a device ran, if any
+           {dev: {dev[0]} if lane else set() for dev, lane in zip(devices, lean.lanes)})
     memory = _memory(costs, ran, len(counts), train, lean.shared, peak,
                      dict(zip(devices, lean.top)))
     return _outcome(costs, len(counts), microbatches, train, free,

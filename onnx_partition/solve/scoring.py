@@ -16,7 +16,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class NodeArrays:
         """Whether the arrays carry the one count (weights and trainable bytes apart)."""
         return len(self.weight_bytes) > 0
 
-    def stage_weights(self, stage_of: Sequence[int], num_stages: int
+    def stage_weights(self, stage_of: Sequence[int] | np.ndarray, num_stages: int
                       ) -> tuple[np.ndarray, np.ndarray]:
         """Weight and trainable bytes of each stage of an assignment: the nodes' own, plus
         each shared initializer once in every stage that reads it (exact, as the stage
@@ -108,7 +108,7 @@ class NodeArrays:
             np.add.at(trained, held, train_bytes)
         return weights, trained
 
-    def stage_engine(self, stage_of: Sequence[int], num_stages: int
+    def stage_engine(self, stage_of: Sequence[int] | np.ndarray, num_stages: int
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Per stage of an assignment, the trainable bytes of the :attr:`shared` initializers
         another stage holds too (a tied parameter, all-reduced over its holders every step:
@@ -264,11 +264,14 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
     def per_stage(values: np.ndarray) -> np.ndarray:
         return np.bincount(stages_np, values, minlength=num_stages)
 
-    cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
+    # the one array throughout: converting a list of 100k stages costs a millisecond a time
+    # (an array of ints reads as the sequence cross_bytes takes: len, indexing, asarray)
+    cross = (problem.cross_bytes(cast("Sequence[int]", stages_np), num_stages)
+             if num_stages > 1 else [])
     columns = arrays.columns
-    weights, trained = (arrays.stage_weights(stage_of, num_stages) if arrays.counted
+    weights, trained = (arrays.stage_weights(stages_np, num_stages) if arrays.counted
                         else (None, None))
-    tied, tensors = (arrays.stage_engine(stage_of, num_stages) if arrays.counted
+    tied, tensors = (arrays.stage_engine(stages_np, num_stages) if arrays.counted
                      else (None, None))
     return StageTotals(per_stage(problem.compute_array), per_stage(columns[0]),
                        per_stage(columns[1]), per_stage(columns[2]), cross,
