@@ -3,7 +3,9 @@
 :func:`simulate` plays a schedule (:mod:`onnx_partition.pipeline.schedules`) against
 :class:`PipelineCosts` (plain numbers, no devices) and returns makespan, throughput, bubble,
 per-device busy time, peak in-flight micro-batches and memory, the all-reduce windows, and a
-timeline for Gantt charts. Pure Python, no ONNX.
+timeline for Gantt charts. :func:`simulate_schedule` gives the same figures, bit for bit, for a
+schedule named in the registry, without the timeline and about 10 times faster: the planner
+scores every proposal with it. Pure Python, no ONNX.
 
 :func:`backward_factor` is the one rule for a backward time derived from a forward time: the
 analytic cost model prices each operator by it (``cost.analytic``, which says which operators
@@ -157,7 +159,8 @@ class SimResult:
     :func:`~onnx_partition.pipeline.memory.device_bytes`); in
     inference, plus the largest hosted stage's ``activation`` (``static`` alone on an idle
     device). ``allreduce`` maps a stage to its all-reduce window ``(start, end)`` (train,
-    when ``allreduce_ms > 0``).
+    when ``allreduce_ms > 0``). ``timeline``: every action's ``(device, action, start, end)``,
+    empty from :func:`simulate_schedule` (the planner's scorer).
     """
 
     iteration_ms: float
