@@ -98,3 +98,11 @@ def test_replicas_must_match_the_costs() -> None:
         simulate_schedule("1f1b", [2], 4, PipelineCosts(costs.stages, [1.0]))
     with pytest.raises(ScheduleError, match="unknown schedule"):
         simulate_schedule("2f2b", [2], 4, costs)
+
+
+@pytest.mark.parametrize("name", ["INFER", "1F1B", "ZB-H1"])
+def test_names_are_read_as_build_reads_them(name: str) -> None:
+    """Case ignored, as :func:`build` ignores it: ``INFER`` plays forwards only."""
+    costs = PipelineCosts([StageCosts(1.0, 2.0, 2, allreduce_ms=1.0, activation_bytes=3.0,
+                                      step_ms=0.5)] * 2, [0.25])
+    assert simulate_schedule(name, [2, 2], 6, costs) == full(name, [2, 2], 6, costs)

@@ -29,6 +29,7 @@ from onnx_partition.pipeline.schedules import (
     ScheduleError,
     action_key,
     build,
+    checked_name,
     pipeline_width,
     render,
     stage_orders,
@@ -413,7 +414,7 @@ def simulate_schedule(name: str, replicas: Sequence[int], microbatches: int,
     lean = _Lean(orders, counts, costs, microbatches)
     if not lean.run():  # a deadlock: the full engine says where
         simulate(build(name, counts, microbatches), costs)
-    train = name != "infer"
+    train = checked_name(name) != "infer"
     devices = lean.devices
     free = dict(zip(devices, lean.free))
     peak = dict(zip(devices, lean.peak))
