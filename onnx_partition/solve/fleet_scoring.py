@@ -26,8 +26,7 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import build
-from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate_schedule
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 
@@ -181,7 +180,7 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     if run.train:
         costs, played = _with_engine(costs, kinds, gpus, arrays, stage_of, sizes,
                                      run.schedule, lambda values: per_stage(values).tolist())
-    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
+    sim = simulate_schedule(run.schedule, replicas, run.microbatches, played)
     return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus,
                      schedule=run.schedule)
 
