@@ -1,19 +1,30 @@
 """The planner made faster without changing its plans (issue 36 item 5): the local search's
 incremental frontier and stage sums against their definitions and against the search as it
-was written before (:mod:`support.refine_reference`), move for move."""
+was written before (:mod:`support.refine_reference`), move for move; the hybrid proof reusing
+the planner's DP run, its record the same as solving again."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.problems import chain, dags, run_on
 from support.refine_reference import reference_refine
 
+from onnx_partition.cost.cluster import Cluster, Link
+from onnx_partition.errors import PartitionError
+from onnx_partition.solve import hybrid_proof
+from onnx_partition.solve.hybrid_proof import prove_hybrid
+from onnx_partition.solve.planner import HYBRID_ORDERINGS, Proposal, plan_cluster, proposals_for
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import _State, refine
+from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 from onnx_partition.solve.search import split_order
 
 
@@ -114,3 +125,63 @@ def test_the_incremental_state_agrees_with_its_definitions(problem, data):
         assert state.frontier == fresh.frontier
         assert state.cross == pytest.approx(fresh.cross)
         assert state.times() == pytest.approx(problem.stage_times(state.stage_of, stages))
+
+
+class _Calls:
+    """Counts the calls of a function, and makes them (a spy, not a stand-in)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function, self.count = function, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        return self.function(*args, **kwargs)
+
+
+def _planned(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
+             num_stages: int | None = None) -> tuple[HybridPlan, list[Proposal]]:
+    proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)
+    plan, _ = plan_cluster(problem, arrays, run, num_stages=num_stages, proposals=proposals)
+    return plan, proposals
+
+
+def test_the_proof_reuses_the_planners_dp_run(monkeypatch) -> None:
+    """The proof of an inference plan solves no DP and builds no sequence of its own: the
+    planner's are handed to it, and the record is the one it made solving them again."""
+    problem, arrays = chain([1.0, 3.0, 2.0, 2.0, 1.0], nbytes=1e6)
+    run = run_on(4, train=False)
+    plan, proposals = _planned(problem, arrays, run)
+    fresh = prove_hybrid(problem, arrays, run, plan)
+    solves = _Calls(hybrid_proof.plan_hybrid)
+    sequences = _Calls(hybrid_proof.dp_sequence)
+    monkeypatch.setattr(hybrid_proof, "plan_hybrid", solves)
+    monkeypatch.setattr(hybrid_proof, "dp_sequence", sequences)
+    reused = prove_hybrid(problem, arrays, run, plan, proposals=proposals)
+    assert (solves.count, sequences.count) == (0, 0)
+    assert reused.by in ("bound", "cp-sat") and reused.proven
+    assert replace(reused, seconds=0.0) == replace(fresh, seconds=0.0)
+    # without the planner's proposals (or with recomputation in play) it solves its own
+    assert prove_hybrid(problem, arrays, run, plan).by == fresh.by
+    assert (solves.count, sequences.count) == (1, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=dags(max_nodes=8), devices=st.integers(1, 4), train=st.booleans(),
+       recompute=st.sampled_from(["none", "auto"]), memory_gb=st.sampled_from([80.0, 0.2]),
+       data=st.data())
+def test_a_reused_proof_is_the_proof_solved_again(case, devices, train, recompute, memory_gb,
+                                                  data) -> None:
+    """Differential: whatever the planner hands the proof, its record is the one the proof
+    makes solving its sequence afresh (up to its seconds)."""
+    problem, arrays = case
+    cluster = Cluster(1, devices, memory_gb=memory_gb, kind="cuda", intra=Link(1.0, 0.0))
+    run = RunSpec(cluster, train=train, microbatches=data.draw(st.sampled_from([1, 4, 8])),
+                  recompute=recompute if train else "none")
+    depth = data.draw(st.sampled_from([None, *range(1, min(devices, problem.num_nodes) + 1)]))
+    try:
+        plan, proposals = _planned(problem, arrays, run, depth)
+    except PartitionError:
+        return  # nothing fits: no plan to prove
+    fresh = prove_hybrid(problem, arrays, run, plan, num_stages=depth)
+    reused = prove_hybrid(problem, arrays, run, plan, num_stages=depth, proposals=proposals)
+    assert replace(reused, seconds=0.0) == replace(fresh, seconds=0.0)
