@@ -19,13 +19,13 @@ from support.refine_reference import reference_refine
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.errors import PartitionError
-from onnx_partition.solve import hybrid_proof
+from onnx_partition.solve import hybrid_proof, search
 from onnx_partition.solve.hybrid_proof import prove_hybrid
 from onnx_partition.solve.planner import HYBRID_ORDERINGS, Proposal, plan_cluster, proposals_for
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import _State, refine
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
-from onnx_partition.solve.search import split_order
+from onnx_partition.solve.search import ORDERINGS, best_split, solve_ordering, split_order
 
 
 @st.composite
@@ -185,3 +185,17 @@ def test_a_reused_proof_is_the_proof_solved_again(case, devices, train, recomput
     fresh = prove_hybrid(problem, arrays, run, plan, num_stages=depth)
     reused = prove_hybrid(problem, arrays, run, plan, num_stages=depth, proposals=proposals)
     assert replace(reused, seconds=0.0) == replace(fresh, seconds=0.0)
+
+
+def test_orderings_cut_alike_are_polished_once(monkeypatch) -> None:
+    """``dfs`` and ``cluster`` cut the same sequence; where their DP splits agree the polish
+    runs once, and every candidate is what its ordering gives alone."""
+    problem = layered(120, 4)
+    alone = {o: solve_ordering(problem, 4, o) for o in ORDERINGS}
+    cuts = {o: solve_ordering(problem, 4, o, polish=False).stage_of for o in ORDERINGS}
+    assert cuts["dfs"] == cuts["cluster"]
+    polishes = _Calls(search.polish_split)
+    monkeypatch.setattr(search, "polish_split", polishes)
+    _, candidates = best_split(problem, 4)
+    assert polishes.count == len({tuple(c) for c in cuts.values()}) < len(ORDERINGS)
+    assert [c.stage_of for c in candidates] == [alone[o].stage_of for o in ORDERINGS]
