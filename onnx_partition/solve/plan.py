@@ -7,6 +7,7 @@ a train plan runs, chosen among the planned ones by simulation. The problem is p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -266,14 +267,17 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
         schedules = _schedules(request) if train else ("infer",)
         engine = problem.engine if train else None
         # made once: every schedule plans from them, and the proof reuses their DP runs
+        started = time.perf_counter()
         proposals = proposals_for(dag, arrays, _cluster_run(
             cluster, schedules[0], num_stages=num_stages, microbatches=spec.microbatches,
             recompute=spec.recompute, train=train, engine=engine, shard=spec.shard),
             num_stages, HYBRID_ORDERINGS)
+        made_s = time.perf_counter() - started
         best, families, run = plan_per_schedule(
             dag, arrays, cluster, num_stages=num_stages, microbatches=spec.microbatches,
             schedules=schedules, recompute=spec.recompute, train=train, reporter=reporter,
             engine=engine, shard=spec.shard, proposals=proposals)
+        best = replace(best, planning_s=best.planning_s + made_s)  # the proposals' time too
         proof = prove_hybrid(dag, arrays, run, best, num_stages=num_stages,
                              budget_s=request.search.exact_budget_s, proposals=proposals)
     route = HybridRoute(cluster, best, families, run, proof, sum(dag.compute_ms) / cluster.speed)
