@@ -16,7 +16,7 @@ PACKAGE = "onnx_partition"
 #: (the console script, ``python -m`` aliases kept for torchrun, the package root) sit on top.
 LAYERS: list[set[str]] = [
     # base: no project imports but each other
-    {"errors", "values", "progress", "fileio", "dag", "safe_tensors"},
+    {"errors", "values", "progress", "fileio", "dag", "safe_tensors", "mfu"},
     {"plan", "settings"},  # the contracts (plan.json, cluster.json, ...); the settings types
     {"pipeline", "graph"},  # the pipeline model (no ONNX); the ONNX adapter
     {"cost"},  # per-node costs, devices

@@ -12,10 +12,12 @@ timed by ``os.wait4`` (wall seconds, peak RSS) under an address-space limit of `
         --batch-size 1 --precision bf16 --microbatches M --schedule auto --recompute auto
         --shard-optimizer [--stages K] -o plan
 
-(an export already in ``--work`` is reused). Prints one Markdown row per model: devices, the
+(an export already in ``--work`` is reused; each step's stderr is written to
+``--work``/NAME/STEP.log as it runs). Prints one Markdown row per model: devices, the
 plan (stages x replicas), the simulated step, tokens/s, tokens/s per GPU used, MFU (``6 P T /
-(step x GPUs x 989.4 TFLOP/s)``, H100 SXM's dense bf16 peak, ``P`` the ONNX initializers'
-elements, ``T`` the tokens of one step), the planning wall seconds and peak RSS.
+(step x GPUs x 989.4 TFLOP/s)``, H100 SXM's dense bf16 peak, ``P`` the ONNX floating-point
+initializers' elements, ``T`` the tokens of one step: :mod:`onnx_partition.mfu`, as
+``partition``'s summary prints them), the planning wall seconds and peak RSS.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ def write_config(folder: Path, name: str) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def timed(argv: list[str], max_gb: float) -> tuple[float, float, int, str]:
+def timed(argv: list[str], max_gb: float, log: Path) -> tuple[float, float, int, str]:
     """(wall seconds, peak RSS GB, exit code, last stderr lines) of one fresh process whose
-    address space is limited to ``max_gb``."""
+    address space is limited to ``max_gb``; its stderr goes to ``log`` as it runs (how far a
+    step got when it is stopped)."""
     limit = int(max_gb * 1e9)
 
     def cap() -> None:
@@ -71,12 +74,11 @@ def timed(argv: list[str], max_gb: float) -> tuple[float, float, int, str]:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     began = time.perf_counter()
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             preexec_fn=cap)
-    assert child.stderr is not None
-    said = child.stderr.read().decode(errors="replace").strip().splitlines()
-    child.stderr.close()
-    _, status, usage = os.wait4(child.pid, 0)
+    with log.open("wb") as err:
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                 preexec_fn=cap)
+        _, status, usage = os.wait4(child.pid, 0)
+    said = log.read_text(errors="replace").strip().splitlines()
     return (time.perf_counter() - began, usage.ru_maxrss / 1e6,
             os.waitstatus_to_exitcode(status), " / ".join(said[-2:]))
 
@@ -94,7 +96,7 @@ def row(name: str, work: Path, max_gb: float) -> str:
         write_config(folder / "cfg", name)
         wall, rss, code, said = timed([*cli, "export", "--hf-config", str(folder / "cfg"),
                                        "--no-weights", "--seq-len", str(SEQ), "-o",
-                                       str(model)], max_gb)
+                                       str(model)], max_gb, folder / "export.log")
         export = f"{wall:.0f} s, {rss:.2f} GB"
         if code:
             return f"{head} | export failed (exit {code}, {export}): {said} |"
@@ -103,26 +105,24 @@ def row(name: str, work: Path, max_gb: float) -> str:
         str(machines), "--gpu", "h100", "--batch-size", "1", "--precision", "bf16",
         "--microbatches", str(microbatches), "--schedule", "auto", "--recompute", "auto",
         "--shard-optimizer", *(["--stages", str(DEPTH[name])] if name in DEPTH else []),
-        "-o", str(plan), "--force"], max_gb)
+        "-o", str(plan), "--force"], max_gb, folder / "partition.log")
     if code:
         return f"{head} | {export} | plan failed (exit {code}, {wall:.0f} s, {rss:.2f} GB): " \
                f"{said} |"
-    import onnx
-
+    from onnx_partition.mfu import model_parameters, train_rates
     from onnx_partition.plan import read_plan
 
     planned = read_plan(plan)
-    inits = onnx.load(str(model), load_external_data=False).graph.initializer
-    params = sum(math.prod(t.dims) for t in inits)
+    params = model_parameters(model)
     step_ms = float(planned.predicted.iteration_ms or math.nan)
     used = planned.predicted.devices_used or devices
     tokens = microbatches * SEQ  # one sequence per micro-batch
-    rate = tokens / step_ms * 1000.0
-    mfu = 6.0 * params * rate / (used * H100_BF16_FLOPS)
+    rates = train_rates(params, tokens, step_ms, used, H100_BF16_FLOPS)
     shape = " + ".join(f"{s.replicas}" for s in planned.stages)
     return (f"{head} | {export} | {params / 1e9:.2f} B | {len(planned.stages)} stages x "
-            f"[{shape}] on {used:,} | {step_ms / 1000:.2f} s | {rate:,.0f} | "
-            f"{rate / used:,.0f} | {mfu:.1%} | {wall:.1f} s | {rss:.2f} GB |")
+            f"[{shape}] on {used:,} | {step_ms / 1000:.2f} s | {rates.tokens_per_s:,.0f} | "
+            f"{rates.tokens_per_s_per_gpu:,.0f} | {rates.mfu or 0:.1%} | {wall:.1f} s | "
+            f"{rss:.2f} GB |")
 
 
 def main() -> int:

@@ -306,7 +306,7 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from onnx_partition.cli.summary.partition import summary_lines
+    from onnx_partition.cli.summary.partition import summary_lines, train_figures
     from onnx_partition.partition import partition_request
     from onnx_partition.request.resolve import resolve
 
@@ -319,9 +319,11 @@ def _partition(args: argparse.Namespace) -> int:
     if args.json:
         from onnx_partition.pipeline.predict import dumps, partition_json
 
-        print(dumps(partition_json(plan, args.output)))
+        body = partition_json(plan, args.output)
+        body.update(train_figures(plan, args.output) or {})  # a train plan's tokens and MFU
+        print(dumps(body))
         return 0
-    print("\n".join(summary_lines(plan, args.batch_size)))
+    print("\n".join(summary_lines(plan, args.batch_size, args.output)))
     warning = getattr(plan.device_model, "warning", None)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

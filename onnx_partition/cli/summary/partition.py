@@ -1,12 +1,18 @@
-"""What ``partition`` prints: the stage table, the global batch, the planner's notes, what
-priced the plan, its devices and links, what is proven of its quality (:func:`summary_lines`).
-What priced it and its devices are :mod:`onnx_partition.report.lines`' (the HTML page shows
-them too)."""
+"""What ``partition`` prints: the stage table, the global batch, a train plan's tokens/s and MFU,
+the planner's notes, what priced the plan, its devices and links, what is proven of its quality
+(:func:`summary_lines`). What priced it and its devices are :mod:`onnx_partition.report.lines`'
+(the HTML page shows them too)."""
 
 from __future__ import annotations
 
-from math import inf
+import os
+from math import inf, isfinite
+from pathlib import Path
+from typing import Any
 
+from onnx_partition.cost.devices import gpu_spec
+from onnx_partition.errors import PartitionError
+from onnx_partition.mfu import model_parameters, train_rates
 from onnx_partition.pipeline.from_plan import (
     default_schedule,
     played_comm,
@@ -14,20 +20,95 @@ from onnx_partition.pipeline.from_plan import (
     recompute_note,
 )
 from onnx_partition.plan import Plan
-from onnx_partition.plan.extras import HybridPeriodProof, PipelineProof, PlannedOver
+from onnx_partition.plan.extras import (
+    AnalyticDevice,
+    HybridPeriodProof,
+    PipelineProof,
+    PlannedOver,
+)
 from onnx_partition.report.lines import batch_line, counted, devices_line, priced_by
-from onnx_partition.report.page import throughput_cards
+from onnx_partition.report.page import throughput_cards, tokens_per_sample
 
-__all__ = ["plan_table", "proof_line", "summary_lines"]
+__all__ = ["plan_table", "proof_line", "rates_line", "summary_lines", "train_figures"]
 
 
-def summary_lines(plan: Plan, batch_size: int | None) -> list[str]:
+def summary_lines(plan: Plan, batch_size: int | None,
+                  folder: str | os.PathLike[str] | None = None) -> list[str]:
     """``partition``'s summary on stdout: the table, the global batch (``batch_size``: the
-    one asked for), the planner's notes, what priced the plan, its devices and its quality."""
-    lines = [plan_table(plan), batch_line(plan, batch_size),
+    one asked for), a train plan's tokens and MFU (``folder``: the plan's, where its model
+    is found), the planner's notes, what priced the plan, its devices and its quality."""
+    rates = rates_line(plan, folder)
+    lines = [plan_table(plan), batch_line(plan, batch_size), *([rates] if rates else []),
              *(plan.devices_notes or []), priced_by(plan), devices_line(plan)]
     quality = proof_line(plan)
     return lines + ([quality] if quality else [])
+
+
+def _peak_flops(plan: Plan, kind: str | None) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU kind ``kind``, else of the plan's GPU (its
+    cluster's, or the analytic model's); None on a CPU or an unknown device."""
+    model = plan.device_model
+    name = kind or getattr(plan.cluster, "gpu", None) or (
+        model.name if isinstance(model, AnalyticDevice) and model.kind == "cuda" else None)
+    try:
+        return gpu_spec(name)[1].half_tflops * 1e12 if name else None
+    except PartitionError:
+        return None
+
+
+def train_figures(plan: Plan, folder: str | os.PathLike[str] | None
+                  ) -> dict[str, Any] | None:
+    """A train plan's step in tokens (:mod:`onnx_partition.mfu`): parameters (the model's
+    floating-point initializers; ``plan.model`` is relative to ``folder``, the plan's; None:
+    not counted), tokens per step (micro-batches x rows x the sequence
+    length), tokens/s, tokens/s per GPU used, the GPUs' bf16 peak and MFU (None where no GPU
+    peak or parameter count is known); None for other plans (no token input, no step)."""
+    step, rows, seq = plan.predicted.iteration_ms, plan.rows_per_microbatch, \
+        tokens_per_sample(plan)
+    if plan.mode != "train" or not rows or not seq or step is None or \
+            not (isfinite(step) and step > 0):
+        return None
+    gpus = sum(s.replicas for s in plan.stages)
+    peaks = [(_peak_flops(plan, s.gpu), s.replicas) for s in plan.stages]
+    peak = sum(p * r for p, r in peaks if p) / gpus if all(p for p, _ in peaks) else None
+    try:
+        parameters: int | None = (model_parameters(Path(folder) / plan.model)
+                                  if plan.model and folder is not None else None)
+    except (OSError, ValueError):  # the model moved, or is not a readable ONNX file
+        parameters = None
+    tokens = plan.microbatches * rows * seq
+    rates = train_rates(parameters or 0, tokens, float(step), gpus,
+                        peak if parameters else None)
+    return {"parameters": parameters, "tokens_per_step": tokens,
+            "tokens_per_s": rates.tokens_per_s,
+            "tokens_per_s_per_gpu": rates.tokens_per_s_per_gpu, "gpus": gpus,
+            "peak_tflops": peak / 1e12 if peak else None, "mfu": rates.mfu}
+
+
+def rates_line(plan: Plan, folder: str | os.PathLike[str] | None = None) -> str | None:
+    """The summary's line of :func:`train_figures`; None where there are none."""
+    got = train_figures(plan, folder)
+    if got is None:
+        return None
+    line = (f"tokens: {got['tokens_per_step']:,} per iteration "
+            f"({counted(plan.microbatches, 'micro-batch')} x "
+            f"{counted(plan.rows_per_microbatch or 0, 'row')} x "
+            f"{tokens_per_sample(plan):,}), {got['tokens_per_s']:,.0f} tokens/s, "
+            f"{got['tokens_per_s_per_gpu']:,.0f} per GPU ({counted(got['gpus'], 'GPU')})")
+    if got["mfu"] is None:
+        why = "no GPU peak" if got["parameters"] else "the model's parameters are unknown"
+        return f"{line}; MFU not known ({why})"
+    return (f"{line}; MFU {got['mfu'] * 100:.3g}% (6 x {_count(got['parameters'])} "
+            f"parameters x tokens / (iteration x GPUs x {got['peak_tflops']:,.1f} TFLOP/s "
+            f"bf16 peak))")
+
+
+def _count(n: int) -> str:
+    """``405.9 B``, ``70.6 M``, ``1,234``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M")):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:,}"
 
 
 def _mb(nbytes: float) -> str:
