@@ -225,8 +225,8 @@ class _JudgeData:
                     cap[p, r] = -1
                 elif stash <= 0 or math.isinf(room):
                     cap[p, r] = m
-                else:
-                    cap[p, r] = min(m, math.floor(room / stash))
+                else:  # a tiny stash may overflow the quotient to inf: m caps it first
+                    cap[p, r] = m if room >= m * stash else math.floor(room / stash)
                 if zb:  # memory = static(r) + held * stash + kept * K, counted as written
                     most_kept[p, r] = [
                         max((g for g in range(m + 1)
