@@ -6,8 +6,9 @@ keyed by those names, replaces the initializers of the same names in every stage
 folder also gets the trained whole model (``<model>.onnx``, the plan's ``model``, which
 ``run --check`` compares against) and the trained program (``<model>.pt2``, so the new plan can
 be trained further; where the model keeps its weights in external data, the program refers
-to them there, as ``export`` writes it, so the folder holds them once). Tied parameters are written under each of their names. Everything is
-written into a temporary folder that then replaces ``out_dir`` (emit.write_plan_folder).
+to them there, as ``export`` writes it, so the folder holds them once). Tied parameters are
+written under each of their names. Everything is written into a temporary folder that then
+replaces ``out_dir`` (emit.write_plan_folder).
 """
 
 from __future__ import annotations
