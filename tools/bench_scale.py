@@ -2,6 +2,7 @@
 and 100k operators for a 1,024-device training cluster (issue 22).
 
     python tools/bench_scale.py [--layers 511 5110] [--machines 128] [--microbatches 8]
+        [--simulator STAGES]
 
 A synthetic transformer: ``layers`` blocks of 20 operators each (layer norm, Q/K/V
 projections, scores, softmax, context, output projection, residual add, layer norm, MLP up,
@@ -9,11 +10,17 @@ GELU, MLP down, residual add, and the reshapes between), ~4.4 k parameters per l
 over 5,110 layers, as in the issue's 102,200-operator graph), planned by ``plan_cluster`` on
 ``machines`` x 8 H100-class devices (80 GB, NVLink inside a machine, 200 Gb/s between),
 training with 1F1B. Prints a Markdown table: operators, devices, planning time (wall, one
-run), peak resident memory of the process (``ru_maxrss``, which only grows: each row is at
-least the previous), the plan's depth, replicas, devices used, simulated iteration and bubble,
+run) and its CPU seconds (the process's: less bound to the load), peak resident memory of the
+process (``ru_maxrss``, which only grows: each row is at least the previous), the plan's
+depth, replicas, devices used, simulated iteration and bubble,
 the closed form the planner ranks proposals by (fill and drain, then the busiest replica's
 other ``ceil(M / r) - 1`` micro-batches at the slowest stage, then the slowest all-reduce) over
 the simulated iteration, and the planner's lines on devices.
+
+``--simulator STAGES``: first a table of one plan of ``STAGES`` stages x 4 replicas (one
+layer's costs each, sends of a hidden activation) at ``--microbatches``, per schedule: seconds
+of the event simulation of the built schedule (``simulate(build(...))``) and of the planner's
+scorer (``simulate_schedule``), and whether every figure is equal.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from dataclasses import replace
 
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.solve.planner import plan_cluster
@@ -76,28 +84,65 @@ def closed_form_ms(plan: HybridPlan, microbatches: int) -> float:
     return sum(latency) + rest + max(s.allreduce_ms for s in plan.costs.stages)
 
 
+def simulator_table(stages: int, microbatches: int) -> None:
+    """Print the event simulation's and the scorer's seconds for one plan per schedule."""
+    # imported here: the planning table also runs on a tree without the scorer (before/after)
+    from onnx_partition.pipeline.schedules import build
+    from onnx_partition.pipeline.simulate import (
+        PipelineCosts,
+        StageCosts,
+        simulate,
+        simulate_schedule,
+    )
+
+    forward = sum(ms for _, ms, _ in LAYER)
+    costs = PipelineCosts(
+        [StageCosts(forward, 2.0 * forward, 4, allreduce_ms=0.5, activation_bytes=HIDDEN_BYTES,
+                    step_ms=0.1, accumulate_ms=0.01, action_ms=0.002) for _ in range(stages)],
+        [HIDDEN_BYTES / 3e5 + 0.005] * (stages - 1))
+    replicas = [4] * stages
+    print("| schedule | stages x replicas | M | actions | simulate(build) s | "
+          "simulate_schedule s | ratio | equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        began = time.perf_counter()
+        full = simulate(build(name, replicas, microbatches), costs)
+        mid = time.perf_counter()
+        fast = simulate_schedule(name, replicas, microbatches, costs)
+        end = time.perf_counter()
+        print(f"| {name} | {stages} x 4 | {microbatches} | {len(full.timeline):,} "
+              f"| {mid - began:.3f} | {end - mid:.3f} | {(mid - began) / (end - mid):.1f} "
+              f"| {replace(full, timeline=[]) == fast} |", flush=True)
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[511, 5110])
     parser.add_argument("--machines", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--simulator", type=int, metavar="STAGES",
+                        help="first time one plan of STAGES stages in both simulators")
     args = parser.parse_args()
+    if args.simulator:
+        simulator_table(args.simulator, args.microbatches)
     cluster = Cluster(machines=args.machines, devices_per_machine=8, memory_gb=80.0,
                       kind="cuda", intra=Link(300.0, 0.005), inter=Link(25.0, 0.02))
     run = RunSpec(cluster, train=True, microbatches=args.microbatches)
-    print("| operators | devices | M | planning s | peak RSS GB | stages | replicas | used "
-          "| iteration ms | closed form / simulated | bubble | devices lines |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| operators | devices | M | planning s | CPU s | peak RSS GB | stages | replicas "
+          "| used | iteration ms | closed form / simulated | bubble | devices lines |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         problem, arrays = transformer(layers)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         plan, _ = plan_cluster(problem, arrays, run)
-        took = time.perf_counter() - started
+        took, cpu = time.perf_counter() - started, time.process_time() - cpu
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         note = "<br>".join(plan.notes)
         closed = closed_form_ms(plan, run.microbatches) / plan.sim.iteration_ms
         print(f"| {problem.num_nodes:,} | {cluster.devices:,} | {run.microbatches} | {took:.2f} "
-              f"| {rss:.2f} | {plan.num_stages} | {plan.replicas} | {sum(plan.replicas)} "
+              f"| {cpu:.2f} | {rss:.2f} | {plan.num_stages} | {plan.replicas} "
+              f"| {sum(plan.replicas)} "
               f"| {plan.sim.iteration_ms:.3f} | {closed:.3f} | {plan.sim.bubble_fraction:.1%} "
               f"| {note} |", flush=True)
     return 0

@@ -66,6 +66,7 @@ __all__ = [
     "one_f_one_b",
     "pipeline_width",
     "render",
+    "stage_orders",
     "validate",
     "zb_h1",
 ]
@@ -165,10 +166,14 @@ def gpipe(
     (micro-batch order 0..M-1 both ways). Every stage stashes all M micro-batches."""
     counts = _replica_counts(num_stages, replicas)
     _check_microbatches(num_microbatches)
-    order = [(Kind.F, mb) for mb in range(num_microbatches)]
+    return _distribute(_gpipe_orders(num_stages, num_microbatches, train), counts)
+
+
+def _gpipe_orders(num_stages: int, m: int, train: bool) -> list[list[tuple[Kind, int]]]:
+    order = [(Kind.F, mb) for mb in range(m)]
     if train:
-        order += [(Kind.B, mb) for mb in range(num_microbatches)]
-    return _distribute([order] * num_stages, counts)
+        order += [(Kind.B, mb) for mb in range(m)]
+    return [order] * num_stages
 
 
 def inference(
@@ -194,7 +199,10 @@ def one_f_one_b(
     """
     counts = _replica_counts(num_stages, replicas)
     _check_microbatches(num_microbatches)
-    m = num_microbatches
+    return _distribute(_one_f_one_b_orders(counts, num_microbatches), counts)
+
+
+def _one_f_one_b_orders(counts: list[int], m: int) -> list[list[tuple[Kind, int]]]:
     orders: list[list[tuple[Kind, int]]] = []
     for warmup in one_f_one_b_warmups(counts, m):
         order = [(Kind.F, mb) for mb in range(warmup)]
@@ -202,7 +210,7 @@ def one_f_one_b(
             order += [(Kind.F, mb), (Kind.B, mb - warmup)]
         order += [(Kind.B, mb) for mb in range(m - warmup, m)]
         orders.append(order)
-    return _distribute(orders, counts)
+    return orders
 
 
 def zb_h1(
@@ -223,7 +231,10 @@ def zb_h1(
     """
     counts = _replica_counts(num_stages, replicas)
     _check_microbatches(num_microbatches)
-    m = num_microbatches
+    return _distribute(_zb_h1_orders(counts, num_microbatches), counts)
+
+
+def _zb_h1_orders(counts: list[int], m: int) -> list[list[tuple[Kind, int]]]:
     warmups = one_f_one_b_warmups(counts, m)
     orders: list[list[tuple[Kind, int]]] = []
     for warmup in warmups:
@@ -245,7 +256,7 @@ def zb_h1(
             grad(mb)
         order += [(Kind.W, mb) for mb in pending]
         orders.append(order)
-    return _distribute(orders, counts)
+    return orders
 
 
 def interleaved(
@@ -370,6 +381,22 @@ def build(name: str, replicas: Sequence[int], microbatches: int, *,
     an unknown name, chunks given to another schedule, or what the builder refuses."""
     key = checked_name(name, chunks)
     return REGISTRY[key].builder(list(replicas), microbatches, chunks)
+
+
+def stage_orders(name: str, replicas: Sequence[int], microbatches: int
+                 ) -> list[list[tuple[Kind, int]]] | None:
+    """Each stage's action order ``(kind, micro-batch)`` of the schedule :func:`build` makes
+    for ``name`` (its replicas share it round-robin, micro-batch ``m`` on replica ``m % d``),
+    before it is split into actions per device; None for ``interleaved``, whose devices host
+    several stages. The same refusals as :func:`build`."""
+    key = checked_name(name)
+    counts = _replica_counts(len(replicas), replicas)
+    _check_microbatches(microbatches)
+    if key in ("gpipe", "infer"):
+        return _gpipe_orders(len(counts), microbatches, train=key == "gpipe")
+    if key == "1f1b":
+        return _one_f_one_b_orders(counts, microbatches)
+    return _zb_h1_orders(counts, microbatches) if key == "zb-h1" else None
 
 # ----------------------------------------------------------------- validation
 

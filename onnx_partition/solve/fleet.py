@@ -95,7 +95,9 @@ def _sequence(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindC
                         [blocks.sums(kinds[k].backward_ms) for k in gpus],
                         blocks.sums(arrays.param_bytes), blocks.sums(arrays.activation_bytes),
                         list(cut_bytes(problem, order)[np.asarray(blocks.bounds)]),
-                        *_counted(arrays, blocks))
+                        *_counted(arrays, blocks),
+                        kept_bytes=blocks.sums(arrays.kept_bytes) if len(arrays.kept_bytes)
+                        else [])
     return seq, blocks
 
 
@@ -169,7 +171,9 @@ def _weigh_dp_plans(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str,
     """Every distinct sequence's DP plans over every ordering of the groups (each also with
     one micro-batch in flight in training: an optimistic pass the scoring checks), scored
     under each of ``runs``; then the best one's replica counts hill-climbed on the simulated
-    iteration itself (:func:`polish_fleet`)."""
+    iteration itself (:func:`polish_fleet`). The DP's memory is that of each kind of
+    schedule scored: without kept gradients, and with ZB-H1's where it is among ``runs``
+    (:func:`_memory_runs`)."""
     work = {gpu: float(sum(c.forward_ms) + (sum(c.backward_ms) if run.train else 0.0))
             for gpu, c in kinds.items()}
     speed = [1.0 / max(work[g.gpu], 1e-12) for g in fleet.groups]
@@ -181,8 +185,8 @@ def _weigh_dp_plans(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str,
     for order, name in sequences.items():
         seq, blocks = _sequence(problem, arrays, kinds, fleet, order)
         for ordering in group_orderings(fleet, speed):
-            for stages in (s for held in helds for s in _dp_plans(seq, fleet, run, ordering,
-                                                                  held, num_stages)):
+            for stages in (s for dp_run in _memory_runs(run, runs) for held in helds
+                           for s in _dp_plans(seq, fleet, dp_run, ordering, held, num_stages)):
                 stage_of = assign(order, blocks.expand([s[0] for s in stages] + [seq.n]))
                 groups = [s[2] for s in stages]
                 placed = place_on_groups(fleet, groups, [s[3] for s in stages])
@@ -196,6 +200,15 @@ def _weigh_dp_plans(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str,
     if dp_plans:
         plan, groups, each = min(dp_plans, key=lambda e: e[0].sim.iteration_ms)
         pool.weigh(polish_fleet(problem, arrays, kinds, fleet, each, plan, groups), plan.source)
+
+
+def _memory_runs(run: RunSpec, runs: Sequence[RunSpec]) -> list[RunSpec]:
+    """``run`` under each memory the fleet DP counts for the schedules of ``runs``: 1F1B's
+    (no kept gradients) for any but ZB-H1, ZB-H1's (held micro-batches' gradients kept)."""
+    if not run.train:
+        return [run]
+    names = dict.fromkeys("zb-h1" if r.schedule == "zb-h1" else "1f1b" for r in runs)
+    return [replace(run, train_schedule=name) for name in names]
 
 
 def _weigh_alone(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindCosts],

@@ -17,9 +17,12 @@ times, ``comm`` its boundaries' transfers at their links (the inter-machine link
 pipeline enters or leaves a group, ``in(0)``; the group's own link inside it) and the ring
 all-reduce on the group's link; a stage whose memory per device (the one memory model with
 ``held`` micro-batches in flight: 1 in inference; in training ``ceil(M / r)``, GPipe's bound,
-never below 1F1B's, or 1 for an optimistic pass checked afterwards) exceeds its group's memory
-is out. In training a stage may instead recompute (``--recompute``: keep only its inputs per
-micro-batch in flight and one micro-batch's activations, ``F_t`` once more); under ``auto`` it
+never below 1F1B's, or 1 for an optimistic pass checked afterwards; under ZB-H1 also the
+gradients kept from ``I`` to ``W`` of as many, ``+ held * K``, a bound as ``held`` is:
+ZB-H1 keeps at most the micro-batches it holds, ``pipeline.memory.kept_held``) exceeds its
+group's memory is out. In training a stage may instead recompute (``--recompute``: keep only
+its inputs per micro-batch in flight and one micro-batch's activations, under ZB-H1 those of
+each micro-batch whose gradients it keeps, ``F_t`` once more); under ``auto`` it
 does exactly where keeping does not fit, as the one-kind DP chooses it per stage (AdaPipe, Sun
 et al., ASPLOS'24): ``held`` depends on ``r`` alone, so ``P_t`` is the keep period where that
 fits, else the recompute period where that fits, else infinite, a pointwise choice per ``(t,
@@ -38,6 +41,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +58,7 @@ from onnx_partition.solve.hybrid_model import replica_choices, shared_spans
 from onnx_partition.solve.scoring import RunSpec
 
 __all__ = ["ALL_ORDERINGS", "FleetSequence", "FleetStage", "fleet_dp", "group_orderings",
-           "stage_period"]
+           "stage_period", "zb_memory"]
 
 #: Every ordering of up to this many groups is tried; more: file order, fastest and slowest
 #: first.
@@ -76,6 +80,8 @@ class FleetSequence:
     trainable_bytes: Sequence[float] = ()
     input_bytes: float = 0.0
     shared: Sequence[tuple[float, float, Sequence[int]]] = ()
+    #: ZB-H1's output-gradient bytes kept per micro-batch from ``I`` to ``W`` (empty: none)
+    kept_bytes: Sequence[float] = ()
 
     @property
     def n(self) -> int:
@@ -91,6 +97,14 @@ class FleetSequence:
             held, held_trained = shared_spans(self.shared, self.n)
             weights, trained = weights + held, trained + held_trained
         return weights, trained
+
+    def kept(self) -> np.ndarray:
+        """ZB-H1's kept bytes of every stage ``[i, j)`` per micro-batch: none in a stage
+        starting at 0 (it receives no activation: its whole backward runs in ``W``)."""
+        table = _span(self.kept_bytes) if len(self.kept_bytes) else np.zeros((self.n + 1,
+                                                                              self.n + 1))
+        table[0, :] = 0.0
+        return table
 
     def received(self) -> np.ndarray:
         """Bytes stage ``[i, ...)`` receives per micro-batch: stage 0 the graph inputs."""
@@ -112,7 +126,8 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
                  held: Callable[[int], int] | None = None, recompute: str = "none") -> float:
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
-    memory per device (``held(r)`` micro-batches in flight) exceeds the group's. In training a
+    memory per device (``held(r)`` micro-batches in flight; under ZB-H1, ``run.schedule``,
+    the gradients of as many kept: :func:`zb_memory`) exceeds the group's. In training a
     recomputing stage keeps only its inputs per micro-batch in flight and one micro-batch's
     activations, and runs its forward twice (the one-kind DP's :func:`~.hybrid.recompute_stage`):
     ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
@@ -141,14 +156,29 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
     count = held(r) if held is not None else _held_safe(run)(r)
     static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor,
                           replicas=r, shard=run.shard)
+    kept = float(sum(seq.kept_bytes[i:j])) if i > 0 and len(seq.kept_bytes) else 0.0
+    zb = run.train and run.schedule == "zb-h1"
     for flag in flags:
         rebuilt = flag and run.train
-        memory = (static + count * stash_bytes(size, rebuilt)
-                  + (size.activations if rebuilt else 0.0))
+        memory = zb_memory(static, stash_bytes(size, rebuilt), size.activations, kept, count,
+                           rebuilt=rebuilt, zb=zb)
         if memory <= g.memory * 1e9:
             return ((compute + (forward if rebuilt else 0.0) + comm) / r
                     + allreduce / run.microbatches)
     return math.inf
+
+
+def zb_memory(static: Any, stash: Any, activations: Any, kept: Any, held: int, *,
+              rebuilt: Any, zb: bool) -> Any:
+    """A stage's memory per device with ``held`` micro-batches in flight (``stash``: what each
+    holds, only the inputs where ``rebuilt``): the one memory model's ``static + held * stash``,
+    a recomputing stage also holding one micro-batch's ``activations`` rebuilt; under ZB-H1
+    (``zb``) it keeps the gradients of ``held`` micro-batches (``kept`` bytes each, the bound
+    of ``pipeline.memory.kept_held``, at most ``held``) and a recomputing one holds as many
+    rebuilt. Arrays or numbers (``rebuilt`` a mask)."""
+    rebuilt_count = held if zb else 1
+    return (static + held * stash + np.where(rebuilt, rebuilt_count * activations, 0.0)
+            + (held * kept if zb else 0.0))
 
 
 def _held_safe(run: RunSpec) -> Callable[[int], int]:
@@ -207,6 +237,8 @@ class _FleetTables:
         self.params, self.acts = _span(seq.param_bytes), _span(seq.activation_bytes)
         self.weights, self.trained = seq.weights()
         self.received = seq.received()
+        self.kept = seq.kept()
+        self.zb = run.train and run.schedule == "zb-h1"
         self.valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.factor = 2.0 if run.train else 1.0
         k = len(ordering)
@@ -273,11 +305,13 @@ class _FleetTables:
                 state, run.optimizer_factor, r, run.shard) if run.train else static)
             # keeping, else (modes auto, all) recomputing: inputs per micro-batch in
             # flight and one micro-batch's activations, its forward once more
-            keeps = (valid[i] & (own_static + held(r) * stash <= limit) if mode != "all"
-                     else np.zeros(n + 1, dtype=bool))
-            rebuilt = (~keeps & valid[i] & (own_static + acts[i] + held(r) * received[i]
-                                            <= limit) if mode != "none"
-                       else np.zeros(n + 1, dtype=bool))
+            keeps = (valid[i] & (zb_memory(own_static, stash, acts[i], self.kept[i], held(r),
+                                           rebuilt=False, zb=self.zb) <= limit)
+                     if mode != "all" else np.zeros(n + 1, dtype=bool))
+            rebuilt = (~keeps & valid[i] & (zb_memory(own_static, received[i], acts[i],
+                                                      self.kept[i], held(r), rebuilt=True,
+                                                      zb=self.zb) <= limit)
+                       if mode != "none" else np.zeros(n + 1, dtype=bool))
             stage = compute + np.where(rebuilt, forwards[g][i], 0.0)
             link = own.link(r)
             allreduce = np.reshape(ring_allreduce_ms(params[i], r, link.bytes_per_ms,

@@ -26,8 +26,7 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import build
-from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
+from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate_schedule
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 
@@ -124,7 +123,7 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             len(where), allreduce, stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
                          replicas=len(where), shard=run.shard),
-            recompute=flags[k], input_bytes=sizes[k].received))
+            recompute=flags[k], input_bytes=sizes[k].received, kept_bytes=sizes[k].kept))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags,
                                shard=run.shard)
@@ -165,9 +164,13 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     edge = [arrays.input_bytes, *cross, 0.0]  # stage 0 receives the graph inputs
     weights, trained = (arrays.stage_weights(stage_of, s) if arrays.counted
                         else (params, None))  # the one count (NodeArrays.stage_weights)
+    kept = (per_stage(arrays.kept_bytes) if run.train and len(arrays.kept_bytes)
+            else np.zeros(s))
+    kept[0] = 0.0  # stage 0 receives no activation: its whole backward runs in W
     sizes = [StageBytes(float(weights[k]), float(acts[k]), edge[k],
                         edge[k + 1] if run.train else 0.0,
-                        None if trained is None else float(trained[k])) for k in range(s)]
+                        None if trained is None else float(trained[k]), float(kept[k]))
+             for k in range(s)]
     costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
                                                        run, [float(p) for p in params])
     if any(mem > limit for mem, limit in zip(memory, limits)):
@@ -177,7 +180,7 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     if run.train:
         costs, played = _with_engine(costs, kinds, gpus, arrays, stage_of, sizes,
                                      run.schedule, lambda values: per_stage(values).tolist())
-    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
+    sim = simulate_schedule(run.schedule, replicas, run.microbatches, played)
     return FleetPlan(list(stage_of), replicas, devices, sim, costs, memory, source, gpus=gpus,
                      schedule=run.schedule)
 

@@ -4,14 +4,16 @@ depth whose every stage's period is at most ``tau`` and within memory.
 Two DPs over :class:`~.hybrid_tables.StageTables`: :func:`fewest_devices`, one suffix per
 device count (``h[q, i]``; exact where a stage's memory does not depend on the plan), and
 :func:`exact_fewest`, the exact one in training under a memory limit, over (position, depth,
-first stage's replicas, its 1F1B warm-up) (``h[q, i, c, w]``). :func:`~.hybrid.plan_hybrid`
-bisects ``tau`` over them.
+first stage's replicas, its 1F1B warm-up) (``h[q, i, c, w]``); under ZB-H1 the exact one once
+per stage 0 warm-up ``W_0`` (:class:`WarmupTables`: ``M + 1`` times the work, the same memory),
+the one-suffix one with ``W_0 = M`` (:class:`_ZbBound`). :func:`~.hybrid.plan_hybrid` bisects
+``tau`` over them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,7 +21,7 @@ from onnx_partition.pipeline.memory import boundary_step, held_in_front
 from onnx_partition.solve.hybrid_model import HybridStage
 from onnx_partition.solve.hybrid_tables import COUNT_DTYPE, NO_COUNT, StageTables
 
-__all__ = ["ExactTables", "exact_fewest", "fewest_devices"]
+__all__ = ["ExactTables", "WarmupTables", "exact_fewest", "fewest_devices", "zb_kept"]
 
 
 def fewest_devices(
@@ -54,12 +56,16 @@ def fewest_devices(
     if fits is None:  # only stages that could overflow: held[c, j] is held.flat[at[k]]
         risky = tables.risky
         at = above.reshape(-1)[risky].astype(np.int64) * (n + 1) + risky % (n + 1)
+        zb = _ZbBound(tables, above) if tables.zb else None
     for q in range(1, max_q + 1):
         np.copyto(cand, reps)
         if fits is None:
             held, steps = held_in_front(tables.lookup, rep[q - 1], warm[q - 1],
                                         tables.c.microbatches, last=q == 1)
-            flat[risky[np.take(held, at) > tables.risky_cap]] = NO_COUNT
+            if zb is None:
+                flat[risky[np.take(held, at) > tables.risky_cap]] = NO_COUNT
+            else:
+                flat[risky[zb.over(steps, warm[q - 1])]] = NO_COUNT
         else:
             np.copyto(cand, NO_COUNT, where=~fits)
         cand += h[q - 1][None, :]
@@ -70,6 +76,42 @@ def fewest_devices(
             warm[q] = np.minimum(steps[above[rows, end[q]], end[q]] + warm[q - 1][end[q]],
                                  tables.c.microbatches)
     return h, end, rep
+
+
+class _ZbBound:
+    """ZB-H1's memory of the stages that could overflow, for the one-suffix DP, which does not
+    know stage 0's warm-up ``W_0``: taken as ``M``, its most (memory grows with it), so the
+    plans it finds fit: ``held = ceil(M / r)``, ``kept = min(ceil((1 + M - W) / r), held)``
+    with ``W`` the stage's own warm-up in front of the suffix chosen."""
+
+    def __init__(self, tables: StageTables, above: np.ndarray) -> None:
+        n, m = tables.n, tables.c.microbatches
+        risky = tables.risky
+        base, stash, per_kept = tables.kept_tables(tables.mode == "all")
+        self.base, self.stash = base.reshape(-1)[risky], stash.reshape(-1)[risky]
+        self.per_kept = per_kept.reshape(-1)[risky]
+        self.count = above.reshape(-1)[risky].astype(np.int64)  # index into lookup
+        self.ends = risky % (n + 1)
+        self.r = np.asarray(tables.lookup, dtype=np.int64)[self.count]
+        self.m, self.memory = m, tables.c.memory_bytes
+
+    def over(self, steps: np.ndarray, next_warmup: np.ndarray) -> np.ndarray:
+        """Which of the stages are over memory in front of the suffixes now chosen."""
+        m, r = self.m, self.r
+        warmup = np.minimum(steps[self.count, self.ends] + next_warmup[self.ends], m)
+        held = -(-m // r)
+        kept = np.minimum(zb_kept(m, warmup, r, m), held)
+        return np.asarray(self.base + held * self.stash + kept * self.per_kept > self.memory)
+
+
+def zb_kept(first_warmup: int | np.ndarray, warmup: int | np.ndarray, replicas: int | np.ndarray,
+            microbatches: int) -> np.ndarray:
+    """Micro-batches whose gradients the fullest replica of a stage keeps from ``I`` to ``W``
+    under ZB-H1 (:func:`~onnx_partition.pipeline.memory.kept_held`): ``min(ceil((1 + W_0 - W)
+    / r), ceil(min(W_0 + 1, M) / r))``, ``W_0`` stage 0's global warm-up, ``W`` its own."""
+    w0, w, r = (np.asarray(v, dtype=np.int64) for v in (first_warmup, warmup, replicas))
+    held = -(-np.minimum(w0 + 1, microbatches) // r)
+    return np.asarray(np.minimum(-(-(1 + w0 - w) // r), held))
 
 
 _INF = COUNT_DTYPE(NO_COUNT)  # "no plan" in the exact DP's tables (device counts stay below)
@@ -93,14 +135,25 @@ class ExactTables:
     after: np.ndarray
     held: Sequence[Sequence[int]] = ()
     keeps: Sequence[np.ndarray] = ()  # per replica choice c: (n + 1) x (n + 1)
+    #: ZB-H1: the whole pipeline's first stage has exactly this warm-up (the DP's ``W_0``)
+    top: int | None = None
+
+    def _first(self, q: int) -> np.ndarray:
+        """``h[q, 0]``, only the states a pipeline may start in."""
+        first = self.h[q, 0]
+        if self.top is None:
+            return first
+        out = np.full(first.shape, _INF, dtype=first.dtype)
+        out[:, self.top] = first[:, self.top]
+        return out
 
     def fewest(self, q: int) -> int:
-        return int(self.h[q, 0].min())
+        return int(self._first(q).min())
 
     def stages(self, tables: StageTables, q: int) -> list[HybridStage]:
         """The fewest-device plan of depth ``q`` (``h[q, 0]`` finite)."""
         w_count = self.h.shape[3]
-        state = int(np.argmin(self.h[q, 0]))
+        state = int(np.argmin(self._first(q)))
         c, w = divmod(state, w_count)
         stages, i = [], 0
         for left in range(q, 0, -1):
@@ -113,8 +166,32 @@ class ExactTables:
         return stages
 
 
+@dataclass
+class WarmupTables(ExactTables):
+    """The exact DP under ZB-H1: one run of :func:`exact_fewest`'s DP per stage 0 warm-up
+    ``W_0`` (``0..M``), each with every stage's memory at that ``W_0``; per depth the fewest
+    devices over them (``fewest_at``) and the ``W_0`` reaching it (``first_at``). A plan is
+    rebuilt by running its ``W_0``'s DP again (``run``; the tables are not all kept)."""
+
+    fewest_at: Sequence[int] = ()
+    first_at: Sequence[int] = ()
+    run: Callable[[int], ExactTables] | None = None
+    built: dict[int, ExactTables] = field(default_factory=dict)
+
+    def fewest(self, q: int) -> int:
+        return int(self.fewest_at[q])
+
+    def stages(self, tables: StageTables, q: int) -> list[HybridStage]:
+        first = int(self.first_at[q])
+        if first not in self.built:
+            assert self.run is not None
+            self.built = {first: self.run(first)}
+        return self.built[first].stages(tables, q)
+
+
 def exact_fewest(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
-                  capi_rc: np.ndarray | None = None) -> ExactTables:
+                  capi_rc: np.ndarray | None = None, memory: float | None = None
+                  ) -> ExactTables:
     """The exact DP over (position, depth, first stage's replicas, its warm-up).
 
     Under 1F1B a stage's memory depends on its own replica count and warm-up, and its warm-up
@@ -137,15 +214,80 @@ def exact_fewest(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
     ``(c, w)`` iff it keeps within ``tau`` and memory or recomputes within both: per
     ``(c, i, j)`` the most it may hold either way within ``tau`` is compared once with
     ``held[c][w]``; it recomputes exactly where keeping does not fit (keeping is never
-    slower), recovered in :meth:`ExactTables.stages`."""
+    slower), recovered in :meth:`ExactTables.stages`.
+
+    Under ZB-H1 (``tables.zb``) every stage holds ``ceil(min(W_0 + 1, M) / r)`` micro-batches
+    and keeps the gradients of :func:`zb_kept` of them, ``W_0`` the first stage's warm-up: one
+    DP per ``W_0`` (:func:`_zb_run`, within ``memory``, default the config's), a plan counted
+    only where its first stage's warm-up is that ``W_0`` (:class:`WarmupTables`)."""
+    if tables.zb:
+        limit = tables.c.memory_bytes if memory is None else memory
+        return _zb_fewest(tables, tau, max_q, capi_rc is not None, limit)
+    m = tables.c.microbatches
+    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(m + 1)]
+            for r in tables.choices]  # inference: the micro-batch being computed
+    return _exact_run(tables, tau, max_q, capi, capi_rc, held)
+
+
+def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: float
+               ) -> WarmupTables:
+    """:func:`exact_fewest` under ZB-H1: the DP once per ``W_0``, the best per depth kept."""
+    m = tables.c.microbatches
+
+    def run(first: int) -> ExactTables:
+        return _zb_run(tables, tau, max_q, auto, memory, first)
+
+    fewest = [int(_INF)] * (max_q + 1)
+    first_at = [0] * (max_q + 1)
+    for first in range(m + 1):
+        part = run(first)
+        for q in range(1, max_q + 1):
+            got = part.fewest(q)
+            if got < fewest[q]:
+                fewest[q], first_at[q] = got, first
+    return WarmupTables(np.zeros((1, 1, 1, 1), dtype=COUNT_DTYPE), np.zeros(0), np.zeros(0),
+                        fewest_at=fewest, first_at=first_at, run=run)
+
+
+def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: float,
+            first: int) -> ExactTables:
+    """The exact DP at stage 0 warm-up ``first``: a stage on ``r`` replicas holds ``held =
+    ceil(min(first + 1, M) / r)`` whatever its place, so its memory ``base + held * stash +
+    kept * per_kept`` (:meth:`~.hybrid_tables.StageTables.kept_tables`) is within ``memory``
+    iff ``kept`` (:func:`zb_kept`, set by its own warm-up ``w``) is at most a cap per stage
+    and count: the 1F1B DP's check with ``kept`` in place of ``held`` (a warm-up over
+    ``first`` never fits)."""
+    m, choices = tables.c.microbatches, tables.choices
+    held = [[int(zb_kept(first, w, r, m)) if w <= first else m + 1 for w in range(m + 1)]
+            for r in choices]
+    ways = [tables.mode == "all"] + [True] * auto
+    caps = []
+    for rebuilt in ways:
+        base, stash, per_kept = tables.kept_tables(rebuilt)
+        per_count = []
+        for r in choices:
+            room = memory - (base - tables.shed(r)) - (-(-min(first + 1, m) // r)) * stash
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                cap = np.where(per_kept > 0, room / np.where(per_kept > 0, per_kept, 1.0),
+                               np.where(room >= 0, m, -1.0))
+            per_count.append(np.clip(np.floor(np.where(room < 0, -1.0, cap)), -1, m
+                                     ).astype(np.int32))
+        caps.append(np.stack(per_count))
+    part = _exact_run(tables, tau, max_q, caps[0], caps[1] if auto else None, held)
+    part.top = first
+    return part
+
+
+def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
+               capi_rc: np.ndarray | None, held: Sequence[Sequence[int]]) -> ExactTables:
+    """The exact DP with ``held[c][w]`` the count a stage on ``choices[c]`` replicas at
+    warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps)."""
     n, m = tables.n, tables.c.microbatches
     choices = tables.choices
     rc, wc = len(choices), m + 1
     h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=COUNT_DTYPE)
     end = np.zeros((max_q + 1, n + 1, rc, wc), dtype=np.int32)
     after = np.full((max_q + 1, n + 1, rc, wc), -1, dtype=np.int32)
-    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(wc)]
-            for r in choices]  # inference: the micro-batch being computed
     bands, keeps = _stage_bands(tables, tau, capi, capi_rc)
     gather = _warmup_gather(choices, m)
     held_w = np.asarray(held, dtype=COUNT_DTYPE)  # [c, w]

@@ -9,12 +9,17 @@ the sequence, a replica count per stage (every count from 1 to ``min(D, M)``: no
 without a micro-batch), at most ``D`` devices, and per stage
 
     period = ceil(M / r) (F [+ B] + comm) / M + allreduce(r) / M
-    memory = static(r) + held * stash
+    memory = static(r) + held * stash + kept * K
 
 where under 1F1B ``held = ceil(min(W + 1, M) / r)`` and the global warm-up ``W`` of a stage is
 ``min(W_next + step(r, r_next), M)`` (``step``: the larger count where one divides the other,
 else their sum less one),
-``W = 0`` for the last stage; in inference ``held = 1``. ``static(r)`` is the weights, the
+``W = 0`` for the last stage, ``kept = 0``; in inference ``held = 1``. Under ZB-H1
+(``config.train_schedule``) a stage holds from its ``F`` to its deferred ``W`` as many as the first
+stage's window, ``held = ceil(min(W_0 + 1, M) / r)`` with ``W_0`` the first stage's warm-up, and
+keeps between an ``I`` and its ``W`` the output gradients ``K`` (its positions' ``kept_bytes``;
+none in the stage starting at 0) of ``kept = min(ceil((1 + W_0 - W) / r), held)`` micro-batches
+(docs/design.md, "What ZB-H1 keeps"). ``static(r)`` is the weights, the
 gradients and optimizer state of the trainable ones and one gradient receive buffer; with the
 optimizer state sharded (ZeRO-1, ``shard`` optimizer) each of ``r`` replicas holds ``1 / r`` of
 the state, ``static(r) = W + P + (f - 2) P / r + G``. Minimises the bottleneck period.
@@ -24,7 +29,8 @@ chooses stage ``[i, j)`` for slot ``k``, ``y[k, r]`` its replica count; slot 0 e
 slot ``k`` ends where slot ``k - 1`` starts, and exactly one slot starts at 0. The warm-up
 recursion and ``held`` are table constraints over small integers; memory is ``x[k, i, j] and
 y[k, r] => held_k <= cap(i, j, r)`` with ``cap`` the micro-batches stage ``[i, j)`` may hold on
-``r`` replicas; the period
+``r`` replicas (ZB-H1: also ``held_k = h => kept_k <= most(i, j, r, h)``, the most kept
+gradients that fit beside ``h`` held micro-batches); the period
 ``y[k, r] => P >= sum_ij period(i, j, r) x[k, i, j]``. Periods are scaled to integers (rounded
 up, the largest to 10^6), so the optimum is exact to 10^-6 of the largest stage period
 (:attr:`JudgeResult.tolerance_ms`); the period returned is the chosen plan's, in floats.
@@ -62,9 +68,11 @@ class JudgeResult:
 
 
 def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
-                   ) -> tuple[float, float, float, float, float]:
-    """Latency of one micro-batch, parameter bytes, static and stash bytes of ``[i, j)``, and
-    the bytes with optimizer state (the trainable ones)."""
+                   ) -> tuple[float, float, float, float, float, float]:
+    """Latency of one micro-batch, parameter bytes, static and stash bytes of ``[i, j)``, the
+    bytes with optimizer state (the trainable ones) and the gradient bytes ZB-H1 keeps per
+    micro-batch from ``I`` to ``W`` (none in a stage starting at 0: it receives no activation,
+    its whole backward runs in ``W``)."""
     n = len(costs.forward_ms)
     compute = sum(costs.forward_ms[i:j]) + (sum(costs.backward_ms[i:j]) if config.train
                                             else 0.0)
@@ -88,7 +96,8 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
         trained = params
         static = config.optimizer_factor * params + sent if config.train else params
     stash = float(sum(costs.activation_bytes[i:j])) + received
-    return compute / config.speed + comm, params, static, stash, trained
+    kept = float(sum(costs.kept_bytes[i:j])) if i > 0 and len(costs.kept_bytes) else 0.0
+    return compute / config.speed + comm, params, static, stash, trained, kept
 
 
 def _static_on(config: HybridConfig, static: float, trained: float, r: int) -> float:
@@ -179,6 +188,9 @@ class _JudgeData:
     top: float
     scale: float
     cap: dict[tuple[tuple[int, int], int], int]
+    #: ZB-H1 (training): per stage and replica count, for each ``held`` 0..M the most kept
+    #: gradients that fit beside it (-1: not even ``held`` alone); empty otherwise
+    most_kept: dict[tuple[tuple[int, int], int], list[int]]
 
     @classmethod
     def of(cls, costs: SequenceCosts, config: HybridConfig, below_ms: float | None
@@ -203,8 +215,10 @@ class _JudgeData:
         top = max(period.values())
         scale = _SCALE_TOP / top if top > 0 else 1.0
         cap: dict[tuple[tuple[int, int], int], int] = {}
+        most_kept: dict[tuple[tuple[int, int], int], list[int]] = {}
+        zb = config.train and config.train_schedule == "zb-h1"
         for p in pairs:
-            _, _, static, stash, trained = numbers[p]
+            _, _, static, stash, trained, kept = numbers[p]
             for r in reps:
                 room = config.memory_bytes - _static_on(config, static, trained, r)
                 if room < 0:
@@ -213,16 +227,23 @@ class _JudgeData:
                     cap[p, r] = m
                 else:
                     cap[p, r] = min(m, math.floor(room / stash))
-        return cls(n, m, devices, most, reps, slots, pairs, period, fewest, top, scale, cap)
+                if zb:  # memory = static(r) + held * stash + kept * K, counted as written
+                    most_kept[p, r] = [
+                        max((g for g in range(m + 1)
+                             if _static_on(config, static, trained, r) + h * stash + g * kept
+                             <= config.memory_bytes), default=-1) for h in range(m + 1)]
+        return cls(n, m, devices, most, reps, slots, pairs, period, fewest, top, scale, cap,
+                   most_kept)
 
 
 @dataclass
 class _Variables:
     """``x[k][(i, j)]``: slot ``k`` (counted from the pipeline's end) is stage ``[i, j)``;
     ``y[k][r]``: it has ``r`` replicas; ``active[k]``: slot ``k`` holds a stage; ``rep``,
-    ``warm``, ``held``: its replicas, 1F1B global warm-up and micro-batches in flight per
-    replica; ``bottleneck``: the period in integers; ``ending[k][b]`` (``starting``): the
-    choices of slot ``k`` that end (start) at boundary ``b``."""
+    ``warm``, ``held``, ``kept``: its replicas, 1F1B global warm-up, micro-batches in flight
+    per replica and (ZB-H1) those whose gradients it keeps from ``I`` to ``W``;
+    ``bottleneck``: the period in integers; ``ending[k][b]`` (``starting``): the choices of
+    slot ``k`` that end (start) at boundary ``b``."""
 
     x: list[dict[tuple[int, int], cp_model.IntVar]]
     y: list[dict[int, cp_model.IntVar]]
@@ -230,6 +251,7 @@ class _Variables:
     rep: list[cp_model.IntVar]
     warm: list[cp_model.IntVar]
     held: list[cp_model.IntVar]
+    kept: list[cp_model.IntVar]
     bottleneck: cp_model.IntVar
     ending: list[list[list[cp_model.IntVar]]]
     starting: list[list[list[cp_model.IntVar]]]
@@ -249,6 +271,7 @@ class _Variables:
         rep = [model.new_int_var(0, most, f"r{k}") for k in range(slots)]
         warm = [model.new_int_var(0, m, f"w{k}") for k in range(slots)]
         held = [model.new_int_var(0, m, f"h{k}") for k in range(slots)]
+        kept = [model.new_int_var(0, m, f"g{k}") for k in range(slots)]
         big = math.ceil(top * scale) + 1
         bottleneck = model.new_int_var(0, big, "period")
         # [k][b]: the choices of slot k that end (start) at boundary b
@@ -260,7 +283,7 @@ class _Variables:
             for (i, j), v in x[k].items():
                 ending[k][j].append(v)
                 starting[k][i].append(v)
-        return cls(x, y, active, rep, warm, held, bottleneck, ending, starting)
+        return cls(x, y, active, rep, warm, held, kept, bottleneck, ending, starting)
 
 
 def _add_chain(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
@@ -294,7 +317,8 @@ def _add_warmups(model: cp_model.CpModel, data: _JudgeData, var: _Variables,
     rep, warm = var.rep, var.warm
     # 1F1B: warm-ups from the end, micro-batches in flight per replica (where memory binds:
     # a stage that fits with every micro-batch in flight needs no count)
-    binds = config.train and any(c < m for c in cap.values())
+    binds = config.train and (any(c < m for c in cap.values()) or any(
+        g < m for most in data.most_kept.values() for g in most[1:]))
     model.add(warm[0] == 0)
     steps = [(a, b, _step(a, b)) for a in reps for b in reps]
     for k in range(1, slots if binds else 0):
@@ -317,13 +341,18 @@ def _add_slot(model: cp_model.CpModel, data: _JudgeData, var: _Variables, k: int
                                            data.scale, data.cap)
     x, y, rep, warm, held, bottleneck = var.x, var.y, var.rep, var.warm, var.held, var.bottleneck
     if binds:
+        # 1F1B: the stage's own window; ZB-H1: the first stage's (the last slot's warm-up:
+        # inactive slots repeat the warm-up of the slot before them)
+        window = warm[data.slots - 1] if data.most_kept else warm[k]
         table = [(w, r, -(-min(w + 1, m) // r)) for w in range(m + 1) for r in reps]
-        model.add_allowed_assignments([warm[k], rep[k], held[k]],
+        model.add_allowed_assignments([window, rep[k], held[k]],
                                       table + [(w, 0, 0) for w in range(m + 1)])
         for p, v in x[k].items():
             for r, yv in y[k].items():
                 if cap[p, r] < m:
                     model.add(held[k] <= cap[p, r]).only_enforce_if([v, yv])
+        if data.most_kept:
+            _add_kept(model, data, var, k, window)
     if below_ms is not None:  # a stage and a replica count over below_ms exclude
         for r, v in y[k].items():  # each other; the fewest replicas under it, a cut
             over = [xv for p, xv in x[k].items() if period[p, r] >= below_ms]
@@ -334,6 +363,31 @@ def _add_slot(model: cp_model.CpModel, data: _JudgeData, var: _Variables, k: int
     for r, v in y[k].items():
         model.add(bottleneck >= sum(math.ceil(period[p, r] * scale) * xv
                                     for p, xv in x[k].items())).only_enforce_if(v)
+
+
+def _add_kept(model: cp_model.CpModel, data: _JudgeData, var: _Variables, k: int,
+              first: cp_model.IntVar) -> None:
+    """ZB-H1: slot ``k`` keeps the gradients of ``kept = min(ceil((1 + W_0 - W) / r), held)``
+    micro-batches (``first``: ``W_0``), and with ``held = h`` at most ``most_kept[h]`` of them
+    fit its stage."""
+    m, reps = data.m, data.reps
+    rep, warm, held, kept = var.rep, var.warm, var.held, var.kept
+    table = [(w0, w, r, min(-(-(1 + w0 - w) // r), -(-min(w0 + 1, m) // r)))
+             for w0 in range(m + 1) for w in range(w0 + 1) for r in reps]
+    model.add_allowed_assignments([first, warm[k], rep[k], kept[k]],
+                                  table + [(w0, w, 0, 0) for w0 in range(m + 1)
+                                           for w in range(m + 1)])
+    is_held = []
+    for h in range(m + 1):
+        b = model.new_bool_var(f"held{k}_{h}")
+        model.add(held[k] == h).only_enforce_if(b)
+        model.add(held[k] != h).only_enforce_if(~b)
+        is_held.append(b)
+    for p, v in var.x[k].items():
+        for r, yv in var.y[k].items():
+            for h, most in enumerate(data.most_kept[p, r]):
+                if most < m:
+                    model.add(kept[k] <= most).only_enforce_if([v, yv, is_held[h]])
 
 
 def _solver(workers: int, time_limit_s: float, deterministic_s: float | None,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnx_partition.pipeline.memory import device_bytes, peak_inflight
+from onnx_partition.pipeline.memory import kept_held, peak_inflight
 from onnx_partition.solve.hybrid_dp import exact_fewest
 from onnx_partition.solve.hybrid_model import HybridConfig, HybridStage, SequenceCosts
 from onnx_partition.solve.hybrid_tables import StageTables, held_caps
@@ -23,16 +23,21 @@ def stage_memory(costs: SequenceCosts, config: HybridConfig,
                  stages: Sequence[tuple[int, int, int]],
                  recompute: Sequence[bool] = ()) -> list[float]:
     """Bytes per device of a plan's stages ``(start, end, replicas)`` as the DP checks them:
-    its ``static + held * stash`` tables at ``[start, end)`` (the recomputing ones where
-    ``recompute`` flags a stage, else as ``config.recompute`` says), ``held`` 1F1B's (one in
-    inference); the tests hold them to the stage files' count."""
+    its ``base + held * stash + kept * per_kept`` tables at ``[start, end)``
+    (:meth:`~.hybrid_tables.StageTables.kept_tables`; the recomputing ones where
+    ``recompute`` flags a stage, else as ``config.recompute`` says), ``held`` and ``kept``
+    those of ``config.train_schedule`` (1F1B: none kept; one held in inference), each replica's
+    shard of the optimizer state; the tests hold them to the stage files' count and to
+    :func:`~onnx_partition.pipeline.memory.memory_per_device`."""
     tables = StageTables(costs, config)
-    held = peak_inflight("1f1b" if config.train else "infer", [r for _, _, r in stages],
-                         config.microbatches)
+    replicas = [r for _, _, r in stages]
+    held = peak_inflight(tables.schedule, replicas, config.microbatches)
+    kept = kept_held(tables.schedule, replicas, config.microbatches)
     flags = list(recompute) or [tables.mode == "all"] * len(stages)
-    ways = [tables.keep, tables.rebuilt]
-    return [float(device_bytes(ways[f][1][i, j], ways[f][2][i, j], h))
-            for (i, j, _), h, f in zip(stages, held, flags, strict=True)]
+    ways = [tables.kept_tables(False), tables.kept_tables(True)]
+    return [float(ways[f][0][i, j] - tables.shed(r) + h * ways[f][1][i, j]
+                  + g * ways[f][2][i, j])
+            for (i, j, r), h, g, f in zip(stages, held, kept, flags, strict=True)]
 
 
 _NAMED = 3  # stages the memory error names (the fullest)
@@ -48,18 +53,24 @@ def memory_report(tables: StageTables, config: HybridConfig, max_q: int,
     auto = tables.period_rc is not None
     periods = tables.period_rc if tables.period_rc is not None else tables.period
     top = float(np.nanmax(np.where(np.isfinite(periods), periods, np.nan)))
-    # every figure a stage could need: static + held * stash for held 1..M
-    held = np.arange(1, (config.microbatches if config.train else 1) + 1)
+    # every figure a stage could need: base + held * stash + kept * per_kept for held 1..M
+    # and kept 0 (1F1B) or 1..held (ZB-H1)
+    most = config.microbatches if config.train else 1
+    pairs = [(h, g) for h in range(1, most + 1)
+             for g in (range(1, h + 1) if tables.zb else [0])]
+    held = np.asarray([h for h, _ in pairs], dtype=float)[None, :]
+    kept = np.asarray([g for _, g in pairs], dtype=float)[None, :]
     valid = np.isfinite(tables.latency)
-    ways = [(tables.static, tables.stash)] + [tables.rebuilt[1:]] * auto
+    ways = [tables.kept_tables(tables.mode == "all")] + [tables.kept_tables(True)] * auto
     needs = np.unique(np.concatenate([
-        device_bytes(static[valid][:, None], stash[valid][:, None], held[None, :]).ravel()
-        for static, stash in ways]))
+        (base[valid][:, None] + held * stash[valid][:, None]
+         + kept * per_kept[valid][:, None]).ravel() for base, stash, per_kept in ways]))
     needs = needs[needs > config.memory_bytes]
 
     def plan_within(memory: float) -> list[HybridStage] | None:
         exact = exact_fewest(tables, top, max_q, held_caps(tables, memory),
-                              held_caps(tables, memory, rebuilt=True) if auto else None)
+                              held_caps(tables, memory, rebuilt=True) if auto else None,
+                              memory)
         fit = [(exact.fewest(q), q) for q in depths if exact.fewest(q) <= config.devices]
         return exact.stages(tables, min(fit)[1]) if fit else None
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from onnx_partition.settings.partition import TrainSpec
 
-__all__ = ["HybridConfig", "HybridStage", "SequenceCosts", "allreduce_terms", "dominant_counts",
-           "recompute_stage", "replica_choices", "shared_spans", "stage_period"]
+__all__ = ["DP_SCHEDULES", "HybridConfig", "HybridStage", "SequenceCosts", "allreduce_terms",
+           "dominant_counts", "recompute_stage", "replica_choices", "shared_spans", "stage_period"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class SequenceCosts:
     #: initializers several positions hold (a tied parameter): (bytes, trainable bytes, the
     #: positions holding it), in every stage holding one (not in ``weight_bytes``)
     shared: Sequence[tuple[float, float, Sequence[int]]] = ()
+    #: the output-gradient bytes ZB-H1 keeps per micro-batch from ``I`` to ``W``
+    #: (:attr:`~onnx_partition.pipeline.memory.StageBytes.kept`; a stage starting at 0 keeps
+    #: none): empty, none anywhere
+    kept_bytes: Sequence[float] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,14 @@ class HybridConfig:
     #: train: which stages keep only their inputs (recompute_stage): ``none``, ``all``, or
     #: ``auto``, chosen per stage inside the DP (:func:`~.hybrid_dp.exact_fewest`)
     recompute: str = "none"
+    #: train: the schedule whose memory the DP counts: ``1f1b``, or ``zb-h1`` (every stage
+    #: holds stage 0's ``min(W_0 + 1, M)`` window and the gradients kept from ``I`` to ``W``,
+    #: :func:`~onnx_partition.pipeline.memory.kept_held`)
+    train_schedule: str = "1f1b"
+
+
+#: The train schedules whose memory the hybrid DP counts (:attr:`HybridConfig.train_schedule`).
+DP_SCHEDULES = ("1f1b", "zb-h1")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,8 +32,14 @@ from typing import Any
 import numpy as np
 
 from onnx_partition.errors import PartitionError
-from onnx_partition.solve.hybrid import plan_hybrid, price_stages
-from onnx_partition.solve.planner import HYBRID_ORDERINGS, DpSequence, dp_sequence
+from onnx_partition.solve.hybrid import HybridStage, plan_hybrid, price_stages
+from onnx_partition.solve.planner import (
+    HYBRID_ORDERINGS,
+    DpSequence,
+    Proposal,
+    SolvedSequence,
+    dp_sequence,
+)
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import HybridPlan, NodeArrays, RunSpec
 from onnx_partition.solve.search import sequence_for
@@ -125,12 +132,15 @@ def plan_spans(sequence: DpSequence, stage_of: list[int], replicas: list[int]
 
 def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: HybridPlan, *,
                  num_stages: int | None = None, budget_s: float = 1.0,
-                 max_cells: int = PROOF_CELLS,
-                 max_devices: int = PROOF_DEVICES) -> HybridProof:
+                 max_cells: int = PROOF_CELLS, max_devices: int = PROOF_DEVICES,
+                 proposals: Sequence[Proposal] = ()) -> HybridProof:
     """Prove the hybrid DP's least period over the sequence ``plan`` came from optimal (the
     module docstring says which objective), or give its gap to CP-SAT's bound, within
     ``budget_s`` deterministic seconds on one worker (``<= 0``: off). The sequence is that of
-    the plan's ordering when the DP proposed it, else of the planner's first ordering."""
+    the plan's ordering when the DP proposed it, else of the planner's first ordering; where
+    the planner's ``proposals`` (:func:`~.planner.proposals_for`'s, for this ``num_stages``)
+    hold that ordering's DP run without recomputation, its sequence and plans are reused,
+    not built and solved again."""
     if budget_s <= 0:
         return HybridProof(False, "off")
     if run.train and (run.recompute == "all" or any(s.recompute for s in plan.costs.stages)):
@@ -141,7 +151,10 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     if devices > max_devices:  # said before sequencing a graph that may be large
         return HybridProof(False, "size", ordering, devices=devices,
                            limits=(max_cells, max_devices))
-    sequence = dp_sequence(problem, arrays, run, sequence_for(problem, ordering), num_stages)
+    solved = next((p.solved for p in proposals
+                   if p.solved is not None and p.solved.ordering == ordering), None)
+    sequence = (solved.sequence if solved is not None else
+                dp_sequence(problem, arrays, run, sequence_for(problem, ordering), num_stages))
     n = len(sequence.bounds) - 1
     record = partial(HybridProof, ordering=ordering, positions=n, devices=devices,
                      limits=(max_cells, max_devices))
@@ -149,15 +162,9 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     if n * n * depth > max_cells:
         return record(False, "size")
     started = time.perf_counter()
-    spans = plan_spans(sequence, plan.stage_of, plan.replicas)
-    plan_ms = None
-    if spans is not None:
-        priced = price_stages(sequence.costs, sequence.config, spans)
-        plan_ms = max(s.period_ms for s in priced)
-    try:
-        dp_ms = max(s.period_ms for s in plan_hybrid(sequence.costs, sequence.config)[0])
-    except PartitionError:
-        dp_ms = math.inf
+    dp_plans = _dp_plans(sequence, solved)
+    dp_ms = max(s.period_ms for s in dp_plans[0]) if dp_plans else math.inf
+    plan_ms = _plan_period(sequence, plan, dp_plans)
     costs, config = sequence.costs, sequence.config
     work = float(sum(costs.forward_ms)) + (float(sum(costs.backward_ms)) if config.train else 0)
     # no stage's period is below its compute over its replicas, on D devices in all
@@ -185,3 +192,29 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
     return record(by == "cp-sat", by, period_ms=dp_ms, lower_bound_ms=lower,
                   gap=(dp_ms - lower) / dp_ms if dp_ms > 0 else 0.0, plan_period_ms=plan_ms,
                   seconds=seconds, rounding_ms=dp_ms * _BELOW if by == "cp-sat" else 0.0)
+
+
+def _dp_plans(sequence: DpSequence, solved: SolvedSequence | None) -> list[list[HybridStage]]:
+    """The hybrid DP's plans over ``sequence`` without recomputation, best period first: the
+    planner's (``solved``), else solved here; none where no plan fits or the bounded DP
+    found none."""
+    if solved is not None:
+        return solved.plans
+    try:
+        return plan_hybrid(sequence.costs, sequence.config)
+    except PartitionError:
+        return []
+
+
+def _plan_period(sequence: DpSequence, plan: HybridPlan, dp_plans: list[list[HybridStage]]
+                 ) -> float | None:
+    """The chosen plan's period in the DP's model where its stages are blocks of
+    ``sequence`` (None otherwise): that of the DP's own plan of the same stages, else
+    priced."""
+    spans = plan_spans(sequence, plan.stage_of, plan.replicas)
+    if spans is None:
+        return None
+    for stages in dp_plans:
+        if [(s.start, s.end, s.replicas) for s in stages] == spans:
+            return max(s.period_ms for s in stages)
+    return max(s.period_ms for s in price_stages(sequence.costs, sequence.config, spans))

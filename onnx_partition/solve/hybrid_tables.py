@@ -2,7 +2,8 @@
 
 :class:`StageTables` holds, for every stage ``[i, j)`` of the sequence (``(n + 1) x (n + 1)``
 matrices, invalid pairs infinite), its compute and transfer times, its memory as ``static +
-held * stash`` (the one memory model, :mod:`onnx_partition.pipeline.memory`), and its period on
+held * stash`` (the one memory model, :mod:`onnx_partition.pipeline.memory`; under ZB-H1 ``+ kept *
+per_kept``, :meth:`StageTables.kept_tables`), and its period on
 each replica count the DP tries (``period[c, i, j]``: every one up to ``min(D, M)`` where memory
 binds, else :func:`~.hybrid_model.dominant_counts`), keeping or
 recomputing; :func:`held_caps` the micro-batches each stage may hold within a memory. The DPs
@@ -28,6 +29,7 @@ from onnx_partition.pipeline.memory import (
     ring_allreduce_ms,
 )
 from onnx_partition.solve.hybrid_model import (
+    DP_SCHEDULES,
     HybridConfig,
     HybridStage,
     SequenceCosts,
@@ -39,7 +41,7 @@ from onnx_partition.solve.hybrid_model import (
 )
 
 __all__ = ["COUNT_DTYPE", "EXACT_CELLS", "MAX_DEVICES", "NO_COUNT", "StageTables", "exact_cells",
-           "held_caps"]
+           "held_caps", "kept_table"]
 
 COUNT_DTYPE = np.int16  # device counts in the DP's tables
 NO_COUNT = 16000  # "no replica count meets the period": more than any device count; twice fits
@@ -66,12 +68,29 @@ def _span(values: Sequence[float]) -> np.ndarray:
     return prefix[None, :] - prefix[:, None]  # [i, j] = sum over [i, j)
 
 
+def kept_table(kept_bytes: Sequence[float], n: int) -> np.ndarray:
+    """``K[i, j]``: the output-gradient bytes stage ``[i, j)`` keeps per micro-batch from ``I``
+    to ``W`` under ZB-H1 (:attr:`~onnx_partition.pipeline.memory.StageBytes.kept`): the sum of
+    its positions' ``kept_bytes``, 0 for a stage starting at 0 (it receives no activation and
+    runs its whole backward in ``W``) and where none are given."""
+    if not len(kept_bytes):
+        return np.zeros((n + 1, n + 1))
+    table = _span(kept_bytes)
+    table[0, :] = 0.0
+    return table
+
+
 class StageTables:
     """Every stage's costs as (n + 1) x (n + 1) matrices over (start, end); invalid pairs inf."""
 
     def __init__(self, costs: SequenceCosts, config: HybridConfig) -> None:
         n = len(costs.forward_ms)
         self.n, self.c = n, config
+        if config.train and config.train_schedule not in DP_SCHEDULES:
+            raise ValueError(f"the hybrid DP counts the memory of {', '.join(DP_SCHEDULES)}, "
+                             f"not {config.train_schedule!r}")
+        #: ZB-H1's memory (training): held from stage 0's window, the kept gradients too
+        self.zb = config.train and config.train_schedule == "zb-h1"
         self._price_times(costs, config)
         self._price_memory(costs, config)
         check_recompute(config.recompute)
@@ -79,8 +98,9 @@ class StageTables:
         #: memory does not depend on the plan: inference, or no stage could overflow even with
         #: every micro-batch in flight (then the one-suffix DP is exact, over dominant counts)
         held_most = config.microbatches if config.train else 1
-        self.memory_free = not config.train or bool(
-            np.all(device_bytes(self.static, self.stash, held_most) <= config.memory_bytes))
+        base, stash, per_kept = self.kept_tables(self.mode == "all")
+        self.memory_free = not config.train or bool(  # kept <= held <= M
+            np.all(base + held_most * (stash + per_kept) <= config.memory_bytes))
         self._find_risky(config)
         self._price_periods(config)
 
@@ -123,6 +143,7 @@ class StageTables:
             self.static = (config.optimizer_factor * self.params + self.sent if config.train
                            else self.params)
         self.stash = self.acts + self.received
+        self.kept = kept_table(costs.kept_bytes, n)  # ZB-H1's, per micro-batch kept
         #: the bytes with optimizer state (its ``1 / r`` on each of ``r`` replicas under
         #: ``shard`` optimizer: :meth:`shed`)
         self.stateful = self.params if self.trained is None else self.trained
@@ -139,14 +160,32 @@ class StageTables:
         if self.mode == "all":
             self.compute, self.static, self.stash = self.rebuilt
 
+    def kept_tables(self, rebuilt: bool = False) -> tuple[Any, Any, Any]:
+        """``(base, stash, per_kept)`` of every stage: its memory is ``base + held * stash +
+        kept * per_kept`` (:func:`~onnx_partition.pipeline.memory.memory_per_device`). Under
+        ZB-H1 a keeping stage adds the gradients it keeps, ``K``; a recomputing one holds the
+        ``kept`` micro-batches between an ``I`` and its ``W`` rebuilt, ``A + K`` each, and only
+        its inputs per micro-batch held (``base`` its static bytes without the one ``A`` of
+        1F1B's rebuilt table). Under 1F1B ``kept`` is 0 and these are the tables' own."""
+        keep_static, keep_stash = self.keep[1], self.keep[2]
+        if not self.zb:
+            tables = self.rebuilt if rebuilt else self.keep
+            return tables[1], tables[2], np.zeros_like(self.kept)
+        if rebuilt:
+            return keep_static, np.asarray(self.received, dtype=float), self.acts + self.kept
+        return keep_static, keep_stash, self.kept
+
     def _find_risky(self, config: HybridConfig) -> None:
         """The stages that could overflow at all, flat indices (``risky``), and how many
         micro-batches each may hold (``risky_cap``)."""
         n = self.n
         # cap[i, j]: the most micro-batches in flight stage [i, j) may hold within memory
+        # (ZB-H1: as many kept, a bound: kept <= held)
+        base, stash, per_kept = self.kept_tables(self.mode == "all")
+        stash = stash + per_kept
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            room = config.memory_bytes - self.static
-            cap = np.where(self.stash > 0, room / self.stash,
+            room = config.memory_bytes - base
+            cap = np.where(stash > 0, room / stash,
                            np.where(room >= 0, np.inf, -np.inf))
         # float32 rounded down: the DP never counts a stage as fitting that does not
         # the stages that could overflow at all (all M micro-batches in flight), flat indices
@@ -198,10 +237,11 @@ class StageTables:
         one-suffix DP bounds the fewest devices of every plan from below."""
         c = self.c
         shed = self.shed(min(c.devices, max(c.microbatches, 1)))
-        fits = np.asarray(device_bytes(self.static - shed, self.stash, 1) <= c.memory_bytes)
-        if self.mode == "auto":
-            _, static, stash = self.rebuilt
-            fits = fits | (device_bytes(static - shed, stash, 1) <= c.memory_bytes)
+        ways = [self.mode == "all"] + [True] * (self.mode == "auto")
+        fits = np.zeros(self.static.shape, dtype=bool)
+        for rebuilt in ways:  # ZB-H1 keeps one micro-batch's gradients at least (kept >= 1)
+            base, stash, per_kept = self.kept_tables(rebuilt)
+            fits |= np.asarray(base - shed + stash + self.zb * per_kept <= c.memory_bytes)
         return fits
 
     def allreduce(self, r: int, params: Any = None) -> Any:
@@ -242,12 +282,17 @@ class StageTables:
         return HybridStage(i, j, r, latency, compute, comm, allreduce, math.nan,
                            stage_period(latency, r, allreduce, c.microbatches), flag)
 
+    @property
+    def schedule(self) -> str:
+        """The schedule whose memory the tables count: ``config.train_schedule`` in training."""
+        return self.c.train_schedule if self.c.train else "infer"
+
     def with_memory(self, stages: list[HybridStage]) -> list[HybridStage]:
         """The stages with their exact memory per device (:func:`memory_per_device`), each
         recomputing as its flag says."""
         memory = memory_per_device(self.sizes(stages), [s.replicas for s in stages],
                                    self.c.microbatches,
-                                   schedule="1f1b" if self.c.train else "infer",
+                                   schedule=self.schedule,
                                    optimizer_factor=self.c.optimizer_factor,
                                    recompute=[s.recompute for s in stages], shard=self.c.shard)
         return [replace(s, memory_bytes=m) for s, m in zip(stages, memory, strict=True)]
@@ -257,7 +302,8 @@ class StageTables:
         weights = self.params if self.weights is None else self.weights
         return [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
                            float(self.received[s.start, s.end]), float(self.sent[s.start, s.end]),
-                           None if self.trained is None else float(self.trained[s.start, s.end]))
+                           None if self.trained is None else float(self.trained[s.start, s.end]),
+                           float(self.kept[s.start, s.end]))
                 for s in stages]
 
     def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:
@@ -283,7 +329,7 @@ class StageTables:
         (:func:`~onnx_partition.pipeline.memory.recompute_choice`)."""
         if self.mode == "auto":
             flags = recompute_choice(self.sizes(stages), [s.replicas for s in stages],
-                                     self.c.microbatches, schedule="1f1b",
+                                     self.c.microbatches, schedule=self.schedule,
                                      memory_bytes=self.c.memory_bytes,
                                      optimizer_factor=self.c.optimizer_factor,
                                      shard=self.c.shard)

@@ -7,6 +7,7 @@ a train plan runs, chosen among the planned ones by simulation. The problem is p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from onnx_partition.solve.fleet import KindCosts
     from onnx_partition.solve.hybrid_proof import HybridProof
     from onnx_partition.solve.ilp import IlpResult
+    from onnx_partition.solve.planner import Proposal
 
 __all__ = ["BASELINES", "SOLVERS", "HybridRoute", "PipelineRoute", "Problem", "Solution",
            "StageFigures", "fastest_schedule", "plan", "plan_per_schedule"]
@@ -260,13 +262,24 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
         best: HybridPlan = fleet_plan
         gpus, proof = fleet_plan.gpus, HybridProof(False, "fleet")
     else:
+        from onnx_partition.solve.planner import HYBRID_ORDERINGS, proposals_for
+
+        schedules = _schedules(request) if train else ("infer",)
+        engine = problem.engine if train else None
+        # made once: every schedule plans from them, and the proof reuses their DP runs
+        started = time.perf_counter()
+        proposals = proposals_for(dag, arrays, _cluster_run(
+            cluster, schedules[0], num_stages=num_stages, microbatches=spec.microbatches,
+            recompute=spec.recompute, train=train, engine=engine, shard=spec.shard),
+            num_stages, HYBRID_ORDERINGS)
+        made_s = time.perf_counter() - started
         best, families, run = plan_per_schedule(
             dag, arrays, cluster, num_stages=num_stages, microbatches=spec.microbatches,
-            schedules=_schedules(request) if train else ("infer",), recompute=spec.recompute,
-            train=train, reporter=reporter, engine=problem.engine if train else None,
-            shard=spec.shard)
+            schedules=schedules, recompute=spec.recompute, train=train, reporter=reporter,
+            engine=engine, shard=spec.shard, proposals=proposals)
+        best = replace(best, planning_s=best.planning_s + made_s)  # the proposals' time too
         proof = prove_hybrid(dag, arrays, run, best, num_stages=num_stages,
-                             budget_s=request.search.exact_budget_s)
+                             budget_s=request.search.exact_budget_s, proposals=proposals)
     route = HybridRoute(cluster, best, families, run, proof, sum(dag.compute_ms) / cluster.speed)
     return _hybrid_solution(problem, request, route, gpus)
 
@@ -310,29 +323,37 @@ def _graph_stages(problem: Problem, unit_stage: Sequence[int]) -> dict[int, int]
     return {problem.nodes[i]: k for i, k in enumerate(local)}
 
 
+def _cluster_run(cluster: Cluster, schedule: str, *, num_stages: int | None,
+                 microbatches: int, recompute: str, train: bool, engine: EngineTerms | None,
+                 shard: str) -> RunSpec:
+    """The run a cluster's plan is scored under for one schedule."""
+    return RunSpec(cluster, train=train, microbatches=microbatches,
+                   max_stages=max(16, num_stages or 0),
+                   train_schedule=schedule if train else "1f1b",
+                   recompute=recompute if train else "none", engine=engine, shard=shard)
+
+
 def plan_per_schedule(
     problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
     microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
     reporter: Reporter, engine: EngineTerms | None = None, shard: str = TrainSpec.shard,
+    proposals: Sequence[Proposal] | None = None,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
-    first schedule's error."""
+    first schedule's error. ``proposals``: the caller's :func:`~.planner.proposals_for`
+    (they do not depend on the schedule); made here, once, otherwise."""
     from onnx_partition.solve.planner import (  # a cluster's planner only
         HYBRID_ORDERINGS,
-        Proposal,
         plan_cluster,
         proposals_for,
     )
 
     found: list[tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]] = []
     failed: PartitionError | None = None
-    proposals: list[Proposal] | None = None  # the same for every schedule: made once
     for name in schedules:
-        run = RunSpec(cluster, train=train, microbatches=microbatches,
-                      max_stages=max(16, num_stages or 0),
-                      train_schedule=name if train else "1f1b",
-                      recompute=recompute if train else "none", engine=engine, shard=shard)
+        run = _cluster_run(cluster, name, num_stages=num_stages, microbatches=microbatches,
+                           recompute=recompute, train=train, engine=engine, shard=shard)
         try:
             if proposals is None and len(schedules) > 1:
                 proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)

@@ -56,9 +56,8 @@ from onnx_partition.solve.search import polish_split, sequence_for
 
 __all__ = ["DEVICE_SLACK", "DOWNSET_GRAPH", "DOWNSET_STATES", "HYBRID_ORDERINGS", "LONG_GRAPH",
            "LONG_POLISH", "MAX_POSITIONS", "POLISH_SIMULATIONS", "SIMULATED", "DpSequence",
-           "Proposal", "devices_notes", "downset_candidates", "dp_candidates", "dp_sequence",
-           "estimate_ms",
-           "fewest_devices", "grid_candidates",
+           "Proposal", "SolvedSequence", "devices_notes", "downset_candidates", "dp_candidates",
+           "dp_sequence", "estimate_ms", "fewest_devices", "grid_candidates",
            "machine_budgets", "plan_cluster", "polish_replicas", "proposals_for",
            "sequence_costs"]
 
@@ -92,6 +91,7 @@ class Proposal:
     source: str  # "dp:<ordering>", "grid:pp<k>", "<common split>:pp<k>" or "pipedream"
     polish: Callable[[], list[int]] | None = None  # a better split, on demand (costly)
     notes: tuple[str, ...] = ()  # what its DP says of itself (bounded: the gap proven)
+    solved: SolvedSequence | None = None  # its DP run, where that ran without recomputation
 
 
 def _coarse_blocks(order: list[int], problem: DagProblem, devices: int) -> Blocks:
@@ -129,6 +129,17 @@ class DpSequence:
     bounds: list[int]
     costs: SequenceCosts
     config: HybridConfig
+
+
+@dataclass(frozen=True)
+class SolvedSequence:
+    """One ordering's hybrid DP as the planner ran it without recomputation (the model
+    :mod:`.hybrid_proof` judges, which reuses it rather than solve it again): its input and
+    its plans, best bottleneck period first (none: no plan found, the DP bounded)."""
+
+    ordering: str
+    sequence: DpSequence
+    plans: list[list[HybridStage]]
 
 
 def dp_sequence(
@@ -184,8 +195,9 @@ def dp_candidates(
                                   sequence.config)
     cluster = run.cluster
     notes: list[str] = []
-    proposals = [p for p in _dp_plans(seq, config, run, notes)
-                 if num_stages is None or len(p) == num_stages]
+    plans = _dp_plans(seq, config, run, notes)
+    solved = SolvedSequence(ordering, sequence, plans) if _plain(run, config) else None
+    proposals = [p for p in plans if num_stages is None or len(p) == num_stages]
     proposals.sort(key=lambda p: estimate_ms(p, run))
     # the closed form prices every link as the DP does: rank within each machine count only
     per_machines: dict[int, int] = {}
@@ -199,7 +211,7 @@ def dp_candidates(
     return [Proposal(assign(at, [bounds[s.start] for s in proposal] + [len(order)]),
                      [s.replicas for s in proposal],
                      f"dp{RECOMPUTED if any(s.recompute for s in proposal) else ''}:{ordering}",
-                     notes=tuple(notes))
+                     notes=tuple(notes), solved=solved)
             for proposal in kept]
 
 
@@ -237,7 +249,7 @@ def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec,
     (:func:`~.scoring.totals_costs`), by the same rule. What the DP says of itself (bounded:
     its gap) joins ``notes``."""
     notes = [] if notes is None else notes
-    if not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes):
+    if _plain(run, config):
         return _solved(seq, config, notes)
     auto = replace(config, recompute=run.recompute)
     plans = _solved(seq, auto, notes)
@@ -256,6 +268,12 @@ def _dp_plans(seq: SequenceCosts, config: HybridConfig, run: RunSpec,
         plans += [p for p in price_plans(seq, auto, spans) if any(s.recompute for s in p)
                   and max(s.memory_bytes for s in p) <= config.memory_bytes]
     return plans
+
+
+def _plain(run: RunSpec, config: HybridConfig) -> bool:
+    """Whether :func:`_dp_plans` runs the DP without recomputation: in inference, under
+    ``--recompute none``, or where memory is unlimited."""
+    return not run.train or run.recompute == "none" or not math.isfinite(config.memory_bytes)
 
 
 def grid_candidates(
@@ -548,11 +566,12 @@ def _replica_moves(replicas: Sequence[int], devices: int,
 def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, run: RunSpec,
                     budget: int = POLISH_SIMULATIONS) -> HybridPlan:
     """Hill-climb the winner's replica counts on the simulated iteration itself, which the DP
-    only approximates (its replica choices are 1..8 and powers of two, its objective the
-    period): neighbours one device away, tried in :func:`lower_bound_ms` order, those that
-    cannot win skipped, the first faster one taken; at most ``budget`` simulations.
-    Stage cuts stay; neighbours over the device memory (which the replicas change: 1F1B's
-    micro-batches in flight depend on them) are not tried."""
+    only approximates (its objective is the bottleneck period, not fill, drain and the
+    placed links; a grid's counts are equal by construction): neighbours one device away,
+    tried in :func:`lower_bound_ms` order, those that cannot win skipped, the first faster
+    one taken; at most ``budget`` simulations. Stage cuts stay; neighbours over the device
+    memory (which the replicas change: 1F1B's micro-batches in flight depend on them) are
+    not tried."""
     totals = stage_totals(problem, arrays, plan.stage_of, plan.num_stages)
     spent, improved = 0, True
     while improved and spent < budget:
@@ -561,7 +580,7 @@ def polish_replicas(problem: DagProblem, arrays: NodeArrays, plan: HybridPlan, r
         for replicas in _replica_moves(plan.replicas, run.cluster.devices, run.microbatches):
             costs, memory = totals_costs(totals, replicas, run)
             bound = lower_bound_ms(costs, run.microbatches, run.train,
-                                       split=run.schedule == "zb-h1")
+                                   split=run.schedule == "zb-h1")
             if bound < plan.sim.iteration_ms and max(memory) <= run.cluster.memory_bytes:
                 ranked.append((bound, replicas, costs, memory))
         ranked.sort(key=lambda e: e[0])

@@ -8,12 +8,14 @@ frontier node of the slowest stage at a time while that lowers (bottleneck, sum 
 times) lexicographically, in the spirit of Kernighan and Lin (1970) moves across one boundary.
 
 The cost model is the relay model of :class:`~onnx_partition.solve.problem.DagProblem`, updated
-incrementally: a move changes only the boundary between the two stages involved.
+incrementally: a move changes only the spans of the tensors the node makes or reads, and the
+frontier only at the node and its neighbours, so a candidate move is priced without being made
+(:meth:`_State.peek`) in time proportional to the node's degree, not to its stage's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,7 +25,9 @@ __all__ = ["refine"]
 
 
 class _State:
-    """Assignment, per-stage compute and per-boundary bytes, updated move by move."""
+    """Assignment, per-stage compute, per-tensor span (first, last stage) and per-boundary
+    bytes, updated move by move; and each stage's frontier (the nodes :meth:`can_move` allows
+    out of it, back and forward), re-judged at the moved node and its neighbours only."""
 
     def __init__(self, problem: DagProblem, stage_of: Sequence[int], num_stages: int) -> None:
         self.p = problem
@@ -31,14 +35,41 @@ class _State:
         self.stage_of = list(stage_of)
         self.reads, self.makes = problem.read_by, problem.made_by
         self.members: list[set[int]] = [set() for _ in range(num_stages)]
-        self.compute = np.zeros(num_stages)
+        self.compute = [0.0] * num_stages
         for v, k in enumerate(self.stage_of):
             self.members[k].add(v)
             self.compute[k] += problem.compute_ms[v]
-        self.cross = np.zeros(max(0, num_stages - 1))
+        self.cross = [0.0] * max(0, num_stages - 1)
+        self.span = [self._span(t) for t in range(problem.num_tensors)]
         for t in range(problem.num_tensors):
             self._add(t, +1)
         self.per_byte = 1.0 / problem.bandwidth_bytes_per_ms
+        n = problem.num_nodes
+        self.preds = [[problem.producer[t] for t in self.reads[v] if problem.producer[t] >= 0]
+                      for v in range(n)]
+        self.succs = [[c for t in self.makes[v] for c in problem.consumers[t]]
+                      for v in range(n)]
+        self.near = [sorted({*self.preds[v], *self.succs[v]}) for v in range(n)]
+        self.touched = [sorted({*self.makes[v], *self.reads[v]}) for v in range(n)]
+        # nodes of each stage that may move back (index 0) and forward (index 1)
+        self.frontier: list[tuple[set[int], set[int]]] = [(set(), set())
+                                                          for _ in range(num_stages)]
+        for v in range(n):
+            self._classify(v)
+
+    def _classify(self, v: int) -> None:
+        """Put ``v`` in its stage's frontier sets as :meth:`can_move` says (every producer
+        earlier: back; every consumer later: forward), or take it out."""
+        k, stage = self.stage_of[v], self.stage_of
+        back, forward = self.frontier[k]
+        if all(stage[u] < k for u in self.preds[v]):
+            back.add(v)
+        else:
+            back.discard(v)
+        if all(stage[c] > k for c in self.succs[v]):
+            forward.add(v)
+        else:
+            forward.discard(v)
 
     def _span(self, t: int) -> tuple[int, int]:
         p = self.p
@@ -49,12 +80,15 @@ class _State:
         return first, max(stages, default=-1)
 
     def _add(self, t: int, sign: int) -> None:
-        first, last = self._span(t)
-        if last > first and self.p.nbytes[t]:
-            self.cross[first:last] += sign * self.p.nbytes[t]
+        first, last = self.span[t]
+        nbytes = self.p.nbytes[t]
+        if last > first and nbytes:
+            step, cross = sign * nbytes, self.cross
+            for b in range(first, last):
+                cross[b] += step
 
     def move(self, v: int, to: int) -> None:
-        touched = set(self.makes[v]) | set(self.reads[v])
+        touched = self.touched[v]
         for t in touched:
             self._add(t, -1)
         k = self.stage_of[v]
@@ -62,19 +96,60 @@ class _State:
         self.compute[to] += self.p.compute_ms[v]
         self.members[k].remove(v)
         self.members[to].add(v)
+        self.frontier[k][0].discard(v)
+        self.frontier[k][1].discard(v)
         self.stage_of[v] = to
         for t in touched:
+            self.span[t] = self._span(t)
             self._add(t, +1)
+        self._classify(v)
+        for u in self.near[v]:
+            self._classify(u)
 
-    def times(self) -> np.ndarray:
-        times = self.compute.copy()
+    def times(self) -> list[float]:
+        """Each stage's time: compute plus the sends over both its boundaries."""
+        return self._times(self.compute, self.cross)
+
+    def _times(self, compute: list[float], cross: list[float]) -> list[float]:
+        times = list(compute)
         if self.s > 1:
-            comm = np.maximum(self.cross, 0.0) * self.per_byte + self.p.latency_ms
-            times[:-1] += comm
-            times[1:] += comm
+            comm = [max(c, 0.0) * self.per_byte + self.p.latency_ms for c in cross]
+            for b, c in enumerate(comm):
+                times[b] += c
+                times[b + 1] += c
         return times
 
+    def peek(self, v: int, to: int) -> list[float]:
+        """:meth:`times` as they would be after ``move(v, to)``; the state is left as it is.
+        Only the tensors whose span the move changes are re-counted."""
+        k, p = self.stage_of[v], self.p
+        cross = self.cross
+        for t in self.touched[v]:
+            nbytes = p.nbytes[t]
+            old = self.span[t]
+            if p.producer[t] == v:
+                new = (to, old[1])
+            elif to > old[1] or k < old[1]:  # v reads t: its last reader moves on, or not v
+                new = (old[0], max(old[1], to))
+            else:  # v was the last to read t, and moves back: who is last now?
+                self.stage_of[v] = to
+                new = self._span(t)
+                self.stage_of[v] = k
+            if old != new and nbytes:
+                if cross is self.cross:
+                    cross = list(cross)
+                for b in range(old[0], old[1]):
+                    cross[b] -= nbytes
+                for b in range(new[0], new[1]):
+                    cross[b] += nbytes
+        compute = list(self.compute)
+        compute[k] -= self.p.compute_ms[v]
+        compute[to] += self.p.compute_ms[v]
+        return self._times(compute, cross)
+
     def can_move(self, v: int, to: int) -> bool:
+        """The definition the frontier sets keep: ``v`` leaves a stage of two or more nodes
+        for ``to``, every edge still pointing forward."""
         k = self.stage_of[v]
         if len(self.members[k]) <= 1:
             return False
@@ -88,14 +163,16 @@ class _State:
         """The stages next to stage ``k``."""
         return [to for to in (k - 1, k + 1) if 0 <= to < self.s]
 
-    def movable(self, k: int, to: int) -> Iterator[int]:
-        """Stage ``k``'s nodes that may move to its neighbour ``to`` (checked as each is
-        reached: a caller may move nodes in between, as long as it puts them back)."""
-        return (v for v in sorted(self.members[k]) if self.can_move(v, to))
+    def movable(self, k: int, to: int) -> list[int]:
+        """Stage ``k``'s nodes that may move to its neighbour ``to``, ascending, as the state
+        is now (a caller may move nodes while it walks them, as long as it puts them back)."""
+        if len(self.members[k]) <= 1:
+            return []
+        return sorted(self.frontier[k][0 if to == k - 1 else 1])
 
 
-def _score(times: np.ndarray) -> tuple[float, float]:
-    return float(times.max()), float(np.dot(times, times))
+def _score(times: list[float]) -> tuple[float, float]:
+    return max(times), sum(t * t for t in times)
 
 
 def _better(score: tuple[float, float], best: tuple[float, float], eps: float) -> bool:
@@ -107,13 +184,11 @@ def _best_single(state: _State, best: tuple[float, float], eps: float
                  ) -> tuple[tuple[float, float], int, int] | None:
     """The best improving single frontier move out of any stage, slowest stages first."""
     times = state.times()
-    for k in np.argsort(-times).tolist():
+    for k in np.argsort(-np.asarray(times)).tolist():
         choice: tuple[tuple[float, float], int, int] | None = None
         for to in state.neighbours(k):
             for v in state.movable(k, to):
-                state.move(v, to)
-                score = _score(state.times())
-                state.move(v, k)
+                score = _score(state.peek(v, to))
                 if _better(score, best, eps) and (choice is None or score < choice[0]):
                     choice = (score, v, to)
         if choice is not None:
@@ -126,7 +201,7 @@ def _chain(state: _State, best: tuple[float, float], eps: float, *, max_len: int
     a stage is now slower than the old bottleneck, push its frontier nodes on in the same
     direction. Applied (and True returned) only if the whole chain improves the score."""
     times = state.times()
-    k = int(np.argmax(times))
+    k = times.index(max(times))
     target = best[0] - eps
     for to in state.neighbours(k):
         step = to - k
@@ -157,9 +232,7 @@ def _push(state: _State, stage: int, to: int, target: float) -> int | None:
     fits: tuple[float, int] | None = None
     most: tuple[float, int] | None = None
     for u in state.movable(stage, to):
-        state.move(u, to)
-        left = float(state.times()[stage])
-        state.move(u, stage)
+        left = state.peek(u, to)[stage]
         if left <= target and (fits is None or left > fits[0]):
             fits = (left, u)
         if most is None or left < most[0]:
@@ -171,17 +244,17 @@ def _push(state: _State, stage: int, to: int, target: float) -> int | None:
 def _swap(state: _State, best: tuple[float, float], eps: float) -> bool:
     """Exchange a frontier node of the slowest stage with one of a neighbour's, both moving
     across their shared boundary; applied (and True returned) only if it improves the score."""
-    k = int(np.argmax(state.times()))
+    times = state.times()
+    k = times.index(max(times))
     for other in state.neighbours(k):
         for v in state.movable(k, other):
             state.move(v, other)
             for u in state.movable(other, k):
                 if u == v:
                     continue
-                state.move(u, k)
-                if _better(_score(state.times()), best, eps):
+                if _better(_score(state.peek(u, k)), best, eps):
+                    state.move(u, k)
                     return True
-                state.move(u, other)
             state.move(v, k)
     return False
 

@@ -16,7 +16,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -31,8 +31,13 @@ from onnx_partition.pipeline.memory import (
     stash_bytes,
     static_bytes,
 )
-from onnx_partition.pipeline.schedules import Kind, build
-from onnx_partition.pipeline.simulate import PipelineCosts, SimResult, StageCosts, simulate
+from onnx_partition.pipeline.schedules import Kind
+from onnx_partition.pipeline.simulate import (
+    PipelineCosts,
+    SimResult,
+    StageCosts,
+    simulate_schedule,
+)
 from onnx_partition.settings.partition import TrainSpec
 from onnx_partition.solve.problem import DagProblem
 
@@ -86,7 +91,7 @@ class NodeArrays:
         """Whether the arrays carry the one count (weights and trainable bytes apart)."""
         return len(self.weight_bytes) > 0
 
-    def stage_weights(self, stage_of: Sequence[int], num_stages: int
+    def stage_weights(self, stage_of: Sequence[int] | np.ndarray, num_stages: int
                       ) -> tuple[np.ndarray, np.ndarray]:
         """Weight and trainable bytes of each stage of an assignment: the nodes' own, plus
         each shared initializer once in every stage that reads it (exact, as the stage
@@ -103,7 +108,7 @@ class NodeArrays:
             np.add.at(trained, held, train_bytes)
         return weights, trained
 
-    def stage_engine(self, stage_of: Sequence[int], num_stages: int
+    def stage_engine(self, stage_of: Sequence[int] | np.ndarray, num_stages: int
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Per stage of an assignment, the trainable bytes of the :attr:`shared` initializers
         another stage holds too (a tied parameter, all-reduced over its holders every step:
@@ -259,11 +264,14 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
     def per_stage(values: np.ndarray) -> np.ndarray:
         return np.bincount(stages_np, values, minlength=num_stages)
 
-    cross = problem.cross_bytes(stage_of, num_stages) if num_stages > 1 else []
+    # the one array throughout: converting a list of 100k stages costs a millisecond a time
+    # (an array of ints reads as the sequence cross_bytes takes: len, indexing, asarray)
+    cross = (problem.cross_bytes(cast("Sequence[int]", stages_np), num_stages)
+             if num_stages > 1 else [])
     columns = arrays.columns
-    weights, trained = (arrays.stage_weights(stage_of, num_stages) if arrays.counted
+    weights, trained = (arrays.stage_weights(stages_np, num_stages) if arrays.counted
                         else (None, None))
-    tied, tensors = (arrays.stage_engine(stage_of, num_stages) if arrays.counted
+    tied, tensors = (arrays.stage_engine(stages_np, num_stages) if arrays.counted
                      else (None, None))
     return StageTotals(per_stage(problem.compute_array), per_stage(columns[0]),
                        per_stage(columns[1]), per_stage(columns[2]), cross,
@@ -357,10 +365,12 @@ def simulated(stage_of: Sequence[int], replicas: Sequence[int], costs: PipelineC
                memory: list[float], run: RunSpec, source: str) -> HybridPlan:
     """Simulate ``costs`` under the run's schedule, each hop with the engine's work per hop
     where a train run prices it (:attr:`RunSpec.engine`; ``costs`` keep the link's sends, as
-    plan.json states them before :func:`~onnx_partition.cost.engine_price.price_engine` adds it)."""
+    plan.json states them before :func:`~onnx_partition.cost.engine_price.price_engine` adds it).
+    By :func:`~onnx_partition.pipeline.simulate.simulate_schedule`: the event simulation's
+    figures bit for bit, without its timeline (a plan's Gantt chart re-simulates it)."""
     hop = run.engine.hop_ms if run.train and run.engine else 0.0
     played = replace(costs, send_ms=[s + hop for s in costs.send_ms]) if hop else costs
-    sim = simulate(build(run.schedule, replicas, run.microbatches), played)
+    sim = simulate_schedule(run.schedule, replicas, run.microbatches, played)
     return HybridPlan(list(stage_of), list(replicas), assign_devices(run.cluster, replicas),
                       sim, costs, memory, source)
 

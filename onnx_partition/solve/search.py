@@ -25,7 +25,7 @@ from onnx_partition.solve.order.topo import assign, cut_bytes, depth_first_order
 from onnx_partition.solve.problem import DagProblem, topological_order
 from onnx_partition.solve.refine import refine
 
-__all__ = ["ORDERINGS", "Candidate", "best_split", "polish_split", "sequence_for",
+__all__ = ["ORDERINGS", "Candidate", "Polished", "best_split", "polish_split", "sequence_for",
            "solve_ordering", "split_order"]
 
 ORDERINGS = ("topo", "dfs", "minlive", "cluster")
@@ -62,10 +62,18 @@ def split_order(problem: DagProblem, order: Sequence[int], num_stages: int) -> l
     return assign(order, split.bounds)
 
 
+#: Polished splits by (sequence, DP split): orderings whose DP cuts the same sequence the same
+#: way (``dfs`` and ``cluster`` often do) polish it once; :func:`polish_split` is
+#: deterministic, so the answer is the same.
+Polished = dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]]
+
+
 def solve_ordering(
-    problem: DagProblem, num_stages: int, ordering: str, *, polish: bool = True
+    problem: DagProblem, num_stages: int, ordering: str, *, polish: bool = True,
+    polished: Polished | None = None,
 ) -> Candidate:
-    """Cut one ordering's sequence by DP (over blocks for ``cluster``), then refine."""
+    """Cut one ordering's sequence by DP (over blocks for ``cluster``), then refine (reusing
+    ``polished``'s answer for the same sequence and split, and adding its own)."""
     started = time.perf_counter()
     order = sequence_for(problem, ordering)
     if ordering == "cluster":
@@ -82,7 +90,11 @@ def solve_ordering(
         positions = len(order)
     dp_ms = problem.bottleneck_ms(stage_of, num_stages)
     if polish:
-        stage_of = polish_split(problem, stage_of, num_stages, order)
+        memo = {} if polished is None else polished
+        key = (tuple(order), tuple(stage_of))
+        if key not in memo:
+            memo[key] = polish_split(problem, stage_of, num_stages, order)
+        stage_of = list(memo[key])
     refined = problem.bottleneck_ms(stage_of, num_stages)
     assert refined <= dp_ms * (1 + 1e-9) + 1e-12
     return Candidate(ordering, stage_of, dp_ms, refined, time.perf_counter() - started,
@@ -124,8 +136,10 @@ def best_split(
     each ordering done is reported to ``reporter``."""
     names: Sequence[str] = ORDERINGS if ordering == "auto" else (ordering,)
     candidates = []
+    polished: Polished = {}
     for done, name in enumerate(names, 1):
-        candidates.append(solve_ordering(problem, num_stages, name, polish=polish))
+        candidates.append(solve_ordering(problem, num_stages, name, polish=polish,
+                                         polished=polished))
         reporter.step("planning: orderings", done, len(names))
     best = min(candidates, key=lambda c: c.refined_ms)  # first minimum: topo wins ties
     return best, candidates
