@@ -13,7 +13,11 @@ replaced (:class:`FileExistsError`). New files get the permissions a plain ``ope
 (0o666 less the umask).
 
 **Checksums.** :func:`sha256_file` hashes a file in 1 MiB blocks, so a multi-GB weights file
-costs no more memory than one block.
+costs no more memory than one block. A file written through :class:`HashingWriter` is hashed as
+its bytes go out; :func:`written_sha256` gives that digest back while the file's size and
+modification time are still the ones it closed with, so a plan folder's manifest does not read
+a multi-GB stage file a second time (a check of a folder, :func:`onnx_partition.plan.folder.
+verify`, always reads).
 
 Folders are another matter: a plan folder is published as a whole under a lock
 (:func:`onnx_partition.plan.folder.publish`).
@@ -29,10 +33,62 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BLOCK", "atomic_path", "atomic_write", "sha256_file", "sync_folder"]
+__all__ = ["BLOCK", "HashingWriter", "atomic_path", "atomic_write", "sha256_file",
+           "sync_file", "sync_folder", "written_sha256"]
 
 #: Bytes read at a time by :func:`sha256_file`.
 BLOCK = 1 << 20
+#: (device, inode, size, mtime_ns) of a file a :class:`HashingWriter` closed -> its sha256.
+_WRITTEN: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class HashingWriter:
+    """A new binary file written front to back and hashed on the way (module docstring):
+    :meth:`write`, :meth:`tell`, and :meth:`pad_to` in place of a seek past the end."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by __exit__/close)
+        self._digest = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._digest.update(data)
+        return self._file.write(data)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def pad_to(self, offset: int) -> None:
+        """Zeros up to ``offset`` (not before the current end)."""
+        gap = offset - self.tell()
+        if gap < 0:
+            raise ValueError(f"pad_to({offset}) before the end ({self.tell()})")
+        self.write(bytes(gap))
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+            _WRITTEN[_identity(self.path)] = self._digest.hexdigest()
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def written_sha256(path: str | os.PathLike[str]) -> str | None:
+    """The sha256 a :class:`HashingWriter` computed for the file at ``path``, or None when it
+    wrote no such file or the file changed since (its size or modification time)."""
+    try:
+        return _WRITTEN.get(_identity(path))
+    except OSError:
+        return None
 _NAME_MAX = 200  # longer names get a short hidden prefix (the file system allows 255 bytes)
 
 
@@ -40,7 +96,7 @@ def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> str:
     """The sha256 (hex) of the file at ``path``, read in :data:`BLOCK` blocks; ``sync``: fsync
     the file too (a plan folder about to be published)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open(path, "rb") as handle:  # every read of a checksum comes through here
         for block in iter(lambda: handle.read(BLOCK), b""):
             digest.update(block)
         if sync:
@@ -51,6 +107,11 @@ def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> str:
 def sync_folder(folder: str | os.PathLike[str]) -> None:
     """fsync a folder, so the renames and new names in it are on disk."""
     _sync_file(folder)
+
+
+def sync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file by path, so its bytes are on disk."""
+    _sync_file(path)
 
 
 def _sync_file(path: str | os.PathLike[str]) -> None:

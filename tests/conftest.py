@@ -18,6 +18,18 @@ settings.register_profile("ci", deadline=None, derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
+#: Test files that take minutes, run first: with one worker per core (pytest-xdist, each file on
+#: one worker) the longest files started last would leave the other cores idle at the end.
+LONGEST_FIRST = ("test_readme.py", "test_train_hf.py", "test_train_optim.py",
+                 "test_train_recipes.py", "test_shard_optimizer.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """:data:`LONGEST_FIRST`'s files first, in that order; the rest as collected."""
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``XDG_CACHE_HOME`` in a temporary folder for the whole session (and the processes it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from support.graphs import CHAIN, feeds_for, save
 from support.outputs import run_whole, session
 
 from onnx_partition.errors import PartitionError
+from onnx_partition.fileio import HashingWriter, sha256_file, written_sha256
 from onnx_partition.graph import OpGraph, load
 from onnx_partition.graph import emit as emit_module
 from onnx_partition.graph.emit import (
@@ -28,6 +30,7 @@ from onnx_partition.graph.emit import (
     stage_proto,
 )
 from onnx_partition.plan import IOSpec, Plan, Stage, read_plan
+from onnx_partition.plan.folder import verify
 
 # CHAIN's nodes: 0 c (free Constant), 1 a, 2 b, 3 d, 4 e, 5 f, 6 y
 TWO = {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1}
@@ -147,11 +150,52 @@ def test_large_weights_go_external_aligned_small_ones_inline(tmp_path: Path,
         "location": "stage_0.onnx.data", "offset": str(aligned), "length": str(size)}
     assert by_name["b"].data_location == TensorProto.DEFAULT and len(by_name["b"].raw_data) == 2048
     assert (out / "stage_0.onnx.data").stat().st_size == aligned + size
+    data = (out / "stage_0.onnx.data").read_bytes()  # the gap is zeros, hashed as written
+    assert data[size:aligned] == bytes(aligned - size)
+    assert written_sha256(out / "stage_0.onnx.data") == hashlib.sha256(data).hexdigest()
     assert sorted(p.name for p in out.iterdir()) == ["stage_0.onnx", "stage_0.onnx.data"]
     feeds = {"x": np.random.default_rng(1).standard_normal((2, 512)).astype(np.float32)}
     sess = session(out / "stage_0.onnx")
     np.testing.assert_array_equal(sess.run(["y"], feeds)[0],
                                   run_whole(tmp_path / "big.onnx", feeds)["y"])
+
+
+def test_the_manifest_does_not_read_the_weights_again(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's data file is hashed while it is written: publishing the plan folder does not
+    read it a second time, and its manifest entry equals a fresh read's."""
+    import onnx_partition.plan.folder as folder
+
+    graph = big_model(tmp_path, True)
+    read: list[str] = []
+    real = folder.sha256_file
+
+    def counted(path: Path, **kwargs: bool) -> str:
+        read.append(Path(path).name)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(folder, "sha256_file", counted)
+    cuts = cut_stages(graph, {0: 0, 1: 0, 2: 1}, 2)
+    emit(graph, cuts, plan_for(graph, cuts), tmp_path / "plan")
+    assert "stage_0.onnx.data" not in read and "stage_0.onnx" in read
+    plan = read_plan(tmp_path / "plan")
+    assert plan.manifest is not None
+    entry = plan.manifest["stage_0.onnx.data"]
+    assert entry.sha256 == sha256_file(tmp_path / "plan" / "stage_0.onnx.data")
+    verify(tmp_path / "plan", plan)  # reads every file: the check is never taken on trust
+
+
+def test_a_changed_file_is_not_taken_as_written(tmp_path: Path) -> None:
+    with HashingWriter(tmp_path / "f") as out:
+        out.write(b"abc")
+        out.pad_to(8)
+        with pytest.raises(ValueError, match="before the end"):
+            out.pad_to(2)
+    assert written_sha256(tmp_path / "f") == hashlib.sha256(b"abc" + bytes(5)).hexdigest()
+    (tmp_path / "f").write_bytes(b"abcdefgh")  # same size, a new modification time
+    os.utime(tmp_path / "f", ns=(1, 1))
+    assert written_sha256(tmp_path / "f") is None
+    assert written_sha256(tmp_path / "missing") is None
 
 
 def test_small_stage_leaves_no_data_file(chain: OpGraph, tmp_path: Path) -> None:

@@ -104,3 +104,28 @@ def test_a_program_without_its_weights_file_is_one_line(layouts: dict[str, Path]
     with pytest.raises(PartitionError, match="too short") as info:
         load_program(alone)
     assert "\n" not in str(info.value)
+
+
+def test_a_trained_plan_keeps_its_weights_once(layouts: dict[str, Path], tmp_path: Path
+                                               ) -> None:
+    """``train --save`` (save_trained) of a model with external data: the trained program
+    refers to the trained whole model's initializers, as the export does, and loads the
+    trained values (tied weights shared again)."""
+    from onnx_partition.runtime.train.modules import stage_modules, whole_module
+    from onnx_partition.runtime.train.save import save_trained
+
+    plan_dir = tmp_path / "plan"
+    partition(layouts["new"], 2, plan_dir, mode="train", batch_size=2, ordering="topo")
+    stages = stage_modules(plan_dir)
+    with torch.no_grad():
+        for stage in stages:  # a step that keeps tied copies equal, as training does
+            for parameter in stage.module.parameters():
+                parameter.mul_(1.5).add_(0.25)
+    out = save_trained(plan_dir, [s.module.state_dict() for s in stages], tmp_path / "trained")
+    weights = weight_bytes(build_hf("gpt2"))
+    assert _tensor_bytes(out / "g.pt2") < weights / 100
+    trained = {n: v for s in stages for n, v in s.module.state_dict().items()}
+    program = load_program(out / "g.pt2")
+    assert ["lm_head.weight", "transformer.wte.weight"] in _storage_groups(program.state_dict)
+    for name, value in dict(whole_module(out).named_parameters()).items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)

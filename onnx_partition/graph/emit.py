@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import onnx
@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 
 from onnx_partition import __version__
 from onnx_partition.errors import PartitionError, one_line
-from onnx_partition.fileio import sha256_file
+from onnx_partition.fileio import HashingWriter, sha256_file
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.protos import external_files, iter_tensors
 from onnx_partition.graph.weightless import checkable, is_weightless
@@ -153,7 +153,7 @@ def save_stage(
     the source are copied to the stage's data file in 1 MiB blocks, so a tensor of any size
     costs no more memory than one block."""
     data_name = path.name + ".data"
-    with open(path.parent / data_name, "wb") as data:
+    with HashingWriter(path.parent / data_name) as data:
         for tensor in model.graph.initializer:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 source, start, length = _external_span(tensor, source_dir)
@@ -188,9 +188,9 @@ def save_stage(
     return sha256_file(path)
 
 
-def _aligned(data: BinaryIO) -> int:
+def _aligned(data: HashingWriter) -> int:
     offset = -data.tell() % _ALIGN + data.tell()
-    data.seek(offset)
+    data.pad_to(offset)
     return offset
 
 
@@ -211,7 +211,7 @@ def _read_span(source: Path, start: int, length: int) -> bytes:
         return src.read(length)
 
 
-def _copy_span(source: Path, start: int, length: int, data: BinaryIO) -> None:
+def _copy_span(source: Path, start: int, length: int, data: HashingWriter) -> None:
     with open(source, "rb") as src:
         src.seek(start)
         while length > 0:

@@ -26,12 +26,14 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph.protos import check_external_data
 
-__all__ = ["MANIFEST_KEY", "held_tensors", "load_program", "save_program"]
+__all__ = ["MANIFEST_KEY", "TORCH_DTYPES", "held_tensors", "load_program", "save_program",
+           "tensor_key"]
 
 #: Extra file of a ``.pt2`` archive naming where its weights lie.
 MANIFEST_KEY = "onnx_partition.weights.json"
 _FORMAT = "onnx-partition/program-weights@1"
-_DTYPES: dict[int, torch.dtype] = {
+#: ONNX tensor dtype -> the torch dtype a program tensor of its bytes has.
+TORCH_DTYPES: dict[int, torch.dtype] = {
            onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.DOUBLE: torch.float64,
            onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.BFLOAT16: torch.bfloat16,
            onnx.TensorProto.INT8: torch.int8, onnx.TensorProto.UINT8: torch.uint8,
@@ -44,7 +46,7 @@ def _tables(program: Any) -> Iterator[dict[str, Any]]:
     yield program.constants
 
 
-def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Same key: the same bytes (one storage, offset, shape, stride, dtype)."""
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tensor.stride(), tensor.dtype)
@@ -57,7 +59,7 @@ def held_tensors(model: Any) -> dict[tuple[Any, ...], str]:
     for value in model.graph.initializers.values():
         raw = getattr(value.const_value, "raw", None)
         if isinstance(raw, torch.Tensor) and not raw.is_meta and raw.is_contiguous():
-            held.setdefault(_key(raw), value.name or "")
+            held.setdefault(tensor_key(raw), value.name or "")
     return held
 
 
@@ -73,8 +75,8 @@ def save_program(program: Any, path: Path, held: Mapping[tuple[Any, ...], str],
             for name, tensor in list(table.items()):
                 if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
                     continue
-                source = held.get(_key(tensor))
-                if source is None or tensor.dtype not in _DTYPES.values():
+                source = held.get(tensor_key(tensor))
+                if source is None or tensor.dtype not in TORCH_DTYPES.values():
                     continue
                 mapping[name] = source
                 saved.append((table, name, tensor))
@@ -160,7 +162,7 @@ def _fill(program: Any, path: Path, text: str) -> None:
 
 def _read(tensor: onnx.TensorProto, folder: Path, like: torch.Tensor, what: str) -> torch.Tensor:
     """The initializer's value as a fresh CPU tensor: external bytes read straight into it."""
-    dtype = _DTYPES.get(tensor.data_type)
+    dtype = TORCH_DTYPES.get(tensor.data_type)
     if dtype is None:
         raise PartitionError(f"{what} has ONNX dtype {tensor.data_type}, which no program "
                              "tensor has")

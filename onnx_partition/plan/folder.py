@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_partition.errors import PartitionError, read_json
-from onnx_partition.fileio import atomic_write, sha256_file, sync_folder
+from onnx_partition.fileio import atomic_write, sha256_file, sync_file, sync_folder, written_sha256
 from onnx_partition.plan import MANIFEST, PLAN_FILE, REPORT_FILE, Plan, plan_text, read_plan
 from onnx_partition.plan.declare import json_of
 from onnx_partition.plan.extras import FileEntry, Manifest
@@ -74,7 +74,12 @@ def make_manifest(folder: Path, *, sync: bool = False) -> Manifest:
             continue
         if path.is_symlink() or not path.is_file():
             raise PartitionError(f"plan folder: {name} is not a regular file")
-        entries[name] = FileEntry(size=path.stat().st_size, sha256=sha256_file(path, sync=sync))
+        digest = written_sha256(path)  # hashed as it was written (fileio's HashingWriter)
+        if digest is None:
+            digest = sha256_file(path, sync=sync)
+        elif sync:
+            sync_file(path)
+        entries[name] = FileEntry(size=path.stat().st_size, sha256=digest)
     return entries
 
 

@@ -5,8 +5,10 @@ fully-qualified name; ``optimize=False`` keeps them one-to-one), so the stage mo
 keyed by those names, replaces the initializers of the same names in every stage file. The
 folder also gets the trained whole model (``<model>.onnx``, the plan's ``model``, which
 ``run --check`` compares against) and the trained program (``<model>.pt2``, so the new plan can
-be trained further). Tied parameters are written under each of their names. Everything is
-written into a temporary folder that then replaces ``out_dir`` (emit.write_plan_folder).
+be trained further; where the model keeps its weights in external data, the program refers
+to them there, as ``export`` writes it, so the folder holds them once). Tied parameters are
+written under each of their names. Everything is written into a temporary folder that then
+replaces ``out_dir`` (emit.write_plan_folder).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import copy
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,6 +27,7 @@ from onnx import numpy_helper
 from onnx_partition.errors import PartitionError
 from onnx_partition.fileio import sha256_file
 from onnx_partition.graph.emit import save_stage, write_plan_folder
+from onnx_partition.graph.program import TORCH_DTYPES, save_program, tensor_key
 from onnx_partition.plan import write_plan
 from onnx_partition.runtime.train.modules import load_program, program_names, require_trainable
 from onnx_partition.runtime.train.weightless import fill_program
@@ -60,6 +64,7 @@ def save_trained(
         with warnings.catch_warnings():  # deepcopy of a program warns about pytree internals
             warnings.simplefilter("ignore", FutureWarning)
             trained = copy.deepcopy(program)
+        _tie_like(program, trained)
         # a weightless plan: its meta tensors take the trained values, buffers outside the
         # state dict (a rotary table) the ones its ranks made
         values.update(fill_program(trained, plan, values, seed))
@@ -70,6 +75,8 @@ def save_trained(
             _replace(proto, values)
             stage.sha256 = save_stage(proto, folder / stage.file, plan_dir, check=False)
         whole = onnx.load(str(model), load_external_data=False)
+        external = any(t.data_location == onnx.TensorProto.EXTERNAL
+                       for t in whole.graph.initializer)
         if not _replace(whole, values):
             raise PartitionError("no initializer of the model is named after a trained "
                                  "parameter: was it exported by onnx_partition.export?")
@@ -79,7 +86,10 @@ def save_trained(
                 if name in values:
                     tensor.copy_(values[name])
         program_file = folder / Path(plan.program).name
-        torch.export.save(trained, program_file)
+        if external:  # the model's weights lie in external data: once, as export writes them
+            save_program(trained, program_file, _held(trained, whole, values), folder / model.name)
+        else:
+            torch.export.save(trained, program_file)
         new.model, new.program = model.name, program_file.name
         new.program_sha256 = sha256_file(program_file)
         new.trained_from = str(plan_dir.resolve())
@@ -100,6 +110,33 @@ def _by_original_name(
             for original in aliases.get(name, [name]):
                 values.setdefault(original, tensor.detach().cpu())
     return values
+
+
+def _tie_like(program: torch.export.ExportedProgram,
+              trained: torch.export.ExportedProgram) -> None:
+    """Share storage in ``trained`` where ``program`` does (tied weights): ``deepcopy`` copies
+    each parameter object apart, which would save a tied weight twice and untie it."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, tensor in program.state_dict.items():
+        if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+            groups.setdefault(tensor_key(tensor), []).append(name)
+    for first, *rest in groups.values():
+        for name in rest:
+            trained.state_dict[name] = trained.state_dict[first]
+
+
+def _held(program: torch.export.ExportedProgram, whole: onnx.ModelProto,
+          values: Mapping[str, torch.Tensor]) -> dict[tuple[Any, ...], str]:
+    """The program tensors whose trained bytes the whole model's initializers of the same name
+    and dtype now hold (:func:`_replace` wrote ``values`` there), in the form of
+    :func:`~onnx_partition.graph.program.held_tensors`, for ``save_program``."""
+    dtypes = {t.name: TORCH_DTYPES.get(t.data_type) for t in whole.graph.initializer}
+    held: dict[tuple[Any, ...], str] = {}
+    for name, tensor in program.state_dict.items():
+        if (name in values and dtypes.get(name) == tensor.dtype and not tensor.is_meta
+                and tensor.is_contiguous()):
+            held.setdefault(tensor_key(tensor), name)
+    return held
 
 
 def _replace(model: onnx.ModelProto, values: Mapping[str, torch.Tensor]) -> int:
