@@ -11,6 +11,7 @@ import torch
 from support.training import saved_bytes
 from torch import nn
 
+from onnx_partition.runtime.memtrack import StorageTracker
 from onnx_partition.runtime.train.passes import input_pass, kept_forward, rebuild, weight_pass
 
 
@@ -151,3 +152,28 @@ def test_recompute_keeps_no_activation_and_rebuilds_the_same_gradients() -> None
         torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
     for n, p in stage.named_parameters():
         torch.testing.assert_close(p.grad, want[1][n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_a_weight_pass_with_no_input_pass_holds_what_the_whole_backward_holds() -> None:
+    """A first stage (no received tensor) runs its whole backward in W: its peak of live
+    storages is the whole backward's, saved tensors freed as their nodes run (issue 33)."""
+    torch.manual_seed(0)
+    # the widest gradients at the first block: the later blocks' saved tensors are freed by then
+    stage = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64),
+                          *(m for _ in range(3) for m in (nn.Linear(64, 256), nn.GELU(),
+                                                           nn.Linear(256, 64))), nn.Linear(64, 1))
+    x = torch.randn(32, 64)
+
+    def peak(split: bool) -> int:
+        with StorageTracker() as tracker:  # the forward's saved tensors counted too
+            out = stage(x)
+            seed = torch.ones_like(out)
+            if split:
+                _, later = input_pass([out], [seed], [], list(stage.parameters()))
+                weight_pass(later)
+            else:
+                torch.autograd.backward([out], [seed])
+        stage.zero_grad(set_to_none=True)
+        return tracker.peak
+
+    assert peak(split=True) == peak(split=False)

@@ -10,21 +10,59 @@ ZB-H1 the table also gives the plan's figure without the output gradients kept f
 memory model before it counted them.
 
     .venv/bin/python tools/bench_memory.py PLAN [PLAN ...] [--microbatches 4 8 32] [--steps 2]
+    .venv/bin/python tools/bench_memory.py --hf DIR [--models hf-gpt2 ...] [--schedules ...]
+
+``--hf DIR``: first build the Hugging Face plans in ``DIR`` (``GPT2LMHeadModel``,
+``BertForMaskedLM``, ``LlamaForCausalLM`` from configs: 4 layers, 512 wide, 8 heads, 256
+tokens, vocabulary 4096, random weights; exported with ``onnx_partition.export``, the labels a
+keyword input), each partitioned ``--stages 2 --mode train --batch-size 4 --microbatches 8
+--analytic`` once per schedule (the roofline prices the time; memory is what is measured
+here), and run those plans too.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
+import torch
+
+from onnx_partition import export
 from onnx_partition.cost.saved import saved_and_kept_per_node
 from onnx_partition.graph import load
+from onnx_partition.partition import partition
 from onnx_partition.pipeline.memory import kept_held
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.train.trainer import train_plan
 
 MB = 1e6
+#: The Hugging Face models' shape (issue 33's targets).
+HF_SHAPE = {"width": 512, "heads": 8, "tokens": 256, "vocab": 4096}
+
+
+def hf_plans(work: Path, names: list[str], schedules: list[str]) -> list[Path]:
+    """Each model exported once into ``work`` (labels a keyword input) and planned once per
+    schedule (module docstring); the plan folders, built only where missing."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_train_predicted import hf_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    folders = []
+    for name in names:
+        model = work / f"{name}.onnx"
+        if not model.exists():
+            ids = torch.randint(0, HF_SHAPE["vocab"], (4, HF_SHAPE["tokens"]),
+                                generator=torch.Generator().manual_seed(0))
+            export(hf_model(name, **HF_SHAPE), (ids,), model, kwargs={"labels": ids})
+        for schedule in schedules:
+            folder = work / f"{name}-{schedule}"
+            if not (folder / "plan.json").exists():
+                partition(model, 2, folder, batch_size=4, mode="train", microbatches=8,
+                          schedule=schedule, analytic=True, check=False, force=True)
+            folders.append(folder)
+    return folders
 
 
 def kept_per_stage(folder: Path, plan: Plan) -> list[float]:
@@ -74,13 +112,23 @@ def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("plans", type=Path, nargs="+")
+    parser.add_argument("plans", type=Path, nargs="*")
+    parser.add_argument("--hf", type=Path, default=None, metavar="DIR",
+                        help="build the Hugging Face plans in DIR and run them too")
+    parser.add_argument("--models", nargs="+", default=["hf-gpt2", "hf-bert", "hf-llama"])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"],
+                        help="the schedules the --hf plans are planned for")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 32])
     parser.add_argument("--schedule", default=None,
                         help="run every plan under this schedule (default: its own)")
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    for folder in args.plans:
+    plans = list(args.plans)
+    if args.hf is not None:
+        plans += hf_plans(args.hf, args.models, args.schedules)
+    if not plans:
+        parser.error("no plan: give PLAN folders or --hf DIR")
+    for folder in plans:
         schedule = args.schedule or read_plan(folder).schedule or "1f1b"
         bench(folder, schedule, args.microbatches, args.steps)
 
