@@ -22,7 +22,7 @@ from onnx_partition.solve.hybrid_model import HybridStage
 from onnx_partition.solve.hybrid_tables import COUNT_DTYPE, NO_COUNT, StageTables
 
 __all__ = ["BoundedTables", "ExactTables", "WarmupTables", "exact_fewest", "fewest_devices",
-           "warmup_bands", "zb_kept"]
+           "zb_kept"]
 
 
 @dataclass
@@ -31,8 +31,8 @@ class BoundedTables:
     with ``q`` stages whose plan is kept under label ``b`` (``NO_COUNT`` or more: none), the
     first stage's end ``end``, replicas ``rep`` and 1F1B warm-up ``warm``, and ``after``, the
     label of the suffix it was placed in front of. One label where memory does not depend on
-    the plan; else one per band of the first stage's warm-up (:func:`warmup_bands`) and the
-    one-suffix DP's own choice as the last label."""
+    the plan; else label 0 over every way a stage may run and label 1 the one-suffix DP's own
+    choice (:func:`fewest_devices`)."""
 
     h: np.ndarray
     end: np.ndarray
@@ -55,11 +55,9 @@ class BoundedTables:
         return stages
 
 
-def warmup_bands(microbatches: int) -> np.ndarray:
-    """band[w] for a warm-up ``w`` in ``0..M``: 0 for 0, else ``floor(log2 w) + 1`` (powers of
-    two: ``floor(log2 M) + 2`` bands)."""
-    w = np.arange(microbatches + 1)
-    return np.where(w > 0, np.floor(np.log2(np.maximum(w, 1))).astype(np.int64) + 1, 0)
+#: The bounded DP's stages that could overflow also on about these times the replicas their
+#: period needs (fewer micro-batches in flight per replica, more optimizer state shed).
+MORE_REPLICAS = (1.5, 2.0, 3.0, 4.0)
 
 
 def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray | None
@@ -69,37 +67,37 @@ def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray
     that does not depend on the plan (inference, or no stage could overflow): then one label,
     one suffix per device count, exact. Otherwise (``fits`` None) a stage's 1F1B micro-batches
     in flight depend on its replica count and the suffix's first replica count and warm-up
-    (:func:`~onnx_partition.pipeline.memory.held_in_front`), and a suffix of fewest devices
-    may have a warm-up so large that no stage fits in front of it where one with a few more
-    devices and a smaller warm-up would: a multi-label DP (label-setting, bounded) keeps per
-    (q, i) the fewest devices per band of the first stage's warm-up (:func:`warmup_bands`),
-    each a real plan with its true replicas and warm-up, against which every stage that could
-    overflow (``tables.risky``) is checked in front, its optimizer state shed by its replica
-    count; under ``auto`` such a stage may recompute instead (on the fewest replicas its
-    recomputing period needs): its plans fit. One more label follows the one-suffix DP
-    (fewest devices, one suffix), so it never finds fewer plans than that; it still bounds the
-    exact DP (:func:`exact_fewest`) from above only (a band keeps one warm-up of its range,
-    one replica count). About ``bands^2 / 2`` times the one-suffix DP's work."""
-    n, m = tables.n, tables.c.microbatches
+    (:func:`~onnx_partition.pipeline.memory.held_in_front`): each stage that could overflow
+    (``tables.risky``) is checked in front of the suffix kept, its optimizer state shed by its
+    replica count, and may also run on about :data:`MORE_REPLICAS` times the replicas its
+    period needs (fewer micro-batches in flight each, more state shed) and, under ``auto``,
+    recompute (on the fewest replicas its recomputing period needs): every plan fits. A
+    second label follows the old one-suffix DP (keeping, fewest replicas, one suffix), so
+    where that one planned this one does too. It bounds the exact DP (:func:`exact_fewest`)
+    from above only. Bands of the suffix's warm-up as further labels (issue 36's proposal)
+    found no plan more on tools/hybrid_bounded_misses.py's instances (measured), so none."""
+    n = tables.n
     full = fits is None and not tables.exact  # else as before: one label, one way
-    band_of = warmup_bands(m) if full else np.zeros(m + 1, dtype=np.int64)
-    labels = int(band_of[-1]) + 2 if full else 1
+    labels = 2 if full else 1
     shape = (max_q + 1, n + 1, labels)
     t = BoundedTables(*(np.full(shape, NO_COUNT, dtype=COUNT_DTYPE) if k == 0 else
                         np.zeros(shape, np.int64) for k in range(6)))
     t.h[0, n] = 0
     ways = [_Way(tables, tau, False, fits, full)]
-    if full and tables.mode == "auto" and tables.period_rc is not None:
-        ways.append(_Way(tables, tau, True, None, full))
+    recompute = tables.mode == "auto" and tables.period_rc is not None
+    if full:
+        ways += [_Way(tables, tau, rebuilt, None, full, factor)
+                 for factor in (1.0, *MORE_REPLICAS) for rebuilt in (False, True)
+                 if (factor, rebuilt) != (1.0, False) and (recompute or not rebuilt)]
     cand = np.empty((n + 1, n + 1), dtype=COUNT_DTYPE)
     for q in range(1, max_q + 1):
         for lb in (lb for lb in range(labels) if (t.h[q - 1, :, lb] < NO_COUNT).any()):
             for way in ways:
                 warm = way.mask(cand, t.rep[q - 1, :, lb], t.warm[q - 1, :, lb], q == 1)
                 cand += t.h[q - 1, :, lb][None, :]
-                if full and lb == labels - 1:  # the one-suffix DP's label: from itself
-                    _keep(t, q, lb, cand, warm, way, np.full_like(warm, labels - 1))
-                _keep(t, q, lb, cand, warm, way, band_of[warm])
+                if full and lb == 1 and way is ways[0]:  # the one-suffix DP's: from itself
+                    _keep(t, q, lb, cand, warm, way, np.ones_like(warm))
+                _keep(t, q, lb, cand, warm, way, np.zeros_like(warm))
     return t
 
 
@@ -133,15 +131,17 @@ class _Way:
     is never slower)."""
 
     def __init__(self, tables: StageTables, tau: float, rebuilt: bool,
-                 fits: np.ndarray | None, full: bool) -> None:
+                 fits: np.ndarray | None, full: bool, factor: float = 1.0) -> None:
         n = tables.n
         periods = tables.needed if not rebuilt else np.minimum.accumulate(
             np.asarray(tables.period_rc), axis=0)
         above = np.zeros((n + 1, n + 1), dtype=COUNT_DTYPE)
         for needed in periods:
             above += needed > np.float32(tau) if not rebuilt else needed > tau
+        if factor > 1.0:  # more replicas than the period needs: less memory in flight
+            above = _more(tables, above, tau, rebuilt, factor)
         self.reps = tables.lookup[above]
-        if rebuilt:  # only the stages that could overflow keeping
+        if rebuilt or factor > 1.0:  # only the stages that could overflow keeping
             only = np.full(self.reps.size, NO_COUNT, dtype=COUNT_DTYPE)
             only[tables.risky] = self.reps.reshape(-1)[tables.risky]
             self.reps = only.reshape(self.reps.shape)
@@ -178,6 +178,20 @@ class _Way:
         else:
             flat[tables.risky[self.zb.over(steps, next_warm)]] = NO_COUNT
         return np.minimum(steps[self.above, self.cols] + next_warm[None, :], m)
+
+
+def _more(tables: StageTables, above: np.ndarray, tau: float, rebuilt: bool, factor: float
+          ) -> np.ndarray:
+    """The count index of the fewest choices at least ``factor`` times each stage's
+    ``choices[above]``, where its period there is within ``tau`` (else past the choices)."""
+    choices = np.asarray(tables.choices, dtype=float)
+    k = len(choices)
+    wanted = np.ceil(np.append(choices, np.inf)[above] * factor)
+    more = np.minimum(np.searchsorted(choices, wanted), k)
+    period = np.asarray(tables.period_rc if rebuilt else tables.period)
+    at = np.minimum(more, k - 1)
+    within = np.take_along_axis(period, at[None], axis=0)[0] <= tau
+    return np.where((more < k) & within, more, k).astype(COUNT_DTYPE)
 
 
 def _shed(tables: StageTables, count: np.ndarray) -> np.ndarray:
