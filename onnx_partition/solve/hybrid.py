@@ -65,7 +65,7 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import device_bytes
-from onnx_partition.solve.hybrid_dp import ExactTables, exact_fewest, fewest_devices
+from onnx_partition.solve.hybrid_dp import BoundedTables, ExactTables, exact_fewest, fewest_devices
 from onnx_partition.solve.hybrid_memory import memory_report, stage_memory
 from onnx_partition.solve.hybrid_model import (
     HybridConfig,
@@ -130,8 +130,8 @@ class _Probes:
 
     def fast(self, tau: float, mask: np.ndarray | None) -> tuple[list[int], Any]:
         """Fewest devices per depth of ``depths`` by the one-suffix DP, and its tables."""
-        h, end, rep = fewest_devices(self.tables, tau, self.max_q, mask)
-        return [int(h[q, 0]) for q in self.depths], (h, end, rep)
+        found = fewest_devices(self.tables, tau, self.max_q, mask)
+        return [found.fewest(q) for q in self.depths], found
 
     def probe(self, tau: float) -> tuple[list[int], Any]:
         """The exact answer at ``tau``: fewest devices per depth and the DP's tables."""
@@ -148,11 +148,13 @@ class _Probes:
         return self.cache[tau]
 
     def periods(self) -> np.ndarray:
-        """Every stage's period, sorted and unique (recomputing too where the exact DP chooses
-        it per stage): the least bottleneck is one of them."""
+        """Every stage's period, sorted and unique (recomputing too where a DP chooses it per
+        stage): the least bottleneck is one of them."""
         tables = self.tables
+        # (the bounded DP too: its stages that could overflow may recompute)
         periods = [tables.period] + ([tables.period_rc] if tables.period_rc is not None
-                                     and self.capi_rc is not None else [])
+                                     and (self.capi_rc is not None or not tables.exact)
+                                     else [])
         return np.unique(np.concatenate([p[np.isfinite(p)] for p in periods]))
 
 
@@ -306,18 +308,11 @@ def _proposals(probes: _Probes, values: np.ndarray, budgets: Sequence[int],
     return plans
 
 
-def _recovered(tables: StageTables, found: Any, q: int) -> list[HybridStage]:
+def _recovered(tables: StageTables, found: ExactTables | BoundedTables, q: int
+               ) -> list[HybridStage]:
     """The plan of depth ``q`` from a DP's tables: the exact DP's (:class:`ExactTables`), or
-    the one-suffix DP's chosen ends and replica counts."""
-    if isinstance(found, ExactTables):
-        return found.stages(tables, q)
-    _, end, rep = found
-    stages, i = [], 0
-    for left in range(q, 0, -1):
-        j, r = int(end[left, i]), int(rep[left, i])
-        stages.append(tables.stage(i, j, r))
-        i = j
-    return stages
+    the bounded one's back-pointers (:class:`BoundedTables`)."""
+    return found.stages(tables, q)
 
 
 #: Budgets short of the whole cluster settle their bound to within this, relative (their

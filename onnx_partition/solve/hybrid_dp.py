@@ -21,61 +21,191 @@ from onnx_partition.pipeline.memory import boundary_step, held_in_front
 from onnx_partition.solve.hybrid_model import HybridStage
 from onnx_partition.solve.hybrid_tables import COUNT_DTYPE, NO_COUNT, StageTables
 
-__all__ = ["ExactTables", "WarmupTables", "exact_fewest", "fewest_devices", "zb_kept"]
+__all__ = ["BoundedTables", "ExactTables", "WarmupTables", "exact_fewest", "fewest_devices",
+           "zb_kept"]
 
 
-def fewest_devices(
-    tables: StageTables, tau: float, max_q: int, fits: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """h[q, i]: fewest devices covering [i, n) with q stages, each of period <= tau and within
-    memory (``NO_COUNT`` or more: impossible); with the chosen end and replica count per (q, i).
-    ``fits`` says where a stage is within memory when that does not depend on the plan
-    (inference, or no stage could overflow): then this is exact. Otherwise (``fits`` None)
-    it keeps one suffix per device count, so it only bounds the exact DP
-    (:func:`exact_fewest`) from above: each stage's memory is checked in front of the suffix
-    chosen:
-    its 1F1B micro-batches in flight depend only on its replica count and the suffix's first
-    replica count and warm-up (:func:`~onnx_partition.pipeline.memory.held_in_front`), a
-    small table looked up for the stages that could overflow at all (``tables.risky``) and
-    compared with how many micro-batches each may hold (``tables.risky_cap``).
-    Integer tables: the device counts are small whole numbers."""
+@dataclass
+class BoundedTables:
+    """:func:`fewest_devices`'s tables: ``h[q, i, b]``, the fewest devices covering ``[i, n)``
+    with ``q`` stages whose plan is kept under label ``b`` (``NO_COUNT`` or more: none), the
+    first stage's end ``end``, replicas ``rep`` and 1F1B warm-up ``warm``, and ``after``, the
+    label of the suffix it was placed in front of. One label where memory does not depend on
+    the plan; else label 0 over every way a stage may run and label 1 the one-suffix DP's own
+    choice (:func:`fewest_devices`)."""
+
+    h: np.ndarray
+    end: np.ndarray
+    rep: np.ndarray
+    warm: np.ndarray
+    after: np.ndarray
+    rebuilt: np.ndarray  # whether the first stage recomputes (``auto``)
+
+    def fewest(self, q: int) -> int:
+        return int(self.h[q, 0].min())
+
+    def stages(self, tables: StageTables, q: int) -> list[HybridStage]:
+        """The fewest-device plan of depth ``q`` (``h[q, 0]`` finite), by the back-pointers."""
+        label, i, stages = int(np.argmin(self.h[q, 0])), 0, []
+        for left in range(q, 0, -1):
+            j, r = int(self.end[left, i, label]), int(self.rep[left, i, label])
+            flag = bool(self.rebuilt[left, i, label]) if tables.mode == "auto" else None
+            stages.append(tables.stage(i, j, r, flag))
+            label, i = int(self.after[left, i, label]), j
+        return stages
+
+
+#: The bounded DP's stages that could overflow also on about these times the replicas their
+#: period needs (fewer micro-batches in flight per replica, more optimizer state shed).
+MORE_REPLICAS = (1.5, 2.0, 3.0, 4.0)
+
+
+def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray | None
+                   ) -> BoundedTables:
+    """h[q, i, b]: fewest devices covering [i, n) with q stages, each of period <= tau and
+    within memory (:class:`BoundedTables`). ``fits`` says where a stage is within memory when
+    that does not depend on the plan (inference, or no stage could overflow): then one label,
+    one suffix per device count, exact. Otherwise (``fits`` None) a stage's 1F1B micro-batches
+    in flight depend on its replica count and the suffix's first replica count and warm-up
+    (:func:`~onnx_partition.pipeline.memory.held_in_front`): each stage that could overflow
+    (``tables.risky``) is checked in front of the suffix kept, its optimizer state shed by its
+    replica count, and may also run on about :data:`MORE_REPLICAS` times the replicas its
+    period needs (fewer micro-batches in flight each, more state shed) and, under ``auto``,
+    recompute (on the fewest replicas its recomputing period needs): every plan fits. A
+    second label follows the old one-suffix DP (keeping, fewest replicas, one suffix), so
+    where that one planned this one does too. It bounds the exact DP (:func:`exact_fewest`)
+    from above only. Bands of the suffix's warm-up as further labels (issue 36's proposal)
+    found no plan more on tools/hybrid_bounded_misses.py's instances (measured), so none."""
     n = tables.n
-    above = np.zeros((n + 1, n + 1), dtype=COUNT_DTYPE)
-    limit = np.float32(tau)
-    for needed in tables.needed:
-        above += needed > limit
-    reps = tables.lookup[above]
-    h = np.full((max_q + 1, n + 1), NO_COUNT, dtype=COUNT_DTYPE)
-    h[0, n] = 0
-    end = np.zeros((max_q + 1, n + 1), dtype=np.int64)
-    rep = np.zeros((max_q + 1, n + 1), dtype=np.int64)
-    warm = np.zeros((max_q + 1, n + 1), dtype=np.int64)  # 1F1B warm-up of the first stage
-    rows = np.arange(n + 1)
+    full = fits is None and not tables.exact  # else as before: one label, one way
+    labels = 2 if full else 1
+    shape = (max_q + 1, n + 1, labels)
+    t = BoundedTables(*(np.full(shape, NO_COUNT, dtype=COUNT_DTYPE) if k == 0 else
+                        np.zeros(shape, np.int64) for k in range(6)))
+    t.h[0, n] = 0
+    ways = [_Way(tables, tau, False, fits, full)]
+    recompute = tables.mode == "auto" and tables.period_rc is not None
+    if full:
+        ways += [_Way(tables, tau, rebuilt, None, full, factor)
+                 for factor in (1.0, *MORE_REPLICAS) for rebuilt in (False, True)
+                 if (factor, rebuilt) != (1.0, False) and (recompute or not rebuilt)]
     cand = np.empty((n + 1, n + 1), dtype=COUNT_DTYPE)
-    flat = cand.reshape(-1)  # a view
-    if fits is None:  # only stages that could overflow: held[c, j] is held.flat[at[k]]
-        risky = tables.risky
-        at = above.reshape(-1)[risky].astype(np.int64) * (n + 1) + risky % (n + 1)
-        zb = _ZbBound(tables, above) if tables.zb else None
     for q in range(1, max_q + 1):
-        np.copyto(cand, reps)
-        if fits is None:
-            held, steps = held_in_front(tables.lookup, rep[q - 1], warm[q - 1],
-                                        tables.c.microbatches, last=q == 1)
-            if zb is None:
-                flat[risky[np.take(held, at) > tables.risky_cap]] = NO_COUNT
-            else:
-                flat[risky[zb.over(steps, warm[q - 1])]] = NO_COUNT
+        for lb in (lb for lb in range(labels) if (t.h[q - 1, :, lb] < NO_COUNT).any()):
+            for way in ways:
+                warm = way.mask(cand, t.rep[q - 1, :, lb], t.warm[q - 1, :, lb], q == 1)
+                cand += t.h[q - 1, :, lb][None, :]
+                if full and lb == 1 and way is ways[0]:  # the one-suffix DP's: from itself
+                    _keep(t, q, lb, cand, warm, way, np.ones_like(warm))
+                _keep(t, q, lb, cand, warm, way, np.zeros_like(warm))
+    return t
+
+
+def _keep(t: BoundedTables, q: int, source: int, cand: np.ndarray, warm: np.ndarray,
+          way: _Way, target: np.ndarray) -> None:
+    """Per (i, label) the best stage ``[i, j)`` of ``cand`` whose new plan is kept under label
+    ``target[i, j]``, if it has fewer devices (or as many and a smaller warm-up) than the one
+    kept so far; in front of the suffixes of label ``source``."""
+    n = cand.shape[0] - 1
+    rows = np.arange(n + 1)
+    for lb in np.unique(target):
+        here = np.where(target == lb, cand, NO_COUNT)
+        at = np.argmin(here, axis=1)
+        value = np.minimum(here[rows, at], NO_COUNT)
+        new_warm = warm[rows, at]
+        kept, kept_warm = t.h[q, :, lb], t.warm[q, :, lb]
+        better = (value < kept) | ((value == kept) & (value < NO_COUNT) & (new_warm < kept_warm))
+        t.h[q, better, lb] = value[better]
+        t.end[q, better, lb] = at[better]
+        t.rep[q, better, lb] = way.reps[rows, at][better]
+        t.warm[q, better, lb] = new_warm[better]
+        t.after[q, better, lb] = source
+        t.rebuilt[q, better, lb] = way.rebuilt
+
+
+class _Way:
+    """One way a stage may run in :func:`fewest_devices` (keeping its activations, or
+    recomputing them), at a bound ``tau``: each stage on the fewest replicas its period needs
+    (``reps``); :meth:`mask` prices the stages in front of one label's suffixes, those that
+    could overflow checked against them (a recomputing way has only those: keeping the others
+    is never slower)."""
+
+    def __init__(self, tables: StageTables, tau: float, rebuilt: bool,
+                 fits: np.ndarray | None, full: bool, factor: float = 1.0) -> None:
+        n = tables.n
+        periods = tables.needed if not rebuilt else np.minimum.accumulate(
+            np.asarray(tables.period_rc), axis=0)
+        above = np.zeros((n + 1, n + 1), dtype=COUNT_DTYPE)
+        for needed in periods:
+            above += needed > np.float32(tau) if not rebuilt else needed > tau
+        if factor > 1.0:  # more replicas than the period needs: less memory in flight
+            above = _more(tables, above, tau, rebuilt, factor)
+        self.reps = tables.lookup[above]
+        if rebuilt or factor > 1.0:  # only the stages that could overflow keeping
+            only = np.full(self.reps.size, NO_COUNT, dtype=COUNT_DTYPE)
+            only[tables.risky] = self.reps.reshape(-1)[tables.risky]
+            self.reps = only.reshape(self.reps.shape)
+        self.tables, self.above, self.rebuilt, self.fits = tables, above, rebuilt, fits
+        self.cols = np.arange(n + 1)[None, :]
+        risky = tables.risky
+        count = above.reshape(-1)[risky].astype(np.int64)
+        self.at = count * (n + 1) + risky % (n + 1)
+        self.zb = _ZbBound(tables, above, rebuilt, full) if tables.zb else None
+        self.cap = tables.risky_cap  # the exact DP's run: as before, no optimizer state shed
+        if self.zb is None and fits is None and full:
+            base, stash, _ = tables.kept_tables(rebuilt or tables.mode == "all")
+            room = tables.c.memory_bytes - (base.reshape(-1)[risky] - _shed(tables, count))
+            stash = stash.reshape(-1)[risky]
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                cap = np.where(stash > 0, room / np.where(stash > 0, stash, 1.0),
+                               np.where(room >= 0, tables.c.microbatches, -1.0))
+            self.cap = np.clip(np.floor(np.where(room < 0, -1.0, cap)), -1,
+                               tables.c.microbatches).astype(np.int64)
+
+    def mask(self, cand: np.ndarray, next_rep: np.ndarray, next_warm: np.ndarray, last: bool
+             ) -> np.ndarray:
+        """``cand`` set to the stages' replicas, those over memory in front of the suffixes
+        ``(next_rep, next_warm)`` masked out; returns every stage's 1F1B warm-up there."""
+        tables, m = self.tables, self.tables.c.microbatches
+        np.copyto(cand, self.reps)
+        if self.fits is not None:
+            np.copyto(cand, NO_COUNT, where=~self.fits)
+            return np.zeros(cand.shape, dtype=np.int64)
+        held, steps = held_in_front(tables.lookup, next_rep, next_warm, m, last=last)
+        flat = cand.reshape(-1)
+        if self.zb is None:
+            flat[tables.risky[np.take(held, self.at) > self.cap]] = NO_COUNT
         else:
-            np.copyto(cand, NO_COUNT, where=~fits)
-        cand += h[q - 1][None, :]
-        end[q] = np.argmin(cand, axis=1)
-        h[q] = np.minimum(cand[rows, end[q]], NO_COUNT)
-        rep[q] = np.where(h[q] < NO_COUNT, reps[rows, end[q]], 0)
-        if fits is None:
-            warm[q] = np.minimum(steps[above[rows, end[q]], end[q]] + warm[q - 1][end[q]],
-                                 tables.c.microbatches)
-    return h, end, rep
+            flat[tables.risky[self.zb.over(steps, next_warm)]] = NO_COUNT
+        return np.minimum(steps[self.above, self.cols] + next_warm[None, :], m)
+
+
+def _more(tables: StageTables, above: np.ndarray, tau: float, rebuilt: bool, factor: float
+          ) -> np.ndarray:
+    """The count index of the fewest choices at least ``factor`` times each stage's
+    ``choices[above]``, where its period there is within ``tau`` (else past the choices)."""
+    choices = np.asarray(tables.choices, dtype=float)
+    k = len(choices)
+    wanted = np.ceil(np.append(choices, np.inf)[above] * factor)
+    more = np.minimum(np.searchsorted(choices, wanted), k)
+    period = np.asarray(tables.period_rc if rebuilt else tables.period)
+    at = np.minimum(more, k - 1)
+    within = np.take_along_axis(period, at[None], axis=0)[0] <= tau
+    return np.where((more < k) & within, more, k).astype(COUNT_DTYPE)
+
+
+def _shed(tables: StageTables, count: np.ndarray) -> np.ndarray:
+    """Optimizer-state bytes each risky stage sheds on ``choices[count]`` replicas (0 where
+    ``count`` is past the choices: no count meets the bound)."""
+    out = np.zeros(count.shape)
+    whole = tables.risky
+    for c in np.unique(count):
+        if c < len(tables.choices):
+            sel = count == c
+            shed = np.broadcast_to(np.asarray(tables.shed(int(tables.choices[c])), dtype=float),
+                                   (tables.n + 1, tables.n + 1))
+            out[sel] = shed.reshape(-1)[whole[sel]]
+    return out
 
 
 class _ZbBound:
@@ -84,11 +214,14 @@ class _ZbBound:
     plans it finds fit: ``held = ceil(M / r)``, ``kept = min(ceil((1 + M - W) / r), held)``
     with ``W`` the stage's own warm-up in front of the suffix chosen."""
 
-    def __init__(self, tables: StageTables, above: np.ndarray) -> None:
+    def __init__(self, tables: StageTables, above: np.ndarray, rebuilt: bool = False,
+                 shed: bool = False) -> None:
         n, m = tables.n, tables.c.microbatches
         risky = tables.risky
-        base, stash, per_kept = tables.kept_tables(tables.mode == "all")
-        self.base, self.stash = base.reshape(-1)[risky], stash.reshape(-1)[risky]
+        base, stash, per_kept = tables.kept_tables(rebuilt or tables.mode == "all")
+        count = above.reshape(-1)[risky].astype(np.int64)
+        self.base = base.reshape(-1)[risky] - (_shed(tables, count) if shed else 0.0)
+        self.stash = stash.reshape(-1)[risky]
         self.per_kept = per_kept.reshape(-1)[risky]
         self.count = above.reshape(-1)[risky].astype(np.int64)  # index into lookup
         self.ends = risky % (n + 1)
