@@ -97,8 +97,8 @@ def test_the_bounded_dp_widens_a_stage_for_memory(monkeypatch):
 
 def test_the_bounded_dp_plans_where_the_exact_one_does(monkeypatch):
     """Over 40 random instances (recomputation per stage) the bounded DP finds a plan in at
-    least 90% of those the exact DP plans (30; the old one-suffix DP 25 of them, new 30; 99% over 150 by
-    tools/hybrid_bounded_misses.py), each within memory."""
+    least 90% of those the exact DP plans (30; the old one-suffix DP 25 of them, new 30; 99%
+    over 150 by tools/hybrid_bounded_misses.py), each within memory."""
     found = feasible = 0
     for seed in range(40):
         costs, config = _instance(seed)
