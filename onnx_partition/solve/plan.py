@@ -7,7 +7,6 @@ a train plan runs, chosen among the planned ones by simulation. The problem is p
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -267,28 +266,20 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
 
         schedules = _schedules(request) if train else ("infer",)
         engine = problem.engine if train else None
-        # made once per memory model: every schedule plans from its own, and the proof
-        # reuses their DP runs
+        # made once: every schedule plans from them, and the proof reuses their DP runs
         started = time.perf_counter()
-        made: dict[str, list[Proposal]] = {}
-        per_schedule: dict[str, list[Proposal]] = {}
-        for name in schedules:
-            memory = _memory_model(name, arrays, cluster, train)
-            if memory not in made:
-                made[memory] = proposals_for(dag, arrays, _cluster_run(
-                    cluster, name, num_stages=num_stages, microbatches=spec.microbatches,
-                    recompute=spec.recompute, train=train, engine=engine, shard=spec.shard),
-                    num_stages, HYBRID_ORDERINGS)
-            per_schedule[name] = made[memory]
+        proposals = proposals_for(dag, arrays, _cluster_run(
+            cluster, schedules[0], num_stages=num_stages, microbatches=spec.microbatches,
+            recompute=spec.recompute, train=train, engine=engine, shard=spec.shard),
+            num_stages, HYBRID_ORDERINGS)
         made_s = time.perf_counter() - started
         best, families, run = plan_per_schedule(
             dag, arrays, cluster, num_stages=num_stages, microbatches=spec.microbatches,
             schedules=schedules, recompute=spec.recompute, train=train, reporter=reporter,
-            engine=engine, shard=spec.shard, proposals=per_schedule)
+            engine=engine, shard=spec.shard, proposals=proposals)
         best = replace(best, planning_s=best.planning_s + made_s)  # the proposals' time too
         proof = prove_hybrid(dag, arrays, run, best, num_stages=num_stages,
-                             budget_s=request.search.exact_budget_s,
-                             proposals=per_schedule[run.schedule])
+                             budget_s=request.search.exact_budget_s, proposals=proposals)
     route = HybridRoute(cluster, best, families, run, proof, sum(dag.compute_ms) / cluster.speed)
     return _hybrid_solution(problem, request, route, gpus)
 
@@ -346,12 +337,12 @@ def plan_per_schedule(
     problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
     microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
     reporter: Reporter, engine: EngineTerms | None = None, shard: str = TrainSpec.shard,
-    proposals: Mapping[str, Sequence[Proposal]] | None = None,
+    proposals: Sequence[Proposal] | None = None,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
-    first schedule's error. ``proposals``: the caller's :func:`~.planner.proposals_for` per
-    schedule; made here otherwise, once per memory model (:func:`_memory_model`)."""
+    first schedule's error. ``proposals``: the caller's :func:`~.planner.proposals_for`
+    (they do not depend on the schedule); made here, once, otherwise."""
     from onnx_partition.solve.planner import (  # a cluster's planner only
         HYBRID_ORDERINGS,
         plan_cluster,
@@ -360,22 +351,14 @@ def plan_per_schedule(
 
     found: list[tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]] = []
     failed: PartitionError | None = None
-    made: dict[str, Sequence[Proposal]] = {}
     for name in schedules:
         run = _cluster_run(cluster, name, num_stages=num_stages, microbatches=microbatches,
                            recompute=recompute, train=train, engine=engine, shard=shard)
-        given: Sequence[Proposal] | None = None
         try:
-            if proposals is not None:
-                given = proposals[name]
-            elif len(schedules) > 1:
-                memory = _memory_model(name, arrays, cluster, train)
-                if memory not in made:
-                    made[memory] = proposals_for(problem, arrays, run, num_stages,
-                                                 HYBRID_ORDERINGS)
-                given = made[memory]
+            if proposals is None and len(schedules) > 1:
+                proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)
             best, families = plan_cluster(problem, arrays, run, num_stages=num_stages,
-                                          reporter=reporter, proposals=given)
+                                          reporter=reporter, proposals=proposals)
         except PartitionError as exc:
             failed = failed or exc
             continue
@@ -384,16 +367,6 @@ def plan_per_schedule(
         assert failed is not None
         raise failed
     return min(found, key=lambda f: f[0].sim.iteration_ms)
-
-
-def _memory_model(schedule: str, arrays: NodeArrays, cluster: Cluster, train: bool) -> str:
-    """Which memory the hybrid DP plans ``schedule`` under: ZB-H1's own where it keeps
-    gradients from I to W under a memory limit (its DP then differs), else 1F1B's (the
-    schedules' proposals are the same)."""
-    if (train and schedule == "zb-h1" and math.isfinite(cluster.memory_bytes)
-            and any(arrays.kept_bytes)):
-        return "zb-h1"
-    return "1f1b"
 
 
 def fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, float]],
