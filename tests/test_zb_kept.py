@@ -114,6 +114,21 @@ def test_auto_keeps_1f1b_where_zb_h1_does_not_fit() -> None:
     assert chosen == {0.0: "zb-h1", 0.5e9: "1f1b"}
 
 
+def test_the_hybrid_dp_plans_zb_h1_in_its_own_memory() -> None:
+    """Four 1 ms nodes, 0.25 GB of weights and 0.5 GB kept from I to W each, four 3 GB
+    devices, ZB-H1 only: every plan of the DP under 1F1B's memory is over 3 GB under ZB-H1
+    ("no plan fits" before the DP counted them); the DP counting ZB-H1's kept gradients
+    finds the three-stage pipeline, whose last stage keeps 2 x 0.5 GB beside its 1 GB."""
+    problem, arrays = chain([1.0] * 4, [0.25e9] * 4, nbytes=1e6)
+    arrays = replace(arrays, kept_bytes=[0.5e9] * 4)
+    cluster = Cluster(1, 4, memory_gb=3.0, kind="cuda", intra=Link(1000.0, 0.0))
+    best, _, run = plan_per_schedule(
+        problem, arrays, cluster, num_stages=None, microbatches=8, schedules=("zb-h1",),
+        recompute="none", train=True, reporter=SILENT)
+    assert run.schedule == "zb-h1" and max(best.memory_bytes) <= 3e9
+    assert best.replicas == [1, 1, 1] and list(best.stage_of) == [0, 0, 1, 2]
+
+
 @pytest.fixture(scope="module")
 def tiny_plans(tmp_path_factory: pytest.TempPathFactory,
                exported: Callable[[str, str], Path]) -> dict[str, Path]:

@@ -161,7 +161,7 @@ def proof_row(name: str, problem: Any, arrays: Any, devices: int, repeats: int) 
     chose_s, (best, _, ran) = best_of(
         repeats, plan_per_schedule, problem, arrays, cluster, num_stages=None,
         microbatches=MICROBATCHES, schedules=("infer",), recompute="none", train=False,
-        reporter=SILENT, proposals=found)
+        reporter=SILENT, proposals={"infer": found})
     plan_s = made_s + chose_s
     again_s, again = best_of(repeats, prove_hybrid, problem, arrays, ran, best)
     reuse_s, reused = best_of(repeats, prove_hybrid, problem, arrays, ran, best,

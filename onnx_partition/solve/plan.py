@@ -7,10 +7,11 @@ a train plan runs, chosen among the planned ones by simulation. The problem is p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from onnx_partition.cost.cluster import Cluster, Fleet, Link
 from onnx_partition.cost.engine_price import EngineTerms, split_ms
@@ -262,24 +263,24 @@ def _plan_hybrid(problem: Problem, request: PartitionRequest, cluster: Cluster |
         best: HybridPlan = fleet_plan
         gpus, proof = fleet_plan.gpus, HybridProof(False, "fleet")
     else:
-        from onnx_partition.solve.planner import HYBRID_ORDERINGS, proposals_for
-
         schedules = _schedules(request) if train else ("infer",)
         engine = problem.engine if train else None
-        # made once: every schedule plans from them, and the proof reuses their DP runs
+        # made once per memory model: every schedule plans from its own, and the proof
+        # reuses their DP runs
         started = time.perf_counter()
-        proposals = proposals_for(dag, arrays, _cluster_run(
-            cluster, schedules[0], num_stages=num_stages, microbatches=spec.microbatches,
-            recompute=spec.recompute, train=train, engine=engine, shard=spec.shard),
-            num_stages, HYBRID_ORDERINGS)
+        per_schedule = proposals_per_schedule(
+            dag, arrays, cluster, schedules, num_stages=num_stages,
+            microbatches=spec.microbatches, recompute=spec.recompute, train=train,
+            engine=engine, shard=spec.shard)
         made_s = time.perf_counter() - started
         best, families, run = plan_per_schedule(
             dag, arrays, cluster, num_stages=num_stages, microbatches=spec.microbatches,
             schedules=schedules, recompute=spec.recompute, train=train, reporter=reporter,
-            engine=engine, shard=spec.shard, proposals=proposals)
+            engine=engine, shard=spec.shard, proposals=per_schedule)
         best = replace(best, planning_s=best.planning_s + made_s)  # the proposals' time too
         proof = prove_hybrid(dag, arrays, run, best, num_stages=num_stages,
-                             budget_s=request.search.exact_budget_s, proposals=proposals)
+                             budget_s=request.search.exact_budget_s,
+                             proposals=_given(per_schedule[run.schedule]))
     route = HybridRoute(cluster, best, families, run, proof, sum(dag.compute_ms) / cluster.speed)
     return _hybrid_solution(problem, request, route, gpus)
 
@@ -337,28 +338,28 @@ def plan_per_schedule(
     problem: DagProblem, arrays: NodeArrays, cluster: Cluster, *, num_stages: int | None,
     microbatches: int, schedules: Sequence[str], recompute: str, train: bool,
     reporter: Reporter, engine: EngineTerms | None = None, shard: str = TrainSpec.shard,
-    proposals: Sequence[Proposal] | None = None,
+    proposals: Mapping[str, Proposed] | None = None,
 ) -> tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]:
     """:func:`~onnx_partition.solve.planner.plan_cluster` for each schedule: the fastest
     simulated plan (the first schedule on a tie), its families and run. When none fits, the
-    first schedule's error. ``proposals``: the caller's :func:`~.planner.proposals_for`
-    (they do not depend on the schedule); made here, once, otherwise."""
-    from onnx_partition.solve.planner import (  # a cluster's planner only
-        HYBRID_ORDERINGS,
-        plan_cluster,
-        proposals_for,
-    )
+    first schedule's error. ``proposals``: the caller's :func:`~.planner.proposals_for` per
+    schedule; made here otherwise, once per memory model (:func:`_memory_model`)."""
+    from onnx_partition.solve.planner import plan_cluster  # a cluster's planner only
 
     found: list[tuple[HybridPlan, dict[str, dict[str, float]], RunSpec]] = []
     failed: PartitionError | None = None
+    if proposals is None and len(schedules) > 1:
+        proposals = proposals_per_schedule(
+            problem, arrays, cluster, schedules, num_stages=num_stages,
+            microbatches=microbatches, recompute=recompute, train=train, engine=engine,
+            shard=shard)
     for name in schedules:
         run = _cluster_run(cluster, name, num_stages=num_stages, microbatches=microbatches,
                            recompute=recompute, train=train, engine=engine, shard=shard)
         try:
-            if proposals is None and len(schedules) > 1:
-                proposals = proposals_for(problem, arrays, run, num_stages, HYBRID_ORDERINGS)
+            given = None if proposals is None else _given(proposals[name])
             best, families = plan_cluster(problem, arrays, run, num_stages=num_stages,
-                                          reporter=reporter, proposals=proposals)
+                                          reporter=reporter, proposals=given)
         except PartitionError as exc:
             failed = failed or exc
             continue
@@ -367,6 +368,54 @@ def plan_per_schedule(
         assert failed is not None
         raise failed
     return min(found, key=lambda f: f[0].sim.iteration_ms)
+
+
+#: A schedule's proposals, or why its DP found none (that schedule then plans nothing).
+Proposed: TypeAlias = "Sequence[Proposal] | PartitionError"
+
+
+def proposals_per_schedule(
+    problem: DagProblem, arrays: NodeArrays, cluster: Cluster, schedules: Sequence[str], *,
+    num_stages: int | None, microbatches: int, recompute: str, train: bool,
+    engine: EngineTerms | None, shard: str,
+) -> dict[str, Proposed]:
+    """:func:`~.planner.proposals_for` per schedule, made once per memory model
+    (:func:`_memory_model`); a schedule whose DP finds no plan within memory gets the error,
+    so ``auto`` still plans the others (1F1B where ZB-H1's kept gradients do not fit)."""
+    from onnx_partition.solve.planner import HYBRID_ORDERINGS, proposals_for
+
+    made: dict[str, Proposed] = {}
+    out: dict[str, Proposed] = {}
+    for name in schedules:
+        memory = _memory_model(name, arrays, cluster, train)
+        if memory not in made:
+            run = _cluster_run(cluster, name, num_stages=num_stages,
+                               microbatches=microbatches, recompute=recompute, train=train,
+                               engine=engine, shard=shard)
+            try:
+                made[memory] = proposals_for(problem, arrays, run, num_stages,
+                                             HYBRID_ORDERINGS)
+            except PartitionError as exc:
+                made[memory] = exc
+        out[name] = made[memory]
+    return out
+
+
+def _given(proposed: Proposed) -> Sequence[Proposal]:
+    """The proposals, or their schedule's error raised."""
+    if isinstance(proposed, PartitionError):
+        raise proposed
+    return proposed
+
+
+def _memory_model(schedule: str, arrays: NodeArrays, cluster: Cluster, train: bool) -> str:
+    """Which memory the hybrid DP plans ``schedule`` under: ZB-H1's own where it keeps
+    gradients from I to W under a memory limit (its DP then differs), else 1F1B's (the
+    schedules' proposals are the same)."""
+    if (train and schedule == "zb-h1" and math.isfinite(cluster.memory_bytes)
+            and any(arrays.kept_bytes)):
+        return "zb-h1"
+    return "1f1b"
 
 
 def fastest_schedule(schedules: Sequence[str], split: Sequence[tuple[float, float]],

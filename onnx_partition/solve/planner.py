@@ -171,6 +171,7 @@ def dp_sequence(
         group_latency_ms=group_lat,
         optimizer_factor=run.optimizer_factor,
         shard=run.shard,
+        train_schedule=run.train_schedule,  # ZB-H1's kept gradients in its memory
         max_stages=num_stages or run.max_stages,
         depth=num_stages,
         budgets=machine_budgets(cluster),
@@ -372,8 +373,8 @@ def machine_budgets(cluster: Cluster) -> list[int]:
 def sequence_costs(problem: DagProblem, arrays: NodeArrays, blocks: Blocks) -> SequenceCosts:
     """The hybrid DP's input: ``blocks`` of a sequence as positions, each with its nodes'
     sums, the bytes crossing each allowed boundary (relay model), the one memory count
-    (a shared initializer in each block holding it, :meth:`NodeArrays.shared_in`) and each
-    block's first and last operator (for the memory error)."""
+    (a shared initializer in each block holding it, :meth:`NodeArrays.shared_in`; ZB-H1's
+    kept gradients) and each block's first and last operator (for the memory error)."""
     order, bounds = blocks.order, blocks.bounds
     labels: list[str] = []
     last_labels: list[str] = []
@@ -387,7 +388,8 @@ def sequence_costs(problem: DagProblem, arrays: NodeArrays, blocks: Blocks) -> S
                          cut_bytes(problem, order)[np.asarray(bounds)], labels, last_labels,
                          blocks.sums(arrays.weight_bytes) if counted else [],
                          blocks.sums(arrays.trainable_bytes) if counted else [],
-                         arrays.input_bytes, arrays.shared_in(blocks))
+                         arrays.input_bytes, arrays.shared_in(blocks),
+                         blocks.sums(arrays.kept_bytes) if len(arrays.kept_bytes) else ())
 
 
 def proposals_for(problem: DagProblem, arrays: NodeArrays, run: RunSpec,
