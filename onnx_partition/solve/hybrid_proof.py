@@ -111,7 +111,8 @@ class HybridProof:
         it, bound = self.iteration_ms, self.iteration_bound_ms
         if it is None or bound is None or not math.isfinite(bound):
             return None
-        return (it - bound) / it if it > 0 else 0.0
+        gap = (it - bound) / it if it > 0 else 0.0
+        return 0.0 if -_MEETS < gap < 0 else gap  # the last bits of sums taken apart
 
     @property
     def plan_proven(self) -> bool:
@@ -196,8 +197,10 @@ def prove_hybrid(problem: DagProblem, arrays: NodeArrays, run: RunSpec, plan: Hy
                      limits=(max_cells, max_devices), iteration_bound_ms=bound,
                      iteration_ms=plan.sim.iteration_ms)
     depth = min(num_stages or run.max_stages, devices, n)  # the most stages a plan may have
-    if devices > max_devices or n * n * depth > max_cells:
-        return record(False, "size", seconds=time.perf_counter() - started)
+    if devices > max_devices or n * n * depth > max_cells:  # the plan's period where cheap
+        plan_ms = _plan_period(sequence, plan, solved.plans) if solved is not None else None
+        return record(False, "size", plan_period_ms=plan_ms,
+                      seconds=time.perf_counter() - started)
     dp_plans = _dp_plans(sequence, solved)
     dp_ms = max(s.period_ms for s in dp_plans[0]) if dp_plans else math.inf
     plan_ms = _plan_period(sequence, plan, dp_plans)
@@ -306,7 +309,7 @@ def _fewest(terms: np.ndarray, counts: np.ndarray, tau: float, depths: list[int]
 
 _NO_DEVICES = 1 << 40
 #: :func:`bounded_iteration` builds its terms (counts x blocks squared) up to this many
-BOUND_CELLS = 1 << 22
+BOUND_CELLS = 1 << 23
 
 
 def bounded_iteration(sequence: DpSequence, run: RunSpec) -> float | None:
