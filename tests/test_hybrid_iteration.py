@@ -10,12 +10,21 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.graphs import CHAIN, save
 from support.hybrid_brute import compositions
 from support.problems import chain
 
+from onnx_partition.cli import main
+from onnx_partition.cli.summary.partition import proof_line
 from onnx_partition.cost.cluster import Cluster, Link
 from onnx_partition.cost.engine_price import EngineTerms
-from onnx_partition.solve.hybrid_proof import iteration_bound, least_counts, prove_hybrid
+from onnx_partition.plan import read_plan
+from onnx_partition.solve.hybrid_proof import (
+    HybridProof,
+    iteration_bound,
+    least_counts,
+    prove_hybrid,
+)
 from onnx_partition.solve.planner import dp_sequence, plan_cluster
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import NodeArrays, RunSpec, lower_bound_ms, score
@@ -104,3 +113,24 @@ def test_no_plan_of_the_sequence_simulates_below_the_bound(
     assert bound <= least * (1 + 1e-9)
     if free and terms is None and memory_gb == 80.0 and machines == 1:
         assert bound == pytest.approx(least_lb, rel=1e-9)
+
+
+def test_the_summary_says_proven_optimal_only_of_a_plan_meeting_the_bound(tmp_path) -> None:
+    model = save(CHAIN, tmp_path / "m.onnx")
+    assert main(["partition", str(model), "--devices", "2", "--mode", "train", "--no-program",
+                 "--batch-size", "2", "-o", str(tmp_path / "a")]) == 0
+    plan = read_plan(tmp_path / "a")
+    problem, arrays, run = heavy_chain()
+    scored, _ = plan_cluster(problem, arrays, run)
+    plan.extra["exact"] = prove_hybrid(problem, arrays, run, scored).to_json(1.0)
+    line = proof_line(plan)
+    assert line is not None and line.startswith(
+        "plan quality: not proven optimal; simulated iteration 57 ms, within 7.02% of 53 ms, "
+        "a bound no plan over the topo sequence (3 blocks")
+    assert "the DP's least bottleneck period, 10 ms per micro-batch, proven least (CP-SAT" in line
+    assert "proven optimal " not in line
+    met = HybridProof(True, "cp-sat", "topo", 3, 3, 10.0, 10.0, 0.0, 10.0, 0.1,
+                      iteration_bound_ms=53.0, iteration_ms=53.0)
+    plan.extra["exact"] = met.to_json(1.0)
+    assert (proof_line(plan) or "").startswith(
+        "plan quality: proven optimal over the topo sequence (3 blocks")
