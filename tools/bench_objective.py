@@ -17,7 +17,8 @@ drain: one micro-batch through every stage, the rest at the slowest, the all-red
 chosen plan's own ``M x period`` and its :func:`~onnx_partition.solve.scoring.lower_bound_ms`,
 the record's iteration bound (over every split of the sequence) and ``gap``, the proof's
 ``by``, and what the plan spends off its bottleneck: the exposed all-reduce (the slowest
-stage's) and the boundaries priced at the inter-machine link. Prints a Markdown table.
+stage's) and the boundaries priced at the inter-machine link; the planner's seconds and the
+proof's (the bound, and CP-SAT where it runs). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from onnx_partition.solve.scoring import NodeArrays, RunSpec, lower_bound_ms, st
 
 HEADER = ("| case | D | M | plan | P* ms | M P* | DP closed form | simulated | sim / M P* | "
           "plan M x period | plan's own bound | iteration bound | gap | by | all-reduce "
-          "exposed | inter boundaries |")
+          "exposed | inter boundaries | planning s | proof s |")
 
 
 def row(name: str, problem: DagProblem, arrays: NodeArrays, run: RunSpec) -> str:
@@ -53,7 +54,7 @@ def row(name: str, problem: DagProblem, arrays: NodeArrays, run: RunSpec) -> str
     try:
         plan, _ = plan_cluster(problem, arrays, run, proposals=proposals)
     except PartitionError as error:
-        return f"| {name} | {run.cluster.devices} | {m} | {error} |" + " |" * 13
+        return f"| {name} | {run.cluster.devices} | {m} | {error} |" + " |" * 15
     proof = prove_hybrid(problem, arrays, run, plan, proposals=proposals)
     ordering = plan.source.partition(":")[2] or HYBRID_ORDERINGS[0]
     solved = next((p.solved for p in proposals
@@ -78,7 +79,8 @@ def row(name: str, problem: DagProblem, arrays: NodeArrays, run: RunSpec) -> str
             f"{ms(estimate_ms(best, run) if best else None)} | {ms(sim)} | "
             f"{'' if not period else f'{sim / (period * m):.3f}'} | {ms(plan_m)} | {ms(own)} | "
             f"{ms(proof.iteration_bound_ms)} | {'' if gap is None else f'{gap:.2%}'} | "
-            f"{proof.by} | {ms(allreduce)} | {inter} |")
+            f"{proof.by} | {ms(allreduce)} | {inter} | {plan.planning_s:.2f} | "
+            f"{proof.seconds:.2f} |")
 
 
 def main() -> int:

@@ -269,9 +269,11 @@ def iteration_bound(sequence: DpSequence, run: RunSpec) -> float:
     Per stage ``[i, j)`` on ``r`` replicas (:func:`~.scoring.lower_bound_ms`'s argument with
     only what depends on ``(i, j, r)``): replica 0 cannot start before micro-batch 0's
     forward over blocks ``[0, i)`` and the transfer into ``i``; it computes ``ceil(M / r)``
-    micro-batches; then the all-reduce, and in 1F1B also the last micro-batch's backward over
-    ``[0, i)`` and its transfer, must still run (inference: the forward over ``[j, n)``); the
-    engine's per-action work, accumulation and optimizer step where priced. A plan's
+    micro-batches, and (1F1B) its last backward waits on that micro-batch's forward and
+    backward over ``[i, n)`` and the transfers at ``j``; then the all-reduce, and in 1F1B also
+    the last micro-batch's backward over ``[0, i)`` and its transfer, must still run
+    (inference: the forward over ``[j, n)``); the engine's per-action work, accumulation and
+    optimizer step where priced. A plan's
     iteration is at least its worst stage's term, so the least over plans of the worst term,
     found by bisection over the terms with the fewest devices per bound (a shortest path over
     the blocks), bounds every plan."""
@@ -344,21 +346,24 @@ def _stage_terms(sequence: DpSequence, run: RunSpec) -> tuple[np.ndarray, np.nda
     counts = least_counts(config.devices, m)
     valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1) & tables.relaxed_fits()
     ahead = (prefix_f + send)[:, None]  # micro-batch 0 reaches block i
+    step = (engine.step_fixed_ms + engine.step_per_byte * weights) if engine else 0.0
+    # 1F1B: a replica's last backward waits on its micro-batch's way to the end and back
+    trip = ((prefix_f[n] + prefix_b[n] - prefix_f - prefix_b)[:, None] + 2.0 * send[None, :]
+            if train and run.schedule != "zb-h1" else 0.0)
     terms = np.empty((len(counts), n + 1, n + 1))
     for c, r in enumerate(counts):
         waves = -(-m // int(r))
         work = waves * compute
-        if engine is not None:  # its actions, accumulations and (once, at the end) step
+        if engine is not None:  # its actions and accumulations
             work = (work + waves * actions * engine.action_ms
-                    + (waves - 1) * engine.accumulate_per_byte * weights
-                    + engine.step_fixed_ms + engine.step_per_byte * weights)
+                    + (waves - 1) * engine.accumulate_per_byte * weights)
         if train:
             allreduce = _allreduce_lb(tables.params, int(r), cluster)
             after = (allreduce if run.schedule == "zb-h1" else
                      np.maximum(allreduce, (prefix_b + send)[:, None]))
         else:
             after = (prefix_f[n] - prefix_f + send)[None, :]  # on to the last block
-        terms[c] = np.where(valid, ahead + work + after, np.inf)
+        terms[c] = np.where(valid, ahead + np.maximum(work, trip) + after + step, np.inf)
     return terms, counts
 
 
