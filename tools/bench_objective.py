@@ -17,8 +17,9 @@ drain: one micro-batch through every stage, the rest at the slowest, the all-red
 chosen plan's own ``M x period`` and its :func:`~onnx_partition.solve.scoring.lower_bound_ms`,
 the record's iteration bound (over every split of the sequence) and ``gap``, the proof's
 ``by``, and what the plan spends off its bottleneck: the exposed all-reduce (the slowest
-stage's) and the boundaries priced at the inter-machine link; the planner's seconds and the
-proof's (the bound, and CP-SAT where it runs). Prints a Markdown table.
+stage's) and the boundaries priced at the inter-machine link; the tournament's seconds and the
+proof's (the bound, and CP-SAT where it runs); the tournament's are ``plan_cluster``'s given the
+proposals (made before, not counted). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from onnx_partition.solve.scoring import NodeArrays, RunSpec, lower_bound_ms, st
 
 HEADER = ("| case | D | M | plan | P* ms | M P* | DP closed form | simulated | sim / M P* | "
           "plan M x period | plan's own bound | iteration bound | gap | by | all-reduce "
-          "exposed | inter boundaries | planning s | proof s |")
+          "exposed | inter boundaries | tournament s | proof s |")
 
 
 def row(name: str, problem: DagProblem, arrays: NodeArrays, run: RunSpec) -> str:
