@@ -206,7 +206,7 @@ def _hybrid_proof_line(exact: HybridPeriodProof, over: PlannedOver | None = None
     if by == "size":
         judged = (f"CP-SAT judges the DP's bottleneck period up to {exact.max_cells} stage "
                   f"choices (blocks squared times stages) and {exact.max_devices} devices")
-        return (f"plan quality: {iteration}; {judged}" if iteration else
+        return (f"plan quality: {iteration}; {judged}, so not here" if iteration else
                 f"plan quality: not proven; {judged}: here {where}")
     first = f"plan quality: {iteration}; " if iteration else "plan quality: "
     period, plan_ms = exact.period_ms, exact.plan_period_ms
