@@ -112,7 +112,8 @@ EVERY_EXTRA: dict[str, Any] = {
               "objective": "period", "budget_s": 1.0, "ordering": "topo", "positions": 2,
               "devices": 4, "period_ms": 1.5, "lower_bound_ms": 1.0, "gap": 0.33,
               "plan_period_ms": 1.6, "max_cells": 100, "max_devices": 8, "seconds": 1.0,
-              "rounding_ms": 0.0},
+              "rounding_ms": 0.0, "period_proven": False, "period_gap": 0.33,
+              "iteration_bound_ms": 20.0, "iteration_ms": 24.0},
     "planned_over": {"granularity": "torch-ops", "units": 3, "nodes": 5},
     "cluster": {"format": "onnx-partition/cluster@2", "groups": [
         {"gpu": "a100", "machines": 1, "devices_per_machine": 2, "memory_gb": 80,

@@ -244,8 +244,11 @@ class PipelineProof(Part):
 
 @dataclass(kw_only=True, eq=False)
 class HybridPeriodProof(Part):
-    """``exact`` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
-    (:class:`onnx_partition.solve.hybrid_proof.HybridProof`)."""
+    """``exact`` of a hybrid plan (:class:`onnx_partition.solve.hybrid_proof.HybridProof`):
+    ``proven_optimal`` and ``gap`` of the plan's simulated iteration against
+    ``iteration_bound_ms``, ``period_proven`` and ``period_gap`` of the DP's bottleneck
+    period. A record without ``period_proven`` (written before the bound) gives the period's
+    in ``proven_optimal`` and ``gap``."""
 
     kind: Literal["hybrid-period"] = "hybrid-period"
     proven_optimal: bool
@@ -259,6 +262,10 @@ class HybridPeriodProof(Part):
     lower_bound_ms: Number | None = None
     gap: Number | None = None
     plan_period_ms: Number | None = None
+    period_proven: bool | None = None
+    period_gap: Number | None = None
+    iteration_bound_ms: Number | None = None
+    iteration_ms: Number | None = None
     max_cells: Count | None = None
     max_devices: Count | None = None
     seconds: Seconds | None = None

@@ -190,43 +190,64 @@ _HYBRID_SHORT = {"off": "exact search off (--exact-budget 0)",
 
 
 def _hybrid_proof_line(exact: HybridPeriodProof, over: PlannedOver | None = None) -> str:
-    """:func:`proof_line` of a hybrid plan: what CP-SAT proved of the DP's bottleneck period
-    over one sequence (plan.json's ``exact``, :mod:`~onnx_partition.solve.hybrid_proof`), of
-    the units ``over`` says were planned."""
+    """:func:`proof_line` of a hybrid plan (plan.json's ``exact``,
+    :mod:`~onnx_partition.solve.hybrid_proof`), of the units ``over`` says were planned: how
+    far its simulated iteration may be from the fastest plan of the sequence (the bound every
+    split of it meets), and what CP-SAT proved of the DP's bottleneck period there. "Proven
+    optimal" only where the iteration meets the bound; a record written before the bound
+    (no ``period_proven``) proved the period alone."""
     by = exact.by
     if by in _HYBRID_SHORT:
         return f"plan quality: not proven; {_HYBRID_SHORT[by]}"
     of = f" {over.phrase().replace('over', 'of', 1)}" if over is not None else ""
     where = (f"over the {exact.ordering} sequence ({exact.positions} blocks{of}, "
              f"{exact.devices} devices)" if exact.positions else f"on {exact.devices} devices")
+    iteration = _iteration_clause(exact, where)
     if by == "size":
-        return (f"plan quality: not proven; CP-SAT judges the DP's bottleneck period up to "
-                f"{exact.max_cells} stage choices (blocks squared times stages) and "
-                f"{exact.max_devices} devices: here {where}")
+        judged = (f"CP-SAT judges the DP's bottleneck period up to {exact.max_cells} stage "
+                  f"choices (blocks squared times stages) and {exact.max_devices} devices")
+        return (f"plan quality: {iteration}; {judged}, so not here" if iteration else
+                f"plan quality: not proven; {judged}: here {where}")
+    first = f"plan quality: {iteration}; " if iteration else "plan quality: "
     period, plan_ms = exact.period_ms, exact.plan_period_ms
     if period is None:  # the DP found no plan of the sequence within memory
         agreed = ("CP-SAT agrees" if by == "none-fits" else "CP-SAT disagrees: please report"
                   if by == "disagree" else "CP-SAT's budget ran out")
-        return (f"plan quality: not proven; the DP finds no plan {where} within memory "
-                f"without recomputation ({agreed}); the plan comes from another proposal")
-    chosen = ("; the plan, chosen by simulated iteration (not proven), has period "
-              f"{plan_ms:.6g} ms (+{(plan_ms / period - 1) * 100:.2f}%)"
+        return (f"{first if iteration else 'plan quality: not proven; '}the DP finds no plan "
+                f"{where} within memory without recomputation ({agreed}); the plan comes "
+                f"from another proposal")
+    chosen = (f"; the plan's own period {plan_ms:.6g} ms (+{(plan_ms / period - 1) * 100:.2f}%)"
               if period and plan_ms is not None and plan_ms > period * (1 + 1e-6) else
-              "; the plan, chosen by simulated iteration (not proven), has it"
-              if plan_ms is not None else
-              "; the plan, chosen by simulated iteration (not proven), is not a split of "
-              "that sequence")
+              "; the plan has it" if plan_ms is not None else
+              "; the plan is not a split of that sequence")
     if by == "disagree":
-        return (f"plan quality: CP-SAT found a bottleneck period below the DP's "
-                f"{period:.6g} ms {where}: the DP missed a plan (please report){chosen}")
-    least = f"the DP's least bottleneck period {where}, {period:.6g} ms per micro-batch"
-    if exact.proven_optimal:
+        return (f"{first}CP-SAT found a bottleneck period below the DP's {period:.6g} ms "
+                f"{where}: the DP missed a plan (please report){chosen}")
+    least = (f"the DP's least bottleneck period, {period:.6g} ms per micro-batch," if iteration
+             else f"the DP's least bottleneck period {where}, {period:.6g} ms per micro-batch,")
+    proven = exact.period_proven
+    if exact.proven_optimal if proven is None else proven:
         how = ("it meets the bound of all compute over all devices" if by == "bound"
                else f"CP-SAT, {exact.seconds or 0:.2f} s")
-        return f"plan quality: {least}, proven optimal ({how}){chosen}"
-    return (f"plan quality: {least}, within {(exact.gap or 0) * 100:.2f}% of the bound "
+        return f"{first}{least} proven least ({how}){chosen}"
+    gap = exact.gap if proven is None else exact.period_gap
+    return (f"{first}{least} within {(gap or 0) * 100:.2f}% of the bound "
             f"{exact.lower_bound_ms or 0:.6g} ms (all compute over all devices); CP-SAT's "
             f"budget ran out (--exact-budget SECONDS to search longer){chosen}")
+
+
+def _iteration_clause(exact: HybridPeriodProof, where: str) -> str:
+    """What is proven of the plan's simulated iteration: that it meets the bound no plan
+    ``where`` simulates below, or its gap to it ("" where the record has no bound)."""
+    bound, iteration = exact.iteration_bound_ms, exact.iteration_ms
+    if exact.period_proven is None or bound is None or iteration is None:
+        return ""
+    if exact.proven_optimal:
+        return (f"proven optimal {where}: its simulated iteration, {iteration:.6g} ms, meets "
+                f"the bound no split of the sequence simulates below")
+    return (f"not proven optimal; simulated iteration {iteration:.6g} ms, within "
+            f"{(exact.gap or 0) * 100:.2f}% of {bound:.6g} ms, a bound no plan {where} "
+            f"simulates below (fill, drain and all-reduce counted)")
 
 
 def proof_line(plan: Plan) -> str | None:
