@@ -18,10 +18,13 @@ given to CP-SAT as a hint: a hint steers the search, never the proof).
     python tools/ref_optimum.py [--size tiny] [--recipes gpt bert] [--stages 2 4 8]
         [--time-limit 20] [--models a.onnx ...] [--memory-gb G] [--exact-budget S]
         [--hf gpt2-12 resnet50 ... | --hf all] [--cpu-costs] [--free-links] [--work DIR]
+        [--exact-max-units N]
 
 ``--hf`` exports the Hugging Face models of ``tools/hf_zoo.py`` (random weights from configs);
 ``--cpu-costs`` prices every node by onnxruntime on this CPU (one profile per model, the
-planner given the same costs.json); ``--free-links`` makes every link free for both sides.
+planner given the same costs.json); ``--free-links`` makes every link free for both sides;
+``--exact-max-units`` raises, in this process only, the size above which the planner skips
+its exact pass (to measure what that cap costs).
 
 Prints one row per model and stage count: the planner's bottleneck, the judge's optimum, the
 gap, whether the planner claimed a proof and whether the judge proved optimality.
@@ -404,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-repeats", type=int, default=10)
     parser.add_argument("--free-links", action="store_true",
                         help="links of unlimited bandwidth and no latency, for both sides")
+    parser.add_argument("--exact-max-units", type=int, default=None,
+                        help="an experiment: the planner's exact pass also on problems of up "
+                             "to this many units (its default cap: solve/exact.py EXACT_NODES)")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep exports, profiles and plans here (reused when present)")
     args = parser.parse_args(argv)
@@ -411,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     from hf_zoo import ZOO
 
+    if args.exact_max_units is not None:  # the planner's own cap, raised for this process
+        from onnx_partition.solve.exact import exact_split
+
+        assert exact_split.__kwdefaults__ is not None
+        exact_split.__kwdefaults__["max_nodes"] = args.exact_max_units
     hf = list(ZOO) if args.hf == ["all"] else args.hf
     unknown = [n for n in hf if n not in ZOO]
     if unknown:
