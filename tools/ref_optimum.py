@@ -9,11 +9,13 @@ bytes crossing its two boundaries over the link plus the link's latency per boun
 With ``--memory-gb`` each stage also holds at most that many bytes: the initializers its nodes
 read (one read by two stages in each) and its nodes' outputs.
 
-Nothing of ``onnx_partition.solve`` is imported: the model here is written from the definition.
-What it takes from the project is data only: the graph as loaded (nodes, tensors, bytes), each
-node's forward time from the planner's cost annotation (the analytic model of ``--device-kind
-cuda``, an H100), and the plan ``partition`` writes (its bottleneck, its proof claim, its cut,
-given to CP-SAT as a hint: a hint steers the search, never the proof).
+Nothing of ``onnx_partition.solve`` is imported by the judge: its model is written from the
+definition (``--exact-max-units`` only raises the planner's own cap before planning). What it
+takes from the project is data only: the graph as loaded (nodes, tensors, bytes), each node's
+forward time from the planner's cost annotation (``--cpu-costs``: a CPU profile; else the
+analytic model of ``--device-kind cuda``, an H100), and the plan ``partition`` writes (its
+bottleneck, its proof claim, its cut, given to CP-SAT as a hint: a hint steers the search,
+never the proof).
 
     python tools/ref_optimum.py [--size tiny] [--recipes gpt bert] [--stages 2 4 8]
         [--time-limit 20] [--models a.onnx ...] [--memory-gb G] [--exact-budget S]
