@@ -10,6 +10,9 @@ the kinds, and checks each against a reference written apart from the code under
 - ``dag-planner``: the same DAGs, the default planner (``best_split``, every ordering and
   local moves): its split valid and never below the optimum over every valid split
   (``solve/brute.py``); its gap to that optimum is reported, not a failure (a heuristic);
+- ``dag-exact``: the same DAGs, ``partition``'s exact pass (``exact_split``) from that split:
+  never worse than it nor past the optimum, and "proven" only at the optimum (within its
+  rounding); the splits it leaves unproven count as undecided, their gap reported;
 - ``hybrid``: a random sequence of up to 5 positions on 1..16 devices, 1..16 micro-batches,
   inference or training, memory free or binding, per-count links: ``plan_hybrid``'s least
   period against brute force over every split and every replica count (and every plan it
@@ -46,6 +49,7 @@ from support.hybrid_brute import brute_hybrid, plan_memory
 from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.solve.brute import brute_force
+from onnx_partition.solve.exact import exact_split
 from onnx_partition.solve.fleet_dp import FleetSequence, fleet_dp
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, plan_hybrid
 from onnx_partition.solve.problem import DagProblem, topological_order
@@ -120,6 +124,35 @@ def check_dag_planner(rng: random.Random, tally: Tally) -> str | None:
     if not tally.gaps or gap > max(tally.gaps):
         tally.worst_seed = tally.seed
     tally.gaps.append(gap)
+    return None
+
+
+def check_dag_exact(rng: random.Random, tally: Tally) -> str | None:
+    """``partition``'s exact pass (``exact_split``, the default budget) from the default
+    planner's split: valid, never above that split nor below the optimum over every valid
+    split, its lower bound never above the optimum, and a split it calls proven the optimum
+    (within its integer costs' rounding)."""
+    problem, stages = random_dag(rng)
+    chosen, _ = best_split(problem, stages)
+    proof = exact_split(problem, stages, chosen.stage_of)
+    if not problem.is_valid(proof.stage_of, stages):
+        return f"invalid split {proof.stage_of}"
+    _, optimum = brute_force(problem, stages)
+    got = problem.bottleneck_ms(proof.stage_of, stages)
+    slack = REL * optimum + proof.rounding_ms + 1e-12
+    if not same(got, proof.bottleneck_ms):
+        return f"reported {proof.bottleneck_ms!r}, its split is {got!r}"
+    if got < optimum - slack or proof.lower_bound_ms > optimum + slack:
+        return f"split {got!r} or bound {proof.lower_bound_ms!r} past the optimum {optimum!r}"
+    if got > problem.bottleneck_ms(chosen.stage_of, stages) * (1 + REL):
+        return f"exact pass {got!r} worse than the split it was given"
+    if proof.proven and got > optimum + slack:
+        return f"claims proven ({proof.by}) at {got!r}, the optimum is {optimum!r}"
+    gap = got / optimum - 1 if optimum > 0 else 0.0
+    if not tally.gaps or gap > max(tally.gaps):
+        tally.worst_seed = tally.seed
+    tally.gaps.append(gap)
+    tally.undecided += not proof.proven
     return None
 
 
@@ -214,7 +247,8 @@ def check_fleet(rng: random.Random, tally: Tally) -> str | None:
 
 KINDS: dict[str, Callable[[random.Random, Tally], str | None]] = {
     "dag-sequence": check_dag_sequence, "dag-planner": check_dag_planner,
-    "hybrid": check_hybrid, "judge": check_judge, "fleet": check_fleet}
+    "dag-exact": check_dag_exact, "hybrid": check_hybrid, "judge": check_judge,
+    "fleet": check_fleet}
 
 
 def main(argv: list[str] | None = None) -> int:

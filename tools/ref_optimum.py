@@ -9,14 +9,24 @@ bytes crossing its two boundaries over the link plus the link's latency per boun
 With ``--memory-gb`` each stage also holds at most that many bytes: the initializers its nodes
 read (one read by two stages in each) and its nodes' outputs.
 
-Nothing of ``onnx_partition.solve`` is imported: the model here is written from the definition.
-What it takes from the project is data only: the graph as loaded (nodes, tensors, bytes), each
-node's forward time from the planner's cost annotation (the analytic model of ``--device-kind
-cuda``, an H100), and the plan ``partition`` writes (its bottleneck, its proof claim, its cut,
-given to CP-SAT as a hint: a hint steers the search, never the proof).
+Nothing of ``onnx_partition.solve`` is imported by the judge: its model is written from the
+definition (``--exact-max-units`` only raises the planner's own cap before planning). What it
+takes from the project is data only: the graph as loaded (nodes, tensors, bytes), each node's
+forward time from the planner's cost annotation (``--cpu-costs``: a CPU profile; else the
+analytic model of ``--device-kind cuda``, an H100), and the plan ``partition`` writes (its
+bottleneck, its proof claim, its cut, given to CP-SAT as a hint: a hint steers the search,
+never the proof).
 
     python tools/ref_optimum.py [--size tiny] [--recipes gpt bert] [--stages 2 4 8]
         [--time-limit 20] [--models a.onnx ...] [--memory-gb G] [--exact-budget S]
+        [--hf gpt2-12 resnet50 ... | --hf all] [--cpu-costs] [--free-links] [--work DIR]
+        [--exact-max-units N]
+
+``--hf`` exports the Hugging Face models of ``tools/hf_zoo.py`` (random weights from configs);
+``--cpu-costs`` prices every node by onnxruntime on this CPU (one profile per model, the
+planner given the same costs.json); ``--free-links`` makes every link free for both sides;
+``--exact-max-units`` raises, in this process only, the size above which the planner skips
+its exact pass (to measure what that cap costs).
 
 Prints one row per model and stage count: the planner's bottleneck, the judge's optimum, the
 gap, whether the planner claimed a proof and whether the judge proved optimality.
@@ -136,7 +146,7 @@ def judge(inst: Instance, stages: int, *, time_limit_s: float = 10.0, workers: i
                 for k in range(last):
                     m.Add(done[c][k] <= done[p][k])
         ends = inst.readers[t] + ([-1] if inst.is_output[t] else [])  # -1: the last stage
-        if inst.nbytes[t] <= 0 or not ends:
+        if round(comm[t] * scale) <= 0 or not ends:  # free to cross (a free link)
             continue
         for k in range(last):
             x = m.NewBoolVar(f"x{t}_{k}")
@@ -182,6 +192,8 @@ def windows(inst: Instance, stages: int, ceiling_ms: float) -> list[tuple[int, i
     """Each node's stage range ``[lo, hi]`` in any plan whose stages all take at most
     ``ceiling_ms``: a node and its ancestors fit in the stages up to its own, its descendants
     and it in those from its own, each stage holding at most ``ceiling_ms`` less its latency."""
+    import numpy as np
+
     n = len(inst.compute)
     preds: list[set[int]] = [set() for _ in range(n)]
     for t, p in enumerate(inst.producer):
@@ -190,31 +202,23 @@ def windows(inst: Instance, stages: int, ceiling_ms: float) -> list[tuple[int, i
                 if c != p:
                     preds[c].add(p)
     order = _topological(preds)
-    up = [0] * n  # ancestor bitsets
+    up = np.zeros((n, n), dtype=bool)  # up[i, j]: j is an ancestor of i
     for i in order:
         for p in preds[i]:
-            up[i] |= up[p] | (1 << p)
-    down = [0] * n
-    for i in order:
-        mask = up[i]
-        while mask:
-            low = mask & -mask
-            down[low.bit_length() - 1] |= 1 << i
-            mask ^= low
+            up[i] |= up[p]
+            up[i, p] = True
+    work = np.asarray(inst.compute, dtype=np.float64)
+    above, below = np.zeros(n), np.zeros(n)  # each node's ancestors' and descendants' compute
+    for start in range(0, n, 1024):  # in row blocks: a float copy of all of ``up`` is n*n*8 B
+        block = up[start:start + 1024].astype(np.float64)
+        above[start:start + 1024] = block @ work
+        below += work[start:start + 1024] @ block
     caps = [max(ceiling_ms - inst.latency_ms * ((s > 0) + (s < stages - 1)), 0.0)
             for s in range(stages)]
 
-    def weight(mask: int) -> float:
-        total = 0.0
-        while mask:
-            low = mask & -mask
-            total += inst.compute[low.bit_length() - 1]
-            mask ^= low
-        return total
-
     out = []
     for i in range(n):
-        before, after = weight(up[i]) + inst.compute[i], weight(down[i]) + inst.compute[i]
+        before, after = above[i] + inst.compute[i], below[i] + inst.compute[i]
         lo, room = 0, caps[0]
         while lo < stages - 1 and room < before:
             lo += 1
@@ -263,24 +267,28 @@ def _memory_limit(m: object, inst: Instance, stages: int, member: object,
               <= int(limit))
 
 
-def instance_of(model: Path, batch_size: int) -> tuple[Instance, list[str]]:
+def instance_of(model: Path, batch_size: int, *, costs: Path | None = None,
+                link: object = None) -> tuple[Instance, list[str]]:
     """The judge's problem of ``model`` at ``batch_size`` and the key of each of its nodes:
     the graph as ``onnx_partition`` loads it, each compute node's forward time from its cost
-    annotation on the analytic H100 (``--device-kind cuda``), the default link."""
+    annotation (the costs file ``costs`` where given, else the analytic H100 of
+    ``--device-kind cuda``), ``link`` (default: the default link)."""
+    from onnx_partition.cost.analytic import DeviceSpec
     from onnx_partition.cost.annotate import annotate
     from onnx_partition.cost.devices import device_for
     from onnx_partition.graph import load
     from onnx_partition.plan.contracts import Link
 
     graph = load(model, batch_size=batch_size)
-    forward = annotate(graph, device=device_for("cuda")).forward_ms
+    device = DeviceSpec.cpu() if costs is not None else device_for("cuda")
+    forward = annotate(graph, device=device, costs=costs).forward_ms
     nodes = graph.compute_nodes
     local = {g: i for i, g in enumerate(nodes)}
     names = list(graph.tensors)
     outputs = set(graph.outputs)
     inits = sorted({w for g in nodes for w in graph.nodes[g].initializers})
     windex = {w: k for k, w in enumerate(inits)}
-    link = Link()
+    link = link if isinstance(link, Link) else Link()
     inst = Instance(
         compute=[float(forward[g]) for g in nodes],
         producer=[local.get(graph.tensors[t].producer, -1) for t in names],
@@ -307,6 +315,7 @@ class Row:
     replayed_ms: float
     claimed: str
     verdict: Verdict
+    planner_s: float = 0.0
 
     def cells(self) -> list[str]:
         judge_ms = self.verdict.bottleneck_ms
@@ -314,24 +323,36 @@ class Row:
         return [self.model, str(self.stages), str(self.nodes), f"{self.planner_ms:.6f}",
                 f"{self.replayed_ms:.6f}", f"{judge_ms:.6f}",
                 f"{self.verdict.lower_bound_ms:.6f}", f"{gap:.2f}%", self.claimed,
-                "yes" if self.verdict.optimal else "no", f"{self.verdict.seconds:.1f}"]
+                "yes" if self.verdict.optimal else "no", f"{self.planner_s:.1f}",
+                f"{self.verdict.seconds:.1f}"]
 
 
 HEADER = ["model", "stages", "nodes", "planner ms", "replayed ms", "judge ms", "judge bound ms",
-          "gap", "planner claims", "judge proved", "judge s"]
+          "gap", "planner claims", "judge proved", "planner s", "judge s"]
 
 
 def judge_model(model: Path, stages: int, *, batch_size: int, time_limit_s: float,
                 workers: int, memory_gb: float | None, scratch: Path,
-                exact_budget_s: float | None = None) -> Row:
-    """Plan ``model`` with ``partition`` (``--stages``, ``--device-kind cuda``), then judge
-    it: its reported bottleneck, its cut re-priced by :func:`stage_times`, CP-SAT's optimum."""
+                exact_budget_s: float | None = None, costs: Path | None = None,
+                free_links: bool = False) -> Row:
+    """Plan ``model`` with ``partition`` (``--stages``; ``--costs costs`` where given, else
+    ``--device-kind cuda``; with ``free_links`` a link of unlimited bandwidth and no latency),
+    then judge it: its reported bottleneck, its cut re-priced by :func:`stage_times`, CP-SAT's
+    optimum."""
     from onnx_partition.partition import partition
+    from onnx_partition.plan.contracts import Link
 
-    inst, keys = instance_of(model, batch_size)
-    budget = {} if exact_budget_s is None else {"exact_budget_s": exact_budget_s}
+    link = Link(bandwidth_gbps=0.0, latency_ms=0.0) if free_links else None
+    inst, keys = instance_of(model, batch_size, costs=costs, link=link)
+    options: dict[str, object] = {} if exact_budget_s is None else {
+        "exact_budget_s": exact_budget_s}
+    options.update({"costs": costs} if costs is not None else {"device_kind": "cuda"})
+    if link is not None:
+        options["link"] = link
+    started = time.perf_counter()
     plan = partition(model, stages, scratch / f"{model.stem}-{stages}", batch_size=batch_size,
-                     device_kind="cuda", force=True, **budget)
+                     force=True, **options)  # type: ignore[arg-type]
+    planned_s = time.perf_counter() - started
     where = {key: k for k, stage in enumerate(plan.stages) for key in stage.nodes}
     cut = [where[key] for key in keys]
     proof, over = plan.exact, plan.planned_over
@@ -341,7 +362,18 @@ def judge_model(model: Path, stages: int, *, batch_size: int, time_limit_s: floa
     verdict = judge(inst, stages, time_limit_s=time_limit_s, workers=workers, hint=cut,
                     memory_bytes=memory_gb * 1e9 if memory_gb is not None else None)
     return Row(model.stem, stages, len(keys), float(plan.predicted.bottleneck_ms or 0.0),
-               max(stage_times(inst, cut, stages)), claimed, verdict)
+               max(stage_times(inst, cut, stages)), claimed, verdict, planned_s)
+
+
+def _profile(model: Path, batch_size: int, repeats: int) -> Path:
+    """``model``'s costs.json beside it, measured by onnxruntime on this machine's CPU (one
+    thread), as ``onnx-partition profile --device cpu`` does."""
+    from onnx_partition.cost.profile.api import profile_to_file
+
+    out = model.with_suffix(".costs.json")
+    profile_to_file(model, out, device="cpu", batch_size=batch_size, repeats=repeats,
+                    cache_dir=model.parent / "profile-cache")
+    return out
 
 
 def _export(recipe: str, size: str, folder: Path) -> Path:
@@ -368,22 +400,72 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "have none: leave it out to compare them)")
     parser.add_argument("--exact-budget", type=float, default=None,
                         help="the planner's --exact-budget (default: its own default)")
+    parser.add_argument("--hf", nargs="*", default=[], metavar="NAME",
+                        help="Hugging Face models of tools/hf_zoo.py to export and judge "
+                             "(random weights from configs; 'all': every one)")
+    parser.add_argument("--cpu-costs", action="store_true",
+                        help="price nodes by onnxruntime on this CPU (one profile per model, "
+                             "given to the planner as --costs) instead of the analytic H100")
+    parser.add_argument("--profile-repeats", type=int, default=10)
+    parser.add_argument("--free-links", action="store_true",
+                        help="links of unlimited bandwidth and no latency, for both sides")
+    parser.add_argument("--exact-max-units", type=int, default=None,
+                        help="an experiment: the planner's exact pass also on problems of up "
+                             "to this many units (its default cap: solve/exact.py EXACT_NODES)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="keep exports, profiles and plans here (reused when present)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    print("| " + " | ".join(HEADER) + " |\n|" + " --- |" * len(HEADER), flush=True)
-    worst = 0.0
+    sys.path.insert(0, str(ROOT / "tools"))
+    from hf_zoo import ZOO
+
+    if args.exact_max_units is not None:  # the planner's own cap, raised for this process
+        from onnx_partition.solve.exact import exact_split
+
+        assert exact_split.__kwdefaults__ is not None
+        exact_split.__kwdefaults__["max_nodes"] = args.exact_max_units
+    hf = list(ZOO) if args.hf == ["all"] else args.hf
+    unknown = [n for n in hf if n not in ZOO]
+    if unknown:
+        print(f"error: no zoo model {unknown[0]!r} (known: {', '.join(ZOO)})", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch)
-        models = [_export(r, args.size, folder) for r in args.recipes] + list(args.models)
-        for model in models:
-            for stages in args.stages:
-                row = judge_model(model, stages, batch_size=args.batch_size,
-                                  time_limit_s=args.time_limit, workers=args.workers,
-                                  memory_gb=args.memory_gb, scratch=folder,
-                                  exact_budget_s=args.exact_budget)
-                worst = max(worst, row.planner_ms / row.verdict.bottleneck_ms - 1.0)
-                print("| " + " | ".join(row.cells()) + " |", flush=True)
+        folder = args.work or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        return _run(args, hf, folder)
+
+
+def _run(args: argparse.Namespace, hf: Sequence[str], folder: Path) -> int:
+    """Export what is asked into ``folder``, then print one row per model and stage count,
+    the worst gap and every proof claim the judge refutes."""
+    from hf_zoo import export_zoo
+
+    print("| " + " | ".join(HEADER) + " |\n|" + " --- |" * len(HEADER), flush=True)
+    worst, refuted = 0.0, []
+    models = [_export(r, args.size, folder) for r in args.recipes]
+    for name in hf:
+        path = folder / f"{name}.onnx"
+        models.append(path if path.exists() else export_zoo(name, path))
+    for model in models + list(args.models):
+        costs = None
+        if args.cpu_costs:
+            costs = model.with_suffix(".costs.json")
+            if not costs.exists():
+                costs = _profile(model, args.batch_size, args.profile_repeats)
+        for stages in args.stages:
+            row = judge_model(model, stages, batch_size=args.batch_size,
+                              time_limit_s=args.time_limit, workers=args.workers,
+                              memory_gb=args.memory_gb, scratch=folder,
+                              exact_budget_s=args.exact_budget, costs=costs,
+                              free_links=args.free_links)
+            found = row.verdict.bottleneck_ms
+            gap = row.planner_ms / found - 1.0 if math.isfinite(found) and found > 0 else 0.0
+            worst = max(worst, gap)
+            if row.claimed.startswith("proven") and gap > 1e-6:
+                refuted.append(f"{row.model} at {stages} stages ({gap * 100:.4f}%)")
+            print("| " + " | ".join(row.cells()) + " |", flush=True)
     print(f"\nworst gap: {worst * 100:.2f}%")
+    print("proof claims the judge refutes: " + (", ".join(refuted) or "none"))
     return 0
 
 
