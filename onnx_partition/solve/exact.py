@@ -269,7 +269,8 @@ def stage_neighbourhoods(
     one worker, ``budget_s`` deterministic seconds) places them; a window must hold the
     slowest stage for its nodes to leave it. The first window that lowers the bottleneck is
     taken, and the search starts again from the new slowest stage; at most ``solves`` solves.
-    Never worse than ``stage_of``. ``stop`` is asked before each solve: true ends the search.
+    Never worse than ``stage_of``. ``stop`` is asked before and during each solve: true ends
+    the search.
 
     ``spread``: when the stages tie near the top the bottleneck cannot fall by re-cutting a
     few of them, so each solve instead minimises the slowest stage of its window, every other
@@ -303,7 +304,8 @@ def stage_neighbourhoods(
                 found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10,
                                   workers=1, hint=best, deterministic_s=budget_s,
                                   windows=spread, free=free,
-                                  focus=range(first, first + width) if spread else None)
+                                  focus=range(first, first + width) if spread else None,
+                                  stop=stop)
             except PartitionError:  # nothing within the limits: this window stands
                 continue
             if spread:
