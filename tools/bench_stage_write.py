@@ -8,7 +8,8 @@ stages with ``partition`` in this process; the time of its ``emit`` (every stage
 ``.data``, the ONNX checker, the hashes, the manifest, plan.json, the fsyncs and the renames of
 the atomic publication) is measured around the call. Against it: ``shutil.copyfile`` of
 ``m.onnx.data`` then an fsync of the copy, the same bytes. Each is run ``--repeats`` times,
-alternately; the least time of each is shown, and their ratio (the target is at most 1.5x).
+alternately, each after an ``os.sync()``; the least time of each is shown, and their ratio
+(the target is at most 1.5x).
 Times are of this machine as it is: say its load with the figures.
 """
 
@@ -49,6 +50,7 @@ def build(model: Path, gib: float) -> int:
         nodes, "chain", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1, WIDTH])],
         [helper.make_tensor_value_info(f"x{layers}", TensorProto.FLOAT, [1, WIDTH])], weights)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    Path(str(model) + ".data").unlink(missing_ok=True)  # onnx appends to a data file there
     onnx.save_model(proto, str(model), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=model.name + ".data", size_threshold=1024)
     return layers * WIDTH * WIDTH * 4
@@ -99,8 +101,11 @@ def main() -> int:
     writes, copies = [], []
     for _ in range(args.repeats):  # both into new files: no earlier plan to delete
         shutil.rmtree(work / "plan", ignore_errors=True)
+        os.sync()  # each starts with nothing of the other's left to write back
         writes.append(timed_partition(model, work / "plan", args.stages))
+        os.sync()
         copies.append(timed_copy(Path(str(model) + ".data"), work / "copy.data"))
+        assert (work / "copy.data").stat().st_size == size
         os.unlink(work / "copy.data")
     on_disk = sum(p.stat().st_size for p in (work / "plan").iterdir())
     write_s, copy_s = min(writes), min(copies)
