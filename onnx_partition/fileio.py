@@ -17,7 +17,9 @@ costs no more memory than one block. A file written through :class:`HashingWrite
 its bytes go out, on a worker thread while the same bytes are written (hashlib and file
 writes release the GIL, so the hash costs no time beside the write where a second core is
 free); :meth:`HashingWriter.copy_from` copies a span of another file through one reused
-buffer. :func:`written_sha256` gives that digest back while the file's size and
+buffer; every 64 MiB it asks the kernel to start writing them back (``posix_fadvise``), so
+the fsync before publication waits for the tail only. :func:`written_sha256` gives that
+digest back while the file's size and
 modification time are still the ones it closed with, so a plan folder's manifest does not read
 a multi-GB stage file a second time (a check of a folder, :func:`onnx_partition.plan.folder.
 verify`, always reads).
@@ -42,6 +44,8 @@ __all__ = ["BLOCK", "HashingWriter", "atomic_path", "atomic_write", "sha256_file
 
 #: Bytes read at a time by :func:`sha256_file`.
 BLOCK = 1 << 20
+#: A :class:`HashingWriter` starts the write-back of every this many bytes it wrote.
+_WRITE_BACK = 64 << 20
 #: (device, inode, size, mtime_ns) of a file a :class:`HashingWriter` closed -> its sha256.
 _WRITTEN: dict[tuple[int, int, int, int], str] = {}
 
@@ -63,6 +67,7 @@ class HashingWriter:
         self._digest = hashlib.sha256()
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
         self._offset = 0
+        self._flushed = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -73,6 +78,12 @@ class HashingWriter:
         finally:
             hashed.result()
         self._offset += len(data)
+        if self._offset - self._flushed >= _WRITE_BACK and hasattr(os, "posix_fadvise"):
+            # start writing these bytes to disk now (Linux: asynchronous write-back), so the
+            # fsync before publication waits for the tail only
+            os.posix_fadvise(self._file.fileno(), self._flushed, self._offset - self._flushed,
+                             os.POSIX_FADV_DONTNEED)
+            self._flushed = self._offset
         return len(data)
 
     def copy_from(self, source: str | os.PathLike[str], start: int, length: int,
