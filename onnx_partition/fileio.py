@@ -14,7 +14,12 @@ replaced (:class:`FileExistsError`). New files get the permissions a plain ``ope
 
 **Checksums.** :func:`sha256_file` hashes a file in 1 MiB blocks, so a multi-GB weights file
 costs no more memory than one block. A file written through :class:`HashingWriter` is hashed as
-its bytes go out; :func:`written_sha256` gives that digest back while the file's size and
+its bytes go out, on a worker thread while the same bytes are written (hashlib and file
+writes release the GIL, so the hash costs no time beside the write where a second core is
+free); :meth:`HashingWriter.copy_from` copies a span of another file through one reused
+buffer; every 64 MiB it asks the kernel to start writing them back (``posix_fadvise``), so
+the fsync before publication waits for the tail only. :func:`written_sha256` gives that
+digest back while the file's size and
 modification time are still the ones it closed with, so a plan folder's manifest does not read
 a multi-GB stage file a second time (a check of a folder, :func:`onnx_partition.plan.folder.
 verify`, always reads).
@@ -31,6 +36,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["BLOCK", "HashingWriter", "atomic_path", "atomic_write", "sha256_file",
@@ -38,6 +44,8 @@ __all__ = ["BLOCK", "HashingWriter", "atomic_path", "atomic_write", "sha256_file
 
 #: Bytes read at a time by :func:`sha256_file`.
 BLOCK = 1 << 20
+#: A :class:`HashingWriter` starts the write-back of every this many bytes it wrote.
+_WRITE_BACK = 64 << 20
 #: (device, inode, size, mtime_ns) of a file a :class:`HashingWriter` closed -> its sha256.
 _WRITTEN: dict[tuple[int, int, int, int], str] = {}
 
@@ -49,19 +57,51 @@ def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
 
 class HashingWriter:
     """A new binary file written front to back and hashed on the way (module docstring):
-    :meth:`write`, :meth:`tell`, and :meth:`pad_to` in place of a seek past the end."""
+    :meth:`write`, :meth:`copy_from`, :meth:`tell`, and :meth:`pad_to` in place of a seek
+    past the end. Each block is hashed on a worker thread while it is written, both done
+    before :meth:`write` returns (so the caller may reuse its buffer)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by __exit__/close)
+        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed by close)
         self._digest = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._offset = 0
+        self._flushed = 0
 
-    def write(self, data: bytes | memoryview) -> int:
-        self._digest.update(data)
-        return self._file.write(data)
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        hashed = self._hasher.submit(self._digest.update, view)
+        try:
+            while view:  # a raw file may write less than asked
+                view = view[self._file.write(view) or 0:]
+        finally:
+            hashed.result()
+        self._offset += len(data)
+        if self._offset - self._flushed >= _WRITE_BACK and hasattr(os, "posix_fadvise"):
+            # start writing these bytes to disk now (Linux: asynchronous write-back), so the
+            # fsync before publication waits for the tail only
+            os.posix_fadvise(self._file.fileno(), self._flushed, self._offset - self._flushed,
+                             os.POSIX_FADV_DONTNEED)
+            self._flushed = self._offset
+        return len(data)
+
+    def copy_from(self, source: str | os.PathLike[str], start: int, length: int,
+                  block: int = BLOCK) -> None:
+        """Append ``length`` bytes of ``source`` from offset ``start``, read into one reused
+        buffer of ``block`` bytes; :class:`EOFError` if ``source`` ends first."""
+        buffer = bytearray(min(block, length) or 1)
+        with open(source, "rb", buffering=0) as src:
+            src.seek(start)
+            while length > 0:
+                got = src.readinto(memoryview(buffer)[:min(len(buffer), length)])
+                if not got:
+                    raise EOFError(f"{Path(source).name} ended {length} bytes early")
+                self.write(memoryview(buffer)[:got])
+                length -= got
 
     def tell(self) -> int:
-        return self._file.tell()
+        return self._offset
 
     def pad_to(self, offset: int) -> None:
         """Zeros up to ``offset`` (not before the current end)."""
@@ -73,6 +113,7 @@ class HashingWriter:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+            self._hasher.shutdown()
             _WRITTEN[_identity(self.path)] = self._digest.hexdigest()
 
     def __enter__(self) -> HashingWriter:

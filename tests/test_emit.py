@@ -270,3 +270,19 @@ def test_emit_never_overwrites_a_user_folder_or_the_model(chain: OpGraph,
     emit(chain, cuts, plan_for(chain, cuts), mine, force=True)
     assert sorted(p.name for p in mine.iterdir()) == ["plan.json", "stage_0.onnx",
                                                       "stage_1.onnx"]
+
+
+def test_a_copied_span_is_written_and_hashed_block_by_block(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    body = bytes(range(256)) * 41  # 10,496 bytes: blocks of 1,000 leave a short last one
+    source.write_bytes(body)
+    with HashingWriter(tmp_path / "f") as out:
+        out.write(b"head")
+        out.copy_from(source, 7, 10_000, block=1_000)
+        out.pad_to(10_008)
+        assert out.tell() == 10_008
+        with pytest.raises(EOFError, match="ended 7 bytes early"):
+            out.copy_from(source, 10_000, 503)
+    written = (tmp_path / "f").read_bytes()
+    assert written[:10_008] == b"head" + body[7:10_007] + bytes(4)
+    assert written_sha256(tmp_path / "f") == hashlib.sha256(written).hexdigest()

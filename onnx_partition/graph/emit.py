@@ -212,14 +212,10 @@ def _read_span(source: Path, start: int, length: int) -> bytes:
 
 
 def _copy_span(source: Path, start: int, length: int, data: HashingWriter) -> None:
-    with open(source, "rb") as src:
-        src.seek(start)
-        while length > 0:
-            block = src.read(min(_BLOCK, length))
-            if not block:
-                raise PartitionError(f"external data file {source.name} ended early")
-            data.write(block)
-            length -= len(block)
+    try:
+        data.copy_from(source, start, length, _BLOCK)
+    except EOFError:
+        raise PartitionError(f"external data file {source.name} ended early") from None
 
 
 def _raw_bytes(tensor: onnx.TensorProto, source_dir: Path | None) -> bytes | None:

@@ -18,6 +18,9 @@ cut optimal, cheapest proof first:
    local search of :mod:`.refine` and, still unproven, by CP-SAT on the nodes of a few
    adjacent stages around the slowest, the rest fixed (:func:`stage_neighbourhoods`), first
    lowering the bottleneck, then descending lexicographically on the sorted stage times.
+   That polish of the plan so far runs on a thread beside each round (:class:`_Ahead`) and
+   is kept when the round finds nothing better: the same answer as one after the other, the
+   round that ends the search no longer paid on top of the polish.
 
 Pure: plain arrays in, plain data out.
 """
@@ -25,8 +28,10 @@ Pure: plain arrays in, plain data out.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from onnx_partition.errors import PartitionError
@@ -179,31 +184,31 @@ def exact_split(
     lower = trivial
     optimal, rounding = False, 0.0
     many = exact_rounds(problem.num_nodes) if rounds is None else rounds
+    polished: list[int] | None = None
     for _ in range(many):
+        # several rounds: the polish of the plan so far runs beside the round (_Ahead)
+        ahead = _Ahead(problem, num_stages, best, budget_s, best is not plan) if many > 1 else None
         try:  # one round: as before windows came (its plans stand); several: all windowed
             found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10, workers=1,
                               hint=best, deterministic_s=budget_s, windows=many > 1)
         except PartitionError:  # nothing within the limits: the plan given stands
+            polished = ahead.result() if ahead else None
             break
         lower = max(lower, found.lower_bound_ms)
         optimal, rounding = found.optimal, found.rounding_ms
         better = found.bottleneck_ms < best_ms * (1 - _BETTER)
+        if optimal or better:
+            if ahead:
+                ahead.cancel()
+        elif ahead:
+            polished = ahead.result()
         if better:
             best, best_ms = found.stage_of, found.bottleneck_ms
         if optimal or not better:
             break  # proven, or nothing better: another round would start where this one did
-    if many > 1 and not optimal and best is not plan:
-        # polish the last plan CP-SAT stopped short with (not between rounds: that changes
-        # the rounds' path, for the worse on encdec tiny at S = 4)
-        polished = refine(problem, best, num_stages)
-        polished_ms = problem.bottleneck_ms(polished, num_stages)
-        if polished_ms < best_ms * (1 - _BETTER):
-            best, best_ms = polished, polished_ms
-    if many > 1 and not optimal:  # then neighbourhoods of a few stages, each solved exactly
-        best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2)
-        # ... and, where they stop, the lexicographic descent over the same windows
-        best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2,
-                                    solves=SPREAD_SOLVES, spread=True)
+    if many > 1 and not optimal:
+        best = polished if polished is not None else _polish(
+            problem, num_stages, best, budget_s, best is not plan)
         best_ms = problem.bottleneck_ms(best, num_stages)
     lower = min(best_ms, lower)
     gap = (best_ms - lower) / best_ms if best_ms > 0 else 0.0
@@ -211,9 +216,52 @@ def exact_split(
                  gap, dp_ms, time.perf_counter() - started, rounding)
 
 
+def _polish(problem: DagProblem, num_stages: int, plan: list[int], budget_s: float,
+            refined: bool, stop: Callable[[], bool] = lambda: False) -> list[int]:
+    """What the rounds' last plan gets when unproven: the local search of :mod:`.refine`
+    (only after a round bettered the plan given; not between rounds: that changes the rounds'
+    path, for the worse on encdec tiny at S = 4), then neighbourhoods of a few stages, each
+    solved exactly, and, where they stop, the lexicographic descent over the same windows.
+    ``stop``: asked between solves; true abandons the polish (its answer is then unused)."""
+    best, best_ms = plan, problem.bottleneck_ms(plan, num_stages)
+    if refined:
+        again = refine(problem, best, num_stages)
+        if problem.bottleneck_ms(again, num_stages) < best_ms * (1 - _BETTER):
+            best = again
+    best = stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2, stop=stop)
+    return stage_neighbourhoods(problem, num_stages, best, budget_s=budget_s / 2,
+                                solves=SPREAD_SOLVES, spread=True, stop=stop)
+
+
+class _Ahead:
+    """:func:`_polish` of ``plan`` started on a thread beside a round of CP-SAT from
+    ``plan`` (CP-SAT and refine's numpy release the GIL): when the round finds nothing better,
+    the polish is what the search does next, so it is taken as it is; otherwise it is
+    stopped and dropped. The same plan as one step after the other, sooner."""
+
+    def __init__(self, problem: DagProblem, num_stages: int, plan: list[int], budget_s: float,
+                 refined: bool) -> None:
+        self._stopped = threading.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="exact-polish")
+        self._future = self._pool.submit(_polish, problem, num_stages, list(plan), budget_s,
+                                         refined, self._stopped.is_set)
+        self._pool.shutdown(wait=False)
+
+    def result(self) -> list[int]:
+        """The polished plan (waits for it)."""
+        return self._future.result()
+
+    def cancel(self) -> None:
+        """Stop at the next solve and wait for the thread (it must not compete with the
+        search that goes on)."""
+        self._stopped.set()
+        self._future.result()
+
+
 def stage_neighbourhoods(
     problem: DagProblem, num_stages: int, stage_of: Sequence[int], *, budget_s: float,
     width: int = LNS_WIDTH, solves: int = LNS_SOLVES, spread: bool = False,
+    stop: Callable[[], bool] = lambda: False,
 ) -> list[int]:
     """Large-neighbourhood search over adjacent stages (Shaw, CP 1998): the nodes of ``width``
     adjacent stages that hold the slowest one may move (to any stage a valid plan allows),
@@ -221,7 +269,8 @@ def stage_neighbourhoods(
     one worker, ``budget_s`` deterministic seconds) places them; a window must hold the
     slowest stage for its nodes to leave it. The first window that lowers the bottleneck is
     taken, and the search starts again from the new slowest stage; at most ``solves`` solves.
-    Never worse than ``stage_of``.
+    Never worse than ``stage_of``. ``stop`` is asked before and during each solve: true ends
+    the search.
 
     ``spread``: when the stages tie near the top the bottleneck cannot fall by re-cutting a
     few of them, so each solve instead minimises the slowest stage of its window, every other
@@ -247,7 +296,7 @@ def stage_neighbourhoods(
         slowest = max(range(num_stages), key=times.__getitem__)
         for first in sorted({max(0, min(num_stages - width, slowest - k))
                              for k in range(width)}):
-            if spent == solves:
+            if spent == solves or stop():
                 break
             spent += 1
             free = [first <= s < first + width for s in best]
@@ -255,7 +304,8 @@ def stage_neighbourhoods(
                 found = solve_ilp(problem, num_stages, time_limit_s=10 * budget_s + 10,
                                   workers=1, hint=best, deterministic_s=budget_s,
                                   windows=spread, free=free,
-                                  focus=range(first, first + width) if spread else None)
+                                  focus=range(first, first + width) if spread else None,
+                                  stop=stop)
             except PartitionError:  # nothing within the limits: this window stands
                 continue
             if spread:

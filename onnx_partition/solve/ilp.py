@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -53,6 +55,7 @@ __all__ = ["IlpResult", "solve_ilp", "stage_windows"]
 
 # The largest conceivable stage time maps to [_TARGET_UNITS, 10 * _TARGET_UNITS) integer units.
 _TARGET_UNITS = 1_000_000
+_STOP_POLL_S = 0.01  # how often a search given ``stop`` asks it (seconds)
 # A scaled term closer than this (in units) to an integer counts as exact (float noise).
 _EXACT_EPS = 1e-6
 
@@ -139,6 +142,7 @@ def solve_ilp(
     windows: bool = True,
     free: Sequence[bool] | None = None,
     focus: Sequence[int] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> IlpResult:
     """Split ``problem`` into exactly ``num_stages`` convex stages minimising the slowest stage.
 
@@ -165,7 +169,8 @@ def solve_ilp(
     ``focus``: minimise the slowest of these stages instead, every other stage kept within its
     time in the start plan (a descent on the sorted stage times when several stages tie at
     the top, where the bottleneck itself cannot move); ``optimal`` then says that objective was
-    proven, and ``lower_bound_ms`` is the trivial bound.
+    proven, and ``lower_bound_ms`` is the trivial bound. ``stop``: polled every few
+    milliseconds from another thread; once true the search stops with its best plan so far.
     """
     started = time.perf_counter()
     big_s = num_stages
@@ -178,7 +183,7 @@ def solve_ilp(
     costs = _IntegerCosts.of(problem)
     enc = _encoded(problem, big_s, costs, start_plan, windows, free, focus)
     solver = _solver(workers, started, time_limit_s, deterministic_s)
-    status = solver.solve(enc.model)
+    status = _solve(solver, enc.model, stop)
     if status == cp_model.INFEASIBLE:
         raise PartitionError(f"no valid split into {big_s} stages exists")
     if status == cp_model.MODEL_INVALID:
@@ -196,6 +201,27 @@ def solve_ilp(
     return IlpResult(stage_of=stage_of, bottleneck_ms=bottleneck, lower_bound_ms=lower,
                      optimal=optimal, gap=gap, wall_s=time.perf_counter() - started,
                      rounding_ms=costs.rounding_ms)
+
+
+def _solve(solver: cp_model.CpSolver, model: cp_model.CpModel,
+           stop: Callable[[], bool] | None) -> Any:
+    """``solver.solve(model)``, stopped (``stop_search``) once ``stop()`` is true."""
+    if stop is None:
+        return solver.solve(model)
+    done = threading.Event()
+
+    def watch() -> None:  # again and again: a stop before the search starts is lost
+        while not done.wait(_STOP_POLL_S):
+            if stop():
+                solver.stop_search()
+
+    watcher = threading.Thread(target=watch, name="cp-sat-stop", daemon=True)
+    watcher.start()
+    try:
+        return solver.solve(model)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _checked_start(problem: DagProblem, big_s: int, workers: int, hint: Sequence[int] | None,
