@@ -118,3 +118,28 @@ def test_the_bounded_dp_plans_where_the_exact_one_does(monkeypatch):
         monkeypatch.setattr(hybrid_tables, "EXACT_CELLS", 1 << 24)
     assert feasible >= 10
     assert found >= 0.9 * feasible
+
+
+@pytest.mark.parametrize("memory", [17.6, 18.0, 19.5])
+@pytest.mark.parametrize("recompute", ["auto", "all"])
+def test_the_bounded_dp_plans_where_only_many_replicas_fit(memory, recompute, monkeypatch):
+    """The 405B row's shape (issue 34): a stage each, every stage fits only recomputing on
+    many more replicas (12-16) than its period needs at the loosest bound (1, the old ways at
+    most 4 times that), its optimizer state sharded. The exact DP plans it; the old bounded DP
+    found no plan at the loosest bound and gave up. Now it runs each such stage on the fewest
+    replicas that fit in front of its suffix, and finds the exact least period."""
+    costs = SequenceCosts([1.0] * 4, [2.0] * 4, [4.0] * 4, [6.0] * 4, [0.0, 1.0, 1.0, 1.0, 0.0])
+    config = HybridConfig(devices=64, memory_bytes=memory, microbatches=32, train=True,
+                          link_bytes_per_ms=100.0, shard="optimizer", max_stages=4, depth=4,
+                          recompute=recompute)
+    exact = solve_hybrid(costs, config)
+    assert exact.exact
+    monkeypatch.setattr(hybrid_tables, "EXACT_CELLS", 0)
+    bounded = solve_hybrid(costs, config)
+    assert not bounded.exact
+    assert bounded.period_ms == pytest.approx(exact.period_ms, rel=1e-6)
+    for plan in bounded.plans:
+        assert len(plan) == 4
+        assert max(s.memory_bytes for s in plan) <= config.memory_bytes
+        assert sum(s.replicas for s in plan) <= config.devices
+        assert min(s.replicas for s in plan) > 4

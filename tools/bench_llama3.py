@@ -45,8 +45,10 @@ ROWS: dict[str, tuple[int, int, int, int, int, int, int]] = {
 #: the pipeline depth fixed with --stages (else chosen, at most 16): one micro-batch of one
 #: 70B layer's activations at 8,192 tokens (no flash attention: the 64 heads' scores alone are
 #: 8.6 GB) is held again while a recomputing stage runs its backward, so a stage holds about a
-#: layer, deeper than the planner's default of 16
-DEPTH: dict[str, int] = {"70b": 80, "405b": 126}
+#: layer, deeper than the planner's default of 16; the 405B's layer (attention and MLP) needs
+#: 86 GB or more per device recomputing on 126 replicas each, over an H100's 79.5 GB, so a stage
+#: holds one of its sequence's 260 blocks (half a layer, docs/benchmarks.md)
+DEPTH: dict[str, int] = {"70b": 80, "405b": 260}
 
 
 def write_config(folder: Path, name: str) -> None:

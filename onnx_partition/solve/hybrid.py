@@ -239,7 +239,9 @@ def solve_hybrid(costs: SequenceCosts, config: HybridConfig) -> HybridSolution:
         relaxed = tables.relaxed_fits()
         low = {usable: [-1, len(values) - 1]}
         _bisect(low, values, lambda tau: probes.fast(tau, relaxed), probes)
-        lower = min(float(values[low[usable][1]]), found)
+        # lo fails: the relaxation's least is one of values(lo, hi] (hi, where bisected
+        # to adjacent indices)
+        lower = min(float(values[low[usable][0] + 1]), found)
     return HybridSolution(_proposals(probes, values, budgets, brackets), tables.exact, found,
                           lower, cells)
 
@@ -323,8 +325,9 @@ BUDGET_TOLERANCE = 1e-3
 def _bisect(brackets: dict[int, list[int]], values: np.ndarray, probe: Any,
             probes: _Probes) -> None:
     """Narrow each budget's bracket ``[fails, suffices]`` of indices into the sorted
-    ``values`` to adjacent indices (the largest budget; the others to within
-    :data:`BUDGET_TOLERANCE`); ``probe(tau)`` gives the fewest devices per depth at ``tau``
+    ``values`` to adjacent indices (the largest budget where the DP is exact; the others,
+    and all where it is bounded, to within :data:`BUDGET_TOLERANCE`: the 405B row's bounded
+    DP probed 63 times, 4 s each); ``probe(tau)`` gives the fewest devices per depth at ``tau``
     (monotone) and the DP's tables, and one probe narrows every bracket (tau suffices for
     budget ``b`` iff the fewest devices are at most ``b``). Where it suffices, the plans it
     found have a bottleneck at or below ``tau``, one of the values: the bracket's top drops
@@ -336,10 +339,11 @@ def _bisect(brackets: dict[int, list[int]], values: np.ndarray, probe: Any,
     turns: dict[int, int] = {}
     need: dict[int, int] = {}
     largest = max(brackets)
+    exact = probes.tables.exact  # bounded: no answer is proven, each probe costs the most
 
     def open_(b: int) -> bool:
         lo, hi = brackets[b]
-        return hi - lo > 1 and (b == largest or lo < 0
+        return hi - lo > 1 and ((b == largest and exact) or lo < 0
                                 or values[hi] > values[lo] * (1 + BUDGET_TOLERANCE))
 
     while True:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_partition.pipeline.memory import boundary_step, held_in_front
+from onnx_partition.pipeline.memory import boundary_step, held_in_front, optimizer_state
 from onnx_partition.solve.hybrid_model import HybridStage
 from onnx_partition.solve.hybrid_tables import COUNT_DTYPE, NO_COUNT, StageTables
 
@@ -58,6 +58,9 @@ class BoundedTables:
 #: The bounded DP's stages that could overflow also on about these times the replicas their
 #: period needs (fewer micro-batches in flight per replica, more optimizer state shed).
 MORE_REPLICAS = (1.5, 2.0, 3.0, 4.0)
+#: The way of :func:`fewest_devices` whose stages that could overflow run on the fewest replicas
+#: (at least their period's) at which they fit in front of the suffix kept, however many
+FIT = np.inf
 
 
 def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray | None
@@ -71,7 +74,10 @@ def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray
     (``tables.risky``) is checked in front of the suffix kept, its optimizer state shed by its
     replica count, and may also run on about :data:`MORE_REPLICAS` times the replicas its
     period needs (fewer micro-batches in flight each, more state shed) and, under ``auto``,
-    recompute (on the fewest replicas its recomputing period needs): every plan fits. A
+    recompute (on the fewest replicas its recomputing period needs), and run on the fewest
+    replicas at which it fits in front of that suffix (:data:`FIT`, found by bisection over
+    the counts: memory binds so that a stage needs many more replicas than its period, the
+    405B row's 63 where the period needs 1-16): every plan fits. A
     second label follows the old one-suffix DP (keeping, fewest replicas, one suffix), so
     where that one planned this one does too. It bounds the exact DP (:func:`exact_fewest`)
     from above only. Bands of the suffix's warm-up as further labels (issue 36's proposal)
@@ -87,40 +93,42 @@ def fewest_devices(tables: StageTables, tau: float, max_q: int, fits: np.ndarray
     recompute = tables.mode == "auto" and tables.period_rc is not None
     if full:
         ways += [_Way(tables, tau, rebuilt, None, full, factor)
-                 for factor in (1.0, *MORE_REPLICAS) for rebuilt in (False, True)
-                 if (factor, rebuilt) != (1.0, False) and (recompute or not rebuilt)]
+                 for factor in (1.0, *MORE_REPLICAS, FIT) for rebuilt in (False, True)
+                 if (factor, rebuilt) != (1.0, False) and (recompute or not rebuilt)
+                 and not (factor == FIT and tables.zb)]
     cand = np.empty((n + 1, n + 1), dtype=COUNT_DTYPE)
     for q in range(1, max_q + 1):
         for lb in (lb for lb in range(labels) if (t.h[q - 1, :, lb] < NO_COUNT).any()):
+            next_warm, live = t.warm[q - 1, :, lb], t.h[q - 1, :, lb] < NO_COUNT
+            front = None if fits is not None else held_in_front(  # shared by every way
+                tables.lookup, t.rep[q - 1, :, lb], next_warm, tables.c.microbatches,
+                last=q == 1)
             for way in ways:
-                warm = way.mask(cand, t.rep[q - 1, :, lb], t.warm[q - 1, :, lb], q == 1)
+                warm = way.mask(cand, front, next_warm, live)
                 cand += t.h[q - 1, :, lb][None, :]
                 if full and lb == 1 and way is ways[0]:  # the one-suffix DP's: from itself
-                    _keep(t, q, lb, cand, warm, way, np.ones_like(warm))
-                _keep(t, q, lb, cand, warm, way, np.zeros_like(warm))
+                    _keep(t, q, lb, cand, warm, way, 1)
+                _keep(t, q, lb, cand, warm, way, 0)
     return t
 
 
 def _keep(t: BoundedTables, q: int, source: int, cand: np.ndarray, warm: np.ndarray,
-          way: _Way, target: np.ndarray) -> None:
-    """Per (i, label) the best stage ``[i, j)`` of ``cand`` whose new plan is kept under label
-    ``target[i, j]``, if it has fewer devices (or as many and a smaller warm-up) than the one
-    kept so far; in front of the suffixes of label ``source``."""
-    n = cand.shape[0] - 1
-    rows = np.arange(n + 1)
-    for lb in np.unique(target):
-        here = np.where(target == lb, cand, NO_COUNT)
-        at = np.argmin(here, axis=1)
-        value = np.minimum(here[rows, at], NO_COUNT)
-        new_warm = warm[rows, at]
-        kept, kept_warm = t.h[q, :, lb], t.warm[q, :, lb]
-        better = (value < kept) | ((value == kept) & (value < NO_COUNT) & (new_warm < kept_warm))
-        t.h[q, better, lb] = value[better]
-        t.end[q, better, lb] = at[better]
-        t.rep[q, better, lb] = way.reps[rows, at][better]
-        t.warm[q, better, lb] = new_warm[better]
-        t.after[q, better, lb] = source
-        t.rebuilt[q, better, lb] = way.rebuilt
+          way: _Way, lb: int) -> None:
+    """Per ``i`` the best stage ``[i, j)`` of ``cand``, kept under label ``lb`` if it has fewer
+    devices (or as many and a smaller warm-up) than the one kept so far; in front of the
+    suffixes of label ``source``."""
+    rows = np.arange(cand.shape[0])
+    at = np.argmin(cand, axis=1)
+    value = np.minimum(cand[rows, at], NO_COUNT)
+    new_warm = warm[rows, at]
+    kept, kept_warm = t.h[q, :, lb], t.warm[q, :, lb]
+    better = (value < kept) | ((value == kept) & (value < NO_COUNT) & (new_warm < kept_warm))
+    t.h[q, better, lb] = value[better]
+    t.end[q, better, lb] = at[better]
+    t.rep[q, better, lb] = way.reps[rows, at][better]
+    t.warm[q, better, lb] = new_warm[better]
+    t.after[q, better, lb] = source
+    t.rebuilt[q, better, lb] = way.rebuilt
 
 
 class _Way:
@@ -138,7 +146,8 @@ class _Way:
         above = np.zeros((n + 1, n + 1), dtype=COUNT_DTYPE)
         for needed in periods:
             above += needed > np.float32(tau) if not rebuilt else needed > tau
-        if factor > 1.0:  # more replicas than the period needs: less memory in flight
+        self.fit = factor == FIT  # the count chosen per suffix, in :meth:`mask`
+        if 1.0 < factor < FIT:  # more replicas than the period needs: less memory in flight
             above = _more(tables, above, tau, rebuilt, factor)
         self.reps = tables.lookup[above]
         if rebuilt or factor > 1.0:  # only the stages that could overflow keeping
@@ -161,23 +170,69 @@ class _Way:
                                np.where(room >= 0, tables.c.microbatches, -1.0))
             self.cap = np.clip(np.floor(np.where(room < 0, -1.0, cap)), -1,
                                tables.c.microbatches).astype(np.int64)
+            if self.fit:
+                self.room = tables.c.memory_bytes - base.reshape(-1)[risky]
+                self.stash, self.count, self.ends = stash, count, risky % (n + 1)
+                self.state = optimizer_state(tables.stateful.reshape(-1)[risky],
+                                             tables.c.optimizer_factor)
+                period = tables.period_rc if rebuilt else tables.period
+                self.period = np.asarray(period).reshape(len(tables.choices), -1)[:, risky]
+                self.tau = tau
 
-    def mask(self, cand: np.ndarray, next_rep: np.ndarray, next_warm: np.ndarray, last: bool
-             ) -> np.ndarray:
+    def mask(self, cand: np.ndarray, front: tuple[np.ndarray, np.ndarray] | None,
+             next_warm: np.ndarray, live: np.ndarray) -> np.ndarray:
         """``cand`` set to the stages' replicas, those over memory in front of the suffixes
-        ``(next_rep, next_warm)`` masked out; returns every stage's 1F1B warm-up there."""
+        (``front``: :func:`held_in_front` of their first replicas and warm-ups ``next_warm``;
+        ``live``: those that exist) masked out; returns every stage's 1F1B warm-up there."""
         tables, m = self.tables, self.tables.c.microbatches
         np.copyto(cand, self.reps)
         if self.fits is not None:
             np.copyto(cand, NO_COUNT, where=~self.fits)
             return np.zeros(cand.shape, dtype=np.int64)
-        held, steps = held_in_front(tables.lookup, next_rep, next_warm, m, last=last)
+        assert front is not None
+        held, steps = front
         flat = cand.reshape(-1)
+        if self.fit:
+            return self._fitted(flat, held, steps, next_warm, live)
         if self.zb is None:
             flat[tables.risky[np.take(held, self.at) > self.cap]] = NO_COUNT
         else:
             flat[tables.risky[self.zb.over(steps, next_warm)]] = NO_COUNT
         return np.minimum(steps[self.above, self.cols] + next_warm[None, :], m)
+
+
+    def _fitted(self, flat: np.ndarray, held: np.ndarray, steps: np.ndarray,
+                next_warm: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """:meth:`mask` of the :data:`FIT` way: each stage that could overflow, in front of a
+        suffix that exists (``live``), on the fewest counts from its period's up at which it
+        fits there (a bisection: memory falls as the count grows, about; the count found is
+        checked), within ``tau``; ``flat`` (and :attr:`reps`) set to them, warm-ups returned."""
+        tables, m, k = self.tables, self.tables.c.microbatches, len(self.tables.choices)
+        sel = np.flatnonzero(live[self.ends] & (self.count < k))
+        ends, state, stash, room = (self.ends[sel], self.state[sel], self.stash[sel],
+                                    self.room[sel])
+
+        def fits(c: np.ndarray) -> np.ndarray:
+            r = tables.lookup[c].astype(float)
+            shed = np.where(r > 1, state - state / r, 0.0) if tables.c.shard == "optimizer" \
+                else 0.0  # optimizer_state's share on the other replicas
+            return held[c, ends] * stash <= room + shed
+
+        lo, hi = self.count[sel] - 1, np.full(sel.shape, k - 1)  # lo fails, hi fits
+        ok = fits(hi)
+        while np.any(ok & (hi - lo > 1)):
+            mid = (lo + hi) // 2
+            good = fits(mid)
+            hi, lo = np.where(ok & good, mid, hi), np.where(ok & ~good, mid, lo)
+        count = np.where(ok & fits(hi), hi, k)
+        within = self.period[np.minimum(count, k - 1), sel] <= self.tau
+        count = np.where(within, count, k)
+        flat[:] = NO_COUNT
+        flat[tables.risky[sel]] = tables.lookup[count]
+        self.reps = flat.reshape(self.reps.shape).copy()
+        warm = np.full(flat.shape, m, dtype=np.int64)
+        warm[tables.risky[sel]] = np.minimum(steps[count, ends] + next_warm[ends], m)
+        return warm.reshape(self.reps.shape)
 
 
 def _more(tables: StageTables, above: np.ndarray, tau: float, rebuilt: bool, factor: float
