@@ -185,9 +185,9 @@ def test_assign_maps_sequence_positions_back_to_nodes() -> None:
 
 
 def test_replica_moves_are_one_device_away() -> None:
-    assert _replica_moves([1, 2], 4) == [[2, 2], [1, 3], [1, 1], [2, 1]]
-    assert _replica_moves([1, 1], 2) == []
-    assert _replica_moves([3], 3) == [[2]]
+    assert list(_replica_moves([1, 2], 4)) == [[2, 2], [1, 3], [1, 1], [2, 1]]
+    assert list(_replica_moves([1, 1], 2)) == []
+    assert list(_replica_moves([3], 3)) == [[2]]
 
 
 def test_machine_budgets_double_short_of_the_cluster() -> None:
