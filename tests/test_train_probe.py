@@ -12,7 +12,7 @@ from support.spans import Result
 from onnx_partition.pipeline import schedules
 from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.runtime.train.overheads import RunCosts, fit_hop_ms, run_costs, run_pipeline
-from onnx_partition.runtime.train.probe import probe_engine
+from onnx_partition.runtime.train.probe import busy_warning, probe_engine
 
 
 def test_the_hop_fit_is_exact_on_two_stages() -> None:
@@ -74,5 +74,14 @@ def test_the_probe_measures_the_engine() -> None:
         assert math.isfinite(got[key]) and got[key] >= 0, key
     assert got["action_ms"] > 0 and got["step_ms"] > 0
     assert got["schedule"] == "zb-h1" and got["steps"] == 3 and got["hop_bytes"] > 0
+    assert got["load_average"] >= 0
     if got["hop_ms"] > 0:  # fitted: its simulation lasts the measured step
         assert got["simulated_ms"] == pytest.approx(got["step_ms"], abs=1e-3)
+
+
+def test_the_probe_warns_when_the_machine_is_busy() -> None:
+    """Above one runnable process per core the fit takes others' time slices for hop cost."""
+    assert busy_warning(2.0, 2) is None and busy_warning(0.3, 16) is None
+    said = busy_warning(6.2, 2)
+    assert said is not None and said.startswith("warning: load average 6.2 on 2 cores")
+    assert "\n" not in said

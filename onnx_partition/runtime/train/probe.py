@@ -23,6 +23,8 @@ compute while the hops cross, as in a real run. From the ranks' results
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +40,8 @@ from onnx_partition.runtime.train.rank_io import RankRun
 from onnx_partition.runtime.train.spawn import launch_training
 from onnx_partition.settings.train import LOCAL_TIMEOUT_S
 
-__all__ = ["LAYERS", "MICROBATCHES", "ROWS", "SCHEDULE", "STEPS", "WIDTH", "probe_engine"]
+__all__ = ["LAYERS", "MICROBATCHES", "ROWS", "SCHEDULE", "STEPS", "WIDTH", "busy_warning",
+           "probe_engine"]
 
 WIDTH = 512  # features through every layer
 ROWS = 48  # rows per micro-batch: a hop of 48 x 512 fp32, 96 KiB
@@ -101,10 +104,23 @@ def _job() -> tuple[list[_Stage], Any, Plan, Any]:
     return stages, _loss, _plan(), functools.partial(_batch, rows=ROWS * MICROBATCHES)
 
 
+def busy_warning(load: float, cores: int) -> str | None:
+    """The line to print when the machine's 1-minute load average ``load`` exceeds its
+    ``cores`` (None otherwise): the probe's fit then takes other processes' time slices for
+    engine work per hop (at load 6 on 2 cores it fitted 15.4 ms a hop, and a plan priced with
+    it predicted 131 ms for a 34 ms step)."""
+    if load <= cores:
+        return None
+    return (f"warning: load average {load:.1f} on {cores} cores while the engine probe ran: "
+            f"its per-hop cost counts other processes' time; profile again on a quiet "
+            f"machine for a plan's true step time")
+
+
 def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
                  timeout_s: float = LOCAL_TIMEOUT_S) -> dict[str, Any]:
     """Run the probe (module docstring): ``{"action_ms", "barrier_ms", "hop_ms", "send_ms",
-    "step_ms", "simulated_ms", "schedule", "microbatches", "steps", "hop_bytes", "source"}``
+    "step_ms", "simulated_ms", "schedule", "microbatches", "steps", "hop_bytes", "load_average",
+    "source"}``
     (ms; ``send_ms`` the idle hop, ``step_ms`` the measured step, ``simulated_ms`` the fit's).
     The idle hop is ``link``'s (a costs file's ``engine.link``: its ping-pong's ``sizes`` and
     ``one_way_ms``, priced at the probe's bytes as ``partition`` prices every hop, so that
@@ -118,6 +134,10 @@ def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
     job, _ = resolve_job(train_job(steps=steps, microbatches=MICROBATCHES, schedule=SCHEDULE,
                                    optimizer="adamw", lr=1e-4, threads=1), plan)
     ranks = launch_training(plan, _job, RankRun(job), backend="gloo", timeout_s=timeout_s)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    said = busy_warning(load, os.cpu_count() or 1)
+    if said:
+        print(said, file=sys.stderr)
     hop_bytes = ROWS * WIDTH * 4
     idle = "the link" if link is not None else "a ping-pong"
     if link is not None:
@@ -133,6 +153,7 @@ def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
             "send_ms": round(send, 6), "step_ms": round(run.measured_ms, 6),
             "simulated_ms": round(fitted, 6), "schedule": SCHEDULE,
             "microbatches": MICROBATCHES, "steps": steps, "hop_bytes": hop_bytes,
+            "load_average": round(load, 2),
             "source": (f"the engine on 2 gloo processes, one thread each: 2 stages of "
                        f"{LAYERS} x Linear({WIDTH}) + GELU at {ROWS} rows, {SCHEDULE}, "
                        f"{MICROBATCHES} micro-batches, {steps} steps (first left out); hop_ms "
