@@ -1,6 +1,7 @@
 """Llama 3 at the scale people train it: weightless export and plan of the 8B, 70B and 405B rows.
 
     python tools/bench_llama3.py [--only 8b 70b 405b] [--work DIR] [--max-gb 12]
+        [--inter-bandwidth GBPS]
 
 Each config carries the published shapes (written as ``config.json``, nothing downloaded) and is
 trained in bf16 with AdamW, sequence 8,192, one sequence per micro-batch, the optimizer state
@@ -10,7 +11,7 @@ timed by ``os.wait4`` (wall seconds, peak RSS) under an address-space limit of `
     onnx-partition export --hf-config CFG --no-weights --seq-len 8192 -o model.onnx
     onnx-partition partition model.onnx --mode train --devices 8 --machines N --gpu h100
         --batch-size 1 --precision bf16 --microbatches M --schedule auto --recompute auto
-        --shard-optimizer [--stages K] -o plan
+        --shard-optimizer [--stages K] [--inter-bandwidth GBPS] -o plan
 
 (an export already in ``--work`` is reused; each step's stderr is written to
 ``--work``/NAME/STEP.log as it runs). Prints one Markdown row per model: devices, the
@@ -85,8 +86,9 @@ def timed(argv: list[str], max_gb: float, log: Path) -> tuple[float, float, int,
             os.waitstatus_to_exitcode(status), " / ".join(said[-2:]))
 
 
-def row(name: str, work: Path, max_gb: float) -> str:
-    """One model's Markdown row (or how far it got)."""
+def row(name: str, work: Path, max_gb: float, inter_gbps: float | None = None) -> str:
+    """One model's Markdown row (or how far it got); ``inter_gbps``: the link between
+    machines (None: ``partition``'s default, 10 GbE)."""
     _, _, _, _, _, machines, microbatches = ROWS[name]
     folder = work / name
     model, plan = folder / "model.onnx", folder / "plan"
@@ -107,6 +109,7 @@ def row(name: str, work: Path, max_gb: float) -> str:
         str(machines), "--gpu", "h100", "--batch-size", "1", "--precision", "bf16",
         "--microbatches", str(microbatches), "--schedule", "auto", "--recompute", "auto",
         "--shard-optimizer", *(["--stages", str(DEPTH[name])] if name in DEPTH else []),
+        *(["--inter-bandwidth", str(inter_gbps)] if inter_gbps else []),
         "-o", str(plan), "--force"], max_gb, folder / "partition.log")
     if code:
         return f"{head} | {export} | plan failed (exit {code}, {wall:.0f} s, {rss:.2f} GB): " \
@@ -133,6 +136,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, help="folder for the files (default: temporary)")
     parser.add_argument("--max-gb", type=float, default=12.0,
                         help="address-space limit of each step (default 12)")
+    parser.add_argument("--inter-bandwidth", type=float, metavar="GBPS",
+                        help="link between machines in GB/s (default: partition's, 10 GbE; "
+                             "the Llama 3 paper's cluster: 400 Gb/s RoCE per GPU, 50)")
     args = parser.parse_args()
     print("| model | cluster | export (wall, peak RSS) | parameters | plan (replicas per "
           "stage) | step | tokens/s | tokens/s per GPU | MFU | planning (wall) | "
@@ -141,7 +147,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         for name in args.only or list(ROWS):
-            print(row(name, work, args.max_gb), flush=True)
+            print(row(name, work, args.max_gb, args.inter_bandwidth), flush=True)
     return 0
 
 
