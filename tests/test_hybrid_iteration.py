@@ -8,7 +8,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support.graphs import CHAIN, save
 from support.hybrid_brute import compositions
@@ -76,6 +76,8 @@ def plans_of(bounds: list[int], devices: int, microbatches: int, most_stages: in
 
 
 @settings(max_examples=60, deadline=None)
+@example(compute=[0.5, 0.5, 0.5], params=0.0, nbytes=0.0, shape=(1, 3), train=True,
+         schedule="zb-h1", microbatches=1, memory_gb=80.0, engine=False)  # a hop's latency
 @given(compute=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=1, max_size=4),
        params=st.sampled_from([0.0, 1e6, 3e7]), nbytes=st.sampled_from([0.0, 1e5, 2e6]),
        shape=st.sampled_from([(1, 2), (1, 3), (2, 2), (1, 4)]), train=st.booleans(),
@@ -92,8 +94,9 @@ def test_no_plan_of_the_sequence_simulates_below_the_bound(
     machines, per = shape
     free = nbytes == 0.0
     terms = EngineTerms(1e-9, 0.3, 1e-9, 0.05, 0.1, {}) if engine and train else None
-    cluster = Cluster(machines, per, memory_gb=memory_gb, kind="cuda", intra=Link(2.0, 0.01),
-                      inter=Link(0.5, 0.05))
+    latency = 0.0 if free else 1.0  # free links: no bytes and no latency per hop
+    cluster = Cluster(machines, per, memory_gb=memory_gb, kind="cuda",
+                      intra=Link(2.0, 0.01 * latency), inter=Link(0.5, 0.05 * latency))
     run = RunSpec(cluster, train=train, microbatches=microbatches, train_schedule=schedule,
                   engine=terms)
     sequence = dp_sequence(problem, arrays, run, list(range(problem.num_nodes)))
