@@ -53,8 +53,10 @@ from onnx_partition.pipeline.memory import (
     ring_allreduce_ms,
     stash_bytes,
     static_bytes,
+    working_term,
 )
 from onnx_partition.solve.hybrid_model import replica_choices, shared_spans
+from onnx_partition.solve.hybrid_tables import working_table
 from onnx_partition.solve.scoring import RunSpec
 
 __all__ = ["ALL_ORDERINGS", "FleetSequence", "FleetStage", "fleet_dp", "group_orderings",
@@ -82,6 +84,8 @@ class FleetSequence:
     shared: Sequence[tuple[float, float, Sequence[int]]] = ()
     #: ZB-H1's output-gradient bytes kept per micro-batch from ``I`` to ``W`` (empty: none)
     kept_bytes: Sequence[float] = ()
+    #: the most gradient bytes live in one op's backward per position (empty: none)
+    working_bytes: Sequence[float] = ()
 
     @property
     def n(self) -> int:
@@ -105,6 +109,14 @@ class FleetSequence:
                                                                               self.n + 1))
         table[0, :] = 0.0
         return table
+
+    def working(self, schedule: str) -> np.ndarray:
+        """The backward's working set every stage ``[i, j)`` adds to its static bytes under
+        ``schedule``: the largest of its positions' (a range maximum), under ZB-H1 what it
+        exceeds the kept bytes by, 0 in inference (:func:`~onnx_partition.pipeline.memory.
+        working_term`)."""
+        widest = working_table(self.working_bytes if schedule != "infer" else (), self.n)
+        return np.asarray(working_term(widest, self.kept(), schedule))
 
     def received(self) -> np.ndarray:
         """Bytes stage ``[i, ...)`` receives per micro-batch: stage 0 the graph inputs."""
@@ -238,6 +250,7 @@ class _FleetTables:
         self.weights, self.trained = seq.weights()
         self.received = seq.received()
         self.kept = seq.kept()
+        self.work = seq.working(run.schedule)  # the backward's working set, static's ``T``
         self.zb = run.train and run.schedule == "zb-h1"
         self.valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.factor = 2.0 if run.train else 1.0
@@ -294,6 +307,7 @@ class _FleetTables:
         else:
             static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                       if run.train else weights[i])
+        static = static + self.work[i]
         limit = group.memory * 1e9
         state = params[i] if trained is None else trained[i]  # what has optimizer state
         full = optimizer_state(state, run.optimizer_factor)
