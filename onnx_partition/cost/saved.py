@@ -274,8 +274,8 @@ def _inner_working(data: Sequence[Any]) -> Any:
     node's ops make of them), its results and its inputs made from ``data``. Views make
     nothing new, nor do ops of weights alone (a transpose, a cast: a weight's gradient)."""
     import torch
-    from torch.utils._pytree import tree_leaves
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     views = _views()
 
