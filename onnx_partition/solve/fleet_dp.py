@@ -51,6 +51,7 @@ from onnx_partition.pipeline.memory import (
     check_recompute,
     optimizer_state,
     ring_allreduce_ms,
+    stage_working,
     stash_bytes,
     static_bytes,
     working_term,
@@ -139,7 +140,8 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
     memory per device (``held(r)`` micro-batches in flight; under ZB-H1, ``run.schedule``,
-    the gradients of as many kept: :func:`zb_memory`) exceeds the group's. In training a
+    the gradients of as many kept: :func:`zb_memory`; in training the backward's working set,
+    its positions' largest) exceeds the group's. In training a
     recomputing stage keeps only its inputs per micro-batch in flight and one micro-batch's
     activations, and runs its forward twice (the one-kind DP's :func:`~.hybrid.recompute_stage`):
     ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
@@ -162,13 +164,14 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
         tied = [(b, t) for b, t, where in seq.shared if any(i <= p < j for p in where)]
         weights = float(sum(seq.weight_bytes[i:j])) + sum(b for b, _ in tied)
         trained = float(sum(seq.trainable_bytes[i:j])) + sum(t for _, t in tied)
+    kept = float(sum(seq.kept_bytes[i:j])) if i > 0 and len(seq.kept_bytes) else 0.0
+    widest = float(max(seq.working_bytes[i:j])) if run.train and len(seq.working_bytes) else 0.0
     size = StageBytes(weights, float(sum(seq.activation_bytes[i:j])),
                       float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
-                      float(seq.cut_bytes[j]) if run.train else 0.0, trained)
+                      float(seq.cut_bytes[j]) if run.train else 0.0, trained, kept, widest)
     count = held(r) if held is not None else _held_safe(run)(r)
     static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor,
-                          replicas=r, shard=run.shard)
-    kept = float(sum(seq.kept_bytes[i:j])) if i > 0 and len(seq.kept_bytes) else 0.0
+                          replicas=r, shard=run.shard) + stage_working(size, run.schedule)
     zb = run.train and run.schedule == "zb-h1"
     for flag in flags:
         rebuilt = flag and run.train
