@@ -98,8 +98,7 @@ def _sequence(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindC
                         *_counted(arrays, blocks),
                         kept_bytes=blocks.sums(arrays.kept_bytes) if len(arrays.kept_bytes)
                         else [],
-                        working_bytes=blocks.maxes(arrays.working_bytes)
-                        if len(arrays.working_bytes) else [])
+                        working_bytes=blocks.maxes(arrays.working_bytes))
     return seq, blocks
 
 
