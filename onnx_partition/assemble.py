@@ -33,6 +33,7 @@ from onnx_partition.pipeline.memory import (
     memory_per_device,
     peak_inflight,
     rebuilt_held,
+    stage_working,
     stash_bytes,
     static_bytes,
 )
@@ -85,7 +86,8 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
     microbatches, factor = request.train.microbatches, solution.optimizer_factor
     cuts = cut_stages(graph, solution.stage_of, count)
     sizes = stage_sizes(graph, cuts, train=train, activation_bytes=priced.saved,
-                        trainable=priced.trainable, kept_bytes=priced.kept)
+                        trainable=priced.trainable, kept_bytes=priced.kept,
+                        working_bytes=priced.working)
     flags = solution.recomputed
     shard = request.train.shard if train else "none"
     memory = (memory_per_device(sizes, replicas, microbatches, schedule=schedule,
@@ -100,7 +102,8 @@ def lay_out(priced: Priced, solution: Solution, request: PartitionRequest) -> La
         for k, (f, b) in enumerate(solution.figures.split):
             parts[k] = dict(memory_parts(sizes[k], held[k], train=True, optimizer_factor=factor,
                                          rebuilt=rebuilt[k] if flags[k] else None,
-                                         replicas=replicas[k], shard=shard, kept=kept[k]))
+                                         replicas=replicas[k], shard=shard, kept=kept[k],
+                                         working=stage_working(sizes[k], schedule)))
             parts[k].pop("memory_bytes")
             parts[k].update(forward_ms=round(f, 6), backward_ms=round(b, 6))
     return Layout(cuts, sizes, list(memory), parts)
@@ -130,6 +133,7 @@ def _replayed(solution: Solution, layout: Layout, train: bool) -> dict[str, Any]
             "activation_bytes": [stash_bytes(z) for z in sizes],
             "static_bytes": [static_bytes(z, train=train, optimizer_factor=factor,
                                           replicas=r, shard=route.run.shard)
+                             + (stage_working(z, solution.schedule) if train else 0.0)
                              for z, r in zip(sizes, solution.replicas, strict=True)],
             "send_ms": list(route.best.costs.send_ms)}
         if any(s.recompute for s in stages):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnx_partition.cost.annotate import CostsFile, NodeCosts
 from onnx_partition.cost.cluster import Link
@@ -26,7 +26,11 @@ from onnx_partition.solve.contract import contract
 from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import LAST
 
-__all__ = ["dag_problem", "grad_input_ms", "per_unit", "saved_activations", "stage_sizes",
+if TYPE_CHECKING:
+    from onnx_partition.cost.saved import PerNode
+
+__all__ = ["dag_problem", "grad_input_ms", "per_unit", "per_unit_max", "saved_activations",
+           "stage_sizes",
            "trainable_parameters", "trainable_tensors", "unit_problem", "unit_weights",
            "untyped_values"]
 
@@ -118,15 +122,22 @@ def per_unit(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[
     return [float(sum(values[i] for i in m)) for m in members]
 
 
+def per_unit_max(values: Sequence[float], members: Sequence[Sequence[int]]) -> list[float]:
+    """Per-node ``values`` maximised over each unit's ``members`` (a working set: the
+    backward runs one op at a time)."""
+    return [float(max((values[i] for i in m), default=0.0)) for m in members]
+
+
 
 def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.precision,
-                      policy: str = "cpu") -> tuple[list[float], list[float]] | None:
+                      policy: str = "cpu") -> PerNode | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
     under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
     unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``) and, from the
-    same run, the output-gradient bytes ZB-H1 keeps per node from ``I`` to ``W``, when the
-    model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
-    every output, and no kept gradients)."""
+    same run, the output-gradient bytes ZB-H1 keeps per node from ``I`` to ``W`` and the
+    gradients live in each node's backward (:class:`~onnx_partition.cost.saved.PerNode`), when
+    the model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
+    every output, and no kept gradients nor working set)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         if precision != TrainSpec.precision:
@@ -134,10 +145,10 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.pr
                                  f"running the model's program, and {model} has none "
                                  f"({program.name}): export it with onnx_partition.export")
         return None
-    from onnx_partition.cost.saved import saved_and_kept_per_node  # torch: train plans only
+    from onnx_partition.cost.saved import counted_per_node  # torch: train plans only
 
     try:
-        return saved_and_kept_per_node(graph, program, precision=precision, policy=policy)
+        return counted_per_node(graph, program, precision=precision, policy=policy)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -167,7 +178,8 @@ def trainable_parameters(model: Path) -> frozenset[str] | None:
 def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
                 activation_bytes: Sequence[float] | None = None,
                 trainable: Collection[str] | None = None,
-                kept_bytes: Sequence[float] | None = None) -> list[StageBytes]:
+                kept_bytes: Sequence[float] | None = None,
+                working_bytes: Sequence[float] | None = None) -> list[StageBytes]:
     """The one count of what each stage holds, from its cut (the stage file it runs), for
     every plan (plain pipeline or cluster): weights, every initializer the stage reads
     (constants included; a tied parameter in each stage reading it, as each rank holds its
@@ -180,7 +192,9 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
     anywhere, held by rank 0 per micro-batch in flight); sent (training, all but the last
     stage), what it sends on, relayed tensors included, whose gradients come back; kept
     (training, all but stage 0, which receives no activation), the output gradients ZB-H1
-    keeps per micro-batch from ``I`` to ``W`` (``kept_bytes`` per OpGraph node)."""
+    keeps per micro-batch from ``I`` to ``W`` (``kept_bytes`` per OpGraph node); working
+    (training), the most gradient bytes live in the backward of one of its nodes
+    (``working_bytes`` per OpGraph node, the largest over the cut's)."""
     def nbytes(names: Sequence[str]) -> float:
         return float(sum(graph.tensors[t].nbytes for t in names if t in graph.tensors))
 
@@ -199,7 +213,9 @@ def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,
                            graph.initializer_bytes[t] for t in cut.initializers
                            if t in trainable)),
                        float(sum(kept_bytes[i] for i in cut.nodes))
-                       if train and kept_bytes is not None and k > 0 else 0.0)
+                       if train and kept_bytes is not None and k > 0 else 0.0,
+                       float(max((working_bytes[i] for i in cut.nodes), default=0.0))
+                       if train and working_bytes is not None else 0.0)
             for k, cut in enumerate(cuts)]
 
 

@@ -36,6 +36,7 @@ from onnx_partition.graph.emit import cut_stages
 from onnx_partition.graph_arrays import (
     grad_input_ms,
     per_unit,
+    per_unit_max,
     saved_activations,
     trainable_parameters,
     trainable_tensors,
@@ -61,7 +62,8 @@ class Priced:
     (``backward``); a train plan's saved bytes per node (``saved``), trainable parameters,
     the autocast ``policy`` that counted them, each node's input-gradient share
     (``grad_input``), the output gradients ZB-H1 keeps per node from ``I`` to ``W``
-    (``kept``) and the engine's terms (``engine``, ``split_call_ms``, ``action_ms``)."""
+    (``kept``), the gradients live in each node's backward (``working``) and the engine's
+    terms (``engine``, ``split_call_ms``, ``action_ms``)."""
 
     graph: OpGraph
     node_costs: NodeCosts
@@ -76,6 +78,7 @@ class Priced:
     backward: str
     saved: list[float] | None
     kept: list[float] | None
+    working: list[float] | None
     trainable: frozenset[str] | None
     policy: str
     grad_input: list[float]
@@ -197,8 +200,9 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
         graph=graph, node_costs=node_costs, costs=costs, checked=checked, device=device,
         shared=shared, device_model=priced, kinds=kinds, kind_engines=kind_engines,
         kind_grad_input=kind_grad_input, backward=backward,
-        saved=counted[0] if counted is not None else None,
-        kept=counted[1] if counted is not None else None,
+        saved=counted.saved if counted is not None else None,
+        kept=counted.kept if counted is not None else None,
+        working=counted.working if counted is not None else None,
         trainable=trainable_parameters(model) if train else None, policy=policy,
         grad_input=grad_input_ms(graph, node_costs, costs),
         engine=engine_terms(costs, device, request.train.optimizer) if train else None,
@@ -300,6 +304,9 @@ def problem_of(priced: Priced, request: PartitionRequest) -> Problem:
         if priced.kept is not None and train:
             arrays = replace(arrays, kept_bytes=per_unit([priced.kept[g] for g in nodes],
                                                          members))
+        if priced.working is not None and train:
+            arrays = replace(arrays, working_bytes=per_unit_max(
+                [priced.working[g] for g in nodes], members))
         kinds = _kind_costs(priced, nodes, members) if isinstance(cluster, Fleet) else None
         if kinds is None and train:
             arrays = replace(arrays, backward_input_ms=per_unit(

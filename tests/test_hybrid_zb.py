@@ -41,11 +41,13 @@ HAND_CONFIG = HybridConfig(devices=2, memory_bytes=8.0, microbatches=2, train=Tr
 
 
 def sizes_of(costs: SequenceCosts, spans: list[tuple[int, int]]) -> list[StageBytes]:
-    """What pipeline/memory.py counts for each stage: its own sums over the positions."""
+    """What pipeline/memory.py counts for each stage: its own sums over the positions (the
+    backward's working set: their largest)."""
     kept = costs.kept_bytes or [0.0] * len(costs.forward_ms)
+    working = costs.working_bytes or [0.0] * len(costs.forward_ms)
     return [StageBytes(sum(costs.param_bytes[i:j]), sum(costs.activation_bytes[i:j]),
                        costs.cut_bytes[i], costs.cut_bytes[j], None,
-                       sum(kept[i:j]) if i > 0 else 0.0) for i, j in spans]
+                       sum(kept[i:j]) if i > 0 else 0.0, max(working[i:j])) for i, j in spans]
 
 
 def test_zb_fits_without_the_kept_term_and_not_with_it():
@@ -102,18 +104,21 @@ def draw_costs(data: st.DataObject, n: int) -> SequenceCosts:
         return data.draw(st.lists(ints, min_size=size, max_size=size))
 
     return SequenceCosts(draw(), draw(), draw(), draw(), [0.0, *draw(n - 1), 0.0],
-                         kept_bytes=draw())
+                         kept_bytes=draw(), working_bytes=data.draw(st.sampled_from(
+                             [[], draw()])))
 
 
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 4), devices=st.integers(1, 4), data=st.data())
 def test_the_zb_dp_equals_brute_force(n, devices, data):
-    """Training under a memory limit, ZB-H1 with kept gradients, keeping, every stage
+    """Training under a memory limit, ZB-H1 with kept gradients (or 1F1B), the backward's
+    working set or none, keeping, every stage
     recomputing or each where keeping does not fit, the optimizer state sharded or not: the
     DP's least period is brute force's (inf where nothing fits), and its
     plan's memory is the plain model's."""
     costs = draw_costs(data, n)
-    config = HybridConfig(devices=devices, train=True, train_schedule="zb-h1",
+    config = HybridConfig(devices=devices, train=True,
+                          train_schedule=data.draw(st.sampled_from(["zb-h1", "1f1b"])),
                           microbatches=data.draw(st.sampled_from([1, 2, 3, 4])),
                           memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0, 200.0])),
                           link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, 2])),
@@ -130,7 +135,7 @@ def test_the_zb_dp_equals_brute_force(n, devices, data):
     assert max(s.period_ms for s in best) == pytest.approx(want, rel=1e-6)
     spans = [(s.start, s.end) for s in best]
     memory = memory_per_device(sizes_of(costs, spans), [s.replicas for s in best],
-                               config.microbatches, schedule="zb-h1",
+                               config.microbatches, schedule=config.train_schedule,
                                optimizer_factor=config.optimizer_factor,
                                recompute=[s.recompute for s in best], shard=config.shard)
     assert [s.memory_bytes for s in best] == pytest.approx(memory)
@@ -190,10 +195,12 @@ def test_the_judge_counts_the_kept_term():
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 5), devices=st.integers(1, 4), data=st.data())
 def test_the_zb_dp_equals_the_judge(n, devices, data):
-    """ZB-H1 under a memory limit, the optimizer state sharded or not: the DP and the judge
-    (its own kept formula) agree."""
+    """ZB-H1 (or 1F1B) under a memory limit, with the backward's working set or not, the
+    optimizer state sharded or not: the DP and the judge (its own kept and working-set
+    formulas) agree."""
     costs = draw_costs(data, n)
-    config = HybridConfig(devices=devices, train=True, train_schedule="zb-h1",
+    config = HybridConfig(devices=devices, train=True,
+                          train_schedule=data.draw(st.sampled_from(["zb-h1", "1f1b"])),
                           microbatches=data.draw(st.sampled_from([1, 2, 4])),
                           memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0, 200.0])),
                           link_bytes_per_ms=2.0, depth=data.draw(st.sampled_from([None, 2])),

@@ -7,7 +7,9 @@ micro-batches, in micro-batches' activations (the plan's ``activation_bytes``): 
 and ZB-H1 a stage holds at most ``p`` micro-batches, so it should stay well under one. Under
 ZB-H1 the table also gives the plan's figure without the output gradients kept from ``I`` to
 ``W`` (``kept_held`` x the stage's kept bytes, counted again from the model's program): the
-memory model before it counted them.
+memory model before it counted them; and every plan's figure without the backward's working
+set (``w/o T``: the stage's largest per-node working set, under ZB-H1 what it exceeds the kept
+bytes by), the memory model before issue 33's working-set term.
 
     .venv/bin/python tools/bench_memory.py PLAN [PLAN ...] [--microbatches 4 8 32] [--steps 2]
     .venv/bin/python tools/bench_memory.py --hf DIR [--models hf-gpt2 ...] [--schedules ...]
@@ -30,10 +32,10 @@ from pathlib import Path
 import torch
 
 from onnx_partition import export
-from onnx_partition.cost.saved import saved_and_kept_per_node
+from onnx_partition.cost.saved import counted_per_node
 from onnx_partition.graph import load
 from onnx_partition.partition import partition
-from onnx_partition.pipeline.memory import kept_held
+from onnx_partition.pipeline.memory import kept_held, working_term
 from onnx_partition.plan import Plan, read_plan
 from onnx_partition.runtime.train.trainer import train_plan
 
@@ -65,28 +67,36 @@ def hf_plans(work: Path, names: list[str], schedules: list[str]) -> list[Path]:
     return folders
 
 
-def kept_per_stage(folder: Path, plan: Plan) -> list[float]:
-    """Each stage's kept-gradient bytes per micro-batch, counted from the plan's model (stage
-    0 receives no activation: none)."""
+def counted_per_stage(folder: Path, plan: Plan) -> tuple[list[float], list[float]]:
+    """Each stage's kept-gradient bytes per micro-batch (stage 0 receives no activation: none)
+    and its backward's working set (the largest of its nodes'), counted from the plan's
+    model."""
     model = (folder / plan.model).resolve()
     graph = load(model, batch_size=plan.rows_per_microbatch)
-    _, kept = saved_and_kept_per_node(graph, model.with_suffix(".pt2"))
+    counted = counted_per_node(graph, model.with_suffix(".pt2"))
     index = {n.key: n.index for n in graph.nodes}
-    return [float(sum(kept[index[n]] for n in s.nodes if n in index)) if k else 0.0
-            for k, s in enumerate(plan.stages)]
+    nodes = [[index[n] for n in s.nodes if n in index] for s in plan.stages]
+    kept = [float(sum(counted.kept[i] for i in ns)) if k else 0.0
+            for k, ns in enumerate(nodes)]
+    working = [float(max((counted.working[i] for i in ns), default=0.0)) for ns in nodes]
+    return kept, working
 
 
 def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
     """One plan's table (module docstring)."""
     plan = read_plan(folder)
     acts = [(s.predicted.activation_bytes or 0) if s.predicted else 0 for s in plan.stages]
-    kept = kept_per_stage(folder, plan) if schedule == "zb-h1" else [0.0] * len(acts)
+    counted, working = counted_per_stage(folder, plan)
+    kept = counted if schedule == "zb-h1" else [0.0] * len(acts)
+    # the working set as planned (under ZB-H1 what it exceeds the kept bytes by)
+    work = [float(working_term(t, g, plan.schedule or "1f1b"))
+            for t, g in zip(working, counted, strict=True)]
     replicas = [s.replicas for s in plan.stages]
     print(f"\n{folder}: planned for {plan.schedule}, run under {schedule}; {len(plan.stages)} "
           f"stages, {plan.rows_per_microbatch} rows per micro-batch, {steps} steps; "
           f"MB = 1e6 bytes")
-    print(f"  {'M':>3} {'stage':>5} {'planned MB':>11} {'w/o kept MB':>12} "
-          f"{'measured MB':>12} {'ratio':>6} {'before':>6} {'VmHWM MB':>9}")
+    print(f"  {'M':>3} {'stage':>5} {'planned MB':>11} {'w/o kept MB':>12} {'w/o T MB':>9} "
+          f"{'measured MB':>12} {'ratio':>6} {'w/o kept':>8} {'w/o T':>6} {'VmHWM MB':>9}")
     peaks: dict[int, list[int]] = {}
     for count in counts:
         with warnings.catch_warnings():
@@ -98,10 +108,13 @@ def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
         for k, pred in enumerate(stats.predicted_stages):
             planned = pred.memory_bytes or 0
             before = planned - held[k] * kept[k]
+            unworked = planned - work[k]
             got = peaks[count][k]
             print(f"  {count:>3} {k:>5} {planned / MB:>11.2f} {before / MB:>12.2f} "
-                  f"{got / MB:>12.2f} {got / planned if planned else 0:>6.2f} "
-                  f"{got / before if before else 0:>6.2f} "
+                  f"{unworked / MB:>9.2f} {got / MB:>12.2f} "
+                  f"{got / planned if planned else 0:>6.2f} "
+                  f"{got / before if before else 0:>8.2f} "
+                  f"{got / unworked if unworked else 0:>6.2f} "
                   f"{(stats.resident_bytes[k] or 0) / MB:>9.1f}")
     low, high = min(peaks), max(peaks)
     for k, act in enumerate(acts):

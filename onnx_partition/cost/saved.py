@@ -47,7 +47,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, cast_call
 from onnx_partition.errors import PartitionError
@@ -62,9 +62,11 @@ if TYPE_CHECKING:
 __all__ = [
     "HALF_DTYPES",
     "PRECISIONS",
+    "PerNode",
     "SavedBytes",
     "autocast_for",
     "check_precision",
+    "counted_per_node",
     "kept_gradient_bytes",
     "program_inputs",
     "saved_and_kept_per_node",
@@ -72,6 +74,7 @@ __all__ = [
     "saved_bytes",
     "saved_bytes_per_node",
     "traced_on_meta",
+    "working_gradient_bytes",
 ]
 
 
@@ -110,6 +113,9 @@ class SavedBytes:
     #: bytes of the output gradient ZB-H1 keeps per FX node from ``I`` to ``W``
     #: (:func:`kept_gradient_bytes`; nodes keeping nothing left out)
     kept: dict[str, int] = field(default_factory=dict)
+    #: bytes of the gradients live while each FX node's backward runs
+    #: (:func:`working_gradient_bytes`; nodes with none left out)
+    working: dict[str, int] = field(default_factory=dict)
 
 
 def _counter() -> tuple[dict[str, int], list[str], Any, Any]:
@@ -195,7 +201,8 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
     args, weights, mode = _program_feeds(program, specs, fake, seed, seen)
     kept: dict[str, int] = {}
-    interpreter = _counting(program, current, by_hand, half, kept)
+    working: dict[str, int] = {}
+    interpreter = _counting(program, current, by_hand, half, kept, working)
     region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
     with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if mode is not None:
@@ -205,7 +212,9 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
             interpreter.run(*args)
     order = [n.name for n in program.graph.nodes if n.name in per_node]
     return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights,
-                      {n.name: kept[n.name] for n in program.graph.nodes if kept.get(n.name)})
+                      {n.name: kept[n.name] for n in program.graph.nodes if kept.get(n.name)},
+                      {n.name: working[n.name] for n in program.graph.nodes
+                       if working.get(n.name)})
 
 
 def kept_gradient_bytes(value: Any, inputs: Sequence[Any], data: Sequence[bool]) -> int:
@@ -228,12 +237,78 @@ def kept_gradient_bytes(value: Any, inputs: Sequence[Any], data: Sequence[bool])
                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point())
 
 
+def working_gradient_bytes(outputs: Sequence[Any], activations: Sequence[Any]) -> int:
+    """Bytes of the gradients live while the backward of one aten op runs: that of each of its
+    floating ``outputs`` (arriving) and of each of its floating ``activations`` that requires
+    grad (its inputs made from the model's inputs; produced), each storage once at its
+    largest view (a view's gradient is a view of its base's). A weight's gradient is left out
+    (the memory model counts the parameters' gradients apart), as is anything not floating
+    (indices, masks). The loss's log-softmax holds two logits-sized gradients this way,
+    besides the output it saved; :func:`_inner_working` applies it to every aten op an FX node
+    runs (``cross_entropy_loss``: its log-softmax and its NLL)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    sizes: dict[Any, int] = {}
+    for t, made in [*((o, True) for o in outputs), *((a, False) for a in activations)]:
+        if (isinstance(t, torch.Tensor) and t.is_floating_point()
+                and (made or t.requires_grad)):
+            key = StorageWeakRef(t.untyped_storage())
+            sizes[key] = max(sizes.get(key, 0), int(t.numel() * t.element_size()))
+    return sum(sizes.values())
+
+
+def _views() -> frozenset[Any]:
+    """The aten ops that make an alias torch does not mark as a view (``_unsafe_view``: a
+    linear's reshape back to 3-d), whose backward reshapes the gradient in place."""
+    import torch
+
+    return frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def _inner_working(data: Sequence[Any]) -> Any:
+    """A dispatch mode that finds, over the aten ops one FX node runs (a composite op's own,
+    below autograd, where autograd has marked their inputs but not yet their results), the
+    most :func:`working_gradient_bytes` one holds (``most``): of each op reading a tensor
+    requiring grad and one made from ``data`` (the node's activation inputs, and what the
+    node's ops make of them), its results and its inputs made from ``data``. Views make
+    nothing new, nor do ops of weights alone (a transpose, a cast: a weight's gradient)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    views = _views()
+
+    class InnerWorking(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.most = 0
+            self.data = {id(t): t for t in data if isinstance(t, torch.Tensor)}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            acts = [t for t in ins if self.data.get(id(t)) is t]
+            if not acts:
+                return out
+            made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.data.update((id(t), t) for t in made)
+            graded = any(t.requires_grad and t.is_floating_point() for t in ins)
+            if graded and not (getattr(func, "is_view", False) or func in views):
+                self.most = max(self.most, working_gradient_bytes(made, acts))
+            return out
+
+    return InnerWorking()
+
+
 def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPolicy | None,
-              half: torch.dtype | None, kept: dict[str, int] | None = None
-              ) -> torch.fx.Interpreter:
+              half: torch.dtype | None, kept: dict[str, int] | None = None,
+              working: dict[str, int] | None = None) -> torch.fx.Interpreter:
     """An interpreter of ``program`` that names the node running in ``current[0]`` (for the
     saved-tensor hook), under a policy applied by hand casts each op as it says, and counts
-    into ``kept`` each node's :func:`kept_gradient_bytes`."""
+    into ``kept`` each node's :func:`kept_gradient_bytes` and into ``working`` the most
+    :func:`working_gradient_bytes` of its aten ops (:func:`_inner_working`)."""
     import torch
     import torch.fx
 
@@ -246,16 +321,19 @@ def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPol
     class Counting(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             current[0] = n.name
-            value = super().run_node(n)
-            if kept is None:
-                return value
             ins = n.all_input_nodes
-            if not ins:  # a placeholder (a user input is data), a constant made in the graph
-                return value
+            if kept is None or not ins or n.op == "output":  # a placeholder (a user input is
+                return super().run_node(n)  # data), a constant made in the graph, the end
             marks = [a.name in data for a in ins]
+            values = [self.env.get(a) for a in ins]
+            inner = _inner_working([v for v, d in zip(values, marks, strict=True) if d])
+            if working is not None:
+                with inner:
+                    value = super().run_node(n)
+            else:
+                value = super().run_node(n)
             if any(marks):
                 data.add(n.name)
-            values = [self.env.get(a) for a in ins]
             outs = value
             if isinstance(value, (tuple, list)):  # the gradients of the outputs read only
                 outs = [value[cast(int, u.args[1])] for u in n.users
@@ -263,6 +341,8 @@ def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPol
             nbytes = kept_gradient_bytes(outs, values, marks)
             if nbytes:
                 kept[n.name] = nbytes
+            if working is not None and inner.most:
+                working[n.name] = inner.most
             return value
 
         def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -377,8 +457,8 @@ def saved_bytes_per_node(graph: OpGraph, program: str | Path | ExportedProgram, 
     """Saved bytes per OpGraph node index (the solvers' activation bytes for a train plan):
     each FX unit's on its first ONNX node, at ``graph``'s input shapes (the micro-batch), in
     ``precision`` under autocast's ``policy`` (``cpu`` or ``cuda``, :func:`saved_bytes`)."""
-    return saved_and_kept_per_node(graph, program, fake=fake, precision=precision,
-                                   policy=policy)[0]
+    return counted_per_node(graph, program, fake=fake, precision=precision,
+                            policy=policy).saved
 
 
 def saved_and_kept_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
@@ -386,6 +466,27 @@ def saved_and_kept_per_node(graph: OpGraph, program: str | Path | ExportedProgra
                             policy: str = "cpu") -> tuple[list[float], list[float]]:
     """:func:`saved_bytes_per_node` and, from the same run, the bytes ZB-H1 keeps from ``I``
     to ``W`` per OpGraph node (:attr:`SavedBytes.kept`, mapped the same way)."""
+    counted = counted_per_node(graph, program, fake=fake, precision=precision, policy=policy)
+    return counted.saved, counted.kept
+
+
+class PerNode(NamedTuple):
+    """One run's figures per OpGraph node index: the bytes saved for backward and ZB-H1's
+    kept gradients (each summed over the FX nodes the node carries), and the most gradient
+    bytes live at once in the backward of one of those FX nodes (``working``: a maximum,
+    :attr:`SavedBytes.working`)."""
+
+    saved: list[float]
+    kept: list[float]
+    working: list[float]
+
+
+def counted_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
+                     fake: bool = True, precision: str = TrainSpec().precision,
+                     policy: str = "cpu") -> PerNode:
+    """:func:`saved_bytes` of ``program`` at ``graph``'s input shapes (the micro-batch) mapped
+    onto the OpGraph nodes by :func:`unit_homes`: saved and kept bytes summed on each home,
+    the working set its largest (the backward runs one op at a time)."""
     import torch
     import torch.fx
 
@@ -398,11 +499,15 @@ def saved_and_kept_per_node(graph: OpGraph, program: str | Path | ExportedProgra
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
     kept = [0.0] * len(graph.nodes)
+    working = [0.0] * len(graph.nodes)
     for figures, per_node in ((out, counted.per_node), (kept, counted.kept)):
         for name, nbytes in per_node.items():
             if name in homes:
                 figures[homes[name]] += nbytes
-    return out, kept
+    for name, nbytes in counted.working.items():
+        if name in homes:
+            working[homes[name]] = max(working[homes[name]], float(nbytes))
+    return PerNode(out, kept, working)
 
 
 def unit_homes(graph: OpGraph, program: ExportedProgram) -> dict[str, int]:

@@ -84,12 +84,26 @@ micro-batches it holds), at the moment it holds its most micro-batches::
 :func:`kept_held` is ``kept``. On gpt tiny's last stage ``K`` is 131,072 B per micro-batch, the
 sum of what the input pass keeps there.
 
+**The backward's working set.** While an op's backward runs, the gradient of its output (arriving)
+and those of its activation inputs (produced) are live beside everything stashed: ``T_u`` bytes
+for op ``u``, its floating outputs and floating activation inputs that require grad
+(:func:`onnx_partition.cost.saved.working_gradient_bytes`, from the same run that counts ``A``;
+weights' gradients are in ``static``). The backward runs one op at a time, so a stage adds
+the largest, ``T = max_u T_u`` (not a sum); the loss's log-softmax is the widest of a language
+model's last stage, two logits-sized gradients beside the output it saved::
+
+    memory = static + T + held * stash [+ kept * K]     (training; T = 0 in inference)
+
+Under ZB-H1 the ``I`` running the widest op keeps the current micro-batch's ``K`` too, of which
+the arriving gradient is a part (the logits' ``dY`` is both), so the term there is
+``max(0, T - K)`` (:func:`working_term`).
+
 **Recomputation** (activation checkpointing at stage granularity, Chen et al. 2016; chosen
 per stage as AdaPipe and Mist do): a recomputing stage keeps only what it received, ``R``,
 per micro-batch in flight, and runs its forward again at the start of its backward, so it
 holds one micro-batch's activations ``A`` at a time::
 
-    memory = static + A + held * R        (recompute; time: one more forward per backward)
+    memory = static + T + A + held * R    (recompute; time: one more forward per backward)
 
 Under ZB-H1 a recomputing stage holds the rebuilt activations from its ``I`` to its ``W``, so
 up to ``1 + D_s`` of them (``D_s = W_0 - W_s`` deferred W passes): ``static + min(1 + D_s,
@@ -129,8 +143,10 @@ __all__ = [
     "rebuilt_held",
     "recompute_choice",
     "ring_allreduce_ms",
+    "stage_working",
     "stash_bytes",
     "static_bytes",
+    "working_term",
 ]
 
 #: ``partition --recompute``: per stage where needed (auto), never, every stage.
@@ -220,7 +236,8 @@ class StageBytes:
     buffers), its operators' outputs per micro-batch, what it receives per micro-batch (input
     boundary), what it sends (output boundary), of ``params`` the trainable ones
     (``trainable``: with gradients and optimizer state; None: all of them), and the output
-    gradients ZB-H1 keeps per micro-batch from ``I`` to ``W`` (``kept``, ``K``)."""
+    gradients ZB-H1 keeps per micro-batch from ``I`` to ``W`` (``kept``, ``K``), and the most
+    gradient bytes live in the backward of one of its ops (``working``, ``T``; training)."""
 
     params: float
     activations: float
@@ -228,6 +245,7 @@ class StageBytes:
     sent: float = 0.0
     trainable: float | None = None
     kept: float = 0.0
+    working: float = 0.0
 
     @property
     def trained(self) -> float:
@@ -286,6 +304,23 @@ def rebuilt_held(schedule: str, replicas: Sequence[int], microbatches: int) -> l
     return [min(1, h) for h in peak_inflight(schedule, replicas, microbatches)]
 
 
+def working_term(working: Num, kept: Num, schedule: str) -> Num:
+    """The backward's working set a stage adds to its peak (module docstring): ``T`` in
+    training, beyond the ``K`` ZB-H1 already counts for the micro-batch in its ``I``
+    (``max(0, T - K)``: the logits' gradient is both); 0 in inference. Arrays or numbers."""
+    if schedule == "infer":
+        return working * 0.0
+    if schedule == "zb-h1":
+        over = working - kept
+        return over * (over > 0)
+    return working
+
+
+def stage_working(stage: StageBytes, schedule: str) -> float:
+    """:func:`working_term` of one stage."""
+    return float(working_term(stage.working, stage.kept, schedule))
+
+
 def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:
     """``static + held * stash``: the one memory formula (the simulator calls it too)."""
     return static + held * stash
@@ -300,7 +335,8 @@ def memory_per_device(
     under ``schedule`` (``1f1b``, ``zb-h1``, ``gpipe`` or ``infer``), the stages flagged in
     ``recompute`` keeping only their inputs: the figure the planner checks against the device
     memory, ``partition`` prints and plan.json stores (``shard``: :data:`SHARD_MODES`); under
-    ZB-H1 with the gradients kept from ``I`` to ``W`` (:func:`kept_held` of ``kept``)."""
+    ZB-H1 with the gradients kept from ``I`` to ``W`` (:func:`kept_held` of ``kept``); in
+    training with the backward's working set (:func:`working_term`)."""
     train = schedule != "infer"
     held = peak_inflight(schedule, replicas, microbatches)
     flags = list(recompute) if recompute is not None and train else [False] * len(stages)
@@ -309,7 +345,7 @@ def memory_per_device(
     return [float(device_bytes(static_bytes(s, train=train, optimizer_factor=optimizer_factor,
                                             replicas=r, shard=shard),
                                stash_bytes(s, rc), h) + (b * s.activations if rc else 0.0)
-                  + g * s.kept)
+                  + g * s.kept + stage_working(s, schedule))
             for s, h, rc, b, r, g in zip(stages, held, flags, rebuilt, replicas, kept,
                                          strict=True)]
 
@@ -344,7 +380,8 @@ def recompute_choice(
 
 def memory_parts(stage: StageBytes, held: int, *, train: bool,
                  optimizer_factor: float = 4.0, rebuilt: int | None = None,
-                 replicas: int = 1, shard: str = "none", kept: int = 0) -> dict[str, int]:
+                 replicas: int = 1, shard: str = "none", kept: int = 0,
+                 working: float = 0.0) -> dict[str, int]:
     """:func:`device_bytes` of one stage in its parts (plan.json's per-stage ``predicted``):
     weights, the trainable ones' gradients and optimizer state (``optimizer_factor - 2`` copies:
     Adam's two moments at the default 4), activations per micro-batch, micro-batches in flight,
@@ -354,17 +391,20 @@ def memory_parts(stage: StageBytes, held: int, *, train: bool,
     as ``inflight``; its buffers still hold the inputs of all ``held``. A stage sharding its
     optimizer state over ``replicas`` (``shard``) counts its own ``1 / replicas`` of it. Under
     ZB-H1 the buffers hold the output gradients of the ``kept`` micro-batches between an ``I``
-    and its ``W`` too (:func:`kept_held`; they grow with the rows, as received inputs do)."""
+    and its ``W`` too (:func:`kept_held`; they grow with the rows, as received inputs do), and
+    in training the backward's ``working`` set (:func:`stage_working`: the schedule's)."""
     static = static_bytes(stage, train=train, optimizer_factor=optimizer_factor,
                           replicas=replicas, shard=shard)
     weights = stage.params
     grads = stage.trained if train else 0.0
     optimizer = static - stage.sent - weights - grads if train else 0.0
-    buffers = (stage.sent if train else 0.0) + held * stage.received + kept * stage.kept
+    buffers = ((stage.sent + working if train else 0.0) + held * stage.received
+               + kept * stage.kept)
     acts = held if rebuilt is None else rebuilt
     return {"weights_bytes": int(weights), "grad_bytes": int(grads),
             "optimizer_bytes": int(optimizer), "activation_bytes": int(stage.activations),
             "inflight": int(acts), "buffer_bytes": int(buffers),
             "memory_bytes": int(device_bytes(static, stash_bytes(stage, rebuilt is not None),
                                              held) + acts * stage.activations * (
-                                                 rebuilt is not None) + kept * stage.kept)}
+                                                 rebuilt is not None) + kept * stage.kept
+                                    + (working if train else 0.0))}

@@ -97,7 +97,8 @@ def _sequence(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, KindC
                         list(cut_bytes(problem, order)[np.asarray(blocks.bounds)]),
                         *_counted(arrays, blocks),
                         kept_bytes=blocks.sums(arrays.kept_bytes) if len(arrays.kept_bytes)
-                        else [])
+                        else [],
+                        working_bytes=blocks.maxes(arrays.working_bytes))
     return seq, blocks
 
 

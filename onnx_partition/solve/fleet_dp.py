@@ -51,10 +51,13 @@ from onnx_partition.pipeline.memory import (
     check_recompute,
     optimizer_state,
     ring_allreduce_ms,
+    stage_working,
     stash_bytes,
     static_bytes,
+    working_term,
 )
 from onnx_partition.solve.hybrid_model import replica_choices, shared_spans
+from onnx_partition.solve.hybrid_tables import working_table
 from onnx_partition.solve.scoring import RunSpec
 
 __all__ = ["ALL_ORDERINGS", "FleetSequence", "FleetStage", "fleet_dp", "group_orderings",
@@ -82,6 +85,8 @@ class FleetSequence:
     shared: Sequence[tuple[float, float, Sequence[int]]] = ()
     #: ZB-H1's output-gradient bytes kept per micro-batch from ``I`` to ``W`` (empty: none)
     kept_bytes: Sequence[float] = ()
+    #: the most gradient bytes live in one op's backward per position (empty: none)
+    working_bytes: Sequence[float] = ()
 
     @property
     def n(self) -> int:
@@ -106,6 +111,14 @@ class FleetSequence:
         table[0, :] = 0.0
         return table
 
+    def working(self, schedule: str) -> np.ndarray:
+        """The backward's working set every stage ``[i, j)`` adds to its static bytes under
+        ``schedule``: the largest of its positions' (a range maximum), under ZB-H1 what it
+        exceeds the kept bytes by, 0 in inference (:func:`~onnx_partition.pipeline.memory.
+        working_term`)."""
+        widest = working_table(self.working_bytes if schedule != "infer" else (), self.n)
+        return np.asarray(working_term(widest, self.kept(), schedule))
+
     def received(self) -> np.ndarray:
         """Bytes stage ``[i, ...)`` receives per micro-batch: stage 0 the graph inputs."""
         cut = np.asarray(self.cut_bytes, dtype=float).copy()
@@ -127,7 +140,8 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
     """The DP's period of stage ``[i, j)`` on ``r`` replicas of ``group``, entering over
     ``link_in`` and leaving over ``link_out`` (None at the pipeline's ends); infinite when its
     memory per device (``held(r)`` micro-batches in flight; under ZB-H1, ``run.schedule``,
-    the gradients of as many kept: :func:`zb_memory`) exceeds the group's. In training a
+    the gradients of as many kept: :func:`zb_memory`; in training the backward's working set,
+    its positions' largest) exceeds the group's. In training a
     recomputing stage keeps only its inputs per micro-batch in flight and one micro-batch's
     activations, and runs its forward twice (the one-kind DP's :func:`~.hybrid.recompute_stage`):
     ``recompute`` ``none`` never, ``all`` always, ``auto`` exactly where keeping does not fit
@@ -150,13 +164,14 @@ def stage_period(seq: FleetSequence, fleet: Fleet, run: RunSpec, group: int, i: 
         tied = [(b, t) for b, t, where in seq.shared if any(i <= p < j for p in where)]
         weights = float(sum(seq.weight_bytes[i:j])) + sum(b for b, _ in tied)
         trained = float(sum(seq.trainable_bytes[i:j])) + sum(t for _, t in tied)
+    kept = float(sum(seq.kept_bytes[i:j])) if i > 0 and len(seq.kept_bytes) else 0.0
+    widest = float(max(seq.working_bytes[i:j])) if run.train and len(seq.working_bytes) else 0.0
     size = StageBytes(weights, float(sum(seq.activation_bytes[i:j])),
                       float(seq.input_bytes if i == 0 else seq.cut_bytes[i]),
-                      float(seq.cut_bytes[j]) if run.train else 0.0, trained)
+                      float(seq.cut_bytes[j]) if run.train else 0.0, trained, kept, widest)
     count = held(r) if held is not None else _held_safe(run)(r)
     static = static_bytes(size, train=run.train, optimizer_factor=run.optimizer_factor,
-                          replicas=r, shard=run.shard)
-    kept = float(sum(seq.kept_bytes[i:j])) if i > 0 and len(seq.kept_bytes) else 0.0
+                          replicas=r, shard=run.shard) + stage_working(size, run.schedule)
     zb = run.train and run.schedule == "zb-h1"
     for flag in flags:
         rebuilt = flag and run.train
@@ -238,6 +253,7 @@ class _FleetTables:
         self.weights, self.trained = seq.weights()
         self.received = seq.received()
         self.kept = seq.kept()
+        self.work = seq.working(run.schedule)  # the backward's working set, static's ``T``
         self.zb = run.train and run.schedule == "zb-h1"
         self.valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         self.factor = 2.0 if run.train else 1.0
@@ -294,6 +310,7 @@ class _FleetTables:
         else:
             static = (weights[i] + (run.optimizer_factor - 1.0) * trained[i] + cut
                       if run.train else weights[i])
+        static = static + self.work[i]
         limit = group.memory * 1e9
         state = params[i] if trained is None else trained[i]  # what has optimizer state
         full = optimizer_state(state, run.optimizer_factor)

@@ -23,6 +23,7 @@ from onnx_partition.pipeline.memory import (
     memory_per_device,
     recompute_choice,
     ring_allreduce_ms,
+    stage_working,
     stash_bytes,
     static_bytes,
 )
@@ -122,7 +123,8 @@ def fleet_costs(per_kind_fwd: Mapping[str, Sequence[float]],
             max(float(per_kind_bwd[g][k]) for g in kinds[k]) if run.train else 0.0,
             len(where), allreduce, stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
-                         replicas=len(where), shard=run.shard),
+                         replicas=len(where), shard=run.shard)
+            + stage_working(sizes[k], run.schedule),
             recompute=flags[k], input_bytes=sizes[k].received, kept_bytes=sizes[k].kept))
     memory = memory_per_device(sizes, replicas, run.microbatches, schedule=run.schedule,
                                optimizer_factor=run.optimizer_factor, recompute=flags,
@@ -167,9 +169,13 @@ def score_fleet(problem: DagProblem, arrays: NodeArrays, kinds: Mapping[str, Kin
     kept = (per_stage(arrays.kept_bytes) if run.train and len(arrays.kept_bytes)
             else np.zeros(s))
     kept[0] = 0.0  # stage 0 receives no activation: its whole backward runs in W
+    working = np.zeros(s)  # the largest of each stage's nodes' backward working sets
+    if run.train and len(arrays.working_bytes):
+        np.maximum.at(working, at, np.asarray(arrays.working_bytes, dtype=float))
     sizes = [StageBytes(float(weights[k]), float(acts[k]), edge[k],
                         edge[k + 1] if run.train else 0.0,
-                        None if trained is None else float(trained[k]), float(kept[k]))
+                        None if trained is None else float(trained[k]), float(kept[k]),
+                        float(working[k]))
              for k in range(s)]
     costs, memory, devices, gpus, limits = fleet_costs(fwd, bwd, sizes, cross, fleet, placed,
                                                        run, [float(p) for p in params])

@@ -46,6 +46,10 @@ class SequenceCosts:
     #: (:attr:`~onnx_partition.pipeline.memory.StageBytes.kept`; a stage starting at 0 keeps
     #: none): empty, none anywhere
     kept_bytes: Sequence[float] = ()
+    #: the most gradient bytes live in the backward of one op of each position
+    #: (:attr:`~onnx_partition.pipeline.memory.StageBytes.working`; a stage's is its
+    #: positions' largest): empty, none counted
+    working_bytes: Sequence[float] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from onnx_partition.pipeline.memory import (
     optimizer_state,
     recompute_choice,
     ring_allreduce_ms,
+    working_term,
 )
 from onnx_partition.solve.hybrid_model import (
     DP_SCHEDULES,
@@ -41,7 +42,7 @@ from onnx_partition.solve.hybrid_model import (
 )
 
 __all__ = ["COUNT_DTYPE", "EXACT_CELLS", "MAX_DEVICES", "NO_COUNT", "StageTables", "exact_cells",
-           "held_caps", "kept_table"]
+           "held_caps", "kept_table", "working_table"]
 
 COUNT_DTYPE = np.int32  # device counts in the DP's tables (int16 stopped at 15,999 devices)
 NO_COUNT = 1 << 20  # "no replica count meets the period": more than any device count; twice fits
@@ -66,6 +67,20 @@ def exact_cells(n: int, config: HybridConfig) -> int:
 def _span(values: Sequence[float]) -> np.ndarray:
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
     return prefix[None, :] - prefix[:, None]  # [i, j] = sum over [i, j)
+
+
+def working_table(working_bytes: Sequence[float], n: int) -> np.ndarray:
+    """``T[i, j]``: the backward's working set of stage ``[i, j)``
+    (:attr:`~onnx_partition.pipeline.memory.StageBytes.working`): the largest of its
+    positions' ``working_bytes`` (a range maximum, one running maximum per start), 0 where
+    none are given or the stage is empty."""
+    table = np.zeros((n + 1, n + 1))
+    if not len(working_bytes):
+        return table
+    values = np.asarray(working_bytes, dtype=float)
+    for i in range(n):
+        table[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return table
 
 
 def kept_table(kept_bytes: Sequence[float], n: int) -> np.ndarray:
@@ -144,6 +159,9 @@ class StageTables:
                            else self.params)
         self.stash = self.acts + self.received
         self.kept = kept_table(costs.kept_bytes, n)  # ZB-H1's, per micro-batch kept
+        #: the backward's working set, in training (static's ``T``, ZB-H1's beyond ``K``)
+        self.working = working_table(costs.working_bytes if config.train else (), n)
+        self.static = self.static + working_term(self.working, self.kept, self.schedule)
         #: the bytes with optimizer state (its ``1 / r`` on each of ``r`` replicas under
         #: ``shard`` optimizer: :meth:`shed`)
         self.stateful = self.params if self.trained is None else self.trained
@@ -303,7 +321,7 @@ class StageTables:
         return [StageBytes(float(weights[s.start, s.end]), float(self.acts[s.start, s.end]),
                            float(self.received[s.start, s.end]), float(self.sent[s.start, s.end]),
                            None if self.trained is None else float(self.trained[s.start, s.end]),
-                           float(self.kept[s.start, s.end]))
+                           float(self.kept[s.start, s.end]), float(self.working[s.start, s.end]))
                 for s in stages]
 
     def widen(self, stages: list[HybridStage], devices: int) -> list[HybridStage]:

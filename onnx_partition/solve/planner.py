@@ -375,7 +375,7 @@ def sequence_costs(problem: DagProblem, arrays: NodeArrays, blocks: Blocks) -> S
     """The hybrid DP's input: ``blocks`` of a sequence as positions, each with its nodes'
     sums, the bytes crossing each allowed boundary (relay model), the one memory count
     (a shared initializer in each block holding it, :meth:`NodeArrays.shared_in`; ZB-H1's
-    kept gradients) and each block's first and last operator (for the memory error)."""
+    kept gradients; the largest working set) and each block's first and last operator."""
     order, bounds = blocks.order, blocks.bounds
     labels: list[str] = []
     last_labels: list[str] = []
@@ -390,7 +390,7 @@ def sequence_costs(problem: DagProblem, arrays: NodeArrays, blocks: Blocks) -> S
                          blocks.sums(arrays.weight_bytes) if counted else [],
                          blocks.sums(arrays.trainable_bytes) if counted else [],
                          arrays.input_bytes, arrays.shared_in(blocks),
-                         blocks.sums(arrays.kept_bytes) if len(arrays.kept_bytes) else ())
+                         blocks.sums(arrays.kept_bytes), blocks.maxes(arrays.working_bytes))
 
 
 def proposals_for(problem: DagProblem, arrays: NodeArrays, run: RunSpec,

@@ -28,6 +28,7 @@ from onnx_partition.pipeline.memory import (
     memory_per_device,
     recompute_choice,
     ring_allreduce_ms,
+    stage_working,
     stash_bytes,
     static_bytes,
 )
@@ -85,6 +86,9 @@ class NodeArrays:
     #: output-gradient bytes ZB-H1 keeps per micro-batch from I to W (pipeline.memory); empty:
     #: none counted
     kept_bytes: Sequence[float] = ()
+    #: the most gradient bytes live in this node's backward (pipeline.memory's ``T``; a stage
+    #: holds its nodes' largest); empty: none counted
+    working_bytes: Sequence[float] = ()
 
     @property
     def counted(self) -> bool:
@@ -255,6 +259,7 @@ class StageTotals:
     tied_bytes: np.ndarray | None = None
     trainable_tensors: np.ndarray | None = None
     kept_bytes: np.ndarray | None = None  # ZB-H1's from I to W (stage 0 keeps none)
+    working_bytes: np.ndarray | None = None  # the backward's working set (None: not counted)
 
 
 def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int],
@@ -278,7 +283,18 @@ def stage_totals(problem: DagProblem, arrays: NodeArrays, stage_of: Sequence[int
                        per_stage(columns[3]) if len(columns) > 3 else None,
                        weights, trained, arrays.input_bytes, tied,
                        tensors if len(arrays.trainable_tensors) else None,
-                       _kept(arrays, stages_np, num_stages))
+                       _kept(arrays, stages_np, num_stages),
+                       _working(arrays.working_bytes, stages_np, num_stages))
+
+
+def _working(working: Sequence[float], stages_np: np.ndarray, num_stages: int
+             ) -> np.ndarray | None:
+    """Per stage, the largest of its nodes' backward working sets (None: not counted)."""
+    if not len(working):
+        return None
+    out = np.zeros(num_stages)
+    np.maximum.at(out, stages_np, np.asarray(working, dtype=float))
+    return out
 
 
 def _kept(arrays: NodeArrays, stages_np: np.ndarray, num_stages: int) -> np.ndarray | None:
@@ -305,11 +321,12 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
     # bytes received at stage k's input boundary (stage 0: the graph inputs)
     cross = [totals.input_bytes, *totals.cross_bytes, 0.0]
     weights, trained = totals.weight_bytes, totals.trainable_bytes
-    kept = totals.kept_bytes
+    kept, working = totals.kept_bytes, totals.working_bytes
     sizes = [StageBytes(float(totals.param_bytes[k]) if weights is None else float(weights[k]),
                         float(totals.activation_bytes[k]), cross[k], cross[k + 1],
                         None if trained is None else float(trained[k]),
-                        float(kept[k]) if kept is not None and run.train else 0.0)
+                        float(kept[k]) if kept is not None and run.train else 0.0,
+                        float(working[k]) if working is not None and run.train else 0.0)
              for k in range(num_stages)]
     flags = recompute_choice(sizes, replicas, run.microbatches, schedule=run.schedule,
                              memory_bytes=cluster.memory_bytes, mode=run.recompute,
@@ -334,7 +351,7 @@ def totals_costs(totals: StageTotals, replicas: Sequence[int], run: RunSpec
             float(totals.forward_ms[k]) / cluster.speed, backward, r, allreduce,
             stash_bytes(sizes[k]),
             static_bytes(sizes[k], train=run.train, optimizer_factor=run.optimizer_factor,
-                         replicas=r, shard=run.shard),
+                         replicas=r, shard=run.shard) + stage_working(sizes[k], run.schedule),
             backward_input_ms=grad_in, recompute=flags[k], input_bytes=sizes[k].received,
             step_ms=step[k], accumulate_ms=accumulate[k], split_ms=split[k],
             action_ms=engine.action_ms if engine else 0.0, kept_bytes=sizes[k].kept))

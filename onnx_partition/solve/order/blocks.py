@@ -43,9 +43,21 @@ class Blocks:
     bounds: list[int]
 
     def sums(self, values: Sequence[float]) -> list[float]:
-        """Per block, the sum of a per-node ``values`` over its nodes."""
+        """Per block, the sum of a per-node ``values`` over its nodes; none for no values."""
+        if not len(values):
+            return []
         prefix = np.concatenate([[0.0], np.cumsum([values[v] for v in self.order])])
         return list(np.diff(prefix[np.asarray(self.bounds)]))
+
+    def maxes(self, values: Sequence[float]) -> list[float]:
+        """Per block, the largest of a per-node ``values`` over its nodes (a working set);
+        none for no values."""
+        if not len(values):
+            return []
+        ordered = np.asarray([values[v] for v in self.order], dtype=float)
+        if not len(ordered):
+            return [0.0] * (len(self.bounds) - 1)
+        return [float(x) for x in np.maximum.reduceat(ordered, np.asarray(self.bounds[:-1]))]
 
     def compress(
         self, compute_ms: Sequence[float], cut_bytes: np.ndarray
