@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from onnx_partition.runtime.memtrack import StorageTracker, resident_bytes, tracking
+from onnx_partition.runtime.train.rank_io import RankResult
+from onnx_partition.runtime.train.results import _stage_max
 
 
 def test_a_known_allocation_is_counted_once_and_released() -> None:
@@ -120,3 +122,18 @@ def test_growth_agrees_with_what_malloc_holds() -> None:
     few, many = hold(2), hold(12)
     tracked, malloc = many[0] - few[0], many[1] - few[1]
     assert 0.9 * malloc <= tracked <= 1.1 * malloc, (tracked, malloc)
+
+
+def test_a_stage_reports_its_highest_replica() -> None:
+    """``memory_bytes``, ``resident_bytes`` and ``reserved_bytes`` per stage are the maximum
+    over the stage's replicas (a rank without the figure is skipped; a stage with none: None)."""
+    def rank(stage: int, peak: int | None, resident: int | None) -> RankResult:
+        got = RankResult(0, stage, 0, [], 0, [], [], [], [])
+        got.memory_bytes, got.resident_bytes = peak, resident
+        return got
+
+    ranks = [rank(0, 5, 50), rank(0, 9, 40), rank(1, 7, None), rank(1, None, 30),
+             rank(2, None, None)]
+    assert _stage_max(ranks, 3, "memory_bytes") == [9, 7, None]
+    assert _stage_max(ranks, 3, "resident_bytes") == [50, 30, None]
+    assert _stage_max(ranks, 3, "reserved_bytes") == [None, None, None]

@@ -11,10 +11,12 @@ bar: within 10%.
 started again with it): glibc then maps every block of 128 KiB or more apart and unmaps it when
 freed, so freed memory leaves the resident set at once. By default (``glibc``) its mmap
 threshold rises to the largest block freed (up to 32 MiB), tensors come from the heap, and
-freed holes stay resident: VmHWM then grows by more than what lives.
+freed holes stay resident: VmHWM then grows by more than what lives. ``--trim`` calls glibc's
+``malloc_trim(0)`` after each forward action (freed pages inside the heap handed back). Other
+glibc settings go in the environment (``MALLOC_ARENA_MAX=1 ... bench_memory_growth.py``).
 
     .venv/bin/python tools/bench_memory_growth.py PLAN [--microbatches 4 32]
-        [--schedules gpipe 1f1b] [--steps 2] [--allocator glibc|returning]
+        [--schedules gpipe 1f1b] [--steps 2] [--allocator glibc|returning] [--trim]
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ def malloc_in_use() -> int | None:
 
 class InUsePeak:
     """A rank hook: after each forward action, the most of :func:`malloc_in_use` seen so far,
-    written to ``{prefix}.{rank}``."""
+    written to ``{prefix}.{rank}`` (``trim``: ``malloc_trim(0)`` first)."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix, self.peak = prefix, 0
+    def __init__(self, prefix: str, trim: bool = False) -> None:
+        self.prefix, self.peak, self.trim = prefix, 0, trim
 
     def __call__(self, rank: int, point: str) -> None:
         if point == "forward":
+            if self.trim:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
             self.peak = max(self.peak, malloc_in_use() or 0)
             Path(f"{self.prefix}.{rank}").write_text(json.dumps(self.peak))
 
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--allocator", choices=["glibc", "returning"], default="glibc")
+    parser.add_argument("--trim", action="store_true", help="malloc_trim(0) after each forward")
     args = parser.parse_args()
     if args.allocator == "returning" and any(os.environ.get(k) != v
                                              for k, v in RETURNING.items()):
@@ -84,7 +89,8 @@ def main() -> None:
     settings = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_"))
     print(f"{args.plan}: {len(plan.stages)} stages, {plan.rows_per_microbatch} rows per "
           f"micro-batch, {args.steps} steps, M={low}->{high}; allocator {args.allocator} "
-          f"({settings or 'glibc defaults'}); {os.cpu_count()} CPUs, load "
+          f"({settings or 'glibc defaults'}{', malloc_trim after each forward' * args.trim}); "
+          f"{os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("\n| schedule | stage | tracker peak MB (M low / high) | VmHWM MB (low / high) | "
           "tracker growth MB | malloc live growth MB | VmHWM growth MB | tracker / malloc | "
@@ -92,19 +98,20 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as scratch:
         for schedule in args.schedules:
-            _rows(args.plan, schedule, (low, high), args.steps, len(plan.stages), scratch)
+            _rows(args.plan, schedule, (low, high), args.steps, len(plan.stages),
+                  f"{scratch}/{schedule}", args.trim)
 
 
 def _rows(plan: Path, schedule: str, counts: tuple[int, int], steps: int, stages: int,
-          scratch: str) -> None:
+          scratch: str, trim: bool) -> None:
     """Run ``schedule`` at both counts and print a row per stage."""
     runs, in_use = {}, {}
     for count in counts:
-        prefix = f"{scratch}/{schedule}-{count}"
+        prefix = f"{scratch}-{count}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a schedule other than the plan's
             runs[count] = train_plan(plan, steps=steps, microbatches=count, schedule=schedule,
-                                     hook=InUsePeak(prefix))
+                                     hook=InUsePeak(prefix, trim))
         in_use[count] = [_read(f"{prefix}.{r}") for r in range(stages)]  # a rank per stage
     low, high = counts
     for k in range(stages):
