@@ -19,7 +19,10 @@ reserve.
   the whole run (memory and time growing with the steps) and gives the peak only after a
   timeline is rebuilt from them; the mode keeps two integers and a finalizer per storage.
   What it cannot see: memory outside torch's tensors (the interpreter, libraries, gloo's own
-  buffers), which ``resident_bytes`` includes.
+  buffers) and freed memory glibc keeps resident (its heap's holes: VmHWM's growth with the
+  micro-batches held is 1.3x the live storages' under glibc's defaults, 1.04x when freed
+  blocks are unmapped; the tracker's growth is 0.96-0.98 of malloc's own live count,
+  docs/benchmarks.md), which ``resident_bytes`` includes.
 * ``resident_bytes``: ``VmHWM`` of ``/proc/self/status`` (the process's peak resident set
   since it started; None where the file is not there).
 """
