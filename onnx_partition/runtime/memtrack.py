@@ -11,12 +11,18 @@ reserve.
   finalizer on the storage takes it off when the storage is freed (torch keeps one Python
   object per storage while any tensor holds it, so the finalizer runs at the storage's own
   free). Storages made before tracking starts (the parameters, a loaded optimizer state) are
-  adopted (:meth:`StorageTracker.adopt`). Chosen over torch's memory profiler
+  adopted (:meth:`StorageTracker.adopt`); so is every op's input whose storage no op made
+  (``torch.from_numpy`` of the data's rows, whose only op is a view; a tensor made before
+  tracking or on another thread), at its first use: before, a rank reading a data file did
+  not count its batch. Chosen over torch's memory profiler
   (``torch.profiler.profile(profile_memory=True)``): that records an event per allocation for
   the whole run (memory and time growing with the steps) and gives the peak only after a
   timeline is rebuilt from them; the mode keeps two integers and a finalizer per storage.
   What it cannot see: memory outside torch's tensors (the interpreter, libraries, gloo's own
-  buffers), which ``resident_bytes`` includes.
+  buffers) and freed memory glibc keeps resident (its heap's holes: VmHWM's growth with the
+  micro-batches held is 1.3x the live storages' under glibc's defaults, 1.04x when freed
+  blocks are unmapped; the tracker's growth is 0.96-0.98 of malloc's own live count,
+  docs/benchmarks.md), which ``resident_bytes`` includes.
 * ``resident_bytes``: ``VmHWM`` of ``/proc/self/status`` (the process's peak resident set
   since it started; None where the file is not there).
 """
@@ -139,18 +145,32 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # the inputs first: a storage made where no op saw it (torch.from_numpy of the data,
+        # a tensor made before tracking or on another thread) is counted at its first use
+        _visit(args, self.tracker._add)
+        if kwargs:
+            _visit(kwargs.values(), self.tracker._add)
+        out = func(*args, **kwargs)
         if func.is_view:  # the output shares its input's storage
             return out
         if isinstance(out, torch.Tensor):
             self.tracker._add(out)
         elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.tracker._add(o)
-                elif isinstance(o, (tuple, list)):
-                    self.tracker.adopt(x for x in o if isinstance(x, torch.Tensor))
+            _visit(out, self.tracker._add)
         return out
+
+
+def _visit(values: Iterable[Any], add: Any) -> None:
+    """``add`` every tensor in ``values`` and in its tuples and lists (an op's arguments and
+    results nest one level: ``cat``'s inputs, ``_foreach`` ops' lists)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            add(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    add(x)
 
 
 @contextmanager

@@ -162,6 +162,7 @@ def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
         if run.checkpoints.directory and _due(done, run.checkpoints.every, run):
             _checkpoint(run, me.lay, rank, done, me.module, kit.optimizer, device,
                         result.eval_loss)
+        del st  # the step's batch dies with it, not at the next step's end (two batches held)
 
 
 def _due(done: int, every: int, run: RankRun) -> bool:
