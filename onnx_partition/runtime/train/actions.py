@@ -6,9 +6,9 @@ them is :mod:`onnx_partition.runtime.train.rank`.
   :class:`~onnx_partition.runtime.train.rows.StepRows`'s, or cut a whole batch; else receive
   them from the rank of stage ``k-1`` serving ``m``; the last stage reads its targets' rows
   alike, held until the backward frees the loss's graph); the floating tensors an earlier
-  stage made become leaves that require grad; run the stage module; send the relay set on (last stage: the loss
-  of the model outputs against the targets, times the micro-batch's weight: ``1/M``, or its
-  share of the step's counted tokens for cross-entropy; see
+  stage made become leaves that require grad; run the stage module; send the relay set on
+  (last stage: the loss of the model outputs against the targets, times the micro-batch's
+  weight: ``1/M``, or its share of the step's counted tokens for cross-entropy; see
   :mod:`onnx_partition.runtime.train.loss`). The inputs and outputs stay stashed, with their
   autograd graph, until ``kB m``.
 * ``kB m``: receive the gradients of the floating tensors sent on (last stage: none, the loss
