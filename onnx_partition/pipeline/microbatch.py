@@ -43,9 +43,13 @@ def row_ranges(rows: int, chunks: int) -> list[tuple[int, int]]:
 def rows_of(batch: Mapping[str, T], m: int, count: int) -> dict[str, T]:
     """Micro-batch ``m`` of ``count`` of a batch whose tensors (numpy arrays or torch tensors)
     all have their rows on axis 0, cut by :func:`row_ranges`; no tensors (the targets of a
-    model computing its own loss), none."""
+    model computing its own loss), none. A batch that cuts itself (a ``microbatch(m, count)``
+    method: the training runtime's ``StepRows``) gives its own, reading only those rows."""
     if not batch:
         return {}
+    own = getattr(batch, "microbatch", None)
+    if own is not None:
+        return dict(own(m, count))
     rows = {len(t) for t in batch.values()}  # type: ignore[arg-type]
     if len(rows) > 1:
         raise ValueError(f"tensors disagree on the batch dim: {sorted(rows)}")

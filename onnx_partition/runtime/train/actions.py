@@ -2,11 +2,13 @@
 :func:`onnx_partition.pipeline.schedules.build`), executed on its stage; the step loop around
 them is :mod:`onnx_partition.runtime.train.rank`.
 
-* ``kF m``: take micro-batch ``m``'s tensors (stage 0: slice the batch; else receive them from
-  the rank of stage ``k-1`` serving ``m``); the floating tensors an earlier stage made become
-  leaves that require grad; run the stage module; send the relay set on (last stage: the loss
-  of the model outputs against the targets, times the micro-batch's weight: ``1/M``, or its
-  share of the step's counted tokens for cross-entropy; see
+* ``kF m``: take micro-batch ``m``'s tensors (stage 0: read or make only its rows, a
+  :class:`~onnx_partition.runtime.train.rows.StepRows`'s, or cut a whole batch; else receive
+  them from the rank of stage ``k-1`` serving ``m``; the last stage reads its targets' rows
+  alike, held until the backward frees the loss's graph); the floating tensors an earlier
+  stage made become leaves that require grad; run the stage module; send the relay set on
+  (last stage: the loss of the model outputs against the targets, times the micro-batch's
+  weight: ``1/M``, or its share of the step's counted tokens for cross-entropy; see
   :mod:`onnx_partition.runtime.train.loss`). The inputs and outputs stay stashed, with their
   autograd graph, until ``kB m``.
 * ``kB m``: receive the gradients of the floating tensors sent on (last stage: none, the loss
@@ -101,10 +103,11 @@ def forward(me: RankState, st: StepState, action: Action) -> None:
     loss), send the relay set on and stash what the backward needs (a recomputing stage: its
     inputs and RNG state, the graph built again at its ``B`` or ``I``)."""
     lay, k, m, count, device = me.lay, me.k, action.microbatch, me.count, me.device
-    if k == 0:  # the micro-batch's own tensors (a slice would keep the whole batch's storage,
-        # and autograd's saved inputs would count it)
+    if k == 0:  # only the micro-batch's rows are read (a StepRows) or cut; its own tensors
+        # (a slice of a whole batch would keep that batch's storage, and autograd's saved inputs
+        # would count it)
         env = {n: v.to(device) if device.type != "cpu" else v.clone() for n, v in
-               microbatch({n: st.inputs[n] for n in lay.recv_names[0]}, m, count).items()}
+               microbatch(st.inputs, m, count, lay.recv_names[0]).items()}
     else:
         env = me.wire.recv(lay.rank_of(k - 1, m), m, lay.recv_names[k])
     leaves = {}

@@ -10,14 +10,20 @@ axis 0, as many each. Labels are taken as given (already shifted for next-token 
 of the data in order (micro-batch ``m`` of that step its rows ``m B .. (m+1) B``), wrapping at
 the end of the data (an epoch). ``shuffle=SEED`` permutes the rows once per epoch, reproducibly
 (:func:`epoch_order`). Only the ranks that need data read it: stage 0 its inputs, the last stage
-the targets (:class:`ArrayBatches` reads an array when it is first asked for).
+the targets, each only the rows of the micro-batch its action takes, when it comes
+(:class:`ArrayBatches` gives a step's rows as a :class:`~onnx_partition.runtime.train.rows.
+StepRows`; issue 33). A folder of ``.npy`` is memory-mapped, and so is every array of a
+``.npz`` stored uncompressed (``numpy.savez``): a micro-batch reads only its rows. A compressed
+``.npz`` (``savez_compressed``) cannot be mapped: each rank reading it loads its arrays whole.
 
 **A factory** (Python ``train_plan(data=callable)``): called once in each rank that reads data
 (stage 0 and the last stage, and the parent for ``check``), it returns an iterable of whole-step
 batches, each a mapping by name (model inputs and targets) or a pair ``(inputs, targets)`` of
 mappings, of arrays or tensors. **Every rank that reads data must yield the same batches in the
 same order** (seed your shuffling; do not shard by rank): the pipeline's stage 0 and last stage
-must see the same rows. A factory's data is not checked before the processes start.
+must see the same rows. A factory's data is not checked before the processes start. A rank
+holds each batch the factory yields whole for its step (it cuts its micro-batches from it): a
+factory's batch is the one thing a rank's memory holds for all ``M`` micro-batches.
 
 **Checks** (:func:`check_data`, before any process starts, one line each): every array the
 model and the loss need, dtypes and trailing shapes, at least one step of rows, no NaN in float
@@ -30,7 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.plan import Plan
 from onnx_partition.runtime.train.loss import IGNORE_INDEX, resolve_loss
+from onnx_partition.runtime.train.rows import StepRows
 
 __all__ = ["ArrayBatches", "ArraySource", "DataInfo", "FactoryBatches", "check_data",
            "epoch_order", "rows_read"]
@@ -118,9 +125,34 @@ class ArraySource:
                     self._cache[name] = np.load(self.path / f"{name}.npy", mmap_mode="r",
                                                  allow_pickle=False)
                 else:
-                    with np.load(self.path, allow_pickle=False) as z:
-                        self._cache[name] = z[name]
+                    self._cache[name] = _npz_array(self.path, name)
         return self._cache[name]
+
+
+def _npz_array(path: Path, name: str) -> np.ndarray:
+    """Array ``name`` of the ``.npz`` ``path``: memory-mapped when its member is stored
+    uncompressed (the zip's local header, then the ``.npy`` header, give its bytes' offset),
+    else loaded whole."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(f"{name}.npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        with np.load(path, allow_pickle=False) as npz:
+            return np.asarray(npz[name])
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset)
+        local = fh.read(30)  # the local file header: name and extra field lengths at 26, 28
+        fh.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+                + int.from_bytes(local[28:30], "little"))
+        version = np.lib.format.read_magic(fh)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read(fh)
+        offset = fh.tell()
+    if not shape or int(np.prod(shape)) == 0:
+        with np.load(path, allow_pickle=False) as npz:
+            return np.asarray(npz[name])
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape),
+                     order="F" if fortran else "C")
 
 
 def epoch_order(rows: int, epoch: int, shuffle: int | None) -> np.ndarray | None:
@@ -162,26 +194,20 @@ def _take(array: np.ndarray, index: np.ndarray) -> np.ndarray:
     return np.asarray(array[index])
 
 
-class _Rows(Mapping[str, torch.Tensor]):
-    """A step's rows of some arrays, each read when first asked for."""
+def _rows(source: ArraySource, names: Iterable[str], index: np.ndarray) -> StepRows:
+    """A step's rows ``index`` of the arrays ``names``, each range read when taken (a memory
+    map reads only its rows)."""
+    def take(lo: int, hi: int, wanted: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {n: torch.from_numpy(np.array(_take(source.array(n), index[lo:hi])))
+                for n in wanted}
 
-    def __init__(self, source: ArraySource, names: Iterable[str], index: np.ndarray) -> None:
-        self._source, self._names, self._index = source, list(names), index
-        self._got: dict[str, torch.Tensor] = {}
+    def shapes() -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        arrays = {n: source.array(n) for n in names}
+        return {n: ((len(index), *a.shape[1:]), torch.from_numpy(np.zeros(0, a.dtype)).dtype)
+                for n, a in arrays.items()}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        if name not in self._got:
-            self._got[name] = torch.from_numpy(
-                np.ascontiguousarray(_take(self._source.array(name), self._index)))
-        return self._got[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+    names = list(names)
+    return StepRows(names, len(index), take, shapes)
 
 
 @dataclass
@@ -196,10 +222,9 @@ class ArrayBatches:
     per_step: int  # B x M
     shuffle: int | None = None
 
-    def __call__(self, step: int) -> tuple[Mapping[str, torch.Tensor],
-                                          Mapping[str, torch.Tensor]]:
+    def __call__(self, step: int) -> tuple[StepRows, StepRows]:
         index = step_rows(self.rows, self.per_step, step, self.shuffle)
-        return _Rows(self.source, self.inputs, index), _Rows(self.source, self.targets, index)
+        return _rows(self.source, self.inputs, index), _rows(self.source, self.targets, index)
 
 
 class FactoryBatches:

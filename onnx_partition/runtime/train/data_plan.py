@@ -3,7 +3,7 @@ rank: :func:`prepare_data` checks ``--data`` and ``--eval-data`` against the pla
 (a :class:`PartitionError` for data it cannot train on) and says what the run takes
 (:class:`DataPlan`, which travels to every rank); :func:`plan_job` is what each rank builds from
 it (its stages, the loss, the plan, the batches); without data, :func:`synthetic_batch` draws
-every step's batch from the seed, the same in every rank and in the reference."""
+every step's batch from the seed, row by row, the same in every rank and in the reference."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from onnx_partition.runtime.train.data import (
 from onnx_partition.runtime.train.loss import LOSSES
 from onnx_partition.runtime.train.loss import LossFn as UserLoss
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, StageLike
+from onnx_partition.runtime.train.rows import StepRows, synthetic_rows
 from onnx_partition.settings.train import DEFAULTS, DataSettings
 
 __all__ = ["EVAL_SEED", "SYNTHETIC", "DataArg", "DataPlan", "plan_job", "prepare_data",
@@ -42,9 +43,11 @@ EVAL_SEED = 7919
 
 
 def synthetic_batch(make_batch: Callable[[int, torch.Generator], tuple[Tensors, Tensors]],
-                    rows: int, seed: int, step: int) -> tuple[Tensors, Tensors]:
-    """Step ``step``'s batch: the same on every rank and in the reference."""
-    return make_batch(rows, torch.Generator().manual_seed(seed * 1_000_003 + step))
+                    rows: int, seed: int, step: int) -> tuple[StepRows, StepRows]:
+    """Step ``step``'s batch of ``rows`` rows: the same on every rank and in the reference,
+    each row drawn from its own generator only when a micro-batch holding it is taken
+    (:func:`~onnx_partition.runtime.train.rows.synthetic_rows`)."""
+    return synthetic_rows(make_batch, rows, seed, step)
 
 
 @dataclass(frozen=True)

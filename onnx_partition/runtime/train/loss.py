@@ -114,7 +114,10 @@ def make_loss(kind: str, outputs: Sequence[str]) -> Loss:
 def microbatch_weights(loss: object, targets: Mapping[str, torch.Tensor], count: int
                        ) -> list[float]:
     """Each micro-batch's weight in its step: its share of the counted tokens when ``loss``
-    counts them (:attr:`Loss.counted`), else of the rows (``1/count`` without targets)."""
+    counts them (:attr:`Loss.counted`), else of the rows (``1/count`` without targets). The
+    tokens are counted one micro-batch at a time (a step's rows taken micro-batch by
+    micro-batch, :func:`~onnx_partition.pipeline.microbatch.rows_of`: only its counts kept);
+    the rows are read from no tensor's data."""
     counted = getattr(loss, "counted", None)
     if counted is not None and targets:
         per = [counted(rows_of(targets, m, count)) for m in range(count)]
@@ -122,5 +125,7 @@ def microbatch_weights(loss: object, targets: Mapping[str, torch.Tensor], count:
         return [p / total if total else 0.0 for p in per]
     if not targets:
         return [1.0 / count] * count
-    rows = len(next(iter(targets.values())))
+    rows = getattr(targets, "rows", None)
+    if rows is None:
+        rows = len(next(iter(targets.values())))
     return [(hi - lo) / rows for lo, hi in row_ranges(rows, count)]

@@ -69,6 +69,7 @@ from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
 from onnx_partition.runtime.train.restart import write_progress
+from onnx_partition.runtime.train.rows import batch_rows, batch_shapes
 from onnx_partition.runtime.train.weightless import materialize
 
 __all__ = ["step_line", "train_stages"]
@@ -293,8 +294,8 @@ def _record_step(me: RankState, st: StepState, result: RankResult, step: int, be
         result.loss.append(float(table[:, 2].sum()))
         result.table.append([float(v) for v in table[:, :2].reshape(-1)])
         if verbose:
-            rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
-            echo(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay, rows=rows))
+            echo(step_line(step, result.loss[-1], ms, table[:, :2].tolist(), lay,
+                           rows=batch_rows(st.inputs)))
 
 
 def step_line(step: int, loss: float, ms: float, times: Sequence[Sequence[float]], lay: Layout,
@@ -347,7 +348,7 @@ def _log_step(run: RankRun, result: RankResult, st: StepState, step: int) -> Non
     if run.job.logging.file is None:
         return
     ms = result.step_ms[-1]
-    rows = next(iter(st.inputs.values())).shape[0] if st.inputs else 0
+    rows = batch_rows(st.inputs)
     body: dict[str, Any] = {"step": step + 1, "time": round(time.time(), 3),
                             "loss": result.loss[-1], "lr": result.lr[-1],
                             "grad_norm": result.grad_norm[-1],
@@ -365,10 +366,10 @@ def _log_step(run: RankRun, result: RankResult, st: StepState, step: int) -> Non
 
 def _tokens(inputs: Mapping[str, torch.Tensor]) -> int:
     """Tokens in a batch of a model with a sequence axis (an integer input of rank >= 2, rows x
-    positions), else 0."""
-    for value in inputs.values():
-        if value.dim() >= 2 and not value.is_floating_point() and value.dtype != torch.bool:
-            return math.prod(value.shape[:2])
+    positions), else 0; read from the shapes, no row."""
+    for shape, dtype in batch_shapes(inputs).values():
+        if len(shape) >= 2 and not dtype.is_floating_point and dtype != torch.bool:
+            return math.prod(shape[:2])
     return 0
 
 

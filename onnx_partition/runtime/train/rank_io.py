@@ -7,7 +7,7 @@ any process started), the stages (:class:`StageLike`), the loss and the batches,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -138,8 +138,13 @@ class RankResult:
     tail: list[dict[str, float]] = field(default_factory=list)
 
 
-def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int) -> Tensors:
-    """Micro-batch ``m`` of ``count``: the one split rule
+def microbatch(batch: Mapping[str, torch.Tensor], m: int, count: int,
+               names: Iterable[str] | None = None) -> Tensors:
+    """Micro-batch ``m`` of ``count`` of ``names`` (all when None): the one split rule
     (:func:`onnx_partition.pipeline.microbatch.rows_of`; a step's ``B x M`` rows give
-    micro-batch ``m`` rows ``m B .. (m + 1) B``)."""
-    return rows_of(batch, m, count)
+    micro-batch ``m`` rows ``m B .. (m + 1) B``); a
+    :class:`~onnx_partition.runtime.train.rows.StepRows` reads only those rows."""
+    own = getattr(batch, "microbatch", None)
+    if own is not None:
+        return dict(own(m, count, names))
+    return rows_of(batch if names is None else {n: batch[n] for n in names}, m, count)
