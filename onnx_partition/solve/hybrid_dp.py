@@ -427,7 +427,10 @@ def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: 
 
     fewest = [int(_INF)] * (max_q + 1)
     first_at = [0] * (max_q + 1)
-    for first in range(m + 1):
+    # W_0 = min(sum of the boundaries' steps, M), each step at most d_k + d_k+1 - 1: no plan
+    # on D devices has a warm-up above 2 D, so no DP beyond it can count one (8 H100 at M =
+    # 512: 17 runs, not 513)
+    for first in range(min(m, 2 * tables.c.devices) + 1):
         part = run(first)
         for q in range(1, max_q + 1):
             got = part.fewest(q)
