@@ -9,7 +9,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from support.fleet_brute import brute_fleet
+from support.fleet_brute import brute_fleet, two_groups
 from support.problems import chain
 
 from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
@@ -94,10 +94,7 @@ def test_the_zb_fleet_dp_is_exact_against_brute_force(seed):
     term), every ordering (the kept gradients change ordering (0, 1)'s answer on 12 seeds)."""
     rng = random.Random(seed)
     n = rng.randint(1, 4)
-    fleet = Fleet(groups=(
-        GpuGroup("a100-80gb", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(5.0, 0.01)),
-        GpuGroup("v100", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(2.0, 0.01))),
-        inter=Link(1.0, 0.02))
+    fleet = two_groups(rng)
     run = RunSpec(fleet.clusters[0], train=True, microbatches=rng.randint(1, 4),
                   train_schedule="zb-h1")
     fwd = [rng.uniform(0.1, 3.0) for _ in range(n)]

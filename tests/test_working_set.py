@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.fleet_brute import brute_fleet
+from support.fleet_brute import brute_fleet, two_groups
 from support.hf import VOCAB
 
-from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
 from onnx_partition.cost.saved import saved_bytes
 from onnx_partition.errors import PartitionError
 from onnx_partition.partition import partition
@@ -161,10 +160,7 @@ def test_the_fleet_dp_with_the_working_set_is_exact_against_brute_force(seed: in
     scalar statement, counting the stage's largest working set), every ordering."""
     rng = random.Random(seed)
     n = rng.randint(1, 4)
-    fleet = Fleet(groups=(
-        GpuGroup("a100-80gb", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(5.0, 0.01)),
-        GpuGroup("v100", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(2.0, 0.01))),
-        inter=Link(1.0, 0.02))
+    fleet = two_groups(rng)
     run = RunSpec(fleet.clusters[0], train=True, microbatches=rng.randint(1, 4),
                   train_schedule=rng.choice(["1f1b", "zb-h1"]))
     fwd = [rng.uniform(0.1, 3.0) for _ in range(n)]

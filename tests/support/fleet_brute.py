@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
-from onnx_partition.cost.cluster import Fleet
+from onnx_partition.cost.cluster import Fleet, GpuGroup, Link
 from onnx_partition.solve.fleet_dp import FleetSequence, stage_period
 from onnx_partition.solve.scoring import RunSpec
 
@@ -39,3 +40,11 @@ def brute_fleet(seq: FleetSequence, fleet: Fleet, run: RunSpec,
                     worst = max(worst, stage_period(seq, fleet, run, g, i, j, r, enter, leave))
                 best = min(best, worst)
     return best
+
+
+def two_groups(rng: random.Random) -> Fleet:
+    """A random fleet of one A100 and one V100 machine, 1-3 devices each."""
+    return Fleet(groups=(
+        GpuGroup("a100-80gb", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(5.0, 0.01)),
+        GpuGroup("v100", 1, rng.randint(1, 3), rng.uniform(1.2e-5, 3e-5), Link(2.0, 0.01))),
+        inter=Link(1.0, 0.02))
