@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from onnx_partition.cost.autocast import POLICIES, PRECISIONS, AutocastPolicy, cast_call
+from onnx_partition.cost.fused_attention import device_attention, meta_attention
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
 from onnx_partition.graph.fxtag import fx_unit
@@ -349,9 +350,13 @@ def _counting(program: ExportedProgram, current: list[str], by_hand: AutocastPol
             if half is not None and target is torch.ops.aten._assert_tensor_metadata.default:
                 return None  # asserts the dtype traced at export (fp32), which autocast moves
             if by_hand is None or half is None:
-                return super().call_function(target, args, kwargs)
-            return cast_call(by_hand, half, cache, target, args, kwargs,
-                             super().call_function)
+                return self._call(target, args, kwargs)
+            return cast_call(by_hand, half, cache, target, args, kwargs, self._call)
+
+        def _call(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if meta_attention(target, args, kwargs):  # the fused kernel, not meta's math
+                return device_attention(*args, **kwargs)
+            return super().call_function(target, args, kwargs)
 
     return Counting(program.graph_module)
 
