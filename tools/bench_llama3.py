@@ -1,7 +1,7 @@
 """Llama 3 at the scale people train it: weightless export and plan of the 8B, 70B and 405B rows.
 
     python tools/bench_llama3.py [--only 8b 70b 405b] [--work DIR] [--max-gb 12]
-        [--inter-bandwidth GBPS]
+        [--inter-bandwidth GBPS] [--stages NAME=K ...]
 
 Each config carries the published shapes (written as ``config.json``, nothing downloaded) and is
 trained in bf16 with AdamW, sequence 8,192, one sequence per micro-batch, the optimizer state
@@ -86,9 +86,11 @@ def timed(argv: list[str], max_gb: float, log: Path) -> tuple[float, float, int,
             os.waitstatus_to_exitcode(status), " / ".join(said[-2:]))
 
 
-def row(name: str, work: Path, max_gb: float, inter_gbps: float | None = None) -> str:
+def row(name: str, work: Path, max_gb: float, inter_gbps: float | None = None,
+        depth: int | None = None) -> str:
     """One model's Markdown row (or how far it got); ``inter_gbps``: the link between
-    machines (None: ``partition``'s default, 10 GbE)."""
+    machines (None: ``partition``'s default, 10 GbE); ``depth``: ``--stages`` (None: the
+    planner's choice)."""
     _, _, _, _, _, machines, microbatches = ROWS[name]
     folder = work / name
     model, plan = folder / "model.onnx", folder / "plan"
@@ -108,7 +110,7 @@ def row(name: str, work: Path, max_gb: float, inter_gbps: float | None = None) -
         *cli, "partition", str(model), "--mode", "train", "--devices", "8", "--machines",
         str(machines), "--gpu", "h100", "--batch-size", "1", "--precision", "bf16",
         "--microbatches", str(microbatches), "--schedule", "auto", "--recompute", "auto",
-        "--shard-optimizer", *(["--stages", str(DEPTH[name])] if name in DEPTH else []),
+        "--shard-optimizer", *(["--stages", str(depth)] if depth else []),
         *(["--inter-bandwidth", str(inter_gbps)] if inter_gbps else []),
         "-o", str(plan), "--force"], max_gb, folder / "partition.log")
     if code:
@@ -139,7 +141,17 @@ def main() -> int:
     parser.add_argument("--inter-bandwidth", type=float, metavar="GBPS",
                         help="link between machines in GB/s (default: partition's, 10 GbE; "
                              "the Llama 3 paper's cluster: 400 Gb/s RoCE per GPU, 50)")
+    parser.add_argument("--stages", nargs="*", default=[], metavar="NAME=K",
+                        help="a row's pipeline depth (K, or auto: the planner's choice, at most "
+                             f"16); default {' '.join(f'{k}={v}' for k, v in DEPTH.items())}")
     args = parser.parse_args()
+    depth: dict[str, int | None] = dict(DEPTH)
+    for item in args.stages:
+        name, _, k = item.partition("=")
+        if name not in ROWS or not (k == "auto" or (k.isdigit() and int(k) > 0)):
+            parser.error(f"--stages {item}: want NAME=K or NAME=auto, NAME one of "
+                         f"{', '.join(ROWS)}")
+        depth[name] = None if k == "auto" else int(k)
     print("| model | cluster | export (wall, peak RSS) | parameters | plan (replicas per "
           "stage) | step | tokens/s | tokens/s per GPU | MFU | planning (wall) | "
           "planning peak RSS |")
@@ -147,7 +159,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         for name in args.only or list(ROWS):
-            print(row(name, work, args.max_gb, args.inter_bandwidth), flush=True)
+            print(row(name, work, args.max_gb, args.inter_bandwidth, depth.get(name)),
+                  flush=True)
     return 0
 
 
