@@ -27,12 +27,13 @@ from onnx_partition.solve.problem import DagProblem
 from onnx_partition.solve.scoring import LAST
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
     from onnx_partition.cost.saved import PerNode
 
 __all__ = ["dag_problem", "grad_input_ms", "per_unit", "per_unit_max", "saved_activations",
-           "stage_sizes",
-           "trainable_parameters", "trainable_tensors", "unit_problem", "unit_weights",
-           "untyped_values"]
+           "stage_sizes", "train_program", "trainable_parameters", "trainable_tensors",
+           "unit_problem", "unit_weights", "untyped_values"]
 
 def dag_problem(
     graph: OpGraph, forward_ms: Sequence[float], link: Link
@@ -130,14 +131,16 @@ def per_unit_max(values: Sequence[float], members: Sequence[Sequence[int]]) -> l
 
 
 def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.precision,
-                      policy: str = "cpu") -> PerNode | None:
+                      policy: str = "cpu", loaded: ExportedProgram | None = None
+                      ) -> PerNode | None:
     """Bytes autograd saves for backward per OpGraph node (:mod:`onnx_partition.cost.saved`,
     under FakeTensorMode at the graph's input shapes, autocast to ``precision``'s half dtype
     unless fp32, by the ``policy`` of the plan's devices: ``cpu`` or ``cuda``) and, from the
     same run, the output-gradient bytes ZB-H1 keeps per node from ``I`` to ``W`` and the
     gradients live in each node's backward (:class:`~onnx_partition.cost.saved.PerNode`), when
     the model's program ``.pt2`` lies beside it; None otherwise (the memory model then counts
-    every output, and no kept gradients nor working set)."""
+    every output, and no kept gradients nor working set). ``loaded``: that program, already
+    read (:func:`train_program`)."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         if precision != TrainSpec.precision:
@@ -148,7 +151,8 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.pr
     from onnx_partition.cost.saved import counted_per_node  # torch: train plans only
 
     try:
-        return counted_per_node(graph, program, precision=precision, policy=policy)
+        return counted_per_node(graph, program if loaded is None else loaded,
+                                precision=precision, policy=policy)
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
@@ -157,22 +161,44 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.pr
                              ) from None
 
 
-def trainable_parameters(model: Path) -> frozenset[str] | None:
+def trainable_parameters(model: Path, loaded: ExportedProgram | None = None
+                         ) -> frozenset[str] | None:
     """Names of the trainable parameters of the program ``.pt2`` beside ``model`` (its
     signature's parameters: what has gradients and optimizer state in training; buffers and
     the exporter's constants have none), which the ONNX initializers carry; None without a
-    program (every initializer then counts as trainable)."""
+    program (every initializer then counts as trainable). ``loaded``: that program, already
+    read (:func:`train_program`)."""
+    program = model.with_suffix(".pt2")
+    if loaded is None and not program.is_file():
+        return None
+    if loaded is None:
+        from onnx_partition.graph.program import read_archive  # torch: train plans only
+
+        try:
+            loaded = read_archive(program)
+        except Exception as exc:  # a program this torch cannot read
+            raise PartitionError(f"could not read program {program}: {type(exc).__name__}"
+                                 ) from None
+    return frozenset(loaded.graph_signature.parameters)
+
+
+def train_program(model: Path) -> ExportedProgram | None:
+    """The program ``.pt2`` beside ``model`` with its weights
+    (:func:`~onnx_partition.graph.program.load_program`), read once for all that prices a
+    train plan (a large model's program takes seconds to read: the Llama-3-8B's 17 s, three
+    times before); None without one."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         return None
-    import torch  # train plans with a program only
+    from onnx_partition.graph.program import load_program  # torch: train plans only
 
     try:
-        loaded = torch.export.load(str(program))
+        return load_program(program)
+    except PartitionError:
+        raise
     except Exception as exc:  # a program this torch cannot read
         raise PartitionError(f"could not read program {program}: {type(exc).__name__}"
                              ) from None
-    return frozenset(loaded.graph_signature.parameters)
 
 
 def stage_sizes(graph: OpGraph, cuts: Sequence[StageCut], *, train: bool,

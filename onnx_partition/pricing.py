@@ -38,6 +38,7 @@ from onnx_partition.graph_arrays import (
     per_unit,
     per_unit_max,
     saved_activations,
+    train_program,
     trainable_parameters,
     trainable_tensors,
     unit_problem,
@@ -172,12 +173,14 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
     plan saves and trains, the engine's terms."""
     train, precision = request.training, request.train.precision
     model = request.model
+    program = train_program(model) if train else None  # read once for the three counts
     kinds = aten = kind_engines = kind_grad_input = None
     if files is not None:
         from onnx_partition.cost.kinds import kind_devices, price_kinds
 
         kinds, priced = price_kinds(graph, files, strict=request.costs.strict,
-                                    precision=precision, model=model if train else None)
+                                    precision=precision, model=model if train else None,
+                                    loaded=program)
         aten = any(m.get("backward") for m in priced["kinds"].values())
         if train:  # each kind's engine and ZB-H1 split, as one kind's plan has
             devices = kind_devices(dict.fromkeys(files), precision)  # each kind's GPU, also
@@ -186,13 +189,13 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
                             for k in files}
             kind_grad_input = {k: grad_input_ms(graph, kinds[k], files[k]) for k in files}
     elif train and costs is None and device is not None and device.kind == "cuda":
-        node_costs, aten = with_aten_backward(graph, node_costs, model, device)
+        node_costs, aten = with_aten_backward(graph, node_costs, model, device, program)
     cluster = request.devices.cluster
     on_gpu = device.kind == "cuda" if device is not None else (
         (cluster is not None and cluster.kind == "cuda")
         or (costs is not None and str(costs.device or "").startswith("cuda")))
     policy = "cuda" if on_gpu else "cpu"  # whose autocast policy counts the activations
-    counted = saved_activations(graph, model, precision, policy) if train else None
+    counted = saved_activations(graph, model, precision, policy, program) if train else None
     backward = ("measured" if costs is not None and any("backward_ms" in v
                                                         for v in costs.nodes.values())
                 else ANALYTIC_BACKWARD if aten else "estimated")
@@ -203,7 +206,7 @@ def _train_figures(request: PartitionRequest, graph: OpGraph, node_costs: NodeCo
         saved=counted.saved if counted is not None else None,
         kept=counted.kept if counted is not None else None,
         working=counted.working if counted is not None else None,
-        trainable=trainable_parameters(model) if train else None, policy=policy,
+        trainable=trainable_parameters(model, program) if train else None, policy=policy,
         grad_input=grad_input_ms(graph, node_costs, costs),
         engine=engine_terms(costs, device, request.train.optimizer) if train else None,
         split_call_ms=split_call_ms(costs), action_ms=action_call_ms(costs, device))

@@ -15,6 +15,7 @@ from support.hf import build_hf, hf_example
 from support.training import own_loss_task
 
 from onnx_partition import export
+from onnx_partition.cli.verbs import main
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph.export import weight_bytes
 from onnx_partition.graph.program import MANIFEST_KEY, load_program
@@ -104,6 +105,20 @@ def test_a_program_without_its_weights_file_is_one_line(layouts: dict[str, Path]
     with pytest.raises(PartitionError, match="too short") as info:
         load_program(alone)
     assert "\n" not in str(info.value)
+
+
+def test_a_program_that_is_no_archive_is_one_line_and_exit_2(
+        layouts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "g.onnx"
+    shutil.copy(layouts["old"], model)
+    model.with_suffix(".pt2").write_text("not a program")
+    code = main(["partition", str(model), "--stages", "2", "--mode", "train", "--analytic",
+                 "--batch-size", "2", "-o", str(tmp_path / "plan")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines() == [f"error: could not read program {tmp_path / 'g.pt2'}: "
+                                        "BadZipFile"]
+    assert not (tmp_path / "plan").exists()
 
 
 def test_a_trained_plan_keeps_its_weights_once(layouts: dict[str, Path], tmp_path: Path

@@ -121,16 +121,17 @@ def backward_per_node(graph: OpGraph, program: str | Path | ExportedProgram,
     return out
 
 
-def with_aten_backward(graph: OpGraph, node_costs: NodeCosts, model: Path, device: DeviceSpec
-                       ) -> tuple[NodeCosts, bool]:
+def with_aten_backward(graph: OpGraph, node_costs: NodeCosts, model: Path, device: DeviceSpec,
+                       loaded: ExportedProgram | None = None) -> tuple[NodeCosts, bool]:
     """``node_costs`` with its backward priced per aten op (:func:`backward_per_node`) of the
-    program beside ``model`` (``model.pt2``) on ``device``, and whether it was: without a
-    program, or FX tags in the graph, the backward factor stays."""
+    program beside ``model`` (``model.pt2``; ``loaded``: that program, already read) on
+    ``device``, and whether it was: without a program, or FX tags in the graph, the backward
+    factor stays."""
     program = model.with_suffix(".pt2")
-    if not program.is_file():
+    if loaded is None and not program.is_file():
         return node_costs, False
     try:
-        backward = backward_per_node(graph, program, device)
+        backward = backward_per_node(graph, program if loaded is None else loaded, device)
     except Exception as exc:  # a program torch cannot run at these shapes
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise PartitionError(f"could not price the backward of program {program}: "

@@ -54,7 +54,8 @@ def kind_devices(files: Mapping[str, CostsFile | None], precision: str = TrainSp
 
 def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None], *,
                 strict: bool = False, precision: str = TrainSpec().precision,
-                model: Path | None = None) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
+                model: Path | None = None, loaded: Any = None
+                ) -> tuple[dict[str, NodeCosts], dict[str, Any]]:
     """Per kind, the per-node costs (its file checked against ``graph`` and rescaled to its
     shapes, or its GPU's roofline in ``precision``, the backward per aten op of ``model``'s
     program where given, :func:`~onnx_partition.cost.aten.with_aten_backward`, as a train
@@ -70,7 +71,8 @@ def price_kinds(graph: OpGraph, files: Mapping[str, CostsFile | None], *,
             priced[kind] = annotate(graph, device=spec)
             aten = False
             if model is not None:
-                priced[kind], aten = with_aten_backward(graph, priced[kind], model, spec)
+                priced[kind], aten = with_aten_backward(graph, priced[kind], model, spec,
+                                                        loaded)
             models[kind] = {"source": "analytic", "name": spec.name, "kind": "cuda",
                             "peak_tflops": spec.peak_gflops / 1e3, "mem_gbps": spec.mem_gbps,
                             "launch_overhead_ms": spec.launch_overhead_ms,

@@ -15,6 +15,7 @@ bit; tensors that shared storage (tied weights) share it again. A program withou
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -26,8 +27,8 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph.protos import check_external_data
 
-__all__ = ["MANIFEST_KEY", "TORCH_DTYPES", "held_tensors", "load_program", "save_program",
-           "tensor_key"]
+__all__ = ["MANIFEST_KEY", "TORCH_DTYPES", "held_tensors", "load_program", "read_archive",
+           "save_program", "tensor_key"]
 
 #: Extra file of a ``.pt2`` archive naming where its weights lie.
 MANIFEST_KEY = "onnx_partition.weights.json"
@@ -94,13 +95,26 @@ def save_program(program: Any, path: Path, held: Mapping[tuple[Any, ...], str],
             table[name] = tensor
 
 
+def read_archive(path: str | os.PathLike[str], extra: dict[str, str] | None = None
+                 ) -> torch.export.ExportedProgram:
+    """``torch.export.load(path)``, without the traceback torch logs as a warning when a file
+    is not its archive (the exception still raises: callers say it in one line)."""
+    quiet = logging.getLogger("torch.export")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return torch.export.load(str(path), extra_files=extra)
+    finally:
+        quiet.setLevel(level)
+
+
 def load_program(path: str | os.PathLike[str]) -> torch.export.ExportedProgram:
     """The exported program at ``path`` with its weights, read from the ONNX file its manifest
     names when it has one (module docstring). Raises :class:`PartitionError` when the manifest
     or the ONNX file beside it does not hold what the program needs."""
     path = Path(path)
     extra = {MANIFEST_KEY: ""}
-    program = torch.export.load(str(path), extra_files=extra)
+    program = read_archive(path, extra)
     if extra[MANIFEST_KEY]:
         _fill(program, path, extra[MANIFEST_KEY])
     return program
