@@ -43,13 +43,11 @@ ROWS: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "70b": (8192, 80, 64, 8, 28672, 128, 2048),
     "405b": (16384, 126, 128, 8, 53248, 2048, 2048),
 }
-#: the pipeline depth fixed with --stages (else chosen, at most 16): one micro-batch of one
-#: 70B layer's activations at 8,192 tokens (no flash attention: the 64 heads' scores alone are
-#: 8.6 GB) is held again while a recomputing stage runs its backward, so a stage holds about a
-#: layer, deeper than the planner's default of 16; the 405B's layer (attention and MLP) needs
-#: 86 GB or more per device recomputing on 126 replicas each, over an H100's 79.5 GB, so a stage
-#: holds one of its sequence's 260 blocks (half a layer, docs/benchmarks.md)
-DEPTH: dict[str, int] = {"70b": 80, "405b": 260}
+#: the pipeline depth fixed with --stages (else chosen, at most 16): the 405B at 16 stages puts
+#: 8 layers on each device (25 B parameters: 204 GB of fp32 weights and gradients, 12.75 GB of
+#: each per layer in its plan), over an H100's 79.5 GB whatever the replicas, so a stage holds
+#: one of its 126 layers (docs/benchmarks.md)
+DEPTH: dict[str, int] = {"405b": 126}
 
 
 def write_config(folder: Path, name: str) -> None:

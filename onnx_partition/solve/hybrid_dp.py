@@ -449,7 +449,10 @@ def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: flo
     and count: the 1F1B DP's check with ``kept`` in place of ``held`` (a warm-up over
     ``first`` never fits)."""
     m, choices = tables.c.microbatches, tables.choices
-    held = [[int(zb_kept(first, w, r, m)) if w <= first else m + 1 for w in range(m + 1)]
+    # warm-ups over ``first`` never fit: the states stop at first + 1 ("first + 1 or more",
+    # none fitting), not at M (8 H100 at M = 512: 17 warm-ups per count, not 513)
+    top = m if first >= m else first + 1
+    held = [[int(zb_kept(first, w, r, m)) if w <= first else m + 1 for w in range(top + 1)]
             for r in choices]
     ways = [tables.mode == "all"] + [True] * auto
     caps = []
@@ -464,16 +467,19 @@ def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: flo
             per_count.append(np.clip(np.floor(np.where(room < 0, -1.0, cap)), -1, m
                                      ).astype(np.int32))
         caps.append(np.stack(per_count))
-    part = _exact_run(tables, tau, max_q, caps[0], caps[1] if auto else None, held)
+    part = _exact_run(tables, tau, max_q, caps[0], caps[1] if auto else None, held, top)
     part.top = first
     return part
 
 
 def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
-               capi_rc: np.ndarray | None, held: Sequence[Sequence[int]]) -> ExactTables:
+               capi_rc: np.ndarray | None, held: Sequence[Sequence[int]],
+               top: int | None = None) -> ExactTables:
     """The exact DP with ``held[c][w]`` the count a stage on ``choices[c]`` replicas at
-    warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps)."""
-    n, m = tables.n, tables.c.microbatches
+    warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps); warm-ups ``0..top`` (default
+    M), the last one standing for itself and every larger one."""
+    n = tables.n
+    m = tables.c.microbatches if top is None else top
     choices = tables.choices
     rc, wc = len(choices), m + 1
     h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=COUNT_DTYPE)
