@@ -30,8 +30,8 @@ __all__ = ["MAX_BATCH", "MAX_BYTES", "MAX_COUNT", "MAX_DEVICES", "MAX_DIM", "MAX
 
 #: Upper bounds of the sizes a user controls (a plan beyond them is not runnable by this tool).
 MAX_STAGES = 4096
-MAX_REPLICAS = 1024  # per stage: one process or thread per replica
 MAX_DEVICES = 65536  # in a cluster, all machines together
+MAX_REPLICAS = MAX_DEVICES  # per stage: it may have every device (a process per replica)
 MAX_MICROBATCHES = 4096
 MAX_BATCH = 1 << 24  # rows
 MAX_DIM = (1 << 31) - 1  # one input dim

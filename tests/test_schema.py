@@ -42,7 +42,7 @@ def edited(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 PLAN_CASES = [
     ("stages.0.replicas", "2", "stages[0].replicas: Input should be a valid integer, got '2'"),
-    ("stages.0.replicas", 5000, "stages[0].replicas: Input should be less than or equal to"),
+    ("stages.0.replicas", 70000, "stages[0].replicas: Input should be less than or equal to"),
     ("stages.0.replicas", -3, "stages[0].replicas: Input should be greater than or equal to 1"),
     ("stages.0.replicas", True, "stages[0].replicas: Input should be a valid integer"),
     ("stages.0.index", "x", "stages[0].index: Input should be a valid integer, got 'x'"),
