@@ -412,9 +412,12 @@ def exact_fewest(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
         limit = tables.c.memory_bytes if memory is None else memory
         return _zb_fewest(tables, tau, max_q, capi_rc is not None, limit)
     m = tables.c.microbatches
-    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(m + 1)]
+    # a stage's warm-up is at most 2 x (the devices from it on) - 1: one of 2 D or more, the
+    # last state, has more than D devices behind it (8 H100 at M = 512: 17 states, not 513)
+    top = min(m, 2 * tables.c.devices)
+    held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(top + 1)]
             for r in tables.choices]  # inference: the micro-batch being computed
-    return _exact_run(tables, tau, max_q, capi, capi_rc, held)
+    return _exact_run(tables, tau, max_q, capi, capi_rc, held, top)
 
 
 def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: float
