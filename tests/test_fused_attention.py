@@ -77,7 +77,8 @@ def test_on_meta_it_saves_what_cpu_saves_and_no_scores():
     assert math > scores > fused  # meta's fallback keeps the probabilities
 
 
-def test_a_weightless_llama_counts_what_the_same_llama_with_weights_counts(tmp_path):
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_a_weightless_llama_counts_what_the_same_llama_with_weights_counts(tmp_path, policy):
     config = tmp_path / "cfg"
     transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=128, vocab_size=100,
@@ -88,7 +89,7 @@ def test_a_weightless_llama_counts_what_the_same_llama_with_weights_counts(tmp_p
         path = export_hf_config(config, tmp_path / f"{name}.onnx", weights=weights, seq_len=128)
         program = load_program(path.with_suffix(".pt2"))
         counted[name] = saved_bytes(program, [[2, 128], [2, 128]], precision="bf16",
-                                    policy="cuda")
+                                    policy=policy)  # cpu: meta has no autocast, by hand
     attention = "scaled_dot_product_attention"
     for field in ("per_node", "working"):
         assert getattr(counted["none"], field)[attention] \

@@ -196,9 +196,12 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     if isinstance(policy, str) and policy not in POLICIES:
         raise PartitionError(f"unknown autocast policy {policy!r}; choose "
                              f"{', '.join(POLICIES)}")
-    # torch's own autocast on CPU; another device's policy (or a given one) applied by hand
-    by_hand = None if policy == "cpu" else POLICIES[policy] if isinstance(policy, str) \
-        else policy
+    # torch's own autocast on CPU; another device's policy (or a given one) applied by hand,
+    # and CPU's too on a weightless model (meta tensors have no autocast)
+    weightless = any(traced_on_meta(program, s.arg.name)
+                     for s in program.graph_signature.input_specs)
+    by_hand = (None if policy == "cpu" and not weightless
+               else POLICIES[policy] if isinstance(policy, str) else policy)
     half = None if precision == "fp32" else getattr(torch, HALF_DTYPES[precision])
     args, weights, mode = _program_feeds(program, specs, fake, seed, seen)
     kept: dict[str, int] = {}
