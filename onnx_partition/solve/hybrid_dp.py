@@ -412,12 +412,10 @@ def exact_fewest(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
         limit = tables.c.memory_bytes if memory is None else memory
         return _zb_fewest(tables, tau, max_q, capi_rc is not None, limit)
     m = tables.c.microbatches
-    # a stage's warm-up is at most 2 x (the devices from it on) - 1: one of 2 D or more, the
-    # last state, has more than D devices behind it (8 H100 at M = 512: 17 states, not 513)
-    top = min(m, 2 * tables.c.devices)
+    top = min(m, 2 * tables.c.devices)  # a warm-up of 2 D or more: over D devices behind it
     held = [[-(-min(w + 1, m) // r) if tables.c.train else 1 for w in range(top + 1)]
             for r in tables.choices]  # inference: the micro-batch being computed
-    return _exact_run(tables, tau, max_q, capi, capi_rc, held, top)
+    return _exact_run(tables, tau, max_q, capi, capi_rc, held)
 
 
 def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: float
@@ -430,10 +428,7 @@ def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: 
 
     fewest = [int(_INF)] * (max_q + 1)
     first_at = [0] * (max_q + 1)
-    # W_0 = min(sum of the boundaries' steps, M), each step at most d_k + d_k+1 - 1: no plan
-    # on D devices has a warm-up above 2 D, so no DP beyond it can count one (8 H100 at M =
-    # 512: 17 runs, not 513)
-    for first in range(min(m, 2 * tables.c.devices) + 1):
+    for first in range(min(m, 2 * tables.c.devices) + 1):  # none above 2 D (design.md)
         part = run(first)
         for q in range(1, max_q + 1):
             got = part.fewest(q)
@@ -452,9 +447,7 @@ def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: flo
     and count: the 1F1B DP's check with ``kept`` in place of ``held`` (a warm-up over
     ``first`` never fits)."""
     m, choices = tables.c.microbatches, tables.choices
-    # warm-ups over ``first`` never fit: the states stop at first + 1 ("first + 1 or more",
-    # none fitting), not at M (8 H100 at M = 512: 17 warm-ups per count, not 513)
-    top = m if first >= m else first + 1
+    top = m if first >= m else first + 1  # warm-ups over ``first`` never fit: one state
     held = [[int(zb_kept(first, w, r, m)) if w <= first else m + 1 for w in range(top + 1)]
             for r in choices]
     ways = [tables.mode == "all"] + [True] * auto
@@ -470,19 +463,17 @@ def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: flo
             per_count.append(np.clip(np.floor(np.where(room < 0, -1.0, cap)), -1, m
                                      ).astype(np.int32))
         caps.append(np.stack(per_count))
-    part = _exact_run(tables, tau, max_q, caps[0], caps[1] if auto else None, held, top)
+    part = _exact_run(tables, tau, max_q, caps[0], caps[1] if auto else None, held)
     part.top = first
     return part
 
 
 def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
-               capi_rc: np.ndarray | None, held: Sequence[Sequence[int]],
-               top: int | None = None) -> ExactTables:
+               capi_rc: np.ndarray | None, held: Sequence[Sequence[int]]) -> ExactTables:
     """The exact DP with ``held[c][w]`` the count a stage on ``choices[c]`` replicas at
-    warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps); warm-ups ``0..top`` (default
-    M), the last one standing for itself and every larger one."""
-    n = tables.n
-    m = tables.c.microbatches if top is None else top
+    warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps), for warm-ups ``0..len(held[c])
+    - 1``, the last standing for every larger one (design.md: no plan needs more)."""
+    n, m = tables.n, len(held[0]) - 1
     choices = tables.choices
     rc, wc = len(choices), m + 1
     h = np.full((max_q + 1, n + 1, rc, wc), _INF, dtype=COUNT_DTYPE)
