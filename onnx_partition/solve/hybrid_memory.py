@@ -54,8 +54,10 @@ def memory_report(tables: StageTables, config: HybridConfig, max_q: int,
     periods = tables.period_rc if tables.period_rc is not None else tables.period
     top = float(np.nanmax(np.where(np.isfinite(periods), periods, np.nan)))
     # every figure a stage could need: base + held * stash + kept * per_kept for held 1..M
-    # and kept 0 (1F1B) or 1..held (ZB-H1)
-    most = config.microbatches if config.train else 1
+    # and kept 0 (1F1B) or 1..held (ZB-H1); no plan on D devices holds more than 2 D + 1 (its
+    # first warm-up is at most 2 D: design.md), which keeps this grid small (8 H100 at M =
+    # 512 under ZB-H1: 153 pairs, not 131,328, each table of 2,556 stages x pairs 2.7 GB)
+    most = min(config.microbatches, 2 * config.devices + 1) if config.train else 1
     pairs = [(h, g) for h in range(1, most + 1)
              for g in (range(1, h + 1) if tables.zb else [0])]
     held = np.asarray([h for h, _ in pairs], dtype=float)[None, :]
