@@ -168,32 +168,24 @@ def trainable_parameters(model: Path, loaded: ExportedProgram | None = None
     the exporter's constants have none), which the ONNX initializers carry; None without a
     program (every initializer then counts as trainable). ``loaded``: that program, already
     read (:func:`train_program`)."""
-    program = model.with_suffix(".pt2")
-    if loaded is None and not program.is_file():
-        return None
     if loaded is None:
-        from onnx_partition.graph.program import read_archive  # torch: train plans only
-
-        try:
-            loaded = read_archive(program)
-        except Exception as exc:  # a program this torch cannot read
-            raise PartitionError(f"could not read program {program}: {type(exc).__name__}"
-                                 ) from None
-    return frozenset(loaded.graph_signature.parameters)
+        loaded = train_program(model, weights=False)
+    return None if loaded is None else frozenset(loaded.graph_signature.parameters)
 
 
-def train_program(model: Path) -> ExportedProgram | None:
-    """The program ``.pt2`` beside ``model`` with its weights
-    (:func:`~onnx_partition.graph.program.load_program`), read once for all that prices a
-    train plan (a large model's program takes seconds to read: the Llama-3-8B's 17 s, three
-    times before); None without one."""
+def train_program(model: Path, *, weights: bool = True) -> ExportedProgram | None:
+    """The program ``.pt2`` beside ``model``, with its weights
+    (:func:`~onnx_partition.graph.program.load_program`) or, ``weights=False``, as stored
+    (its signature only is read), read once for all that prices a train plan (a large
+    model's program takes seconds to read: the Llama-3-8B's 17 s, three times before); None
+    without one."""
     program = model.with_suffix(".pt2")
     if not program.is_file():
         return None
-    from onnx_partition.graph.program import load_program  # torch: train plans only
+    from onnx_partition.graph.program import load_program, read_archive  # torch: train only
 
     try:
-        return load_program(program)
+        return load_program(program) if weights else read_archive(program)
     except PartitionError:
         raise
     except Exception as exc:  # a program this torch cannot read
