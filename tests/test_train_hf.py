@@ -159,3 +159,21 @@ def test_run_check_of_a_model_computing_its_own_loss(hf_exported: HF, tmp_path: 
     assert main(["run", str(tmp_path / "plan"), "--check", "--iterations", "1",
                  "--microbatches", "4"]) == 0
     assert "(OK)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_a_language_models_ids_are_bounded_by_its_vocabulary(name: str, hf_exported: HF
+                                                              ) -> None:
+    """Hugging Face indexes its embedding with ``input_ids.view(-1, n)``: the bound follows the
+    reshape to the Gather, so synthetic ids span the vocabulary (not ``[0, 2)``) and
+    ``--loss auto`` without data is cross-entropy over it (was mean squared error against
+    random logits)."""
+    from support.hf import VOCAB
+
+    from onnx_partition.graph import load
+    from onnx_partition.graph.emit import io_specs
+    from onnx_partition.runtime.train.task import auto_kind
+
+    inputs, outputs = io_specs(load(hf_exported(name), batch_size=2))
+    assert inputs[0].name == "input_ids" and inputs[0].high == VOCAB
+    assert auto_kind(inputs, outputs) == "cross_entropy"

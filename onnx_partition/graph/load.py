@@ -43,6 +43,9 @@ NONDETERMINISTIC = frozenset(
 )
 #: Initializers up to this size may feed constant-only ("free") nodes copied into every stage.
 _SMALL_CONSTANT_BYTES = 4096
+#: ONNX ops whose output holds their first input's values, rearranged (index bounds follow them)
+_SAME_VALUES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity",
+                          "Transpose", "Expand"})
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,22 @@ class OpGraph:
 
     @cached_property
     def index_bounds(self) -> Mapping[str, int]:
-        """Integer graph inputs used as Gather indices: the size of the gathered axis (so that
-        random feeds stay in range, e.g. token ids below the vocabulary size)."""
+        """Integer graph inputs used as Gather indices, directly or through ops that keep their
+        values (a reshape: Hugging Face's ``input_ids.view(-1, n)``): the size of the gathered
+        axis (so that random feeds stay in range, e.g. token ids below the vocabulary size)."""
         protos = self.protos()
         init_dims = {t.name: list(t.dims) for t in self.model.graph.initializer}
+        made_by = {o: p for p in protos.values() for o in p.output if o}
         bounds: dict[str, int] = {}
         for node in self.nodes:
             proto = protos[node.key]
-            if (proto.op_type != "Gather" or len(proto.input) < 2
-                    or proto.input[1] not in self.inputs):
+            if proto.op_type != "Gather" or len(proto.input) < 2:
+                continue
+            source = proto.input[1]
+            while source not in self.inputs and source in made_by \
+                    and made_by[source].op_type in _SAME_VALUES:
+                source = made_by[source].input[0]
+            if source not in self.inputs:
                 continue
             axis = next((a.i for a in proto.attribute if a.name == "axis"), 0)
             dims = init_dims.get(proto.input[0])
@@ -118,7 +128,7 @@ class OpGraph:
                 dims = list(shape.shape) if shape and shape.shape else None
             if dims:
                 size = dims[axis]
-                bounds[proto.input[1]] = min(bounds.get(proto.input[1], size), size)
+                bounds[source] = min(bounds.get(source, size), size)
         return bounds
 
     def protos(self) -> dict[str, onnx.NodeProto]:
