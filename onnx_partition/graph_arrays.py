@@ -17,7 +17,7 @@ from onnx_partition.cost.annotate import CostsFile, NodeCosts
 from onnx_partition.cost.cluster import Link
 from onnx_partition.errors import PartitionError
 from onnx_partition.graph import OpGraph
-from onnx_partition.graph.emit import StageCut
+from onnx_partition.graph.emit import StageCut, io_specs
 from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.pipeline.layout import relay_names
 from onnx_partition.pipeline.memory import StageBytes
@@ -29,7 +29,7 @@ from onnx_partition.solve.scoring import LAST
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
-    from onnx_partition.cost.saved import PerNode
+    from onnx_partition.cost.saved import OutputsLoss, PerNode
 
 __all__ = ["dag_problem", "grad_input_ms", "per_unit", "per_unit_max", "saved_activations",
            "stage_sizes", "train_program", "trainable_parameters", "trainable_tensors",
@@ -152,13 +152,44 @@ def saved_activations(graph: OpGraph, model: Path, precision: str = TrainSpec.pr
 
     try:
         return counted_per_node(graph, program if loaded is None else loaded,
-                                precision=precision, policy=policy)
+                                precision=precision, policy=policy, loss=trainer_loss(graph))
     except PartitionError:
         raise
     except Exception as exc:  # a program torch cannot run at these shapes
         raise PartitionError(f"could not count the activations of program {program}: "
                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                              ) from None
+
+
+def trainer_loss(graph: OpGraph) -> OutputsLoss | None:
+    """The loss ``train --loss auto`` runs after the graph's last stage on synthetic targets
+    (:func:`~onnx_partition.runtime.train.task.auto_kind`, the outputs cast as the trainer
+    casts them), as a function of the program's user outputs that also runs on fake and meta
+    tensors; None where the model's first output is its loss (``output``)."""
+    import torch
+
+    from onnx_partition.runtime.train.loss import make_loss, upcast
+    from onnx_partition.runtime.train.task import auto_kind
+
+    inputs, outputs = io_specs(graph)
+    kind = auto_kind(inputs, outputs)
+    if kind == "output":
+        return None
+    names = [o.name for o in outputs]
+    fn = make_loss(kind, names)
+
+    def run(made: Sequence[torch.Tensor]) -> torch.Tensor:
+        outs = upcast(made)
+        first = outs[0]
+        if kind == "cross_entropy":
+            targets = {names[0]: torch.randint(0, int(first.shape[-1]), tuple(first.shape[:-1]),
+                                               device=first.device)}
+        else:
+            targets = {n: torch.randn(o.shape, device=o.device) for n, o in zip(names, outs)
+                       if o.is_floating_point()}
+        return fn(dict(zip(names, outs)), targets)
+
+    return run
 
 
 def trainable_parameters(model: Path, loaded: ExportedProgram | None = None

@@ -144,17 +144,20 @@ def test_the_summary_names_the_precision(plans: Path) -> None:
 
 def test_a_gpu_plan_counts_cudas_policy(block: Path, tmp_path: Path) -> None:
     """A GPU plan's activations by CUDA autocast's policy (layer norm in fp32: its input and
-    statistics 4 bytes), its matrix products at the GPU's half peak."""
+    statistics 4 bytes), its matrix products at the GPU's half peak; the trainer's mean
+    squared error after it saves the fp32 output and its target (4 bytes each)."""
     plan = partition(block, 1, tmp_path / "gpu", mode="train", precision="bf16",
                      device=gpu("h100"), batch_size=ROWS, check=False)
     assert plan.extra["activations"]["autocast"] == "cuda"
     assert plan.extra["activations"]["total_bytes"] == (
-        ROWS * WIDTH * 2 + ROWS * HIDDEN * 2 + ROWS * HIDDEN * 4 + 2 * ROWS * 4)
+        ROWS * WIDTH * 2 + ROWS * HIDDEN * 2 + ROWS * HIDDEN * 4 + 2 * ROWS * 4
+        + 2 * ROWS * HIDDEN * 4)
     assert plan.device_model is not None and plan.device_model["name"] == "h100:bf16"
     cpu = partition(block, 1, tmp_path / "cpu", mode="train", precision="bf16",
                     device=DeviceSpec("cpu", 100.0, 10.0, 0.0), batch_size=ROWS, check=False)
     assert cpu.extra["activations"]["autocast"] == "cpu"
-    assert cpu.extra["activations"]["total_bytes"] == sum(HAND_BF16.values())
+    assert cpu.extra["activations"]["total_bytes"] == (sum(HAND_BF16.values())
+                                                       + 2 * ROWS * HIDDEN * 4)
 
 
 def test_a_costs_file_records_its_precision(gpt: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Activation memory as autograd keeps it (cost/saved.py): bytes saved for backward per FX unit,
 by hand on a small block, equal under FakeTensorMode and on real tensors, and a 2-stage train
-plan's per-stage ``activation_bytes`` summing to what the whole program saves in a real run."""
+plan's per-stage ``activation_bytes`` summing to what the whole program and the trainer's loss
+after it save in a real run."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from onnx_partition.cost.saved import saved_by_module, saved_bytes, saved_bytes_
 from onnx_partition.graph import load
 from onnx_partition.partition import partition
 from onnx_partition.plan import read_plan
+from onnx_partition.runtime.train.loss import upcast
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.task import task_for
 
@@ -61,11 +63,27 @@ def test_fake_and_real_runs_count_the_same_bytes_on_gpt2() -> None:
     assert fake.per_node == real.per_node and fake.total > 0
 
 
+class _WithLoss(torch.nn.Module):
+    """A plan's whole module followed by the trainer's loss (``--loss auto``) on ``targets``."""
+
+    def __init__(self, plan_dir: Path, targets: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.whole, self.targets = whole_module(plan_dir), targets
+        self.names = [o.name for o in read_plan(plan_dir).outputs]
+        self.loss = task_for(plan_dir).loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        outs = self.whole(*inputs)
+        outs = upcast(outs if isinstance(outs, tuple) else (outs,))
+        return self.loss(dict(zip(self.names, outs, strict=True)), self.targets)
+
+
 def _measured(plan_dir: Path, rows: int) -> int:
-    """What the whole program saves for backward in a real run of one micro-batch."""
+    """What the whole program and the trainer's loss after it save for backward in a real run
+    of one micro-batch."""
     plan = read_plan(plan_dir)
-    inputs, _ = task_for(plan_dir).make_batch(rows, torch.Generator().manual_seed(0))
-    return saved_by_module(whole_module(plan_dir), *[inputs[s.name] for s in plan.inputs])
+    inputs, targets = task_for(plan_dir).make_batch(rows, torch.Generator().manual_seed(0))
+    return saved_by_module(_WithLoss(plan_dir, targets), *[inputs[s.name] for s in plan.inputs])
 
 
 def _two_stage_sum(model: Path, plan_dir: Path, rows: int) -> tuple[int, int]:

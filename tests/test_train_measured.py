@@ -118,12 +118,14 @@ def test_each_stage_saves_what_the_plan_priced(name: str, tmp_path: Path, gpt_pl
     stage saved too (the whole program holds one storage, counted where first saved; each
     rank holds its own, which the memory model counts in ``buffer_bytes``): gpt (embedding,
     attention, layer norm) and resnet (batch norm, whose running statistics each stage reads
-    through a copy that backward saves; a ReLU output can be saved on both sides of the cut)."""
+    through a copy that backward saves; a ReLU output can be saved on both sides of the cut).
+    The last stage's count includes the trainer's loss after it, as the plan's does."""
     out = gpt_plan if name == "gpt" else tmp_path / "plan"
     if name != "gpt":
         partition(exported(name, "tiny"), 2, out, batch_size=ROWS, mode="train", check=False)
     plan = read_plan(out)
-    inputs, _ = task_for(out).make_batch(ROWS, torch.Generator().manual_seed(0))
+    task = task_for(out)
+    inputs, targets = task.make_batch(ROWS, torch.Generator().manual_seed(0))
     env = {n: v.clone() for n, v in inputs.items()}
     earlier: list[SavedCounter] = []
     shared = []
@@ -135,6 +137,9 @@ def test_each_stage_saves_what_the_plan_priced(name: str, tmp_path: Path, gpt_pl
         counter.start()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             outs = module(*[feeds[n] for n in stage.inputs])
+            made = dict(zip(stage.outputs, outs, strict=True))
+            if stage.index == len(plan.stages) - 1:  # the trainer's loss, as the rank runs it
+                task.loss_fn({o.name: made[o.name] for o in plan.outputs}, targets)
         twice = sum(int(feeds[n].untyped_storage().nbytes()) for n in stage.inputs
                     if feeds[n] is not env[n] and _ref(feeds[n]) in counter.seen
                     and any(_ref(env[n]) in c.seen for c in earlier))

@@ -9,7 +9,7 @@ import itertools
 import math
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,6 +67,46 @@ def test_working_bytes_of_two_linears_and_a_loss_by_hand(fake: bool) -> None:
     counted = saved_bytes(program, [[ROWS, 8], [ROWS]], fake=fake)
     names = [n.name for n in program.graph.nodes if n.op == "call_function"]
     assert counted.working == dict(zip(names, [64, 64 + 512, 2 * 512], strict=True))
+
+
+class _TwoLinears(torch.nn.Module):
+    """:class:`_LinearLoss` without its loss: the logits are the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(4, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_the_trainers_loss_is_counted_on_the_node_that_made_the_logits(fake: bool) -> None:
+    """A program without its loss, followed by the trainer's cross-entropy (``train --loss
+    auto`` on a language model): the loss's log-softmax saves its 4 x 32 fp32 output (512 B),
+    its NLL the 4 int64 labels (32 B) and the scalar total weight (4 B), the mean's division
+    its int64 count (8 B), all on the second linear's node beside what the linear saves (its
+    4 x 4 input, 64 B; the first saves the 4 x 8 input, 128 B, for its weight's gradient); that
+    node's working set becomes the loss's two logits-sized gradients
+    (1024 B, as in :func:`test_working_bytes_of_two_linears_and_a_loss_by_hand`). Without the
+    loss it is the linear's own 512 + 64 B."""
+    from onnx_partition.runtime.train.loss import make_loss
+
+    torch.manual_seed(0)
+    program = torch.export.export(_TwoLinears(), (torch.randn(ROWS, 8),))
+    ce = make_loss("cross_entropy", ["logits"])
+
+    def loss(made: Sequence[torch.Tensor]) -> torch.Tensor:
+        labels = torch.randint(0, 32, (ROWS,), device=made[0].device)
+        return ce({"logits": made[0]}, {"labels": labels})
+
+    alone = saved_bytes(program, [[ROWS, 8]], fake=fake)
+    counted = saved_bytes(program, [[ROWS, 8]], fake=fake, loss=loss)
+    first, second = [n.name for n in program.graph.nodes if n.op == "call_function"]
+    assert alone.per_node == {first: 128, second: 64}
+    assert alone.working == {first: 64, second: 576}
+    assert counted.per_node == {first: 128, second: 64 + 512 + 32 + 4 + 8}
+    assert counted.working == {first: 64, second: 1024}
 
 
 def test_the_memory_model_adds_the_widest_op_by_hand() -> None:
@@ -196,5 +236,48 @@ def test_a_hugging_face_gpt2_last_stage_holds_what_its_plan_says(
     assert last is not None and last.memory_bytes and last.buffer_bytes
     logits = 2 * 16 * VOCAB * 4
     assert last.buffer_bytes >= 2 * logits  # the working set sits in the buffers' part
+    got = stats.memory_bytes[-1] or 0
+    assert abs(got / last.memory_bytes - 1.0) < 0.10, (got, last)
+
+
+class _WideLM(torch.nn.Module):
+    """Embedding of a 2,048-token vocabulary, a linear 16 -> 16, the logits: a model whose
+    memory is mostly its logits, and whose loss the trainer computes (no labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(2048, 16)
+        self.mix, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 2048)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(self.embed(ids))))
+
+
+def test_a_model_without_its_loss_counts_the_trainers_on_its_last_stage(tmp_path: Path
+                                                                         ) -> None:
+    """A language model exported without labels: ``train --loss auto`` computes the
+    cross-entropy after the last stage (its ids index a 2,048-row embedding, the logits' last
+    dim), and the plan counts it as it counts a program's own loss: the log-softmax's saved
+    output in the stage's activations, its two logits-sized gradients (4 rows x 32 tokens x
+    2,048, fp32: 1 MB each) as the working set. The measured peak is within 10% of the plan;
+    without the loss counted the plan misses a logits-sized tensor of about four (1.4x)."""
+    from onnx_partition import export
+
+    torch.manual_seed(0)
+    model = tmp_path / "lm.onnx"
+    export(_WideLM(), (torch.randint(0, 2048, (4, 32)),), model)
+    plan_dir = tmp_path / "plan"
+    partition(model, 2, plan_dir, mode="train", batch_size=4, force=True, schedule="1f1b",
+              check=False, analytic=True)
+    plan = read_plan(plan_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = train_plan(plan_dir, steps=2, microbatches=4, schedule="1f1b")
+    assert stats.loss_kind == "cross_entropy"
+    last = plan.stages[-1].predicted
+    assert last is not None and last.memory_bytes and last.buffer_bytes
+    logits = 4 * 32 * 2048 * 4
+    assert last.buffer_bytes >= 2 * logits  # the loss's two gradients: the working set
+    assert (last.activation_bytes or 0) >= logits  # its saved log-softmax output
     got = stats.memory_bytes[-1] or 0
     assert abs(got / last.memory_bytes - 1.0) < 0.10, (got, last)

@@ -13,6 +13,7 @@ bytes by), the memory model before issue 33's working-set term.
 
     .venv/bin/python tools/bench_memory.py PLAN [PLAN ...] [--microbatches 4 8 32] [--steps 2]
     .venv/bin/python tools/bench_memory.py --hf DIR [--models hf-gpt2 ...] [--schedules ...]
+        [--no-labels]
 
 ``--hf DIR``: first build the Hugging Face plans in ``DIR`` (``GPT2LMHeadModel``,
 ``BertForMaskedLM``, ``LlamaForCausalLM`` from configs: 4 layers, 512 wide, 8 heads, 256
@@ -34,6 +35,7 @@ import torch
 from onnx_partition import export
 from onnx_partition.cost.saved import counted_per_node
 from onnx_partition.graph import load
+from onnx_partition.graph_arrays import trainer_loss
 from onnx_partition.partition import partition
 from onnx_partition.pipeline.memory import kept_held, working_term
 from onnx_partition.plan import Plan, read_plan
@@ -44,22 +46,26 @@ MB = 1e6
 HF_SHAPE = {"width": 512, "heads": 8, "tokens": 256, "vocab": 4096}
 
 
-def hf_plans(work: Path, names: list[str], schedules: list[str]) -> list[Path]:
-    """Each model exported once into ``work`` (labels a keyword input) and planned once per
-    schedule (module docstring); the plan folders, built only where missing."""
+def hf_plans(work: Path, names: list[str], schedules: list[str], labels: bool = True
+             ) -> list[Path]:
+    """Each model exported once into ``work`` (labels a keyword input; ``labels=False``:
+    none, so the trainer's loss runs after the program) and planned once per schedule (module
+    docstring); the plan folders, built only where missing."""
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_train_predicted import hf_model
 
     work.mkdir(parents=True, exist_ok=True)
     folders = []
     for name in names:
-        model = work / f"{name}.onnx"
+        tag = name if labels else f"{name}-nolabels"
+        model = work / f"{tag}.onnx"
         if not model.exists():
             ids = torch.randint(0, HF_SHAPE["vocab"], (4, HF_SHAPE["tokens"]),
                                 generator=torch.Generator().manual_seed(0))
-            export(hf_model(name, **HF_SHAPE), (ids,), model, kwargs={"labels": ids})
+            export(hf_model(name, **HF_SHAPE), (ids,), model,
+                   kwargs={"labels": ids} if labels else None)
         for schedule in schedules:
-            folder = work / f"{name}-{schedule}"
+            folder = work / f"{tag}-{schedule}"
             if not (folder / "plan.json").exists():
                 partition(model, 2, folder, batch_size=4, mode="train", microbatches=8,
                           schedule=schedule, analytic=True, check=False, force=True)
@@ -73,7 +79,7 @@ def counted_per_stage(folder: Path, plan: Plan) -> tuple[list[float], list[float
     model."""
     model = (folder / plan.model).resolve()
     graph = load(model, batch_size=plan.rows_per_microbatch)
-    counted = counted_per_node(graph, model.with_suffix(".pt2"))
+    counted = counted_per_node(graph, model.with_suffix(".pt2"), loss=trainer_loss(graph))
     index = {n.key: n.index for n in graph.nodes}
     nodes = [[index[n] for n in s.nodes if n in index] for s in plan.stages]
     kept = [float(sum(counted.kept[i] for i in ns)) if k else 0.0
@@ -135,10 +141,13 @@ def main() -> None:
     parser.add_argument("--schedule", default=None,
                         help="run every plan under this schedule (default: its own)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-labels", action="store_true",
+                        help="export the --hf models without labels: the trainer's loss runs "
+                             "after the program")
     args = parser.parse_args()
     plans = list(args.plans)
     if args.hf is not None:
-        plans += hf_plans(args.hf, args.models, args.schedules)
+        plans += hf_plans(args.hf, args.models, args.schedules, labels=not args.no_labels)
     if not plans:
         parser.error("no plan: give PLAN folders or --hf DIR")
     for folder in plans:

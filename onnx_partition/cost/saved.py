@@ -38,6 +38,10 @@ on its first ONNX node (in graph order), the unit's other nodes 0, the way a tra
 keys a unit's times. An FX node without ONNX nodes (untagged) gives its bytes to the first
 tagged node it feeds (else the last tagged node before it), as
 :mod:`onnx_partition.runtime.train.modules` runs it there.
+
+**The trainer's loss** (``loss``: a program without its own, given no labels) is run after the
+program on its outputs; what it saves and its backward's gradients go to the node that made the
+first output, so the last stage counts them as it counts an in-graph loss's.
 """
 
 from __future__ import annotations
@@ -57,8 +61,13 @@ from onnx_partition.graph.fxtag import fx_unit
 from onnx_partition.settings.partition import TrainSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch.export import ExportedProgram
+
+    #: the trainer's loss of a program's user outputs (in output order)
+    OutputsLoss = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
 __all__ = [
     "HALF_DTYPES",
@@ -180,14 +189,17 @@ def program_inputs(program: ExportedProgram, shapes: Sequence[Sequence[int]]
 
 def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
                 fake: bool = True, seed: int = 0, precision: str = TrainSpec().precision,
-                policy: str | AutocastPolicy = "cpu") -> SavedBytes:
+                policy: str | AutocastPolicy = "cpu", loss: OutputsLoss | None = None
+                ) -> SavedBytes:
     """Bytes each FX node of ``program`` saves for backward, its user inputs at ``shapes``
     (random values; integer inputs in ``[0, 2)`` so indices stay valid), dropout on as in
     training, computed in ``precision`` (fp32, or autocast to bf16/fp16: module docstring)
     under autocast's ``policy``: ``cpu``, torch's CPU autocast; ``cuda`` (or an
     :class:`~onnx_partition.cost.autocast.AutocastPolicy`), that policy applied op by op
     (:mod:`onnx_partition.cost.autocast`). ``fake=True`` (default) computes it under
-    ``FakeTensorMode``: no memory, any shape."""
+    ``FakeTensorMode``: no memory, any shape. ``loss``: the trainer's loss of the program's
+    user outputs, run after it outside autocast (:func:`_count_loss`): what it saves and the
+    gradients of its backward are counted on the node that made the first output."""
     import torch
 
     check_precision(precision)
@@ -208,17 +220,44 @@ def saved_bytes(program: ExportedProgram, shapes: Sequence[Sequence[int]], *,
     working: dict[str, int] = {}
     interpreter = _counting(program, current, by_hand, half, kept, working)
     region = autocast_for(precision) if by_hand is None else contextlib.nullcontext()
-    with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if mode is not None:
-            with mode, _mixed_norm_stats(precision):
-                interpreter.run(*args)
-        else:
-            interpreter.run(*args)
+    fakes = mode if mode is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fakes:
+        with region, _mixed_norm_stats(precision) if mode is not None \
+                else contextlib.nullcontext():
+            outputs = interpreter.run(*args)
+        if loss is not None:
+            _count_loss(program, outputs, loss, current, working)
     order = [n.name for n in program.graph.nodes if n.name in per_node]
     return SavedBytes({n: per_node[n] for n in order}, sum(per_node.values()), weights,
                       {n.name: kept[n.name] for n in program.graph.nodes if kept.get(n.name)},
                       {n.name: working[n.name] for n in program.graph.nodes
                        if working.get(n.name)})
+
+
+def _count_loss(program: ExportedProgram, outputs: Any, loss: OutputsLoss, current: list[str],
+                working: dict[str, int]) -> None:
+    """Run ``loss`` on the program's user outputs as the trainer does after the last stage
+    (outside autocast), its saved tensors counted by the hook around it and the most gradient
+    bytes of its backward's ops (:func:`_inner_working`, the outputs its data) into
+    ``working``, both on the FX node that made the first user output (``cross_entropy``: its
+    log-softmax's output saved, two logits-sized gradients in its backward)."""
+    import torch.fx
+    from torch.export.graph_signature import OutputKind
+
+    specs = program.graph_signature.output_specs
+    values = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    made = [v for v, spec in zip(values, specs, strict=True)
+            if spec.kind == OutputKind.USER_OUTPUT]
+    ends = [a for a, spec in zip(program.graph.output_node().args[0], specs, strict=True)
+            if spec.kind == OutputKind.USER_OUTPUT]
+    if not made or not isinstance(ends[0], torch.fx.Node):
+        return
+    current[0] = ends[0].name
+    inner = _inner_working(made)
+    with inner:
+        loss(made)
+    if inner.most:
+        working[current[0]] = max(working.get(current[0], 0), inner.most)
 
 
 def kept_gradient_bytes(value: Any, inputs: Sequence[Any], data: Sequence[bool]) -> int:
@@ -491,10 +530,11 @@ class PerNode(NamedTuple):
 
 def counted_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
                      fake: bool = True, precision: str = TrainSpec().precision,
-                     policy: str = "cpu") -> PerNode:
-    """:func:`saved_bytes` of ``program`` at ``graph``'s input shapes (the micro-batch) mapped
-    onto the OpGraph nodes by :func:`unit_homes`: saved and kept bytes summed on each home,
-    the working set its largest (the backward runs one op at a time)."""
+                     policy: str = "cpu", loss: OutputsLoss | None = None) -> PerNode:
+    """:func:`saved_bytes` of ``program`` (and the trainer's ``loss``) at ``graph``'s input
+    shapes (the micro-batch) mapped onto the OpGraph nodes by :func:`unit_homes`: saved and
+    kept bytes summed on each home, the working set its largest (the backward runs one op at
+    a time)."""
     import torch
     import torch.fx
 
@@ -503,7 +543,8 @@ def counted_per_node(graph: OpGraph, program: str | Path | ExportedProgram, *,
 
         program = load_program(program)
     shapes = [graph.input_shapes[name] for name in graph.inputs]
-    counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy)
+    counted = saved_bytes(program, shapes, fake=fake, precision=precision, policy=policy,
+                          loss=loss)
     homes = unit_homes(graph, program)
     out = [0.0] * len(graph.nodes)
     kept = [0.0] * len(graph.nodes)

@@ -42,6 +42,7 @@ from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.runtime.launch.ranks import RankFailure
 from onnx_partition.runtime.train import passes
 from onnx_partition.runtime.train.comm import Tensors, TensorWire
+from onnx_partition.runtime.train.loss import upcast
 from onnx_partition.runtime.train.meters import Clock, SavedCounter, counting
 from onnx_partition.runtime.train.optim import autocast
 from onnx_partition.runtime.train.rank_io import LossFn, StageLike, microbatch
@@ -120,17 +121,19 @@ def forward(me: RankState, st: StepState, action: Action) -> None:
 
     def run(saved: SavedCounter | None = None) -> Tensors:
         """The stage on ``env``: what it sends on, or ``{"": loss}`` on the last stage;
-        ``saved`` counts what the stage module saves (once per micro-batch: a recomputing
-        stage's rebuild, whose activations live one backward at a time)."""
-        with autocast(device, me.bf16), counting(saved):
-            outs = me.module(*[env[n] for n in me.stage.inputs])
-        if isinstance(outs, torch.Tensor):
-            outs = (outs,)
-        if me.bf16:  # hops and the loss in fp32 (the wire has no bfloat16; lossless upcast)
-            outs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outs)
-        made = {**env, **dict(zip(me.stage.outputs, outs, strict=True))}
-        if me.last:
-            return {"": me.loss_fn({n: made[n] for n in me.model_outputs}, want) * weight}
+        ``saved`` counts what the stage module and the loss after it save (once per
+        micro-batch: a recomputing stage's rebuild, whose activations live one backward at a
+        time)."""
+        with counting(saved):
+            with autocast(device, me.bf16):
+                outs = me.module(*[env[n] for n in me.stage.inputs])
+            if isinstance(outs, torch.Tensor):
+                outs = (outs,)
+            if me.bf16:  # hops and the loss in fp32 (the wire has no bfloat16; lossless upcast)
+                outs = upcast(outs)
+            made = {**env, **dict(zip(me.stage.outputs, outs, strict=True))}
+            if me.last:
+                return {"": me.loss_fn({n: made[n] for n in me.model_outputs}, want) * weight}
         return {n: made[n] for n in lay.send_names[k]}
 
     t0 = me.clock.start()

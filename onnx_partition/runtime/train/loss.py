@@ -29,7 +29,7 @@ from onnx_partition.pipeline.microbatch import row_ranges, rows_of
 from onnx_partition.runtime.train.choices import LOSSES
 
 __all__ = ["IGNORE_INDEX", "LOSSES", "Loss", "LossFn", "make_loss", "microbatch_weights",
-           "resolve_loss"]
+           "resolve_loss", "upcast"]
 
 IGNORE_INDEX = -100
 Tensors = dict[str, torch.Tensor]
@@ -48,6 +48,12 @@ class Loss:
     def __call__(self, outputs: Mapping[str, torch.Tensor],
                  targets: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.fn(outputs, targets)
+
+
+def upcast(outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A stage's outputs as the loss and the wire take them: bfloat16 ones cast to float32
+    (lossless; the wire has no bfloat16), the rest as they are."""
+    return tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outputs)
 
 
 def resolve_loss(kind: str, first_output_shape: Sequence[object], labels_integer: bool | None
@@ -81,7 +87,8 @@ def make_loss(kind: str, outputs: Sequence[str]) -> Loss:
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                     labels.reshape(-1).long(), ignore_index=IGNORE_INDEX,
                                     reduction="sum")
-            return total / max(int((labels != IGNORE_INDEX).sum()), 1)
+            # the count as a tensor: no host sync, and it runs on fake and meta tensors
+            return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
         def counted(targets: Mapping[str, torch.Tensor]) -> float:
             return float((target(targets) != IGNORE_INDEX).sum())

@@ -15,7 +15,8 @@ __all__ = ["Clock", "SavedCounter", "counting"]
 
 
 class SavedCounter:
-    """Bytes a stage module saves for backward in one forward, as autograd keeps them: every
+    """Bytes a stage module (and the loss after the last) saves for backward in one forward, as
+    autograd keeps them: every
     tensor packed by ``torch.autograd.graph.saved_tensors_hooks`` counted once per storage
     (``StorageWeakRef``: views of one buffer, or a tensor saved by two ops, count once), the
     module's parameters and buffers left out; the rule of

@@ -18,7 +18,7 @@ import torch
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.microbatch import row_ranges
 from onnx_partition.plan import Plan, read_plan
-from onnx_partition.runtime.train.loss import microbatch_weights
+from onnx_partition.runtime.train.loss import microbatch_weights, upcast
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.modules import whole_module
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
@@ -199,7 +199,7 @@ def _accumulate(module: torch.nn.Module, plan: Plan, task: TrainTask, batch: Bat
     for (lo, hi), weight in zip(split_rows(rows, microbatches), weights, strict=True):
         with autocast(where, precision == "bf16"):
             outputs = module(*[inputs[s.name][lo:hi] for s in plan.inputs])
-        outputs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outputs)
+        outputs = upcast(outputs)
         loss = task.loss_fn(dict(zip(names, outputs)),
                             {k: v[lo:hi] for k, v in targets.items()}) * weight
         loss.backward()

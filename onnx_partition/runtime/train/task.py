@@ -11,7 +11,7 @@ given, and a step weights its micro-batches so that it equals one over their con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from onnx_partition.plan import IOSpec, Plan, read_plan
 from onnx_partition.runtime.train.loss import Loss, LossFn, make_loss, resolve_loss
 from onnx_partition.settings.train import DEFAULTS
 
-__all__ = ["TrainTask", "synthetic_kind", "task_for"]
+__all__ = ["TrainTask", "auto_kind", "synthetic_kind", "task_for"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -40,10 +40,16 @@ class TrainTask:
 
 def synthetic_kind(plan: Plan) -> str:
     """What ``--loss auto`` means without data (see the module docstring)."""
-    first = plan.outputs[0]
+    return auto_kind(plan.inputs, plan.outputs)
+
+
+def auto_kind(inputs: Sequence[IOSpec], outputs: Sequence[IOSpec]) -> str:
+    """:func:`synthetic_kind` of a model with these inputs and outputs (a plan's, or a graph's
+    before it is planned: what a train plan counts its loss as)."""
+    first = outputs[0]
     if len(first.shape) == 0:
         return "output"
-    vocab = max((s.high for s in plan.inputs if s.high and _is_integer(s.dtype)), default=None)
+    vocab = max((s.high for s in inputs if s.high and _is_integer(s.dtype)), default=None)
     if vocab is not None and len(first.shape) >= 2 and first.shape[-1] == vocab:
         return "cross_entropy"
     return "mse"

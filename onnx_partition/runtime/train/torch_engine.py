@@ -65,7 +65,7 @@ from onnx_partition.runtime.train.grads import (
     owned_for_norm,
     tied_groups,
 )
-from onnx_partition.runtime.train.loss import microbatch_weights
+from onnx_partition.runtime.train.loss import microbatch_weights, upcast
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.math_mode import apply_math, flags_math, run_math
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
@@ -179,7 +179,7 @@ class _Hop(torch.nn.Module):
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         if self.bf16:  # hops and the loss in fp32, as our engine
-            outs = tuple(o.float() if o.dtype == torch.bfloat16 else o for o in outs)
+            outs = upcast(outs)
         env.update(zip(self.outputs, outs, strict=True))
         # pipelining detaches what a stage sends in place (``detach_``), which fails on a view (a
         # reshaped output, a received tensor passed through) and breaks a later backward that
