@@ -23,6 +23,9 @@ reserve.
   micro-batches held is 1.3x the live storages' under glibc's defaults, 1.04x when freed
   blocks are unmapped; the tracker's growth is 0.96-0.98 of malloc's own live count,
   docs/benchmarks.md), which ``resident_bytes`` includes.
+* **The run's own copies** (:func:`host_copies`: what ``--check`` keeps of a rank's parameters
+  and gradients to compare) are made with the tracker's mode off: they are the check's, not the
+  plan's (on CUDA they are host copies, outside the allocator's count, likewise).
 * ``resident_bytes``: ``VmHWM`` of ``/proc/self/status`` (the process's peak resident set
   since it started; None where the file is not there).
 """
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryReading", "StorageTracker", "resident_bytes", "tracking"]
+__all__ = ["MemoryReading", "StorageTracker", "host_copies", "resident_bytes", "tracking"]
 
 
 @dataclass(frozen=True)
@@ -196,3 +199,12 @@ def tracking(device: torch.device, held: Iterable[torch.Tensor | None] = ()
 
     with tracker:
         yield cpu_reading
+
+
+def host_copies(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of ``named`` tensors that no tracker counts (the module docstring:
+    a check's copies)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return {n: t.detach().cpu().clone() for n, t in named}

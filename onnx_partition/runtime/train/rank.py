@@ -44,7 +44,7 @@ from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.pipeline.schedules import Action, Kind
 from onnx_partition.plan import Plan
 from onnx_partition.progress import echo
-from onnx_partition.runtime.memtrack import tracking
+from onnx_partition.runtime.memtrack import host_copies, tracking
 from onnx_partition.runtime.train.actions import (
     ACTIONS,
     RankState,
@@ -119,7 +119,7 @@ def train_stages(
     result = RankResult(rank, me.k, kit.replica, [], 0, [], [], [], [])
     result.math = flags_math(run.precision)
     if 0 in run.check_steps:  # the parameters training starts from
-        result.states[0] = {n: p.detach().cpu().clone() for n, p in kit.params.items()}
+        result.states[0] = host_copies(kit.params.items())
     with tracking(device, held) as memory:  # the peak of live storages over the whole run
         _train_steps(kit, run, batches, result, eval_batches)
         reading = memory()
@@ -151,7 +151,7 @@ def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
         _finish_step(kit, run, st, result, step, began)
         done = step + 1
         if done in run.check_steps:
-            result.states[done] = {n: p.detach().cpu().clone() for n, p in kit.params.items()}
+            result.states[done] = host_copies(kit.params.items())
         if evaluating and eval_batches is not None and _due(done, run.job.data.eval_every, run):
             _evaluate(judge, eval_batches, run, result, done)
         if rank == 0:
@@ -252,8 +252,8 @@ def _finish_step(kit: _Kit, run: RankRun, st: StepState, result: RankResult, ste
         result.activation_bytes, counter.active = list(counter.per_microbatch), False  # timing)
     sum_gradients(params, kit.tied_names, kit.stage_group, kit.tied)
     if step == 0 and run.check_steps:
-        result.grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()
-                        if p.grad is not None}
+        result.grads = host_copies((n, p.grad) for n, p in params.items()
+                                   if p.grad is not None)
     marks.append(time.perf_counter())
     chosen = run.job.optimizer
     norm = clip_gradients(params, kit.owned, chosen.clip_grad_norm, me.device)
