@@ -103,4 +103,4 @@ def test_no_tokens_line_without_token_ids_or_training_and_no_mfu_without_a_peak(
     assert main(["partition", str(model), "--mode", "train", "--no-program", "-s", "2",
                  "--batch-size", "3", "--cpu-tflops", "1", "-o", str(tmp_path / "c")]) == 0
     line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("tokens:"))
-    assert line.endswith("; MFU not known (no GPU peak)")
+    assert line.endswith("per CPU (2 CPUs); MFU not known (no GPU peak)")  # not "per GPU"

@@ -90,11 +90,13 @@ def rates_line(plan: Plan, folder: str | os.PathLike[str] | None = None) -> str 
     got = train_figures(plan, folder)
     if got is None:
         return None
+    unit = "CPU" if all(str(d).startswith("cpu") for s in plan.stages for d in s.devices) \
+        else "GPU"  # a plan for CPUs (its devices named cpu): not "per GPU"
     line = (f"tokens: {got['tokens_per_step']:,} per iteration "
             f"({counted(plan.microbatches, 'micro-batch')} x "
             f"{counted(plan.rows_per_microbatch or 0, 'row')} x "
             f"{tokens_per_sample(plan):,}), {got['tokens_per_s']:,.0f} tokens/s, "
-            f"{got['tokens_per_s_per_gpu']:,.0f} per GPU ({counted(got['gpus'], 'GPU')})")
+            f"{got['tokens_per_s_per_gpu']:,.0f} per {unit} ({counted(got['gpus'], unit)})")
     if got["mfu"] is None:
         why = "no GPU peak" if got["parameters"] else "the model's parameters are unknown"
         return f"{line}; MFU not known ({why})"
