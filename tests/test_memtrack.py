@@ -137,3 +137,24 @@ def test_a_stage_reports_its_highest_replica() -> None:
     assert _stage_max(ranks, 3, "memory_bytes") == [9, 7, None]
     assert _stage_max(ranks, 3, "resident_bytes") == [50, 30, None]
     assert _stage_max(ranks, 3, "reserved_bytes") == [None, None, None]
+
+
+def test_a_stopped_tracking_keeps_its_peak_and_counts_no_more() -> None:
+    """``Tracking.stop`` takes the CPU tracker's mode off the dispatch: a 4 MB tensor made
+    before it is in the peak, a 40 MB one made after is not, and the reading stays."""
+    with tracking(torch.device("cpu")) as memory:
+        kept = torch.ones(1024, 1024)  # 4 MiB
+        memory.stop()
+        later = torch.ones(10 * 1024, 1024)  # 40 MiB, not tracked
+        reading = memory()
+    assert reading.peak_bytes == kept.untyped_storage().nbytes()
+    assert memory().peak_bytes == reading.peak_bytes and later.numel()
+
+
+def test_timed_steps_follow_the_tracked_ones() -> None:
+    """Memory is measured over the first two steps; a longer run times only the steps after
+    them, a shorter one all but its first (warm-up), one step itself."""
+    from onnx_partition.runtime.train.overheads import TRACKED_STEPS, timed_from
+
+    assert TRACKED_STEPS == 2
+    assert [timed_from(n) for n in (1, 2, 3, 6)] == [0, 1, 2, 2]

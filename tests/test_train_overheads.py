@@ -14,14 +14,17 @@ def _tail(norm: float) -> dict[str, float]:
 
 
 def test_hand_made_steps_give_exact_means() -> None:
-    # step 0 is left out; steps 1 and 2: two actions each
-    spans = [[("0F0", 0.0, 50.0, 0.0), ("0B0", 50.0, 90.0, 0.0)],
+    # steps 0 and 1 are left out (the memory tracker's: overheads.timed_from); steps 2 and 3:
+    # two actions each
+    warm = [("0F0", 0.0, 50.0, 0.0), ("0B0", 50.0, 90.0, 0.0)]
+    spans = [warm, warm,
              [("0F0", 1.0, 5.0, 1.0), ("0B0", 6.0, 12.0, 0.5)],
              [("0F0", 1.0, 6.0, 0.0), ("0B0", 7.0, 14.0, 1.5)]]
-    result = Result(0, [100.0, 20.0, 22.0], [40.0, 2.0, 3.0], [40.0, 4.0, 5.0], spans,
-                    [_tail(1.0), _tail(2.0), _tail(3.0)])
+    result = Result(0, [100.0, 100.0, 20.0, 22.0], [40.0, 40.0, 2.0, 3.0],
+                    [40.0, 40.0, 4.0, 5.0], spans, [_tail(1.0), _tail(1.0), _tail(2.0),
+                                                    _tail(3.0)])
     got = rank_overheads(result)
-    # step 1: end 12, compute 6, blocked 1.5 -> work 4.5; step 2: end 14, compute 8, blocked 1.5
+    # step 2: end 12, compute 6, blocked 1.5 -> work 4.5; step 3: end 14, compute 8, blocked 1.5
     # -> work 4.5; per action 2.25. tails 4.5 and 5.5, so closing 20 - 12 - 4.5 = 3.5 and
     # 22 - 14 - 5.5 = 2.5
     assert got == RankOverheads(stage=0, step_ms=21.0, compute_ms=7.0, blocked_ms=1.5,

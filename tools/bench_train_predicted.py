@@ -15,7 +15,7 @@ micro-batch's rows; the engine probe, ``engine.probe``, as the command line runs
 ``partition --mode train --stages S --costs`` with those costs (``--no-profile``: the
 analytic costs, for comparison; ``--default``: no costs, as ``partition`` prices a train
 plan for this CPU by default, its cached profile), then ``train`` the plan with one process
-per stage over gloo for ``--steps`` steps (the first left out of the times) and print
+per stage over gloo for ``--steps`` steps (the first two left out of the times) and print
 ``train --json``'s ``ratio``: measured / predicted for the step (``iteration_ms``) and, per
 stage, ``forward_ms``, ``backward_ms`` (wall), the same compute's thread CPU time against the
 same predictions (what other processes on a busy machine do not stretch) and
@@ -271,7 +271,7 @@ def main() -> int:
               else "analytic costs" if args.no_profile else "profile --mode train")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{args.stages} stages, {args.microbatches} micro-batches x {args.batch_size} rows, "
-          f"{args.steps} steps (first left out), the optimizer and schedule plan.json records, "
+          f"{args.steps} steps (first two left out), the optimizer and schedule plan.json records, "
           f"one torch thread per rank, gloo; "
           f"priced by {priced}; "
           f"Hugging Face models {SHAPE}; "

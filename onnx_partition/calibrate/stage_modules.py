@@ -15,7 +15,7 @@ of each process's steps after its warmup, the last left out.
 In the engine (:func:`measure_train_run`): the plan itself trained by ``train``'s engine
 (:func:`~onnx_partition.runtime.train.trainer.train_plan`: synthetic batches, the schedule,
 optimizer and micro-batches plan.json records, one process per stage replica, one torch thread
-each) for a few steps, the first left out, read by
+each) for a few steps, the first two left out (the memory tracker's), read by
 :func:`~onnx_partition.runtime.train.overheads.run_costs`: each stage's compute per micro-batch
 there, its work per action, its tail (optimizer step, gradient sums, sends awaited) and the
 barriers, and the measured step.
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["RUN_STEPS", "TrainTimes", "measure_train_engine", "measure_train_plan",
            "measure_train_run"]
 
-#: Steps of the engine run (:func:`measure_train_run`), the first left out: 7 steady steps, as
+#: Steps of the engine run (:func:`measure_train_run`), the first two left out: 6 timed steps, as
 #: the mean of 3 moved by up to 17% between two runs of one plan minutes apart on the 2-core VM
 #: (hf-gpt2: 71.0 against 58.9 ms, docs/benchmarks.md); a step of a small model is tens of ms.
 RUN_STEPS = 8

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryReading", "StorageTracker", "host_copies", "resident_bytes", "tracking"]
+__all__ = ["MemoryReading", "StorageTracker", "Tracking", "host_copies", "resident_bytes",
+           "tracking"]
 
 
 @dataclass(frozen=True)
@@ -176,29 +177,47 @@ def _visit(values: Iterable[Any], add: Any) -> None:
                     add(x)
 
 
+class Tracking:
+    """What :func:`tracking` yields: called, the :class:`MemoryReading` so far; :meth:`stop`
+    ends the measuring (a CPU tracker's mode leaves the dispatch: every op after it runs at
+    full speed) and keeps the peak it reached."""
+
+    def __init__(self, peak: Callable[[], tuple[int, int | None]],
+                 stop: Callable[[], None] | None = None) -> None:
+        self._peak, self._stop = peak, stop
+        self._kept: tuple[int, int | None] | None = None
+
+    def __call__(self) -> MemoryReading:
+        peak, reserved = self._kept if self._kept is not None else self._peak()
+        return MemoryReading(peak, resident_bytes(), reserved)
+
+    def stop(self) -> None:
+        """Stop measuring (once; later calls change nothing)."""
+        if self._kept is None:
+            self._kept = self._peak()
+            if self._stop is not None:
+                self._stop()
+
+
 @contextmanager
 def tracking(device: torch.device, held: Iterable[torch.Tensor | None] = ()
-             ) -> Iterator[Any]:
-    """Track the memory of what runs inside; yields a callable giving the
-    :class:`MemoryReading` so far. ``held``: what already lives (parameters, buffers, optimizer
-    state), adopted on CPU (CUDA's allocator counts it already)."""
+             ) -> Iterator[Tracking]:
+    """Track the memory of what runs inside (until the :class:`Tracking` it yields is stopped).
+    ``held``: what already lives (parameters, buffers, optimizer state), adopted on CPU
+    (CUDA's allocator counts it already)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-        def cuda_reading() -> MemoryReading:
-            return MemoryReading(int(torch.cuda.max_memory_allocated(device)), resident_bytes(),
-                                 int(torch.cuda.max_memory_reserved(device)))
-
-        yield cuda_reading
+        yield Tracking(lambda: (int(torch.cuda.max_memory_allocated(device)),
+                                int(torch.cuda.max_memory_reserved(device))))
         return
     tracker = StorageTracker()
     tracker.adopt(held)
-
-    def cpu_reading() -> MemoryReading:
-        return MemoryReading(tracker.peak, resident_bytes(), None)
-
-    with tracker:
-        yield cpu_reading
+    tracker.__enter__()
+    handle = Tracking(lambda: (tracker.peak, None), lambda: tracker.__exit__(None, None, None))
+    try:
+        yield handle
+    finally:
+        handle.stop()
 
 
 def host_copies(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

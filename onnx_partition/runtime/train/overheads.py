@@ -3,7 +3,9 @@
 fixed costs that the simulator prices as ``action_ms`` (per action), the step's collectives
 (``barrier_ms``) and its tail.
 
-Per rank and steady step (the first step left out: it warms the caches and counts saved bytes):
+Per rank and timed step (:func:`timed_from`: the first two left out where others follow, as
+the memory tracker measures them; else the first, which warms the caches and counts saved
+bytes):
 
 * **action work**: the wall time of the step's actions outside their compute and outside the
   time blocked in receives, plus the gaps between actions and before the first (receive
@@ -76,13 +78,25 @@ class RankOverheads:
     closing_ms: float
 
 
+#: The leading steps a rank's memory is measured over (:mod:`onnx_partition.runtime.memtrack`:
+#: on CPU its dispatch mode slows every op, gpt tiny's step about 2x). A steady step holds no
+#: more than the second: the optimizer's state is made at the first's end.
+TRACKED_STEPS = 2
+
+
+def timed_from(steps: int) -> int:
+    """The first of ``steps`` steps a run times: the one after the tracked steps where some
+    follow them, else the second (the first warms the caches) where there are several."""
+    return TRACKED_STEPS if steps > TRACKED_STEPS else 1 if steps > 1 else 0
+
+
 def rank_overheads(result: SpanSource) -> RankOverheads:
-    """The means over ``result``'s steady steps (all steps if only one ran) of where its step
+    """The means over ``result``'s timed steps (:func:`timed_from`) of where its step
     went (the module docstring)."""
     steps = len(result.step_ms)
     if steps == 0 or len(result.spans) != steps or len(result.tail) != steps:
         raise ValueError("a rank result with one span list and one tail per step is needed")
-    keep = range(1, steps) if steps > 1 else range(steps)
+    keep = range(timed_from(steps), steps)
     actions = len(result.spans[keep[0]])
     work, blocked, closing = [], [], []
     tails: dict[str, list[float]] = {}
@@ -146,7 +160,7 @@ def _input_share(results: Sequence[SpanSource]) -> float:
     """Of the ``I`` and ``W`` actions' time outside receives, the ``I`` share (0.5 with none)."""
     spent = {"I": 0.0, "W": 0.0}
     for result in results:
-        for spans in result.spans[1:] or result.spans:
+        for spans in result.spans[timed_from(len(result.spans)):]:
             for name, start, end, blocked in spans:
                 found = _KIND.match(name)
                 if found and found.group(1) in spent:
@@ -179,8 +193,7 @@ def run_costs(results: Sequence[SpanSource], microbatches: int, *, split: bool) 
         raise ValueError("every stage needs at least one rank's result")
 
     def steady(values: Sequence[float]) -> float:
-        kept = values[1:] or values
-        return mean(kept)
+        return mean(values[timed_from(len(values)):])
 
     fwd = [sum(steady(results[i].forward_ms) for i in ids) / microbatches for ids in mine]
     bwd = [sum(steady(results[i].backward_ms) for i in ids) / microbatches for ids in mine]

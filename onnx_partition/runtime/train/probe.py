@@ -7,7 +7,7 @@ rows per micro-batch (one forward of a few ms on one thread of a 2-core CPU VM; 
 ``ROWS x WIDTH`` fp32, 96 KiB), trained by the real engine
 (:func:`~onnx_partition.runtime.train.rank.train_stages` in two spawned gloo processes, the
 launcher ``train`` uses, one torch thread each, synthetic batches) under ZB-H1 with
-:data:`MICROBATCHES` micro-batches for :data:`STEPS` steps, the first left out. So both cores
+:data:`MICROBATCHES` micro-batches for :data:`STEPS` steps, the first two left out. So both cores
 compute while the hops cross, as in a real run. From the ranks' results
 (:mod:`~onnx_partition.runtime.train.overheads`):
 
@@ -47,7 +47,7 @@ WIDTH = 512  # features through every layer
 ROWS = 48  # rows per micro-batch: a hop of 48 x 512 fp32, 96 KiB
 LAYERS = 2  # Linear + GELU per stage
 MICROBATCHES = 4
-STEPS = 6  # the first left out
+STEPS = 6  # the first two left out (overheads.timed_from)
 SCHEDULE = "zb-h1"
 
 
@@ -156,5 +156,5 @@ def probe_engine(link: Mapping[str, Any] | None = None, *, steps: int = STEPS,
             "load_average": round(load, 2),
             "source": (f"the engine on 2 gloo processes, one thread each: 2 stages of "
                        f"{LAYERS} x Linear({WIDTH}) + GELU at {ROWS} rows, {SCHEDULE}, "
-                       f"{MICROBATCHES} micro-batches, {steps} steps (first left out); hop_ms "
+                       f"{MICROBATCHES} micro-batches, {steps} steps (first two left out); hop_ms "
                        f"fitted over the idle hop ({idle}'s send_ms) to the measured step")}

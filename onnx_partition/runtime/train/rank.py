@@ -67,6 +67,7 @@ from onnx_partition.runtime.train.math_mode import apply_math, flags_math, run_m
 from onnx_partition.runtime.train.meters import Clock, SavedCounter
 from onnx_partition.runtime.train.modules import eval_module
 from onnx_partition.runtime.train.optim import make_optimizer
+from onnx_partition.runtime.train.overheads import TRACKED_STEPS
 from onnx_partition.runtime.train.rank_io import Batches, LossFn, RankResult, RankRun, StageLike
 from onnx_partition.runtime.train.restart import write_progress
 from onnx_partition.runtime.train.rows import batch_rows, batch_shapes
@@ -120,8 +121,8 @@ def train_stages(
     result.math = flags_math(run.precision)
     if 0 in run.check_steps:  # the parameters training starts from
         result.states[0] = host_copies(kit.params.items())
-    with tracking(device, held) as memory:  # the peak of live storages over the whole run
-        _train_steps(kit, run, batches, result, eval_batches)
+    with tracking(device, held) as memory:  # the peak of live storages, its first steps
+        _train_steps(kit, run, batches, result, eval_batches, memory.stop)
         reading = memory()
     result.memory_bytes = reading.peak_bytes
     result.resident_bytes, result.reserved_bytes = reading.resident_bytes, reading.reserved_bytes
@@ -137,8 +138,10 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
-                 eval_batches: Batches | None) -> None:
-    """The run's steps, with validation, the per-step log and checkpoints as they fall due."""
+                 eval_batches: Batches | None, untrack: Callable[[], None]) -> None:
+    """The run's steps, with validation, the per-step log and checkpoints as they fall due;
+    ``untrack`` after the steps memory is measured over where more follow (they are timed
+    without the tracker: :func:`~onnx_partition.runtime.train.overheads.timed_from`)."""
     me, rank, device = kit.me, result.rank, kit.me.device
     bar = _progress(run) if rank == 0 else None
     # validation runs the stage as model.eval() would (dropout off, running statistics, no
@@ -150,6 +153,8 @@ def _train_steps(kit: _Kit, run: RankRun, batches: Batches, result: RankResult,
         st = _run_actions(kit, run, batches, result, step, began)
         _finish_step(kit, run, st, result, step, began)
         done = step + 1
+        if done - run.checkpoints.start == TRACKED_STEPS:  # the later steps, if any: timed
+            untrack()
         if done in run.check_steps:
             result.states[done] = host_copies(kit.params.items())
         if evaluating and eval_batches is not None and _due(done, run.job.data.eval_every, run):

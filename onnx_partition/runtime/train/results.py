@@ -18,6 +18,7 @@ from onnx_partition.pipeline.simulate import PipelineCosts, StageCosts, simulate
 from onnx_partition.plan import Plan
 from onnx_partition.plan.contracts import TRAIN_FORMAT
 from onnx_partition.runtime.train.data_plan import SYNTHETIC
+from onnx_partition.runtime.train.overheads import timed_from
 from onnx_partition.runtime.train.rank_io import RankResult, RankRun
 from onnx_partition.settings.train import TRAIN_FALLBACKS
 
@@ -77,8 +78,9 @@ class TrainStats:
 
     @property
     def measured_ms(self) -> float:
-        """Mean step time, the first step (warm-up) left out when there are several."""
-        steady = self.step_ms[1:] or self.step_ms
+        """Mean step time over the timed steps (:func:`~onnx_partition.runtime.train.overheads.
+        timed_from`: the tracked and warm-up steps left out where others follow)."""
+        steady = self.step_ms[timed_from(len(self.step_ms)):]
         return sum(steady) / len(steady)
 
     @property
@@ -135,7 +137,7 @@ def _one_math(ranks: Sequence[RankResult]) -> str:
 def summarize(plan: Plan, ranks: Sequence[RankResult], run: RankRun, rows: int,
               engine: str) -> TrainStats:
     """Per-stage times (steady steps, per micro-batch on one replica) and both simulations."""
-    steady = slice(1, None) if run.job.steps - run.checkpoints.start > 1 else slice(None)
+    steady = slice(timed_from(run.job.steps - run.checkpoints.start), None)
     count = run.microbatches
     stages = len(plan.stages)
     fwd, bwd = [0.0] * stages, [0.0] * stages
