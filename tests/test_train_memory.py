@@ -89,10 +89,13 @@ def test_a_checked_run_measures_what_an_unchecked_one_does(tiny_plan: Path) -> N
 def test_the_peak_of_two_steps_is_a_long_runs(tiny_plan: Path) -> None:
     """The tracker measures the first two steps only (its dispatch mode slows every op; later
     steps are timed without it): the optimizer's state is made at the end of the first, so a
-    6-step run measures the peak a 2-step run does, under 1F1B and ZB-H1, with AdamW."""
+    6-step run measures the peak a 2-step run does (within 0.1%), under 1F1B and ZB-H1, with
+    AdamW."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for schedule in ("1f1b", "zb-h1"):
             two, six = (train_plan(tiny_plan, steps=n, microbatches=4, schedule=schedule,
                                    optimizer="adamw") for n in (2, 6))
-            assert six.memory_bytes == two.memory_bytes and all(six.memory_bytes)
+            for got, want in zip(six.memory_bytes, two.memory_bytes, strict=True):
+                # two runs differ by up to 176 B (44 x 4 B) in either order: not a growth
+                assert got is not None and want is not None and abs(got - want) <= 0.001 * want
