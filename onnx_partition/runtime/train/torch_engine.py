@@ -58,7 +58,7 @@ from torch.distributed.pipelining import (
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.layout import Layout, layout
 from onnx_partition.plan import Plan
-from onnx_partition.runtime.memtrack import tracking
+from onnx_partition.runtime.memtrack import host_copies, tracking
 from onnx_partition.runtime.train.grads import (
     all_reduce_grads,
     clip_gradients,
@@ -392,8 +392,7 @@ def _steps(kit: _Kit, stages: Sequence[StageLike], lay: Layout, at: _Place, run:
             results[k].lr.append(lr)
             kit.timed[k].seconds[:] = [0.0, 0.0]
             if step + 1 in run.check_steps:
-                results[k].states[step + 1] = {n: p.detach().cpu().clone()
-                                               for n, p in kit.params[k].items()}
+                results[k].states[step + 1] = host_copies(kit.params[k].items())
 
 
 def _shared_metas(stages: Sequence[StageLike], plan: Plan, lay: Layout, at: _Place,
@@ -490,8 +489,8 @@ def _step_end(kit: _Kit, stages: Sequence[StageLike], run: RankRun,
     _sum_tied(kit.params, kit.tied)
     if step == 0 and run.check_steps:
         for k, named in kit.params.items():
-            results[k].grads = {n: p.grad.detach().cpu().clone()
-                                for n, p in named.items() if p.grad is not None}
+            results[k].grads = host_copies((n, p.grad) for n, p in named.items()
+                                           if p.grad is not None)
     chosen = run.job.optimizer
     norm = clip_gradients(kit.flat, kit.owned, chosen.clip_grad_norm, device)
     lr = chosen.lr * lr_factor(chosen.lr_schedule, step, chosen.warmup_steps, run.job.steps)
