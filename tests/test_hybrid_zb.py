@@ -12,6 +12,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from support.hybrid_brute import compositions, stage_ms
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import StageBytes, memory_per_device
-from onnx_partition.solve import hybrid_tables
+from onnx_partition.solve import hybrid_exact, hybrid_tables
 from onnx_partition.solve.hybrid import (
     HybridConfig,
     SequenceCosts,
@@ -268,3 +269,47 @@ def test_the_bounded_zb_dp_plans_fit_and_bracket_the_exact(seed, monkeypatch):
                                    config.microbatches, schedule="zb-h1",
                                    recompute=[s.recompute for s in plan])
         assert max(memory) <= config.memory_bytes
+
+
+@settings(max_examples=120, deadline=None)
+@given(n=st.integers(1, 7), devices=st.integers(1, 7), data=st.data())
+def test_pruned_states_lose_no_plan_within_the_devices(n, devices, data):
+    """The exact DP prunes suffix states that no plan on at most ``D`` devices passes through
+    (``hybrid_exact._Prune``: their devices and the fewest covering the prefix over ``D``;
+    under ZB-H1 a warm-up the boundaries in front would push past ``W_0``). Against the same
+    DP with nothing pruned, at bounds a bisection probes: every depth's fewest devices within
+    ``D`` and its plan (stages, replicas, recomputation) are the same, and a count over ``D``
+    stays over it."""
+    costs = draw_costs(data, n)
+    config = HybridConfig(devices=devices, train=True,
+                          train_schedule=data.draw(st.sampled_from(["zb-h1", "1f1b"])),
+                          microbatches=data.draw(st.sampled_from([1, 2, 3, 5, 8])),
+                          memory_bytes=data.draw(st.sampled_from([30.0, 60.0, 100.0, 200.0])),
+                          link_bytes_per_ms=2.0,
+                          recompute=data.draw(st.sampled_from(["none", "all", "auto"])),
+                          shard=data.draw(st.sampled_from(["none", "optimizer"])))
+    tables = hybrid_tables.StageTables(costs, config)
+    caps = hybrid_tables.held_caps(tables, config.memory_bytes)
+    caps_rc = (hybrid_tables.held_caps(tables, config.memory_bytes, rebuilt=True)
+               if tables.period_rc is not None else None)
+    max_q = min(devices, n)
+    periods = sorted({float(p) for p in tables.period[np.isfinite(tables.period)]})
+    if not periods:
+        return
+
+    def answers(tau: float) -> list[tuple[int, list[tuple[int, int, int, bool | None]]]]:
+        found = hybrid_exact.exact_fewest(tables, tau, max_q, caps, caps_rc)
+        out = []
+        for q in range(1, max_q + 1):
+            count = found.fewest(q)
+            plan = ([(s.start, s.end, s.replicas, s.recompute) for s in found.stages(tables, q)]
+                    if count <= devices else [])
+            out.append((min(count, devices + 1), plan))
+        return out
+
+    for tau in data.draw(st.lists(st.sampled_from(periods), min_size=1, max_size=3)):
+        pruned = answers(tau)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(hybrid_exact._Prune, "apply", lambda self, states, replicas: None)
+            whole = answers(tau)
+        assert pruned == whole

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_partition.solve import hybrid, hybrid_dp, hybrid_tables
+from onnx_partition.solve import hybrid, hybrid_dp, hybrid_exact, hybrid_tables
 from onnx_partition.solve.hybrid import HybridConfig, SequenceCosts, solve_hybrid
 
 #: name -> (positions, devices, micro-batches, memory bytes)
@@ -44,10 +44,10 @@ def instance(n: int, devices: int, m: int, memory: float) -> tuple[SequenceCosts
 
 def use(dtype: type[np.signedinteger[Any]], no_count: int) -> None:
     """Make the DP hold device counts in ``dtype``, ``no_count`` meaning none."""
-    hybrid_tables.COUNT_DTYPE = hybrid_dp.COUNT_DTYPE = dtype
-    hybrid_tables.NO_COUNT = hybrid_dp.NO_COUNT = no_count
+    hybrid_tables.COUNT_DTYPE = hybrid_dp.COUNT_DTYPE = hybrid_exact.COUNT_DTYPE = dtype
+    hybrid_tables.NO_COUNT = hybrid_dp.NO_COUNT = hybrid_exact.NO_COUNT = no_count
     hybrid.NO_COUNT = no_count
-    hybrid_dp._INF = dtype(no_count)
+    hybrid_exact._INF = dtype(no_count)
 
 
 def main() -> int:

@@ -65,7 +65,8 @@ import numpy as np
 
 from onnx_partition.errors import PartitionError
 from onnx_partition.pipeline.memory import device_bytes
-from onnx_partition.solve.hybrid_dp import BoundedTables, ExactTables, exact_fewest, fewest_devices
+from onnx_partition.solve.hybrid_dp import BoundedTables, fewest_devices
+from onnx_partition.solve.hybrid_exact import ExactTables, exact_fewest
 from onnx_partition.solve.hybrid_memory import memory_report, stage_memory
 from onnx_partition.solve.hybrid_model import (
     HybridConfig,

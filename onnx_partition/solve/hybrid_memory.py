@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from onnx_partition.pipeline.memory import kept_held, peak_inflight
-from onnx_partition.solve.hybrid_dp import exact_fewest
+from onnx_partition.solve.hybrid_exact import exact_fewest
 from onnx_partition.solve.hybrid_model import HybridConfig, HybridStage, SequenceCosts
 from onnx_partition.solve.hybrid_tables import StageTables, held_caps
 from onnx_partition.values import fmt_bytes
