@@ -42,7 +42,7 @@ micro-batches than replicas, checkpoints and resume, evaluation, ``--log`` and t
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,7 @@ from onnx_partition.runtime.train.loss import microbatch_weights, upcast
 from onnx_partition.runtime.train.lr_schedule import lr_factor
 from onnx_partition.runtime.train.math_mode import apply_math, flags_math, run_math
 from onnx_partition.runtime.train.optim import autocast, make_optimizer
+from onnx_partition.runtime.train.overheads import TRACKED_STEPS
 from onnx_partition.runtime.train.rank import step_line
 from onnx_partition.runtime.train.rank_io import (
     Batches,
@@ -359,7 +360,7 @@ def train_stages_torch(
     held = [t for k in at.local for t in (*kit.params[k].values(),
                                           *kit.hops[k].stage.buffers())]
     with tracking(device, held) as memory:  # the rank's, for every stage it holds
-        _steps(kit, stages, lay, at, run, results, batches, first_batch, device)
+        _steps(kit, stages, lay, at, run, results, batches, first_batch, device, memory.stop)
         reading = memory()
     for k in at.local:
         results[k].memory_bytes = reading.peak_bytes
@@ -374,8 +375,10 @@ def train_stages_torch(
 
 def _steps(kit: _Kit, stages: Sequence[StageLike], lay: Layout, at: _Place, run: RankRun,
            results: Mapping[int, RankResult], batches: Batches, first_batch: _Batch | None,
-           device: torch.device) -> None:
-    """The run's steps (step 0's batch already read, for the hops' metadata)."""
+           device: torch.device, untrack: Callable[[], None]) -> None:
+    """The run's steps (step 0's batch already read, for the hops' metadata); ``untrack``
+    after the steps memory is measured over where more follow, as our engine's ranks do
+    (:data:`~onnx_partition.runtime.train.overheads.TRACKED_STEPS`)."""
     first, last = at.local[0] == 0, at.local[-1] == lay.stages - 1
     for step in range(run.checkpoints.start, run.job.steps):
         began = time.perf_counter()
@@ -393,6 +396,8 @@ def _steps(kit: _Kit, stages: Sequence[StageLike], lay: Layout, at: _Place, run:
             kit.timed[k].seconds[:] = [0.0, 0.0]
             if step + 1 in run.check_steps:
                 results[k].states[step + 1] = host_copies(kit.params[k].items())
+        if step + 1 - run.checkpoints.start == TRACKED_STEPS:  # the later steps: untracked
+            untrack()
 
 
 def _shared_metas(stages: Sequence[StageLike], plan: Plan, lay: Layout, at: _Place,
