@@ -112,16 +112,16 @@ def test_the_trainers_loss_is_counted_on_the_node_that_made_the_logits(fake: boo
 def test_the_memory_model_adds_the_widest_op_by_hand() -> None:
     """Two stages, 4 micro-batches, Adam (x4). 1F1B: stage 0 holds 2 micro-batches, 4 x 10 + 5
     sent + 2 x 100 = 245, + T 40; stage 1 holds 1, 40 + 105, + T 50. ZB-H1: both hold 2, stage
-    1 keeps 2 x 30, and its T 50 adds what it exceeds K 30 by (20); stage 0 keeps none (its
-    whole T). Inference: no T."""
+    1 keeps 2 x 30 and adds its whole T 50 beside them; stage 0 keeps none (its whole T).
+    Inference: no T."""
     stages = [StageBytes(10.0, 100.0, 0.0, 5.0, working=40.0),
               StageBytes(10.0, 100.0, 5.0, 0.0, kept=30.0, working=50.0)]
     assert memory_per_device(stages, [1, 1], 4, schedule="1f1b") == [285.0, 195.0]
-    assert memory_per_device(stages, [1, 1], 4, schedule="zb-h1") == [285.0, 250.0 + 60 + 20]
+    assert memory_per_device(stages, [1, 1], 4, schedule="zb-h1") == [285.0, 250.0 + 60 + 50]
     assert memory_per_device(stages, [1, 1], 4, schedule="infer") == [110.0, 115.0]
-    assert [stage_working(s, "zb-h1") for s in stages] == [40.0, 20.0]
-    parts = memory_parts(stages[1], 2, train=True, kept=2, working=20.0)
-    assert parts["memory_bytes"] == 330 and parts["buffer_bytes"] == 10 + 60 + 20
+    assert [stage_working(s, "zb-h1") for s in stages] == [40.0, 50.0]
+    parts = memory_parts(stages[1], 2, train=True, kept=2, working=50.0)
+    assert parts["memory_bytes"] == 360 and parts["buffer_bytes"] == 10 + 60 + 50
     assert memory_parts(stages[1], 1, train=False)["memory_bytes"] == 115
 
 

@@ -145,8 +145,8 @@ def test_zb_plan_is_1f1b_plus_the_kept_term(tiny_plans: dict[str, Path],
     """gpt tiny, two stages, the same split: each ZB-H1 stage's planned bytes are 1F1B's plus
     the micro-batches ZB-H1 holds more (activations and received tensors each) plus
     ``kept_held`` x the stage's kept gradients, counted per node from the program (stage 0,
-    receiving no activation, keeps none), less the part of the backward's working set ``T``
-    those kept gradients already hold (1F1B adds ``T``, ZB-H1 ``max(0, T - K)``)."""
+    receiving no activation, keeps none); both add the backward's working set ``T`` (ZB-H1
+    beside the kept gradients)."""
     zb, f1b = (read_plan(tiny_plans[s]) for s in ("zb-h1", "1f1b"))
     assert [s.nodes for s in zb.stages] == [s.nodes for s in f1b.stages]
     model = exported("gpt", "tiny")

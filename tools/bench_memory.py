@@ -8,8 +8,8 @@ and ZB-H1 a stage holds at most ``p`` micro-batches, so it should stay well unde
 ZB-H1 the table also gives the plan's figure without the output gradients kept from ``I`` to
 ``W`` (``kept_held`` x the stage's kept bytes, counted again from the model's program): the
 memory model before it counted them; and every plan's figure without the backward's working
-set (``w/o T``: the stage's largest per-node working set, under ZB-H1 what it exceeds the kept
-bytes by), the memory model before issue 33's working-set term.
+set (``w/o T``: the stage's largest per-node working set), the memory model before issue 33's
+working-set term.
 
     .venv/bin/python tools/bench_memory.py PLAN [PLAN ...] [--microbatches 4 8 32] [--steps 2]
     .venv/bin/python tools/bench_memory.py --hf DIR [--models hf-gpt2 ...] [--schedules ...]
@@ -94,7 +94,7 @@ def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
     acts = [(s.predicted.activation_bytes or 0) if s.predicted else 0 for s in plan.stages]
     counted, working = counted_per_stage(folder, plan)
     kept = counted if schedule == "zb-h1" else [0.0] * len(acts)
-    # the working set as planned (under ZB-H1 what it exceeds the kept bytes by)
+    # the working set as planned
     work = [float(working_term(t, g, plan.schedule or "1f1b"))
             for t, g in zip(working, counted, strict=True)]
     replicas = [s.replicas for s in plan.stages]

@@ -113,9 +113,8 @@ class FleetSequence:
 
     def working(self, schedule: str) -> np.ndarray:
         """The backward's working set every stage ``[i, j)`` adds to its static bytes under
-        ``schedule``: the largest of its positions' (a range maximum), under ZB-H1 what it
-        exceeds the kept bytes by, 0 in inference (:func:`~onnx_partition.pipeline.memory.
-        working_term`)."""
+        ``schedule``: the largest of its positions' (a range maximum), 0 in inference
+        (:func:`~onnx_partition.pipeline.memory.working_term`)."""
         widest = working_table(self.working_bytes if schedule != "infer" else (), self.n)
         return np.asarray(working_term(widest, self.kept(), schedule))
 

@@ -16,7 +16,7 @@ where under 1F1B ``held = ceil(min(W + 1, M) / r)`` and the global warm-up ``W``
 else their sum less one),
 ``W = 0`` for the last stage, ``kept = 0``; in inference ``held = 1`` and ``T = 0``. ``T`` is the
 backward's working set, the largest ``working_bytes`` of the stage's positions (under ZB-H1
-``max(0, T - K)``). Under ZB-H1
+too: it runs beside the kept gradients). Under ZB-H1
 (``config.train_schedule``) a stage holds from its ``F`` to its deferred ``W`` as many as the first
 stage's window, ``held = ceil(min(W_0 + 1, M) / r)`` with ``W_0`` the first stage's warm-up, and
 keeps between an ``I`` and its ``W`` the output gradients ``K`` (its positions' ``kept_bytes``;
@@ -75,8 +75,7 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
     bytes with optimizer state (the trainable ones) and the gradient bytes ZB-H1 keeps per
     micro-batch from ``I`` to ``W`` (none in a stage starting at 0: it receives no activation,
     its whole backward runs in ``W``). In training ``static`` holds the backward's working set
-    ``T``, the largest of the positions' ``working_bytes`` (under ZB-H1 what it exceeds ``K``
-    by)."""
+    ``T``, the largest of the positions' ``working_bytes`` (under either schedule)."""
     n = len(costs.forward_ms)
     compute = sum(costs.forward_ms[i:j]) + (sum(costs.backward_ms[i:j]) if config.train
                                             else 0.0)
@@ -103,7 +102,7 @@ def _stage_numbers(costs: SequenceCosts, config: HybridConfig, i: int, j: int
     kept = float(sum(costs.kept_bytes[i:j])) if i > 0 and len(costs.kept_bytes) else 0.0
     if config.train and len(costs.working_bytes):  # the backward's widest op, one at a time
         widest = float(max(costs.working_bytes[i:j]))
-        static += max(0.0, widest - kept) if config.train_schedule == "zb-h1" else widest
+        static += widest  # under ZB-H1 too: beside the kept gradients, not inside them
     return compute / config.speed + comm, params, static, stash, trained, kept
 
 
