@@ -275,7 +275,7 @@ def test_the_bounded_zb_dp_plans_fit_and_bracket_the_exact(seed, monkeypatch):
 @given(n=st.integers(1, 7), devices=st.integers(1, 7), data=st.data())
 def test_pruned_states_lose_no_plan_within_the_devices(n, devices, data):
     """The exact DP prunes suffix states that no plan on at most ``D`` devices passes through
-    (``hybrid_exact._Prune``: their devices and the fewest covering the prefix over ``D``;
+    (``hybrid_exact.Prune``: their devices and the fewest covering the prefix over ``D``;
     under ZB-H1 a warm-up the boundaries in front would push past ``W_0``). Against the same
     DP with nothing pruned, at bounds a bisection probes: every depth's fewest devices within
     ``D`` and its plan (stages, replicas, recomputation) are the same, and a count over ``D``
@@ -310,6 +310,6 @@ def test_pruned_states_lose_no_plan_within_the_devices(n, devices, data):
     for tau in data.draw(st.lists(st.sampled_from(periods), min_size=1, max_size=3)):
         pruned = answers(tau)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(hybrid_exact._Prune, "apply", lambda self, states, replicas: None)
+            patch.setattr(hybrid_exact.Prune, "apply", lambda self, states, replicas: None)
             whole = answers(tau)
         assert pruned == whole

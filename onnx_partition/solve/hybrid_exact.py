@@ -1,7 +1,7 @@
 """The exact hybrid DP for one bound ``tau`` in training under a memory limit: over (position,
 depth, first stage's replicas, its 1F1B warm-up) (``h[q, i, c, w]``, :func:`exact_fewest`);
 under ZB-H1 once per stage 0 warm-up ``W_0`` (:class:`WarmupTables`). Suffix states on no
-plan within the cluster's devices are pruned as they are made (:class:`_Prune`).
+plan within the cluster's devices are pruned as they are made (:class:`Prune`).
 :func:`~.hybrid.plan_hybrid` bisects ``tau`` over it and :mod:`.hybrid_dp`'s one-suffix DP.
 """
 
@@ -17,7 +17,7 @@ from onnx_partition.solve.hybrid_dp import zb_kept
 from onnx_partition.solve.hybrid_model import HybridStage
 from onnx_partition.solve.hybrid_tables import COUNT_DTYPE, NO_COUNT, StageTables
 
-__all__ = ["ExactTables", "WarmupTables", "exact_fewest"]
+__all__ = ["ExactTables", "Prune", "WarmupTables", "exact_fewest"]
 
 _INF = COUNT_DTYPE(NO_COUNT)  # "no plan" in the exact DP's tables (device counts stay below)
 
@@ -194,7 +194,7 @@ def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
     warm-up ``w`` must fit (``capi`` / ``capi_rc`` its caps), for warm-ups ``0..len(held[c])
     - 1``, the last standing for every larger one (design.md: no plan needs more); ``first``:
     every plan starts at that warm-up (ZB-H1's ``W_0``). States on no plan within the
-    cluster's devices are pruned as they are made (:class:`_Prune`), so a run whose every
+    cluster's devices are pruned as they are made (:class:`Prune`), so a run whose every
     plan needs more stops early. ``frame``: what the runs at this ``tau`` share (else made)."""
     n, m = tables.n, len(held[0]) - 1
     choices = tables.choices
@@ -207,7 +207,7 @@ def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
     gather = _warmup_gather(choices, m)
     held_w = np.asarray(held, dtype=COUNT_DTYPE)  # [c, w]
     flat_h = h.reshape(max_q + 1, n + 1, rc * wc)
-    prune = _Prune(tables.c.devices, frame.cover, frame.stages,
+    prune = Prune(tables.c.devices, frame.cover, frame.stages,
                    first if first is not None and first < tables.c.microbatches
                    else 2 * int(_INF))
     for q in range(1, max_q + 1):
@@ -219,7 +219,7 @@ def _exact_run(tables: StageTables, tau: float, max_q: int, capi: np.ndarray,
 
 
 @dataclass(frozen=True)
-class _Prune:
+class Prune:
     """Suffix states no plan on at most ``D`` devices passes through. The exact DP's answers
     are kept where at most ``D``, the cluster's devices; above, none is needed: every budget
     is at most ``D``, and a least count over ``D`` stays over it. Pruned are a suffix from
@@ -252,7 +252,7 @@ class _Frame:
     are within ``tau`` keeping (``ok``) and recomputing (``ok_rc``), their bands over (start,
     width) (``ends``; ``inside``: the stage ``[i, i+1+k)`` exists and is within ``tau``), and
     the fewest devices (``cover``) and stages (``stages``) covering ``[0, i)`` within ``tau``
-    (:class:`_Prune`)."""
+    (:class:`Prune`)."""
 
     ok: list[np.ndarray]
     ok_rc: list[np.ndarray] | None
@@ -365,7 +365,7 @@ def _suffix_tails(flat_h: np.ndarray, q: int, gather: np.ndarray, rc: int, wc: i
 
 def _first_stages(h: np.ndarray, end: np.ndarray, after: np.ndarray, q: int, g: np.ndarray,
                   arg: np.ndarray, bands: Sequence[_Band], held_w: np.ndarray,
-                  choices: Sequence[int], prune: _Prune) -> None:
+                  choices: Sequence[int], prune: Prune) -> None:
     """``h[q]``, ``end[q]`` and ``after[q]`` from the suffixes' tails ``g``: per replica count
     c and warm-up w, the first stage ``[i, j)`` on choices[c] replicas within ``tau`` and
     memory (its ``held_w[c, w]`` micro-batches fit) in front of the fewest-device suffix from
