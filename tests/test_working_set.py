@@ -69,6 +69,32 @@ def test_working_bytes_of_two_linears_and_a_loss_by_hand(fake: bool) -> None:
     assert counted.working == dict(zip(names, [64, 64 + 512, 2 * 512], strict=True))
 
 
+class _Joined(torch.nn.Module):
+    """Linear 8 -> 4 twice, their outputs joined by ``cat`` (4 x 8), then a linear 8 -> 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        self.c = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.cat([self.a(x), self.b(x)], dim=1))
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_a_cat_holds_only_the_gradient_arriving_at_it(fake: bool) -> None:
+    """4 rows, fp32: ``cat``'s backward hands each input a ``narrow`` of the arriving 4 x 8
+    gradient, so its working set is that one (128 B), not that and its inputs' (2 x 64 B
+    more); the last linear holds its output's gradient and its input's (32 + 128 B)."""
+    torch.manual_seed(0)
+    program = torch.export.export(_Joined(), (torch.randn(ROWS, 8),))
+    counted = saved_bytes(program, [[ROWS, 8]], fake=fake)
+    node = {n.target: n.name for n in program.graph.nodes if n.op == "call_function"}
+    assert counted.working[node[torch.ops.aten.cat.default]] == 4 * 8 * 4
+    last = [n.name for n in program.graph.nodes if n.op == "call_function"][-1]
+    assert counted.working[last] == 4 * 2 * 4 + 4 * 8 * 4
+
+
 class _TwoLinears(torch.nn.Module):
     """:class:`_LinearLoss` without its loss: the logits are the output."""
 

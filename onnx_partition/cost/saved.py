@@ -69,23 +69,10 @@ if TYPE_CHECKING:
     #: the trainer's loss of a program's user outputs (in output order)
     OutputsLoss = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
-__all__ = [
-    "HALF_DTYPES",
-    "PRECISIONS",
-    "PerNode",
-    "SavedBytes",
-    "autocast_for",
-    "check_precision",
-    "counted_per_node",
-    "kept_gradient_bytes",
-    "program_inputs",
-    "saved_and_kept_per_node",
-    "saved_by_module",
-    "saved_bytes",
-    "saved_bytes_per_node",
-    "traced_on_meta",
-    "working_gradient_bytes",
-]
+__all__ = ["HALF_DTYPES", "PRECISIONS", "PerNode", "SavedBytes", "autocast_for", "check_precision",
+           "counted_per_node", "kept_gradient_bytes", "program_inputs", "saved_and_kept_per_node",
+           "saved_by_module", "saved_bytes", "saved_bytes_per_node", "traced_on_meta",
+           "working_gradient_bytes"]
 
 
 #: Training precisions a plan can be priced for (:data:`PRECISIONS`): fp32, or autocast to a
@@ -301,12 +288,14 @@ def working_gradient_bytes(outputs: Sequence[Any], activations: Sequence[Any]) -
     return sum(sizes.values())
 
 
-def _views() -> frozenset[Any]:
-    """The aten ops that make an alias torch does not mark as a view (``_unsafe_view``: a
-    linear's reshape back to 3-d), whose backward reshapes the gradient in place."""
+def _views() -> tuple[frozenset[Any], frozenset[Any]]:
+    """Aten ops whose backward makes no gradient: aliases torch does not mark as views
+    (``_unsafe_view``: a linear's reshape back to 3-d), reshaping it in place; and ops handing
+    each input a view of the arriving one (``cat``'s ``narrow``, ``stack``'s ``unbind``)."""
     import torch
 
-    return frozenset({torch.ops.aten._unsafe_view.default})
+    aten = torch.ops.aten
+    return frozenset({aten._unsafe_view.default}), frozenset({aten.cat.default, aten.stack.default})
 
 
 def _inner_working(data: Sequence[Any]) -> Any:
@@ -314,13 +303,14 @@ def _inner_working(data: Sequence[Any]) -> Any:
     below autograd, where autograd has marked their inputs but not yet their results), the
     most :func:`working_gradient_bytes` one holds (``most``): of each op reading a tensor
     requiring grad and one made from ``data`` (the node's activation inputs, and what the
-    node's ops make of them), its results and its inputs made from ``data``. Views make
-    nothing new, nor do ops of weights alone (a transpose, a cast: a weight's gradient)."""
+    node's ops make of them), its results and its inputs made from ``data`` (a ``cat``'s are
+    views of its result's: unet's Concat measured one). Views make nothing new, nor do ops of
+    weights alone (a transpose, a cast: a weight's gradient)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    views = _views()
+    views, sliced = _views()
 
     class InnerWorking(TorchDispatchMode):
         def __init__(self) -> None:
@@ -339,7 +329,8 @@ def _inner_working(data: Sequence[Any]) -> Any:
             self.data.update((id(t), t) for t in made)
             graded = any(t.requires_grad and t.is_floating_point() for t in ins)
             if graded and not (getattr(func, "is_view", False) or func in views):
-                self.most = max(self.most, working_gradient_bytes(made, acts))
+                produced = [] if func in sliced else acts  # views of the arriving gradient
+                self.most = max(self.most, working_gradient_bytes(made, produced))
             return out
 
     return InnerWorking()
