@@ -95,7 +95,7 @@ def bench(folder: Path, schedule: str, counts: list[int], steps: int) -> None:
     counted, working = counted_per_stage(folder, plan)
     kept = counted if schedule == "zb-h1" else [0.0] * len(acts)
     # the working set as planned
-    work = [float(working_term(t, g, plan.schedule or "1f1b"))
+    work = [float(working_term(t, plan.schedule or "1f1b"))
             for t, g in zip(working, counted, strict=True)]
     replicas = [s.replicas for s in plan.stages]
     print(f"\n{folder}: planned for {plan.schedule}, run under {schedule}; {len(plan.stages)} "

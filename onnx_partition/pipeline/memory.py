@@ -306,11 +306,10 @@ def rebuilt_held(schedule: str, replicas: Sequence[int], microbatches: int) -> l
     return [min(1, h) for h in peak_inflight(schedule, replicas, microbatches)]
 
 
-def working_term(working: Num, kept: Num, schedule: str) -> Num:
+def working_term(working: Num, schedule: str) -> Num:
     """The backward's working set a stage adds to its peak (module docstring): ``T`` in
-    training, under ZB-H1 too (beside the kept gradients, its ``I``'s own included; ``kept``
-    is not subtracted); 0 in inference. Arrays or numbers."""
-    del kept  # ZB-H1's kept gradients live beside the widest op's, not inside it
+    training, under ZB-H1 too (beside the kept gradients, its ``I``'s own included); 0 in
+    inference. Arrays or numbers."""
     if schedule == "infer":
         return working * 0.0
     return working
@@ -318,7 +317,7 @@ def working_term(working: Num, kept: Num, schedule: str) -> Num:
 
 def stage_working(stage: StageBytes, schedule: str) -> float:
     """:func:`working_term` of one stage."""
-    return float(working_term(stage.working, stage.kept, schedule))
+    return float(working_term(stage.working, schedule))
 
 
 def device_bytes(static: Num, stash: Num, held: Num | int) -> Num:

@@ -116,7 +116,7 @@ class FleetSequence:
         ``schedule``: the largest of its positions' (a range maximum), 0 in inference
         (:func:`~onnx_partition.pipeline.memory.working_term`)."""
         widest = working_table(self.working_bytes if schedule != "infer" else (), self.n)
-        return np.asarray(working_term(widest, self.kept(), schedule))
+        return np.asarray(working_term(widest, schedule))
 
     def received(self) -> np.ndarray:
         """Bytes stage ``[i, ...)`` receives per micro-batch: stage 0 the graph inputs."""

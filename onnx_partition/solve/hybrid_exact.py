@@ -139,7 +139,6 @@ def _zb_fewest(tables: StageTables, tau: float, max_q: int, auto: bool, memory: 
                ) -> WarmupTables:
     """:func:`exact_fewest` under ZB-H1: the DP once per ``W_0``, the best per depth kept."""
     m = tables.c.microbatches
-
     frame = _Frame.of(tables, tau)  # what every run at this tau shares
 
     def run(first: int) -> ExactTables:
@@ -172,11 +171,11 @@ def _zb_run(tables: StageTables, tau: float, max_q: int, auto: bool, memory: flo
             for r in choices]
     ways = [tables.mode == "all"] + [True] * auto
     counts = np.asarray(choices)[:, None, None]
-    shed = np.stack([np.broadcast_to(tables.shed(r), (tables.n + 1,) * 2) for r in choices])
+    frame = _Frame.of(tables, tau) if frame is None else frame
     caps = []
     for rebuilt in ways:
         base, stash, per_kept = tables.kept_tables(rebuilt)
-        room = memory - (base - shed) - (-(-min(first + 1, m) // counts)) * stash  # [c, i, j]
+        room = memory - (base - frame.shed) - (-(-min(first + 1, m) // counts)) * stash
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             cap = np.where(per_kept > 0, room / np.where(per_kept > 0, per_kept, 1.0),
                            np.where(room >= 0, m, -1.0))
@@ -252,7 +251,8 @@ class _Frame:
     are within ``tau`` keeping (``ok``) and recomputing (``ok_rc``), their bands over (start,
     width) (``ends``; ``inside``: the stage ``[i, i+1+k)`` exists and is within ``tau``), and
     the fewest devices (``cover``) and stages (``stages``) covering ``[0, i)`` within ``tau``
-    (:class:`Prune`)."""
+    (:class:`Prune`); and per count the optimizer state a replica sheds (``shed[c, i, j]``,
+    :meth:`~.hybrid_tables.StageTables.shed`; ZB-H1's caps)."""
 
     ok: list[np.ndarray]
     ok_rc: list[np.ndarray] | None
@@ -260,6 +260,7 @@ class _Frame:
     inside: list[np.ndarray]
     cover: np.ndarray
     stages: np.ndarray
+    shed: np.ndarray
 
     @staticmethod
     def of(tables: StageTables, tau: float) -> _Frame:
@@ -284,7 +285,9 @@ class _Frame:
             cover[j] = min(int((cover[:j] + reps[:j, j]).min()), int(_INF))
             stages[j] = min(int((stages[:j] + one[:j, j]).min()), int(_INF))
         ok_rc = None if tables.period_rc is None else list(tables.period_rc <= tau)
-        return _Frame(ok, ok_rc, ends, inside, cover, stages)
+        shed = np.stack([np.broadcast_to(tables.shed(r), (n + 1, n + 1))
+                         for r in tables.choices])
+        return _Frame(ok, ok_rc, ends, inside, cover, stages, shed)
 
 
 #: A replica count's stages as bands over (start, width): end, within tau, may hold.

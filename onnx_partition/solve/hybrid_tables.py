@@ -161,7 +161,7 @@ class StageTables:
         self.kept = kept_table(costs.kept_bytes, n)  # ZB-H1's, per micro-batch kept
         #: the backward's working set, in training (static's ``T``, ZB-H1's beyond ``K``)
         self.working = working_table(costs.working_bytes if config.train else (), n)
-        self.static = self.static + working_term(self.working, self.kept, self.schedule)
+        self.static = self.static + working_term(self.working, self.schedule)
         #: the bytes with optimizer state (its ``1 / r`` on each of ``r`` replicas under
         #: ``shard`` optimizer: :meth:`shed`)
         self.stateful = self.params if self.trained is None else self.trained
